@@ -1,0 +1,146 @@
+"""Per-step attention metadata and paged attention over the KV cache.
+
+One engine step runs every scheduled token through the model as one flat batch of ``T`` tokens:
+first one token per decoding sequence, then the prefill chunks back to back. ``StepBatch`` says
+where each token sits (position, cache slot) and which cached slots each query attends to. It
+is built once per step and shared by all layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from workers.runtime.kv_cache import KVLayerStorage, PagedKVCache
+
+
+@dataclass(frozen=True)
+class DecodeItem:
+    """One decoding sequence: its newest token, at ``position``, attends to positions [0, position]."""
+
+    token_id: int
+    position: int
+    block_table: list[int]
+
+
+@dataclass(frozen=True)
+class PrefillItem:
+    """A chunk of a sequence's prompt: tokens at positions [start, start + len(token_ids))."""
+
+    token_ids: list[int]
+    start: int
+    block_table: list[int]
+    want_logits: bool
+    # (offset within this chunk, embedding row) for multimodal placeholder tokens
+    embed_offsets: list[int] | None = None
+    embeds: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class PrefillSlice:
+    token_start: int  # index into the flat batch
+    token_end: int
+    context_len: int  # tokens already in the cache before this chunk
+    gather_slots: torch.Tensor | None  # slots of positions [0, context_len + n) when context_len > 0
+    mask: torch.Tensor | None  # [n, context_len + n] bool, True = attend
+
+
+@dataclass(frozen=True)
+class StepBatch:
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    slot_mapping: torch.Tensor  # [T]: where each token's k/v is written
+    num_decode: int
+    decode_slots: torch.Tensor | None  # [num_decode, L]
+    decode_mask: torch.Tensor | None  # [num_decode, 1, 1, L]
+    prefills: tuple[PrefillSlice, ...]
+    logits_indices: torch.Tensor  # [S]: rows whose logits the step returns
+    embed_indices: torch.Tensor | None  # [M]: rows whose embedding is replaced
+    embeds: torch.Tensor | None  # [M, hidden]
+
+
+def build_step_batch(decodes: list[DecodeItem], prefills: list[PrefillItem], cache: PagedKVCache) -> StepBatch:
+    device = cache.device
+    bs = cache.block_size
+    ids: list[int] = [d.token_id for d in decodes]
+    positions: list[int] = [d.position for d in decodes]
+    slots: list[int] = [d.block_table[d.position // bs] * bs + d.position % bs for d in decodes]
+    logits_rows: list[int] = list(range(len(decodes)))
+
+    decode_slots = decode_mask = None
+    if decodes:
+        max_len = max(d.position for d in decodes) + 1
+        max_blocks = -(-max_len // bs)
+        tables = torch.tensor([d.block_table[:max_blocks] + [0] * (max_blocks - len(d.block_table[:max_blocks]))
+                               for d in decodes], dtype=torch.long)
+        decode_slots = (tables[:, :, None] * bs + torch.arange(bs)).view(len(decodes), -1)[:, :max_len]
+        lengths = torch.tensor([d.position + 1 for d in decodes])
+        decode_mask = (torch.arange(max_len)[None, :] < lengths[:, None])[:, None, None, :]
+        decode_slots, decode_mask = decode_slots.to(device), decode_mask.to(device)
+
+    slices: list[PrefillSlice] = []
+    embed_rows: list[int] = []
+    embed_parts: list[torch.Tensor] = []
+    for p in prefills:
+        n = len(p.token_ids)
+        first = len(ids)
+        ids.extend(p.token_ids)
+        positions.extend(range(p.start, p.start + n))
+        chunk_slots = cache.slots_for(p.block_table, p.start, p.start + n)
+        slots.extend(chunk_slots.tolist())
+        gather = mask = None
+        if p.start > 0:
+            total = p.start + n
+            gather = cache.slots_for(p.block_table, 0, total)
+            q_pos = torch.arange(p.start, total)[:, None]
+            mask = (torch.arange(total)[None, :] <= q_pos).to(device)
+        slices.append(PrefillSlice(first, first + n, p.start, gather, mask))
+        if p.want_logits:
+            logits_rows.append(first + n - 1)
+        if p.embed_offsets:
+            embed_rows.extend(first + o for o in p.embed_offsets)
+            embed_parts.append(p.embeds)
+
+    def t(x: list[int]) -> torch.Tensor:
+        return torch.tensor(x, dtype=torch.long, device=device)
+
+    return StepBatch(
+        input_ids=t(ids), positions=t(positions), slot_mapping=t(slots), num_decode=len(decodes),
+        decode_slots=decode_slots, decode_mask=decode_mask, prefills=tuple(slices),
+        logits_indices=t(logits_rows),
+        embed_indices=t(embed_rows) if embed_rows else None,
+        embeds=torch.cat(embed_parts).to(device) if embed_parts else None,
+    )
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: StepBatch,
+                    storage: KVLayerStorage, scale: float) -> torch.Tensor:
+    """Attention for every token of the step. q: [T, H, D]; k, v: [T, Hkv, D] (this step's, already
+    written to ``storage``). Returns [T, H, D]."""
+    out = torch.empty_like(q)
+    nd = batch.num_decode
+    if nd:
+        assert batch.decode_slots is not None
+        length = batch.decode_slots.shape[1]
+        kc, vc = storage.gather(batch.decode_slots.reshape(-1), q.dtype)
+        kc = kc.view(nd, length, *kc.shape[1:]).transpose(1, 2)
+        vc = vc.view(nd, length, *vc.shape[1:]).transpose(1, 2)
+        o = F.scaled_dot_product_attention(q[:nd].unsqueeze(2), kc, vc, attn_mask=batch.decode_mask,
+                                           scale=scale, enable_gqa=True)
+        out[:nd] = o.squeeze(2)
+    for p in batch.prefills:
+        qs = q[p.token_start:p.token_end].transpose(0, 1).unsqueeze(0)
+        if p.context_len == 0:
+            # Fresh sequence: its own k/v are the whole context; the causal kernel needs no gather.
+            ks = k[p.token_start:p.token_end].transpose(0, 1).unsqueeze(0)
+            vs = v[p.token_start:p.token_end].transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
+        else:
+            assert p.gather_slots is not None
+            kc, vc = storage.gather(p.gather_slots, q.dtype)
+            o = F.scaled_dot_product_attention(qs, kc.transpose(0, 1).unsqueeze(0), vc.transpose(0, 1).unsqueeze(0),
+                                               attn_mask=p.mask, scale=scale, enable_gqa=True)
+        out[p.token_start:p.token_end] = o[0].transpose(0, 1)
+    return out

@@ -1,0 +1,246 @@
+"""The engine: the model, its paged KV cache and the scheduler, driven one step at a time.
+
+A request's life in the engine:
+  1. ``add_request`` validates it (ids, context length, pool capacity) before allocating anything,
+     or raises an ``EngineError``.
+  2. Each ``step`` schedules a batch, runs the model once over it, samples, applies stop rules and
+     returns one ``RequestOutput`` per sequence that produced a token or finished.
+  3. On finish or ``abort`` the sequence's blocks return to the pool.
+The engine is single-threaded: one caller drives ``step``. Layer hooks see each layer's k/v as soon
+as it is in the cache, which is what the KV transfer streams from.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Literal
+
+import torch
+
+from workers.runtime.attention import DecodeItem, PrefillItem, build_step_batch
+from workers.runtime.errors import (CapacityError, DuplicateRequestError, InvalidRequestError,
+                                    PromptTooLongError)
+from workers.runtime.kv_cache import CACHE_DTYPES, CacheDType, KVCacheSpec, PagedKVCache
+from workers.runtime.model import DecoderModel
+from workers.runtime.sampler import SamplingParams, sample
+from workers.runtime.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
+from workers.runtime.sequence import FinishReason, MultimodalInput, Sequence
+from workers.runtime.tokenizer import IncrementalDetokenizer, Tokenizer
+
+DTypeName = Literal["float32", "bfloat16"]
+DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    dtype: DTypeName = "float32"
+    device: str = "cpu"
+    block_size: int = 16
+    kv_cache_bytes: int = 256 * 2**20
+    kv_cache_dtype: Literal["auto"] | CacheDType = "auto"  # auto = the model dtype
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    prefill_chunk_size: int = 512
+    max_model_len: int | None = None  # None = the model's max_position_embeddings
+    seed: int = 0  # seeds unseeded sampling, so a whole run is reproducible
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise InvalidRequestError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in CACHE_DTYPES:
+            raise InvalidRequestError(
+                f"kv_cache_dtype must be auto or one of {', '.join(CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        if self.kv_cache_bytes <= 0:
+            raise InvalidRequestError(f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}")
+
+    def scheduler_config(self) -> SchedulerConfig:
+        return SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.prefill_chunk_size)
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """What one step produced for one request. ``text`` is the new text since the last output."""
+
+    request_id: str
+    new_token_ids: tuple[int, ...]
+    text: str
+    finished: bool
+    finish_reason: FinishReason | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    logits: torch.Tensor | None = None  # [vocab] float32, when params.return_logits
+
+
+@dataclass(frozen=True)
+class ChunkRef:
+    """Tokens [start, end) of ``request_id`` whose k/v a layer has just written into ``blocks``."""
+
+    request_id: str
+    blocks: tuple[int, ...]
+    start: int
+    end: int
+    last: bool  # the prompt's final chunk
+
+
+@dataclass(frozen=True)
+class LayerKVReady:
+    layer: int
+    chunks: tuple[ChunkRef, ...]
+
+
+LayerHook = Callable[[LayerKVReady], None]
+
+
+@dataclass
+class EngineStats:
+    num_waiting: int
+    num_running: int
+    blocks_total: int
+    blocks_free: int
+    num_preemptions: int = 0
+    steps: int = 0
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+class Engine:
+    def __init__(self, model: DecoderModel, tokenizer: Tokenizer | None, config: EngineConfig = EngineConfig(),
+                 eos_token_ids: tuple[int, ...] = ()) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = config
+        cfg = model.cfg
+        self.eos_token_ids = frozenset(eos_token_ids or cfg.eos_token_ids)
+        self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        cache_dtype = config.dtype if config.kv_cache_dtype == "auto" else config.kv_cache_dtype
+        spec = KVCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, config.block_size)
+        self.cache = PagedKVCache.from_budget(spec, config.kv_cache_bytes, (cache_dtype,) * cfg.num_layers,
+                                              model.device)
+        self.scheduler = Scheduler(config.scheduler_config(), self.cache.allocator, config.block_size)
+        self._seqs: dict[str, Sequence] = {}
+        self._rng = random.Random(config.seed)
+        self._hooks: list[LayerHook] = []
+        self._preemptions = 0
+        self._steps = 0
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                    mm: MultimodalInput | None = None) -> None:
+        """Queue a request, or raise an ``EngineError`` naming what is wrong; nothing is allocated."""
+        if request_id in self._seqs:
+            raise DuplicateRequestError(f"request id {request_id!r} is already in the engine")
+        if not prompt_ids:
+            raise InvalidRequestError("the prompt is empty")
+        vocab = self.model.cfg.vocab_size
+        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
+            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
+        total = len(prompt_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise PromptTooLongError(
+                f"this model's context is {self.max_model_len} tokens; the request needs {total} "
+                f"({len(prompt_ids)} prompt + {params.max_tokens} max_tokens)")
+        if self.cache.blocks_for(total) > self.cache.num_blocks:
+            raise CapacityError(
+                f"the request needs {self.cache.blocks_for(total)} KV blocks ({total} tokens); "
+                f"the pool holds {self.cache.num_blocks}")
+        if mm is not None:
+            self._check_mm(prompt_ids, mm)
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        detok = None
+        if self.tokenizer is not None:
+            detok = IncrementalDetokenizer(self.tokenizer, params.stop)
+        seq = Sequence(request_id, list(prompt_ids), params, torch.Generator().manual_seed(seed),
+                       time.monotonic(), mm, detok)
+        self._seqs[request_id] = seq
+        self.scheduler.add(seq)
+
+    def _check_mm(self, prompt_ids: list[int], mm: MultimodalInput) -> None:
+        if mm.embeds.ndim != 2 or mm.embeds.shape[1] != self.model.cfg.hidden_size:
+            raise InvalidRequestError(
+                f"multimodal embeddings must be [n, {self.model.cfg.hidden_size}], got {tuple(mm.embeds.shape)}")
+        if mm.embeds.shape[0] != len(mm.positions):
+            raise InvalidRequestError(
+                f"{mm.embeds.shape[0]} embeddings for {len(mm.positions)} placeholder positions")
+        if list(mm.positions) != sorted(set(mm.positions)) or (
+                mm.positions and not 0 <= mm.positions[0] <= mm.positions[-1] < len(prompt_ids)):
+            raise InvalidRequestError("placeholder positions must be distinct, ascending and inside the prompt")
+
+    def abort(self, request_id: str) -> bool:
+        """Drop a request and free its blocks. Returns False if it is unknown or already finished."""
+        seq = self._seqs.pop(request_id, None)
+        if seq is None:
+            return False
+        self.scheduler.finish(seq, FinishReason.ABORT)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    def add_layer_hook(self, hook: LayerHook) -> None:
+        self._hooks.append(hook)
+
+    def stats(self) -> EngineStats:
+        return EngineStats(len(self.scheduler.waiting), len(self.scheduler.running), self.cache.num_blocks,
+                           self.cache.allocator.num_free, self._preemptions, self._steps)
+
+    # ------------------------------------------------------------------ the step
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        self._preemptions += len(plan.preempted)
+        if plan.empty:
+            return []
+        self._steps += 1
+        decodes = [DecodeItem(s.output_ids[-1], s.num_computed, s.block_table) for s in plan.decodes]
+        prefills = [self._prefill_item(c) for c in plan.prefills]
+        batch = build_step_batch(decodes, prefills, self.cache)
+        hook = self._layer_hook(plan.prefills) if self._hooks and plan.prefills else None
+        logits = self.model(batch, self.cache, hook)
+
+        for s in plan.decodes:
+            s.num_computed += 1
+        for c in plan.prefills:
+            c.seq.num_computed = c.end
+        sampled = plan.decodes + [c.seq for c in plan.prefills if c.end == c.seq.num_tokens]
+        tokens = sample(logits, [s.params for s in sampled], [s.generator for s in sampled])
+        return [self._append(s, t, logits[i] if s.params.return_logits else None)
+                for i, (s, t) in enumerate(zip(sampled, tokens))]
+
+    def _prefill_item(self, c: ScheduledChunk) -> PrefillItem:
+        mm = c.seq.embeds_in(c.start, c.end)
+        return PrefillItem(c.seq.tokens(c.start, c.end), c.start, c.seq.block_table,
+                           want_logits=c.end == c.seq.num_tokens,
+                           embed_offsets=mm[0] if mm else None, embeds=mm[1] if mm else None)
+
+    def _layer_hook(self, chunks: list[ScheduledChunk]) -> Callable[[int], None]:
+        refs = tuple(ChunkRef(c.seq.request_id, tuple(c.seq.block_table), c.start, c.end,
+                              c.end >= len(c.seq.prompt_ids)) for c in chunks)
+
+        def on_layer_done(layer: int) -> None:
+            event = LayerKVReady(layer, refs)
+            for hook in self._hooks:
+                hook(event)
+        return on_layer_done
+
+    def _append(self, seq: Sequence, token: int, logits: torch.Tensor | None) -> RequestOutput:
+        seq.output_ids.append(token)
+        params = seq.params
+        reason: FinishReason | None = None
+        text = ""
+        if token in params.stop_token_ids or (token in self.eos_token_ids and not params.ignore_eos):
+            reason = FinishReason.STOP
+        elif seq.detok is not None:
+            step = seq.detok.add(token)
+            text = step.text
+            if step.stopped:
+                reason = FinishReason.STOP
+        if reason is None and (len(seq.output_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len):
+            reason = FinishReason.LENGTH
+        if reason is not None:
+            if seq.detok is not None and not seq.detok.stopped:
+                text += seq.detok.flush()
+            self.scheduler.finish(seq, reason)
+            del self._seqs[seq.request_id]
+        return RequestOutput(seq.request_id, (token,), text, reason is not None, reason,
+                             len(seq.prompt_ids), len(seq.output_ids), logits)

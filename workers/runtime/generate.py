@@ -1,0 +1,84 @@
+"""The single-process reference: encode, prefill and decode chained in one process.
+
+This is the oracle. The disaggregated path (three pools, KV over the wire) must produce exactly
+the tokens ``generate`` produces for the same checkpoint, prompt and sampling parameters.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from workers.runtime.engine import Engine, EngineConfig
+from workers.runtime.errors import InvalidRequestError
+from workers.runtime.loader import LoadedModel
+from workers.runtime.multimodal import expand_image_tokens
+from workers.runtime.sampler import SamplingParams
+from workers.runtime.sequence import FinishReason, MultimodalInput
+from workers.runtime.tokenizer import Message
+from workers.runtime.vision import encode_images, preprocess_image
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """Exactly one of ``prompt`` (text), ``messages`` (chat) or ``prompt_ids``."""
+
+    prompt: str | None = None
+    messages: list[Message] | None = None
+    prompt_ids: list[int] | None = None
+    images: tuple[bytes, ...] = ()
+    params: SamplingParams = field(default_factory=SamplingParams)
+
+
+@dataclass(frozen=True)
+class GenerateResult:
+    prompt_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason
+
+
+def build_prompt(bundle: LoadedModel, req: GenerateRequest) -> tuple[list[int], MultimodalInput | None]:
+    """Tokenise (rendering the chat template for messages), encode images, expand placeholders."""
+    given = [x is not None for x in (req.prompt, req.messages, req.prompt_ids)]
+    if sum(given) != 1:
+        raise InvalidRequestError("give exactly one of prompt, messages or prompt_ids")
+    if req.prompt_ids is not None:
+        ids = list(req.prompt_ids)
+    else:
+        if bundle.tokenizer is None:
+            raise InvalidRequestError("this model has no tokenizer; pass prompt_ids")
+        ids = (bundle.tokenizer.encode_chat(req.messages) if req.messages is not None
+               else bundle.tokenizer.encode(req.prompt))
+    if not req.images:
+        return ids, None
+    if bundle.vision is None or bundle.image_token_id is None:
+        raise InvalidRequestError("this model does not accept images")
+    cfg = bundle.vision.config
+    pixels = [preprocess_image(data, cfg) for data in req.images]
+    embeds = encode_images(bundle.vision, pixels)
+    ids, positions = expand_image_tokens(ids, bundle.image_token_id, cfg.num_image_tokens, len(req.images))
+    return ids, MultimodalInput(torch.cat(embeds).to(torch.float32), positions)
+
+
+def generate(bundle: LoadedModel, requests: list[GenerateRequest],
+             config: EngineConfig = EngineConfig()) -> list[GenerateResult]:
+    """Run ``requests`` to completion in a fresh engine; results in request order."""
+    engine = Engine(bundle.model, bundle.tokenizer, config, bundle.eos_token_ids)
+    prompts: dict[str, list[int]] = {}
+    for i, req in enumerate(requests):
+        ids, mm = build_prompt(bundle, req)
+        engine.add_request(str(i), ids, req.params, mm)
+        prompts[str(i)] = ids
+    tokens: dict[str, list[int]] = {k: [] for k in prompts}
+    texts: dict[str, list[str]] = {k: [] for k in prompts}
+    reasons: dict[str, FinishReason] = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens[out.request_id].extend(out.new_token_ids)
+            texts[out.request_id].append(out.text)
+            if out.finished:
+                assert out.finish_reason is not None
+                reasons[out.request_id] = out.finish_reason
+    return [GenerateResult(prompts[k], tokens[k], "".join(texts[k]), reasons[k]) for k in prompts]

@@ -1,0 +1,235 @@
+"""Paged KV cache: a block allocator plus per-layer storage, dense or quantised.
+
+Layout. The pool holds ``num_blocks`` blocks of ``block_size`` tokens. Token ``t`` of a sequence
+lives in slot ``block_table[t // block_size] * block_size + t % block_size``. Each layer owns its
+own storage object, so layers may differ in dtype: a decode worker can keep some layers in bf16
+and others quantised (int8/fp8 with a scale per token and head), which is what raises capacity.
+
+Sizing. ``PagedKVCache.from_budget`` turns a byte budget into a block count; the pool is
+allocated once and never grows.
+
+Ownership. Blocks are refcounted: ``allocate`` hands out blocks at refcount 1, ``share`` adds a
+holder (prefix sharing), ``free`` drops one; a block returns to the free list at zero.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+import torch
+
+from workers.runtime.errors import CapacityError, InvalidRequestError
+
+CacheDType = Literal["float32", "bfloat16", "float16", "int8", "fp8"]
+_DENSE = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_QUANT = {"int8": (torch.int8, 127.0), "fp8": (torch.float8_e4m3fn, 448.0)}
+CACHE_DTYPES: tuple[str, ...] = tuple(_DENSE) + tuple(_QUANT)
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """The shape of one layer's cache; with the layer dtypes it fixes the bytes per block."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int = 16
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise InvalidRequestError(f"block_size must be a positive power of two, got {self.block_size}")
+
+    def layer_bytes_per_block(self, dtype: CacheDType) -> int:
+        elems = 2 * self.block_size * self.num_kv_heads * self.head_dim  # keys and values
+        if dtype in _DENSE:
+            return elems * torch.empty((), dtype=_DENSE[dtype]).element_size()
+        scale_bytes = 2 * self.block_size * self.num_kv_heads * 4  # float32 scale per (token, head)
+        return elems + scale_bytes
+
+    def bytes_per_block(self, layer_dtypes: tuple[CacheDType, ...]) -> int:
+        return sum(self.layer_bytes_per_block(d) for d in layer_dtypes)
+
+
+class KVLayerStorage(Protocol):
+    """One layer's K and V for the whole pool. Slots index tokens across all blocks."""
+
+    dtype_name: CacheDType
+
+    def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store k, v ([tokens, kv_heads, head_dim], compute dtype) at ``slots`` ([tokens])."""
+
+    def gather(self, slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return k, v at ``slots`` ([n]) as [n, kv_heads, head_dim] in ``dtype``."""
+
+
+class DenseLayerStorage:
+    """K/V stored as-is in a float dtype (lossless when it equals the compute dtype)."""
+
+    def __init__(self, spec: KVCacheSpec, num_blocks: int, dtype_name: CacheDType, device: torch.device) -> None:
+        self.dtype_name = dtype_name
+        shape = (num_blocks * spec.block_size, spec.num_kv_heads, spec.head_dim)
+        self.k = torch.zeros(shape, dtype=_DENSE[dtype_name], device=device)
+        self.v = torch.zeros(shape, dtype=_DENSE[dtype_name], device=device)
+
+    def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k.index_copy_(0, slots, k.to(self.k.dtype))
+        self.v.index_copy_(0, slots, v.to(self.v.dtype))
+
+    def gather(self, slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k.index_select(0, slots).to(dtype), self.v.index_select(0, slots).to(dtype)
+
+
+class QuantizedLayerStorage:
+    """K/V stored as int8 or fp8 e4m3 with a float32 scale per (token, head).
+
+    A per-token scale means a token is quantised once, when written, and never re-quantised as
+    its block fills up; received blocks with per-block or per-(block, head) scales store by
+    broadcasting their scale to the block's tokens.
+    """
+
+    def __init__(self, spec: KVCacheSpec, num_blocks: int, dtype_name: CacheDType, device: torch.device) -> None:
+        self.dtype_name = dtype_name
+        self._qdtype, self._qmax = _QUANT[dtype_name]
+        slots = num_blocks * spec.block_size
+        self.k = torch.zeros((slots, spec.num_kv_heads, spec.head_dim), dtype=self._qdtype, device=device)
+        self.v = torch.zeros_like(self.k)
+        self.k_scale = torch.zeros((slots, spec.num_kv_heads), dtype=torch.float32, device=device)
+        self.v_scale = torch.zeros_like(self.k_scale)
+
+    def _quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = x.to(torch.float32)
+        scale = x.abs().amax(dim=-1).clamp_min_(1e-12) / self._qmax
+        q = x / scale[..., None]
+        if self._qdtype == torch.int8:
+            q = q.round_().clamp_(-self._qmax, self._qmax)
+        return q.to(self._qdtype), scale
+
+    def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        for data, scale, x in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
+            q, s = self._quantize(x)
+            data.index_copy_(0, slots, q)
+            scale.index_copy_(0, slots, s)
+
+    def gather(self, slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        out = []
+        for data, scale in ((self.k, self.k_scale), (self.v, self.v_scale)):
+            x = data.index_select(0, slots).to(torch.float32) * scale.index_select(0, slots)[..., None]
+            out.append(x.to(dtype))
+        return out[0], out[1]
+
+
+def make_layer_storage(spec: KVCacheSpec, num_blocks: int, dtype_name: CacheDType,
+                       device: torch.device) -> KVLayerStorage:
+    if dtype_name in _DENSE:
+        return DenseLayerStorage(spec, num_blocks, dtype_name, device)
+    if dtype_name in _QUANT:
+        return QuantizedLayerStorage(spec, num_blocks, dtype_name, device)
+    raise InvalidRequestError(f"unknown KV cache dtype {dtype_name!r}; supported: {', '.join(CACHE_DTYPES)}")
+
+
+class BlockAllocator:
+    """A free list of block ids with refcounts. Pure bookkeeping: it never touches tensors."""
+
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks <= 0:
+            raise CapacityError(f"the KV pool must hold at least one block, got {num_blocks}")
+        self.num_blocks = num_blocks
+        # Pop from the end: low block ids are handed out first, which keeps tests readable.
+        self._free: list[int] = list(range(num_blocks - 1, -1, -1))
+        self._refcount = [0] * num_blocks
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    def can_allocate(self, n: int) -> bool:
+        return n <= len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        """Take ``n`` free blocks at refcount 1; all or nothing."""
+        if n > len(self._free):
+            raise CapacityError(f"need {n} KV blocks, {len(self._free)} free of {self.num_blocks}")
+        blocks = [self._free.pop() for _ in range(n)]
+        for b in blocks:
+            self._refcount[b] = 1
+        return blocks
+
+    def share(self, blocks: list[int]) -> None:
+        """Add one holder to each (already allocated) block."""
+        for b in blocks:
+            if self._refcount[b] <= 0:
+                raise ValueError(f"block {b} is not allocated")
+        for b in blocks:
+            self._refcount[b] += 1
+
+    def free(self, blocks: list[int]) -> None:
+        """Drop one holder from each block; a block with no holder returns to the free list."""
+        for b in blocks:
+            if self._refcount[b] <= 0:
+                raise ValueError(f"double free of block {b}")
+        for b in blocks:
+            self._refcount[b] -= 1
+            if self._refcount[b] == 0:
+                self._free.append(b)
+
+    def refcount(self, block: int) -> int:
+        return self._refcount[block]
+
+
+class PagedKVCache:
+    """The preallocated pool: allocator plus one storage per layer."""
+
+    def __init__(self, spec: KVCacheSpec, num_blocks: int, layer_dtypes: tuple[CacheDType, ...],
+                 device: torch.device | str = "cpu") -> None:
+        if len(layer_dtypes) != spec.num_layers:
+            raise InvalidRequestError(
+                f"layer_dtypes names {len(layer_dtypes)} layers, the model has {spec.num_layers}")
+        self.spec = spec
+        self.device = torch.device(device)
+        self.layer_dtypes = layer_dtypes
+        self.allocator = BlockAllocator(num_blocks)
+        self.layers: list[KVLayerStorage] = [
+            make_layer_storage(spec, num_blocks, d, self.device) for d in layer_dtypes]
+
+    @classmethod
+    def from_budget(cls, spec: KVCacheSpec, budget_bytes: int, layer_dtypes: tuple[CacheDType, ...],
+                    device: torch.device | str = "cpu") -> "PagedKVCache":
+        per_block = spec.bytes_per_block(layer_dtypes)
+        num_blocks = budget_bytes // per_block
+        if num_blocks < 1:
+            raise CapacityError(
+                f"KV cache budget of {budget_bytes} bytes is smaller than one block ({per_block} bytes)")
+        return cls(spec, num_blocks, layer_dtypes, device)
+
+    @property
+    def block_size(self) -> int:
+        return self.spec.block_size
+
+    @property
+    def num_blocks(self) -> int:
+        return self.allocator.num_blocks
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the pool holds, across all layers (scales included)."""
+        return self.num_blocks * self.spec.bytes_per_block(self.layer_dtypes)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.spec.block_size)
+
+    def slots_for(self, block_table: list[int], start: int, end: int) -> torch.Tensor:
+        """Slot indices of tokens [start, end) of a sequence with this block table."""
+        bs = self.spec.block_size
+        pos = torch.arange(start, end)
+        table = torch.tensor(block_table, dtype=torch.long)
+        return (table[pos // bs] * bs + pos % bs).to(self.device)
+
+    def read_tokens(self, layer: int, block_table: list[int], num_tokens: int,
+                    dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v of a sequence's first ``num_tokens`` tokens at ``layer``: [tokens, kv_heads, head_dim]."""
+        return self.layers[layer].gather(self.slots_for(block_table, 0, num_tokens), dtype)

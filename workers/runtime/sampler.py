@@ -1,0 +1,75 @@
+"""Sampling parameters and the batched sampler.
+
+Greedy rows take the argmax. Other rows apply temperature, top-k and top-p, then draw with the
+sequence's own ``torch.Generator``, so a seeded request gives the same tokens whatever else is in
+the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from workers.runtime.errors import InvalidRequestError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0  # 1 = off
+    top_k: int = 0  # 0 = off
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    return_logits: bool = False  # attach each step's float32 logits to the output (tests, logprobs)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise InvalidRequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not 0.0 <= self.temperature <= 100.0:
+            raise InvalidRequestError(f"temperature must be in [0, 100], got {self.temperature!r}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise InvalidRequestError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+        if self.seed is not None and not (isinstance(self.seed, int) and 0 <= self.seed < 2**63):
+            raise InvalidRequestError(f"seed must be an integer in [0, 2^63), got {self.seed!r}")
+        if len(self.stop) > 16 or any(not isinstance(s, str) or len(s) > 256 for s in self.stop):
+            raise InvalidRequestError("stop must be at most 16 strings of at most 256 characters")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]) -> list[int]:
+    """Pick one token per row of ``logits`` [n, vocab] (float32)."""
+    out = logits.argmax(dim=-1).tolist()
+    rows = [i for i, p in enumerate(params) if not p.greedy]
+    if not rows:
+        return out
+    idx = torch.tensor(rows)
+    x = logits[idx] / torch.tensor([params[i].temperature for i in rows], dtype=logits.dtype)[:, None]
+    if any(params[i].top_k or params[i].top_p < 1.0 for i in rows):
+        x = _apply_top_k_top_p(x, [params[i].top_k for i in rows], [params[i].top_p for i in rows])
+    probs = torch.softmax(x, dim=-1)
+    for j, i in enumerate(rows):
+        out[i] = int(torch.multinomial(probs[j], 1, generator=generators[i]).item())
+    return out
+
+
+def _apply_top_k_top_p(x: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    vocab = x.shape[-1]
+    sorted_x, order = x.sort(dim=-1, descending=True)
+    ks = torch.tensor([k if 0 < k < vocab else vocab for k in top_k])
+    ranks = torch.arange(vocab)[None, :]
+    drop = ranks >= ks[:, None]
+    probs = torch.softmax(sorted_x.masked_fill(drop, float("-inf")), dim=-1)
+    # Keep the smallest prefix whose mass reaches top_p; the first token always survives.
+    mass_before = probs.cumsum(dim=-1) - probs
+    drop |= mass_before >= torch.tensor(top_p, dtype=x.dtype)[:, None]
+    sorted_x = sorted_x.masked_fill(drop, float("-inf"))
+    return torch.empty_like(x).scatter_(-1, order, sorted_x)

@@ -1,0 +1,141 @@
+"""The engine's own scheduler: admission, chunked prefill, continuous batching, preemption.
+
+Each step it builds one batch under a token budget:
+  1. Running sequences, oldest first: one token each if decoding, else their next prompt chunk.
+     If a sequence needs a block and none is free, the newest running sequence is preempted
+     (blocks freed, recomputed later from its prompt and outputs), until the block is found.
+  2. Waiting sequences, first come first served, while the budget, ``max_num_seqs`` and free
+     blocks allow. A sequence that does not fit waits: the queue is never reordered past it.
+Sequences join and leave between steps; nothing here touches tensors.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from workers.runtime.errors import InvalidRequestError
+from workers.runtime.kv_cache import BlockAllocator
+from workers.runtime.sequence import FinishReason, Sequence, SequenceStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048  # tokens computed per step, decode and prefill together
+    prefill_chunk_size: int = 512  # most prompt tokens of one sequence per step
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1 or self.prefill_chunk_size < 1:
+            raise InvalidRequestError("max_num_seqs and prefill_chunk_size must be >= 1")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise InvalidRequestError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
+                f"({self.max_num_seqs}) so every running sequence can decode each step")
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    seq: Sequence
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    decodes: list[Sequence]
+    prefills: list[ScheduledChunk]
+    preempted: list[Sequence]
+
+    @property
+    def empty(self) -> bool:
+        return not self.decodes and not self.prefills
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, allocator: BlockAllocator, block_size: int) -> None:
+        self.config = config
+        self.allocator = allocator
+        self.block_size = block_size
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _ensure_blocks(self, seq: Sequence, num_tokens: int) -> bool:
+        need = -(-num_tokens // self.block_size) - len(seq.block_table)
+        if need <= 0:
+            return True
+        if not self.allocator.can_allocate(need):
+            return False
+        seq.block_table.extend(self.allocator.allocate(need))
+        return True
+
+    def _release(self, seq: Sequence) -> None:
+        if seq.block_table:
+            self.allocator.free(seq.block_table)
+        seq.block_table = []
+        seq.num_computed = 0
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self._release(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        """Take ``seq`` out of the queues and free its blocks (idempotent)."""
+        if seq.status is SequenceStatus.FINISHED:
+            return
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        self._release(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        decodes: list[Sequence] = []
+        prefills: list[ScheduledChunk] = []
+        preempted: list[Sequence] = []
+
+        for seq in list(self.running):
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            n = 1 if seq.is_decoding else min(seq.num_tokens - seq.num_computed,
+                                               self.config.prefill_chunk_size, budget)
+            if n <= 0:
+                continue
+            while not self._ensure_blocks(seq, seq.num_computed + n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is seq:
+                    break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
+            budget -= n
+            if seq.is_decoding:
+                decodes.append(seq)
+            else:
+                prefills.append(ScheduledChunk(seq, seq.num_computed, seq.num_computed + n))
+
+        while self.waiting and not preempted and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            n = min(seq.num_tokens, self.config.prefill_chunk_size, budget)
+            if not self._ensure_blocks(seq, n):
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            prefills.append(ScheduledChunk(seq, 0, n))
+            budget -= n
+        return SchedulerOutput(decodes, prefills, preempted)

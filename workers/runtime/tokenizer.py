@@ -1,0 +1,165 @@
+"""Tokenizer (HF ``tokenizer.json`` via the ``tokenizers`` package), chat templates, and an
+incremental detokenizer that applies stop strings.
+
+The chat template is rendered the way transformers renders it: a sandboxed jinja2 environment
+with ``trim_blocks``/``lstrip_blocks``, ``raise_exception`` and ``tojson``, and the special tokens
+as variables. The template comes from ``chat_template.jinja`` when present (where recent
+transformers versions write it), else from ``tokenizer_config.json``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as HFTokenizer
+
+from workers.runtime.errors import CheckpointError, InvalidRequestError
+
+Message = dict[str, Any]
+
+
+def _token_str(value: Any) -> str | None:
+    if isinstance(value, dict):  # AddedToken serialisation
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+class Tokenizer:
+    def __init__(self, backend: HFTokenizer, *, bos_token: str | None = None, eos_token: str | None = None,
+                 chat_template: str | None = None, image_token: str | None = None) -> None:
+        self.backend = backend
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+        self.chat_template = chat_template
+        self.image_token = image_token
+        self._template: jinja2.Template | None = None
+
+    # ------------------------------------------------------------------ loading
+    @classmethod
+    def from_folder(cls, folder: Path) -> "Tokenizer":
+        path = folder / "tokenizer.json"
+        if not path.exists():
+            raise CheckpointError(f"{folder}: tokenizer.json not found (only fast tokenizers are supported)")
+        try:
+            backend = HFTokenizer.from_file(str(path))
+        except Exception as exc:  # tokenizers raises plain Exception subclasses
+            raise CheckpointError(f"{path}: unreadable tokenizer ({exc})") from None
+        config: dict[str, Any] = {}
+        config_path = folder / "tokenizer_config.json"
+        if config_path.exists():
+            try:
+                config = json.loads(config_path.read_text())
+            except json.JSONDecodeError as exc:
+                raise CheckpointError(f"{config_path}: not valid JSON ({exc})") from None
+        template = None
+        jinja_path = folder / "chat_template.jinja"
+        if jinja_path.exists():
+            template = jinja_path.read_text()
+        else:
+            raw = config.get("chat_template")
+            if isinstance(raw, list):  # [{"name": "default", "template": ...}, ...]
+                named = {t.get("name"): t.get("template") for t in raw if isinstance(t, dict)}
+                raw = named.get("default") or next(iter(named.values()), None)
+            template = raw if isinstance(raw, str) else None
+        return cls(backend, bos_token=_token_str(config.get("bos_token")),
+                   eos_token=_token_str(config.get("eos_token")), chat_template=template,
+                   image_token=_token_str(config.get("image_token")))
+
+    # ------------------------------------------------------------------ basics
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.backend.token_to_id(token)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    # ------------------------------------------------------------------ chat
+    def render_chat(self, messages: list[Message], add_generation_prompt: bool = True, **extra: Any) -> str:
+        """Render ``messages`` with the checkpoint's chat template into a prompt string."""
+        if not self.chat_template:
+            raise InvalidRequestError("this model has no chat template; use the completions API instead")
+        if self._template is None:
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                extensions=["jinja2.ext.loopcontrols"])
+            env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(x, ensure_ascii=False, indent=indent)
+            env.globals["raise_exception"] = _raise_template_error
+            env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+            try:
+                self._template = env.from_string(self.chat_template)
+            except jinja2.TemplateError as exc:
+                raise CheckpointError(f"chat template does not compile: {exc}") from None
+        try:
+            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                         bos_token=self.bos_token or "", eos_token=self.eos_token or "", **extra)
+        except jinja2.TemplateError as exc:
+            raise InvalidRequestError(f"chat template rejected the messages: {exc}") from None
+
+    def encode_chat(self, messages: list[Message], add_generation_prompt: bool = True) -> list[int]:
+        """Render and tokenise. Special tokens come from the template itself, as in transformers."""
+        return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)
+
+
+def _raise_template_error(message: str) -> None:
+    raise jinja2.TemplateError(message)
+
+
+@dataclass
+class DetokenizerStep:
+    text: str  # new text safe to emit
+    stopped: bool  # a stop string matched; text is cut before it
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of output ids into text deltas, holding back anything that might be the
+    start of a stop string or of an unfinished UTF-8 character."""
+
+    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...] = (), skip_special_tokens: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.stop = tuple(s for s in stop if s)
+        self.skip_special_tokens = skip_special_tokens
+        self.ids: list[int] = []
+        self.emitted = 0  # characters of the full text already emitted
+        self.text = ""
+        self._hold = max((len(s) for s in self.stop), default=1) - 1
+        self.stopped = False
+
+    def add(self, token_id: int) -> DetokenizerStep:
+        self.ids.append(token_id)
+        text = self.tokenizer.decode(self.ids, self.skip_special_tokens)
+        if text.endswith("\ufffd"):  # a multi-byte character is not complete yet
+            return DetokenizerStep("", False)
+        self.text = text
+        if self.stop:
+            search_from = max(0, self.emitted - self._hold)
+            hits = [i for i in (text.find(s, search_from) for s in self.stop) if i >= 0]
+            if hits:
+                cut = min(hits)
+                delta = text[self.emitted:cut]
+                self.text = text[:cut]
+                self.emitted = cut
+                self.stopped = True
+                return DetokenizerStep(delta, True)
+        safe_end = max(self.emitted, len(text) - self._hold)
+        delta = text[self.emitted:safe_end]
+        self.emitted = safe_end
+        return DetokenizerStep(delta, False)
+
+    def flush(self) -> str:
+        """Emit what was held back, at the end of a sequence that did not stop on a string."""
+        if not self.stopped:
+            self.text = self.tokenizer.decode(self.ids, self.skip_special_tokens)
+        delta = self.text[self.emitted:]
+        self.emitted = len(self.text)
+        return delta

@@ -1,0 +1,45 @@
+# epd: the two commands are `make serve` and `make test`. Each sets up what it needs (the .venv,
+# the installs) and is safe to run again.
+SHELL := /bin/bash
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+# torch first, pinned: a bare `torch` requirement on a machine without it pulls a multi-GB CUDA build.
+TORCH_SPEC := torch==2.13.0
+STAMP := $(VENV)/.epd-installed
+PYTEST_ARGS ?=
+
+.PHONY: serve test test-unit test-integration test-e2e bench setup clean help
+
+help:
+	@echo "make serve   set up, then run the demo: generate from PROMPT with the built-in model"
+	@echo "make test    set up, then run the whole test suite"
+	@echo "make bench   set up, then run the engine benchmark (epd bench engine)"
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): pyproject.toml | $(PY)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet $(TORCH_SPEC) $$([ -d /opt/wheels ] && echo --find-links /opt/wheels)
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+PROMPT ?= The model reads a checkpoint folder and
+MAX_TOKENS ?= 48
+serve: setup
+	$(VENV)/bin/epd generate --prompt "$(PROMPT)" --max-tokens $(MAX_TOKENS)
+
+test: setup
+	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS) tests
+
+test-unit: setup
+	$(PY) -m pytest -q -p no:cacheprovider -m unit tests
+
+bench: setup
+	$(VENV)/bin/epd bench engine
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

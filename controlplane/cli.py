@@ -1,0 +1,152 @@
+"""The ``epd`` command line.
+
+  epd model init DIR      write the built-in demo model (random weights) as an HF checkpoint folder
+  epd generate ...        generate from a prompt with the single-process engine (the reference path)
+  epd bench engine ...    engine throughput beside HF transformers on the same checkpoint
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from workers.runtime.errors import EngineError
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", type=Path, default=None,
+                   help="HF checkpoint folder (default: the built-in demo model with random weights)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="compute dtype")
+    p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default: cpu)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+
+
+def _model_dir(arg: Path | None) -> Path:
+    from workers.runtime.default_model import ensure_default_checkpoint
+    return arg if arg is not None else ensure_default_checkpoint()
+
+
+def cmd_model_init(args: argparse.Namespace) -> int:
+    from workers.runtime.default_model import write_default_checkpoint
+    folder: Path = args.dir
+    if folder.exists() and any(folder.iterdir()) and not args.force:
+        print(f"epd: {folder} exists and is not empty; pass --force to overwrite", file=sys.stderr)
+        return 2
+    write_default_checkpoint(folder, seed=args.seed, with_vision=not args.no_vision)
+    print(f"wrote the demo model (random weights, seed {args.seed}) to {folder}")
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    import torch
+
+    from workers.runtime.engine import DTYPES, Engine, EngineConfig
+    from workers.runtime.generate import GenerateRequest, build_prompt
+    from workers.runtime.loader import load_model
+    from workers.runtime.sampler import SamplingParams
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    bundle = load_model(_model_dir(args.model), dtype=DTYPES[args.dtype], device=args.device)
+    images = tuple(Path(p).read_bytes() for p in args.image)
+    if args.chat is not None or images:
+        text = args.chat if args.chat is not None else args.prompt
+        parts = [{"type": "image"} for _ in images] + [{"type": "text", "text": text}]
+        req = GenerateRequest(messages=[{"role": "user", "content": parts}], images=images)
+    else:
+        req = GenerateRequest(prompt=args.prompt)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed, stop=tuple(args.stop))
+    ids, mm = build_prompt(bundle, req)
+    engine = Engine(bundle.model, bundle.tokenizer, EngineConfig(dtype=args.dtype, device=args.device),
+                    bundle.eos_token_ids)
+    engine.add_request("cli", ids, params, mm)
+    start = time.perf_counter()
+    first = None
+    n = 0
+    reason = None
+    while engine.has_unfinished():
+        for out in engine.step():
+            first = first or time.perf_counter()
+            n += len(out.new_token_ids)
+            sys.stdout.write(out.text)
+            sys.stdout.flush()
+            reason = out.finish_reason
+    end = time.perf_counter()
+    ttft = (first or end) - start
+    tps = (n - 1) / (end - first) if first and n > 1 and end > first else 0.0
+    reason_name = reason.value if reason is not None else "none"
+    print(f"\n[{n} tokens, prompt {len(ids)} tokens, finish={reason_name}, "
+          f"ttft={ttft * 1e3:.1f} ms, {tps:.1f} tok/s]", file=sys.stderr)
+    return 0
+
+
+def cmd_bench_engine(args: argparse.Namespace) -> int:
+    from controlplane.bench.engine_bench import run
+    return run(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="epd", description="epd: disaggregated encode/prefill/decode serving.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    model = sub.add_parser("model", help="model checkpoints").add_subparsers(dest="model_command", required=True,
+                                                                             metavar="ACTION")
+    init = model.add_parser("init", help="write the built-in demo model (random weights) as an HF folder",
+                            description="Write the built-in demo model as a Hugging Face checkpoint folder: "
+                                        "config.json, model.safetensors, tokenizer files, chat template and a "
+                                        "CLIP-style vision/ encoder. Its weights are random (deterministic from "
+                                        "--seed); transformers loads it as LlamaForCausalLM.")
+    init.add_argument("dir", type=Path, help="folder to write")
+    init.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
+    init.add_argument("--no-vision", action="store_true", help="omit the vision encoder")
+    init.add_argument("--force", action="store_true", help="write into a non-empty folder")
+    init.set_defaults(func=cmd_model_init)
+
+    gen = sub.add_parser("generate", help="generate from a prompt in one process (the reference path)",
+                         description="Run encode, prefill and decode in this process and stream the text.")
+    _add_engine_args(gen)
+    gen.add_argument("--prompt", default="Hello, world.", help="completion prompt (default: %(default)r)")
+    gen.add_argument("--chat", default=None, help="a user message, rendered with the model's chat template")
+    gen.add_argument("--image", action="append", default=[], help="image file (PNG/JPEG) for the chat message; "
+                                                                  "repeatable")
+    gen.add_argument("--max-tokens", type=int, default=32)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0, help="0 = off")
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", default=[], help="stop string; repeatable")
+    gen.set_defaults(func=cmd_generate)
+
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True,
+                                                                     metavar="SUITE")
+    eng = bench.add_parser("engine", help="engine prefill/decode throughput vs HF transformers",
+                           description="Decode tokens/s at batch 1/8/16/32 and prefill tokens/s at 128/1k/4k "
+                                       "tokens, beside HF transformers generate() and forward on the same "
+                                       "checkpoint and thread count, measured in the same run.")
+    _add_engine_args(eng)
+    eng.add_argument("--batches", default="1,8,16,32", help="decode batch sizes (default: %(default)s)")
+    eng.add_argument("--prefill-lengths", default="128,1024,4096", help="prompt lengths (default: %(default)s)")
+    eng.add_argument("--decode-tokens", type=int, default=64, help="tokens generated per sequence")
+    eng.add_argument("--repeats", type=int, default=3, help="take the best of this many runs")
+    eng.add_argument("--json", type=Path, default=None, help="also write the results as JSON here")
+    eng.add_argument("--no-hf", action="store_true", help="skip the transformers reference")
+    eng.set_defaults(func=cmd_bench_engine)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except EngineError as exc:
+        print(f"epd: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

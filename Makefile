@@ -25,7 +25,14 @@ $(STAMP): pyproject.toml | $(PY)
 	$(PY) -m pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
-setup: $(STAMP)
+# Python code for the wire, generated from proto/ (never committed).
+PROTOS := $(shell find proto -name '*.proto')
+PROTO_STAMP := proto/epd/.generated
+$(PROTO_STAMP): $(PROTOS) $(STAMP)
+	$(PY) -m grpc_tools.protoc -I proto --python_out=proto --grpc_python_out=proto --pyi_out=proto $(PROTOS)
+	touch $(PROTO_STAMP)
+
+setup: $(STAMP) $(PROTO_STAMP)
 
 PROMPT ?= The model reads a checkpoint folder and
 MAX_TOKENS ?= 48

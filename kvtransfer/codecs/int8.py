@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import torch
 
-from kvtransfer.codecs.base import FLOAT32_TINY, Codec, Shape, raise_non_finite
-from kvtransfer.codecs.types import CodecId, Kind, WireLayout
+from kvtransfer.codecs.base import FLOAT32_TINY, Shape, raise_non_finite
+from kvtransfer.codecs.blockwise import BlockwiseCodec
+from kvtransfer.codecs.encoded import CodecId, Kind, WireLayout
 
 INT8_MAX = 127.0
 
 
-class Int8Codec(Codec):
+class Int8Codec(BlockwiseCodec):
     name = "int8"
     codec_id = CodecId.INT8
 
@@ -27,7 +28,13 @@ class Int8Codec(Codec):
         return WireLayout(payload_nbytes=n * b * h * d, scales_shape=(n, h), scales_dtype=torch.float32)
 
     def _encode_chunk(
-        self, xf: torch.Tensor, rows: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, kind: Kind
+        self,
+        xf: torch.Tensor,
+        rows: torch.Tensor,
+        scales: torch.Tensor,
+        zeros: torch.Tensor | None,
+        kind: Kind,
+        aux: torch.Tensor | None,
     ) -> None:
         c, _, h, _ = xf.shape
         amax = _head_amax(xf)
@@ -38,11 +45,17 @@ class Int8Codec(Codec):
         rows.view(torch.int8).view(xf.shape).copy_(xf)
 
     def _decode_chunk(
-        self, rows: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, kind: Kind, shape: Shape
-    ) -> torch.Tensor:
-        c, _, h, _ = shape
-        xf = rows.view(torch.int8).view(shape).to(torch.float32)
-        return xf.mul_(scales.view(c, 1, h, 1))
+        self,
+        rows: torch.Tensor,
+        scales: torch.Tensor,
+        zeros: torch.Tensor | None,
+        kind: Kind,
+        out: torch.Tensor,
+        aux: torch.Tensor | None,
+    ) -> None:
+        c, _, h, _ = out.shape
+        out.copy_(rows.view(torch.int8).view(out.shape))
+        out.mul_(scales.view(c, 1, h, 1))
 
     def _error_bound(self, xf: torch.Tensor, kind: Kind) -> torch.Tensor:
         n, _, h, _ = xf.shape

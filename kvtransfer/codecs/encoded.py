@@ -136,8 +136,10 @@ def tensor_from_buffer(buf: object, dtype: torch.dtype, nbytes: int, what: str) 
 
     A writable buffer (bytearray, numpy array, writable memoryview) is shared without a copy;
     a read-only one (bytes, as protobuf hands them out) is copied once, because torch cannot
-    hold read-only memory without warning.
+    hold read-only memory without warning. None stands for an empty part.
     """
+    if buf is None and nbytes == 0:
+        return torch.empty(0, dtype=dtype)
     try:
         mv = memoryview(buf)  # type: ignore[arg-type]
     except TypeError:

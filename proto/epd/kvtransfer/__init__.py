@@ -1,0 +1,1 @@
+"""epd.kvtransfer: KV-cache and embedding transfer messages."""

@@ -144,7 +144,7 @@ class ModelConfig:
         try:
             raw = json.loads(Path(path).read_text())
         except FileNotFoundError:
-            raise CheckpointError(f"{path}: config.json not found") from None
+            raise CheckpointError(f"{path}: file not found") from None
         except json.JSONDecodeError as exc:
             raise CheckpointError(f"{path}: not valid JSON ({exc})") from None
         if not isinstance(raw, dict):

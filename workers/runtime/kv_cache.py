@@ -14,6 +14,7 @@ holder (prefix sharing), ``free`` drops one; a block returns to the free list at
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
@@ -41,6 +42,8 @@ class KVCacheSpec:
             raise InvalidRequestError(f"block_size must be a positive power of two, got {self.block_size}")
 
     def layer_bytes_per_block(self, dtype: CacheDType) -> int:
+        if dtype not in _DENSE and dtype not in _QUANT:
+            raise InvalidRequestError(f"unknown KV cache dtype {dtype!r}; supported: {', '.join(CACHE_DTYPES)}")
         elems = 2 * self.block_size * self.num_kv_heads * self.head_dim  # keys and values
         if dtype in _DENSE:
             return elems * torch.empty((), dtype=_DENSE[dtype]).element_size()
@@ -108,7 +111,8 @@ class QuantizedLayerStorage:
     def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         for data, scale, x in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
             q, s = self._quantize(x)
-            data.index_copy_(0, slots, q)
+            # Copy the raw bytes: CPU index_copy_ has no float8 kernel (int8 is 1 byte too, so same path).
+            data.view(torch.uint8).index_copy_(0, slots, q.view(torch.uint8))
             scale.index_copy_(0, slots, s)
 
     def gather(self, slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -152,6 +156,8 @@ class BlockAllocator:
 
     def allocate(self, n: int) -> list[int]:
         """Take ``n`` free blocks at refcount 1; all or nothing."""
+        if n < 0:
+            raise ValueError(f"cannot allocate {n} blocks")
         if n > len(self._free):
             raise CapacityError(f"need {n} KV blocks, {len(self._free)} free of {self.num_blocks}")
         blocks = [self._free.pop() for _ in range(n)]
@@ -162,15 +168,18 @@ class BlockAllocator:
     def share(self, blocks: list[int]) -> None:
         """Add one holder to each (already allocated) block."""
         for b in blocks:
-            if self._refcount[b] <= 0:
+            if not 0 <= b < self.num_blocks or self._refcount[b] <= 0:  # a negative id would wrap around
                 raise ValueError(f"block {b} is not allocated")
         for b in blocks:
             self._refcount[b] += 1
 
     def free(self, blocks: list[int]) -> None:
         """Drop one holder from each block; a block with no holder returns to the free list."""
-        for b in blocks:
-            if self._refcount[b] <= 0:
+        # Count repeats: freeing [b, b] drops two holders, so b must have at least two.
+        for b, n in Counter(blocks).items():
+            if not 0 <= b < self.num_blocks:
+                raise ValueError(f"block {b} is not in the pool of {self.num_blocks}")
+            if self._refcount[b] < n:
                 raise ValueError(f"double free of block {b}")
         for b in blocks:
             self._refcount[b] -= 1

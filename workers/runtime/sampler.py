@@ -27,15 +27,15 @@ class SamplingParams:
     return_logits: bool = False  # attach each step's float32 logits to the output (tests, logprobs)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise InvalidRequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if not 0.0 <= self.temperature <= 100.0:
             raise InvalidRequestError(f"temperature must be in [0, 100], got {self.temperature!r}")
         if not 0.0 < self.top_p <= 1.0:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
+        if not _is_int(self.top_k) or self.top_k < 0:
             raise InvalidRequestError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
-        if self.seed is not None and not (isinstance(self.seed, int) and 0 <= self.seed < 2**63):
+        if self.seed is not None and not (_is_int(self.seed) and 0 <= self.seed < 2**63):
             raise InvalidRequestError(f"seed must be an integer in [0, 2^63), got {self.seed!r}")
         if len(self.stop) > 16 or any(not isinstance(s, str) or len(s) > 256 for s in self.stop):
             raise InvalidRequestError("stop must be at most 16 strings of at most 256 characters")
@@ -43,6 +43,10 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]) -> list[int]:
@@ -70,6 +74,7 @@ def _apply_top_k_top_p(x: torch.Tensor, top_k: list[int], top_p: list[float]) ->
     probs = torch.softmax(sorted_x.masked_fill(drop, float("-inf")), dim=-1)
     # Keep the smallest prefix whose mass reaches top_p; the first token always survives.
     mass_before = probs.cumsum(dim=-1) - probs
-    drop |= mass_before >= torch.tensor(top_p, dtype=x.dtype)[:, None]
+    p = torch.tensor(top_p, dtype=x.dtype)[:, None]
+    drop |= (mass_before >= p) & (p < 1.0)  # top_p == 1 means off: never cut, even by float rounding
     sorted_x = sorted_x.masked_fill(drop, float("-inf"))
     return torch.empty_like(x).scatter_(-1, order, sorted_x)

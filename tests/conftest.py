@@ -1,0 +1,46 @@
+"""Shared fixtures: tiny Hugging Face checkpoints written by transformers itself."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import torch
+
+TinyCheckpointFactory = Callable[..., Path]
+
+# Small enough to build and save in well under a second; GQA (4 query heads, 2 KV heads).
+TINY_SHAPE: dict[str, Any] = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+
+
+@pytest.fixture
+def tiny_llama_dir(tmp_path: Path) -> TinyCheckpointFactory:
+    """Factory: ``make(arch="llama"|"qwen2", tie=False, max_shard_size=None, seed=0, **config)`` writes a
+    random ``LlamaForCausalLM``/``Qwen2ForCausalLM`` with ``save_pretrained`` and returns its folder.
+
+    Every parameter (norms and biases included) is drawn from ``seed``, so a loader that swaps, drops
+    or zero-fills a tensor cannot match transformers by accident.
+    """
+    transformers = pytest.importorskip("transformers")
+    counter = iter(range(1_000_000))
+
+    def make(arch: str = "llama", *, tie: bool = False, max_shard_size: str | None = None, seed: int = 0,
+             **config: Any) -> Path:
+        classes = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+                   "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM)}
+        config_cls, model_cls = classes[arch]
+        hf_config = config_cls(**{**TINY_SHAPE, "tie_word_embeddings": tie, **config})
+        model = model_cls(hf_config).eval()
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, param in model.named_parameters():  # tied weights appear once
+                noise = torch.randn(param.shape, generator=gen) * 0.1
+                param.copy_(1.0 + noise if name.endswith("norm.weight") else noise)
+        folder = tmp_path / f"{arch}-{next(counter)}"
+        kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+        model.save_pretrained(folder, **kwargs)
+        return folder
+
+    return make

@@ -1,0 +1,155 @@
+"""SamplingParams validation and the batched sampler: greedy, top-k, top-p, seeds, batch invariance."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import pytest
+import torch
+
+from workers.runtime.errors import InvalidRequestError
+from workers.runtime.sampler import SamplingParams, sample
+
+pytestmark = [pytest.mark.unit]
+
+VOCAB = 64
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _logits(rows: int, seed: int = 0, vocab: int = VOCAB) -> torch.Tensor:
+    return torch.randn(rows, vocab, generator=_gen(seed)) * 3
+
+
+def _draws(logits_row: torch.Tensor, params: SamplingParams, n: int, seed: int = 0) -> list[int]:
+    gen = _gen(seed)
+    return [sample(logits_row[None, :], [params], [gen])[0] for _ in range(n)]
+
+
+# ---------------------------------------------------------------- validation
+@pytest.mark.parametrize("kwargs,field", [
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": -5}, "max_tokens"),
+    ({"max_tokens": 2.5}, "max_tokens"),
+    ({"temperature": -0.01}, "temperature"),
+    ({"temperature": 1000.0}, "temperature"),
+    ({"temperature": math.nan}, "temperature"),
+    ({"top_p": 0.0}, "top_p"),
+    ({"top_p": 1.01}, "top_p"),
+    ({"top_p": -0.5}, "top_p"),
+    ({"top_p": math.nan}, "top_p"),
+    ({"top_k": -1}, "top_k"),
+    ({"top_k": 1.5}, "top_k"),
+    ({"seed": -1}, "seed"),
+    ({"seed": 2**63}, "seed"),
+    ({"seed": "42"}, "seed"),
+    ({"stop": tuple(str(i) for i in range(17))}, "stop"),
+    ({"stop": ("x" * 257,)}, "stop"),
+    ({"stop": (3,)}, "stop"),
+])
+def test_invalid_params_name_the_field(kwargs: dict, field: str) -> None:
+    with pytest.raises(InvalidRequestError, match=rf"^{field} must"):
+        SamplingParams(**kwargs)
+
+
+def test_boundary_params_are_accepted() -> None:
+    p = SamplingParams(max_tokens=1, temperature=0.0, top_p=1.0, top_k=0, seed=2**63 - 1,
+                       stop=tuple("x" * 256 for _ in range(16)))
+    assert p.greedy
+    assert not SamplingParams(temperature=1e-3).greedy
+
+
+# ---------------------------------------------------------------- greedy and degenerate filters
+def test_greedy_picks_argmax_and_consumes_no_randomness() -> None:
+    logits = _logits(5)
+    gens = [_gen(i) for i in range(5)]
+    before = [g.get_state() for g in gens]
+    out = sample(logits, [SamplingParams(temperature=0.0)] * 5, gens)
+    assert out == logits.argmax(-1).tolist()
+    assert all(isinstance(t, int) for t in out)
+    assert all(torch.equal(b, g.get_state()) for b, g in zip(before, gens))
+
+
+@pytest.mark.parametrize("temperature", [0.05, 1.0, 7.0, 100.0])
+def test_top_k_1_is_argmax_at_any_temperature(temperature: float) -> None:
+    logits = _logits(8, seed=1)
+    params = [SamplingParams(temperature=temperature, top_k=1, seed=i) for i in range(8)]
+    for step in range(20):
+        assert sample(logits, params, [_gen(step * 8 + i) for i in range(8)]) == logits.argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 100.0])
+def test_tiny_top_p_is_argmax(temperature: float) -> None:
+    logits = _logits(8, seed=2)
+    params = [SamplingParams(temperature=temperature, top_p=1e-6) for _ in range(8)]
+    for step in range(20):
+        assert sample(logits, params, [_gen(step * 8 + i) for i in range(8)]) == logits.argmax(-1).tolist()
+
+
+# ---------------------------------------------------------------- seeds and batch invariance
+def test_same_seed_same_draws_different_seed_different_draws() -> None:
+    row = torch.zeros(VOCAB)  # uniform: draws are pure randomness
+    p = SamplingParams(temperature=1.0)
+    a, b, c = _draws(row, p, 50, seed=7), _draws(row, p, 50, seed=7), _draws(row, p, 50, seed=8)
+    assert a == b
+    assert a != c
+    assert len(set(a)) > 10
+
+
+@pytest.mark.parametrize("target", [
+    SamplingParams(temperature=0.8, seed=11),
+    SamplingParams(temperature=1.3, top_k=7, seed=12),
+    SamplingParams(temperature=1.0, top_p=0.6, seed=13),
+    SamplingParams(temperature=0.7, top_k=20, top_p=0.9, seed=14),
+], ids=["plain", "top_k", "top_p", "both"])
+def test_seeded_row_is_batch_invariant(target: SamplingParams) -> None:
+    neighbours = [SamplingParams(temperature=0.0), SamplingParams(temperature=2.0, top_k=3, seed=1),
+                  SamplingParams(temperature=0.5, top_p=0.3, seed=2), SamplingParams(temperature=1.0, seed=3)]
+    steps = 40
+    logits = [_logits(5, seed=100 + s) for s in range(steps)]
+    # alone
+    gen = _gen(target.seed)
+    alone = [sample(l[2:3], [target], [gen])[0] for l in logits]
+    # in the middle of a batch, with neighbours that do and do not filter
+    gens = [_gen(1000 + i) for i in range(5)]
+    gens[2] = _gen(target.seed)
+    params = neighbours[:2] + [target] + neighbours[2:]
+    batched = [sample(l, params, gens)[2] for l in logits]
+    assert batched == alone
+    assert len(set(alone)) > 3  # really sampling, not stuck on one token
+
+
+# ---------------------------------------------------------------- filters and distributions
+def test_top_k_draws_stay_in_top_k() -> None:
+    row = (torch.randn(VOCAB, generator=_gen(5)) * 0.5).clamp(max=1.0)  # the tail: well below the top 5
+    top = torch.tensor([3.0, 2.9, 2.8, 2.7, 2.6])
+    order = torch.randperm(VOCAB, generator=_gen(6))
+    row[order[:5]] = top
+    top_set = set(order[:5].tolist())
+    filtered = Counter(_draws(row, SamplingParams(temperature=1.5, top_k=5), 1500))
+    assert set(filtered) == top_set  # only the top 5, and every one of them
+    unfiltered = Counter(_draws(row, SamplingParams(temperature=1.5), 1500))
+    assert set(unfiltered) - top_set  # the test can tell: without top_k the tail is drawn
+
+
+def test_top_p_keeps_smallest_prefix_reaching_p() -> None:
+    row = torch.tensor([0.05, 0.5, 0.15, 0.3]).log()
+    counts = Counter(_draws(row, SamplingParams(temperature=1.0, top_p=0.7), 4000))
+    assert set(counts) == {1, 3}  # 0.5 < 0.7, 0.5 + 0.3 reaches it; the rest is cut
+    assert counts[1] / 4000 == pytest.approx(0.5 / 0.8, abs=0.03)
+
+
+@pytest.mark.parametrize("temperature,expected", [
+    (1.0, [0.7, 0.2, 0.1]),
+    (0.5, [0.49 / 0.54, 0.04 / 0.54, 0.01 / 0.54]),  # p ** (1 / T), renormalised
+    (2.0, [x / sum(p ** 0.5 for p in (0.7, 0.2, 0.1)) for x in (0.7 ** 0.5, 0.2 ** 0.5, 0.1 ** 0.5)]),
+])
+def test_temperature_distribution(temperature: float, expected: list[float]) -> None:
+    row = torch.tensor([0.7, 0.2, 0.1]).log()
+    n = 4000
+    counts = Counter(_draws(row, SamplingParams(temperature=temperature), n, seed=3))
+    for token, p in enumerate(expected):
+        assert counts[token] / n == pytest.approx(p, abs=0.03)

@@ -1,0 +1,288 @@
+"""Tokenizer: chat templates render and encode exactly as transformers does; the incremental
+detokenizer emits exactly the decoded text, cuts stop strings exactly and never emits half a character."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from workers.runtime import default_model
+from workers.runtime.default_model import BOS, CHAT_TEMPLATE, EOS, IM_END, IMAGE
+from workers.runtime.errors import CheckpointError, InvalidRequestError
+from workers.runtime.tokenizer import IncrementalDetokenizer, Tokenizer
+
+pytestmark = [pytest.mark.unit]
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+MESSAGE_LISTS = {
+    "single-user": [{"role": "user", "content": "Hello, world."}],
+    "multi-turn": [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "What is the capital of France?"},
+        {"role": "assistant", "content": "Paris."},
+        {"role": "user", "content": "And of  Spain?\nAnswer in one word."},
+    ],
+    "parts-with-images": [
+        {"role": "user", "content": [
+            {"type": "text", "text": "Describe "},
+            {"type": "image"},
+            {"type": "text", "text": " and compare with "},
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+        ]},
+    ],
+    "unicode-and-empty": [
+        {"role": "system", "content": ""},
+        {"role": "user", "content": "naïve café 🎉 日本語 — {braces} <tags>"},
+    ],
+}
+
+MIXED_TEXT = "héllo wörld 🎉 naïve — ok 日本語!"
+
+
+@pytest.fixture(scope="module")
+def default_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return default_model.write_default_checkpoint(tmp_path_factory.mktemp("default"), with_vision=False)
+
+
+@pytest.fixture
+def tok_dir(default_dir: Path, tmp_path: Path) -> Path:
+    """A private copy of the default tokenizer files, safe to edit."""
+    for name in TOKENIZER_FILES:
+        shutil.copy(default_dir / name, tmp_path / name)
+    return tmp_path
+
+
+@pytest.fixture(scope="module")
+def tok(default_dir: Path) -> Tokenizer:
+    return Tokenizer.from_folder(default_dir)
+
+
+@pytest.fixture(scope="module")
+def hf_tok(default_dir: Path):
+    transformers = pytest.importorskip("transformers")
+    return transformers.AutoTokenizer.from_pretrained(default_dir)
+
+
+def _hf_chat_ids(hf_tok, messages, add_generation_prompt: bool = True) -> list[int]:
+    out = hf_tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=add_generation_prompt)
+    return list(out["input_ids"] if hasattr(out, "keys") else out)  # a BatchEncoding in transformers 5
+
+
+def _pieces(tok: Tokenizer, *chunks: str) -> list[int]:
+    """Ids whose token boundaries fall at least at every chunk boundary."""
+    return [i for chunk in chunks for i in tok.encode(chunk, add_special_tokens=False)]
+
+
+def _stream(tok: Tokenizer, ids: list[int], stop: tuple[str, ...] = ()) -> tuple[list[str], bool, str]:
+    """Feed ids one by one; returns (deltas, stopped, flushed text). Stops feeding once stopped."""
+    detok = IncrementalDetokenizer(tok, stop=stop)
+    deltas: list[str] = []
+    stopped = False
+    for i in ids:
+        step = detok.add(i)
+        deltas.append(step.text)
+        if step.stopped:
+            stopped = True
+            break
+    return deltas, stopped, detok.flush()
+
+
+# ---------------------------------------------------------------- loading
+def test_from_folder_reads_files(tok: Tokenizer, default_dir: Path) -> None:
+    assert tok.chat_template == CHAT_TEMPLATE
+    assert (tok.bos_token, tok.eos_token, tok.image_token) == (BOS, IM_END, IMAGE)
+    assert tok.token_to_id(BOS) == 0 and tok.token_to_id(IMAGE) is not None
+    assert tok.vocab_size == json.loads((default_dir / "config.json").read_text())["vocab_size"]
+
+
+def test_template_falls_back_to_tokenizer_config(tok_dir: Path) -> None:
+    (tok_dir / "chat_template.jinja").unlink()
+    config = json.loads((tok_dir / "tokenizer_config.json").read_text())
+    config["chat_template"] = "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}"
+    (tok_dir / "tokenizer_config.json").write_text(json.dumps(config))
+    tok = Tokenizer.from_folder(tok_dir)
+    assert tok.render_chat([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]) == \
+        "[user]hi[assistant]yo"
+
+
+def test_named_template_list_picks_default(tok_dir: Path) -> None:
+    (tok_dir / "chat_template.jinja").unlink()
+    config = json.loads((tok_dir / "tokenizer_config.json").read_text())
+    config["chat_template"] = [{"name": "tool_use", "template": "TOOLS"}, {"name": "default", "template": "PLAIN"}]
+    (tok_dir / "tokenizer_config.json").write_text(json.dumps(config))
+    assert Tokenizer.from_folder(tok_dir).render_chat([{"role": "user", "content": "x"}]) == "PLAIN"
+
+
+def test_jinja_file_wins_over_tokenizer_config(tok_dir: Path) -> None:
+    config = json.loads((tok_dir / "tokenizer_config.json").read_text())
+    config["chat_template"] = "FROM CONFIG"
+    (tok_dir / "tokenizer_config.json").write_text(json.dumps(config))
+    assert Tokenizer.from_folder(tok_dir).chat_template == CHAT_TEMPLATE
+
+
+def test_no_template_is_an_invalid_request(tok_dir: Path) -> None:
+    (tok_dir / "chat_template.jinja").unlink()
+    tok = Tokenizer.from_folder(tok_dir)
+    assert tok.chat_template is None
+    with pytest.raises(InvalidRequestError, match="no chat template"):
+        tok.render_chat([{"role": "user", "content": "hi"}])
+
+
+def test_missing_tokenizer_json(tok_dir: Path) -> None:
+    (tok_dir / "tokenizer.json").unlink()
+    with pytest.raises(CheckpointError, match="tokenizer.json not found"):
+        Tokenizer.from_folder(tok_dir)
+
+
+def test_garbage_tokenizer_files(tok_dir: Path) -> None:
+    (tok_dir / "tokenizer_config.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="tokenizer_config.json: not valid JSON"):
+        Tokenizer.from_folder(tok_dir)
+    (tok_dir / "tokenizer.json").write_text('{"version": "1.0"}')
+    with pytest.raises(CheckpointError, match="unreadable tokenizer"):
+        Tokenizer.from_folder(tok_dir)
+
+
+def test_raise_exception_in_template_is_an_invalid_request(tok: Tokenizer) -> None:
+    guarded = Tokenizer(tok.backend, chat_template=(
+        "{% for m in messages %}{% if m['role'] not in ('user', 'assistant') %}"
+        "{{ raise_exception('roles must be user or assistant, got ' + m['role']) }}{% endif %}"
+        "{{ m['content'] }}{% endfor %}"))
+    assert guarded.render_chat([{"role": "user", "content": "ok"}]) == "ok"
+    with pytest.raises(InvalidRequestError, match="roles must be user or assistant, got tool"):
+        guarded.render_chat([{"role": "tool", "content": "x"}])
+
+
+def test_template_that_does_not_compile(tok: Tokenizer) -> None:
+    with pytest.raises(CheckpointError, match="does not compile"):
+        Tokenizer(tok.backend, chat_template="{% for m in messages %}").render_chat([])
+
+
+# ---------------------------------------------------------------- parity with transformers
+@pytest.mark.transformers
+@pytest.mark.parametrize("name", list(MESSAGE_LISTS))
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_render_chat_matches_transformers(tok: Tokenizer, hf_tok, name: str, add_generation_prompt: bool) -> None:
+    messages = MESSAGE_LISTS[name]
+    ours = tok.render_chat(messages, add_generation_prompt=add_generation_prompt)
+    assert ours == hf_tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    assert ours.startswith(BOS) and ours.endswith("<|im_start|>assistant\n") is add_generation_prompt
+
+
+@pytest.mark.transformers
+@pytest.mark.parametrize("name", list(MESSAGE_LISTS))
+def test_encode_chat_matches_transformers(tok: Tokenizer, hf_tok, name: str) -> None:
+    ids = tok.encode_chat(MESSAGE_LISTS[name])
+    assert ids == _hf_chat_ids(hf_tok, MESSAGE_LISTS[name])
+    bos = tok.token_to_id(BOS)
+    assert ids[0] == bos and ids.count(bos) == 1  # the template's BOS, not a second one from encode
+
+
+def test_image_parts_become_image_tokens(tok: Tokenizer) -> None:
+    ids = tok.encode_chat(MESSAGE_LISTS["parts-with-images"])
+    assert ids.count(tok.token_to_id(IMAGE)) == 2
+
+
+@pytest.mark.transformers
+@pytest.mark.parametrize("text", ["Hello, world.", MIXED_TEXT, "  leading spaces\n\ttabs", ""])
+def test_encode_decode_match_transformers(tok: Tokenizer, hf_tok, text: str) -> None:
+    ids = tok.encode(text)
+    assert ids == hf_tok(text)["input_ids"]
+    assert ids[0] == tok.token_to_id(BOS)
+    assert tok.encode(text, add_special_tokens=False) == ids[1:]
+    assert tok.decode(ids) == hf_tok.decode(ids, skip_special_tokens=True) == text
+    assert tok.decode(ids, skip_special_tokens=False) == BOS + text
+
+
+# ---------------------------------------------------------------- incremental detokenizer
+@pytest.mark.parametrize("text", ["The quick brown fox jumps over the lazy dog.", MIXED_TEXT, "a\n\nb  c"])
+def test_deltas_concatenate_to_decode(tok: Tokenizer, text: str) -> None:
+    ids = tok.encode(text, add_special_tokens=False) + [tok.token_to_id(EOS)]
+    deltas, stopped, tail = _stream(tok, ids)
+    assert not stopped
+    assert "".join(deltas) + tail == tok.decode(ids) == text
+    assert tail == ""  # without stop strings nothing is held back once characters are complete
+
+
+def test_split_utf8_characters_are_never_emitted_half_done(tok: Tokenizer) -> None:
+    ids = tok.encode(MIXED_TEXT, add_special_tokens=False)
+    assert len(ids) > len(MIXED_TEXT.encode("utf-8")) // 2  # really byte-level: multi-byte chars span tokens
+    detok = IncrementalDetokenizer(tok)
+    emitted = ""
+    for n, i in enumerate(ids, 1):
+        delta = detok.add(i).text
+        assert "\ufffd" not in delta
+        emitted += delta
+        assert MIXED_TEXT.startswith(emitted)
+        # whatever is withheld is exactly the still-incomplete last character
+        assert tok.decode(ids[:n]).replace("\ufffd", "") == emitted
+    assert emitted + detok.flush() == MIXED_TEXT
+
+
+def test_emoji_bytes_are_held_until_complete(tok: Tokenizer) -> None:
+    emoji = tok.encode("🎉", add_special_tokens=False)
+    assert len(emoji) == 4  # one token per byte in the demo vocabulary
+    detok = IncrementalDetokenizer(tok)
+    assert [detok.add(i).text for i in emoji] == ["", "", "", "🎉"]
+
+
+def test_stop_string_across_token_boundaries(tok: Tokenizer) -> None:
+    ids = _pieces(tok, "Hello", " S", "T", "O", "P", " world")
+    deltas, stopped, tail = _stream(tok, ids, stop=("STOP",))
+    assert stopped
+    assert len(deltas) == 5  # stopped on the token that completed "STOP"
+    assert "".join(deltas) + tail == "Hello "
+    assert tail == ""
+
+
+def test_partial_stop_string_is_held_then_released(tok: Tokenizer) -> None:
+    detok = IncrementalDetokenizer(tok, stop=("STOP",))
+    emitted = ""
+    for i in _pieces(tok, "Hello", " S", "T"):
+        step = detok.add(i)
+        assert not step.stopped
+        emitted += step.text
+    assert "S" not in emitted and "Hello ST".startswith(emitted)
+    for i in _pieces(tok, "AR", "s", " shine"):
+        step = detok.add(i)
+        assert not step.stopped
+        emitted += step.text
+    assert "Hello STARs shine".startswith(emitted)
+    assert emitted + detok.flush() == "Hello STARs shine"
+    assert not detok.stopped
+
+
+def test_stop_string_inside_one_token(tok: Tokenizer) -> None:
+    ids = tok.encode("Hello there", add_special_tokens=False)
+    assert tok.decode(ids[:1]) == "Hello"
+    deltas, stopped, tail = _stream(tok, ids, stop=("ell",))
+    assert stopped and deltas == ["H"] and tail == ""
+
+
+def test_earliest_of_several_stop_strings_wins(tok: Tokenizer) -> None:
+    ids = _pieces(tok, "one", " two", " three", " four")
+    deltas, stopped, _ = _stream(tok, ids, stop=("four", "o th", "three"))
+    assert stopped and "".join(deltas) == "one tw"
+
+
+def test_stop_string_of_multibyte_characters(tok: Tokenizer) -> None:
+    deltas, stopped, tail = _stream(tok, tok.encode(MIXED_TEXT, add_special_tokens=False), stop=("🎉",))
+    assert stopped and "".join(deltas) + tail == "héllo wörld "
+    assert all("\ufffd" not in d for d in deltas)
+
+
+def test_no_stop_means_full_text_with_stop_strings_configured(tok: Tokenizer) -> None:
+    text = "Monday, Tuesday, Wednesday"
+    deltas, stopped, tail = _stream(tok, tok.encode(text, add_special_tokens=False), stop=("Friday", "!"))
+    assert not stopped and "".join(deltas) + tail == text
+    assert len(tail) <= len("Friday") - 1  # at most the hold-back window remains for flush
+
+
+def test_special_tokens_are_skipped(tok: Tokenizer) -> None:
+    ids = [tok.token_to_id(IM_END)] + tok.encode("ok", add_special_tokens=False) + [tok.token_to_id(EOS)]
+    deltas, _, tail = _stream(tok, ids)
+    assert "".join(deltas) + tail == "ok"

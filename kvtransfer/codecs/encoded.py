@@ -34,6 +34,7 @@ class CodecId(enum.IntEnum):
     FP8_E4M3 = 2
     INT8 = 3
     INT4 = 4
+    FP32 = 5
 
 
 class Kind(enum.StrEnum):

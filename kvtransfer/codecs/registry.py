@@ -27,6 +27,7 @@ _ENTRIES: tuple[_Entry, ...] = (
     _Entry("fp8", CodecId.FP8_E4M3, "kvtransfer.codecs.fp8:Fp8E4m3Codec"),
     _Entry("int8", CodecId.INT8, "kvtransfer.codecs.int8:Int8Codec"),
     _Entry("int4", CodecId.INT4, "kvtransfer.codecs.int4:Int4Codec"),
+    _Entry("fp32", CodecId.FP32, "kvtransfer.codecs.fp32:Fp32Codec"),
 )
 _BY_NAME = {e.name: e for e in _ENTRIES}
 _BY_ID = {e.codec_id: e for e in _ENTRIES}

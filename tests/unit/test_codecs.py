@@ -26,7 +26,7 @@ from kvtransfer.codecs import (
 
 pytestmark = [pytest.mark.unit]
 
-ALL = ("bf16", "fp8", "int8", "int4")
+ALL = ("bf16", "fp8", "int8", "int4", "fp32")
 LOSSY = ("fp8", "int8", "int4")
 KINDS = (Kind.KEY, Kind.VALUE)
 DTYPES = (torch.float32, torch.bfloat16)
@@ -349,7 +349,7 @@ def test_encoded_tensor_is_frozen_and_checked() -> None:
 
 def test_registry_by_name_and_id() -> None:
     assert available_codecs() == ALL
-    assert [int(c) for c in CodecId] == [1, 2, 3, 4]
+    assert [int(c) for c in CodecId] == [1, 2, 3, 4, 5]
     for name in ALL:
         codec = get_codec(name)
         assert codec.name == name
@@ -358,7 +358,7 @@ def test_registry_by_name_and_id() -> None:
 
 
 def test_unknown_codecs_are_refused_with_the_known_ones_listed() -> None:
-    with pytest.raises(CodecError, match="unknown codec 'int2'; known codecs: bf16, fp8, int8, int4"):
+    with pytest.raises(CodecError, match="unknown codec 'int2'; known codecs: bf16, fp8, int8, int4, fp32"):
         get_codec("int2")
     with pytest.raises(CodecError, match=r"unknown codec id 9; known ids: 1 \(bf16\)"):
         get_codec_by_id(9)

@@ -6,16 +6,21 @@ A request's life in the engine:
   2. Each ``step`` schedules a batch, runs the model once over it, samples, applies stop rules and
      returns one ``RequestOutput`` per sequence that produced a token or finished.
   3. On finish or ``abort`` the sequence's blocks return to the pool.
-The engine is single-threaded: one caller drives ``step``. Layer hooks see each layer's k/v as soon
-as it is in the cache, which is what the KV transfer streams from.
+A disaggregated decode worker skips 1-2 for the prompt: ``reserve`` takes blocks for a prompt whose
+KV will arrive over the wire, and ``add_prefilled`` joins it to the batch with the first token that
+prefill sampled (or ``release`` gives the blocks back if the transfer fails).
+
+One thread drives ``step``; the request methods may be called from other threads (a lock orders
+them against the scheduling part of a step). Layer hooks see each layer's k/v as soon as it is in
+the cache, which is what the KV transfer streams from.
 """
 
 from __future__ import annotations
 
 import random
+import threading
 import time
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Callable, Literal
 
 import torch
@@ -94,6 +99,15 @@ class LayerKVReady:
 LayerHook = Callable[[LayerKVReady], None]
 
 
+@dataclass(frozen=True)
+class KVReservation:
+    """Blocks held for a prompt whose KV will be written from outside the engine (a KV transfer)."""
+
+    request_id: str
+    num_tokens: int
+    blocks: tuple[int, ...]
+
+
 @dataclass
 class EngineStats:
     num_waiting: int
@@ -102,7 +116,7 @@ class EngineStats:
     blocks_free: int
     num_preemptions: int = 0
     steps: int = 0
-    extra: dict[str, float] = field(default_factory=dict)
+    num_reservations: int = 0
 
 
 class Engine:
@@ -124,12 +138,21 @@ class Engine:
         self._hooks: list[LayerHook] = []
         self._preemptions = 0
         self._steps = 0
+        self._reservations: dict[str, KVReservation] = {}
+        self._lock = threading.RLock()
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                     mm: MultimodalInput | None = None) -> None:
         """Queue a request, or raise an ``EngineError`` naming what is wrong; nothing is allocated."""
-        if request_id in self._seqs:
+        with self._lock:
+            seq = self._new_sequence(request_id, prompt_ids, params, mm)
+            self._seqs[request_id] = seq
+            self.scheduler.add(seq)
+
+    def _new_sequence(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                      mm: MultimodalInput | None) -> Sequence:
+        if request_id in self._seqs or request_id in self._reservations:
             raise DuplicateRequestError(f"request id {request_id!r} is already in the engine")
         if not prompt_ids:
             raise InvalidRequestError("the prompt is empty")
@@ -151,10 +174,60 @@ class Engine:
         detok = None
         if self.tokenizer is not None:
             detok = IncrementalDetokenizer(self.tokenizer, params.stop)
-        seq = Sequence(request_id, list(prompt_ids), params, torch.Generator().manual_seed(seed),
-                       time.monotonic(), mm, detok)
-        self._seqs[request_id] = seq
-        self.scheduler.add(seq)
+        return Sequence(request_id, list(prompt_ids), params, torch.Generator().manual_seed(seed),
+                        time.monotonic(), mm, detok)
+
+    # ------------------------------------------------------------------ disaggregated decode
+    def reserve(self, request_id: str, num_tokens: int) -> KVReservation:
+        """Hold blocks for ``num_tokens`` prompt tokens whose KV another worker will send.
+
+        Raises CapacityError when the blocks are not free now; the caller may retry or queue."""
+        with self._lock:
+            if request_id in self._seqs or request_id in self._reservations:
+                raise DuplicateRequestError(f"request id {request_id!r} is already in the engine")
+            if not 0 < num_tokens < self.max_model_len:
+                raise PromptTooLongError(f"cannot reserve {num_tokens} tokens: this model's context is "
+                                         f"{self.max_model_len} tokens")
+            blocks = tuple(self.cache.allocator.allocate(self.cache.blocks_for(num_tokens)))
+            res = KVReservation(request_id, num_tokens, blocks)
+            self._reservations[request_id] = res
+            return res
+
+    def release(self, reservation: KVReservation) -> bool:
+        """Give back a reservation that was not adopted (transfer failed, aborted, timed out).
+        Idempotent: returns False when it was already released or adopted."""
+        with self._lock:
+            if self._reservations.get(reservation.request_id) is not reservation:
+                return False
+            del self._reservations[reservation.request_id]
+            self.cache.allocator.free(list(reservation.blocks))
+            return True
+
+    def add_prefilled(self, reservation: KVReservation, prompt_ids: list[int], first_token: int,
+                      params: SamplingParams) -> RequestOutput:
+        """Join a sequence whose prompt KV is already in the reserved blocks, with the first token
+        prefill sampled. Returns that token's output (which may already finish the request).
+
+        The reservation is consumed whether this succeeds or raises."""
+        with self._lock:
+            if self._reservations.get(reservation.request_id) is not reservation:
+                raise InvalidRequestError(f"no live reservation for request {reservation.request_id!r}")
+            del self._reservations[reservation.request_id]
+            try:
+                if len(prompt_ids) != reservation.num_tokens:
+                    raise InvalidRequestError(f"{len(prompt_ids)} prompt tokens for a reservation of "
+                                              f"{reservation.num_tokens}")
+                if not 0 <= first_token < self.model.cfg.vocab_size:
+                    raise InvalidRequestError(f"first token {first_token} is outside the vocabulary")
+                seq = self._new_sequence(reservation.request_id, prompt_ids, params, None)
+            except Exception:
+                self.cache.allocator.free(list(reservation.blocks))
+                raise
+            seq.block_table = list(reservation.blocks)
+            seq.num_computed = len(prompt_ids)
+            self._seqs[seq.request_id] = seq
+            self.scheduler.adopt(seq)
+            return self._append(seq, first_token, None)
 
     def _check_mm(self, prompt_ids: list[int], mm: MultimodalInput) -> None:
         if mm.embeds.ndim != 2 or mm.embeds.shape[1] != self.model.cfg.hidden_size:
@@ -168,25 +241,37 @@ class Engine:
             raise InvalidRequestError("placeholder positions must be distinct, ascending and inside the prompt")
 
     def abort(self, request_id: str) -> bool:
-        """Drop a request and free its blocks. Returns False if it is unknown or already finished."""
-        seq = self._seqs.pop(request_id, None)
-        if seq is None:
-            return False
-        self.scheduler.finish(seq, FinishReason.ABORT)
-        return True
+        """Drop a request (or an unadopted reservation) and free its blocks. Returns False if it is
+        unknown or already finished."""
+        with self._lock:
+            res = self._reservations.get(request_id)
+            if res is not None:
+                return self.release(res)
+            seq = self._seqs.pop(request_id, None)
+            if seq is None:
+                return False
+            self.scheduler.finish(seq, FinishReason.ABORT)
+            return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        with self._lock:
+            return self.scheduler.has_work()
 
     def add_layer_hook(self, hook: LayerHook) -> None:
         self._hooks.append(hook)
 
     def stats(self) -> EngineStats:
-        return EngineStats(len(self.scheduler.waiting), len(self.scheduler.running), self.cache.num_blocks,
-                           self.cache.allocator.num_free, self._preemptions, self._steps)
+        with self._lock:
+            return EngineStats(len(self.scheduler.waiting), len(self.scheduler.running), self.cache.num_blocks,
+                               self.cache.allocator.num_free, self._preemptions, self._steps,
+                               num_reservations=len(self._reservations))
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
+        with self._lock:
+            return self._step()
+
+    def _step(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule()
         self._preemptions += len(plan.preempted)
         if plan.empty:

@@ -7,9 +7,11 @@ time (fewer, larger matmuls are faster on CPU and GPU alike). Numerics follow tr
 
 from __future__ import annotations
 
+import json
 from typing import Callable
 
 import torch
+import xxhash
 import torch.nn.functional as F
 from torch import nn
 
@@ -86,6 +88,19 @@ class DecoderModel(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, device)
+
+    def fingerprint(self) -> str:
+        """A hash of the KV-relevant config and every weight: two workers can only exchange KV caches
+        when their fingerprints are equal. Computed once (about 10 ms per 50 MB of weights)."""
+        cached = getattr(self, "_fingerprint", None)
+        if cached is None:
+            h = xxhash.xxh3_128()
+            h.update(json.dumps(self.cfg.fingerprint_fields(), sort_keys=True).encode())
+            for name, p in sorted(self.named_parameters(), key=lambda kv: kv[0]):
+                h.update(name.encode())
+                h.update(p.detach().to("cpu").contiguous().view(-1).view(torch.uint8).numpy().data)
+            cached = self._fingerprint = f"{self.cfg.model_type}-{h.hexdigest()[:24]}"
+        return cached
 
     @torch.inference_mode()
     def forward(self, batch: StepBatch, cache: PagedKVCache, on_layer_done: LayerDone | None = None) -> torch.Tensor:

@@ -64,6 +64,11 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
 
+    def adopt(self, seq: Sequence) -> None:
+        """Run a sequence that already holds its blocks and computed prompt (a received KV cache)."""
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 

@@ -23,7 +23,7 @@ from workers.runtime.model import DecoderModel
 
 DEFAULT_SEED = 0
 DEFAULT_MODEL_NAME = "epd-demo-random"
-FORMAT_VERSION = "1"  # bump when the default changes, so cached copies are rebuilt
+FORMAT_VERSION = "2"  # bump when the default changes, so cached copies are rebuilt
 
 BOS, EOS, IM_START, IM_END, IMAGE, PAD = (
     "<|begin_of_text|>", "<|end_of_text|>", "<|im_start|>", "<|im_end|>", "<|image|>", "<|pad|>")
@@ -71,7 +71,7 @@ def default_config(vocab_size: int, bos_id: int, eos_ids: tuple[int, ...]) -> Mo
     return ModelConfig(
         architecture="LlamaForCausalLM", vocab_size=vocab_size, hidden_size=512, intermediate_size=1536,
         num_layers=4, num_heads=8, num_kv_heads=4, head_dim=64, max_position_embeddings=8192,
-        rms_norm_eps=1e-5, rope=RopeConfig(theta=500000.0), tie_word_embeddings=True,
+        rms_norm_eps=1e-5, rope=RopeConfig(theta=500000.0), tie_word_embeddings=False,
         bos_token_id=bos_id, eos_token_ids=eos_ids)
 
 
@@ -90,7 +90,10 @@ def build_tokenizer(vocab_size: int = 2048) -> HFTokenizer:
 
 
 def build_default_model(seed: int = DEFAULT_SEED) -> tuple[DecoderModel, HFTokenizer]:
-    """The demo model's weights (normal(0, 0.02), norms at 1) from ``seed``, whatever the global RNG."""
+    """The demo model's weights from ``seed``, whatever the global RNG: embeddings and LM head
+    normal(0, 1), projections normal(0, 0.02), norms at 1. Untied, unit-scale embeddings make the
+    output depend on the whole context (with tied 0.02-scale ones a random model just repeats its
+    last token), so tests that compare token streams can tell a wrong KV cache from a right one."""
     tok = build_tokenizer()
     eos = (tok.token_to_id(IM_END), tok.token_to_id(EOS))
     cfg = default_config(tok.get_vocab_size(), tok.token_to_id(BOS), eos)
@@ -100,6 +103,8 @@ def build_default_model(seed: int = DEFAULT_SEED) -> tuple[DecoderModel, HFToken
         for name, param in sorted(model.named_parameters(), key=lambda kv: kv[0]):
             if name.endswith("layernorm.weight") or name == "norm.weight":
                 param.fill_(1.0)
+            elif name in ("embed_tokens.weight", "lm_head.weight"):
+                param.copy_(torch.randn(param.shape, generator=gen))
             else:
                 param.copy_(torch.randn(param.shape, generator=gen) * 0.02)
     return model, tok

@@ -1,0 +1,1 @@
+"""Benchmarks for KV transfer and the reference ceilings they are reported against."""

@@ -1,0 +1,23 @@
+"""Transfer errors. Each carries the gRPC status a receiver answers with, and says what was wrong."""
+
+from __future__ import annotations
+
+import grpc
+
+
+class TransferRefused(Exception):
+    """A receiver refused a stream or a message in it; the reservation behind it is released."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+class TransferFailed(Exception):
+    """A sender's transfer did not complete: refused, cancelled, timed out, or the peer went away."""
+
+    def __init__(self, message: str, code: grpc.StatusCode | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message

@@ -1,0 +1,358 @@
+"""The receiving end of a KV push (runs on the decode worker).
+
+A transfer's life on this side:
+  1. EXPECTED   ``expect`` registers the request id, the blocks reserved for it and a deadline.
+  2. STREAMING  a Push stream's handshake names the request; its layout is checked against ours.
+                Each chunk is checked (request id, sequence number, layer, codec, block range,
+                byte sizes, checksum, not seen before) and only then written into the reserved
+                blocks through the ``KVSink``.
+  3. COMPLETE   the finish message's totals match and every block of every layer has landed;
+                ``on_done`` gets the first token.
+  4. FAILED     any refused message, a cancelled or broken stream, ``cancel`` or the deadline:
+                ``on_done`` gets the error, and the caller releases the blocks. The stream ends
+                with a status that names the problem; other transfers are unaffected.
+``on_done`` is called exactly once per expected request.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Protocol, Sequence
+
+import grpc
+
+from kvtransfer.checksum import StreamChecksum, chunk_checksum
+from kvtransfer.codecs import CodecError, Kind, get_codec
+from kvtransfer.errors import TransferRefused
+from kvtransfer.layout import KVLayout, LayoutMismatch
+from kvtransfer.shm import SharedSegment, ShmError
+from kvtransfer.wire import PROTOCOL_VERSION, Frame, WireError, decode_frame, pb
+
+log = logging.getLogger(__name__)
+Code = grpc.StatusCode
+
+
+@dataclass(frozen=True)
+class WireParts:
+    """One tensor's encoded bytes as received: views into the message or shared segment, no copy."""
+
+    payload: memoryview
+    scales: memoryview
+    zeros: memoryview | None
+
+
+class KVSink(Protocol):
+    """Where received blocks land (the decode worker's paged cache). Called with physical block ids
+    taken from the request's reservation, never with ids chosen by the sender."""
+
+    def write(self, layer: int, blocks: Sequence[int], codec: str, shape: tuple[int, int, int, int],
+              key: WireParts, value: WireParts) -> None: ...
+
+
+@dataclass(frozen=True)
+class TransferOutcome:
+    request_id: str
+    ok: bool
+    first_token: int | None = None
+    code: grpc.StatusCode | None = None
+    error: str | None = None
+    num_chunks: int = 0
+    num_bytes: int = 0
+
+
+class State(enum.Enum):
+    EXPECTED = "expected"
+    STREAMING = "streaming"
+    COMPLETE = "complete"
+    FAILED = "failed"
+
+
+@dataclass(eq=False)
+class _Expected:
+    request_id: str
+    blocks: tuple[int, ...]
+    deadline: float
+    on_done: Callable[[TransferOutcome], None]
+    state: State = State.EXPECTED
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    failure: TransferRefused | None = None
+
+
+class KVReceiver:
+    """Validates and lands KV pushes for the requests it was told to expect."""
+
+    def __init__(self, layout: KVLayout, sink: KVSink, *, max_streams: int = 16,
+                 max_chunk_bytes: int = 64 * 2**20, clock: Callable[[], float] = time.monotonic) -> None:
+        self.layout = layout
+        self.sink = sink
+        self.max_chunk_bytes = max_chunk_bytes
+        self.clock = clock
+        self._expected: dict[str, _Expected] = {}
+        self._lock = threading.Lock()
+        self._streams = threading.BoundedSemaphore(max_streams)
+        self._janitor: threading.Thread | None = None
+        self._stop = threading.Event()
+
+    # ------------------------------------------------------------------ control (decode worker side)
+    def expect(self, request_id: str, blocks: Sequence[int], on_done: Callable[[TransferOutcome], None],
+               timeout_s: float) -> None:
+        """Accept one push for ``request_id`` into ``blocks`` (physical ids, in logical order) until
+        ``timeout_s`` from now."""
+        with self._lock:
+            if request_id in self._expected:
+                raise ValueError(f"request {request_id!r} is already expected")
+            self._expected[request_id] = _Expected(request_id, tuple(blocks), self.clock() + timeout_s, on_done)
+
+    def cancel(self, request_id: str, reason: str = "cancelled by the receiver") -> bool:
+        """Fail an expected or streaming transfer now (its stream ends with CANCELLED)."""
+        exp = self._expected.get(request_id)
+        return exp is not None and self._fail(exp, TransferRefused(Code.CANCELLED, reason))
+
+    def sweep(self) -> list[str]:
+        """Fail every transfer past its deadline; returns their ids. The janitor calls this."""
+        now = self.clock()
+        late = [e for e in list(self._expected.values()) if e.deadline <= now]
+        return [e.request_id for e in late
+                if self._fail(e, TransferRefused(Code.DEADLINE_EXCEEDED,
+                                                 f"transfer for {e.request_id!r} did not complete in time"))]
+
+    def start_janitor(self, interval_s: float = 0.05) -> None:
+        def loop() -> None:
+            while not self._stop.wait(interval_s):
+                self.sweep()
+        self._janitor = threading.Thread(target=loop, name="kv-receiver-janitor", daemon=True)
+        self._janitor.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._janitor is not None:
+            self._janitor.join(timeout=2)
+        for exp in list(self._expected.values()):
+            self._fail(exp, TransferRefused(Code.UNAVAILABLE, "the receiver is shutting down"))
+
+    @property
+    def pending(self) -> int:
+        return len(self._expected)
+
+    # ------------------------------------------------------------------ outcome bookkeeping
+    def _fail(self, exp: _Expected, err: TransferRefused) -> bool:
+        with exp.lock:  # never while a chunk is being written into the blocks
+            if exp.state in (State.COMPLETE, State.FAILED):
+                return False
+            exp.state = State.FAILED
+            exp.failure = err
+        with self._lock:
+            self._expected.pop(exp.request_id, None)
+        log.info("kv transfer %s failed: %s %s", exp.request_id, err.code.name, err.message)
+        exp.on_done(TransferOutcome(exp.request_id, False, code=err.code, error=err.message))
+        return True
+
+    # ------------------------------------------------------------------ the Push RPC
+    def push(self, requests: Iterator[bytes], context: grpc.ServicerContext) -> bytes:
+        """Handler for KVTransfer.Push (raw bytes in, serialized PushAck out)."""
+        if not self._streams.acquire(timeout=5.0):
+            context.abort(Code.RESOURCE_EXHAUSTED, "too many KV streams in flight on this receiver; retry")
+        exp: _Expected | None = None
+        session: _Session | None = None
+        try:
+            first = self._next(requests)
+            if first is None or first.kind != "handshake":
+                raise TransferRefused(Code.INVALID_ARGUMENT, "a Push stream must open with a handshake")
+            exp, session = self._open(first.header)
+            for frame in self._frames(requests):
+                if frame.kind == "chunk":
+                    self._chunk(exp, session, frame)
+                elif frame.kind == "finish":
+                    return self._finish(exp, session, frame.header)
+                else:
+                    raise TransferRefused(Code.INVALID_ARGUMENT, "a second handshake on the same stream")
+            raise TransferRefused(Code.DATA_LOSS, "the stream ended before its finish message (sender gone?)")
+        except TransferRefused as err:
+            if exp is not None:
+                self._fail(exp, err)
+                err = exp.failure or err
+            context.abort(err.code, err.message)
+        except grpc.RpcError:  # the client cancelled or disconnected mid-stream
+            if exp is not None:
+                self._fail(exp, TransferRefused(Code.CANCELLED, "the sender cancelled or went away mid-stream"))
+            raise
+        except Exception as exc:  # a bug: fail this transfer, keep serving others
+            log.exception("kv receiver error")
+            if exp is not None:
+                self._fail(exp, TransferRefused(Code.INTERNAL, f"receiver error: {exc}"))
+            context.abort(Code.INTERNAL, f"receiver error: {type(exc).__name__}")
+        finally:
+            if session is not None:
+                session.close()
+            self._streams.release()
+        raise AssertionError("unreachable")
+
+    @staticmethod
+    def _next(requests: Iterator[bytes]) -> Frame | None:
+        data = next(requests, None)
+        return None if data is None else _decode(data)
+
+    @staticmethod
+    def _frames(requests: Iterator[bytes]) -> Iterator[Frame]:
+        for data in requests:
+            yield _decode(data)
+
+    def _open(self, hs: "pb.PushHandshake") -> tuple[_Expected, "_Session"]:
+        if hs.protocol_version != PROTOCOL_VERSION:
+            raise TransferRefused(Code.FAILED_PRECONDITION,
+                                  f"protocol version {hs.protocol_version} is not supported (this receiver "
+                                  f"speaks {PROTOCOL_VERSION})")
+        with self._lock:
+            exp = self._expected.get(hs.request_id)
+            if exp is None:
+                raise TransferRefused(Code.NOT_FOUND, f"no reservation for request {hs.request_id!r} "
+                                                      "(never made, expired or already used)")
+            with exp.lock:
+                if exp.state is not State.EXPECTED:
+                    raise TransferRefused(Code.ALREADY_EXISTS, f"request {hs.request_id!r} already has a stream")
+                exp.state = State.STREAMING
+        try:
+            sender = KVLayout.from_proto(hs.layout)
+            self.layout.check_compatible(sender)
+        except (LayoutMismatch, CodecError) as exc:
+            raise TransferRefused(Code.FAILED_PRECONDITION, f"layout mismatch: {exc}") from None
+        nblocks = sender.blocks_for(hs.num_tokens)
+        if hs.num_tokens == 0 or nblocks > len(exp.blocks):
+            raise TransferRefused(Code.OUT_OF_RANGE, f"{hs.num_tokens} tokens need {nblocks} blocks; "
+                                                     f"{len(exp.blocks)} are reserved for {hs.request_id!r}")
+        segment = None
+        if hs.transport == pb.TRANSPORT_SHARED_MEMORY:
+            try:
+                segment = SharedSegment.attach(hs.shm_name, hs.shm_size)
+            except ShmError as exc:
+                raise TransferRefused(Code.FAILED_PRECONDITION, f"shared-memory transport unavailable: {exc}; "
+                                                                "use the gRPC transport") from None
+        elif hs.transport != pb.TRANSPORT_GRPC:
+            raise TransferRefused(Code.INVALID_ARGUMENT, f"unknown transport {hs.transport}")
+        return exp, _Session(sender, hs.num_tokens, nblocks, segment)
+
+    def _chunk(self, exp: _Expected, s: "_Session", frame: Frame) -> None:
+        c: pb.KVChunk = frame.header  # type: ignore[assignment]
+        where = f"chunk seq {c.seq} (layer {c.layer}, blocks {c.first_block}..{c.first_block + c.num_blocks - 1})"
+        if c.request_id != exp.request_id:
+            raise TransferRefused(Code.INVALID_ARGUMENT,
+                                  f"{where} is for request {c.request_id!r} on the stream of {exp.request_id!r}")
+        if c.seq != s.next_seq:
+            raise TransferRefused(Code.INVALID_ARGUMENT, f"{where} out of order or duplicated: expected seq "
+                                                         f"{s.next_seq}")
+        if c.layer >= s.layout.num_layers:
+            raise TransferRefused(Code.INVALID_ARGUMENT, f"{where}: no layer {c.layer} in a "
+                                                         f"{s.layout.num_layers}-layer model")
+        codec_name = s.layout.layer_codecs[c.layer]
+        codec = get_codec(codec_name)
+        if c.codec != int(codec.codec_id):
+            raise TransferRefused(Code.INVALID_ARGUMENT, f"{where}: codec {c.codec} but the handshake gave "
+                                                         f"layer {c.layer} codec {codec_name}")
+        if c.num_blocks == 0 or c.first_block + c.num_blocks > s.num_blocks:
+            raise TransferRefused(Code.OUT_OF_RANGE, f"{where} lies outside the request's {s.num_blocks} blocks")
+        shape = s.layout.block_shape(c.num_blocks)
+        k_lay, v_lay = codec.layout(shape, Kind.KEY), codec.layout(shape, Kind.VALUE)
+        want_scales = k_lay.scale_nbytes + k_lay.zero_nbytes + v_lay.scale_nbytes + v_lay.zero_nbytes
+        want_payload = k_lay.payload_nbytes + v_lay.payload_nbytes
+        if want_scales + want_payload > self.max_chunk_bytes:
+            raise TransferRefused(Code.INVALID_ARGUMENT, f"{where} is {want_scales + want_payload} bytes, over "
+                                                         f"this receiver's limit of {self.max_chunk_bytes}")
+        scales, payload = s.bulk(c, frame, want_scales)
+        if scales.nbytes != want_scales or payload.nbytes != want_payload:
+            raise TransferRefused(Code.INVALID_ARGUMENT,
+                                  f"{where} carries {scales.nbytes}+{payload.nbytes} bytes of scales+payload, "
+                                  f"expected {want_scales}+{want_payload} for codec {codec_name}")
+        if chunk_checksum((scales, payload)) != c.checksum:
+            raise TransferRefused(Code.DATA_LOSS, f"{where}: checksum mismatch, the data was corrupted")
+        covered = s.coverage[c.layer]
+        if any(covered[c.first_block:c.first_block + c.num_blocks]):
+            raise TransferRefused(Code.INVALID_ARGUMENT, f"{where} overlaps blocks already received")
+        key, value = _split(k_lay, v_lay, scales, payload)
+        blocks = exp.blocks[c.first_block:c.first_block + c.num_blocks]
+        with exp.lock:
+            if exp.state is not State.STREAMING:  # cancelled or expired meanwhile: the blocks may be gone
+                raise exp.failure or TransferRefused(Code.CANCELLED, "transfer cancelled")
+            try:
+                self.sink.write(c.layer, blocks, codec_name, shape, key, value)
+            except (CodecError, ValueError) as exc:
+                raise TransferRefused(Code.INVALID_ARGUMENT, f"{where}: {exc}") from None
+        covered[c.first_block:c.first_block + c.num_blocks] = b"\x01" * c.num_blocks
+        s.next_seq += 1
+        s.num_bytes += scales.nbytes + payload.nbytes
+        s.checksum.add(c.checksum)
+
+    def _finish(self, exp: _Expected, s: "_Session", f: "pb.PushFinish") -> bytes:
+        if f.num_chunks != s.next_seq or f.num_bytes != s.num_bytes or f.checksum != s.checksum.value:
+            raise TransferRefused(Code.DATA_LOSS, f"finish totals disagree: sender sent {f.num_chunks} chunks / "
+                                                  f"{f.num_bytes} bytes, receiver got {s.next_seq} / {s.num_bytes}")
+        for layer, covered in enumerate(s.coverage):
+            missing = covered.count(0)
+            if missing:
+                raise TransferRefused(Code.DATA_LOSS, f"truncated transfer: layer {layer} is missing {missing} of "
+                                                      f"{s.num_blocks} blocks")
+        with exp.lock:
+            if exp.state is not State.STREAMING:
+                raise exp.failure or TransferRefused(Code.CANCELLED, "transfer cancelled")
+            exp.state = State.COMPLETE
+        with self._lock:
+            self._expected.pop(exp.request_id, None)
+        exp.on_done(TransferOutcome(exp.request_id, True, first_token=f.first_token, num_chunks=s.next_seq,
+                                    num_bytes=s.num_bytes))
+        return pb.PushAck(request_id=exp.request_id, num_chunks=s.next_seq, num_bytes=s.num_bytes,
+                          checksum=s.checksum.value).SerializeToString()
+
+
+class _Session:
+    """Per-stream progress: what has arrived, in which order, and through which transport."""
+
+    def __init__(self, layout: KVLayout, num_tokens: int, num_blocks: int, segment: SharedSegment | None) -> None:
+        self.layout = layout
+        self.num_tokens = num_tokens
+        self.num_blocks = num_blocks
+        self.segment = segment
+        self.coverage = [bytearray(num_blocks) for _ in range(layout.num_layers)]
+        self.next_seq = 0
+        self.num_bytes = 0
+        self.checksum = StreamChecksum()
+
+    def bulk(self, c: "pb.KVChunk", frame: Frame, scales_nbytes: int) -> tuple[memoryview, memoryview]:
+        if self.segment is None:
+            if c.HasField("shm"):
+                raise TransferRefused(Code.INVALID_ARGUMENT, "shared-memory reference on a gRPC-transport stream")
+            return frame.scales, frame.payload
+        if frame.payload.nbytes or frame.scales.nbytes:
+            raise TransferRefused(Code.INVALID_ARGUMENT, "inline bytes on a shared-memory stream")
+        try:
+            view = self.segment.view(c.shm.offset, c.shm.length)
+        except ShmError as exc:
+            raise TransferRefused(Code.OUT_OF_RANGE, f"chunk seq {c.seq}: {exc}") from None
+        return view[:scales_nbytes], view[scales_nbytes:]
+
+    def close(self) -> None:
+        if self.segment is not None:
+            self.segment.close()
+
+
+def _decode(data: bytes) -> Frame:
+    try:
+        return decode_frame(data, pb.PushMessage, pb.KVChunk)
+    except WireError as exc:
+        raise TransferRefused(Code.INVALID_ARGUMENT, f"malformed message: {exc}") from None
+
+
+def _split(k_lay, v_lay, scales: memoryview, payload: memoryview) -> tuple[WireParts, WireParts]:  # type: ignore[no-untyped-def]
+    """Cut a chunk's scales (k scales, k zeros, v scales, v zeros) and payload (k, v) into the two tensors."""
+    o = 0
+    parts = []
+    for lay in (k_lay, v_lay):
+        s = scales[o:o + lay.scale_nbytes]
+        o += lay.scale_nbytes
+        z = scales[o:o + lay.zero_nbytes] if lay.zero_nbytes else None
+        o += lay.zero_nbytes
+        parts.append((s, z))
+    kp, vp = payload[:k_lay.payload_nbytes], payload[k_lay.payload_nbytes:]
+    return WireParts(kp, parts[0][0], parts[0][1]), WireParts(vp, parts[1][0], parts[1][1])

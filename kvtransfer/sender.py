@@ -1,0 +1,305 @@
+"""The sending end of a KV push (runs on the prefill worker).
+
+A stream's life on this side:
+  1. ``KVSender.open_stream`` picks the transport (shared memory on the same host, else gRPC
+     bytes), opens the Push call with a deadline and queues the handshake.
+  2. ``send_layer`` is called as prefill finishes a layer's blocks (the engine's layer hook), with
+     a snapshot of those blocks. It only queues: gRPC's sending thread encodes each queued layer
+     with that layer's codec while the next layer computes. Queued bytes are bounded per stream
+     and per sender, so a slow receiver slows prefill down instead of filling memory.
+  3. ``finish`` queues the totals and the first token and waits for the receiver's ack.
+  Any failure (refusal, deadline, cancel, receiver gone) fails the stream: later calls raise
+  ``TransferFailed`` with the receiver's status and message, and queued data is dropped.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import queue
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import Iterator, Literal
+
+import grpc
+import torch
+
+from kvtransfer.auth import TransferSecurity
+from kvtransfer.checksum import StreamChecksum, chunk_checksum
+from kvtransfer.codecs import Kind, get_codec
+from kvtransfer.codecs.encoded import as_memoryview
+from kvtransfer.errors import TransferFailed
+from kvtransfer.layout import KVLayout
+from kvtransfer.shm import SharedSegment, ShmError, shm_available
+from kvtransfer.wire import PROTOCOL_VERSION, PUSH_METHOD, encode_chunk, encode_control, pb
+
+TransportChoice = Literal["auto", "grpc", "shm"]
+
+
+@dataclass(frozen=True)
+class PushResult:
+    request_id: str
+    num_chunks: int
+    num_bytes: int  # scales + payload bytes moved
+    logical_bytes: int  # the same blocks in bf16, for throughput figures
+    transport: str
+    seconds: float
+
+
+class _ByteBudget:
+    """A counting semaphore in bytes; an item larger than the whole budget still passes alone."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.used = 0
+        self._cv = threading.Condition()
+
+    def acquire(self, n: int, deadline: float, failed: threading.Event) -> None:
+        with self._cv:
+            while self.used and self.used + n > self.capacity:
+                if failed.is_set():
+                    return
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TransferFailed("timed out waiting for the receiver to drain queued KV bytes",
+                                         grpc.StatusCode.DEADLINE_EXCEEDED)
+                self._cv.wait(min(remaining, 0.1))
+            self.used += n
+
+    def release(self, n: int) -> None:
+        with self._cv:
+            self.used -= n
+            self._cv.notify_all()
+
+
+def is_local_target(target: str) -> bool:
+    """True when ``target`` (host:port or unix:path) is on this host's loopback."""
+    if target.startswith("unix:"):
+        return True
+    host = target.rsplit(":", 1)[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class KVSender:
+    """Opens KV streams; one per prefill worker. Channels are cached per target and reused."""
+
+    def __init__(self, security: TransferSecurity, *, stream_budget_bytes: int = 64 * 2**20,
+                 sender_budget_bytes: int = 512 * 2**20, max_chunk_bytes: int = 4 * 2**20,
+                 transport: TransportChoice = "auto") -> None:
+        self.security = security
+        self.stream_budget_bytes = stream_budget_bytes
+        self.max_chunk_bytes = max_chunk_bytes
+        self.transport = transport
+        self._budget = _ByteBudget(sender_budget_bytes)
+        self._channels: dict[str, grpc.Channel] = {}
+        self._lock = threading.Lock()
+        self.host = socket.gethostname()
+
+    def channel(self, target: str) -> grpc.Channel:
+        with self._lock:
+            ch = self._channels.get(target)
+            if ch is None:
+                ch = self._channels[target] = self.security.open_channel(target)
+            return ch
+
+    def close(self) -> None:
+        with self._lock:
+            for ch in self._channels.values():
+                ch.close()
+            self._channels.clear()
+
+    def choose_transport(self, target: str) -> str:
+        if self.transport == "grpc":
+            return "grpc"
+        if self.transport == "shm":
+            return "shm"
+        return "shm" if is_local_target(target) and shm_available() else "grpc"
+
+    def open_stream(self, target: str, request_id: str, layout: KVLayout, num_tokens: int,
+                    timeout_s: float = 30.0) -> "KVStream":
+        return KVStream(self, target, request_id, layout, num_tokens, timeout_s, self.choose_transport(target))
+
+
+class KVStream:
+    def __init__(self, sender: KVSender, target: str, request_id: str, layout: KVLayout, num_tokens: int,
+                 timeout_s: float, transport: str) -> None:
+        self.sender = sender
+        self.request_id = request_id
+        self.layout = layout
+        self.num_tokens = num_tokens
+        self.num_blocks = layout.blocks_for(num_tokens)
+        self.transport = transport
+        self.started = time.monotonic()
+        self.deadline = self.started + timeout_s
+        self._queue: queue.Queue = queue.Queue()
+        self._failed = threading.Event()
+        self._error: TransferFailed | None = None
+        self._finished = False
+        self._budget = _ByteBudget(sender.stream_budget_bytes)
+        self._seq = 0
+        self._bytes = 0
+        self._logical = 0
+        self._checksum = StreamChecksum()
+        self._segment: SharedSegment | None = None
+        self._shm_offset = 0
+        hs = pb.PushHandshake(protocol_version=PROTOCOL_VERSION, request_id=request_id, layout=layout.to_proto(),
+                              num_tokens=num_tokens, transport=pb.TRANSPORT_GRPC, sender_host=sender.host)
+        if transport == "shm":
+            try:
+                self._segment = SharedSegment.create(self._segment_size())
+            except ShmError as exc:
+                raise TransferFailed(f"cannot use shared memory: {exc}") from None
+            hs.transport = pb.TRANSPORT_SHARED_MEMORY
+            hs.shm_name = self._segment.name
+            hs.shm_size = self._segment.size
+        self._queue.put(("raw", encode_control(pb.PushMessage(handshake=hs)), 0))
+        call = sender.channel(target).stream_unary(PUSH_METHOD, request_serializer=None,
+                                                   response_deserializer=pb.PushAck.FromString)
+        self._future = call.future(self._messages(), timeout=timeout_s, metadata=sender.security.call_metadata())
+        self._future.add_done_callback(self._on_done)
+
+    def _segment_size(self) -> int:
+        total = 0
+        for name in self.layout.layer_codecs:
+            codec = get_codec(name)
+            shape = self.layout.block_shape(self.num_blocks)
+            total += codec.layout(shape, Kind.KEY).total_nbytes + codec.layout(shape, Kind.VALUE).total_nbytes
+        # chunks split at block boundaries; per-chunk scale rounding cannot exceed the whole's size
+        return total + 4096
+
+    # ------------------------------------------------------------------ producer side (prefill)
+    def send_layer(self, layer: int, first_block: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Queue blocks [first_block, first_block + n) of ``layer``; key/value are [n, block, heads, dim]
+        snapshots this stream now owns. Returns once queued (may wait for budget)."""
+        self._raise_if_failed()
+        if self._finished:
+            raise TransferFailed("send_layer after finish")
+        n = key.shape[0]
+        if key.shape != value.shape or tuple(key.shape[1:]) != self.layout.block_shape(1)[1:]:
+            raise ValueError(f"blocks must be [n, {self.layout.block_size}, {self.layout.num_kv_heads}, "
+                             f"{self.layout.head_dim}], got {tuple(key.shape)} and {tuple(value.shape)}")
+        if first_block < 0 or first_block + n > self.num_blocks:
+            raise ValueError(f"blocks {first_block}..{first_block + n - 1} outside the request's {self.num_blocks}")
+        per_block = max(1, key[0].nbytes * 2)
+        step = max(1, self.sender.max_chunk_bytes // per_block)
+        for i in range(0, n, step):
+            k, v = key[i:i + step], value[i:i + step]
+            cost = k.nbytes + v.nbytes
+            self._budget.acquire(cost, self.deadline, self._failed)
+            try:
+                self.sender._budget.acquire(cost, self.deadline, self._failed)
+            except TransferFailed:
+                self._budget.release(cost)
+                raise
+            self._raise_if_failed()
+            self._queue.put(("layer", (layer, first_block + i, k, v), cost))
+
+    def finish(self, first_token: int) -> PushResult:
+        """Queue the finish message and wait for the receiver's ack."""
+        self._raise_if_failed()
+        self._finished = True
+        self._queue.put(("finish", first_token, 0))
+        try:
+            ack = self._future.result(timeout=max(0.0, self.deadline - time.monotonic()) + 1.0)
+        except grpc.RpcError as exc:
+            raise self._as_failure(exc) from None
+        except grpc.FutureTimeoutError:
+            self.cancel("timed out waiting for the receiver's ack")
+            raise TransferFailed("timed out waiting for the receiver's ack", grpc.StatusCode.DEADLINE_EXCEEDED)
+        except grpc.FutureCancelledError:
+            raise self._error or TransferFailed("transfer cancelled", grpc.StatusCode.CANCELLED) from None
+        if ack.num_chunks != self._seq or ack.num_bytes != self._bytes or ack.checksum != self._checksum.value:
+            raise TransferFailed(f"receiver acknowledged {ack.num_chunks} chunks / {ack.num_bytes} bytes, sent "
+                                 f"{self._seq} / {self._bytes}", grpc.StatusCode.DATA_LOSS)
+        return PushResult(self.request_id, self._seq, self._bytes, self._logical, self.transport,
+                          time.monotonic() - self.started)
+
+    def cancel(self, reason: str = "cancelled by the sender") -> None:
+        """Abort the stream on both sides (the receiver releases the reservation)."""
+        if self._error is None:
+            self._error = TransferFailed(reason, grpc.StatusCode.CANCELLED)
+        self._failed.set()
+        self._future.cancel()
+        self._queue.put(("stop", None, 0))
+
+    @property
+    def failed(self) -> bool:
+        return self._failed.is_set()
+
+    def _raise_if_failed(self) -> None:
+        if self._failed.is_set():
+            raise self._error or TransferFailed("transfer failed")
+
+    def _as_failure(self, exc: grpc.RpcError) -> TransferFailed:
+        code = exc.code() if hasattr(exc, "code") else None
+        details = exc.details() if hasattr(exc, "details") else str(exc)
+        return TransferFailed(f"receiver refused the KV push: {details}", code)
+
+    def _on_done(self, fut: grpc.Future) -> None:
+        if fut.cancelled():
+            err = self._error or TransferFailed("transfer cancelled", grpc.StatusCode.CANCELLED)
+        else:
+            exc = fut.exception()
+            err = self._as_failure(exc) if exc is not None else None
+        if err is not None:
+            self._error = self._error or err
+            self._failed.set()
+        self._queue.put(("stop", None, 0))
+        if self._segment is not None:
+            self._segment.close()
+
+    # ------------------------------------------------------------------ gRPC's sending thread
+    def _messages(self) -> Iterator[bytes]:
+        while True:
+            kind, item, cost = self._queue.get()
+            if kind == "stop":
+                return
+            if kind == "raw":
+                yield item
+                continue
+            if kind == "finish":
+                yield encode_control(pb.PushMessage(finish=pb.PushFinish(
+                    num_chunks=self._seq, num_bytes=self._bytes, checksum=self._checksum.value,
+                    first_token=item)))
+                return
+            try:
+                if self._failed.is_set():
+                    continue
+                yield self._encode(*item)
+            finally:
+                self._budget.release(cost)
+                self.sender._budget.release(cost)
+
+    def _encode(self, layer: int, first_block: int, key: torch.Tensor, value: torch.Tensor) -> bytes:
+        codec = get_codec(self.layout.layer_codecs[layer])
+        k = codec.encode(key.contiguous(), Kind.KEY)
+        v = codec.encode(value.contiguous(), Kind.VALUE)
+        scales = [m for m in (k.scales_view(), k.zeros_view(), v.scales_view(), v.zeros_view())
+                  if m is not None and m.nbytes]
+        payload = [k.payload_view(), v.payload_view()]
+        checksum = chunk_checksum([*scales, *payload])
+        nbytes = sum(m.nbytes for m in scales) + sum(m.nbytes for m in payload)
+        chunk = pb.KVChunk(seq=self._seq, request_id=self.request_id, layer=layer, first_block=first_block,
+                           num_blocks=key.shape[0], codec=int(codec.codec_id), checksum=checksum)
+        self._seq += 1
+        self._bytes += nbytes
+        self._logical += k.logical_nbytes + v.logical_nbytes
+        self._checksum.add(checksum)
+        if self._segment is None:
+            return encode_chunk(chunk, scales, payload)
+        offset = self._shm_offset
+        dest = self._segment.view(offset, nbytes)
+        pos = 0
+        for m in (*scales, *payload):
+            dest[pos:pos + m.nbytes] = m
+            pos += m.nbytes
+        self._shm_offset += nbytes
+        chunk.shm.offset = offset
+        chunk.shm.length = nbytes
+        return encode_control(pb.PushMessage(chunk=chunk))

@@ -1,0 +1,85 @@
+"""Lands received KV blocks in the decode engine's paged cache (the ``KVSink`` of kvtransfer).
+
+Per layer, by what the cache stores there:
+  - a float layer (fp32/bf16): lossless codecs of the same dtype are copied byte for byte;
+    anything else is decoded into the blocks (dequantised);
+  - an int8/fp8 layer receiving that same codec: payload and scales are stored as they are
+    (``native``: the capacity gain of a quantised cache, no dequantise/requantise);
+  - any other pairing: decoded to float and re-quantised per token as the cache writes it.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from kvtransfer.codecs import Kind, get_codec
+from kvtransfer.codecs.encoded import tensor_from_buffer
+from kvtransfer.receiver import WireParts
+from workers.runtime.kv_cache import DenseLayerStorage, PagedKVCache, QuantizedLayerStorage
+
+_RAW = {("fp32", torch.float32), ("bf16", torch.bfloat16)}
+_NATIVE = {("int8", "int8"), ("fp8", "fp8")}
+
+
+class CacheSink:
+    def __init__(self, cache: PagedKVCache) -> None:
+        self.cache = cache
+        self.bs = cache.block_size
+
+    def write(self, layer: int, blocks: Sequence[int], codec: str, shape: tuple[int, int, int, int],
+              key: WireParts, value: WireParts) -> None:
+        storage = self.cache.layers[layer]
+        if isinstance(storage, DenseLayerStorage) and (codec, storage.k.dtype) in _RAW:
+            for dest, part in ((storage.k, key), (storage.v, value)):
+                self._copy_raw(dest, blocks, part.payload, shape)
+            return
+        if isinstance(storage, QuantizedLayerStorage) and (codec, storage.dtype_name) in _NATIVE:
+            self._store_native(storage, blocks, codec, shape, key, value)
+            return
+        c = get_codec(codec)
+        dtype = storage.k.dtype if isinstance(storage, DenseLayerStorage) else torch.float32
+        k = c.decode(c.from_buffer(Kind.KEY, shape, key.payload, key.scales, key.zeros), dtype)
+        v = c.decode(c.from_buffer(Kind.VALUE, shape, value.payload, value.scales, value.zeros), dtype)
+        slots = self._slots(blocks)
+        storage.write(slots, k.reshape(-1, *shape[2:]), v.reshape(-1, *shape[2:]))
+
+    def _slots(self, blocks: Sequence[int]) -> torch.Tensor:
+        b = torch.tensor(blocks, dtype=torch.long)
+        return (b[:, None] * self.bs + torch.arange(self.bs)).reshape(-1)
+
+    def _copy_raw(self, dest: torch.Tensor, blocks: Sequence[int], payload: memoryview,
+                  shape: tuple[int, int, int, int]) -> None:
+        """Byte copy into the blocks, one memcpy per run of consecutive block ids (no temporaries)."""
+        per_block = dest[0].nbytes * self.bs
+        if payload.nbytes != per_block * len(blocks):
+            raise ValueError(f"payload of {payload.nbytes} bytes for {len(blocks)} blocks of {per_block}")
+        src = np.frombuffer(payload, dtype=np.uint8).reshape(len(blocks), per_block)
+        dst = dest.view(-1, self.bs * dest.shape[1] * dest.shape[2]).view(torch.uint8).numpy()
+        for start, end, first in _runs(blocks):
+            np.copyto(dst[first:first + end - start], src[start:end])
+
+    def _store_native(self, storage: QuantizedLayerStorage, blocks: Sequence[int], codec: str,
+                      shape: tuple[int, int, int, int], key: WireParts, value: WireParts) -> None:
+        n, bs, h, d = shape
+        slots = self._slots(blocks)
+        for data, scale, part in ((storage.k, storage.k_scale, key), (storage.v, storage.v_scale, value)):
+            q = tensor_from_buffer(part.payload, torch.uint8, n * bs * h * d, "payload").view(n * bs, h, d)
+            s = tensor_from_buffer(part.scales, torch.float32, part.scales.nbytes, "scales")
+            # int8 scales are per (block, head); fp8 per block. The cache keeps one per (token, head).
+            s = s.view(n, 1, h if codec == "int8" else 1).expand(n, bs, h).reshape(n * bs, h)
+            data.view(torch.uint8).index_copy_(0, slots, q)
+            scale.index_copy_(0, slots, s)
+
+
+def _runs(blocks: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(start, end, first block id) of each maximal run of consecutive ids in ``blocks``."""
+    runs = []
+    start = 0
+    for i in range(1, len(blocks) + 1):
+        if i == len(blocks) or blocks[i] != blocks[i - 1] + 1:
+            runs.append((start, i, blocks[start]))
+            start = i
+    return runs

@@ -1,0 +1,98 @@
+"""Streams a prefill engine's KV cache to decode workers, layer by layer, as prefill computes it.
+
+Attach a ``LayerStreamer`` to the engine; ``start`` a stream before adding a request; the engine's
+layer hook then hands each finished layer's newly completed blocks to the stream (a snapshot, so
+the engine may free or reuse its blocks at once); ``finish`` sends the first token and waits for
+the receiver's ack. A block is sent once it is full, or at the prompt's end; each (layer, block)
+goes exactly once. A transfer failure never breaks the engine step: the request is marked and
+the caller aborts it (``failed``).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+from kvtransfer.errors import TransferFailed
+from kvtransfer.layout import KVLayout
+from kvtransfer.sender import KVSender, KVStream, PushResult
+from workers.runtime.engine import Engine, LayerKVReady
+
+
+def engine_layout(engine: Engine, layer_codecs: tuple[str, ...]) -> KVLayout:
+    cfg = engine.model.cfg
+    dtype = engine.config.dtype if engine.config.kv_cache_dtype == "auto" else engine.config.kv_cache_dtype
+    return KVLayout(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, engine.cache.block_size, layer_codecs,
+                    engine.model.fingerprint(), dtype if dtype in ("float32", "bfloat16", "float16") else "float32")
+
+
+@dataclass
+class _Active:
+    stream: KVStream
+    sent: list[int]  # per layer: blocks [0, sent) are queued
+    error: TransferFailed | None = None
+    done: bool = field(default=False)
+
+
+class LayerStreamer:
+    def __init__(self, engine: Engine, sender: KVSender, layer_codecs: tuple[str, ...]) -> None:
+        self.engine = engine
+        self.sender = sender
+        self.layout = engine_layout(engine, layer_codecs)
+        self._active: dict[str, _Active] = {}
+        self._lock = threading.Lock()
+        engine.add_layer_hook(self._on_layer)
+
+    def start(self, request_id: str, target: str, num_tokens: int, timeout_s: float = 30.0) -> KVStream:
+        stream = self.sender.open_stream(target, request_id, self.layout, num_tokens, timeout_s)
+        with self._lock:
+            self._active[request_id] = _Active(stream, [0] * self.layout.num_layers)
+        return stream
+
+    def failed(self, request_id: str) -> TransferFailed | None:
+        act = self._active.get(request_id)
+        return None if act is None else act.error or (act.stream._error if act.stream.failed else None)
+
+    def finish(self, request_id: str, first_token: int) -> PushResult:
+        with self._lock:
+            act = self._active.pop(request_id)
+        if act.error is not None:
+            act.stream.cancel(act.error.message)
+            raise act.error
+        return act.stream.finish(first_token)
+
+    def cancel(self, request_id: str, reason: str = "request aborted") -> None:
+        with self._lock:
+            act = self._active.pop(request_id, None)
+        if act is not None:
+            act.stream.cancel(reason)
+
+    def _on_layer(self, event: LayerKVReady) -> None:
+        bs = self.layout.block_size
+        storage = self.engine.cache.layers[event.layer]
+        dtype = self.engine.model.dtype
+        for chunk in event.chunks:
+            act = self._active.get(chunk.request_id)
+            if act is None or act.error is not None:
+                continue
+            lo = act.sent[event.layer]
+            hi = -(-chunk.end // bs) if chunk.last else chunk.end // bs
+            if hi <= lo:
+                continue
+            blocks = torch.tensor(chunk.blocks[lo:hi], dtype=torch.long)
+            slots = (blocks[:, None] * bs + torch.arange(bs)).reshape(-1)
+            k, v = storage.gather(slots, dtype)  # a copy: the engine may reuse the blocks after this step
+            shape = (hi - lo, bs, self.layout.num_kv_heads, self.layout.head_dim)
+            k, v = k.view(shape), v.view(shape)
+            tail = chunk.end - (hi - 1) * bs
+            if tail < bs:  # the prompt's last block is partly empty: never ship another request's stale KV
+                k[-1, tail:] = 0
+                v[-1, tail:] = 0
+            try:
+                act.stream.send_layer(event.layer, lo, k, v)
+            except TransferFailed as exc:
+                act.error = exc
+                continue
+            act.sent[event.layer] = hi

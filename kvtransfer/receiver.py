@@ -16,11 +16,9 @@ A transfer's life on this side:
 
 from __future__ import annotations
 
-import enum
-import logging
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Iterator, Protocol, Sequence
 
 import grpc
@@ -28,11 +26,11 @@ import grpc
 from kvtransfer.checksum import StreamChecksum, chunk_checksum
 from kvtransfer.codecs import CodecError, Kind, get_codec
 from kvtransfer.errors import TransferRefused
+from kvtransfer.expectations import Expectations, Expected, State, run_stream
 from kvtransfer.layout import KVLayout, LayoutMismatch
 from kvtransfer.shm import SharedSegment, ShmError
 from kvtransfer.wire import PROTOCOL_VERSION, Frame, WireError, decode_frame, pb
 
-log = logging.getLogger(__name__)
 Code = grpc.StatusCode
 
 
@@ -64,24 +62,6 @@ class TransferOutcome:
     num_bytes: int = 0
 
 
-class State(enum.Enum):
-    EXPECTED = "expected"
-    STREAMING = "streaming"
-    COMPLETE = "complete"
-    FAILED = "failed"
-
-
-@dataclass(eq=False)
-class _Expected:
-    request_id: str
-    blocks: tuple[int, ...]
-    deadline: float
-    on_done: Callable[[TransferOutcome], None]
-    state: State = State.EXPECTED
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    failure: TransferRefused | None = None
-
-
 class KVReceiver:
     """Validates and lands KV pushes for the requests it was told to expect."""
 
@@ -90,79 +70,53 @@ class KVReceiver:
         self.layout = layout
         self.sink = sink
         self.max_chunk_bytes = max_chunk_bytes
-        self.clock = clock
-        self._expected: dict[str, _Expected] = {}
-        self._lock = threading.Lock()
+        self.expectations: Expectations[TransferOutcome] = Expectations(
+            lambda rid, err: TransferOutcome(rid, False, code=err.code, error=err.message), clock)
         self._streams = threading.BoundedSemaphore(max_streams)
-        self._janitor: threading.Thread | None = None
-        self._stop = threading.Event()
 
     # ------------------------------------------------------------------ control (decode worker side)
     def expect(self, request_id: str, blocks: Sequence[int], on_done: Callable[[TransferOutcome], None],
                timeout_s: float) -> None:
         """Accept one push for ``request_id`` into ``blocks`` (physical ids, in logical order) until
         ``timeout_s`` from now."""
-        with self._lock:
-            if request_id in self._expected:
-                raise ValueError(f"request {request_id!r} is already expected")
-            self._expected[request_id] = _Expected(request_id, tuple(blocks), self.clock() + timeout_s, on_done)
+        self.expectations.add(request_id, tuple(blocks), on_done, timeout_s)
 
     def cancel(self, request_id: str, reason: str = "cancelled by the receiver") -> bool:
         """Fail an expected or streaming transfer now (its stream ends with CANCELLED)."""
-        exp = self._expected.get(request_id)
-        return exp is not None and self._fail(exp, TransferRefused(Code.CANCELLED, reason))
+        return self.expectations.cancel(request_id, reason)
 
     def sweep(self) -> list[str]:
         """Fail every transfer past its deadline; returns their ids. The janitor calls this."""
-        now = self.clock()
-        late = [e for e in list(self._expected.values()) if e.deadline <= now]
-        return [e.request_id for e in late
-                if self._fail(e, TransferRefused(Code.DEADLINE_EXCEEDED,
-                                                 f"transfer for {e.request_id!r} did not complete in time"))]
+        return self.expectations.sweep()
 
     def start_janitor(self, interval_s: float = 0.05) -> None:
-        def loop() -> None:
-            while not self._stop.wait(interval_s):
-                self.sweep()
-        self._janitor = threading.Thread(target=loop, name="kv-receiver-janitor", daemon=True)
-        self._janitor.start()
+        self.expectations.start_janitor(interval_s)
 
     def stop(self) -> None:
-        self._stop.set()
-        if self._janitor is not None:
-            self._janitor.join(timeout=2)
-        for exp in list(self._expected.values()):
-            self._fail(exp, TransferRefused(Code.UNAVAILABLE, "the receiver is shutting down"))
+        self.expectations.stop()
 
     @property
     def pending(self) -> int:
-        return len(self._expected)
-
-    # ------------------------------------------------------------------ outcome bookkeeping
-    def _fail(self, exp: _Expected, err: TransferRefused) -> bool:
-        with exp.lock:  # never while a chunk is being written into the blocks
-            if exp.state in (State.COMPLETE, State.FAILED):
-                return False
-            exp.state = State.FAILED
-            exp.failure = err
-        with self._lock:
-            self._expected.pop(exp.request_id, None)
-        log.info("kv transfer %s failed: %s %s", exp.request_id, err.code.name, err.message)
-        exp.on_done(TransferOutcome(exp.request_id, False, code=err.code, error=err.message))
-        return True
+        return len(self.expectations)
 
     # ------------------------------------------------------------------ the Push RPC
     def push(self, requests: Iterator[bytes], context: grpc.ServicerContext) -> bytes:
         """Handler for KVTransfer.Push (raw bytes in, serialized PushAck out)."""
         if not self._streams.acquire(timeout=5.0):
             context.abort(Code.RESOURCE_EXHAUSTED, "too many KV streams in flight on this receiver; retry")
-        exp: _Expected | None = None
-        session: _Session | None = None
         try:
-            first = self._next(requests)
-            if first is None or first.kind != "handshake":
-                raise TransferRefused(Code.INVALID_ARGUMENT, "a Push stream must open with a handshake")
-            exp, session = self._open(first.header)
+            return run_stream(self.expectations, context, lambda bound: self._run(requests, bound))
+        finally:
+            self._streams.release()
+
+    def _run(self, requests: Iterator[bytes], bound: list) -> bytes:
+        first = self._next(requests)
+        if first is None or first.kind != "handshake":
+            raise TransferRefused(Code.INVALID_ARGUMENT, "a Push stream must open with a handshake")
+        exp = self.expectations.claim(first.header.request_id)
+        bound.append(exp)
+        session = self._open(exp, first.header)
+        try:
             for frame in self._frames(requests):
                 if frame.kind == "chunk":
                     self._chunk(exp, session, frame)
@@ -171,25 +125,8 @@ class KVReceiver:
                 else:
                     raise TransferRefused(Code.INVALID_ARGUMENT, "a second handshake on the same stream")
             raise TransferRefused(Code.DATA_LOSS, "the stream ended before its finish message (sender gone?)")
-        except TransferRefused as err:
-            if exp is not None:
-                self._fail(exp, err)
-                err = exp.failure or err
-            context.abort(err.code, err.message)
-        except grpc.RpcError:  # the client cancelled or disconnected mid-stream
-            if exp is not None:
-                self._fail(exp, TransferRefused(Code.CANCELLED, "the sender cancelled or went away mid-stream"))
-            raise
-        except Exception as exc:  # a bug: fail this transfer, keep serving others
-            log.exception("kv receiver error")
-            if exp is not None:
-                self._fail(exp, TransferRefused(Code.INTERNAL, f"receiver error: {exc}"))
-            context.abort(Code.INTERNAL, f"receiver error: {type(exc).__name__}")
         finally:
-            if session is not None:
-                session.close()
-            self._streams.release()
-        raise AssertionError("unreachable")
+            session.close()
 
     @staticmethod
     def _next(requests: Iterator[bytes]) -> Frame | None:
@@ -201,29 +138,20 @@ class KVReceiver:
         for data in requests:
             yield _decode(data)
 
-    def _open(self, hs: "pb.PushHandshake") -> tuple[_Expected, "_Session"]:
+    def _open(self, exp: Expected, hs: "pb.PushHandshake") -> "_Session":
         if hs.protocol_version != PROTOCOL_VERSION:
             raise TransferRefused(Code.FAILED_PRECONDITION,
                                   f"protocol version {hs.protocol_version} is not supported (this receiver "
                                   f"speaks {PROTOCOL_VERSION})")
-        with self._lock:
-            exp = self._expected.get(hs.request_id)
-            if exp is None:
-                raise TransferRefused(Code.NOT_FOUND, f"no reservation for request {hs.request_id!r} "
-                                                      "(never made, expired or already used)")
-            with exp.lock:
-                if exp.state is not State.EXPECTED:
-                    raise TransferRefused(Code.ALREADY_EXISTS, f"request {hs.request_id!r} already has a stream")
-                exp.state = State.STREAMING
         try:
             sender = KVLayout.from_proto(hs.layout)
             self.layout.check_compatible(sender)
         except (LayoutMismatch, CodecError) as exc:
             raise TransferRefused(Code.FAILED_PRECONDITION, f"layout mismatch: {exc}") from None
         nblocks = sender.blocks_for(hs.num_tokens)
-        if hs.num_tokens == 0 or nblocks > len(exp.blocks):
+        if hs.num_tokens == 0 or nblocks > len(exp.target):
             raise TransferRefused(Code.OUT_OF_RANGE, f"{hs.num_tokens} tokens need {nblocks} blocks; "
-                                                     f"{len(exp.blocks)} are reserved for {hs.request_id!r}")
+                                                     f"{len(exp.target)} are reserved for {hs.request_id!r}")
         segment = None
         if hs.transport == pb.TRANSPORT_SHARED_MEMORY:
             try:
@@ -233,9 +161,9 @@ class KVReceiver:
                                                                 "use the gRPC transport") from None
         elif hs.transport != pb.TRANSPORT_GRPC:
             raise TransferRefused(Code.INVALID_ARGUMENT, f"unknown transport {hs.transport}")
-        return exp, _Session(sender, hs.num_tokens, nblocks, segment)
+        return _Session(sender, hs.num_tokens, nblocks, segment)
 
-    def _chunk(self, exp: _Expected, s: "_Session", frame: Frame) -> None:
+    def _chunk(self, exp: Expected, s: "_Session", frame: Frame) -> None:
         c: pb.KVChunk = frame.header  # type: ignore[assignment]
         where = f"chunk seq {c.seq} (layer {c.layer}, blocks {c.first_block}..{c.first_block + c.num_blocks - 1})"
         if c.request_id != exp.request_id:
@@ -272,7 +200,7 @@ class KVReceiver:
         if any(covered[c.first_block:c.first_block + c.num_blocks]):
             raise TransferRefused(Code.INVALID_ARGUMENT, f"{where} overlaps blocks already received")
         key, value = _split(k_lay, v_lay, scales, payload)
-        blocks = exp.blocks[c.first_block:c.first_block + c.num_blocks]
+        blocks = exp.target[c.first_block:c.first_block + c.num_blocks]
         with exp.lock:
             if exp.state is not State.STREAMING:  # cancelled or expired meanwhile: the blocks may be gone
                 raise exp.failure or TransferRefused(Code.CANCELLED, "transfer cancelled")
@@ -285,7 +213,7 @@ class KVReceiver:
         s.num_bytes += scales.nbytes + payload.nbytes
         s.checksum.add(c.checksum)
 
-    def _finish(self, exp: _Expected, s: "_Session", f: "pb.PushFinish") -> bytes:
+    def _finish(self, exp: Expected, s: "_Session", f: "pb.PushFinish") -> bytes:
         if f.num_chunks != s.next_seq or f.num_bytes != s.num_bytes or f.checksum != s.checksum.value:
             raise TransferRefused(Code.DATA_LOSS, f"finish totals disagree: sender sent {f.num_chunks} chunks / "
                                                   f"{f.num_bytes} bytes, receiver got {s.next_seq} / {s.num_bytes}")
@@ -294,14 +222,8 @@ class KVReceiver:
             if missing:
                 raise TransferRefused(Code.DATA_LOSS, f"truncated transfer: layer {layer} is missing {missing} of "
                                                       f"{s.num_blocks} blocks")
-        with exp.lock:
-            if exp.state is not State.STREAMING:
-                raise exp.failure or TransferRefused(Code.CANCELLED, "transfer cancelled")
-            exp.state = State.COMPLETE
-        with self._lock:
-            self._expected.pop(exp.request_id, None)
-        exp.on_done(TransferOutcome(exp.request_id, True, first_token=f.first_token, num_chunks=s.next_seq,
-                                    num_bytes=s.num_bytes))
+        self.expectations.complete(exp, TransferOutcome(exp.request_id, True, first_token=f.first_token,
+                                                        num_chunks=s.next_seq, num_bytes=s.num_bytes))
         return pb.PushAck(request_id=exp.request_id, num_chunks=s.next_seq, num_bytes=s.num_bytes,
                           checksum=s.checksum.value).SerializeToString()
 

@@ -104,7 +104,8 @@ def encode_chunk(chunk: "pb.KVChunk | pb.EmbeddingChunk", scales: Iterable[memor
     parts: list[bytes | memoryview] = [head]
     if s_len:
         parts += [_len_prefix(SCALES_FIELD, s_len), *scales]
-    parts += [_len_prefix(PAYLOAD_FIELD, p_len), *payload]
+    if p_len:  # proto3 omits an empty bytes field; so must we, to stay byte-identical
+        parts += [_len_prefix(PAYLOAD_FIELD, p_len), *payload]
     body_len = sum(len(p) if isinstance(p, bytes) else p.nbytes for p in parts)
     return b"".join([_len_prefix(_CHUNK, body_len), *parts])
 

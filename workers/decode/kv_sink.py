@@ -10,7 +10,7 @@ Per layer, by what the cache stores there:
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Literal, Sequence
 
 import numpy as np
 import torch
@@ -22,6 +22,16 @@ from workers.runtime.kv_cache import DenseLayerStorage, PagedKVCache, QuantizedL
 
 _RAW = {("fp32", torch.float32), ("bf16", torch.bfloat16)}
 _NATIVE = {("int8", "int8"), ("fp8", "fp8")}
+KVStore = Literal["dequantize", "native"]
+
+
+def decode_cache_dtypes(codecs: tuple[str, ...], compute_dtype: str, store: KVStore) -> tuple[str, ...]:
+    """The decode cache's dtype per layer: ``native`` keeps int8/fp8 layers quantised as received
+    (more tokens per byte of pool), ``dequantize`` stores every layer in the compute dtype. int4
+    layers are always dequantised (the cache has no int4 storage)."""
+    if store == "dequantize":
+        return (compute_dtype,) * len(codecs)
+    return tuple(c if c in ("int8", "fp8") else compute_dtype for c in codecs)
 
 
 class CacheSink:

@@ -46,6 +46,7 @@ class EngineConfig:
     block_size: int = 16
     kv_cache_bytes: int = 256 * 2**20
     kv_cache_dtype: Literal["auto"] | CacheDType = "auto"  # auto = the model dtype
+    kv_layer_dtypes: tuple[CacheDType, ...] | None = None  # per layer, overriding kv_cache_dtype
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     prefill_chunk_size: int = 512
@@ -58,6 +59,9 @@ class EngineConfig:
         if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in CACHE_DTYPES:
             raise InvalidRequestError(
                 f"kv_cache_dtype must be auto or one of {', '.join(CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        for d in self.kv_layer_dtypes or ():
+            if d not in CACHE_DTYPES:
+                raise InvalidRequestError(f"kv_layer_dtypes: unknown dtype {d!r}; one of {', '.join(CACHE_DTYPES)}")
         if self.kv_cache_bytes <= 0:
             raise InvalidRequestError(f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}")
 
@@ -129,9 +133,12 @@ class Engine:
         self.eos_token_ids = frozenset(eos_token_ids or cfg.eos_token_ids)
         self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         cache_dtype = config.dtype if config.kv_cache_dtype == "auto" else config.kv_cache_dtype
+        layer_dtypes = config.kv_layer_dtypes or (cache_dtype,) * cfg.num_layers
+        if len(layer_dtypes) != cfg.num_layers:
+            raise InvalidRequestError(f"kv_layer_dtypes names {len(layer_dtypes)} layers; the model has "
+                                      f"{cfg.num_layers}")
         spec = KVCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, config.block_size)
-        self.cache = PagedKVCache.from_budget(spec, config.kv_cache_bytes, (cache_dtype,) * cfg.num_layers,
-                                              model.device)
+        self.cache = PagedKVCache.from_budget(spec, config.kv_cache_bytes, layer_dtypes, model.device)
         self.scheduler = Scheduler(config.scheduler_config(), self.cache.allocator, config.block_size)
         self._seqs: dict[str, Sequence] = {}
         self._rng = random.Random(config.seed)
@@ -259,6 +266,9 @@ class Engine:
 
     def add_layer_hook(self, hook: LayerHook) -> None:
         self._hooks.append(hook)
+
+    def remove_layer_hook(self, hook: LayerHook) -> None:
+        self._hooks.remove(hook)
 
     def stats(self) -> EngineStats:
         with self._lock:

@@ -1,0 +1,139 @@
+"""Bookkeeping shared by both receivers (KV and embeddings): which request ids may push, until when,
+and the guarantee that each one's ``on_done`` runs exactly once, success or failure."""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Generic, TypeVar
+
+import grpc
+
+from kvtransfer.errors import TransferRefused
+
+log = logging.getLogger(__name__)
+Code = grpc.StatusCode
+O = TypeVar("O")
+
+
+class State(enum.Enum):
+    EXPECTED = "expected"
+    STREAMING = "streaming"
+    COMPLETE = "complete"
+    FAILED = "failed"
+
+
+@dataclass(eq=False)
+class Expected(Generic[O]):
+    request_id: str
+    deadline: float
+    on_done: Callable[[O], None]
+    target: Any  # what the push lands in: reserved blocks, an embedding buffer
+    state: State = State.EXPECTED
+    lock: threading.Lock = field(default_factory=threading.Lock)  # held while writing into ``target``
+    failure: TransferRefused | None = None
+
+
+class Expectations(Generic[O]):
+    def __init__(self, failed_outcome: Callable[[str, TransferRefused], O],
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._failed_outcome = failed_outcome
+        self.clock = clock
+        self._items: dict[str, Expected[O]] = {}
+        self._lock = threading.Lock()
+        self._janitor: threading.Thread | None = None
+        self._stop = threading.Event()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def add(self, request_id: str, target: Any, on_done: Callable[[O], None], timeout_s: float) -> None:
+        with self._lock:
+            if request_id in self._items:
+                raise ValueError(f"request {request_id!r} is already expected")
+            self._items[request_id] = Expected(request_id, self.clock() + timeout_s, on_done, target)
+
+    def claim(self, request_id: str) -> Expected[O]:
+        """Bind a stream to ``request_id``; refuses unknown ids and a second stream."""
+        with self._lock:
+            exp = self._items.get(request_id)
+            if exp is None:
+                raise TransferRefused(Code.NOT_FOUND, f"no reservation for request {request_id!r} "
+                                                      "(never made, expired or already used)")
+            with exp.lock:
+                if exp.state is not State.EXPECTED:
+                    raise TransferRefused(Code.ALREADY_EXISTS, f"request {request_id!r} already has a stream")
+                exp.state = State.STREAMING
+        return exp
+
+    def complete(self, exp: Expected[O], outcome: O) -> None:
+        with exp.lock:
+            if exp.state is not State.STREAMING:
+                raise exp.failure or TransferRefused(Code.CANCELLED, "transfer cancelled")
+            exp.state = State.COMPLETE
+        with self._lock:
+            self._items.pop(exp.request_id, None)
+        exp.on_done(outcome)
+
+    def fail(self, exp: Expected[O], err: TransferRefused) -> bool:
+        with exp.lock:  # never while a chunk is being written into the target
+            if exp.state in (State.COMPLETE, State.FAILED):
+                return False
+            exp.state = State.FAILED
+            exp.failure = err
+        with self._lock:
+            self._items.pop(exp.request_id, None)
+        log.info("transfer %s failed: %s %s", exp.request_id, err.code.name, err.message)
+        exp.on_done(self._failed_outcome(exp.request_id, err))
+        return True
+
+    def cancel(self, request_id: str, reason: str) -> bool:
+        exp = self._items.get(request_id)
+        return exp is not None and self.fail(exp, TransferRefused(Code.CANCELLED, reason))
+
+    def sweep(self) -> list[str]:
+        now = self.clock()
+        late = [e for e in list(self._items.values()) if e.deadline <= now]
+        return [e.request_id for e in late
+                if self.fail(e, TransferRefused(Code.DEADLINE_EXCEEDED,
+                                                f"transfer for {e.request_id!r} did not complete in time"))]
+
+    def start_janitor(self, interval_s: float = 0.05) -> None:
+        def loop() -> None:
+            while not self._stop.wait(interval_s):
+                self.sweep()
+        self._janitor = threading.Thread(target=loop, name="transfer-janitor", daemon=True)
+        self._janitor.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._janitor is not None:
+            self._janitor.join(timeout=2)
+        for exp in list(self._items.values()):
+            self.fail(exp, TransferRefused(Code.UNAVAILABLE, "the receiver is shutting down"))
+
+
+def run_stream(expectations: Expectations, context: grpc.ServicerContext, body: Callable[[list], bytes]) -> bytes:
+    """Run a push handler body; map refusals to statuses and fail the bound expectation (held in
+    ``bound[0]`` once the handshake claims it) on any error."""
+    bound: list[Expected] = []
+    try:
+        return body(bound)
+    except TransferRefused as err:
+        if bound:
+            expectations.fail(bound[0], err)
+            err = bound[0].failure or err
+        context.abort(err.code, err.message)
+    except grpc.RpcError:  # the client cancelled or disconnected mid-stream
+        if bound:
+            expectations.fail(bound[0], TransferRefused(Code.CANCELLED, "the sender cancelled or went away"))
+        raise
+    except Exception as exc:  # a bug: fail this transfer, keep serving the others
+        log.exception("transfer receiver error")
+        if bound:
+            expectations.fail(bound[0], TransferRefused(Code.INTERNAL, f"receiver error: {exc}"))
+        context.abort(Code.INTERNAL, f"receiver error: {type(exc).__name__}")
+    raise AssertionError("unreachable: context.abort raises")

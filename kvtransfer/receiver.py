@@ -65,7 +65,7 @@ class TransferOutcome:
 class KVReceiver:
     """Validates and lands KV pushes for the requests it was told to expect."""
 
-    def __init__(self, layout: KVLayout, sink: KVSink, *, max_streams: int = 16,
+    def __init__(self, layout: KVLayout, sink: KVSink, *, max_streams: int = 64,
                  max_chunk_bytes: int = 64 * 2**20, clock: Callable[[], float] = time.monotonic) -> None:
         self.layout = layout
         self.sink = sink
@@ -149,7 +149,7 @@ class KVReceiver:
         except (LayoutMismatch, CodecError) as exc:
             raise TransferRefused(Code.FAILED_PRECONDITION, f"layout mismatch: {exc}") from None
         nblocks = sender.blocks_for(hs.num_tokens)
-        if hs.num_tokens == 0 or nblocks > len(exp.target):
+        if hs.num_tokens == 0 or nblocks != len(exp.target):  # fewer would leave reserved blocks stale
             raise TransferRefused(Code.OUT_OF_RANGE, f"{hs.num_tokens} tokens need {nblocks} blocks; "
                                                      f"{len(exp.target)} are reserved for {hs.request_id!r}")
         segment = None

@@ -20,10 +20,15 @@ def kv_transfer_handler(receiver: KVReceiver) -> grpc.GenericRpcHandler:
 
 
 def start_server(handlers: list[grpc.GenericRpcHandler], address: str, security: TransferSecurity,
-                 max_workers: int = 16) -> tuple[grpc.Server, int]:
-    """Start a server on ``address`` (port 0 picks one); returns it and its port."""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="kvtransfer"),
-                         interceptors=security.interceptors(), options=CHANNEL_OPTIONS)
+                 max_streams: int = 64) -> tuple[grpc.Server, int]:
+    """Start a server on ``address`` (port 0 picks one); returns it and its port.
+
+    Each open stream holds a handler thread, so the pool has a thread for every stream HTTP/2 lets
+    a client open (``max_streams``): a stream without a thread would fill the connection's
+    flow-control window with unread bytes and stall every other stream on that connection."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_streams + 8, thread_name_prefix="kvtransfer"),
+                         interceptors=security.interceptors(),
+                         options=CHANNEL_OPTIONS + (("grpc.max_concurrent_streams", max_streams),))
     server.add_generic_rpc_handlers(tuple(handlers))
     port = security.add_port(server, address)
     server.start()

@@ -224,6 +224,8 @@ class Engine:
                 if len(prompt_ids) != reservation.num_tokens:
                     raise InvalidRequestError(f"{len(prompt_ids)} prompt tokens for a reservation of "
                                               f"{reservation.num_tokens}")
+                if params.forced_tokens:
+                    first_token = params.forced_tokens[0]
                 if not 0 <= first_token < self.model.cfg.vocab_size:
                     raise InvalidRequestError(f"first token {first_token} is outside the vocabulary")
                 seq = self._new_sequence(reservation.request_id, prompt_ids, params, None)
@@ -299,6 +301,8 @@ class Engine:
             c.seq.num_computed = c.end
         sampled = plan.decodes + [c.seq for c in plan.prefills if c.end == c.seq.num_tokens]
         tokens = sample(logits, [s.params for s in sampled], [s.generator for s in sampled])
+        tokens = [s.params.forced_tokens[len(s.output_ids)] if s.params.forced_tokens else t
+                  for s, t in zip(sampled, tokens)]
         return [self._append(s, t, logits[i] if s.params.return_logits else None)
                 for i, (s, t) in enumerate(zip(sampled, tokens))]
 

@@ -25,6 +25,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     return_logits: bool = False  # attach each step's float32 logits to the output (tests, logprobs)
+    # Teacher forcing: output token i is forced_tokens[i] whatever is sampled (with return_logits,
+    # this scores a given continuation). Empty = off.
+    forced_tokens: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -37,6 +40,8 @@ class SamplingParams:
             raise InvalidRequestError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
         if self.seed is not None and not (_is_int(self.seed) and 0 <= self.seed < 2**63):
             raise InvalidRequestError(f"seed must be an integer in [0, 2^63), got {self.seed!r}")
+        if self.forced_tokens and len(self.forced_tokens) < self.max_tokens:
+            raise InvalidRequestError("forced_tokens must hold at least max_tokens tokens")
         if len(self.stop) > 16 or any(not isinstance(s, str) or len(s) > 256 for s in self.stop):
             raise InvalidRequestError("stop must be at most 16 strings of at most 256 characters")
 

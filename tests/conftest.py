@@ -8,6 +8,10 @@ from typing import Any, Callable
 import pytest
 import torch
 
+from engine_helpers import write_tiny_hf
+from workers.runtime.default_model import write_default_checkpoint
+from workers.runtime.loader import LoadedModel, load_model
+
 TinyCheckpointFactory = Callable[..., Path]
 
 # Small enough to build and save in well under a second; GQA (4 query heads, 2 KV heads).
@@ -44,3 +48,24 @@ def tiny_llama_dir(tmp_path: Path) -> TinyCheckpointFactory:
         return folder
 
     return make
+
+
+@pytest.fixture(scope="session")
+def tiny_hf(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    made: dict[str, Path] = {}
+
+    def get(kind: str) -> Path:
+        if kind not in made:
+            made[kind] = write_tiny_hf(tmp_path_factory.mktemp(kind), kind)
+        return made[kind]
+    return get
+
+
+@pytest.fixture(scope="session")
+def default_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_default_checkpoint(tmp_path_factory.mktemp("default-model"))
+
+
+@pytest.fixture(scope="session")
+def default_bundle(default_ckpt: Path) -> LoadedModel:
+    return load_model(default_ckpt)

@@ -1,0 +1,194 @@
+"""The real path: prefill in this process, decode in another, the KV cache between them over real gRPC.
+
+The decode process (a spawned child) runs a decode engine, a KVReceiver and the gRPC server; this
+process runs the prefill engine, the LayerStreamer and the KVSender. A pipe carries the test's own
+control (reserve, wait, continue decoding); the KV goes only over gRPC.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import secrets
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvtransfer.auth import TransferSecurity
+from kvtransfer.sender import KVSender
+from workers.prefill.kv_stream import LayerStreamer
+from workers.runtime.engine import Engine, EngineConfig, LayerKVReady
+from workers.runtime.generate import GenerateRequest, generate
+from workers.runtime.loader import load_model
+from workers.runtime.sampler import SamplingParams
+
+pytestmark = [pytest.mark.integration]
+
+TOKEN = secrets.token_urlsafe(24)
+
+
+def decode_peer(conn, model_dir: str, dtype: str, codecs: tuple[str, ...], transport_token: str) -> None:
+    """The decode side, in its own process."""
+    import threading
+
+    from kvtransfer.receiver import KVReceiver
+    from kvtransfer.server import kv_transfer_handler, start_server
+    from workers.decode.kv_sink import CacheSink
+    from workers.prefill.kv_stream import engine_layout
+
+    bundle = load_model(model_dir, dtype=getattr(torch, dtype), with_vision=False)
+    engine = Engine(bundle.model, bundle.tokenizer, EngineConfig(dtype=dtype), bundle.eos_token_ids)
+    receiver = KVReceiver(engine_layout(engine, codecs), CacheSink(engine.cache))
+    receiver.start_janitor()
+    server, port = start_server([kv_transfer_handler(receiver)], "127.0.0.1:0",
+                                TransferSecurity(token=transport_token))
+    conn.send(port)
+    outcomes: dict = {}
+    events: dict[str, threading.Event] = {}
+    reservations: dict = {}
+    try:
+        while True:
+            cmd, *args = conn.recv()
+            if cmd == "reserve":
+                rid, n = args
+                reservations[rid] = engine.reserve(rid, n)
+                events[rid] = threading.Event()
+                receiver.expect(rid, reservations[rid].blocks,
+                                lambda o: (outcomes.__setitem__(o.request_id, o), events[o.request_id].set()), 10.0)
+                conn.send("ok")
+            elif cmd == "wait":
+                rid, prompt, params = args
+                events[rid].wait(15)
+                outcome = outcomes[rid]
+                if not outcome.ok:
+                    engine.release(reservations[rid])
+                    conn.send(("failed", outcome.code.name, outcome.error))
+                    continue
+                res = reservations[rid]
+                cache = [engine.cache.read_tokens(layer, list(res.blocks), len(prompt), engine.model.dtype)
+                         for layer in range(engine.model.cfg.num_layers)]
+                tokens = list(engine.add_prefilled(res, prompt, outcome.first_token, params).new_token_ids)
+                while engine.has_unfinished():
+                    for out in engine.step():
+                        tokens.extend(out.new_token_ids)
+                conn.send(("ok", tokens, cache))
+            elif cmd == "stats":
+                s = engine.stats()
+                conn.send((s.blocks_free, s.blocks_total, s.num_reservations, receiver.pending))
+            elif cmd == "stop":
+                break
+    finally:
+        server.stop(0)
+        receiver.stop()
+
+
+class Peer:
+    def __init__(self, model_dir: Path, dtype: str, codecs: tuple[str, ...]) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=decode_peer, args=(child, str(model_dir), dtype, codecs, TOKEN), daemon=True)
+        self.proc.start()
+        if not self.conn.poll(60):
+            raise RuntimeError("decode peer did not start")
+        self.target = f"127.0.0.1:{self.conn.recv()}"
+
+    def call(self, *msg):  # type: ignore[no-untyped-def]
+        self.conn.send(msg)
+        if not self.conn.poll(60):
+            raise RuntimeError(f"decode peer did not answer {msg[0]}")
+        return self.conn.recv()
+
+    def close(self) -> None:
+        try:
+            self.conn.send(("stop",))
+        except OSError:
+            pass
+        self.proc.join(10)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join()
+
+
+def _disaggregated(model_dir: Path, dtype: str, codecs: tuple[str, ...], prompts: list[list[int]],
+                   params: SamplingParams, transport: str = "grpc", chunk: int = 64):
+    """Run prompts through prefill here and decode in the peer; returns tokens and cache comparisons."""
+    bundle = load_model(model_dir, dtype=getattr(torch, dtype), with_vision=False)
+    engine = Engine(bundle.model, bundle.tokenizer, EngineConfig(dtype=dtype, prefill_chunk_size=chunk),
+                    bundle.eos_token_ids)
+    sender = KVSender(TransferSecurity(token=TOKEN), transport=transport)
+    streamer = LayerStreamer(engine, sender, codecs)
+    prefill_kv: dict[str, list] = {}
+
+    def capture(ev: LayerKVReady) -> None:  # what prefill computed, to compare with what decode holds
+        for c in ev.chunks:
+            k, v = engine.cache.read_tokens(ev.layer, list(c.blocks), c.end, engine.model.dtype)
+            prefill_kv.setdefault(c.request_id, [None] * bundle.config.num_layers)[ev.layer] = (k.clone(), v.clone())
+
+    engine.add_layer_hook(capture)
+    peer = Peer(model_dir, dtype, codecs)
+    results = []
+    try:
+        for i, prompt in enumerate(prompts):
+            rid = f"r{i}"
+            assert peer.call("reserve", rid, len(prompt)) == "ok"
+            streamer.start(rid, peer.target, len(prompt), timeout_s=10)
+            engine.add_request(rid, prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+            first = None
+            while engine.has_unfinished():
+                for out in engine.step():
+                    first = out.new_token_ids[0]
+            push = streamer.finish(rid, first)
+            status, tokens, cache = peer.call("wait", rid, prompt, params)
+            assert status == "ok"
+            results.append((tokens, cache, prefill_kv[rid], push))
+        stats = peer.call("stats")
+    finally:
+        peer.close()
+        sender.close()
+    assert engine.stats().blocks_free == engine.stats().blocks_total
+    return results, stats
+
+
+@pytest.fixture(scope="module")
+def prompts(default_ckpt):
+    tok = load_model(default_ckpt, with_vision=False).tokenizer
+    return [tok.encode("The quick brown fox jumps over the lazy dog. " * 7),
+            tok.encode("Hello, world. What is the capital of France?"),
+            tok.encode("Prefill runs the language model over the whole prompt and writes the cache. " * 3)]
+
+
+@pytest.mark.parametrize("dtype, codec, transport", [("bfloat16", "bf16", "grpc"), ("float32", "fp32", "grpc"),
+                                                     ("float32", "fp32", "shm")])
+def test_decode_cache_is_bit_exact_and_generation_matches_the_reference(default_ckpt, prompts, dtype, codec,
+                                                                          transport):
+    bundle = load_model(default_ckpt, dtype=getattr(torch, dtype), with_vision=False)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    layers = bundle.config.num_layers
+    results, (free, total, reservations, pending) = _disaggregated(default_ckpt, dtype, (codec,) * layers, prompts,
+                                                                   params, transport)
+    reference = generate(bundle, [GenerateRequest(prompt_ids=p, params=params) for p in prompts],
+                         EngineConfig(dtype=dtype))
+    for (tokens, decode_kv, prefill_kv, push), ref in zip(results, reference):
+        assert push.transport == transport
+        for layer in range(layers):
+            assert torch.equal(decode_kv[layer][0], prefill_kv[layer][0]), f"keys differ at layer {layer}"
+            assert torch.equal(decode_kv[layer][1], prefill_kv[layer][1]), f"values differ at layer {layer}"
+        assert tokens == ref.token_ids
+    assert (free, reservations, pending) == (total, 0, 0), "the decode side leaked blocks or reservations"
+
+
+def test_int8_transfer_stays_within_its_bound_and_keeps_generating(default_ckpt, prompts):
+    bundle = load_model(default_ckpt, with_vision=False)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    results, (free, total, reservations, pending) = _disaggregated(
+        default_ckpt, "float32", ("int8",) * bundle.config.num_layers, prompts[:1], params)
+    tokens, decode_kv, prefill_kv, push = results[0]
+    assert push.num_bytes < push.logical_bytes * 0.6  # int8 halves the bf16 bytes (plus scales)
+    for (dk, dv), (pk, pv) in zip(decode_kv, prefill_kv):
+        for got, want in ((dk, pk), (dv, pv)):
+            # int8 per (block, head): error <= amax / 254 of that block and head
+            bound = want.abs().amax(dim=(0, 2)).max().item() / 254 * 1.001 + 1e-6
+            assert (got - want).abs().max().item() <= bound
+            assert not torch.equal(got, want)  # it really was quantised
+    assert len(tokens) == 8
+    assert (free, reservations, pending) == (total, 0, 0)

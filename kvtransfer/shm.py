@@ -3,7 +3,9 @@ gRPC carries only control messages.
 
 The sender creates a segment (mode 0600, so only the same user can open it), writes each chunk's
 scales and payload at increasing offsets, and unlinks it when the stream ends. The receiver opens
-it by name, reads chunks in place, and closes it. Names are checked against a fixed pattern, so a
+it by name and unlinks it at once (so nothing is left in /dev/shm if the sender dies), reads chunks
+in place, and closes it. A same-user process that truncates a segment under the receiver can crash
+it (SIGBUS); the segment is private to the user that runs both workers. Names are checked against a fixed pattern, so a
 handshake cannot point the receiver at any other file.
 """
 
@@ -60,9 +62,11 @@ class SharedSegment:
             raise ShmError(f"invalid shared-memory name {name!r}")
         path = SHM_DIR / name
         try:
-            fd = os.open(path, os.O_RDWR)
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
         except OSError as exc:
             raise ShmError(f"cannot open {path} ({exc.strerror}); sender and receiver may not share a host") from None
+        # Unlink at once: both mappings stay valid, and no file outlives a sender that dies mid-stream.
+        path.unlink(missing_ok=True)
         actual = os.fstat(fd).st_size
         if actual < size:
             os.close(fd)

@@ -11,7 +11,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvtransfer.codecs import Kind, get_codec
-from kvtransfer.wire import PAYLOAD_FIELD, SCALES_FIELD, Frame, WireError, decode_frame, encode_chunk, encode_control, pb
+from kvtransfer.wire import (PAYLOAD_FIELD, SCALES_FIELD, Frame, WireError, decode_frame, encode_chunk,
+                             encode_control, pb)
 
 pytestmark = [pytest.mark.unit]
 
@@ -36,7 +37,9 @@ def _real_chunk(codec_name: str = "int8", seed: int = 0) -> tuple[pb.KVChunk, li
     return header, scales, payload
 
 
-def _full(header: pb.KVChunk | pb.EmbeddingChunk, scales: list[memoryview], payload: list[memoryview]):  # type: ignore[no-untyped-def]
+def _full(header: pb.KVChunk | pb.EmbeddingChunk, scales: list[memoryview],
+          payload: list[memoryview]) -> pb.KVChunk | pb.EmbeddingChunk:
+    """The same chunk with its bulk fields set, as protobuf itself would hold it."""
     full = type(header)()
     full.CopyFrom(header)
     if scales:

@@ -7,16 +7,15 @@ time (fewer, larger matmuls are faster on CPU and GPU alike). Numerics follow tr
 
 from __future__ import annotations
 
-import json
 from typing import Callable
 
 import torch
-import xxhash
 import torch.nn.functional as F
 from torch import nn
 
 from workers.runtime.attention import StepBatch, paged_attention
 from workers.runtime.config import ModelConfig
+from workers.runtime.fingerprint import module_fingerprint
 from workers.runtime.kv_cache import KVLayerStorage, PagedKVCache
 from workers.runtime.rope import RotaryEmbedding
 
@@ -91,16 +90,8 @@ class DecoderModel(nn.Module):
 
     def fingerprint(self) -> str:
         """A hash of the KV-relevant config and every weight: two workers can only exchange KV caches
-        when their fingerprints are equal. Computed once (about 10 ms per 50 MB of weights)."""
-        cached = getattr(self, "_fingerprint", None)
-        if cached is None:
-            h = xxhash.xxh3_128()
-            h.update(json.dumps(self.cfg.fingerprint_fields(), sort_keys=True).encode())
-            for name, p in sorted(self.named_parameters(), key=lambda kv: kv[0]):
-                h.update(name.encode())
-                h.update(p.detach().to("cpu").contiguous().view(-1).view(torch.uint8).numpy().data)
-            cached = self._fingerprint = f"{self.cfg.model_type}-{h.hexdigest()[:24]}"
-        return cached
+        when their fingerprints are equal."""
+        return module_fingerprint(self, self.cfg.model_type, self.cfg.fingerprint_fields())
 
     @torch.inference_mode()
     def forward(self, batch: StepBatch, cache: PagedKVCache, on_layer_done: LayerDone | None = None) -> torch.Tensor:

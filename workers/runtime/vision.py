@@ -7,6 +7,7 @@ loads as is. Checkpoint layout, under the LM folder: ``vision/config.json`` + ``
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
+from workers.runtime.fingerprint import module_fingerprint
 from workers.runtime.errors import CheckpointError, InvalidImageError, UnsupportedArchitectureError
 
 VISION_SUBDIR = "vision"
@@ -196,6 +198,10 @@ class VisionEncoder(nn.Module):
         self.config = cfg
         self.vision_model = _VisionTransformer(cfg)
         self.multi_modal_projector = _Projector(cfg)
+
+    def fingerprint(self) -> str:
+        """Hash of the config and weights; the receiving prefill worker checks it in the handshake."""
+        return module_fingerprint(self, "vision", dataclasses.asdict(self.config))
 
     def forward(self, pixel_values: Tensor) -> Tensor:
         cfg = self.config

@@ -88,6 +88,16 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def cmd_bench_kv(args: argparse.Namespace) -> int:
+    from controlplane.bench.kv_bench import run
+    return run(args)
+
+
+def cmd_bench_kv_accuracy(args: argparse.Namespace) -> int:
+    from controlplane.bench.kv_accuracy import run
+    return run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="epd", description="epd: disaggregated encode/prefill/decode serving.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -134,6 +144,30 @@ def build_parser() -> argparse.ArgumentParser:
     eng.add_argument("--json", type=Path, default=None, help="also write the results as JSON here")
     eng.add_argument("--no-hf", action="store_true", help="skip the transformers reference")
     eng.set_defaults(func=cmd_bench_engine)
+
+    kv = bench.add_parser("kv", help="KV-transfer throughput and TTFT vs memcpy, TCP and raw gRPC",
+                          description="Push whole KV caches (the demo model's 4k-token cache and a 256 MiB "
+                                      "synthetic one) through every codec and transport to a receiver process "
+                                      "on loopback, beside memcpy, a raw TCP socket and raw gRPC streams "
+                                      "measured in the same run; then the TTFT of a streamed prefill.")
+    kv.add_argument("--repeats", type=int, default=3, help="best of this many pushes (default 3)")
+    kv.add_argument("--quick", action="store_true", help="only the 4k-token cache, 64 MiB references")
+    kv.add_argument("--ttft-tokens", type=int, default=2048, help="prompt length for the TTFT figure")
+    kv.add_argument("--ttft-codec", default="bf16", help="codec for the TTFT figure (default bf16)")
+    kv.add_argument("--threads", type=int, default=None, help="torch threads in the sender process")
+    kv.add_argument("--json", type=Path, default=None, help="also write the results as JSON here")
+    kv.set_defaults(func=cmd_bench_kv)
+
+    acc = bench.add_parser("kv-accuracy", help="token agreement of quantised KV transfer vs the bf16 path",
+                           description="64 prompts x 64 greedy tokens through the real transfer per codec "
+                                       "policy; free-running and teacher-forced agreement with the bf16 path.")
+    _add_engine_args(acc)
+    acc.add_argument("--policy", action="append", default=None,
+                     help="codec policy to evaluate, repeatable (default: fp8, int8, int4, int4,0=bf16,-1=bf16 "
+                          "and auto)")
+    acc.add_argument("--prompts", type=int, default=64)
+    acc.add_argument("--max-tokens", type=int, default=64)
+    acc.set_defaults(func=cmd_bench_kv_accuracy)
     return parser
 
 

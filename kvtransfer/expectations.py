@@ -101,10 +101,12 @@ class Expectations(Generic[O]):
                 if self.fail(e, TransferRefused(Code.DEADLINE_EXCEEDED,
                                                 f"transfer for {e.request_id!r} did not complete in time"))]
 
-    def start_janitor(self, interval_s: float = 0.05) -> None:
+    def start_janitor(self, interval_s: float = 0.05, also: Callable[[], None] | None = None) -> None:
         def loop() -> None:
             while not self._stop.wait(interval_s):
                 self.sweep()
+                if also is not None:
+                    also()
         self._janitor = threading.Thread(target=loop, name="transfer-janitor", daemon=True)
         self._janitor.start()
 

@@ -28,7 +28,7 @@ from kvtransfer.codecs import CodecError, Kind, get_codec
 from kvtransfer.errors import TransferRefused
 from kvtransfer.expectations import Expectations, Expected, State, run_stream
 from kvtransfer.layout import KVLayout, LayoutMismatch
-from kvtransfer.shm import SharedSegment, ShmError
+from kvtransfer.shm import SegmentCache, SharedSegment, ShmError
 from kvtransfer.wire import PROTOCOL_VERSION, Frame, WireError, decode_frame, pb
 
 Code = grpc.StatusCode
@@ -73,6 +73,7 @@ class KVReceiver:
         self.expectations: Expectations[TransferOutcome] = Expectations(
             lambda rid, err: TransferOutcome(rid, False, code=err.code, error=err.message), clock)
         self._streams = threading.BoundedSemaphore(max_streams)
+        self.segments = SegmentCache()
 
     # ------------------------------------------------------------------ control (decode worker side)
     def expect(self, request_id: str, blocks: Sequence[int], on_done: Callable[[TransferOutcome], None],
@@ -90,10 +91,11 @@ class KVReceiver:
         return self.expectations.sweep()
 
     def start_janitor(self, interval_s: float = 0.05) -> None:
-        self.expectations.start_janitor(interval_s)
+        self.expectations.start_janitor(interval_s, also=self.segments.prune)
 
     def stop(self) -> None:
         self.expectations.stop()
+        self.segments.close()
 
     @property
     def pending(self) -> int:
@@ -155,7 +157,7 @@ class KVReceiver:
         segment = None
         if hs.transport == pb.TRANSPORT_SHARED_MEMORY:
             try:
-                segment = SharedSegment.attach(hs.shm_name, hs.shm_size)
+                segment = self.segments.attach(hs.shm_name, hs.shm_size)
             except ShmError as exc:
                 raise TransferRefused(Code.FAILED_PRECONDITION, f"shared-memory transport unavailable: {exc}; "
                                                                 "use the gRPC transport") from None
@@ -255,8 +257,7 @@ class _Session:
         return view[:scales_nbytes], view[scales_nbytes:]
 
     def close(self) -> None:
-        if self.segment is not None:
-            self.segment.close()
+        self.segment = None  # the mapping stays in the receiver's SegmentCache for the next stream
 
 
 def _decode(data: bytes) -> Frame:

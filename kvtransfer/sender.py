@@ -31,7 +31,7 @@ from kvtransfer.codecs import Kind, get_codec
 from kvtransfer.codecs.encoded import as_memoryview
 from kvtransfer.errors import TransferFailed
 from kvtransfer.layout import KVLayout
-from kvtransfer.shm import SharedSegment, ShmError, shm_available
+from kvtransfer.shm import SegmentPool, SharedSegment, ShmError, reap_orphans, shm_available
 from kvtransfer.wire import PROTOCOL_VERSION, PUSH_METHOD, encode_chunk, encode_control, pb
 
 TransportChoice = Literal["auto", "grpc", "shm"]
@@ -100,6 +100,9 @@ class KVSender:
         self._channels: dict[str, grpc.Channel] = {}
         self._lock = threading.Lock()
         self.host = socket.gethostname()
+        self.segments = SegmentPool()
+        if transport != "grpc":
+            reap_orphans()
 
     def channel(self, target: str) -> grpc.Channel:
         with self._lock:
@@ -113,6 +116,7 @@ class KVSender:
             for ch in self._channels.values():
                 ch.close()
             self._channels.clear()
+        self.segments.close()
 
     def choose_transport(self, target: str) -> str:
         if self.transport == "grpc":
@@ -152,7 +156,7 @@ class KVStream:
                               num_tokens=num_tokens, transport=pb.TRANSPORT_GRPC, sender_host=sender.host)
         if transport == "shm":
             try:
-                self._segment = SharedSegment.create(self._segment_size())
+                self._segment = sender.segments.take(self._segment_size())
             except ShmError as exc:
                 raise TransferFailed(f"cannot use shared memory: {exc}") from None
             hs.transport = pb.TRANSPORT_SHARED_MEMORY
@@ -252,7 +256,12 @@ class KVStream:
             self._failed.set()
         self._queue.put(("stop", None, 0))
         if self._segment is not None:
-            self._segment.close()
+            # Reuse only after a clean ack: after a failure the receiver may still be reading it.
+            if err is None:
+                self.sender.segments.give(self._segment)
+            else:
+                self._segment.close()
+            self._segment = None
 
     # ------------------------------------------------------------------ gRPC's sending thread
     def _messages(self) -> Iterator[bytes]:

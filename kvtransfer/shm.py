@@ -1,11 +1,14 @@
 """Shared-memory segments for the same-host path: the payload moves through a file in /dev/shm and
 gRPC carries only control messages.
 
-The sender creates a segment (mode 0600, so only the same user can open it), writes each chunk's
-scales and payload at increasing offsets, and unlinks it when the stream ends. The receiver opens
-it by name and unlinks it at once (so nothing is left in /dev/shm if the sender dies), reads chunks
-in place, and closes it. A same-user process that truncates a segment under the receiver can crash
-it (SIGBUS); the segment is private to the user that runs both workers. Names are checked against a fixed pattern, so a
+The sender creates a segment (mode 0600, so only the same user can open it) and writes each
+chunk's scales and payload at increasing offsets; the receiver maps it by name and reads chunks in
+place. Segments are reused: a fresh tmpfs page costs a page fault on first touch, which held a
+fresh-segment-per-stream design to about 1 GB/s, so the sender keeps a small pool of segments
+(``SegmentPool``) and the receiver keeps its mappings (``SegmentCache``), both populated up front
+(MAP_POPULATE). The sender unlinks its segments when it closes; segments of a sender that died
+are removed by ``reap_orphans`` (names carry the creator's pid). A same-user process that truncates
+a segment under the receiver can crash it (SIGBUS); segments are private to the user running both. Names are checked against a fixed pattern, so a
 handshake cannot point the receiver at any other file.
 """
 
@@ -14,11 +17,14 @@ from __future__ import annotations
 import mmap
 import os
 import re
+import threading
 import uuid
+from collections import OrderedDict
 from pathlib import Path
 
 SHM_DIR = Path("/dev/shm")
-_NAME = re.compile(r"^epd-kv-[0-9]+-[0-9a-f]{32}$")
+_NAME = re.compile(r"^epd-kv-([0-9]+)-[0-9a-f]{32}$")
+_MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
 
 
 class ShmError(OSError):
@@ -35,7 +41,7 @@ class SharedSegment:
         self.size = size
         self.owner = owner
         self._fd = fd
-        self._map = mmap.mmap(fd, size) if size else None
+        self._map = mmap.mmap(fd, size, flags=_MAP_FLAGS) if size else None
         self._view = memoryview(self._map) if self._map is not None else memoryview(bytearray())
 
     @classmethod
@@ -65,8 +71,6 @@ class SharedSegment:
             fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
         except OSError as exc:
             raise ShmError(f"cannot open {path} ({exc.strerror}); sender and receiver may not share a host") from None
-        # Unlink at once: both mappings stay valid, and no file outlives a sender that dies mid-stream.
-        path.unlink(missing_ok=True)
         actual = os.fstat(fd).st_size
         if actual < size:
             os.close(fd)
@@ -92,3 +96,92 @@ class SharedSegment:
         self._fd = -1
         if self.owner:
             (SHM_DIR / self.name).unlink(missing_ok=True)
+
+
+def reap_orphans() -> list[str]:
+    """Remove segments whose creating process no longer exists; returns their names."""
+    removed = []
+    if not SHM_DIR.is_dir():
+        return removed
+    for path in SHM_DIR.glob("epd-kv-*"):
+        m = _NAME.match(path.name)
+        if m is None:
+            continue
+        try:
+            os.kill(int(m.group(1)), 0)
+        except ProcessLookupError:
+            path.unlink(missing_ok=True)
+            removed.append(path.name)
+        except PermissionError:  # alive, another user's
+            pass
+    return removed
+
+
+class SegmentPool:
+    """The sender's reusable segments. ``take`` lends one of at least ``size`` bytes to one stream;
+    ``give`` returns it once the receiver has acknowledged (or the stream failed)."""
+
+    def __init__(self, max_bytes: int = 1 << 30) -> None:
+        self.max_bytes = max_bytes
+        self._free: list[SharedSegment] = []
+        self._lock = threading.Lock()
+
+    def take(self, size: int) -> SharedSegment:
+        with self._lock:
+            fits = [s for s in self._free if s.size >= size]
+            if fits:
+                seg = min(fits, key=lambda s: s.size)
+                self._free.remove(seg)
+                return seg
+        return SharedSegment.create(max(size, 16 << 20))
+
+    def give(self, seg: SharedSegment) -> None:
+        with self._lock:
+            if sum(s.size for s in self._free) + seg.size <= self.max_bytes:
+                self._free.append(seg)
+                return
+        seg.close()
+
+    def close(self) -> None:
+        with self._lock:
+            free, self._free = self._free, []
+        for seg in free:
+            seg.close()
+
+
+class SegmentCache:
+    """The receiver's mappings, by name, so a reused segment is not mapped (and faulted) again."""
+
+    def __init__(self, max_segments: int = 8) -> None:
+        self.max_segments = max_segments
+        self._maps: OrderedDict[str, SharedSegment] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def attach(self, name: str, size: int) -> SharedSegment:
+        with self._lock:
+            seg = self._maps.get(name)
+            if seg is not None and seg.size >= size and (SHM_DIR / name).exists():
+                self._maps.move_to_end(name)
+                return seg
+        seg = SharedSegment.attach(name, size)
+        with self._lock:
+            old = self._maps.pop(name, None)
+            self._maps[name] = seg
+            evicted = [self._maps.popitem(last=False)[1] for _ in range(len(self._maps) - self.max_segments)]
+        for s in [*evicted, *([old] if old is not None else [])]:
+            s.close()
+        return seg
+
+    def prune(self) -> None:
+        """Drop mappings whose file the sender has removed."""
+        with self._lock:
+            gone = [n for n in self._maps if not (SHM_DIR / n).exists()]
+            segs = [self._maps.pop(n) for n in gone]
+        for s in segs:
+            s.close()
+
+    def close(self) -> None:
+        with self._lock:
+            segs, self._maps = list(self._maps.values()), OrderedDict()
+        for s in segs:
+            s.close()

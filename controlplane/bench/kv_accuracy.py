@@ -38,6 +38,35 @@ def sample_prompts(bundle: LoadedModel, n: int = 64, seed: int = 0) -> list[list
             for _ in range(n)]
 
 
+def run(args) -> int:  # type: ignore[no-untyped-def]
+    """``epd bench kv-accuracy``."""
+    import torch
+
+    from controlplane.cli import _model_dir
+    from workers.prefill.calibrate import resolve_codecs
+    from workers.runtime.engine import DTYPES, Engine, EngineConfig
+    from workers.runtime.loader import load_model
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    bundle = load_model(_model_dir(args.model), dtype=DTYPES[args.dtype], device=args.device, with_vision=False)
+    policies = args.policy or ["fp8", "int8", "int4", "int4,0=bf16,-1=bf16", "auto"]
+    prompts = sample_prompts(bundle, args.prompts)
+    explicit = []
+    for spec in policies:
+        if spec.startswith("auto"):
+            engine = Engine(bundle.model, bundle.tokenizer, EngineConfig(dtype=args.dtype))
+            codecs = resolve_codecs(spec, engine, sample_prompts(bundle, 8, seed=99)).codecs
+            spec = ",".join([codecs[0]] + [f"{i}={c}" for i, c in enumerate(codecs) if c != codecs[0]])
+            print(f"auto resolved to {spec}")
+        explicit.append(spec)
+    print(f"{args.prompts} prompts x {args.max_tokens} greedy tokens, agreement with the bf16 transfer")
+    print(f"{'policy':<28}{'free-running':>14}{'teacher-forced':>16}{'diverged':>10}")
+    for a in agreement(bundle, explicit, prompts, args.max_tokens):
+        print(f"{a.policy:<28}{a.free_running:14.4f}{a.teacher_forced:16.4f}{a.diverged:>6}/{len(prompts)}")
+    return 0
+
+
 def agreement(bundle: LoadedModel, policies: list[str], prompts: list[list[int]], max_tokens: int = 64) -> list[Agreement]:
     layers = bundle.config.num_layers
     greedy = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)

@@ -45,30 +45,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
+from kvtransfer.options import BASE_CHANNEL_OPTIONS, MAX_MESSAGE_BYTES, bulk_channel_options
+
 MiB = 1 << 20
 DEFAULT_CHUNK = 4 * MiB
 SOCKET_BUFFER_BYTES = 4 * MiB
 """SO_SNDBUF / SO_RCVBUF asked for on both ends (Linux caps it at net.core.[rw]mem_max, then doubles)."""
 
-MAX_MESSAGE_BYTES = 64 * MiB
-BASE_CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = (
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-)
-"""The options both gRPC ends need at all: grpc rejects messages over 4 MiB unless both raise the limit."""
-
-FAST_CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = BASE_CHANNEL_OPTIONS + (
-    # A fixed 64 MiB HTTP/2 stream window (lookahead_bytes is the advertised initial window; with
-    # BDP probing left on, every BDP ping resizes it again, so both go together): a bulk stream on
-    # loopback does not wait for WINDOW_UPDATEs. The window bounds what a receiver may have to buffer
-    # per stream, here one maximal message.
-    ("grpc.http2.lookahead_bytes", 64 * MiB),
-    ("grpc.http2.bdp_probe", 0),
-    # Read the socket in 4 MiB (1-16 MiB) pieces instead of grpc's small adaptive reads.
-    ("grpc.experimental.tcp_read_chunk_size", 4 * MiB),
-    ("grpc.experimental.tcp_min_read_chunk_size", 1 * MiB),
-    ("grpc.experimental.tcp_max_read_chunk_size", 16 * MiB),
-)
+FAST_CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = bulk_channel_options(64 * MiB)
 """Options for bulk client streams; pass the same tuple to ``grpc.server`` and to the channel.
 
 Chosen by interleaved A/B runs (2 cores shared with other work, 256 MiB in 4 MiB chunks, 12-30 calls

@@ -417,25 +417,44 @@ def _my_segments() -> set[str]:
     return {p.name for p in SHM_DIR.glob(f"epd-kv-{os.getpid()}-*")}
 
 
-def test_shm_transfer_leaves_no_segment(rig: Rig) -> None:
+def test_shm_segments_are_reused_and_removed_at_close(rig: Rig) -> None:
     before = _my_segments()
     sender = KVSender(SECURITY, transport="shm")
     try:
         result = rig.send_good(rig.reserve(), sender=sender)
         assert result.transport == "shm"
-        wait_until(lambda: _my_segments() == before, 2.0, "the sender to unlink its segment")
-        # a refused shm stream cleans up too
+        wait_until(lambda: len(_my_segments() - before) == 1, 2.0, "the segment to return to the pool")
+        pooled = _my_segments() - before
+        rig.send_good(rig.reserve(), sender=sender)  # the second stream reuses the pooled segment
+        wait_until(lambda: _my_segments() - before == pooled, 2.0, "the reused segment to return")
+        # a refused shm stream's segment is not reused (the receiver may still read it) but removed
         pending = rig.reserve(num_tokens=4)
         stream = sender.open_stream(rig.target, pending.rid, rig.layout, NUM_TOKENS, timeout_s=10)
         with pytest.raises(TransferFailed) as info:
             stream.finish(1)
         assert info.value.code == Code.OUT_OF_RANGE
         rig.assert_failed(pending, Code.OUT_OF_RANGE, "reserved")
-        wait_until(lambda: _my_segments() == before, 2.0, "the refused stream's segment to go")
+        wait_until(lambda: _my_segments() - before == set(), 2.0, "the refused stream's segment to go")
     finally:
         sender.close()
     assert not any(p.name.startswith(f"epd-kv-{os.getpid()}-") for p in SHM_DIR.iterdir())
     rig.assert_clean()
+
+
+def test_segments_of_dead_senders_are_reaped() -> None:
+    from kvtransfer.shm import reap_orphans
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    orphan = SHM_DIR / f"epd-kv-{int(dead.stdout)}-{'0' * 32}"
+    mine = SharedSegment.create(4096)
+    orphan.write_bytes(b"x" * 16)
+    try:
+        removed = reap_orphans()
+        assert orphan.name in removed and not orphan.exists()
+        assert (SHM_DIR / mine.name).exists()  # a live sender's segment stays
+    finally:
+        orphan.unlink(missing_ok=True)
+        mine.close()
 
 
 def test_shm_reference_outside_the_segment_is_out_of_range(rig: Rig) -> None:

@@ -1,0 +1,266 @@
+"""``epd bench kv``: KV-transfer throughput and time to first token, beside the wire's own ceilings.
+
+Everything runs on loopback in one run: a receiver process (KVReceiver + gRPC server + a paged
+cache) and this process as the sender. Figures:
+  references   copy into a preallocated buffer, a raw TCP socket, a raw-bytes gRPC stream (4 MiB
+               messages), a protobuf-bytes gRPC stream;
+  transfers    one push of a whole cache per codec and transport: the demo model's 4k-token cache
+               and a 256 MiB synthetic one. "Logical" GB/s counts bf16-equivalent bytes landed in
+               the receiver's cache per second, encoding and decoding included;
+  TTFT         a 2k-token prompt: prefill alone, and prefill streaming its KV layer by layer until
+               the decode side holds all of it (what decode waits for before its first step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import secrets
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from kvtransfer.auth import TransferSecurity
+from kvtransfer.bench import references
+from kvtransfer.layout import KVLayout
+from kvtransfer.sender import KVSender
+
+MiB = 2**20
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    layers: int
+    kv_heads: int
+    head_dim: int
+    tokens: int
+    block_size: int = 16
+
+    @property
+    def blocks(self) -> int:
+        return -(-self.tokens // self.block_size)
+
+    @property
+    def logical_bytes(self) -> int:  # bf16 keys + values, all layers
+        return self.layers * self.blocks * self.block_size * self.kv_heads * self.head_dim * 2 * 2
+
+
+@dataclass
+class Figure:
+    name: str
+    value: float
+    unit: str
+    reference: str
+    ref_value: float
+
+    @property
+    def ratio(self) -> float:
+        return self.value / self.ref_value if self.ref_value else float("nan")
+
+
+# ---------------------------------------------------------------- the receiver process
+def _receiver_main(conn, token: str) -> None:  # type: ignore[no-untyped-def]
+    from kvtransfer.receiver import KVReceiver
+    from kvtransfer.server import kv_transfer_handler, start_server
+    from workers.decode.kv_sink import CacheSink
+    from workers.runtime.kv_cache import KVCacheSpec, PagedKVCache
+
+    torch.set_num_threads(1)
+    security = TransferSecurity(token=token)
+    server = receiver = None
+    done: dict[str, object] = {}
+    event = threading.Event()
+    try:
+        while True:
+            cmd, *args = conn.recv()
+            if cmd == "setup":
+                layout, cache_dtype, blocks = args
+                if server is not None:
+                    server.stop(0)
+                    receiver.stop()
+                spec = KVCacheSpec(layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.block_size)
+                cache = PagedKVCache(spec, blocks, (cache_dtype,) * layout.num_layers)
+                for storage in cache.layers:  # touch every page now, not during the timed push
+                    for t in vars(storage).values():
+                        if isinstance(t, torch.Tensor):
+                            t.view(torch.uint8).fill_(0)
+                receiver = KVReceiver(layout, CacheSink(cache), max_chunk_bytes=256 * MiB)
+                server, port = start_server([kv_transfer_handler(receiver)], "127.0.0.1:0", security)
+                conn.send(port)
+            elif cmd == "expect":
+                rid, nblocks = args
+                event.clear()
+                receiver.expect(rid, list(range(nblocks)), lambda o: (done.__setitem__("o", o), event.set()), 120)
+                conn.send("ok")
+            elif cmd == "wait":
+                event.wait(120)
+                o = done["o"]
+                conn.send((o.ok, o.error))
+            elif cmd == "stop":
+                break
+    finally:
+        if server is not None:
+            server.stop(0)
+
+
+class ReceiverProcess:
+    def __init__(self, token: str) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_receiver_main, args=(child, token), daemon=True)
+        self.proc.start()
+
+    def call(self, *msg):  # type: ignore[no-untyped-def]
+        self.conn.send(msg)
+        if not self.conn.poll(180):
+            raise RuntimeError(f"receiver did not answer {msg[0]}")
+        return self.conn.recv()
+
+    def close(self) -> None:
+        try:
+            self.conn.send(("stop",))
+        except OSError:
+            pass
+        self.proc.join(10)
+        if self.proc.is_alive():
+            self.proc.kill()
+
+
+def _push_once(sender: KVSender, target: str, layout: KVLayout, shape: Shape, keys: list[torch.Tensor],
+               values: list[torch.Tensor], rx: ReceiverProcess, rid: str) -> float:
+    """Seconds from opening the stream to the receiver's ack, all layers sent as soon as possible."""
+    assert rx.call("expect", rid, shape.blocks) == "ok"
+    start = time.perf_counter()
+    stream = sender.open_stream(target, rid, layout, shape.tokens, timeout_s=120)
+    for layer in range(shape.layers):
+        stream.send_layer(layer, 0, keys[layer], values[layer])
+    stream.finish(0)
+    elapsed = time.perf_counter() - start
+    ok, error = rx.call("wait")
+    if not ok:
+        raise RuntimeError(f"push failed: {error}")
+    return elapsed
+
+
+def transfer_figures(shape: Shape, codecs: list[tuple[str, str, str]], rx: ReceiverProcess, token: str,
+                     repeats: int, refs: dict[str, references.Measurement]) -> list[Figure]:
+    """One Figure per (codec, transport, reference name) for a cache of ``shape``."""
+    g = torch.Generator().manual_seed(0)
+    keys = [torch.randn(shape.blocks, shape.block_size, shape.kv_heads, shape.head_dim, generator=g)
+            .to(torch.bfloat16) for _ in range(shape.layers)]
+    values = [torch.randn_like(k, dtype=torch.float32).to(torch.bfloat16) for k in keys]
+    out = []
+    for codec, transport, ref in codecs:
+        layout = KVLayout(shape.layers, shape.kv_heads, shape.head_dim, shape.block_size, (codec,) * shape.layers,
+                          "bench", "bfloat16")
+        port = rx.call("setup", layout, "bfloat16", shape.blocks)
+        sender = KVSender(TransferSecurity(token=token), transport=transport,  # type: ignore[arg-type]
+                          stream_budget_bytes=256 * MiB, sender_budget_bytes=1024 * MiB)
+        try:
+            target = f"127.0.0.1:{port}"
+            _push_once(sender, target, layout, shape, keys, values, rx, "warm")
+            best = min(_push_once(sender, target, layout, shape, keys, values, rx, f"r{i}") for i in range(repeats))
+        finally:
+            sender.close()
+        out.append(Figure(f"{shape.name}: {codec} over {transport}", shape.logical_bytes / best / 1e9, "GB/s logical",
+                          ref, refs[ref].gbps))
+    return out
+
+
+def ttft_figure(rx: ReceiverProcess, token: str, tokens: int, repeats: int, codec: str) -> list[Figure]:
+    from workers.prefill.kv_stream import LayerStreamer
+    from workers.runtime.default_model import ensure_default_checkpoint
+    from workers.runtime.engine import Engine, EngineConfig
+    from workers.runtime.loader import load_model
+    from workers.runtime.sampler import SamplingParams
+
+    bundle = load_model(ensure_default_checkpoint(), with_vision=False)
+    engine = Engine(bundle.model, bundle.tokenizer, EngineConfig(prefill_chunk_size=tokens,
+                                                                 max_num_batched_tokens=tokens))
+    prompt = torch.randint(10, bundle.config.vocab_size, (tokens,), generator=torch.Generator().manual_seed(1)).tolist()
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+
+    def prefill_alone() -> float:
+        start = time.perf_counter()
+        engine.add_request("alone", prompt, params)
+        while engine.has_unfinished():
+            engine.step()
+        return time.perf_counter() - start
+
+    sender = KVSender(TransferSecurity(token=token), transport="auto")
+    streamer = LayerStreamer(engine, sender, (codec,) * bundle.config.num_layers)
+    port = rx.call("setup", streamer.layout, "float32", engine.cache.blocks_for(tokens))
+    target = f"127.0.0.1:{port}"
+
+    def streamed(i: int) -> float:
+        rid = f"ttft-{i}"
+        assert rx.call("expect", rid, engine.cache.blocks_for(tokens)) == "ok"
+        start = time.perf_counter()
+        streamer.start(rid, target, tokens, timeout_s=120)
+        engine.add_request(rid, prompt, params)
+        first = 0
+        while engine.has_unfinished():
+            for out in engine.step():
+                first = out.new_token_ids[0]
+        streamer.finish(rid, first)
+        elapsed = time.perf_counter() - start
+        ok, error = rx.call("wait")
+        if not ok:
+            raise RuntimeError(error)
+        return elapsed
+
+    prefill_alone()
+    streamed(-1)
+    alone = min(prefill_alone() for _ in range(repeats))
+    with_kv = min(streamed(i) for i in range(repeats))
+    sender.close()
+    transport = sender.choose_transport(target)
+    return [Figure(f"TTFT {tokens}-token prompt, {codec} over {transport}", with_kv * 1e3, "ms",
+                   "prefill compute alone", alone * 1e3)]
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    token = secrets.token_urlsafe(24)
+    demo = Shape("demo 4k-token cache", layers=4, kv_heads=4, head_dim=64, tokens=4096)
+    synthetic = Shape("synthetic 256 MiB", layers=16, kv_heads=8, head_dim=128, tokens=4096)
+    shapes = [demo] if args.quick else [demo, synthetic]
+    ref_bytes = 64 * MiB if args.quick else 256 * MiB
+    print(f"references ({ref_bytes // MiB} MiB, best of {args.repeats}) ...", flush=True)
+    refs = {m.name: m for m in (references.memcpy(ref_bytes, args.repeats),
+                                references.tcp_socket(ref_bytes, repeats=args.repeats),
+                                references.grpc_raw_stream(ref_bytes, repeats=args.repeats),
+                                references.grpc_proto_bytes_stream(ref_bytes, repeats=args.repeats))}
+    names = {k.split(" ")[0]: k for k in refs}
+    memcpy, tcp, grpc_raw = names["memcpy"], names["tcp"], refs and [k for k in refs if "raw" in k][0]
+    plan = [("bf16", "grpc", grpc_raw), ("int8", "grpc", tcp), ("fp8", "grpc", tcp), ("int4", "grpc", tcp),
+            ("bf16", "shm", memcpy), ("int8", "shm", memcpy)]
+    rx = ReceiverProcess(token)
+    figures: list[Figure] = []
+    try:
+        for shape in shapes:
+            print(f"{shape.name}: {shape.logical_bytes / MiB:.0f} MiB logical ...", flush=True)
+            figures += transfer_figures(shape, plan, rx, token, args.repeats, refs)
+        print("TTFT ...", flush=True)
+        figures += ttft_figure(rx, token, args.ttft_tokens, args.repeats, args.ttft_codec)
+    finally:
+        rx.close()
+    print()
+    print(f"{'reference':<34}{'GB/s':>8}")
+    for m in refs.values():
+        print(f"{m.name:<34}{m.gbps:8.2f}")
+    print()
+    print(f"{'figure':<44}{'value':>12}  {'reference':<30}{'ref':>9}{'ratio':>8}")
+    for f in figures:
+        print(f"{f.name:<44}{f.value:9.2f} {f.unit.split()[0]:<3} {f.reference:<30}{f.ref_value:9.2f}{f.ratio:7.2f}x")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"references": {k: m.gbps for k, m in refs.items()},
+                                               "figures": [asdict(f) | {"ratio": f.ratio} for f in figures]},
+                                              indent=2))
+    return 0

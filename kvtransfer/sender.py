@@ -19,6 +19,7 @@ import queue
 import socket
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Iterator, Literal
 
@@ -91,7 +92,7 @@ class KVSender:
 
     def __init__(self, security: TransferSecurity, *, stream_budget_bytes: int = 64 * 2**20,
                  sender_budget_bytes: int = 512 * 2**20, max_chunk_bytes: int = 4 * 2**20,
-                 transport: TransportChoice = "auto") -> None:
+                 transport: TransportChoice = "auto", encode_threads: int = 2) -> None:
         self.security = security
         self.stream_budget_bytes = stream_budget_bytes
         self.max_chunk_bytes = max_chunk_bytes
@@ -101,6 +102,9 @@ class KVSender:
         self._lock = threading.Lock()
         self.host = socket.gethostname()
         self.segments = SegmentPool()
+        # Quantising is the costly step; it runs here, in parallel across chunks and streams, while
+        # gRPC's thread frames and sends in order.
+        self.encoders = ThreadPoolExecutor(max_workers=encode_threads, thread_name_prefix="kv-encode")
         if transport != "grpc":
             reap_orphans()
 
@@ -117,6 +121,7 @@ class KVSender:
                 ch.close()
             self._channels.clear()
         self.segments.close()
+        self.encoders.shutdown(wait=False, cancel_futures=True)
 
     def choose_transport(self, target: str) -> str:
         if self.transport == "grpc":
@@ -202,7 +207,8 @@ class KVStream:
                 self._budget.release(cost)
                 raise
             self._raise_if_failed()
-            self._queue.put(("layer", (layer, first_block + i, k, v), cost))
+            encoded = self.sender.encoders.submit(self._encode, layer, k, v)
+            self._queue.put(("layer", (layer, first_block + i, k.shape[0], encoded), cost))
 
     def finish(self, first_token: int) -> PushResult:
         """Queue the finish message and wait for the receiver's ack."""
@@ -278,24 +284,29 @@ class KVStream:
                     first_token=item)))
                 return
             try:
+                layer, first_block, num_blocks, encoded = item
+                parts = encoded.result()  # re-raises an encode error (NaN in the cache, ...)
                 if self._failed.is_set():
                     continue
-                yield self._encode(*item)
+                yield self._frame(layer, first_block, num_blocks, *parts)
             finally:
                 self._budget.release(cost)
                 self.sender._budget.release(cost)
 
-    def _encode(self, layer: int, first_block: int, key: torch.Tensor, value: torch.Tensor) -> bytes:
+    def _encode(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> tuple:  # type: ignore[type-arg]
+        """The costly part, run on the sender's encoder threads (torch releases the GIL)."""
         codec = get_codec(self.layout.layer_codecs[layer])
-        k = codec.encode(key.contiguous(), Kind.KEY)
-        v = codec.encode(value.contiguous(), Kind.VALUE)
+        return codec, codec.encode(key.contiguous(), Kind.KEY), codec.encode(value.contiguous(), Kind.VALUE)
+
+    def _frame(self, layer: int, first_block: int, num_blocks: int, codec, k, v) -> bytes:  # type: ignore[no-untyped-def]
+        """Number, checksum and frame one encoded chunk; runs in stream order on gRPC's thread."""
         scales = [m for m in (k.scales_view(), k.zeros_view(), v.scales_view(), v.zeros_view())
                   if m is not None and m.nbytes]
         payload = [k.payload_view(), v.payload_view()]
         checksum = chunk_checksum([*scales, *payload])
         nbytes = sum(m.nbytes for m in scales) + sum(m.nbytes for m in payload)
         chunk = pb.KVChunk(seq=self._seq, request_id=self.request_id, layer=layer, first_block=first_block,
-                           num_blocks=key.shape[0], codec=int(codec.codec_id), checksum=checksum)
+                           num_blocks=num_blocks, codec=int(codec.codec_id), checksum=checksum)
         self._seq += 1
         self._bytes += nbytes
         self._logical += k.logical_nbytes + v.logical_nbytes

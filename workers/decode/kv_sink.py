@@ -50,11 +50,17 @@ class CacheSink:
             self._store_native(storage, blocks, codec, shape, key, value)
             return
         c = get_codec(codec)
+        k_enc = c.from_buffer(Kind.KEY, shape, key.payload, key.scales, key.zeros)
+        v_enc = c.from_buffer(Kind.VALUE, shape, value.payload, value.scales, value.zeros)
+        if isinstance(storage, DenseLayerStorage) and _consecutive(blocks):
+            # dequantise straight into the blocks: no temporary, no scatter
+            first, n = blocks[0], len(blocks)
+            for enc, dest in ((k_enc, storage.k), (v_enc, storage.v)):
+                c.decode_into(enc, dest.view(-1, self.bs, *dest.shape[1:])[first:first + n])
+            return
         dtype = storage.k.dtype if isinstance(storage, DenseLayerStorage) else torch.float32
-        k = c.decode(c.from_buffer(Kind.KEY, shape, key.payload, key.scales, key.zeros), dtype)
-        v = c.decode(c.from_buffer(Kind.VALUE, shape, value.payload, value.scales, value.zeros), dtype)
-        slots = self._slots(blocks)
-        storage.write(slots, k.reshape(-1, *shape[2:]), v.reshape(-1, *shape[2:]))
+        k, v = c.decode(k_enc, dtype), c.decode(v_enc, dtype)
+        storage.write(self._slots(blocks), k.reshape(-1, *shape[2:]), v.reshape(-1, *shape[2:]))
 
     def _slots(self, blocks: Sequence[int]) -> torch.Tensor:
         b = torch.tensor(blocks, dtype=torch.long)
@@ -82,6 +88,10 @@ class CacheSink:
             s = s.view(n, 1, h if codec == "int8" else 1).expand(n, bs, h).reshape(n * bs, h)
             data.view(torch.uint8).index_copy_(0, slots, q)
             scale.index_copy_(0, slots, s)
+
+
+def _consecutive(blocks: Sequence[int]) -> bool:
+    return all(b == blocks[0] + i for i, b in enumerate(blocks))
 
 
 def _runs(blocks: Sequence[int]) -> list[tuple[int, int, int]]:

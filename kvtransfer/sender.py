@@ -92,10 +92,13 @@ class KVSender:
 
     def __init__(self, security: TransferSecurity, *, stream_budget_bytes: int = 64 * 2**20,
                  sender_budget_bytes: int = 512 * 2**20, max_chunk_bytes: int = 4 * 2**20,
+                 shm_chunk_bytes: int = 16 * 2**20,
                  transport: TransportChoice = "auto", encode_threads: int = 2) -> None:
         self.security = security
         self.stream_budget_bytes = stream_budget_bytes
         self.max_chunk_bytes = max_chunk_bytes
+        # Shared memory has no message to size, only a control round trip per chunk: bigger is cheaper.
+        self.shm_chunk_bytes = shm_chunk_bytes
         self.transport = transport
         self._budget = _ByteBudget(sender_budget_bytes)
         self._channels: dict[str, grpc.Channel] = {}
@@ -196,7 +199,8 @@ class KVStream:
         if first_block < 0 or first_block + n > self.num_blocks:
             raise ValueError(f"blocks {first_block}..{first_block + n - 1} outside the request's {self.num_blocks}")
         per_block = max(1, key[0].nbytes * 2)
-        step = max(1, self.sender.max_chunk_bytes // per_block)
+        chunk_bytes = self.sender.shm_chunk_bytes if self._segment is not None else self.sender.max_chunk_bytes
+        step = max(1, chunk_bytes // per_block)
         for i in range(0, n, step):
             k, v = key[i:i + step], value[i:i + step]
             cost = k.nbytes + v.nbytes

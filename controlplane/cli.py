@@ -2,7 +2,8 @@
 
   epd model init DIR      write the built-in demo model (random weights) as an HF checkpoint folder
   epd generate ...        generate from a prompt with the single-process engine (the reference path)
-  epd bench engine ...    engine throughput beside HF transformers on the same checkpoint
+  epd config show|schema  the effective settings (secrets masked) / their JSON schema
+  epd bench engine|kv|kv-accuracy   benchmarks, each beside a reference measured in the same run
 """
 
 from __future__ import annotations
@@ -98,6 +99,25 @@ def cmd_bench_kv_accuracy(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def cmd_config_show(args: argparse.Namespace) -> int:
+    import json
+
+    import yaml
+
+    from controlplane.settings import Settings
+    data = Settings.load(args.config).redacted()
+    print(json.dumps(data, indent=2) if args.json else yaml.safe_dump(data, sort_keys=False), end="")
+    return 0
+
+
+def cmd_config_schema(args: argparse.Namespace) -> int:
+    import json
+
+    from controlplane.settings import Settings
+    print(json.dumps(Settings.model_json_schema(), indent=2))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="epd", description="epd: disaggregated encode/prefill/decode serving.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -129,6 +149,18 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append", default=[], help="stop string; repeatable")
     gen.set_defaults(func=cmd_generate)
+
+    config = sub.add_parser("config", help="settings").add_subparsers(dest="config_command", required=True,
+                                                                     metavar="ACTION")
+    show = config.add_parser("show", help="print the effective settings (secrets masked)",
+                             description="Print the settings epd would run with: defaults, then --config YAML, "
+                                         "then EPD_* environment variables (nested with __, e.g. "
+                                         "EPD_DECODE__REPLICAS=2). Secrets are masked.")
+    show.add_argument("--config", type=Path, default=None, help="YAML settings file")
+    show.add_argument("--json", action="store_true", help="JSON instead of YAML")
+    show.set_defaults(func=cmd_config_show)
+    schema = config.add_parser("schema", help="print the settings' JSON schema")
+    schema.set_defaults(func=cmd_config_schema)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True,
                                                                      metavar="SUITE")
@@ -175,11 +207,20 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except EngineError as exc:
-        print(f"epd: error: {exc}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         return 130
+    except Exception as exc:  # errors caused by input name the problem themselves; anything else is a bug
+        if not isinstance(exc, _user_errors()):
+            raise
+        print(f"epd: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _user_errors() -> tuple[type[Exception], ...]:
+    from controlplane.settings import SettingsError
+    from kvtransfer.auth import SecurityConfigError
+    from kvtransfer.policy import PolicyError
+    return (EngineError, SettingsError, PolicyError, SecurityConfigError)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,235 @@
+"""The one settings model for everything epd runs.
+
+Sources, lowest to highest precedence: defaults < YAML file (``--config``) < ``EPD_*`` environment
+variables < CLI flags. Nested fields use ``__`` in variables: ``EPD_DECODE__REPLICAS=2``,
+``EPD_TRANSFER__CODEC_POLICY=int8``, ``EPD_API__PORT=9000``. Unknown keys are refused (a typo never
+silently does nothing), and cross-field rules are checked once, here. ``Settings.model_json_schema()``
+is the schema that helm's values.schema.json is built from.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+from pydantic_settings import (BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict,
+                               YamlConfigSettingsSource)
+
+from kvtransfer.policy import PolicyError, parse_policy
+
+MiB = 2**20
+PoolName = Literal["encode", "prefill", "decode"]
+POOLS: tuple[PoolName, ...] = ("encode", "prefill", "decode")
+
+_yaml_file: contextvars.ContextVar[Path | None] = contextvars.ContextVar("epd_yaml_file", default=None)
+
+
+class SettingsError(ValueError):
+    """Settings that do not load or validate; the message names the field and the problem."""
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_default=True)
+
+
+class EngineSettings(_Model):
+    """One pool's torch engine."""
+
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    device: str = Field("cpu", description="torch device: cpu, cuda, cuda:1, ...")
+    threads: int | None = Field(None, ge=1, description="torch CPU threads per worker (default: torch's choice)")
+    block_size: int = Field(16, ge=1, le=1024, description="tokens per KV block (a power of two)")
+    kv_cache_bytes: int = Field(256 * MiB, ge=MiB, description="the KV pool's memory budget in bytes")
+    kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16", "int8", "fp8"] = "auto"
+    max_num_seqs: int = Field(64, ge=1, description="sequences decoded together at most")
+    max_num_batched_tokens: int = Field(2048, ge=1, description="tokens computed per engine step at most")
+    prefill_chunk_size: int = Field(512, ge=1, description="prompt tokens of one sequence per step at most")
+    max_model_len: int | None = Field(None, ge=2, description="context limit (default: the model's)")
+
+    @field_validator("block_size")
+    @classmethod
+    def _power_of_two(cls, v: int) -> int:
+        if v & (v - 1):
+            raise ValueError(f"block_size must be a power of two, got {v}")
+        return v
+
+    @model_validator(mode="after")
+    def _budget(self) -> "EngineSettings":
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
+                             f"({self.max_num_seqs}) so every running sequence can decode each step")
+        return self
+
+    def engine_config(self, kv_layer_dtypes: tuple[str, ...] | None = None):  # type: ignore[no-untyped-def]
+        from workers.runtime.engine import EngineConfig
+
+        return EngineConfig(dtype=self.dtype, device=self.device, block_size=self.block_size,
+                            kv_cache_bytes=self.kv_cache_bytes, kv_cache_dtype=self.kv_cache_dtype,
+                            kv_layer_dtypes=kv_layer_dtypes, max_num_seqs=self.max_num_seqs,
+                            max_num_batched_tokens=self.max_num_batched_tokens,
+                            prefill_chunk_size=self.prefill_chunk_size, max_model_len=self.max_model_len)
+
+
+class PoolSettings(_Model):
+    replicas: int = Field(1, ge=0, le=1000)
+    num_cpus: float = Field(0.5, ge=0, description="Ray CPUs reserved per replica (0 = none)")
+    num_gpus: float = Field(0.0, ge=0, description="Ray GPUs per replica")
+    engine: EngineSettings = EngineSettings()
+
+
+class TransferSettings(_Model):
+    """The KV and embedding transfer between pools."""
+
+    codec_policy: str = Field("bf16", description="codec per layer: 'int8', 'int8,0=bf16,-1=bf16', 'auto', "
+                                                  "'auto:0.05'")
+    decode_store: Literal["dequantize", "native"] = Field(
+        "dequantize", description="native keeps int8/fp8 layers quantised in the decode cache")
+    transport: Literal["auto", "grpc", "shm"] = Field("auto", description="auto: shared memory on one host")
+    token: SecretStr | None = Field(None, description="shared bearer token for KV/embedding RPCs "
+                                                      "(generated for a local serve when unset)")
+    tls_ca: Path | None = None
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    timeout_s: float = Field(30.0, gt=0, description="deadline of one transfer, seconds")
+    stream_budget_bytes: int = Field(64 * MiB, ge=MiB, description="queued bytes per stream at most")
+    sender_budget_bytes: int = Field(512 * MiB, ge=MiB, description="queued bytes per prefill worker at most")
+    max_streams: int = Field(64, ge=1, le=4096, description="concurrent inbound streams per worker")
+
+    @field_validator("codec_policy")
+    @classmethod
+    def _policy(cls, v: str) -> str:
+        try:
+            parse_policy(v)
+        except PolicyError as exc:
+            raise ValueError(str(exc)) from None
+        return v
+
+    @field_validator("token")
+    @classmethod
+    def _token_length(cls, v: SecretStr | None) -> SecretStr | None:
+        if v is not None and len(v.get_secret_value()) < 16:
+            raise ValueError("the transfer token must be at least 16 characters")
+        return v
+
+    @model_validator(mode="after")
+    def _tls_all_or_none(self) -> "TransferSettings":
+        tls = (self.tls_ca, self.tls_cert, self.tls_key)
+        if any(tls) and not all(tls):
+            raise ValueError("mTLS needs all three of tls_ca, tls_cert and tls_key")
+        return self
+
+
+class SchedulerSettings(_Model):
+    routing_policy: str = Field("least_loaded", description="how replicas are picked (a registered policy name)")
+    queue_size: int = Field(256, ge=0, description="requests waiting for decode room at most; beyond, 429")
+    queue_timeout_s: float = Field(30.0, gt=0, description="longest wait in that queue before 429")
+    request_timeout_s: float = Field(600.0, gt=0, description="end-to-end deadline of one request")
+
+
+class ApiSettings(_Model):
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=1, le=65535)
+    served_model_name: str | None = Field(None, description="model id in /v1/models (default: folder name)")
+    admin_token: SecretStr | None = Field(None, description="for /admin and epd scale (generated locally if unset)")
+    api_keys: list[SecretStr] = Field(default_factory=list, description="accepted bearer keys; empty = open API")
+
+
+class RedisSettings(_Model):
+    url: str | None = Field(None, description="redis://host:port/db; unset = epd starts a local redis-server")
+    prefix: str = Field("epd", pattern=r"^[A-Za-z0-9_.-]+$", description="prefix of every key")
+    heartbeat_ttl_s: float = Field(5.0, gt=0, description="a worker's lease; it leaves routing within 2 TTLs")
+
+
+class RaySettings(_Model):
+    address: str | None = Field(None, description="join this Ray cluster; unset = start a local one")
+    namespace: str = "epd"
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="EPD_", env_nested_delimiter="__", extra="forbid",
+                                      validate_default=True)
+
+    model: Path | None = Field(None, description="HF checkpoint folder; unset = the built-in demo model")
+    mode: Literal["disaggregated", "colocated"] = "disaggregated"
+    encode: PoolSettings = PoolSettings()
+    prefill: PoolSettings = PoolSettings()
+    decode: PoolSettings = PoolSettings()
+    transfer: TransferSettings = TransferSettings()
+    scheduler: SchedulerSettings = SchedulerSettings()
+    api: ApiSettings = ApiSettings()
+    redis: RedisSettings = RedisSettings()
+    ray: RaySettings = RaySettings()
+
+    @model_validator(mode="after")
+    def _cross_field(self) -> "Settings":
+        p, d = self.prefill.engine, self.decode.engine
+        if p.block_size != d.block_size:
+            raise ValueError(f"prefill.engine.block_size ({p.block_size}) and decode.engine.block_size "
+                             f"({d.block_size}) must match: KV blocks move between them as they are")
+        if p.max_model_len != d.max_model_len:
+            raise ValueError("prefill.engine.max_model_len and decode.engine.max_model_len must match")
+        if self.transfer.codec_policy.startswith("fp32") and "bfloat16" in (p.dtype, d.dtype):
+            raise ValueError("the fp32 codec needs float32 engines; use bf16 for bfloat16 engines")
+        if self.mode == "disaggregated" and (self.prefill.replicas == 0) != (self.decode.replicas == 0):
+            raise ValueError("prefill and decode must both have replicas, or both be scaled to 0")
+        return self
+
+    def pool(self, name: PoolName) -> PoolSettings:
+        return getattr(self, name)
+
+    @classmethod
+    def settings_customise_sources(cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource,
+                                   env_settings: PydanticBaseSettingsSource,
+                                   dotenv_settings: PydanticBaseSettingsSource,
+                                   file_secret_settings: PydanticBaseSettingsSource,
+                                   ) -> tuple[PydanticBaseSettingsSource, ...]:
+        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+        path = _yaml_file.get()
+        if path is not None:
+            sources.append(YamlConfigSettingsSource(settings_cls, yaml_file=path))
+        return tuple(sources)
+
+    @classmethod
+    def load(cls, config: Path | None = None, overrides: dict[str, Any] | None = None) -> "Settings":
+        """Defaults < ``config`` YAML < EPD_* environment < ``overrides`` (CLI flags, nested dicts)."""
+        if config is not None:
+            _check_yaml(config)
+        token = _yaml_file.set(config)
+        try:
+            return cls(**(overrides or {}))
+        except ValueError as exc:  # pydantic's ValidationError is a ValueError
+            raise SettingsError(_describe(exc)) from None
+        finally:
+            _yaml_file.reset(token)
+
+    def redacted(self) -> dict[str, Any]:
+        """The effective settings as plain data, secrets shown as '**********'."""
+        return self.model_dump(mode="json")
+
+
+def _check_yaml(path: Path) -> None:
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except OSError as exc:
+        raise SettingsError(f"cannot read the config file {path}: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise SettingsError(f"{path} is not valid YAML: {exc}") from None
+    if data is not None and not isinstance(data, dict):
+        raise SettingsError(f"{path} must hold a mapping of settings at the top level")
+
+
+def _describe(exc: ValueError) -> str:
+    errors = getattr(exc, "errors", None)
+    if not callable(errors):
+        return str(exc)
+    lines = []
+    for e in errors():
+        where = ".".join(str(p) for p in e.get("loc", ())) or "settings"
+        msg = e.get("msg", "invalid").removeprefix("Value error, ")
+        if e.get("type") == "extra_forbidden":
+            msg = "unknown setting"
+        lines.append(f"{where}: {msg}")
+    return "invalid settings: " + "; ".join(lines)

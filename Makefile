@@ -9,7 +9,7 @@ TORCH_SPEC := torch==2.13.0
 STAMP := $(VENV)/.epd-installed
 PYTEST_ARGS ?=
 
-.PHONY: serve test test-unit test-integration test-e2e bench setup clean help
+.PHONY: serve test test-unit test-integration test-e2e bench setup redis clean help
 
 help:
 	@echo "make serve   set up, then run the demo: generate from PROMPT with the built-in model"
@@ -32,7 +32,23 @@ $(PROTO_STAMP): $(PROTOS) $(STAMP)
 	$(PY) -m grpc_tools.protoc -I proto --python_out=proto --grpc_python_out=proto --pyi_out=proto $(PROTOS)
 	touch $(PROTO_STAMP)
 
-setup: $(STAMP) $(PROTO_STAMP)
+# redis-server backs the control-plane state: `epd serve` starts a private one when no --redis-url is
+# given, and the integration tests start their own. Installed with apt-get only when it is missing.
+redis:
+	@if command -v redis-server >/dev/null 2>&1; then exit 0; fi; \
+	if ! command -v apt-get >/dev/null 2>&1; then \
+	  echo "redis-server is not installed and apt-get is not available here: install Redis (7 or newer)" \
+	       "with your package manager (e.g. 'brew install redis'), then run make again." >&2; exit 1; fi; \
+	SUDO=; if [ "$$(id -u)" -ne 0 ]; then \
+	  if ! command -v sudo >/dev/null 2>&1; then \
+	    echo "redis-server is not installed; run 'apt-get install -y redis-server' as root, then make again." >&2; \
+	    exit 1; fi; \
+	  SUDO=sudo; fi; \
+	echo "installing redis-server with apt-get"; \
+	$$SUDO apt-get update -qq || echo "apt-get update failed; trying the install with the cached lists" >&2; \
+	DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq redis-server >/dev/null
+
+setup: redis $(STAMP) $(PROTO_STAMP)
 
 PROMPT ?= The model reads a checkpoint folder and
 MAX_TOKENS ?= 48

@@ -163,7 +163,7 @@ class KVReceiver:
                                                                 "use the gRPC transport") from None
         elif hs.transport != pb.TRANSPORT_GRPC:
             raise TransferRefused(Code.INVALID_ARGUMENT, f"unknown transport {hs.transport}")
-        return _Session(sender, hs.num_tokens, nblocks, segment)
+        return _Session(sender, hs.num_tokens, nblocks, segment, self.segments)
 
     def _chunk(self, exp: Expected, s: "_Session", frame: Frame) -> None:
         c: pb.KVChunk = frame.header  # type: ignore[assignment]
@@ -233,7 +233,9 @@ class KVReceiver:
 class _Session:
     """Per-stream progress: what has arrived, in which order, and through which transport."""
 
-    def __init__(self, layout: KVLayout, num_tokens: int, num_blocks: int, segment: SharedSegment | None) -> None:
+    def __init__(self, layout: KVLayout, num_tokens: int, num_blocks: int, segment: SharedSegment | None,
+                 cache: SegmentCache | None = None) -> None:
+        self.cache = cache
         self.layout = layout
         self.num_tokens = num_tokens
         self.num_blocks = num_blocks
@@ -257,7 +259,9 @@ class _Session:
         return view[:scales_nbytes], view[scales_nbytes:]
 
     def close(self) -> None:
-        self.segment = None  # the mapping stays in the receiver's SegmentCache for the next stream
+        if self.segment is not None and self.cache is not None:
+            self.cache.release(self.segment)  # the mapping stays cached for the next stream
+        self.segment = None
 
 
 def _decode(data: bytes) -> Frame:

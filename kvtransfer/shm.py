@@ -150,11 +150,16 @@ class SegmentPool:
 
 
 class SegmentCache:
-    """The receiver's mappings, by name, so a reused segment is not mapped (and faulted) again."""
+    """The receiver's mappings, by name, so a reused segment is not mapped (and faulted) again.
+
+    ``attach`` counts a user and ``release`` drops it; a mapping evicted (LRU, or its file removed)
+    while streams still read it is closed when the last one releases it."""
 
     def __init__(self, max_segments: int = 8) -> None:
         self.max_segments = max_segments
         self._maps: OrderedDict[str, SharedSegment] = OrderedDict()
+        self._users: dict[int, int] = {}  # id(segment) -> streams reading it
+        self._retired: set[int] = set()  # evicted while in use
         self._lock = threading.Lock()
 
     def attach(self, name: str, size: int) -> SharedSegment:
@@ -162,26 +167,55 @@ class SegmentCache:
             seg = self._maps.get(name)
             if seg is not None and seg.size >= size and (SHM_DIR / name).exists():
                 self._maps.move_to_end(name)
+                self._users[id(seg)] = self._users.get(id(seg), 0) + 1
                 return seg
         seg = SharedSegment.attach(name, size)
         with self._lock:
             old = self._maps.pop(name, None)
             self._maps[name] = seg
-            evicted = [self._maps.popitem(last=False)[1] for _ in range(len(self._maps) - self.max_segments)]
-        for s in [*evicted, *([old] if old is not None else [])]:
+            self._users[id(seg)] = 1
+            doomed = [old] if old is not None else []
+            while len(self._maps) > self.max_segments:
+                doomed.append(self._maps.popitem(last=False)[1])
+            to_close = self._retire(doomed)
+        for s in to_close:
             s.close()
         return seg
+
+    def release(self, seg: SharedSegment) -> None:
+        with self._lock:
+            n = self._users.get(id(seg), 1) - 1
+            self._users[id(seg)] = n
+            close = n <= 0 and id(seg) in self._retired
+            if close:
+                self._retired.discard(id(seg))
+                self._users.pop(id(seg), None)
+        if close:
+            seg.close()
+
+    def _retire(self, segs: list[SharedSegment]) -> list[SharedSegment]:
+        """Under the lock: the segments that can close now; the rest close on their last release."""
+        now = []
+        for s in segs:
+            if self._users.get(id(s), 0) > 0:
+                self._retired.add(id(s))
+            else:
+                self._users.pop(id(s), None)
+                now.append(s)
+        return now
 
     def prune(self) -> None:
         """Drop mappings whose file the sender has removed."""
         with self._lock:
             gone = [n for n in self._maps if not (SHM_DIR / n).exists()]
-            segs = [self._maps.pop(n) for n in gone]
-        for s in segs:
+            to_close = self._retire([self._maps.pop(n) for n in gone])
+        for s in to_close:
             s.close()
 
     def close(self) -> None:
         with self._lock:
             segs, self._maps = list(self._maps.values()), OrderedDict()
+            self._users.clear()
+            self._retired.clear()
         for s in segs:
             s.close()

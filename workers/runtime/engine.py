@@ -161,6 +161,16 @@ class Engine:
                       mm: MultimodalInput | None) -> Sequence:
         if request_id in self._seqs or request_id in self._reservations:
             raise DuplicateRequestError(f"request id {request_id!r} is already in the engine")
+        self.check_request(prompt_ids, params, mm)
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        detok = None
+        if self.tokenizer is not None:
+            detok = IncrementalDetokenizer(self.tokenizer, params.stop)
+        return Sequence(request_id, list(prompt_ids), params, torch.Generator().manual_seed(seed),
+                        time.monotonic(), mm, detok)
+
+    def check_request(self, prompt_ids: list[int], params: SamplingParams, mm: MultimodalInput | None = None) -> None:
+        """Raise the EngineError this request would get, without queueing or allocating anything."""
         if not prompt_ids:
             raise InvalidRequestError("the prompt is empty")
         vocab = self.model.cfg.vocab_size
@@ -177,12 +187,6 @@ class Engine:
                 f"the pool holds {self.cache.num_blocks}")
         if mm is not None:
             self._check_mm(prompt_ids, mm)
-        seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
-        detok = None
-        if self.tokenizer is not None:
-            detok = IncrementalDetokenizer(self.tokenizer, params.stop)
-        return Sequence(request_id, list(prompt_ids), params, torch.Generator().manual_seed(seed),
-                        time.monotonic(), mm, detok)
 
     # ------------------------------------------------------------------ disaggregated decode
     def reserve(self, request_id: str, num_tokens: int) -> KVReservation:

@@ -1,0 +1,124 @@
+"""Drives one request through the workers the scheduler picked, over their gRPC services.
+
+  1. Reserve on the decode worker (refused at once when its pool is full).
+  2. Encode (images only) and Prefill run at once; prefill waits for the embeddings, then streams
+     the KV to the decode worker.
+  3. Generate on the decode worker streams the tokens back.
+Any failure aborts the request on every worker it touched, so nothing keeps blocks for it.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Iterator
+
+import grpc
+
+from epd.worker.v1 import worker_pb2 as wpb
+from epd.worker.v1 import worker_pb2_grpc as wgrpc
+from kvtransfer.auth import TransferSecurity
+from workers.runtime.sampler import SamplingParams
+from workers.service_base import sampling_to_proto
+
+
+@dataclass(frozen=True)
+class Route:
+    decode: str
+    prefill: str
+    encode: str | None = None
+
+
+@dataclass(frozen=True)
+class WorkerRequest:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    images: tuple[bytes, ...] = ()
+    image_positions: tuple[int, ...] = ()  # prompt indices of the placeholder tokens
+    timeout_s: float = 60.0
+
+
+class DispatchError(Exception):
+    def __init__(self, stage: str, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(f"{stage}: {message}")
+        self.stage, self.code, self.message = stage, code, message
+
+
+class Dispatcher:
+    def __init__(self, security: TransferSecurity, max_parallel: int = 64) -> None:
+        self.security = security
+        self._channels: dict[str, grpc.Channel] = {}
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max_workers=max_parallel, thread_name_prefix="dispatch")
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        with self._lock:
+            for ch in self._channels.values():
+                ch.close()
+
+    def _channel(self, target: str) -> grpc.Channel:
+        with self._lock:
+            if target not in self._channels:
+                self._channels[target] = self.security.open_channel(target)
+            return self._channels[target]
+
+    def run(self, req: WorkerRequest, route: Route) -> Iterator["wpb.TokenChunk"]:
+        md = self.security.call_metadata()
+        decode = wgrpc.DecodeWorkerStub(self._channel(route.decode))
+        prefill = wgrpc.PrefillWorkerStub(self._channel(route.prefill))
+        params = sampling_to_proto(req.params)
+        try:
+            reply = decode.Reserve(wpb.ReserveRequest(request_id=req.request_id, prompt_token_ids=req.prompt_ids,
+                                                      params=params, timeout_s=req.timeout_s),
+                                   metadata=md, timeout=req.timeout_s)
+        except grpc.RpcError as exc:
+            raise DispatchError("reserve", exc.code(), exc.details()) from None
+        futures: list[tuple[str, Future]] = []
+        if req.images:
+            if route.encode is None:
+                self._abort(req.request_id, route)
+                raise DispatchError("route", grpc.StatusCode.FAILED_PRECONDITION, "no encode worker for images")
+            encode = wgrpc.EncodeWorkerStub(self._channel(route.encode))
+            futures.append(("encode", self._pool.submit(
+                encode.Encode, wpb.EncodeRequest(request_id=req.request_id, images=list(req.images),
+                                                 embeddings_target=route.prefill, timeout_s=req.timeout_s),
+                metadata=md, timeout=req.timeout_s)))
+        futures.append(("prefill", self._pool.submit(
+            prefill.Prefill, wpb.PrefillRequest(request_id=req.request_id, prompt_token_ids=req.prompt_ids,
+                                                params=params, kv_target=reply.kv_target,
+                                                num_image_embeddings=len(req.image_positions),
+                                                image_positions=list(req.image_positions), timeout_s=req.timeout_s),
+            metadata=md, timeout=req.timeout_s)))
+        stream = decode.Generate(wpb.GenerateRequest(request_id=req.request_id), metadata=md,
+                                 timeout=req.timeout_s)
+        for _, fut in futures:  # a failed stage aborts the request at once, so decode stops waiting
+            fut.add_done_callback(lambda f: self._abort(req.request_id, route) if f.exception() else None)
+        done = False
+        try:
+            for chunk in stream:
+                done = chunk.finished
+                yield chunk
+            for stage, fut in futures:  # surface an encode/prefill failure with its own message
+                fut.result()
+        except grpc.RpcError as exc:
+            failed = [(s, f) for s, f in futures if f.done() and f.exception() is not None]
+            if failed:
+                stage, fut = failed[0]
+                err = fut.exception()
+                raise DispatchError(stage, err.code(), err.details()) from None  # type: ignore[union-attr]
+            raise DispatchError("decode", exc.code(), exc.details()) from None
+        finally:
+            if not done:
+                stream.cancel()
+                self._abort(req.request_id, route)
+
+    def _abort(self, rid: str, route: Route) -> None:
+        md = self.security.call_metadata()
+        for stub, target in ((wgrpc.DecodeWorkerStub, route.decode), (wgrpc.PrefillWorkerStub, route.prefill)):
+            try:
+                stub(self._channel(target)).Abort(wpb.AbortRequest(request_id=rid), metadata=md, timeout=5)
+            except grpc.RpcError:
+                pass  # the worker is gone; its own deadlines release what it held

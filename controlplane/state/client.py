@@ -1,0 +1,224 @@
+"""Connecting to Redis, and running a private ``redis-server`` when no Redis is configured.
+
+``connect(url, prefix)`` gives a ``StateConnection``: a redis-py client with short timeouts and
+exponential-backoff retries on connection errors and timeouts, the ``KeySpace`` of the prefix, and
+``guard()``, which turns a connection failure that outlasted the retries into ``StateUnavailable``.
+The client reconnects on its own once Redis is back; nothing has to be rebuilt.
+
+Retries resend a command whose reply was lost, so a counter increment or journal entry can, rarely, be
+applied twice. Leases and targets are idempotent writes.
+
+``LocalRedis`` starts ``redis-server`` bound to 127.0.0.1 on a free port, without persistence, in a
+temporary folder, and stops that one process (SIGTERM, then SIGKILL) on ``close()``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
+
+import redis
+from redis import exceptions as redis_errors
+from redis.backoff import ExponentialWithJitterBackoff
+from redis.retry import Retry
+
+from controlplane.state.errors import RedisServerNotFound, StateUnavailable
+from controlplane.state.keys import DEFAULT_PREFIX, KeySpace
+
+_UNREACHABLE = (redis_errors.ConnectionError, redis_errors.TimeoutError)
+INSTALL_HINT = ("install it with `apt-get install -y redis-server` (Debian/Ubuntu) or `brew install redis` "
+                "(macOS), or point epd at an existing Redis with --redis-url")
+
+
+def redact(url: str) -> str:
+    """``url`` with any password replaced by ``***``, for messages and logs."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.rsplit("@", 1)[1]
+    user = parts.username or ""
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc}"))
+
+
+@dataclass(frozen=True)
+class StateConnection:
+    """A Redis client, the key space it writes under, and the (redacted) URL it came from."""
+
+    redis: redis.Redis
+    keys: KeySpace
+    url: str
+
+    @contextlib.contextmanager
+    def guard(self) -> Iterator[None]:
+        """Raise ``StateUnavailable`` (chaining the redis-py error) for a connection lost past retries."""
+        try:
+            yield
+        except _UNREACHABLE as exc:
+            raise StateUnavailable(self.url, str(exc) or type(exc).__name__) from exc
+
+    def ping(self) -> None:
+        """Round-trip to Redis; ``StateUnavailable`` if it cannot be reached."""
+        with self.guard():
+            self.redis.ping()
+
+    def close(self) -> None:
+        """Close the client's connections. Idempotent."""
+        self.redis.close()
+
+
+def connect(url: str, prefix: str = DEFAULT_PREFIX, *, socket_timeout: float = 2.0,
+            connect_timeout: float = 1.0, retries: int = 3, backoff_base: float = 0.05,
+            backoff_cap: float = 1.0, verify: bool = True) -> StateConnection:
+    """Client for the Redis at ``url`` (``redis://``, ``rediss://`` or ``unix://``), keys under ``prefix``.
+
+    Timeouts and backoff are seconds. A command that fails with a connection error or timeout is retried
+    ``retries`` times, waiting about ``backoff_base * 2**n`` (jittered, at most ``backoff_cap``) between
+    tries. With ``verify`` the server is pinged now, so a wrong URL fails here with ``StateUnavailable``.
+    """
+    keys = KeySpace(prefix)
+    retry = Retry(ExponentialWithJitterBackoff(cap=backoff_cap, base=backoff_base), retries,
+                  supported_errors=_UNREACHABLE)
+    client = redis.Redis.from_url(url, decode_responses=True, socket_timeout=socket_timeout,
+                                  socket_connect_timeout=connect_timeout, retry=retry,
+                                  health_check_interval=30)
+    conn = StateConnection(redis=client, keys=keys, url=redact(url))
+    if verify:
+        try:
+            conn.ping()
+        except StateUnavailable:
+            conn.close()
+            raise
+    return conn
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _stop(proc: subprocess.Popen[bytes], folder: str, grace: float) -> None:
+    """SIGTERM the one process, SIGKILL it after ``grace`` seconds, then remove its folder."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+class LocalRedis:
+    """A private, throwaway ``redis-server`` on 127.0.0.1 (no RDB, no AOF). Use as a context manager.
+
+    ``port=None`` picks a free port; a given port lets a test restart a server where the last one was.
+    Also stopped at interpreter exit if ``close()`` was never called.
+    """
+
+    def __init__(self, *, port: int | None = None, executable: str = "redis-server",
+                 startup_timeout: float = 10.0, stop_grace: float = 5.0) -> None:
+        binary = shutil.which(executable)
+        if binary is None:
+            raise RedisServerNotFound(f"{executable} is not installed (not found on PATH); {INSTALL_HINT}")
+        self._binary = binary
+        self._requested_port = port
+        self._startup_timeout = startup_timeout
+        self._stop_grace = stop_grace
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._finalizer: weakref.finalize | None = None
+        self.port = 0
+
+    @property
+    def url(self) -> str:
+        """``redis://127.0.0.1:PORT`` of the running server."""
+        if self._proc is None:
+            raise RuntimeError("LocalRedis is not started")
+        return f"redis://127.0.0.1:{self.port}"
+
+    @property
+    def pid(self) -> int:
+        if self._proc is None:
+            raise RuntimeError("LocalRedis is not started")
+        return self._proc.pid
+
+    @property
+    def running(self) -> bool:
+        """Whether the server process is alive."""
+        return self._proc is not None and self._proc.poll() is None
+
+    def start(self) -> LocalRedis:
+        """Start the server and wait until it answers PING. A picked port that was taken is retried.
+
+        Idempotent while running; a closed ``LocalRedis`` cannot be restarted (make a new one).
+        """
+        if self._finalizer is not None and not self._finalizer.alive:
+            raise RuntimeError("this LocalRedis was closed; start a new one (port= reuses its port)")
+        if self._proc is not None:
+            return self
+        attempts = 1 if self._requested_port is not None else 3
+        for attempt in range(attempts):
+            try:
+                self._start_once(self._requested_port or _free_port())
+                return self
+            except RuntimeError:
+                if attempt == attempts - 1:
+                    raise
+        raise AssertionError("unreachable")
+
+    def _start_once(self, port: int) -> None:
+        folder = tempfile.mkdtemp(prefix="epd-redis-")
+        log = Path(folder) / "redis.log"
+        args = [self._binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                "--dir", folder, "--logfile", str(log), "--daemonize", "no", "--protected-mode", "yes"]
+        # A new session keeps a terminal's Ctrl-C away from the server: epd stops it, in order.
+        proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL, start_new_session=True)
+        deadline = time.monotonic() + self._startup_timeout
+        probe = redis.Redis(host="127.0.0.1", port=port, socket_timeout=0.5, socket_connect_timeout=0.5,
+                            retry=Retry(ExponentialWithJitterBackoff(), 0))
+        try:
+            while True:
+                if proc.poll() is not None:
+                    tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
+                    raise RuntimeError(f"redis-server exited with {proc.returncode} on port {port}:\n{tail}")
+                try:
+                    if probe.ping():
+                        break
+                except _UNREACHABLE:
+                    pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"redis-server on port {port} did not answer PING "
+                                       f"within {self._startup_timeout} s")
+                time.sleep(0.02)
+        except BaseException:
+            _stop(proc, folder, self._stop_grace)
+            raise
+        finally:
+            probe.close()
+        self._proc, self.port = proc, port
+        self._finalizer = weakref.finalize(self, _stop, proc, folder, self._stop_grace)
+
+    def close(self) -> None:
+        """Stop the server (SIGTERM, SIGKILL after the grace period) and remove its folder. Idempotent."""
+        if self._finalizer is not None:
+            self._finalizer()
+
+    def __enter__(self) -> LocalRedis:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

@@ -1,0 +1,114 @@
+"""Request journal: each state change of a request, with its time, for status, debugging and recovery.
+
+A request's life, as recorded (text-only requests skip ENCODING):
+
+1. RECEIVED    the API accepted it
+2. QUEUED      waiting for decode capacity
+3. ENCODING    the encode pool embeds its images
+4. PREFILLING  a prefill worker computes its KV
+5. TRANSFERRING  the KV streams to the decode worker
+6. DECODING    tokens stream to the client
+7. FINISHED | FAILED | ABORTED
+
+Each request's entries are a stream (insertion order, capped at ``max_entries``) that expires
+``retention`` seconds after its last write. The index of recent requests is a sorted set scored by the
+last transition time; entries older than ``retention`` and all but the newest ``recent_cap`` are
+trimmed on every write, and the index itself expires when nothing is written for ``retention``.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+
+from controlplane.state.client import StateConnection
+
+DEFAULT_RETENTION = 3600.0
+DEFAULT_RECENT_CAP = 10_000
+DEFAULT_MAX_ENTRIES = 64
+MAX_DETAIL = 1024
+
+
+class RequestState(enum.StrEnum):
+    RECEIVED = "received"
+    QUEUED = "queued"
+    ENCODING = "encoding"
+    PREFILLING = "prefilling"
+    TRANSFERRING = "transferring"
+    DECODING = "decoding"
+    FINISHED = "finished"
+    FAILED = "failed"
+    ABORTED = "aborted"
+
+
+@dataclass(frozen=True)
+class JournalEntry:
+    """One transition: the state entered, when (seconds since the epoch), and a short free-text detail."""
+
+    state: RequestState
+    at: float
+    detail: str = ""
+
+
+class RequestJournal:
+    """Append-only, self-expiring log of request states. Durations in seconds."""
+
+    def __init__(self, conn: StateConnection, *, retention: float = DEFAULT_RETENTION,
+                 recent_cap: int = DEFAULT_RECENT_CAP, max_entries: int = DEFAULT_MAX_ENTRIES) -> None:
+        if not (math.isfinite(retention) and retention >= 0.001):
+            raise ValueError(f"retention must be at least 0.001 s, got {retention!r}")
+        for name, value in (("recent_cap", recent_cap), ("max_entries", max_entries)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        self._conn = conn
+        self._keys = conn.keys
+        self.retention = retention
+        self.recent_cap = recent_cap
+        self.max_entries = max_entries
+        self._retention_ms = math.ceil(retention * 1000)
+
+    def record(self, request_id: str, state: RequestState | str, at: float, detail: str = "") -> None:
+        """Append a transition. ``detail`` beyond ``MAX_DETAIL`` characters is truncated."""
+        key = self._keys.journal(request_id)
+        try:
+            state = RequestState(state)
+        except ValueError:
+            names = ", ".join(s.value for s in RequestState)
+            raise ValueError(f"unknown request state {state!r}; expected one of: {names}") from None
+        if isinstance(at, bool) or not isinstance(at, (int, float)) or not math.isfinite(at):
+            raise ValueError(f"at must be a finite time in seconds, got {at!r}")
+        index = self._keys.journals()
+        with self._conn.guard():
+            pipe = self._conn.redis.pipeline(transaction=True)
+            pipe.xadd(key, {"state": state.value, "at": repr(float(at)), "detail": detail[:MAX_DETAIL]},
+                      maxlen=self.max_entries, approximate=False)
+            pipe.pexpire(key, self._retention_ms)
+            pipe.zadd(index, {request_id: float(at)}, gt=True)
+            pipe.zremrangebyscore(index, "-inf", f"({float(at) - self.retention!r}")
+            pipe.zremrangebyrank(index, 0, -(self.recent_cap + 1))
+            pipe.pexpire(index, self._retention_ms)
+            pipe.execute()
+
+    def history(self, request_id: str) -> list[JournalEntry]:
+        """The request's transitions in the order they were recorded; [] if unknown or expired."""
+        with self._conn.guard():
+            raw = self._conn.redis.xrange(self._keys.journal(request_id))
+        return [JournalEntry(RequestState(f["state"]), float(f["at"]), f.get("detail", "")) for _, f in raw]
+
+    def recent(self, n: int) -> list[str]:
+        """Up to ``n`` request ids, most recently active first."""
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"n must be a non-negative integer, got {n!r}")
+        if n == 0:
+            return []
+        with self._conn.guard():
+            return list(self._conn.redis.zrevrange(self._keys.journals(), 0, n - 1))
+
+    def forget(self, request_id: str) -> None:
+        """Delete a request's journal and its index entry now."""
+        with self._conn.guard():
+            pipe = self._conn.redis.pipeline(transaction=True)
+            pipe.delete(self._keys.journal(request_id))
+            pipe.zrem(self._keys.journals(), request_id)
+            pipe.execute()

@@ -1,0 +1,1 @@
+"""epd.worker: the encode, prefill and decode worker services."""

@@ -1,0 +1,170 @@
+"""The three worker services on real gRPC servers, driven the way the control plane drives them.
+
+Greedy outputs through encode -> prefill -> decode (KV and embeddings over the wire) equal the
+single-process ``generate()``; failures surface with their stage and status and leave no blocks held.
+"""
+
+from __future__ import annotations
+
+import io
+import secrets
+import threading
+
+import grpc
+import pytest
+from PIL import Image
+
+from controlplane.dispatch import DispatchError, Dispatcher, Route, WorkerRequest
+from epd.worker.v1 import worker_pb2 as wpb
+from epd.worker.v1 import worker_pb2_grpc as wgrpc
+from kvtransfer.auth import TransferSecurity
+from workers.run import start_worker
+from workers.runtime.engine import EngineConfig
+from workers.runtime.generate import GenerateRequest, build_prompt, generate
+from workers.runtime.sampler import SamplingParams
+
+pytestmark = [pytest.mark.integration]
+
+SECURITY = TransferSecurity(token=secrets.token_urlsafe(24))
+GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def stack(default_bundle):
+    codecs = ("fp32",) * default_bundle.config.num_layers
+    workers = {pool: start_worker(pool, default_bundle, SECURITY, codecs=codecs,
+                                  config=EngineConfig(kv_cache_bytes=64 * 2**20))
+               for pool in ("encode", "prefill", "decode")}
+    dispatcher = Dispatcher(SECURITY)
+    yield default_bundle, workers, dispatcher, Route(workers["decode"].address, workers["prefill"].address,
+                                                     workers["encode"].address)
+    dispatcher.close()
+    for w in workers.values():
+        w.stop()
+
+
+def _status(address: str, stub_cls) -> "wpb.WorkerStatus":  # type: ignore[no-untyped-def]
+    with SECURITY.open_channel(address) as ch:
+        return stub_cls(ch).Status(wpb.StatusRequest(), metadata=SECURITY.call_metadata(), timeout=5)
+
+
+def _assert_clean(workers) -> None:  # type: ignore[no-untyped-def]
+    for pool, stub in (("decode", wgrpc.DecodeWorkerStub), ("prefill", wgrpc.PrefillWorkerStub)):
+        s = _status(workers[pool].address, stub)
+        assert (s.kv_blocks_free, s.reservations, s.running, s.waiting) == (s.kv_blocks_total, 0, 0, 0), (pool, s)
+
+
+def _run(dispatcher, route, req: WorkerRequest):  # type: ignore[no-untyped-def]
+    tokens, text, last = [], "", None
+    for chunk in dispatcher.run(req, route):
+        tokens.extend(chunk.token_ids)
+        text += chunk.text
+        last = chunk
+    return tokens, text, last
+
+
+def _png(color) -> bytes:  # type: ignore[no-untyped-def]
+    buf = io.BytesIO()
+    Image.new("RGB", (48, 36), color).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def test_text_request_matches_the_reference(stack):
+    bundle, workers, dispatcher, route = stack
+    greq = GenerateRequest(messages=[{"role": "user", "content": "What is the capital of France?"}], params=GREEDY)
+    ids, _ = build_prompt(bundle, greq)
+    ref = generate(bundle, [greq])[0]
+    tokens, text, last = _run(dispatcher, route, WorkerRequest("text-1", ids, GREEDY))
+    assert tokens == ref.token_ids and text == ref.text
+    assert last.finished and last.finish_reason == "length" and last.completion_tokens == 16
+    assert last.prompt_tokens == len(ids)
+    _assert_clean(workers)
+
+
+def test_image_request_matches_the_reference(stack):
+    bundle, workers, dispatcher, route = stack
+    images = (_png((200, 30, 30)), _png((30, 30, 200)))
+    greq = GenerateRequest(messages=[{"role": "user", "content": [{"type": "image"}, {"type": "image"},
+                                                                   {"type": "text", "text": "Compare them."}]}],
+                           images=images, params=GREEDY)
+    ids, mm = build_prompt(bundle, greq)
+    ref = generate(bundle, [greq])[0]
+    tokens, _, _ = _run(dispatcher, route, WorkerRequest("image-1", ids, GREEDY, images, mm.positions))
+    assert tokens == ref.token_ids
+    # the same images again come from the encoder's cache
+    tokens, _, _ = _run(dispatcher, route, WorkerRequest("image-2", ids, GREEDY, images, mm.positions))
+    assert tokens == ref.token_ids
+    _assert_clean(workers)
+
+
+def test_concurrent_requests_all_match(stack):
+    bundle, workers, dispatcher, route = stack
+    prompts = [bundle.tokenizer.encode(f"Request number {i}: " + "the cache moves " * (i % 5 + 1)) for i in range(12)]
+    refs = [r.token_ids for r in generate(bundle, [GenerateRequest(prompt_ids=p, params=GREEDY) for p in prompts])]
+    results: dict[int, list[int]] = {}
+    errors: list[BaseException] = []
+
+    def one(i: int) -> None:
+        try:
+            results[i] = _run(dispatcher, route, WorkerRequest(f"conc-{i}", prompts[i], GREEDY))[0]
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    assert [results[i] for i in range(len(prompts))] == refs
+    _assert_clean(workers)
+
+
+def test_failures_name_their_stage_and_release_everything(stack):
+    bundle, workers, dispatcher, route = stack
+    ids = bundle.tokenizer.encode("Hello")
+    with pytest.raises(DispatchError) as err:  # an undecodable image
+        list(dispatcher.run(WorkerRequest("bad-image", ids + [bundle.image_token_id] * 64, GREEDY,
+                                          (b"not an image",), tuple(range(len(ids), len(ids) + 64))), route))
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and "image" in err.value.message
+    with pytest.raises(DispatchError) as err:  # a prompt longer than the context
+        list(dispatcher.run(WorkerRequest("too-long", [5] * 9000, GREEDY), route))
+    assert err.value.stage == "reserve" and err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "context" in err.value.message
+    with SECURITY.open_channel(route.prefill) as ch:  # KV pushed to a decode worker that reserved nothing
+        with pytest.raises(grpc.RpcError) as rpc:
+            wgrpc.PrefillWorkerStub(ch).Prefill(wpb.PrefillRequest(request_id="orphan", prompt_token_ids=ids,
+                                                                   params=wpb.SamplingParams(max_tokens=4),
+                                                                   kv_target=route.decode, timeout_s=5),
+                                                metadata=SECURITY.call_metadata(), timeout=10)
+    assert rpc.value.code() == grpc.StatusCode.NOT_FOUND and "no reservation" in rpc.value.details()
+    with SECURITY.open_channel(route.decode) as ch:  # no credential
+        with pytest.raises(grpc.RpcError) as rpc:
+            wgrpc.DecodeWorkerStub(ch).Status(wpb.StatusRequest(), timeout=5)
+    assert rpc.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    _assert_clean(workers)
+    tokens, _, _ = _run(dispatcher, route, WorkerRequest("after", ids, GREEDY))  # still serving
+    assert len(tokens) == 16
+
+
+def test_a_full_decode_pool_refuses_at_reserve(default_bundle):
+    codecs = ("fp32",) * default_bundle.config.num_layers
+    decode = start_worker("decode", default_bundle, SECURITY, codecs=codecs,
+                          config=EngineConfig(kv_cache_bytes=16 * 2**20))
+    try:
+        with SECURITY.open_channel(decode.address) as ch:
+            stub = wgrpc.DecodeWorkerStub(ch)
+            held = stub.Reserve(wpb.ReserveRequest(request_id="a", prompt_token_ids=[5] * 2000,
+                                                   params=wpb.SamplingParams(max_tokens=8), timeout_s=30),
+                                metadata=SECURITY.call_metadata(), timeout=5)
+            assert held.num_blocks == 125
+            with pytest.raises(grpc.RpcError) as rpc:
+                stub.Reserve(wpb.ReserveRequest(request_id="b", prompt_token_ids=[5] * 2000,
+                                                params=wpb.SamplingParams(max_tokens=8), timeout_s=30),
+                             metadata=SECURITY.call_metadata(), timeout=5)
+            assert rpc.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert stub.Abort(wpb.AbortRequest(request_id="a"), metadata=SECURITY.call_metadata(), timeout=5).found
+            s = stub.Status(wpb.StatusRequest(), metadata=SECURITY.call_metadata(), timeout=5)
+            assert s.kv_blocks_free == s.kv_blocks_total and s.reservations == 0
+    finally:
+        decode.stop()

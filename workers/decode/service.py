@@ -1,0 +1,178 @@
+"""The decode worker: holds blocks for prompts whose KV prefill workers push, then decodes.
+
+A request's life here:
+  1. Reserve   the prompt is checked and blocks are held; the KV receiver expects exactly one push
+               into them before the deadline. Refused with RESOURCE_EXHAUSTED when the pool is full.
+  2. (push)    a prefill worker streams the KV into the blocks (kvtransfer.receiver).
+  3. Generate  waits for the push, joins the sequence to the running batch with prefill's first
+               token, and streams tokens until it finishes. A failed push ends the stream with the
+               transfer's status; a client that goes away aborts the request.
+  Blocks are released on finish, abort, a failed push, or a reservation nobody generated from.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import grpc
+
+from epd.worker.v1 import worker_pb2 as wpb
+from epd.worker.v1 import worker_pb2_grpc as wgrpc
+from kvtransfer.receiver import KVReceiver, TransferOutcome
+from kvtransfer.server import kv_transfer_handler
+from workers.decode.kv_sink import CacheSink, KVStore, decode_cache_dtypes
+from workers.engine_loop import EngineLoop, LoopFailure
+from workers.prefill.kv_stream import engine_layout
+from workers.runtime.engine import Engine, EngineConfig, KVReservation
+from workers.runtime.errors import EngineError
+from workers.runtime.loader import LoadedModel
+from workers.runtime.sampler import SamplingParams
+from workers.service_base import WorkerIdentity, sampling_from_proto, status_code_for
+
+
+@dataclass(eq=False)
+class _Pending:
+    reservation: KVReservation
+    prompt: list[int]
+    params: SamplingParams
+    deadline: float
+    done: threading.Event = field(default_factory=threading.Event)
+    outcome: TransferOutcome | None = None
+    claimed: bool = False
+
+
+class DecodeService(wgrpc.DecodeWorkerServicer):
+    def __init__(self, bundle: LoadedModel, config: EngineConfig, codecs: tuple[str, ...], store: KVStore = "dequantize",
+                 identity: WorkerIdentity | None = None, max_streams: int = 64) -> None:
+        self.identity = identity or WorkerIdentity("decode")
+        dtypes = decode_cache_dtypes(codecs, config.dtype, store)
+        self.engine = Engine(bundle.model, bundle.tokenizer, EngineConfig(**{**config.__dict__, "kv_layer_dtypes": dtypes}),
+                             bundle.eos_token_ids)
+        self.loop = EngineLoop(self.engine, name="decode-loop")
+        self.receiver = KVReceiver(engine_layout(self.engine, codecs), CacheSink(self.engine.cache),
+                                   max_streams=max_streams)
+        self.receiver.start_janitor()
+        self._pending: dict[str, _Pending] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._janitor = threading.Thread(target=self._sweep_loop, name="decode-janitor", daemon=True)
+        self._janitor.start()
+
+    def handlers(self) -> tuple[list, list]:
+        return [(wgrpc.add_DecodeWorkerServicer_to_server, self)], [kv_transfer_handler(self.receiver)]
+
+    def close(self) -> None:
+        self._stop.set()
+        self.receiver.stop()
+        self.loop.stop()
+
+    # ------------------------------------------------------------------ RPCs
+    def Reserve(self, request: "wpb.ReserveRequest", context: grpc.ServicerContext) -> "wpb.ReserveReply":
+        if self.identity.draining:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"decode worker {self.identity.worker_id} is draining")
+        rid, prompt = request.request_id, list(request.prompt_token_ids)
+        try:
+            params = sampling_from_proto(request.params)
+            self.engine.check_request(prompt, params)
+            reservation = self.engine.reserve(rid, len(prompt))
+        except EngineError as exc:
+            context.abort(status_code_for(exc), str(exc))
+        timeout = request.timeout_s or 30.0
+        pending = _Pending(reservation, prompt, params, time.monotonic() + 2 * timeout)
+        with self._lock:
+            self._pending[rid] = pending
+        self.receiver.expect(rid, reservation.blocks, self._on_transfer, timeout)
+        return wpb.ReserveReply(kv_target=self.identity.address, num_blocks=len(reservation.blocks))
+
+    def _on_transfer(self, outcome: TransferOutcome) -> None:
+        with self._lock:
+            pending = self._pending.get(outcome.request_id)
+        if pending is None:
+            return
+        if not outcome.ok:
+            self.engine.release(pending.reservation)
+        pending.outcome = outcome
+        pending.done.set()
+
+    def Generate(self, request: "wpb.GenerateRequest", context: grpc.ServicerContext) -> Iterator["wpb.TokenChunk"]:
+        rid = request.request_id
+        with self._lock:
+            pending = self._pending.get(rid)
+            if pending is not None and pending.claimed:
+                pending = None
+            if pending is not None:
+                pending.claimed = True
+        if pending is None:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"no reservation for request {rid!r} on this worker")
+        wait = context.time_remaining() if context.time_remaining() is not None else None
+        arrived = pending.done.wait(min(wait, 3600.0) if wait is not None else pending.deadline - time.monotonic())
+        outcome = pending.outcome
+        if not arrived or outcome is None:
+            self._drop(rid)
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"the KV for {rid!r} did not arrive in time")
+        with self._lock:
+            self._pending.pop(rid, None)
+        if not outcome.ok:
+            context.abort(outcome.code or grpc.StatusCode.INTERNAL, f"KV transfer failed: {outcome.error}")
+        try:
+            q = self.loop.adopt(pending.reservation, pending.prompt, outcome.first_token, pending.params)
+        except EngineError as exc:
+            context.abort(status_code_for(exc), str(exc))
+        finished = threading.Event()
+        context.add_callback(lambda: None if finished.is_set() else self.loop.abort(rid))
+        prompt_tokens = len(pending.prompt)
+        while True:
+            item = q.get()
+            if isinstance(item, LoopFailure):
+                context.abort(grpc.StatusCode.INTERNAL, item.message)
+            chunk = wpb.TokenChunk(token_ids=list(item.new_token_ids), text=item.text, finished=item.finished,
+                                   prompt_tokens=prompt_tokens, completion_tokens=item.num_output_tokens)
+            if item.finished:
+                finished.set()
+                chunk.finish_reason = item.finish_reason.value if item.finish_reason else ""
+            yield chunk
+            if item.finished:
+                return
+
+    def Abort(self, request: "wpb.AbortRequest", context: grpc.ServicerContext) -> "wpb.AbortReply":
+        rid = request.request_id
+        found = self._drop(rid)
+        found = self.loop.abort(rid) or found
+        return wpb.AbortReply(found=found)
+
+    def Status(self, request: "wpb.StatusRequest", context: grpc.ServicerContext) -> "wpb.WorkerStatus":
+        s = self.engine.stats()
+        return wpb.WorkerStatus(worker_id=self.identity.worker_id, pool="decode", address=self.identity.address,
+                                draining=self.identity.draining, running=s.num_running, waiting=s.num_waiting,
+                                kv_blocks_total=s.blocks_total, kv_blocks_free=s.blocks_free,
+                                reservations=s.num_reservations,
+                                model_fingerprint=self.engine.model.fingerprint())
+
+    def Drain(self, request: "wpb.DrainRequest", context: grpc.ServicerContext) -> "wpb.WorkerStatus":
+        self.identity.draining = True
+        return self.Status(wpb.StatusRequest(), context)
+
+    # ------------------------------------------------------------------ cleanup
+    def _drop(self, rid: str) -> bool:
+        """Forget a reservation that will not be generated from, releasing its blocks."""
+        with self._lock:
+            pending = self._pending.pop(rid, None)
+        if pending is None:
+            return False
+        self.receiver.cancel(rid, "request aborted")
+        self.engine.release(pending.reservation)
+        if pending.outcome is None:  # wake a Generate waiting for this KV
+            pending.outcome = TransferOutcome(rid, False, code=grpc.StatusCode.CANCELLED, error="request aborted")
+        pending.done.set()
+        return True
+
+    def _sweep_loop(self) -> None:
+        while not self._stop.wait(0.25):
+            now = time.monotonic()
+            with self._lock:
+                stale = [rid for rid, p in self._pending.items() if not p.claimed and p.deadline <= now]
+            for rid in stale:  # transferred (or failed) but nobody came to generate
+                self._drop(rid)

@@ -1,0 +1,104 @@
+"""The encode worker: images to embeddings, pushed to the prefill worker that will use them.
+
+Embeddings are cached by the image bytes' SHA-256 (a bounded LRU), so a repeated image costs a
+lookup. The push retries briefly while the prefill worker has not yet registered the request
+(the control plane starts both calls at once).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from collections import OrderedDict
+
+import grpc
+import torch
+
+from epd.worker.v1 import worker_pb2 as wpb
+from epd.worker.v1 import worker_pb2_grpc as wgrpc
+from kvtransfer.auth import TransferSecurity
+from kvtransfer.embeddings import push_embeddings
+from kvtransfer.errors import TransferFailed
+from workers.runtime.errors import EngineError
+from workers.runtime.vision import VisionEncoder, encode_images, preprocess_image
+from workers.service_base import WorkerIdentity, status_code_for
+
+
+class EncodeService(wgrpc.EncodeWorkerServicer):
+    def __init__(self, encoder: VisionEncoder, security: TransferSecurity, identity: WorkerIdentity | None = None,
+                 cache_entries: int = 256) -> None:
+        self.identity = identity or WorkerIdentity("encode")
+        self.encoder = encoder
+        self.security = security
+        self.cache_entries = cache_entries
+        self._cache: OrderedDict[str, torch.Tensor] = OrderedDict()
+        self._lock = threading.Lock()
+        self._channels: dict[str, grpc.Channel] = {}
+        self.encoded = 0
+
+    def handlers(self) -> tuple[list, list]:
+        return [(wgrpc.add_EncodeWorkerServicer_to_server, self)], []
+
+    def close(self) -> None:
+        with self._lock:
+            for ch in self._channels.values():
+                ch.close()
+
+    def _channel(self, target: str) -> grpc.Channel:
+        with self._lock:
+            if target not in self._channels:
+                self._channels[target] = self.security.open_channel(target)
+            return self._channels[target]
+
+    def embed(self, images: list[bytes]) -> tuple[torch.Tensor, int]:
+        """Embeddings for ``images`` in order, [rows, hidden]; and how many came from the cache."""
+        keys = [hashlib.sha256(data).hexdigest() for data in images]
+        with self._lock:
+            cached = {k: self._cache[k] for k in keys if k in self._cache}
+        todo = [(k, data) for k, data in zip(keys, images) if k not in cached]
+        if todo:
+            cfg = self.encoder.config
+            pixels = [preprocess_image(data, cfg) for _, data in todo]
+            for (k, _), emb in zip(todo, encode_images(self.encoder, pixels)):
+                cached[k] = emb.to(torch.float32).contiguous()
+            with self._lock:
+                for k, _ in todo:
+                    self._cache[k] = cached[k]
+                    self._cache.move_to_end(k)
+                while len(self._cache) > self.cache_entries:
+                    self._cache.popitem(last=False)
+        return torch.cat([cached[k] for k in keys]), len(images) - len(todo)
+
+    def Encode(self, request: "wpb.EncodeRequest", context: grpc.ServicerContext) -> "wpb.EncodeReply":
+        if self.identity.draining:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"encode worker {self.identity.worker_id} is draining")
+        if not request.images:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "no images to encode")
+        try:
+            embeds, hits = self.embed(list(request.images))
+        except EngineError as exc:
+            context.abort(status_code_for(exc), str(exc))
+        timeout = request.timeout_s or 30.0
+        deadline = time.monotonic() + timeout
+        channel = self._channel(request.embeddings_target)
+        while True:
+            try:
+                push_embeddings(channel, self.security, request.request_id, embeds, self.encoder.fingerprint(),
+                                timeout_s=max(0.1, deadline - time.monotonic()))
+                break
+            except TransferFailed as exc:
+                if exc.code == grpc.StatusCode.NOT_FOUND and time.monotonic() < deadline - 0.05:
+                    time.sleep(0.01)  # the prefill worker has not registered the request yet
+                    continue
+                context.abort(exc.code or grpc.StatusCode.UNAVAILABLE, exc.message)
+        self.encoded += len(request.images)
+        return wpb.EncodeReply(num_embeddings=embeds.shape[0], cache_hits=hits)
+
+    def Status(self, request: "wpb.StatusRequest", context: grpc.ServicerContext) -> "wpb.WorkerStatus":
+        return wpb.WorkerStatus(worker_id=self.identity.worker_id, pool="encode", address=self.identity.address,
+                                draining=self.identity.draining, model_fingerprint=self.encoder.fingerprint())
+
+    def Drain(self, request: "wpb.DrainRequest", context: grpc.ServicerContext) -> "wpb.WorkerStatus":
+        self.identity.draining = True
+        return self.Status(wpb.StatusRequest(), context)

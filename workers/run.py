@@ -1,0 +1,58 @@
+"""Start one worker (encode, prefill or decode) with its gRPC server: what a pool replica runs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import grpc
+
+from kvtransfer.auth import TransferSecurity
+from kvtransfer.sender import KVSender, TransportChoice
+from workers.decode.kv_sink import KVStore
+from workers.runtime.engine import EngineConfig
+from workers.runtime.loader import LoadedModel
+from workers.service_base import WorkerIdentity, start_worker_server
+
+Pool = Literal["encode", "prefill", "decode"]
+
+
+@dataclass
+class RunningWorker:
+    pool: Pool
+    identity: WorkerIdentity
+    server: grpc.Server
+    service: object  # EncodeService | PrefillService | DecodeService
+
+    @property
+    def address(self) -> str:
+        return self.identity.address
+
+    def stop(self, grace_s: float = 0.0) -> None:
+        self.server.stop(grace_s).wait()
+        self.service.close()  # type: ignore[attr-defined]
+
+
+def start_worker(pool: Pool, bundle: LoadedModel, security: TransferSecurity, *, config: EngineConfig = EngineConfig(),
+                 codecs: tuple[str, ...] | None = None, store: KVStore = "dequantize",
+                 transport: TransportChoice = "auto", host: str = "127.0.0.1", port: int = 0,
+                 max_streams: int = 64) -> RunningWorker:
+    identity = WorkerIdentity(pool)
+    codecs = codecs or ("bf16",) * bundle.config.num_layers
+    if pool == "encode":
+        from workers.encode.service import EncodeService
+        if bundle.vision is None:
+            raise ValueError("an encode worker needs a model with a vision/ encoder")
+        service: object = EncodeService(bundle.vision, security, identity)
+    elif pool == "prefill":
+        from workers.prefill.service import PrefillService
+        service = PrefillService(bundle, config, codecs, KVSender(security, transport=transport), identity)
+    elif pool == "decode":
+        from workers.decode.service import DecodeService
+        service = DecodeService(bundle, config, codecs, store, identity, max_streams=max_streams)
+    else:
+        raise ValueError(f"unknown pool {pool!r}; one of encode, prefill, decode")
+    register, generic = service.handlers()  # type: ignore[attr-defined]
+    server, bound = start_worker_server(register, generic, f"{host}:{port}", security, max_streams)
+    identity.address = f"{host}:{bound}"
+    return RunningWorker(pool, identity, server, service)

@@ -1,0 +1,69 @@
+"""What the three worker services share: proto <-> engine types, status, drain, and the gRPC server
+that hosts a worker service next to its KVTransfer service behind one credential."""
+
+from __future__ import annotations
+
+import socket
+import uuid
+from concurrent import futures
+from dataclasses import dataclass
+
+import grpc
+
+from epd.worker.v1 import worker_pb2 as wpb
+from kvtransfer.auth import TransferSecurity
+from kvtransfer.options import CHANNEL_OPTIONS
+from workers.runtime.errors import (CapacityError, DuplicateRequestError, EngineError, InvalidImageError,
+                                    PromptTooLongError)
+from workers.runtime.sampler import SamplingParams
+
+
+@dataclass
+class WorkerIdentity:
+    pool: str
+    worker_id: str = ""
+    address: str = ""  # host:port, known once the server is listening
+    draining: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.worker_id:
+            self.worker_id = f"{self.pool}-{socket.gethostname()}-{uuid.uuid4().hex[:8]}"
+
+
+def sampling_from_proto(p: "wpb.SamplingParams") -> SamplingParams:
+    """Raises InvalidRequestError (an EngineError) for out-of-range values."""
+    return SamplingParams(max_tokens=p.max_tokens or 16, temperature=p.temperature, top_p=p.top_p or 1.0,
+                          top_k=p.top_k, seed=p.seed if p.HasField("seed") else None, stop=tuple(p.stop),
+                          stop_token_ids=tuple(p.stop_token_ids), ignore_eos=p.ignore_eos)
+
+
+def sampling_to_proto(s: SamplingParams) -> "wpb.SamplingParams":
+    msg = wpb.SamplingParams(max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+                             stop=list(s.stop), stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos)
+    if s.seed is not None:
+        msg.seed = s.seed
+    return msg
+
+
+def status_code_for(exc: EngineError) -> grpc.StatusCode:
+    if isinstance(exc, CapacityError):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED
+    if isinstance(exc, DuplicateRequestError):
+        return grpc.StatusCode.ALREADY_EXISTS
+    if isinstance(exc, (PromptTooLongError, InvalidImageError)):
+        return grpc.StatusCode.INVALID_ARGUMENT
+    return grpc.StatusCode.INVALID_ARGUMENT
+
+
+def start_worker_server(register: list, generic_handlers: list[grpc.GenericRpcHandler], address: str,
+                        security: TransferSecurity, max_streams: int = 64) -> tuple[grpc.Server, int]:
+    """One server for a worker: ``register`` holds (add_XServicer_to_server, servicer) pairs."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_streams + 16, thread_name_prefix="worker"),
+                         interceptors=security.interceptors(),
+                         options=CHANNEL_OPTIONS + (("grpc.max_concurrent_streams", max_streams + 8),))
+    for add, servicer in register:
+        add(servicer, server)
+    server.add_generic_rpc_handlers(tuple(generic_handlers))
+    port = security.add_port(server, address)
+    server.start()
+    return server, port

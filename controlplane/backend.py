@@ -1,0 +1,65 @@
+"""What the HTTP ingress needs from the rest of the control plane: one typed seam.
+
+The ingress validates and tokenises a request, then hands a ``WorkerRequest`` to a ``Backend`` and
+relays the chunks it yields. The scheduler (routing + admission + dispatch over the worker
+services) is the real backend; tests of the ingress alone can pass any object with this shape.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator, Protocol
+
+from controlplane.dispatch import WorkerRequest
+from workers.runtime.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Tokens produced since the last chunk. ``finish_reason``: "stop" | "length" | "abort"."""
+
+    token_ids: tuple[int, ...]
+    text: str
+    finished: bool
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class Overloaded(Exception):
+    """No decode room within the queue's bounds: answer 429 with Retry-After."""
+
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class BackendError(Exception):
+    """A stage failed; ``status`` is the HTTP status to answer with (4xx for the client's fault)."""
+
+    def __init__(self, message: str, status: int = 502, kind: str = "server_error") -> None:
+        super().__init__(message)
+        self.status = status
+        self.kind = kind
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str  # the id in /v1/models
+    tokenizer: Tokenizer
+    max_model_len: int
+    image_token_id: int | None  # None: the model takes no images
+    tokens_per_image: int
+    eos_token_ids: tuple[int, ...]
+
+
+class Backend(Protocol):
+    model: ModelInfo
+
+    def generate(self, request: WorkerRequest) -> Iterator[Chunk]:
+        """Yield the request's chunks, the last one finished; raise Overloaded or BackendError."""
+        ...
+
+    def ready(self) -> bool:
+        """True when every pool has a ready replica."""
+        ...

@@ -1,0 +1,1 @@
+"""The scheduler: routing policies, the worker view, admission, and the Backend the ingress calls."""

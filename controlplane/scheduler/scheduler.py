@@ -1,0 +1,197 @@
+"""The scheduler: picks the replicas for each request and drives it through them (the ingress's Backend).
+
+A request's life here:
+  1. QUEUED     admitted if fewer than ``queue_size`` requests wait; else 429 at once.
+  2. ROUTED     the routing policy picks a decode, a prefill and (images) an encode replica among
+                the live, non-draining workers of the Redis registry.
+  3. RESERVED   the decode replica holds blocks for the prompt. A full or draining replica is
+                skipped and the next tried; when none has room the request waits (backing off) up
+                to ``queue_timeout_s``, then gets 429 with Retry-After. It never waits unbounded.
+  4. STREAMING  encode, prefill and decode run over the worker services (controlplane.dispatch);
+                chunks go back to the ingress as they come.
+  5. FINISHED / FAILED  recorded in the journal with the time; counters move.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Callable, Iterator
+
+import grpc
+
+from controlplane.backend import BackendError, Chunk, ModelInfo, Overloaded
+from controlplane.dispatch import DispatchError, Dispatcher, Route, WorkerRequest
+from controlplane.scheduler.policies import Candidate, RoutingPolicy
+from controlplane.settings import SchedulerSettings
+from controlplane.state.journal import RequestJournal, RequestState
+from controlplane.state.registry import WorkerRegistry
+
+_RETRY_AT_RESERVE = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE)
+_CLIENT_FAULT = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE)
+
+
+class WorkerView:
+    """The routable workers per pool, read from the registry at most every ``refresh_s`` seconds,
+    plus what this scheduler has sent each one since (so a burst does not pile on one replica)."""
+
+    def __init__(self, registry: WorkerRegistry, refresh_s: float = 0.2,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.registry = registry
+        self.refresh_s = refresh_s
+        self.clock = clock
+        self._cache: dict[str, tuple[float, list[Candidate]]] = {}
+        self._inflight: dict[str, list[int]] = {}  # worker id -> [tokens, requests]
+        self._lock = threading.Lock()
+
+    def candidates(self, pool: str) -> list[Candidate]:
+        now = self.clock()
+        with self._lock:
+            cached = self._cache.get(pool)
+        if cached is None or now - cached[0] > self.refresh_s:
+            records = [r for r in self.registry.live_workers(pool) if not r.info.draining]
+            fresh = [Candidate(r.info.worker_id, r.info.address, r.info.load.queued_tokens, r.info.load.free_kv_blocks,
+                               r.info.load.total_kv_blocks, r.info.load.running) for r in records]
+            with self._lock:
+                self._cache[pool] = cached = (now, fresh)
+        with self._lock:
+            return [Candidate(c.worker_id, c.address, c.queued_tokens, c.free_kv_blocks, c.total_kv_blocks, c.running,
+                              *self._inflight.get(c.worker_id, (0, 0))) for c in cached[1]]
+
+    def begin(self, worker_id: str, tokens: int) -> None:
+        with self._lock:
+            entry = self._inflight.setdefault(worker_id, [0, 0])
+            entry[0] += tokens
+            entry[1] += 1
+
+    def end(self, worker_id: str, tokens: int) -> None:
+        with self._lock:
+            entry = self._inflight.get(worker_id)
+            if entry is not None:
+                entry[0] -= tokens
+                entry[1] -= 1
+                if entry[1] <= 0:
+                    del self._inflight[worker_id]
+
+    def invalidate(self) -> None:
+        with self._lock:
+            self._cache.clear()
+
+
+class Scheduler:
+    def __init__(self, model: ModelInfo, view: WorkerView, dispatcher: Dispatcher, policy: RoutingPolicy,
+                 settings: SchedulerSettings, journal: RequestJournal | None = None) -> None:
+        self.model = model
+        self.view = view
+        self.dispatcher = dispatcher
+        self.policy = policy
+        self.settings = settings
+        self.journal = journal
+        self._waiting = 0
+        self._lock = threading.Lock()
+
+    def ready(self) -> bool:
+        pools = ["prefill", "decode"] + (["encode"] if self.model.image_token_id is not None else [])
+        try:
+            return all(self.view.candidates(p) for p in pools)
+        except Exception:  # Redis unreachable: not ready
+            return False
+
+    @property
+    def waiting(self) -> int:
+        return self._waiting
+
+    def _record(self, rid: str, state: RequestState, detail: str = "") -> None:
+        if self.journal is not None:
+            try:
+                self.journal.record(rid, state, time.time(), detail)
+            except Exception:  # the journal is best effort; Redis trouble must not fail requests
+                pass
+
+    def _pick(self, pool: str, tokens: int, exclude: set[str]) -> Candidate | None:
+        candidates = [c for c in self.view.candidates(pool) if c.worker_id not in exclude]
+        return self.policy.pick(pool, candidates, tokens) if candidates else None
+
+    def generate(self, request: WorkerRequest) -> Iterator[Chunk]:
+        rid = request.request_id
+        with self._lock:
+            if self._waiting >= self.settings.queue_size:
+                raise Overloaded(f"{self._waiting} requests are already waiting for decode room", 1.0)
+            self._waiting += 1
+        self._record(rid, RequestState.QUEUED)
+        queued = True
+        try:
+            deadline = time.monotonic() + self.settings.queue_timeout_s
+            backoff = 0.01
+            tokens = len(request.prompt_ids)
+            while True:
+                refused: set[str] = set()
+                while True:
+                    decode = self._pick("decode", tokens, refused)
+                    if decode is None:
+                        break
+                    prefill = self._pick("prefill", tokens, set())
+                    encode = self._pick("encode", tokens, set()) if request.images else None
+                    if prefill is None or (request.images and encode is None):
+                        raise BackendError("no live prefill/encode replica to serve the request", 503)
+                    route = Route(decode.address, prefill.address, encode.address if encode else None)
+                    chosen = [decode.worker_id, prefill.worker_id] + ([encode.worker_id] if encode else [])
+                    for w in chosen:
+                        self.view.begin(w, tokens)
+                    try:
+                        stream = self.dispatcher.run(request, route)
+                        first = next(stream)  # reserve happens before the first chunk
+                    except DispatchError as exc:
+                        for w in chosen:
+                            self.view.end(w, tokens)
+                        if exc.stage == "reserve" and exc.code in _RETRY_AT_RESERVE:
+                            refused.add(decode.worker_id)
+                            continue
+                        self._record(rid, RequestState.FAILED, f"{exc.stage}: {exc.message}")
+                        raise _backend_error(exc) from None
+                    if queued:
+                        with self._lock:
+                            self._waiting -= 1
+                        queued = False
+                    self._record(rid, RequestState.DECODING, f"decode={decode.worker_id} prefill={prefill.worker_id}")
+                    try:
+                        yield from self._relay(first, stream)
+                    except DispatchError as exc:
+                        self._record(rid, RequestState.FAILED, f"{exc.stage}: {exc.message}")
+                        raise _backend_error(exc) from None
+                    finally:
+                        for w in chosen:
+                            self.view.end(w, tokens)
+                    self._record(rid, RequestState.FINISHED)
+                    return
+                if not self.view.candidates("decode"):
+                    raise BackendError("no live decode replica", 503)
+                if time.monotonic() + backoff > deadline:
+                    self._record(rid, RequestState.FAILED, "no decode room in time")
+                    raise Overloaded("every decode replica is full; retry later", max(1.0, backoff * 10))
+                time.sleep(backoff)
+                backoff = min(backoff * 2, 0.2)
+                self.view.invalidate()
+        finally:
+            if queued:
+                with self._lock:
+                    self._waiting -= 1
+
+    @staticmethod
+    def _relay(first, stream) -> Iterator[Chunk]:  # type: ignore[no-untyped-def]
+        for chunk in _chain(first, stream):
+            yield Chunk(tuple(chunk.token_ids), chunk.text, chunk.finished, chunk.finish_reason or None,
+                        chunk.prompt_tokens, chunk.completion_tokens)
+
+
+def _chain(first, rest):  # type: ignore[no-untyped-def]
+    yield first
+    yield from rest
+
+
+def _backend_error(exc: DispatchError) -> BackendError:
+    if exc.code in _CLIENT_FAULT:
+        return BackendError(exc.message, 400, "invalid_request_error")
+    if exc.code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return BackendError(f"{exc.stage} timed out: {exc.message}", 504)
+    return BackendError(f"{exc.stage} failed: {exc.message}", 502)

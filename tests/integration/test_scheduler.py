@@ -1,0 +1,134 @@
+"""The scheduler over real workers found through a real Redis registry: routing, waiting for decode
+room, 429 when the wait would be unbounded, draining replicas skipped, the journal written."""
+
+from __future__ import annotations
+
+import secrets
+import threading
+
+import pytest
+
+from controlplane.backend import ModelInfo, Overloaded
+from controlplane.dispatch import Dispatcher, WorkerRequest
+from controlplane.scheduler.policies import get_policy
+from controlplane.scheduler.scheduler import Scheduler, WorkerView
+from controlplane.settings import SchedulerSettings
+from controlplane.state.journal import RequestJournal, RequestState
+from controlplane.state.registry import WorkerInfo, WorkerLoad, WorkerRegistry
+from kvtransfer.auth import TransferSecurity
+from redis_fixture import redis_server, state_conn  # noqa: F401 - fixtures
+from workers.run import start_worker
+from workers.runtime.engine import EngineConfig
+from workers.runtime.generate import GenerateRequest, generate
+from workers.runtime.sampler import SamplingParams
+
+pytestmark = [pytest.mark.integration]
+
+SECURITY = TransferSecurity(token=secrets.token_urlsafe(24))
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+# blocks for ~300 tokens per decode worker: one 200-token request at a time
+SMALL_DECODE = EngineConfig(kv_cache_bytes=20 * 4 * 2 * 16 * 4 * 64 * 4)
+
+
+@pytest.fixture
+def cluster(default_bundle, state_conn):  # noqa: F811
+    codecs = ("fp32",) * default_bundle.config.num_layers
+    workers = [start_worker("prefill", default_bundle, SECURITY, codecs=codecs),
+               start_worker("decode", default_bundle, SECURITY, codecs=codecs, config=SMALL_DECODE),
+               start_worker("decode", default_bundle, SECURITY, codecs=codecs, config=SMALL_DECODE)]
+    registry = WorkerRegistry(state_conn, ttl=30)
+    for w in workers:
+        registry.register(WorkerInfo(w.identity.worker_id, w.pool, w.address,
+                                     load=WorkerLoad(free_kv_blocks=20, total_kv_blocks=20)))
+    dispatcher = Dispatcher(SECURITY)
+    model = ModelInfo("demo", default_bundle.tokenizer, 8192, None, 64, default_bundle.eos_token_ids)
+    yield default_bundle, workers, registry, dispatcher, model, state_conn
+    dispatcher.close()
+    for w in workers:
+        registry.deregister(w.identity.worker_id, w.pool)
+        w.stop()
+    for key in state_conn.redis.scan_iter(match=state_conn.keys.pattern):
+        state_conn.redis.delete(key)
+
+
+def _scheduler(cluster, **settings) -> Scheduler:  # type: ignore[no-untyped-def]
+    bundle, workers, registry, dispatcher, model, conn = cluster
+    return Scheduler(model, WorkerView(registry, refresh_s=0.05), dispatcher, get_policy("least_loaded"),
+                     SchedulerSettings(**settings), RequestJournal(conn))
+
+
+def _collect(scheduler: Scheduler, req: WorkerRequest) -> list[int]:
+    return [t for chunk in scheduler.generate(req) for t in chunk.token_ids]
+
+
+def test_requests_are_spread_and_match_the_reference(cluster):
+    bundle, workers, registry, *_ = cluster
+    scheduler = _scheduler(cluster)
+    assert scheduler.ready() is True  # a text-only model needs prefill and decode replicas
+    multimodal = _scheduler(cluster)
+    multimodal.model = ModelInfo("demo", bundle.tokenizer, 8192, bundle.image_token_id, 64, ())
+    assert multimodal.ready() is False  # ... and one that takes images an encode replica too
+    prompts = [bundle.tokenizer.encode(f"Prompt {i}: the scheduler picks replicas") for i in range(4)]
+    refs = [r.token_ids for r in generate(bundle, [GenerateRequest(prompt_ids=p, params=GREEDY) for p in prompts])]
+    # start four requests before any finishes: what is in flight steers the next pick
+    streams = [scheduler.generate(WorkerRequest(f"spread-{i}", p, GREEDY)) for i, p in enumerate(prompts)]
+    firsts = [next(s) for s in streams]
+    out = [list(f.token_ids) + [t for c in s for t in c.token_ids] for f, s in zip(firsts, streams)]
+    assert out == refs
+    journal = RequestJournal(cluster[5])
+    history = journal.history("spread-0")
+    assert [e.state for e in history] == [RequestState.QUEUED, RequestState.DECODING, RequestState.FINISHED]
+    decoded_on = [journal.history(f"spread-{i}")[1].detail.split()[0] for i in range(4)]
+    assert len(set(decoded_on)) == 2 and decoded_on[0] != decoded_on[1], decoded_on
+
+
+def test_requests_wait_for_decode_room_and_all_complete(cluster):
+    bundle = cluster[0]
+    scheduler = _scheduler(cluster, queue_timeout_s=60)
+    prompt = bundle.tokenizer.encode("a long prompt " * 60)[:200]
+    ref = generate(bundle, [GenerateRequest(prompt_ids=prompt, params=GREEDY)])[0].token_ids
+    out: dict[int, list[int]] = {}
+    errors: list[BaseException] = []
+
+    def one(i: int) -> None:
+        try:
+            out[i] = _collect(scheduler, WorkerRequest(f"wait-{i}", prompt, GREEDY))
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(5)]  # room for 2 at a time
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors and all(out[i] == ref for i in range(5))
+    assert scheduler.waiting == 0
+
+
+def test_a_bounded_wait_ends_in_429_with_retry_after(cluster):
+    bundle, workers, registry, *_ = cluster
+    scheduler = _scheduler(cluster, queue_timeout_s=0.3)
+    prompt = bundle.tokenizer.encode("a long prompt " * 60)[:200]
+    long_params = SamplingParams(max_tokens=80, temperature=0.0, ignore_eos=True)
+    streams = [scheduler.generate(WorkerRequest(f"hold-{i}", prompt, long_params)) for i in range(2)]
+    firsts = [next(s) for s in streams]  # both decode replicas are now full
+    assert all(f.token_ids for f in firsts)
+    with pytest.raises(Overloaded) as err:
+        next(scheduler.generate(WorkerRequest("no-room", prompt, GREEDY)))
+    assert err.value.retry_after_s >= 1.0
+    for s in streams:  # the held requests still finish
+        assert sum(len(c.token_ids) for c in s) == 79
+    none_waiting = _scheduler(cluster, queue_size=0)
+    with pytest.raises(Overloaded, match="already waiting"):
+        next(none_waiting.generate(WorkerRequest("full-queue", prompt, GREEDY)))
+
+
+def test_draining_replicas_get_no_new_work(cluster):
+    bundle, workers, registry, *_ = cluster
+    drained = workers[1]
+    registry.set_draining(drained.identity.worker_id, "decode")
+    scheduler = _scheduler(cluster)
+    for i in range(3):
+        _collect(scheduler, WorkerRequest(f"drain-{i}", bundle.tokenizer.encode("hello"), GREEDY))
+    details = [RequestJournal(cluster[5]).history(f"drain-{i}")[1].detail for i in range(3)]
+    assert all(drained.identity.worker_id not in d for d in details)

@@ -1,5 +1,7 @@
 """The ``epd`` command line.
 
+  epd serve               start Redis, Ray, the three pools and the OpenAI-compatible API
+  epd status|scale|drain  operate a running deployment through its admin API
   epd model init DIR      write the built-in demo model (random weights) as an HF checkpoint folder
   epd generate ...        generate from a prompt with the single-process engine (the reference path)
   epd config show|schema  the effective settings (secrets masked) / their JSON schema
@@ -118,6 +120,51 @@ def cmd_config_schema(args: argparse.Namespace) -> int:
     return 0
 
 
+def _settings(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    """Settings from --config, EPD_* and the flags given (flags win)."""
+    from controlplane.settings import Settings
+
+    overrides: dict = {}
+    for flag, path in (("model", ("model",)), ("mode", ("mode",)), ("host", ("api", "host")),
+                       ("port", ("api", "port")), ("ray_address", ("ray", "address")),
+                       ("redis_url", ("redis", "url"))):
+        value = getattr(args, flag, None)
+        if value is not None:
+            node = overrides
+            for key in path[:-1]:
+                node = node.setdefault(key, {})
+            node[path[-1]] = str(value) if isinstance(value, Path) else value
+    return Settings.load(getattr(args, "config", None), overrides)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from controlplane.serve import serve
+    return serve(_settings(args))
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    import json
+
+    from controlplane.admin_client import call, format_status
+    data = call(_settings(args), "GET", "/admin/pools", url=args.url)
+    print(json.dumps(data, indent=2) if args.json else format_status(data))
+    return 0
+
+
+def cmd_scale(args: argparse.Namespace) -> int:
+    from controlplane.admin_client import call
+    reply = call(_settings(args), "PUT", f"/admin/pools/{args.pool}", {"replicas": args.replicas}, url=args.url)
+    print(f"{reply['pool']}: target {reply['target']} replicas (the pool manager reconciles; see `epd status`)")
+    return 0
+
+
+def cmd_drain(args: argparse.Namespace) -> int:
+    from controlplane.admin_client import call
+    call(_settings(args), "POST", f"/admin/workers/{args.worker}/drain", {}, url=args.url)
+    print(f"{args.worker}: draining (no new work; in-flight requests finish)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="epd", description="epd: disaggregated encode/prefill/decode serving.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -149,6 +196,35 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append", default=[], help="stop string; repeatable")
     gen.set_defaults(func=cmd_generate)
+
+    srv = sub.add_parser("serve", help="start Redis (if needed), Ray, the three pools and the HTTP API",
+                         description="Start the whole stack: a local redis-server unless --redis-url is given, a "
+                                     "local Ray unless --ray-address is given, each pool's replicas, and the "
+                                     "OpenAI-compatible API (default http://127.0.0.1:8000). Ctrl-C stops all.")
+    srv.add_argument("--config", type=Path, default=None, help="YAML settings file (see `epd config show`)")
+    srv.add_argument("--model", type=Path, default=None, help="HF checkpoint folder (default: the demo model)")
+    srv.add_argument("--mode", choices=("disaggregated", "colocated"), default=None)
+    srv.add_argument("--host", default=None, help="API address (default 127.0.0.1)")
+    srv.add_argument("--port", type=int, default=None, help="API port (default 8000)")
+    srv.add_argument("--ray-address", default=None, help="join this Ray cluster instead of starting one")
+    srv.add_argument("--redis-url", default=None, help="use this Redis instead of starting one")
+    srv.set_defaults(func=cmd_serve)
+
+    for name, helptext in (("status", "pools, replicas, health, load"),
+                           ("scale", "set a pool's replica count"), ("drain", "stop routing to one worker")):
+        p = sub.add_parser(name, help=helptext)
+        p.add_argument("--config", type=Path, default=None, help="YAML settings file (API address, admin token)")
+        p.add_argument("--url", default=None, help="the epd API (default: http://<api.host>:<api.port>)")
+        if name == "status":
+            p.add_argument("--json", action="store_true")
+            p.set_defaults(func=cmd_status)
+        elif name == "scale":
+            p.add_argument("pool", choices=("encode", "prefill", "decode"))
+            p.add_argument("replicas", type=int)
+            p.set_defaults(func=cmd_scale)
+        else:
+            p.add_argument("worker", help="worker id, as `epd status` shows it")
+            p.set_defaults(func=cmd_drain)
 
     config = sub.add_parser("config", help="settings").add_subparsers(dest="config_command", required=True,
                                                                      metavar="ACTION")
@@ -217,10 +293,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _user_errors() -> tuple[type[Exception], ...]:
+    from controlplane.admin_client import AdminError
     from controlplane.settings import SettingsError
     from kvtransfer.auth import SecurityConfigError
     from kvtransfer.policy import PolicyError
-    return (EngineError, SettingsError, PolicyError, SecurityConfigError)
+    return (EngineError, SettingsError, PolicyError, SecurityConfigError, AdminError)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,100 @@
+"""The admin API: pool status and scaling, behind the admin token.
+
+  GET  /admin/pools                    every pool: target replicas, ready replicas, each worker's load
+  PUT  /admin/pools/{pool}             {"replicas": N}: set the target; the pool manager reconciles
+  POST /admin/workers/{worker_id}/drain  stop routing to a worker; its in-flight requests finish
+
+Targets live in Redis, so ``epd scale`` from any machine that reaches the API takes effect, and the
+pool manager's reconcile loop is the only thing that starts or stops replicas. Scaling one pool
+never touches another.
+"""
+
+from __future__ import annotations
+
+import hmac
+from dataclasses import asdict, dataclass
+from typing import Callable
+
+from fastapi import APIRouter, Header, HTTPException
+from pydantic import BaseModel, ConfigDict, Field
+
+from controlplane.state.client import StateConnection
+from controlplane.state.keys import Pool
+from controlplane.state.pools import MAX_REPLICAS, PoolTargets
+from controlplane.state.registry import WorkerRegistry
+
+
+@dataclass(frozen=True)
+class WorkerView:
+    worker_id: str
+    address: str
+    draining: bool
+    running: int
+    queued_tokens: int
+    free_kv_blocks: int
+    total_kv_blocks: int
+
+
+@dataclass(frozen=True)
+class PoolView:
+    pool: str
+    target: int | None
+    ready: int
+    workers: list[WorkerView]
+
+
+def pools_status(conn: StateConnection, registry: WorkerRegistry) -> list[PoolView]:
+    targets = PoolTargets(conn).all_targets()
+    out = []
+    for pool in Pool:
+        live = registry.live_workers(pool)
+        workers = [WorkerView(r.info.worker_id, r.info.address, r.info.draining, r.info.load.running,
+                              r.info.load.queued_tokens, r.info.load.free_kv_blocks, r.info.load.total_kv_blocks)
+                   for r in live]
+        out.append(PoolView(pool.value, targets.get(pool), sum(not w.draining for w in workers), workers))
+    return out
+
+
+class ScaleBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    replicas: int = Field(ge=0, le=MAX_REPLICAS)
+
+
+def admin_router(conn: StateConnection, registry: WorkerRegistry, admin_token: str,
+                 on_scale: Callable[[str, int], None] | None = None,
+                 on_drain: Callable[[str], bool] | None = None) -> APIRouter:
+    router = APIRouter(prefix="/admin")
+    expected = f"Bearer {admin_token}".encode()
+
+    def check(authorization: str | None) -> None:
+        if not hmac.compare_digest((authorization or "").encode(), expected):
+            raise HTTPException(401, "missing or wrong admin token (Authorization: Bearer <admin token>)")
+
+    @router.get("/pools")
+    def get_pools(authorization: str | None = Header(None)) -> dict:
+        check(authorization)
+        return {"pools": [asdict(p) for p in pools_status(conn, registry)]}
+
+    @router.put("/pools/{pool}")
+    def put_pool(pool: str, body: ScaleBody, authorization: str | None = Header(None)) -> dict:
+        check(authorization)
+        try:
+            parsed = Pool(pool)
+        except ValueError:
+            raise HTTPException(404, f"unknown pool {pool!r}; pools are encode, prefill and decode") from None
+        PoolTargets(conn).set_target(parsed, body.replicas)
+        if on_scale is not None:
+            on_scale(parsed.value, body.replicas)
+        return {"pool": parsed.value, "target": body.replicas}
+
+    @router.post("/workers/{worker_id}/drain")
+    def drain(worker_id: str, authorization: str | None = Header(None)) -> dict:
+        check(authorization)
+        record = registry.find(worker_id)
+        if record is None:
+            raise HTTPException(404, f"no live worker {worker_id!r}")
+        registry.set_draining(worker_id, record.info.pool)
+        drained = on_drain(worker_id) if on_drain is not None else False
+        return {"worker_id": worker_id, "draining": True, "stopped": drained}
+
+    return router

@@ -1,0 +1,315 @@
+"""Runs the encode, prefill and decode pools as Ray actors and keeps each at its target in Redis.
+
+Lifecycle of a manager:
+  1. ``start()``     Ray (``RayRuntime``), each pool's target set from settings, every pool reconciled,
+                     then the reconcile loop thread started.
+  2. running         ``scale(pool, n)`` writes the target and reconciles that pool now. The loop, every
+                     ``reconcile_interval_s``, reconciles each pool whose lock is free: it reads the target
+                     from Redis (so ``epd scale`` in another process, which only writes the target, takes
+                     effect) and replaces replicas that died.
+  3. ``stop()``      the loop ends, every actor this manager started is stopped and killed, Ray is shut
+                     down if ``start`` initialised it. Idempotent.
+
+Reconciling one pool (under that pool's lock only, so pools never touch each other):
+  1. replicas whose actor exited, or whose lease expired while the actor fails a probe, are killed;
+  2. too few: new actors start together; each must answer ``info`` and hold a live lease before
+     ``start_timeout_s``, else ``WorkerStartError`` carries the actor's exception text;
+  3. too many: the newest replicas drain (routing skips them, in-flight requests and reservations
+     finish, at most ``drain_timeout_s``), then stop, then their actors are killed.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+from ray.actor import ActorHandle
+
+from controlplane.pools.actor import WorkerActor
+from controlplane.pools.ray_runtime import RayRuntime
+from controlplane.pools.status import PoolStatus, ReplicaStatus, WorkerStartError
+from controlplane.settings import Settings
+from controlplane.state import Pool, PoolTargets, StateConnection, StateError, WorkerRegistry, connect
+from controlplane.state.pools import validate_replicas
+
+log = logging.getLogger(__name__)
+
+PROBE_TIMEOUT_S = 5.0
+STOP_TIMEOUT_S = 30.0
+ACTOR_CONCURRENCY = 4  # watch() holds one thread; drain, status and stop need the others
+MAX_RETRY_DELAY_S = 30.0
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_SECRETS = {"transfer": {"token"}, "api": {"admin_token", "api_keys"}}
+
+
+@dataclass(frozen=True)
+class Replica:
+    """An actor this manager started, once it is serving."""
+
+    pool: Pool
+    name: str  # the Ray actor name, in the settings' Ray namespace
+    worker_id: str
+    address: str
+    actor: ActorHandle = field(repr=False, compare=False)
+    started_at: float  # time.monotonic()
+    watch: ray.ObjectRef = field(repr=False, compare=False)  # resolves when the actor stops or dies
+
+
+class PoolManager:
+    """The pools of one deployment: actors in Ray, targets and leases in Redis under ``prefix``.
+
+    ``token`` is the transfer credential every worker checks. ``ray_address`` (else ``settings.ray.address``)
+    joins a cluster; with neither, a private local Ray is started. Timeouts are seconds; ``drain_timeout_s``
+    defaults to ``settings.scheduler.request_timeout_s`` (the longest a request may run).
+    ``registry`` and ``targets`` exist once ``start()`` ran.
+    """
+
+    def __init__(self, settings: Settings, redis_url: str, prefix: str, token: str,
+                 ray_address: str | None = None, *, start_timeout_s: float = 180.0,
+                 drain_timeout_s: float | None = None, reconcile_interval_s: float = 1.0) -> None:
+        self.settings = settings
+        self.redis_url = redis_url
+        self.prefix = prefix
+        self.start_timeout_s = start_timeout_s
+        self.drain_timeout_s = drain_timeout_s if drain_timeout_s is not None else settings.scheduler.request_timeout_s
+        self.reconcile_interval_s = reconcile_interval_s
+        self.runtime = RayRuntime(ray_address if ray_address is not None else settings.ray.address,
+                                  settings.ray.namespace)
+        self._token = token
+        self._settings_json = settings.model_dump_json(exclude=_SECRETS)  # secrets never ride in Ray task args
+        self._model_dir = str(settings.model) if settings.model is not None else ""  # "": the actor resolves it
+        self._uid = uuid.uuid4().hex[:6]
+        self._replicas: dict[Pool, list[Replica]] = {p: [] for p in Pool}
+        self._locks = {p: threading.Lock() for p in Pool}
+        self._next_index = {p: 0 for p in Pool}
+        self._retry_at = {p: 0.0 for p in Pool}
+        self._failures = {p: 0 for p in Pool}
+        self._stop = threading.Event()
+        self._loop: threading.Thread | None = None
+        self._conn: StateConnection | None = None
+        self._remote_cls: Any = None  # ray.remote(WorkerActor), made once Ray is up
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> "PoolManager":
+        """Ray up, targets from settings, every pool at its target. On any failure everything started is
+        stopped again and the error raised (``WorkerStartError`` names each replica that failed)."""
+        self._conn = connect(self.redis_url, self.prefix)
+        self.registry = WorkerRegistry(self._conn, ttl=self.settings.redis.heartbeat_ttl_s)
+        self.targets = PoolTargets(self._conn)
+        try:
+            self.runtime.start()
+            self._remote_cls = ray.remote(WorkerActor)
+            for pool in Pool:
+                self.targets.set_target(pool, self.settings.pool(pool.value).replicas)
+            for pool in Pool:
+                self.reconcile(pool)
+        except BaseException:
+            self.stop()
+            raise
+        self._loop = threading.Thread(target=self._run_loop, name="pool-reconcile", daemon=True)
+        self._loop.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop the loop and every actor this manager started (no drain), then Ray if we started it."""
+        self._stop.set()
+        if self._loop is not None:
+            self._loop.join(STOP_TIMEOUT_S)
+            self._loop = None
+        for pool in Pool:
+            with self._locks[pool]:
+                victims, self._replicas[pool] = self._replicas[pool], []
+                self._stop_replicas(victims)
+        self.runtime.stop()
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+    def __enter__(self) -> "PoolManager":
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    # ------------------------------------------------------------------ operator API
+    def scale(self, pool: Pool | str, replicas: int) -> None:
+        """Set ``pool``'s target and bring the pool to it now; scaling down drains first."""
+        pool = Pool(pool)
+        validate_replicas(replicas)
+        self.targets.set_target(pool, replicas)
+        self.reconcile(pool)
+
+    def replicas(self, pool: Pool | str) -> tuple[Replica, ...]:
+        """The serving actors this manager holds for ``pool``, oldest first."""
+        return tuple(self._replicas[Pool(pool)])
+
+    def status(self) -> list[PoolStatus]:
+        """Per pool, in pool order: target, actors held, and live workers in the registry."""
+        out = []
+        for pool in Pool:
+            mine = {r.worker_id for r in self._replicas[pool]}
+            live = tuple(ReplicaStatus.from_record(rec, rec.info.worker_id in mine)
+                         for rec in self.registry.live_workers(pool))
+            out.append(PoolStatus(pool, self.targets.get_target(pool), len(mine), live))
+        return out
+
+    # ------------------------------------------------------------------ reconciling
+    def reconcile(self, pool: Pool | str) -> None:
+        """Bring one pool to its target (blocking while it drains). Raises ``WorkerStartError``."""
+        pool = Pool(pool)
+        with self._locks[pool]:
+            self._reconcile_locked(pool)
+
+    def _reconcile_locked(self, pool: Pool) -> None:
+        self._remove_dead(pool)
+        target = self.targets.get_target(pool)
+        if target is None:
+            return
+        have = len(self._replicas[pool])
+        if have < target:
+            self._start_replicas(pool, target - have)
+        elif have > target:
+            ordered = sorted(self._replicas[pool], key=lambda r: r.started_at)
+            victims = ordered[target:]  # the newest go first
+            self._replicas[pool] = ordered[:target]
+            self._drain_and_stop(victims)
+
+    def _run_loop(self) -> None:
+        while not self._stop.wait(self.reconcile_interval_s):
+            for pool in Pool:
+                if self._stop.is_set() or time.monotonic() < self._retry_at[pool]:
+                    continue
+                if not self._locks[pool].acquire(blocking=False):
+                    continue  # scale() is working on this pool
+                try:
+                    self._reconcile_locked(pool)
+                    self._failures[pool] = 0
+                except StateError as exc:
+                    log.warning("reconcile %s: Redis unavailable: %s", pool.value, exc)
+                except Exception as exc:  # a failed start: retry later, backing off
+                    self._failures[pool] += 1
+                    delay = min(MAX_RETRY_DELAY_S, 2.0 ** self._failures[pool])
+                    self._retry_at[pool] = time.monotonic() + delay
+                    log.error("reconcile %s failed (retry in %.0f s): %s", pool.value, delay, exc)
+                finally:
+                    self._locks[pool].release()
+
+    def _remove_dead(self, pool: Pool) -> None:
+        replicas = self._replicas[pool]
+        if not replicas:
+            return
+        exited, _ = ray.wait([r.watch for r in replicas], num_returns=len(replicas), timeout=0)
+        exited_refs = set(exited)
+        live = {rec.info.worker_id for rec in self.registry.live_workers(pool)}
+        dead = [r for r in replicas if r.watch in exited_refs
+                or (r.worker_id not in live and not self._answers(r))]
+        for r in dead:
+            log.warning("%s replica %s (%s) died; replacing it", pool.value, r.name, r.worker_id)
+            self._replicas[pool].remove(r)
+            self._kill(r)
+
+    def _answers(self, r: Replica) -> bool:
+        """Whether a replica without a lease is alive and keeps its lease: after Redis was away (or
+        restarted) its next beat registers it again, so it is given one beat before it counts as dead."""
+        try:
+            s = ray.get(r.actor.status.remote(), timeout=PROBE_TIMEOUT_S)
+        except Exception:
+            return False
+        if s["heartbeat_ok"]:
+            return True
+        if not s["heartbeat_running"]:
+            return False
+        time.sleep(self.registry.ttl / 3 + 0.5)
+        return self.registry.get(r.worker_id, r.pool) is not None
+
+    # ------------------------------------------------------------------ starting
+    def _start_replicas(self, pool: Pool, n: int) -> None:
+        ps = self.settings.pool(pool.value)
+        host = "127.0.0.1" if self.runtime.temp_dir is not None else ""  # "": the actor's own node IP
+        pending = []
+        for _ in range(n):
+            index = self._next_index[pool]
+            self._next_index[pool] += 1
+            name = f"{self.prefix}-{pool.value}-{self._uid}-{index}"
+            actor = self._remote_cls.options(
+                name=name, namespace=self.settings.ray.namespace, num_cpus=ps.num_cpus, num_gpus=ps.num_gpus,
+                max_concurrency=ACTOR_CONCURRENCY, max_restarts=0,
+            ).remote(pool.value, self._model_dir, self._settings_json, self._token, self.redis_url,
+                     self.prefix, index, host)
+            pending.append((name, actor, actor.info.remote()))
+        deadline = time.monotonic() + self.start_timeout_s
+        errors = []
+        for name, actor, info_ref in pending:
+            try:
+                info = ray.get(info_ref, timeout=max(0.1, deadline - time.monotonic()))
+                self._await_lease(pool, info["worker_id"], deadline)
+            except Exception as exc:
+                errors.append(f"{name}: {_describe(exc, ps.num_cpus, ps.num_gpus, self.start_timeout_s)}")
+                _kill_quietly(actor)
+                continue
+            self._replicas[pool].append(Replica(pool, name, info["worker_id"], info["address"], actor,
+                                                time.monotonic(), actor.watch.remote()))
+            log.info("%s replica %s serving at %s", pool.value, name, info["address"])
+        if errors:
+            raise WorkerStartError(f"{len(errors)} of {n} {pool.value} replicas failed to start:\n"
+                                   + "\n".join(errors))
+
+    def _await_lease(self, pool: Pool, worker_id: str, deadline: float) -> None:
+        while self.registry.get(worker_id, pool) is None:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"worker {worker_id} answered but holds no live lease in Redis")
+            time.sleep(0.05)
+
+    # ------------------------------------------------------------------ stopping
+    def _drain_and_stop(self, victims: list[Replica]) -> None:
+        drains = [(r, r.actor.drain.remote(self.drain_timeout_s)) for r in victims]  # all at once
+        for r, ref in drains:
+            try:
+                clean = ray.get(ref, timeout=self.drain_timeout_s + PROBE_TIMEOUT_S)
+            except Exception as exc:
+                clean = False
+                log.warning("drain of %s failed: %s", r.worker_id, exc)
+            if not clean:
+                log.warning("%s stops with work still in flight", r.worker_id)
+        self._stop_replicas(victims)
+
+    def _stop_replicas(self, victims: list[Replica]) -> None:
+        stops = [(r, r.actor.stop.remote()) for r in victims]
+        for r, ref in stops:
+            try:
+                ray.get(ref, timeout=STOP_TIMEOUT_S)
+            except Exception as exc:
+                log.warning("stop of %s failed: %s", r.worker_id, exc)
+            self._kill(r)
+
+    def _kill(self, r: Replica) -> None:
+        _kill_quietly(r.actor)
+        try:
+            self.registry.deregister(r.worker_id, r.pool)  # a crashed actor could not do it itself
+        except StateError as exc:
+            log.warning("could not deregister %s: %s", r.worker_id, exc)
+
+
+def _kill_quietly(actor: ActorHandle) -> None:
+    try:
+        ray.kill(actor, no_restart=True)
+    except Exception as exc:  # already gone
+        log.debug("kill: %s", exc)
+
+
+def _describe(exc: BaseException, num_cpus: float, num_gpus: float, timeout_s: float) -> str:
+    if isinstance(exc, ray.exceptions.GetTimeoutError):
+        return (f"did not start within {timeout_s:.0f} s (the cluster may lack {num_cpus} CPU / {num_gpus} GPU "
+                "free for it)")
+    if isinstance(exc, ray.exceptions.RayActorError):
+        text = _ANSI.sub("", str(exc)).strip()
+        if exc.actor_init_failed:  # Ray's text ends with the constructor's "Type: message"; lead with it
+            return f"{text.splitlines()[-1]}\n  (raised while the actor started; Ray's report follows)\n{text}"
+        return f"the actor died while starting: {text}"
+    return f"{type(exc).__name__}: {exc}"

@@ -1,0 +1,102 @@
+"""The Ray the pools run on: join a cluster at an address, reuse the driver's, or start a private one.
+
+Lifecycle:
+  1. ``start()``   with an address: ``ray.init(address=...)``, credentials as the user configured them.
+                   Ray already initialised in this process: reused, never shut down here.
+                   Otherwise a local cluster that is ours alone: its own temp dir (Ray writes under the
+                   system temp dir unless told otherwise), all of the machine's CPUs (replicas reserve
+                   fractions), no dashboard, worker logs kept in the temp dir instead of the driver's
+                   output, a small object store (only control messages use it). Token auth stays on,
+                   with a fresh token in a 0600 file in that temp dir: Ray 2.60 would otherwise write
+                   ``~/.ray/auth_token`` on first start, which then switches every later local
+                   ``ray.init`` of the user to token auth. A user who set ``RAY_AUTH_MODE`` (or a
+                   token) gets exactly that.
+  2. ``stop()``    ``ray.shutdown()`` if ``start`` called ``ray.init``; then the environment is restored
+                   and the temp dir removed. Idempotent.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import shutil
+import tempfile
+from pathlib import Path
+
+import ray
+
+log = logging.getLogger(__name__)
+
+OBJECT_STORE_BYTES = 128 * 2**20
+_AUTH_VARS = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
+
+
+def _reload_ray_auth() -> None:
+    """Make this process's Ray core see the current RAY_AUTH_* variables. Ray caches its config and
+    token at import; its own ``_enable_token_auth`` refreshes them this way (config before token)."""
+    from ray._raylet import AuthenticationTokenLoader, Config
+
+    Config.initialize("")
+    AuthenticationTokenLoader.instance().reset_cache()
+
+
+class RayRuntime:
+    def __init__(self, address: str | None, namespace: str, num_cpus: int | None = None) -> None:
+        self.address = address
+        self.namespace = namespace
+        self.num_cpus = num_cpus or os.cpu_count() or 1
+        self.temp_dir: Path | None = None  # the private cluster's, while it runs
+        self.owns_connection = False
+        self._saved_env: dict[str, str | None] | None = None
+
+    def start(self) -> None:
+        if ray.is_initialized():
+            return
+        if self.address is not None:
+            ray.init(address=self.address, namespace=self.namespace, log_to_driver=False,
+                     logging_level=logging.WARNING)
+            self.owns_connection = True
+            return
+        self.temp_dir = Path(tempfile.mkdtemp(prefix="epd-ray-"))
+        try:
+            self._private_token()
+            ray.init(num_cpus=self.num_cpus, namespace=self.namespace, include_dashboard=False,
+                     _temp_dir=str(self.temp_dir), log_to_driver=False, logging_level=logging.WARNING,
+                     object_store_memory=OBJECT_STORE_BYTES)
+        except BaseException:
+            self._restore()
+            raise
+        self.owns_connection = True
+
+    def _private_token(self) -> None:
+        if any(v in os.environ for v in _AUTH_VARS):
+            return  # the user chose; respect it
+        assert self.temp_dir is not None
+        path = self.temp_dir / "auth_token"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(32))
+        self._saved_env = {v: os.environ.get(v) for v in _AUTH_VARS}
+        os.environ["RAY_AUTH_MODE"] = "token"
+        os.environ["RAY_AUTH_TOKEN_PATH"] = str(path)  # Ray's own processes inherit both
+        _reload_ray_auth()
+
+    def stop(self) -> None:
+        if self.owns_connection:
+            self.owns_connection = False
+            ray.shutdown()
+        self._restore()
+
+    def _restore(self) -> None:
+        if self._saved_env is not None:
+            for var, value in self._saved_env.items():
+                if value is None:
+                    os.environ.pop(var, None)
+                else:
+                    os.environ[var] = value
+            self._saved_env = None
+            _reload_ray_auth()  # before the token file goes, so nothing reloads a missing file
+        if self.temp_dir is not None:
+            shutil.rmtree(self.temp_dir, ignore_errors=True)
+            self.temp_dir = None

@@ -1,0 +1,185 @@
+"""What runs inside one pool replica's process: the worker built from settings, and its lease.
+
+  1. ``build_worker``   loads the checkpoint, resolves the per-layer KV codecs and starts the
+                        worker's gRPC server (workers.run.start_worker) on ``host:0``.
+  2. ``Lease.start``    registers the worker in the Redis registry, then heartbeats every
+                        ``ttl / 3`` seconds from a daemon thread with the load its own service's
+                        Status reports. A lost lease (Redis restarted, a long pause) is registered
+                        again; an unreachable Redis is retried at the next beat.
+  3. ``Lease.stop``     stops beating first (so nothing re-registers), then deregisters.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from importlib import metadata
+from pathlib import Path
+
+from controlplane.settings import PoolSettings, Settings
+from controlplane.state import StateError, WorkerInfo, WorkerLoad, WorkerNotRegistered, WorkerRegistry
+from epd.worker.v1 import worker_pb2 as wpb
+from kvtransfer.auth import TransferSecurity
+from workers.run import Pool, RunningWorker, start_worker
+from workers.runtime.loader import LoadedModel
+
+log = logging.getLogger(__name__)
+
+# Fixed text for the "auto" codec policy: every replica calibrates on the same prompts, so prefill and
+# decode workers of one deployment resolve the same codecs (the KV handshake rejects a mismatch).
+CALIBRATION_TEXTS = (
+    "The scheduler reserves cache blocks on the decode worker before prefill starts.",
+    "One, two, three, four, five, six, seven, eight, nine, ten, eleven, twelve.",
+    "Please write a short poem about the sea, the wind, the stars and the long night.",
+    "def main(): return sum(x * x for x in range(10))  # a line of code",
+)
+
+
+def model_dir(settings: Settings) -> Path:
+    """The checkpoint folder to serve: ``settings.model``, else the built-in demo model (written once)."""
+    if settings.model is not None:
+        return settings.model
+    from workers.runtime.default_model import ensure_default_checkpoint
+    return ensure_default_checkpoint()
+
+
+def security_for(settings: Settings, token: str | None) -> TransferSecurity:
+    t = settings.transfer
+    return TransferSecurity(token=token or None, tls_ca=t.tls_ca, tls_cert=t.tls_cert, tls_key=t.tls_key)
+
+
+def calibration_prompts(bundle: LoadedModel, block_size: int) -> list[list[int]]:
+    """The fixed prompts, each repeated to at least two full KV blocks (64 tokens or more)."""
+    length = max(64, 2 * block_size)
+    prompts = []
+    for i, text in enumerate(CALIBRATION_TEXTS):
+        base = (bundle.tokenizer.encode(text) if bundle.tokenizer is not None
+                else [(i * 31 + j) % bundle.config.vocab_size for j in range(32)])
+        prompts.append((base * (length // len(base) + 1))[:length])
+    return prompts
+
+
+def resolve_pool_codecs(spec: str, bundle: LoadedModel, pool: PoolSettings) -> tuple[str, ...]:
+    """The codec per layer for ``spec``; "auto" runs the calibration prompts on a throwaway engine."""
+    from kvtransfer.policy import AutoPolicy, parse_policy
+    from workers.prefill.calibrate import resolve_codecs
+    from workers.runtime.engine import Engine
+
+    engine = Engine(bundle.model, bundle.tokenizer, pool.engine.engine_config(), bundle.eos_token_ids)
+    prompts = (calibration_prompts(bundle, pool.engine.block_size)
+               if isinstance(parse_policy(spec), AutoPolicy) else None)
+    return resolve_codecs(spec, engine, prompts).codecs
+
+
+def build_worker(pool: Pool, settings: Settings, folder: Path, security: TransferSecurity,
+                 host: str) -> RunningWorker:
+    """Load the model and start ``pool``'s gRPC worker on ``host`` (a free port)."""
+    import torch
+
+    from workers.runtime.engine import DTYPES
+    from workers.runtime.loader import load_model
+
+    ps = settings.pool(pool)
+    if ps.engine.threads:
+        torch.set_num_threads(ps.engine.threads)
+    # decode never sees an image; prefill keeps the encoder for its fingerprint (embedding handshake)
+    bundle = load_model(folder, dtype=DTYPES[ps.engine.dtype], device=ps.engine.device,
+                        with_vision=pool != "decode")
+    codecs = None if pool == "encode" else resolve_pool_codecs(settings.transfer.codec_policy, bundle, ps)
+    return start_worker(pool, bundle, security, config=ps.engine.engine_config(), codecs=codecs,
+                        store=settings.transfer.decode_store, transport=settings.transfer.transport,
+                        host=host, port=0, max_streams=settings.transfer.max_streams)
+
+
+def worker_status(worker: RunningWorker) -> "wpb.WorkerStatus":
+    """The worker's own Status RPC, called in process (it reads no call context)."""
+    return worker.service.Status(wpb.StatusRequest(), None)  # type: ignore[attr-defined]
+
+
+def queued_tokens(worker: RunningWorker) -> int:
+    """Prompt tokens waiting in the engine. WorkerStatus carries only a request count, so this reads the
+    engine's queue in process; an encode worker has no engine."""
+    if worker.pool == "encode":
+        return 0
+    waiting = list(worker.service.engine.scheduler.waiting)  # type: ignore[attr-defined]
+    return sum(max(0, seq.num_tokens - seq.num_computed) for seq in waiting)
+
+
+def _version() -> str:
+    try:
+        return metadata.version("epd")
+    except metadata.PackageNotFoundError:
+        return ""
+
+
+class Lease:
+    """Keeps one worker registered while it runs."""
+
+    def __init__(self, registry: WorkerRegistry, worker: RunningWorker) -> None:
+        self.registry = registry
+        self.worker = worker
+        self.interval_s = registry.ttl / 3
+        self._version = _version()
+        self._stop = threading.Event()
+        self._last_ok = 0.0
+        self._thread = threading.Thread(target=self._run, name="lease-heartbeat", daemon=True)
+
+    def _info(self) -> WorkerInfo:
+        s = worker_status(self.worker)
+        load = WorkerLoad(queued_tokens=queued_tokens(self.worker), free_kv_blocks=s.kv_blocks_free,
+                          total_kv_blocks=s.kv_blocks_total, running=s.running)
+        return WorkerInfo(worker_id=s.worker_id, pool=self.worker.pool, address=s.address,
+                          model_fingerprint=s.model_fingerprint, version=self._version, load=load,
+                          draining=s.draining)
+
+    def start(self) -> None:
+        """Register now (raises if Redis is unreachable), then beat in the background."""
+        self.registry.register(self._info())
+        self._last_ok = time.monotonic()
+        self._thread.start()
+
+    def set_draining(self) -> None:
+        """Tell routing to skip this worker. A worker that lost its lease re-registers as draining."""
+        try:
+            self.registry.set_draining(self.worker.identity.worker_id, self.worker.pool)
+        except WorkerNotRegistered:
+            self.registry.register(self._info())
+
+    @property
+    def running(self) -> bool:
+        """The heartbeat thread runs (it re-registers a lost lease at its next beat)."""
+        return self._thread.is_alive()
+
+    @property
+    def healthy(self) -> bool:
+        """Running, and the last beat reached Redis less than one TTL ago."""
+        return self.running and time.monotonic() - self._last_ok < self.registry.ttl
+
+    def beat(self) -> None:
+        info = self._info()
+        try:
+            self.registry.heartbeat(info.worker_id, info.pool, info.load)
+        except WorkerNotRegistered:
+            log.warning("lease of %s was lost; registering again", info.worker_id)
+            self.registry.register(info)
+        self._last_ok = time.monotonic()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.beat()
+            except StateError as exc:
+                log.warning("heartbeat of %s failed: %s", self.worker.identity.worker_id, exc)
+            except Exception:  # a bug must not end the lease silently; the next beat tries again
+                log.exception("heartbeat of %s failed", self.worker.identity.worker_id)
+
+    def stop(self) -> None:
+        """Stop beating, then deregister. Idempotent."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(self.interval_s + 5.0)
+        try:
+            self.registry.deregister(self.worker.identity.worker_id, self.worker.pool)
+        except StateError as exc:  # the lease expires on its own within two TTLs
+            log.warning("could not deregister %s: %s", self.worker.identity.worker_id, exc)

@@ -1,0 +1,118 @@
+"""The composition root: ``epd serve`` builds the whole deployment from one Settings.
+
+  1. Redis       the configured URL, or a private redis-server started here (and stopped on exit).
+  2. Credentials the transfer token (configured, or generated for this run) and the admin token
+                 (configured, or generated once into a file only this user can read).
+  3. Pools       a PoolManager starts (or joins) Ray and runs each pool's replicas as actors.
+  4. Scheduler   routing over the Redis registry, admission, dispatch over the worker services.
+  5. API         the OpenAI-compatible ingress plus the admin router, served by uvicorn.
+Ctrl-C (or SIGTERM) stops them in reverse order; nothing is left running.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import signal
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from controlplane.backend import ModelInfo
+from controlplane.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+def model_info(settings: Settings, model_dir: Path) -> ModelInfo:
+    """What the ingress needs about the model, read without loading any weights."""
+    from workers.runtime.config import ModelConfig
+    from workers.runtime.loader import read_generation_eos
+    from workers.runtime.tokenizer import Tokenizer
+    from workers.runtime.vision import has_vision, load_vision_config
+
+    cfg = ModelConfig.from_file(model_dir / "config.json")
+    tokenizer = Tokenizer.from_folder(model_dir)
+    limit = settings.decode.engine.max_model_len or cfg.max_position_embeddings
+    image_token_id = tokens_per_image = None
+    if has_vision(model_dir) and tokenizer.image_token is not None:
+        image_token_id = tokenizer.token_to_id(tokenizer.image_token)
+        tokens_per_image = load_vision_config(model_dir).num_image_tokens
+    name = settings.api.served_model_name or model_dir.name
+    return ModelInfo(name, tokenizer, min(limit, cfg.max_position_embeddings), image_token_id,
+                     tokens_per_image or 0, read_generation_eos(model_dir) or cfg.eos_token_ids)
+
+
+@dataclass
+class Deployment:
+    settings: Settings
+    app: Any
+    closers: list = field(default_factory=list)
+
+    def close(self) -> None:
+        for close in reversed(self.closers):
+            try:
+                close()
+            except Exception:  # keep closing the rest
+                log.exception("shutdown step failed")
+        self.closers.clear()
+
+
+def build(settings: Settings) -> Deployment:
+    from controlplane.admin import admin_router
+    from controlplane.admin_client import ensure_admin_token
+    from controlplane.api.app import create_app
+    from controlplane.dispatch import Dispatcher
+    from controlplane.pools.manager import PoolManager
+    from controlplane.scheduler.policies import get_policy
+    from controlplane.scheduler.scheduler import Scheduler, WorkerView
+    from controlplane.state import LocalRedis, RequestJournal, WorkerRegistry, connect
+    from kvtransfer.auth import TransferSecurity
+    from workers.runtime.default_model import ensure_default_checkpoint
+
+    dep = Deployment(settings, None)
+    try:
+        model_dir = settings.model or ensure_default_checkpoint()
+        info = model_info(settings, Path(model_dir))
+        url = settings.redis.url
+        if url is None:
+            redis = LocalRedis().start()
+            dep.closers.append(redis.close)
+            url = redis.url
+            log.info("started a private redis-server at %s", url)
+        conn = connect(url, settings.redis.prefix)
+        dep.closers.append(conn.close)
+        token = settings.transfer.token.get_secret_value() if settings.transfer.token else secrets.token_urlsafe(32)
+        admin_token = ensure_admin_token(settings)
+        manager = PoolManager(settings, url, settings.redis.prefix, token).start()
+        dep.closers.append(manager.stop)
+        registry = WorkerRegistry(conn, ttl=settings.redis.heartbeat_ttl_s)
+        t = settings.transfer
+        security = TransferSecurity(token=token, tls_ca=t.tls_ca, tls_cert=t.tls_cert, tls_key=t.tls_key)
+        dispatcher = Dispatcher(security)
+        dep.closers.append(dispatcher.close)
+        scheduler = Scheduler(info, WorkerView(registry), dispatcher, get_policy(settings.scheduler.routing_policy),
+                              settings.scheduler, RequestJournal(conn))
+        keys = [k.get_secret_value() for k in settings.api.api_keys]
+        dep.app = create_app(scheduler, keys, admin=admin_router(conn, registry, admin_token))
+    except BaseException:
+        dep.close()
+        raise
+    return dep
+
+
+def serve(settings: Settings) -> int:
+    import uvicorn
+
+    dep = build(settings)
+    config = uvicorn.Config(dep.app, host=settings.api.host, port=settings.api.port, log_level="info",
+                            timeout_graceful_shutdown=10)
+    server = uvicorn.Server(config)
+    signal.signal(signal.SIGTERM, lambda *_: setattr(server, "should_exit", True))
+    try:
+        print(f"epd: serving {dep.app.title} on http://{settings.api.host}:{settings.api.port} "
+              f"(Ctrl-C to stop)", flush=True)
+        server.run()
+    finally:
+        dep.close()
+    return 0

@@ -1,0 +1,140 @@
+"""`epd serve` as a user runs it: a real subprocess with Redis, Ray, three pools and the HTTP API.
+
+Answers through the official openai client equal the single-process reference; `epd scale` changes
+a pool while requests stream, and `epd status` shows it within 5 s; Ctrl-C leaves nothing running.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from workers.runtime.generate import GenerateRequest, generate
+from workers.runtime.sampler import SamplingParams
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _children(pid: int) -> set[int]:
+    out = subprocess.run(["ps", "-eo", "pid=,ppid="], capture_output=True, text=True).stdout.split()
+    pairs = [(int(a), int(b)) for a, b in zip(out[::2], out[1::2])]
+    found, frontier = set(), {pid}
+    while frontier:
+        nxt = {p for p, parent in pairs if parent in frontier} - found
+        found |= nxt
+        frontier = nxt
+    return found
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, default_ckpt):
+    tmp = tmp_path_factory.mktemp("serve")
+    port = _free_port()
+    config = tmp / "epd.yaml"
+    config.write_text(json.dumps({
+        "model": str(default_ckpt), "api": {"port": port}, "transfer": {"codec_policy": "fp32"},
+        "encode": {"num_cpus": 0.25, "engine": {"kv_cache_bytes": 32 * 2**20}},
+        "prefill": {"num_cpus": 0.25, "engine": {"kv_cache_bytes": 64 * 2**20}},
+        "decode": {"num_cpus": 0.25, "engine": {"kv_cache_bytes": 64 * 2**20}},
+    }))
+    env = {**os.environ, "EPD_STATE_DIR": str(tmp / "state")}
+    log = open(tmp / "serve.log", "w")  # noqa: SIM115 - closed in the finally below
+    proc = subprocess.Popen([sys.executable, "-m", "controlplane.cli", "serve", "--config", str(config)],
+                            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 150
+        while True:
+            assert proc.poll() is None, (tmp / "serve.log").read_text()[-3000:]
+            try:
+                if httpx.get(f"{base}/ready", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "epd serve did not become ready"
+            time.sleep(1)
+        yield proc, base, config, env, tmp
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+        log.close()
+
+
+def _cli(config: Path, env: dict, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "controlplane.cli", *args, "--config", str(config)],
+                          capture_output=True, text=True, env=env, timeout=60)
+
+
+def test_answers_equal_the_reference_and_scaling_under_load(served, default_bundle):
+    from openai import OpenAI
+
+    proc, base, config, env, _ = served
+    client = OpenAI(base_url=f"{base}/v1", api_key="unused")
+    model = client.models.list().data[0].id
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    ref = generate(default_bundle, [GenerateRequest(messages=messages, params=SamplingParams(
+        max_tokens=12, temperature=0.0))])[0]
+    out = client.chat.completions.create(model=model, messages=messages, max_tokens=12, temperature=0)
+    assert out.choices[0].message.content == ref.text
+
+    results: list[str] = []
+    errors: list[BaseException] = []
+
+    def stream_one() -> None:
+        try:
+            parts = client.chat.completions.create(model=model, messages=messages, max_tokens=40, temperature=0,
+                                                   stream=True)
+            results.append("".join(c.choices[0].delta.content or "" for c in parts if c.choices))
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    long_ref = generate(default_bundle, [GenerateRequest(messages=messages, params=SamplingParams(
+        max_tokens=40, temperature=0.0))])[0].text
+    threads = [threading.Thread(target=stream_one) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for replicas in (2, 1):
+        assert _cli(config, env, "scale", "decode", str(replicas)).returncode == 0
+        deadline = time.monotonic() + 5
+        while True:
+            status = json.loads(_cli(config, env, "status", "--json").stdout)
+            decode = next(p for p in status["pools"] if p["pool"] == "decode")
+            if decode["ready"] == replicas:
+                break
+            assert time.monotonic() < deadline, f"status did not show decode={replicas} within 5 s: {decode}"
+            time.sleep(0.25)
+    for t in threads:
+        t.join(120)
+    assert not errors and results == [long_ref] * 8
+
+
+def test_bad_input_gets_openai_errors_and_ctrl_c_stops_everything(served):
+    proc, base, config, env, tmp = served
+    bad = httpx.post(f"{base}/v1/chat/completions", content=b"{not json", headers={"Content-Type": "application/json"})
+    assert bad.status_code == 400 and "error" in bad.json()
+    wrong_admin = httpx.get(f"{base}/admin/pools", headers={"Authorization": "Bearer wrong"})
+    assert wrong_admin.status_code == 401
+    descendants = _children(proc.pid)
+    assert descendants, "serve should have started redis-server and Ray"
+    os.killpg(proc.pid, signal.SIGINT)
+    proc.wait(60)
+    time.sleep(2)
+    alive = [p for p in descendants if Path(f"/proc/{p}").exists()]
+    assert alive == [], f"processes left after Ctrl-C: {alive}"

@@ -1,0 +1,107 @@
+"""The HTTP ingress: OpenAI-compatible endpoints over one ``Backend``.
+
+    client ──HTTP──> BearerAuth ──> route ──> prompts.prepare_* ──WorkerRequest──> Relay (threads)
+                                                                                 └─> backend.generate()
+    client <──JSON / SSE── streaming.collect / sse_events <──────── Chunk ────────────┘
+
+A request is validated, tokenised and checked against the context before the backend sees it.
+The backend's first chunk is awaited before the status line, so admission failures (429) and
+stage failures (4xx/5xx) keep their status even with ``stream: true``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Sequence
+
+import anyio.to_thread
+from fastapi import APIRouter, FastAPI, Request
+from starlette.requests import ClientDisconnect
+from starlette.responses import JSONResponse, Response
+
+from controlplane.api.auth import BearerAuth
+from controlplane.api.errors import CatchAll, install_error_handlers
+from controlplane.api.models import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, StreamOptions
+from controlplane.api.prompts import Prepared, check_model, prepare_chat, prepare_completion
+from controlplane.api.relay import Relay, ThreadLanes
+from controlplane.api.streaming import ChatShape, CompletionShape, EventStream, Shape, collect, sse_events
+from controlplane.backend import Backend
+
+log = logging.getLogger(__name__)
+
+CLIENT_CLOSED = 499  # nginx's status for a client that left before the answer; nobody reads it
+
+
+def create_app(backend: Backend, api_keys: Sequence[str] = (), admin: APIRouter | None = None, *,
+               relay_threads: int = 256) -> FastAPI:
+    """The ingress app. ``api_keys``: bearer keys for /v1/* (empty: open). ``admin``: a router
+    mounted as is (it guards itself). ``relay_threads``: threads that may wait on backend chunks."""
+    app = FastAPI(title="epd", summary="OpenAI-compatible API over disaggregated encode/prefill/decode",
+                  docs_url=None, redoc_url=None)
+    install_error_handlers(app)
+    lanes = ThreadLanes(relay_threads)
+    started = int(time.time())
+
+    @app.get("/health", include_in_schema=False)
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/ready", include_in_schema=False)
+    async def ready() -> Response:
+        try:
+            ok = await anyio.to_thread.run_sync(backend.ready)  # may ask Redis; off the loop
+        except Exception:
+            log.exception("backend.ready() failed")
+            ok = False
+        return JSONResponse({"status": "ready" if ok else "not ready"}, status_code=200 if ok else 503)
+
+    v1 = APIRouter(prefix="/v1")
+
+    def card() -> ModelCard:
+        return ModelCard(id=backend.model.name, created=started, max_model_len=backend.model.max_model_len)
+
+    @v1.get("/models")
+    async def list_models() -> Response:
+        return _json(ModelList(data=[card()]).model_dump_json())
+
+    @v1.get("/models/{model_id:path}")
+    async def get_model(model_id: str) -> Response:
+        check_model(model_id, backend.model)
+        return _json(card().model_dump_json())
+
+    @v1.post("/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        prepared = prepare_chat(body, backend.model)
+        shape = ChatShape(f"chatcmpl-{prepared.worker.request_id.replace('-', '')}", backend.model.name)
+        return await _answer(prepared, shape, body.stream, body.stream_options, request)
+
+    @v1.post("/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        prepared = prepare_completion(body, backend.model)
+        shape = CompletionShape(f"cmpl-{prepared.worker.request_id.replace('-', '')}", backend.model.name)
+        return await _answer(prepared, shape, body.stream, body.stream_options, request)
+
+    async def _answer(prepared: Prepared, shape: Shape, stream: bool | None,
+                      stream_options: StreamOptions | None, request: Request) -> Response:
+        chunks = Relay(backend, prepared.worker, lanes).chunks()
+        first = await anext(chunks)  # Overloaded / BackendError here keep their own status
+        if stream:
+            include_usage = stream_options is not None and stream_options.include_usage
+            return EventStream(sse_events(first, chunks, shape, include_usage))
+        try:
+            text, last = await collect(first, chunks, request.is_disconnected)
+        except ClientDisconnect:
+            return Response(status_code=CLIENT_CLOSED)
+        return _json(shape.whole(text, last).model_dump_json())
+
+    app.include_router(v1)
+    if admin is not None:
+        app.include_router(admin)
+    app.add_middleware(BearerAuth, api_keys=list(api_keys))
+    app.add_middleware(CatchAll)  # added last: outermost
+    return app
+
+
+def _json(body: str) -> Response:
+    return Response(body, media_type="application/json")

@@ -1,0 +1,168 @@
+"""Every error leaves the API in OpenAI's shape: {"error": {"message", "type", "param", "code"}}.
+
+  ============================================  ======  ===========================
+  cause                                         status  type / code
+  ============================================  ======  ===========================
+  unparsable JSON, a wrong type, a bad value    400     invalid_request_error
+  prompt + max_tokens over the context          400     .. / context_length_exceeded
+  unknown model                                 404     .. / model_not_found
+  missing or wrong API key                      401     .. / invalid_api_key
+  Overloaded (no decode room in bounds)         429     rate_limit_error, Retry-After
+  BackendError                                  its     its kind (4xx: invalid_request_error)
+  anything else (a bug; logged)                 500     server_error, generic message
+  ============================================  ======  ===========================
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any, Sequence
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from controlplane.api.models import CONTENT_PART_TAGS, ErrorBody, ErrorDetail
+from controlplane.backend import BackendError, Overloaded
+from workers.runtime.errors import InvalidRequestError
+
+log = logging.getLogger(__name__)
+
+INTERNAL_MESSAGE = "The server had an error while processing your request. Sorry about that!"
+
+
+class APIError(Exception):
+    """Raise anywhere in a request's handling to answer with this status and OpenAI error body."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers or {}
+
+    def body(self) -> ErrorBody:
+        return ErrorBody(error=ErrorDetail(message=self.message, type=self.type, param=self.param, code=self.code))
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body().model_dump(), status_code=self.status, headers=self.headers)
+
+
+def as_api_error(exc: BaseException) -> APIError:
+    """The APIError for any exception; unexpected ones become a generic 500 (log them first)."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, Overloaded):
+        retry = max(1, math.ceil(exc.retry_after_s)) if math.isfinite(exc.retry_after_s) else 1
+        return APIError(429, str(exc) or "The server is overloaded; retry later.", type="rate_limit_error",
+                        code="rate_limit_exceeded", headers={"Retry-After": str(retry)})
+    if isinstance(exc, BackendError):
+        kind = exc.kind
+        if exc.status < 500 and kind == "server_error":
+            kind = "invalid_request_error"
+        return APIError(exc.status, str(exc), type=kind)
+    if isinstance(exc, InvalidRequestError):
+        return APIError(400, str(exc))
+    return APIError(500, INTERNAL_MESSAGE, type="server_error")
+
+
+def validation_error(exc: RequestValidationError) -> APIError:
+    """FastAPI's 422 becomes OpenAI's 400, naming the most specific bad field."""
+    errors = list(exc.errors())
+    if not errors:
+        return APIError(400, "The request body is not valid.")
+    if errors[0].get("type") == "json_invalid":
+        reason = (errors[0].get("ctx") or {}).get("error", "")
+        return APIError(400, f"We could not parse the JSON body of your request ({reason}). The body must be "
+                             "valid JSON; see https://platform.openai.com/docs/api-reference.")
+    # a union reports one error per member; the deepest one says what is actually wrong
+    first = max(errors, key=lambda e: len(_fields(e.get("loc", ()))))
+    loc = _fields(first.get("loc", ()))
+    if not loc:
+        if first.get("type") == "missing":
+            return APIError(400, "The request body is missing: send a JSON object.")
+        return APIError(400, "The request body must be a JSON object, sent with Content-Type: application/json.")
+    param = _param(loc)
+    return APIError(400, f"Invalid value for '{param}': {first.get('msg', 'invalid')}.", param=param)
+
+
+def _fields(loc: Sequence[Any]) -> list[str | int]:
+    """The field path in a pydantic error location, without "body" and without the union-member
+    tags pydantic adds ("list[int]", or a content part's type after its index): not fields."""
+    out: list[str | int] = []
+    for i, part in enumerate(loc):
+        if isinstance(part, int):
+            out.append(part)
+        elif part == "body" or "[" in part or part in _TYPE_TAGS:
+            continue
+        elif part in CONTENT_PART_TAGS and i > 0 and isinstance(loc[i - 1], int) and i + 1 < len(loc):
+            continue
+        else:
+            out.append(part)
+    return out
+
+
+_TYPE_TAGS = ("str", "int", "float", "bool", "none")
+
+
+def _param(loc: list[str | int]) -> str:
+    """["messages", 0, "content"] -> "messages[0].content"."""
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else part)
+    return out
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    async def api_error(_: Request, exc: Exception) -> Response:
+        return as_api_error(exc).response()
+
+    async def invalid(_: Request, exc: Exception) -> Response:
+        assert isinstance(exc, RequestValidationError)
+        return validation_error(exc).response()
+
+    async def http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, StarletteHTTPException)
+        message = str(exc.detail)
+        if exc.status_code == 404 and message == "Not Found":  # the router's own: no such route
+            message = f"Invalid URL ({request.method} {request.url.path})"
+        err = APIError(exc.status_code, message, type="invalid_request_error" if exc.status_code < 500
+                       else "server_error", headers=dict(exc.headers or {}))
+        return err.response()
+
+    for cls in (APIError, Overloaded, BackendError, InvalidRequestError):
+        app.add_exception_handler(cls, api_error)
+    app.add_exception_handler(RequestValidationError, invalid)
+    app.add_exception_handler(StarletteHTTPException, http_error)
+
+
+class CatchAll:
+    """Outermost guard: an unexpected exception becomes a logged, generic 500 in OpenAI's shape.
+
+    (Starlette's own ServerErrorMiddleware would answer too, but re-raises into the server.)"""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception:
+            log.exception("unhandled error in %s %s", scope.get("method"), scope.get("path"))
+            if started:
+                raise  # the status line is gone; the server closes the connection
+            await as_api_error(RuntimeError()).response()(scope, receive, send)

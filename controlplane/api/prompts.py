@@ -1,0 +1,208 @@
+"""A validated request body becomes a ``WorkerRequest``: prompt ids, images and sampling params.
+
+Chat: the messages are rendered with the model's chat template (an ``image_url`` part becomes
+``{"type": "image"}``), tokenised with ``encode_chat``, and each image placeholder is repeated
+``tokens_per_image`` times; the image bytes and placeholder positions travel with the request.
+Completions: a string is tokenised with ``encode`` (special tokens added); token ids pass as is.
+Every client fault raises ``APIError`` (400, or 404 for an unknown model) before any worker sees it.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from controlplane.api.errors import APIError
+from controlplane.api.models import ChatCompletionRequest, CompletionRequest, ImagePart, TextPart
+from controlplane.backend import ModelInfo
+from controlplane.dispatch import WorkerRequest
+from workers.runtime.errors import InvalidRequestError
+from workers.runtime.multimodal import expand_image_tokens
+from workers.runtime.sampler import SamplingParams
+
+_WHITESPACE = re.compile(r"\s+")
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """What a handler needs: the worker's request and the prompt's length (tokens)."""
+
+    worker: WorkerRequest
+    prompt_tokens: int
+
+
+def check_model(requested: str, model: ModelInfo) -> None:
+    if requested != model.name:
+        raise APIError(404, f"The model `{requested}` does not exist.", param="model", code="model_not_found")
+
+
+# ----------------------------------------------------------------------------------- chat
+def prepare_chat(body: ChatCompletionRequest, model: ModelInfo) -> Prepared:
+    check_model(body.model, model)
+    _refuse_unsupported(body.n, body.presence_penalty, body.frequency_penalty, body.logit_bias)
+    if body.logprobs or body.top_logprobs:
+        raise APIError(400, "logprobs are not supported by this server.", param="logprobs")
+    if body.tools:
+        raise APIError(400, "tools are not supported by this server.", param="tools")
+    if body.response_format is not None and body.response_format.type != "text":
+        raise APIError(400, "response_format must be {\"type\": \"text\"}; structured output is not supported.",
+                       param="response_format")
+    messages, images = _template_messages(body, model)
+    ids = _tokenise(lambda: model.tokenizer.encode_chat(messages))
+    ids, positions = _expand_images(ids, model, len(images), "messages")
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    params = _sampling(body, max_tokens, param, len(ids), model, "messages")
+    return Prepared(WorkerRequest(str(uuid.uuid4()), ids, params, tuple(images), positions), len(ids))
+
+
+def _template_messages(body: ChatCompletionRequest, model: ModelInfo) -> tuple[list[dict[str, Any]], list[bytes]]:
+    """The messages as the chat template sees them, and the decoded images in prompt order."""
+    messages: list[dict[str, Any]] = []
+    images: list[bytes] = []
+    for i, msg in enumerate(body.messages):
+        if msg.content is None:
+            if msg.role != "assistant":
+                raise APIError(400, f"messages[{i}].content is required for role '{msg.role}'.",
+                               param=f"messages[{i}].content")
+            content: str | list[dict[str, str]] = ""
+        elif isinstance(msg.content, str):
+            content = msg.content
+        else:
+            content = []
+            for j, part in enumerate(msg.content):
+                if isinstance(part, TextPart):
+                    content.append({"type": "text", "text": part.text})
+                else:
+                    assert isinstance(part, ImagePart)
+                    where = f"messages[{i}].content[{j}].image_url"
+                    if model.image_token_id is None:
+                        raise APIError(400, f"The model `{model.name}` does not accept images.", param=where)
+                    images.append(decode_data_url(part.image_url.url, where))
+                    content.append({"type": "image"})
+        messages.append({"role": msg.role, "content": content})
+    return messages, images
+
+
+def decode_data_url(url: str, param: str) -> bytes:
+    """The bytes of a base64 ``data:`` URL; anything else (http(s) included) is a 400."""
+    scheme, colon, rest = url.strip().partition(":")
+    if scheme.lower() in ("http", "https"):
+        raise APIError(400, "remote image URLs are not supported; send a data: URL "
+                            "(data:image/png;base64,...).", param=param, code="invalid_image_url")
+    header, comma, payload = rest.partition(",")
+    if scheme.lower() != "data" or not colon or not comma:
+        raise APIError(400, "image_url.url must be a data: URL (data:image/png;base64,...).", param=param,
+                       code="invalid_image_url")
+    if header.split(";")[-1].strip().lower() != "base64":
+        raise APIError(400, "the image data: URL must be base64-encoded (data:image/png;base64,...).",
+                       param=param, code="invalid_image_url")
+    try:
+        data = base64.b64decode(_WHITESPACE.sub("", payload), validate=True)
+    except (binascii.Error, ValueError):
+        raise APIError(400, "the image data: URL is not valid base64.", param=param,
+                       code="invalid_image_url") from None
+    if not data:
+        raise APIError(400, "the image data: URL holds no data.", param=param, code="invalid_image_url")
+    return data
+
+
+# ----------------------------------------------------------------------------------- completions
+def prepare_completion(body: CompletionRequest, model: ModelInfo) -> Prepared:
+    check_model(body.model, model)
+    _refuse_unsupported(body.n, body.presence_penalty, body.frequency_penalty, body.logit_bias)
+    if body.best_of not in (None, 1):
+        raise APIError(400, "best_of must be 1.", param="best_of")
+    if body.echo:
+        raise APIError(400, "echo is not supported by this server.", param="echo")
+    if body.suffix:
+        raise APIError(400, "suffix is not supported by this server.", param="suffix")
+    if body.logprobs:
+        raise APIError(400, "logprobs are not supported by this server.", param="logprobs")
+    prompt = body.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) != 1:
+            raise APIError(400, "batched prompts are not supported; send one prompt per request.", param="prompt")
+        prompt = prompt[0]  # type: ignore[assignment]
+    if isinstance(prompt, str):
+        text = prompt
+        ids = _tokenise(lambda: model.tokenizer.encode(text))
+    else:
+        ids = list(prompt)  # type: ignore[arg-type]
+        vocab = model.tokenizer.vocab_size
+        if any(not 0 <= t < vocab for t in ids):
+            raise APIError(400, f"prompt token ids must be in [0, {vocab}).", param="prompt")
+    if not ids:
+        raise APIError(400, "The prompt is empty.", param="prompt")
+    _expand_images(ids, model, 0, "prompt")  # a literal image placeholder without an image is refused
+    params = _sampling(body, body.max_tokens, "max_tokens", len(ids), model, "prompt")
+    return Prepared(WorkerRequest(str(uuid.uuid4()), ids, params), len(ids))
+
+
+# ----------------------------------------------------------------------------------- shared
+def _refuse_unsupported(n: int | None, presence: float | None, frequency: float | None,
+                        logit_bias: dict[str, float] | None) -> None:
+    if n not in (None, 1):
+        raise APIError(400, "n must be 1: this server returns one choice per request.", param="n")
+    for name, value in (("presence_penalty", presence), ("frequency_penalty", frequency)):
+        if value not in (None, 0.0):
+            raise APIError(400, f"{name} is not supported by this server (only 0).", param=name)
+    if logit_bias:
+        raise APIError(400, "logit_bias is not supported by this server.", param="logit_bias")
+
+
+def _tokenise(run: Callable[[], list[int]]) -> list[int]:
+    try:
+        return list(run())
+    except InvalidRequestError as exc:  # the chat template refused the messages
+        raise APIError(400, str(exc), param="messages") from None
+
+
+def _expand_images(ids: list[int], model: ModelInfo, num_images: int,
+                   param: str) -> tuple[list[int], tuple[int, ...]]:
+    if model.image_token_id is None:
+        return ids, ()
+    try:
+        return expand_image_tokens(ids, model.image_token_id, model.tokens_per_image, num_images)
+    except InvalidRequestError as exc:  # e.g. the image token typed into the text
+        raise APIError(400, f"{exc}; the text must not contain the image placeholder token.",
+                       param=param) from None
+
+
+def _sampling(body: ChatCompletionRequest | CompletionRequest, max_tokens: int | None, max_param: str,
+              prompt_len: int, model: ModelInfo, noun: str) -> SamplingParams:
+    """``noun``: "messages" or "prompt", for the context-length message and its param."""
+    limit = model.max_model_len
+    if max_tokens is None:
+        if prompt_len >= limit:
+            raise APIError(400, f"This model's maximum context length is {limit} tokens. However, your {noun} "
+                                f"resulted in {prompt_len} tokens. Please reduce the length of the {noun}.",
+                           param=noun, code="context_length_exceeded")
+        max_tokens = limit - prompt_len
+    if body.stream_options is not None and not body.stream:
+        raise APIError(400, "The 'stream_options' parameter is only allowed when 'stream' is enabled.",
+                       param="stream_options")
+    stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+    try:
+        params = SamplingParams(max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
+                                top_p=1.0 if body.top_p is None else body.top_p, seed=body.seed, stop=stop)
+    except InvalidRequestError as exc:
+        raise APIError(400, str(exc), param=_param_of(str(exc), max_param)) from None
+    if prompt_len + max_tokens > limit:
+        raise APIError(400, f"This model's maximum context length is {limit} tokens. However, you requested "
+                            f"{prompt_len + max_tokens} tokens ({prompt_len} in the {noun}, {max_tokens} in the "
+                            f"completion). Please reduce the length of the {noun} or completion.",
+                       param=noun, code="context_length_exceeded")
+    return params
+
+
+def _param_of(message: str, max_param: str) -> str | None:
+    """SamplingParams names the field first in its message."""
+    name = message.split(" ", 1)[0]
+    if name == "max_tokens":
+        return max_param
+    return name if name in ("temperature", "top_p", "seed", "stop") else None

@@ -1,0 +1,174 @@
+"""Answers in OpenAI's shapes, whole or as server-sent events.
+
+A stream is ``data: {json}\\n\\n`` events then ``data: [DONE]\\n\\n``. Chat: a first chunk with
+``delta: {"role": "assistant", "content": ""}``, one chunk per text delta, a chunk with an empty
+delta and the ``finish_reason``, and (``stream_options.include_usage``) a last chunk with empty
+``choices`` and the ``usage``; with include_usage every other chunk carries ``"usage": null``.
+Text completions: the same without the role chunk. An error after the first byte is sent as one
+``data: {"error": {...}}`` event (the status line is gone), then ``[DONE]``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import AsyncGenerator, Awaitable, Callable, Protocol
+
+import anyio
+from pydantic import BaseModel
+from starlette.requests import ClientDisconnect
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from controlplane.api.errors import as_api_error
+from controlplane.api.models import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion,
+                                     ChatCompletionChunk, Completion, CompletionChoice, Delta, Usage)
+from controlplane.backend import BackendError, Chunk, Overloaded
+from workers.runtime.errors import InvalidRequestError
+
+log = logging.getLogger(__name__)
+_EXPECTED = (Overloaded, BackendError, InvalidRequestError)
+
+
+def usage_of(last: Chunk) -> Usage:
+    return Usage(prompt_tokens=last.prompt_tokens, completion_tokens=last.completion_tokens,
+                 total_tokens=last.prompt_tokens + last.completion_tokens)
+
+
+class Shape(Protocol):
+    """How one endpoint spells its answer."""
+
+    def opening(self) -> BaseModel | None: ...
+    def delta(self, text: str) -> BaseModel: ...
+    def closing(self, finish_reason: str) -> BaseModel: ...
+    def usage(self, usage: Usage) -> BaseModel: ...
+    def whole(self, text: str, last: Chunk) -> BaseModel: ...
+
+
+@dataclass(frozen=True)
+class ChatShape:
+    id: str
+    model: str
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def _chunk(self, delta: Delta, finish_reason: str | None = None) -> ChatCompletionChunk:
+        return ChatCompletionChunk(id=self.id, created=self.created, model=self.model,
+                                   choices=[ChatChunkChoice(delta=delta, finish_reason=finish_reason)])
+
+    def opening(self) -> BaseModel:
+        return self._chunk(Delta(role="assistant", content=""))
+
+    def delta(self, text: str) -> BaseModel:
+        return self._chunk(Delta(content=text))
+
+    def closing(self, finish_reason: str) -> BaseModel:
+        return self._chunk(Delta(), finish_reason)
+
+    def usage(self, usage: Usage) -> BaseModel:
+        return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[], usage=usage)
+
+    def whole(self, text: str, last: Chunk) -> BaseModel:
+        return ChatCompletion(id=self.id, created=self.created, model=self.model, usage=usage_of(last),
+                              choices=[ChatChoice(message=AssistantMessage(content=text),
+                                                  finish_reason=last.finish_reason or "stop")])
+
+
+@dataclass(frozen=True)
+class CompletionShape:
+    id: str
+    model: str
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def _chunk(self, text: str, finish_reason: str | None = None) -> Completion:
+        return Completion(id=self.id, created=self.created, model=self.model,
+                          choices=[CompletionChoice(text=text, finish_reason=finish_reason)])
+
+    def opening(self) -> BaseModel | None:
+        return None
+
+    def delta(self, text: str) -> BaseModel:
+        return self._chunk(text)
+
+    def closing(self, finish_reason: str) -> BaseModel:
+        return self._chunk("", finish_reason)
+
+    def usage(self, usage: Usage) -> BaseModel:
+        return Completion(id=self.id, created=self.created, model=self.model, choices=[], usage=usage)
+
+    def whole(self, text: str, last: Chunk) -> BaseModel:
+        return Completion(id=self.id, created=self.created, model=self.model, usage=usage_of(last),
+                          choices=[CompletionChoice(text=text, finish_reason=last.finish_reason or "stop")])
+
+
+def _event(body: BaseModel, include_usage: bool) -> str:
+    # OpenAI sends "usage": null on every chunk only when usage was asked for
+    return f"data: {body.model_dump_json(exclude=None if include_usage else {'usage'})}\n\n"
+
+
+async def sse_events(first: Chunk, rest: AsyncGenerator[Chunk, None], shape: Shape,
+                     include_usage: bool) -> AsyncGenerator[str, None]:
+    """The events of one answer; ``first`` was already taken from ``rest`` (admission passed)."""
+    async with aclosing(rest):
+        try:
+            opening = shape.opening()
+            if opening is not None:
+                yield _event(opening, include_usage)
+            last = first
+            if first.text:
+                yield _event(shape.delta(first.text), include_usage)
+            async for chunk in rest:  # ends after the finished chunk (which may be ``first``)
+                last = chunk
+                if chunk.text:
+                    yield _event(shape.delta(chunk.text), include_usage)
+            yield _event(shape.closing(last.finish_reason or "stop"), include_usage)
+            if include_usage:
+                yield _event(shape.usage(usage_of(last)), True)
+        except Exception as exc:  # the status line is sent; report in-band, as OpenAI does
+            if not isinstance(exc, _EXPECTED):
+                log.exception("stream failed after it started")
+            yield f"data: {as_api_error(exc).body().model_dump_json()}\n\n"
+    yield "data: [DONE]\n\n"
+
+
+async def collect(first: Chunk, rest: AsyncGenerator[Chunk, None],
+                  client_gone: Callable[[], Awaitable[bool]]) -> tuple[str, Chunk]:
+    """The whole text and the finished chunk; raises ClientDisconnect (closing ``rest``, so the
+    backend aborts the request) if the client leaves first."""
+    parts, last = [first.text], first
+    async with aclosing(rest):
+        async for chunk in rest:
+            parts.append(chunk.text)
+            last = chunk
+            if not chunk.finished and await client_gone():
+                raise ClientDisconnect()
+    return "".join(parts), last
+
+
+class EventStream(StreamingResponse):
+    """SSE that notices a client leaving even while it waits for the next token, and always closes
+    its event generator (and so the backend's iterator) on the way out."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, events: AsyncGenerator[str, None]) -> None:
+        super().__init__(events, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._events = events
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            async with anyio.create_task_group() as tg:
+                async def stream() -> None:
+                    try:
+                        await self.stream_response(send)
+                    except OSError:
+                        pass  # the client went away mid-send
+                    tg.cancel_scope.cancel()
+
+                tg.start_soon(stream)
+                await self.listen_for_disconnect(receive)
+                tg.cancel_scope.cancel()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._events.aclose()

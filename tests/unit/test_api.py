@@ -1,0 +1,579 @@
+"""The HTTP ingress alone: create_app over a fake Backend, driven with FastAPI's TestClient.
+
+The fake streams a fixed reply and can be told to refuse (Overloaded, BackendError) or fail mid-way;
+it records every WorkerRequest, so the tests check what the workers would be asked to do.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import threading
+import time
+import uuid
+from typing import Any, Iterator
+
+import anyio
+import httpx
+import pytest
+from fastapi.testclient import TestClient
+
+from controlplane.api import create_app
+from controlplane.backend import BackendError, Chunk, ModelInfo, Overloaded
+from controlplane.dispatch import WorkerRequest
+from workers.runtime.default_model import BOS, CHAT_TEMPLATE, IM_END, IMAGE, build_tokenizer
+from workers.runtime.multimodal import expand_image_tokens
+from workers.runtime.sampler import SamplingParams
+from workers.runtime.tokenizer import Tokenizer
+
+pytestmark = [pytest.mark.unit]
+
+NAME = "epd-test"
+CONTEXT = 256
+TOKENS_PER_IMAGE = 4
+REPLY = " The cache moves between workers layer by layer."
+PNG = base64.b64encode(b"\x89PNG\r\n\x1a\n pretend pixels").decode()
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    return Tokenizer(build_tokenizer(), bos_token=BOS, eos_token=IM_END, chat_template=CHAT_TEMPLATE,
+                     image_token=IMAGE)
+
+
+class FakeBackend:
+    """Implements controlplane.backend.Backend: streams ``REPLY`` one token per chunk."""
+
+    def __init__(self, model: ModelInfo) -> None:
+        self.model = model
+        self.requests: list[WorkerRequest] = []
+        self.refuse: Exception | None = None  # raised by generate() itself
+        self.fail_after: int | None = None  # raise after this many chunks
+        self.fail_with: Exception = BackendError("decode worker lost", status=502)
+        self.token_delay_s = 0.0
+        self.gate: threading.Event | None = None  # the first chunk waits for it
+        self.is_ready: bool | Exception = True
+        self.end_early = False  # stop without a finished chunk (a broken backend)
+        self.produced = 0
+        self.closed: list[str] = []  # request ids whose iterator was closed before it ended
+
+    def ready(self) -> bool:
+        if isinstance(self.is_ready, Exception):
+            raise self.is_ready
+        return self.is_ready
+
+    def generate(self, request: WorkerRequest) -> Iterator[Chunk]:
+        self.requests.append(request)
+        if self.refuse is not None:
+            raise self.refuse
+        return self._stream(request)
+
+    def _stream(self, request: WorkerRequest) -> Iterator[Chunk]:
+        tok = self.model.tokenizer
+        ids = tok.encode(REPLY, add_special_tokens=False)[:request.params.max_tokens]
+        reason = "length" if request.params.max_tokens < len(ids) + 1 else "stop"
+        done = False
+        try:
+            if self.gate is not None:
+                self.gate.wait(10)
+            for i, token in enumerate(ids):
+                if self.fail_after is not None and i == self.fail_after:
+                    raise self.fail_with
+                time.sleep(self.token_delay_s)
+                last = i == len(ids) - 1 and not self.end_early
+                self.produced += 1
+                yield Chunk((token,), tok.decode(ids[:i + 1])[len(tok.decode(ids[:i])):], last,
+                            reason if last else None, len(request.prompt_ids), i + 1)
+            done = True
+        finally:
+            if not done:
+                self.closed.append(request.request_id)
+
+
+def model_info(tokenizer: Tokenizer, images: bool = True) -> ModelInfo:
+    return ModelInfo(NAME, tokenizer, CONTEXT, tokenizer.token_to_id(IMAGE) if images else None,
+                     TOKENS_PER_IMAGE, (tokenizer.token_to_id(IM_END),))
+
+
+@pytest.fixture
+def backend(tokenizer: Tokenizer) -> FakeBackend:
+    return FakeBackend(model_info(tokenizer))
+
+
+@pytest.fixture
+def client(backend: FakeBackend) -> Iterator[TestClient]:
+    with TestClient(create_app(backend)) as c:
+        yield c
+
+
+def chat(client: TestClient, **body: Any) -> httpx.Response:
+    return client.post("/v1/chat/completions", json={"model": NAME, "messages": [{"role": "user", "content": "Hi"}],
+                                                     **body})
+
+
+def assert_error(resp: httpx.Response, status: int, fragment: str, *, param: str | None = None,
+                 code: str | None = None, type: str = "invalid_request_error") -> dict[str, Any]:
+    assert resp.status_code == status, resp.text
+    body = resp.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
+    err = body["error"]
+    assert fragment in err["message"], err
+    assert err["type"] == type and err["param"] == param and err["code"] == code, err
+    return err
+
+
+def events(resp: httpx.Response) -> list[Any]:
+    """Parse an SSE body strictly: every event is one ``data:`` line and a blank line."""
+    assert resp.status_code == 200, resp.text
+    assert resp.headers["content-type"].startswith("text/event-stream")
+    raw = resp.text
+    assert raw.endswith("data: [DONE]\n\n")
+    out: list[Any] = []
+    for block in raw.split("\n\n")[:-1]:
+        assert block.startswith("data: ") and "\n" not in block, block
+        data = block[len("data: "):]
+        out.append(data if data == "[DONE]" else json.loads(data))
+    assert out[-1] == "[DONE]" and "[DONE]" not in out[:-1]
+    return out[:-1]
+
+
+# ------------------------------------------------------------------------------ basics
+def test_health_ready_and_models(client: TestClient, backend: FakeBackend) -> None:
+    assert client.get("/health").status_code == 200
+    assert client.get("/ready").status_code == 200
+    backend.is_ready = False
+    assert client.get("/ready").status_code == 503
+    backend.is_ready = RuntimeError("redis is gone")
+    assert client.get("/ready").status_code == 503
+    models = client.get("/v1/models").json()
+    assert models["object"] == "list" and [m["id"] for m in models["data"]] == [NAME]
+    assert models["data"][0]["object"] == "model"
+    assert client.get(f"/v1/models/{NAME}").json()["id"] == NAME
+    assert_error(client.get("/v1/models/gpt-4"), 404, "The model `gpt-4` does not exist.", param="model",
+                 code="model_not_found")
+    assert_error(client.get("/v1/embeddings"), 404, "Invalid URL (GET /v1/embeddings)")
+
+
+def test_chat_answer_and_what_the_backend_was_asked(client: TestClient, backend: FakeBackend,
+                                                    tokenizer: Tokenizer) -> None:
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is prefill?"},
+                {"role": "assistant", "content": "A stage."}, {"role": "user", "content": "And decode?"}]
+    resp = client.post("/v1/chat/completions", json={"model": NAME, "messages": messages, "max_tokens": 64,
+                                                     "temperature": 0, "top_p": 0.5, "seed": 7, "stop": "\n\n"})
+    assert resp.status_code == 200, resp.text
+    body = resp.json()
+    req = backend.requests[-1]
+    assert req.prompt_ids == tokenizer.encode_chat(messages)
+    assert req.params == SamplingParams(max_tokens=64, temperature=0.0, top_p=0.5, seed=7, stop=("\n\n",))
+    assert req.images == () and req.image_positions == ()
+    assert str(uuid.UUID(req.request_id)) == req.request_id
+    assert body["id"].startswith("chatcmpl-") and body["object"] == "chat.completion"
+    assert body["model"] == NAME and isinstance(body["created"], int)
+    [choice] = body["choices"]
+    assert choice["index"] == 0 and choice["message"]["role"] == "assistant"
+    assert choice["message"]["content"] == REPLY and choice["finish_reason"] == "stop"
+    completion = len(tokenizer.encode(REPLY, add_special_tokens=False))
+    assert body["usage"] == {"prompt_tokens": len(req.prompt_ids), "completion_tokens": completion,
+                             "total_tokens": len(req.prompt_ids) + completion}
+    # a fresh request id each time
+    chat(client)
+    assert backend.requests[-1].request_id != req.request_id
+
+
+def test_defaults_and_max_completion_tokens(client: TestClient, backend: FakeBackend, tokenizer: Tokenizer) -> None:
+    assert chat(client).status_code == 200
+    req = backend.requests[-1]
+    prompt = tokenizer.encode_chat([{"role": "user", "content": "Hi"}])
+    assert req.prompt_ids == prompt
+    assert req.params == SamplingParams(max_tokens=CONTEXT - len(prompt), temperature=1.0, top_p=1.0)
+    resp = chat(client, max_tokens=50, max_completion_tokens=3, stop=["a", "b"])
+    assert backend.requests[-1].params.max_tokens == 3 and backend.requests[-1].params.stop == ("a", "b")
+    assert resp.json()["choices"][0]["finish_reason"] == "length"
+    assert resp.json()["usage"]["completion_tokens"] == 3
+
+
+def test_chat_with_images(client: TestClient, backend: FakeBackend, tokenizer: Tokenizer) -> None:
+    image = base64.b64decode(PNG)
+    content = [{"type": "text", "text": "Compare"}, {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{PNG}"}},
+               {"type": "text", "text": "with"},
+               {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{PNG}", "detail": "low"}}]
+    resp = client.post("/v1/chat/completions", json={"model": NAME, "max_tokens": 4,
+                                                     "messages": [{"role": "user", "content": content}]})
+    assert resp.status_code == 200, resp.text
+    req = backend.requests[-1]
+    rendered = [{"role": "user", "content": [{"type": "text", "text": "Compare"}, {"type": "image"},
+                                             {"type": "text", "text": "with"}, {"type": "image"}]}]
+    ids, positions = expand_image_tokens(tokenizer.encode_chat(rendered), tokenizer.token_to_id(IMAGE),
+                                         TOKENS_PER_IMAGE, 2)
+    assert req.prompt_ids == ids and req.image_positions == positions and len(positions) == 2 * TOKENS_PER_IMAGE
+    assert req.images == (image, image)
+    assert resp.json()["usage"]["prompt_tokens"] == len(ids)
+
+
+@pytest.mark.parametrize("url, fragment", [
+    ("https://example.com/cat.png", "remote image URLs are not supported; send a data: URL"),
+    ("http://example.com/cat.png", "remote image URLs are not supported; send a data: URL"),
+    ("data:image/png;base64,not*base64!", "not valid base64"),
+    ("data:image/png;base64,", "holds no data"),
+    ("data:image/png,rawbytes", "must be base64-encoded"),
+    ("file:///etc/passwd", "must be a data: URL"),
+])
+def test_bad_image_urls(client: TestClient, backend: FakeBackend, url: str, fragment: str) -> None:
+    content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "What is it?"}]
+    resp = client.post("/v1/chat/completions", json={"model": NAME, "messages": [{"role": "user", "content": content}]})
+    assert_error(resp, 400, fragment, param="messages[0].content[0].image_url", code="invalid_image_url")
+    assert backend.requests == []
+
+
+def test_a_text_only_model_refuses_images(tokenizer: Tokenizer) -> None:
+    backend = FakeBackend(model_info(tokenizer, images=False))
+    with TestClient(create_app(backend)) as client:
+        content = [{"type": "image_url", "image_url": {"url": f"data:image/png;base64,{PNG}"}}]
+        resp = client.post("/v1/chat/completions", json={"model": NAME, "messages": [{"role": "user", "content": content}]})
+        assert_error(resp, 400, f"The model `{NAME}` does not accept images.", param="messages[0].content[0].image_url")
+        assert chat(client).status_code == 200  # text still works
+
+
+def test_an_image_token_typed_into_the_text_is_refused(client: TestClient, backend: FakeBackend) -> None:
+    assert_error(client.post("/v1/chat/completions", json={"model": NAME, "messages": [
+        {"role": "user", "content": f"look {IMAGE} here"}]}), 400, "image placeholder", param="messages")
+    assert_error(client.post("/v1/completions", json={"model": NAME, "prompt": f"a {IMAGE}"}), 400,
+                 "image placeholder", param="prompt")
+    assert backend.requests == []
+
+
+def test_completions(client: TestClient, backend: FakeBackend, tokenizer: Tokenizer) -> None:
+    resp = client.post("/v1/completions", json={"model": NAME, "prompt": "The scheduler", "max_tokens": 5,
+                                                "temperature": 0.7, "seed": 3})
+    assert resp.status_code == 200, resp.text
+    body = resp.json()
+    req = backend.requests[-1]
+    assert req.prompt_ids == tokenizer.encode("The scheduler")
+    assert req.params == SamplingParams(max_tokens=5, temperature=0.7, seed=3)
+    assert body["id"].startswith("cmpl-") and body["object"] == "text_completion" and body["model"] == NAME
+    [choice] = body["choices"]
+    expected = tokenizer.decode(tokenizer.encode(REPLY, add_special_tokens=False)[:5])
+    assert choice["text"] == expected and choice["finish_reason"] == "length" and choice["index"] == 0
+    assert body["usage"] == {"prompt_tokens": len(req.prompt_ids), "completion_tokens": 5,
+                             "total_tokens": len(req.prompt_ids) + 5}
+    ids = [5, 6, 7, 8]
+    for prompt in (ids, [ids], ["The scheduler"]):
+        assert client.post("/v1/completions", json={"model": NAME, "prompt": prompt, "max_tokens": 2}).status_code == 200
+    assert [r.prompt_ids for r in backend.requests[-3:]] == [ids, ids, tokenizer.encode("The scheduler")]
+    assert backend.requests[-3].params.max_tokens == 2
+
+
+@pytest.mark.parametrize("prompt, fragment, param", [
+    ([], "The prompt is empty.", "prompt"),
+    ([1, 99999], "prompt token ids must be in [0, ", "prompt"),
+    (["a", "b"], "batched prompts are not supported", "prompt"),
+    ([1.5], "Input should be a valid integer", "prompt[0]"),
+    (42, "Input should be a valid", "prompt"),
+])
+def test_bad_completion_prompts(client: TestClient, prompt: Any, fragment: str, param: str) -> None:
+    assert_error(client.post("/v1/completions", json={"model": NAME, "prompt": prompt}), 400, fragment, param=param)
+
+
+# ------------------------------------------------------------------------------ streaming
+def test_chat_stream_framing(client: TestClient, backend: FakeBackend) -> None:
+    with client.stream("POST", "/v1/chat/completions", json={
+            "model": NAME, "stream": True, "messages": [{"role": "user", "content": "Hi"}]}) as resp:
+        resp.read()
+    chunks = events(resp)
+    assert all(c["object"] == "chat.completion.chunk" and c["model"] == NAME for c in chunks)
+    assert len({c["id"] for c in chunks}) == 1 and chunks[0]["id"].startswith("chatcmpl-")
+    assert all("usage" not in c for c in chunks)  # only with include_usage
+    assert chunks[0]["choices"] == [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                     "finish_reason": None}]
+    middle = chunks[1:-1]
+    assert middle and all(set(c["choices"][0]["delta"]) == {"content"} and c["choices"][0]["finish_reason"] is None
+                          for c in middle)
+    assert "".join(c["choices"][0]["delta"]["content"] for c in middle) == REPLY
+    assert chunks[-1]["choices"] == [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": "stop"}]
+
+
+def test_chat_stream_usage_in_the_last_chunk(client: TestClient, backend: FakeBackend) -> None:
+    with client.stream("POST", "/v1/chat/completions", json={
+            "model": NAME, "stream": True, "stream_options": {"include_usage": True}, "max_tokens": 4,
+            "messages": [{"role": "user", "content": "Hi"}]}) as resp:
+        resp.read()
+    chunks = events(resp)
+    prompt_tokens = len(backend.requests[-1].prompt_ids)
+    *rest, last = chunks
+    assert last["choices"] == [] and last["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": 4,
+                                                       "total_tokens": prompt_tokens + 4}
+    assert all(c["usage"] is None for c in rest)
+    assert rest[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_completion_stream(client: TestClient, backend: FakeBackend, tokenizer: Tokenizer) -> None:
+    with client.stream("POST", "/v1/completions", json={
+            "model": NAME, "prompt": "Decode", "stream": True, "stream_options": {"include_usage": True}}) as resp:
+        resp.read()
+    chunks = events(resp)
+    assert all(c["object"] == "text_completion" and c["id"].startswith("cmpl-") for c in chunks)
+    *texts, closing, usage = chunks
+    assert "".join(c["choices"][0]["text"] for c in texts) == REPLY
+    assert closing["choices"] == [{"index": 0, "text": "", "logprobs": None, "finish_reason": "stop"}]
+    n = len(tokenizer.encode(REPLY, add_special_tokens=False))
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == n
+
+
+def test_an_error_after_the_stream_started_is_sent_in_band(client: TestClient, backend: FakeBackend) -> None:
+    backend.fail_after = 2
+    with client.stream("POST", "/v1/chat/completions", json={
+            "model": NAME, "stream": True, "messages": [{"role": "user", "content": "Hi"}]}) as resp:
+        resp.read()
+    chunks = events(resp)
+    assert chunks[-1] == {"error": {"message": "decode worker lost", "type": "server_error", "param": None,
+                                    "code": None}}
+    assert len(chunks) == 4 and all("choices" in c for c in chunks[:3])  # role, two tokens, then the error
+
+
+def test_refusals_keep_their_status_when_streaming(client: TestClient, backend: FakeBackend) -> None:
+    backend.refuse = Overloaded("decode pool is full", retry_after_s=2.2)
+    with client.stream("POST", "/v1/chat/completions", json={
+            "model": NAME, "stream": True, "messages": [{"role": "user", "content": "Hi"}]}) as resp:
+        resp.read()
+    assert_error(resp, 429, "decode pool is full", type="rate_limit_error", code="rate_limit_exceeded")
+    assert resp.headers["retry-after"] == "3"
+
+
+# ------------------------------------------------------------------------------ backend failures
+@pytest.mark.parametrize("retry_after_s, header", [(2.2, "3"), (0.05, "1"), (0.0, "1"), (30.0, "30")])
+def test_overloaded_is_429_with_retry_after(client: TestClient, backend: FakeBackend, retry_after_s: float,
+                                            header: str) -> None:
+    backend.refuse = Overloaded("no decode room", retry_after_s)
+    resp = chat(client)
+    assert_error(resp, 429, "no decode room", type="rate_limit_error", code="rate_limit_exceeded")
+    assert resp.headers["retry-after"] == header
+
+
+def test_backend_errors_keep_their_status(client: TestClient, backend: FakeBackend) -> None:
+    backend.refuse = BackendError("encode: image is not a PNG, JPEG or WebP", status=400)
+    assert_error(chat(client), 400, "image is not a PNG")
+    backend.refuse = BackendError("prefill worker unreachable")
+    assert_error(chat(client), 502, "prefill worker unreachable", type="server_error")
+    backend.refuse = BackendError("decode: deadline", status=504, kind="timeout")
+    assert_error(chat(client), 504, "decode: deadline", type="timeout")
+
+
+def test_a_backend_that_ends_without_finishing_is_502(client: TestClient, backend: FakeBackend) -> None:
+    backend.end_early = True
+    assert_error(chat(client), 502, "without finishing", type="server_error")
+
+
+def test_unexpected_errors_are_a_generic_500_and_logged(client: TestClient, backend: FakeBackend,
+                                                        caplog: pytest.LogCaptureFixture) -> None:
+    backend.refuse = KeyError("internal detail 1234")
+    with caplog.at_level(logging.ERROR):
+        resp = chat(client)
+    err = assert_error(resp, 500, "The server had an error", type="server_error")
+    assert "1234" not in err["message"]
+    assert any("1234" in (r.exc_text or "") for r in caplog.records)
+
+
+# ------------------------------------------------------------------------------ bad input
+def test_invalid_json(client: TestClient, backend: FakeBackend) -> None:
+    for body in ('{"model": "x", "messages": [', "nonsense", '{"model": "a",}'):
+        resp = client.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+        assert_error(resp, 400, "We could not parse the JSON body of your request")
+    assert_error(client.post("/v1/completions", content=b"", headers={"content-type": "application/json"}),
+                 400, "The request body is missing")
+    assert_error(client.post("/v1/completions", content=b"[1, 2]", headers={"content-type": "application/json"}),
+                 400, "must be a JSON object")
+    assert backend.requests == []
+
+
+@pytest.mark.parametrize("field, value, param, fragment", [
+    ("max_tokens", "16", "max_tokens", "valid integer"),
+    ("max_tokens", 2.5, "max_tokens", "valid integer"),
+    ("temperature", "hot", "temperature", "valid number"),
+    ("stream", "yes", "stream", "valid boolean"),
+    ("stop", 5, "stop", "valid"),
+    ("messages", "Hi", "messages", "valid list"),
+    ("messages", [], "messages", "at least 1 item"),
+    ("messages", [{"role": "robot", "content": "x"}], "messages[0].role", "'system', 'developer', 'user'"),
+    ("messages", [{"role": "user", "content": 5}], "messages[0].content", "valid"),
+    ("messages", [{"role": "user", "content": [{"type": "audio"}]}], "messages[0].content[0]", "does not match"),
+    ("messages", [{"role": "user", "content": [{"type": "image_url", "image_url": "data:x"}]}],
+     "messages[0].content[0].image_url", "valid dictionary"),
+    ("model", 3, "model", "valid string"),
+    ("stream_options", {"include_usage": "yes"}, "stream_options.include_usage", "valid boolean"),
+])
+def test_wrong_types(client: TestClient, backend: FakeBackend, field: str, value: Any, param: str,
+                     fragment: str) -> None:
+    body = {"model": NAME, "messages": [{"role": "user", "content": "Hi"}], field: value}
+    assert_error(client.post("/v1/chat/completions", json=body), 400, fragment, param=param)
+    assert backend.requests == []
+
+
+def test_missing_fields(client: TestClient) -> None:
+    assert_error(client.post("/v1/chat/completions", json={"model": NAME}), 400, "Field required", param="messages")
+    assert_error(client.post("/v1/completions", json={"prompt": "x"}), 400, "Field required", param="model")
+
+
+@pytest.mark.parametrize("body, fragment, param", [
+    ({"max_tokens": -1}, "max_tokens must be an integer >= 1, got -1", "max_tokens"),
+    ({"max_tokens": 0}, "max_tokens must be an integer >= 1", "max_tokens"),
+    ({"max_completion_tokens": -3}, "max_tokens must be an integer >= 1, got -3", "max_completion_tokens"),
+    ({"temperature": -0.5}, "temperature must be in [0, 100]", "temperature"),
+    ({"top_p": 0}, "top_p must be in (0, 1]", "top_p"),
+    ({"seed": -1}, "seed must be an integer", "seed"),
+    ({"stop": ["x" * 300]}, "stop must be", "stop"),
+    ({"n": 2}, "n must be 1", "n"),
+    ({"presence_penalty": 0.5}, "presence_penalty is not supported", "presence_penalty"),
+    ({"logprobs": True}, "logprobs are not supported", "logprobs"),
+    ({"tools": [{"type": "function"}]}, "tools are not supported", "tools"),
+    ({"response_format": {"type": "json_object"}}, "structured output is not supported", "response_format"),
+    ({"stream_options": {"include_usage": True}}, "only allowed when 'stream' is enabled", "stream_options"),
+    ({"messages": [{"role": "user"}]}, "messages[0].content is required", "messages[0].content"),
+])
+def test_bad_values(client: TestClient, backend: FakeBackend, body: dict[str, Any], fragment: str,
+                    param: str) -> None:
+    assert_error(chat(client, **body), 400, fragment, param=param)
+    assert backend.requests == []
+
+
+def test_n_1_and_zero_penalties_are_accepted(client: TestClient) -> None:
+    assert chat(client, n=1, presence_penalty=0, frequency_penalty=0.0, user="u1", logprobs=False).status_code == 200
+
+
+def test_unknown_model(client: TestClient, backend: FakeBackend) -> None:
+    err = assert_error(chat(client, model="gpt-4o"), 404, "The model `gpt-4o` does not exist.", param="model",
+                       code="model_not_found")
+    assert err["message"] == "The model `gpt-4o` does not exist."
+    assert_error(client.post("/v1/completions", json={"model": "nope", "prompt": "x"}), 404,
+                 "The model `nope` does not exist.", param="model", code="model_not_found")
+    assert backend.requests == []
+
+
+def test_over_long_prompts(client: TestClient, backend: FakeBackend, tokenizer: Tokenizer) -> None:
+    long_text = "the cache moves " * 200
+    messages = [{"role": "user", "content": long_text}]
+    n = len(tokenizer.encode_chat(messages))
+    assert n > CONTEXT
+    err = assert_error(client.post("/v1/chat/completions", json={"model": NAME, "messages": messages}), 400,
+                       f"This model's maximum context length is {CONTEXT} tokens. However, your messages resulted "
+                       f"in {n} tokens.", param="messages", code="context_length_exceeded")
+    assert err["message"].endswith("Please reduce the length of the messages.")
+    short = [{"role": "user", "content": "Hi"}]
+    p = len(tokenizer.encode_chat(short))
+    assert_error(client.post("/v1/chat/completions", json={"model": NAME, "messages": short, "max_tokens": CONTEXT}),
+                 400, f"This model's maximum context length is {CONTEXT} tokens. However, you requested "
+                      f"{p + CONTEXT} tokens ({p} in the messages, {CONTEXT} in the completion).",
+                 param="messages", code="context_length_exceeded")
+    p = len(tokenizer.encode("x"))
+    assert_error(client.post("/v1/completions", json={"model": NAME, "prompt": "x", "max_tokens": CONTEXT}), 400,
+                 f"However, you requested {p + CONTEXT} tokens ({p} in the prompt, {CONTEXT} in the completion)",
+                 param="prompt", code="context_length_exceeded")
+    assert backend.requests == []
+    # exactly the context is fine
+    assert chat(client, messages=short, max_tokens=CONTEXT - len(tokenizer.encode_chat(short))).status_code == 200
+
+
+# ------------------------------------------------------------------------------ API keys
+def test_api_keys_guard_v1_only(backend: FakeBackend) -> None:
+    with TestClient(create_app(backend, api_keys=["sk-one", "sk-two"])) as client:
+        assert_error(chat(client), 401, "You didn't provide an API key", code="invalid_api_key")
+        bad = client.post("/v1/chat/completions", headers={"Authorization": "Bearer sk-three"},
+                          json={"model": NAME, "messages": [{"role": "user", "content": "Hi"}]})
+        assert_error(bad, 401, "Incorrect API key provided", code="invalid_api_key")
+        assert_error(client.get("/v1/models", headers={"Authorization": "Basic sk-one"}), 401, "Incorrect API key",
+                     code="invalid_api_key")
+        # refused before the body is looked at
+        assert_error(client.post("/v1/chat/completions", content="{", headers={"content-type": "application/json"}),
+                     401, "API key", code="invalid_api_key")
+        assert backend.requests == []
+        for key in ("sk-one", "sk-two"):
+            ok = client.post("/v1/chat/completions", headers={"Authorization": f"Bearer {key}"},
+                             json={"model": NAME, "messages": [{"role": "user", "content": "Hi"}]})
+            assert ok.status_code == 200, ok.text
+        assert client.get("/health").status_code == 200 and client.get("/ready").status_code == 200
+
+
+def test_an_admin_router_is_mounted_with_openai_shaped_errors(backend: FakeBackend) -> None:
+    from fastapi import APIRouter, Header, HTTPException
+
+    admin = APIRouter(prefix="/admin")
+
+    @admin.get("/pools")
+    def pools(authorization: str = Header("")) -> dict[str, int]:
+        if authorization != "Bearer admin-token":
+            raise HTTPException(401, "wrong admin token")
+        return {"decode": 1}
+
+    with TestClient(create_app(backend, api_keys=["sk-one"], admin=admin)) as client:
+        assert_error(client.get("/admin/pools", headers={"Authorization": "Bearer nope"}), 401, "wrong admin token")
+        assert client.get("/admin/pools", headers={"Authorization": "Bearer admin-token"}).json() == {"decode": 1}
+
+
+# ------------------------------------------------------------------------------ concurrency
+def _asgi_scope(path: str, body: bytes) -> dict[str, Any]:
+    return {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"}, "http_version": "1.1",
+            "method": "POST", "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
+            "root_path": "", "client": ("127.0.0.1", 5000), "server": ("testserver", 80),
+            "headers": [(b"host", b"testserver"), (b"content-type", b"application/json"),
+                        (b"content-length", str(len(body)).encode())]}
+
+
+def test_a_client_that_leaves_mid_stream_stops_the_backend(backend: FakeBackend) -> None:
+    app = create_app(backend)
+    backend.token_delay_s = 0.05
+    body = json.dumps({"model": NAME, "stream": True, "messages": [{"role": "user", "content": "Hi"}]}).encode()
+    total = len(backend.model.tokenizer.encode(REPLY, add_special_tokens=False))
+    sent: list[dict[str, Any]] = []
+
+    async def main() -> None:
+        first_token = anyio.Event()
+        delivered = False
+
+        async def receive() -> dict[str, Any]:
+            nonlocal delivered
+            if not delivered:
+                delivered = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            await first_token.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict[str, Any]) -> None:
+            sent.append(message)
+            if message["type"] == "http.response.body" and b'"content":"' in message.get("body", b"") \
+                    and b'"role"' not in message["body"]:
+                first_token.set()
+
+        with anyio.fail_after(10):
+            await app(_asgi_scope("/v1/chat/completions", body), receive, send)
+
+    anyio.run(main)
+    assert sent[0]["status"] == 200
+    assert backend.closed == [backend.requests[0].request_id]
+    assert backend.produced < total
+
+
+def test_a_slow_backend_never_blocks_the_event_loop(backend: FakeBackend) -> None:
+    app = create_app(backend)
+    backend.gate = threading.Event()  # generation stalls until /health has answered
+
+    async def main() -> None:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
+            results: dict[str, httpx.Response] = {}
+
+            async def completion() -> None:
+                results["chat"] = await http.post("/v1/chat/completions", json={
+                    "model": NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3})
+
+            with anyio.fail_after(10):
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(completion)
+                    while not backend.requests:  # the request is in the backend, blocked
+                        await anyio.sleep(0.01)
+                    health = await http.get("/health")
+                    assert health.status_code == 200 and "chat" not in results
+                    assert backend.gate is not None
+                    backend.gate.set()
+            assert results["chat"].status_code == 200
+
+    anyio.run(main)

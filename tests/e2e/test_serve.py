@@ -50,8 +50,8 @@ def served(tmp_path_factory, default_ckpt):
     config.write_text(json.dumps({
         "model": str(default_ckpt), "api": {"port": port}, "transfer": {"codec_policy": "fp32"},
         "encode": {"num_cpus": 0.25, "engine": {"kv_cache_bytes": 32 * 2**20}},
-        "prefill": {"num_cpus": 0.25, "engine": {"kv_cache_bytes": 64 * 2**20}},
-        "decode": {"num_cpus": 0.25, "engine": {"kv_cache_bytes": 64 * 2**20}},
+        "prefill": {"replicas": 2, "num_cpus": 0.25, "engine": {"kv_cache_bytes": 64 * 2**20}},
+        "decode": {"replicas": 2, "num_cpus": 0.25, "engine": {"kv_cache_bytes": 64 * 2**20}},
     }))
     env = {**os.environ, "EPD_STATE_DIR": str(tmp / "state")}
     log = open(tmp / "serve.log", "w")  # noqa: SIM115 - closed in the finally below
@@ -82,17 +82,44 @@ def _cli(config: Path, env: dict, *args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, env=env, timeout=60)
 
 
-def test_answers_equal_the_reference_and_scaling_under_load(served, default_bundle):
+def test_32_concurrent_requests_on_2_prefill_and_2_decode_replicas_all_match(served, default_bundle):
     from openai import OpenAI
 
     proc, base, config, env, _ = served
-    client = OpenAI(base_url=f"{base}/v1", api_key="unused")
+    client = OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+    model = client.models.list().data[0].id
+    prompts = [f"Question {i}: what does the cache hold?" for i in range(32)]
+    refs = generate(default_bundle, [GenerateRequest(messages=[{"role": "user", "content": p}], params=SamplingParams(
+        max_tokens=12, temperature=0.0)) for p in prompts])
+    results: dict[int, str] = {}
+    errors: list[BaseException] = []
+
+    def one(i: int) -> None:
+        try:
+            out = client.chat.completions.create(model=model, messages=[{"role": "user", "content": prompts[i]}],
+                                                 max_tokens=12, temperature=0)
+            results[i] = out.choices[0].message.content
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(32)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(180)
+    assert not errors, errors[:3]
+    assert [results[i] for i in range(32)] == [r.text for r in refs]
+    status = json.loads(_cli(config, env, "status", "--json").stdout)
+    assert {p["pool"]: p["ready"] for p in status["pools"]} == {"encode": 1, "prefill": 2, "decode": 2}
+
+
+def test_scaling_decode_while_requests_stream(served, default_bundle):
+    from openai import OpenAI
+
+    proc, base, config, env, _ = served
+    client = OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
     model = client.models.list().data[0].id
     messages = [{"role": "user", "content": "What is the capital of France?"}]
-    ref = generate(default_bundle, [GenerateRequest(messages=messages, params=SamplingParams(
-        max_tokens=12, temperature=0.0))])[0]
-    out = client.chat.completions.create(model=model, messages=messages, max_tokens=12, temperature=0)
-    assert out.choices[0].message.content == ref.text
 
     results: list[str] = []
     errors: list[BaseException] = []
@@ -107,10 +134,10 @@ def test_answers_equal_the_reference_and_scaling_under_load(served, default_bund
 
     long_ref = generate(default_bundle, [GenerateRequest(messages=messages, params=SamplingParams(
         max_tokens=40, temperature=0.0))])[0].text
-    threads = [threading.Thread(target=stream_one) for _ in range(8)]
+    threads = [threading.Thread(target=stream_one) for _ in range(32)]
     for t in threads:
         t.start()
-    for replicas in (2, 1):
+    for replicas in (3, 2):
         assert _cli(config, env, "scale", "decode", str(replicas)).returncode == 0
         deadline = time.monotonic() + 5
         while True:
@@ -122,7 +149,7 @@ def test_answers_equal_the_reference_and_scaling_under_load(served, default_bund
             time.sleep(0.25)
     for t in threads:
         t.join(120)
-    assert not errors and results == [long_ref] * 8
+    assert not errors and results == [long_ref] * 32
 
 
 def test_bad_input_gets_openai_errors_and_ctrl_c_stops_everything(served):

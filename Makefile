@@ -9,10 +9,11 @@ TORCH_SPEC := torch==2.13.0
 STAMP := $(VENV)/.epd-installed
 PYTEST_ARGS ?=
 
-.PHONY: serve test test-unit test-integration test-e2e bench setup redis clean help
+.PHONY: serve demo test test-unit test-integration test-e2e bench setup redis clean help
 
 help:
-	@echo "make serve   set up, then run the demo: generate from PROMPT with the built-in model"
+	@echo "make serve   set up, then run epd serve (Redis, Ray, three pools, API on 127.0.0.1:8000)"
+	@echo "make demo    set up, then generate from PROMPT with the engine alone"
 	@echo "make test    set up, then run the whole test suite"
 	@echo "make bench   set up, then run the engine benchmark (epd bench engine)"
 
@@ -50,9 +51,16 @@ redis:
 
 setup: redis $(STAMP) $(PROTO_STAMP)
 
+# `make serve` runs the whole stack (Redis, Ray, the three pools, the API on 127.0.0.1:8000).
+# SERVE_ARGS passes flags, e.g. SERVE_ARGS="--port 9000 --model /models/qwen2".
+SERVE_ARGS ?=
+serve: setup
+	$(VENV)/bin/epd serve $(SERVE_ARGS)
+
+# The engine alone, in one process: generate from PROMPT with the built-in model.
 PROMPT ?= The model reads a checkpoint folder and
 MAX_TOKENS ?= 48
-serve: setup
+demo: setup
 	$(VENV)/bin/epd generate --prompt "$(PROMPT)" --max-tokens $(MAX_TOKENS)
 
 test: setup

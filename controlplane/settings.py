@@ -75,7 +75,7 @@ class EngineSettings(_Model):
 
 class PoolSettings(_Model):
     replicas: int = Field(1, ge=0, le=1000)
-    num_cpus: float = Field(0.5, ge=0, description="Ray CPUs reserved per replica (0 = none)")
+    num_cpus: float = Field(0.25, ge=0, description="Ray CPUs reserved per replica (0 = none); 0.25 lets 8 replicas share 2 cores")
     num_gpus: float = Field(0.0, ge=0, description="Ray GPUs per replica")
     engine: EngineSettings = EngineSettings()
 

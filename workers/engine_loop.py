@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from workers.runtime.engine import Engine, KVReservation, RequestOutput
 from workers.runtime.sampler import SamplingParams
-from workers.runtime.sequence import MultimodalInput
+from workers.runtime.sequence import FinishReason, MultimodalInput
 
 log = logging.getLogger(__name__)
 
@@ -61,9 +61,13 @@ class EngineLoop:
         return q
 
     def abort(self, request_id: str) -> bool:
+        """Drop the request; whoever waits on its queue gets a finished ABORT output."""
         with self._lock:
-            self._queues.pop(request_id, None)
-            return self.engine.abort(request_id)
+            q = self._queues.pop(request_id, None)
+            found = self.engine.abort(request_id)
+        if q is not None:
+            q.put(RequestOutput(request_id, (), "", True, FinishReason.ABORT, 0, 0))
+        return found
 
     @property
     def active(self) -> int:

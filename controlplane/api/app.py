@@ -23,10 +23,11 @@ from starlette.responses import JSONResponse, Response
 from controlplane.api.auth import BearerAuth
 from controlplane.api.errors import CatchAll, install_error_handlers
 from controlplane.api.models import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, StreamOptions
-from controlplane.api.prompts import Prepared, check_model, prepare_chat, prepare_completion
+from controlplane.api.prompts import check_model, prepare_chat, prepare_completion
 from controlplane.api.relay import Relay, ThreadLanes
 from controlplane.api.streaming import ChatShape, CompletionShape, EventStream, Shape, collect, sse_events
 from controlplane.backend import Backend
+from controlplane.dispatch import WorkerRequest
 
 log = logging.getLogger(__name__)
 
@@ -72,19 +73,19 @@ def create_app(backend: Backend, api_keys: Sequence[str] = (), admin: APIRouter 
 
     @v1.post("/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        prepared = prepare_chat(body, backend.model)
-        shape = ChatShape(f"chatcmpl-{prepared.worker.request_id.replace('-', '')}", backend.model.name)
-        return await _answer(prepared, shape, body.stream, body.stream_options, request)
+        worker_request = prepare_chat(body, backend.model)
+        shape = ChatShape(f"chatcmpl-{_hex(worker_request)}", backend.model.name)
+        return await _answer(worker_request, shape, body.stream, body.stream_options, request)
 
     @v1.post("/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        prepared = prepare_completion(body, backend.model)
-        shape = CompletionShape(f"cmpl-{prepared.worker.request_id.replace('-', '')}", backend.model.name)
-        return await _answer(prepared, shape, body.stream, body.stream_options, request)
+        worker_request = prepare_completion(body, backend.model)
+        shape = CompletionShape(f"cmpl-{_hex(worker_request)}", backend.model.name)
+        return await _answer(worker_request, shape, body.stream, body.stream_options, request)
 
-    async def _answer(prepared: Prepared, shape: Shape, stream: bool | None,
+    async def _answer(worker_request: WorkerRequest, shape: Shape, stream: bool | None,
                       stream_options: StreamOptions | None, request: Request) -> Response:
-        chunks = Relay(backend, prepared.worker, lanes).chunks()
+        chunks = Relay(backend, worker_request, lanes).chunks()
         first = await anext(chunks)  # Overloaded / BackendError here keep their own status
         if stream:
             include_usage = stream_options is not None and stream_options.include_usage
@@ -105,3 +106,8 @@ def create_app(backend: Backend, api_keys: Sequence[str] = (), admin: APIRouter 
 
 def _json(body: str) -> Response:
     return Response(body, media_type="application/json")
+
+
+def _hex(request: WorkerRequest) -> str:
+    """The response id's suffix: the request's uuid, so logs and journals join on it."""
+    return request.request_id.replace("-", "")

@@ -13,7 +13,6 @@ import base64
 import binascii
 import re
 import uuid
-from dataclasses import dataclass
 from typing import Any, Callable
 
 from controlplane.api.errors import APIError
@@ -27,21 +26,13 @@ from workers.runtime.sampler import SamplingParams
 _WHITESPACE = re.compile(r"\s+")
 
 
-@dataclass(frozen=True)
-class Prepared:
-    """What a handler needs: the worker's request and the prompt's length (tokens)."""
-
-    worker: WorkerRequest
-    prompt_tokens: int
-
-
 def check_model(requested: str, model: ModelInfo) -> None:
     if requested != model.name:
         raise APIError(404, f"The model `{requested}` does not exist.", param="model", code="model_not_found")
 
 
 # ----------------------------------------------------------------------------------- chat
-def prepare_chat(body: ChatCompletionRequest, model: ModelInfo) -> Prepared:
+def prepare_chat(body: ChatCompletionRequest, model: ModelInfo) -> WorkerRequest:
     check_model(body.model, model)
     _refuse_unsupported(body.n, body.presence_penalty, body.frequency_penalty, body.logit_bias)
     if body.logprobs or body.top_logprobs:
@@ -57,7 +48,7 @@ def prepare_chat(body: ChatCompletionRequest, model: ModelInfo) -> Prepared:
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     params = _sampling(body, max_tokens, param, len(ids), model, "messages")
-    return Prepared(WorkerRequest(str(uuid.uuid4()), ids, params, tuple(images), positions), len(ids))
+    return WorkerRequest(str(uuid.uuid4()), ids, params, tuple(images), positions)
 
 
 def _template_messages(body: ChatCompletionRequest, model: ModelInfo) -> tuple[list[dict[str, Any]], list[bytes]]:
@@ -112,7 +103,7 @@ def decode_data_url(url: str, param: str) -> bytes:
 
 
 # ----------------------------------------------------------------------------------- completions
-def prepare_completion(body: CompletionRequest, model: ModelInfo) -> Prepared:
+def prepare_completion(body: CompletionRequest, model: ModelInfo) -> WorkerRequest:
     check_model(body.model, model)
     _refuse_unsupported(body.n, body.presence_penalty, body.frequency_penalty, body.logit_bias)
     if body.best_of not in (None, 1):
@@ -140,7 +131,7 @@ def prepare_completion(body: CompletionRequest, model: ModelInfo) -> Prepared:
         raise APIError(400, "The prompt is empty.", param="prompt")
     _expand_images(ids, model, 0, "prompt")  # a literal image placeholder without an image is refused
     params = _sampling(body, body.max_tokens, "max_tokens", len(ids), model, "prompt")
-    return Prepared(WorkerRequest(str(uuid.uuid4()), ids, params), len(ids))
+    return WorkerRequest(str(uuid.uuid4()), ids, params)
 
 
 # ----------------------------------------------------------------------------------- shared

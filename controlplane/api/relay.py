@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import weakref
 from dataclasses import dataclass
-from typing import AsyncIterator, Generator, Iterator
+from typing import AsyncGenerator, Generator, Iterator
 
 import anyio
 import anyio.to_thread
@@ -72,7 +72,7 @@ class Relay:
     request: WorkerRequest
     lanes: ThreadLanes
 
-    async def chunks(self) -> AsyncIterator[Chunk]:
+    async def chunks(self) -> AsyncGenerator[Chunk, None]:
         limiter = self.lanes.limiter()
         it = _drive(self.backend, self.request)
         ended = False

@@ -437,7 +437,7 @@ def test_shm_segments_are_reused_and_removed_at_close(rig: Rig) -> None:
         wait_until(lambda: _my_segments() - before == set(), 2.0, "the refused stream's segment to go")
     finally:
         sender.close()
-    assert not any(p.name.startswith(f"epd-kv-{os.getpid()}-") for p in SHM_DIR.iterdir())
+    assert _my_segments() - before == set()  # (other tests' senders in this process may hold their own)
     rig.assert_clean()
 
 

@@ -5,7 +5,7 @@
   epd model init DIR      write the built-in demo model (random weights) as an HF checkpoint folder
   epd generate ...        generate from a prompt with the single-process engine (the reference path)
   epd config show|schema  the effective settings (secrets masked) / their JSON schema
-  epd bench engine|kv|kv-accuracy   benchmarks, each beside a reference measured in the same run
+  epd bench engine|kv|kv-accuracy|controlplane   benchmarks, each beside a reference measured in the same run
 """
 
 from __future__ import annotations
@@ -93,6 +93,11 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
 
 def cmd_bench_kv(args: argparse.Namespace) -> int:
     from controlplane.bench.kv_bench import run
+    return run(args)
+
+
+def cmd_bench_controlplane(args: argparse.Namespace) -> int:
+    from controlplane.bench.controlplane_bench import run
     return run(args)
 
 
@@ -276,6 +281,19 @@ def build_parser() -> argparse.ArgumentParser:
     acc.add_argument("--prompts", type=int, default=64)
     acc.add_argument("--max-tokens", type=int, default=64)
     acc.set_defaults(func=cmd_bench_kv_accuracy)
+
+    cp = bench.add_parser("controlplane", help="control-plane added latency and 1-token req/s vs Ray Serve",
+                          description="Start the whole stack in this process (private redis-server, Ray, the "
+                                      "three pools, the API on loopback) and send 1-token completions: median "
+                                      "added latency (end-to-end minus the worker's compute, measured in the "
+                                      "same run) at concurrency 1 and requests/s at --concurrency, beside a "
+                                      "Ray Serve 3-hop handle chain measured in the same run.")
+    cp.add_argument("--requests", type=int, default=200, help="sequential requests (default %(default)s)")
+    cp.add_argument("--throughput-requests", type=int, default=640,
+                    help="requests for the throughput figure (default %(default)s)")
+    cp.add_argument("--concurrency", type=int, default=32, help="concurrent requests (default %(default)s)")
+    cp.add_argument("--json", type=Path, default=None, help="also write the results as JSON here")
+    cp.set_defaults(func=cmd_bench_controlplane)
     return parser
 
 

@@ -108,6 +108,17 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def _die_with_parent() -> None:
+    """In the child before exec (Linux): SIGTERM when the process that started us dies, so a private
+    redis-server never outlives an `epd serve` that was SIGKILLed."""
+    try:
+        import ctypes
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:  # not Linux: the atexit finalizer still covers normal exits
+        pass
+
+
 def _stop(proc: subprocess.Popen[bytes], folder: str, grace: float) -> None:
     """SIGTERM the one process, SIGKILL it after ``grace`` seconds, then remove its folder."""
     if proc.poll() is None:
@@ -186,7 +197,7 @@ class LocalRedis:
                 "--dir", folder, "--logfile", str(log), "--daemonize", "no", "--protected-mode", "yes"]
         # A new session keeps a terminal's Ctrl-C away from the server: epd stops it, in order.
         proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL, start_new_session=True)
+                                stderr=subprocess.DEVNULL, start_new_session=True, preexec_fn=_die_with_parent)
         deadline = time.monotonic() + self._startup_timeout
         probe = redis.Redis(host="127.0.0.1", port=port, socket_timeout=0.5, socket_connect_timeout=0.5,
                             retry=Retry(ExponentialWithJitterBackoff(), 0))

@@ -1,0 +1,379 @@
+"""``epd bench controlplane``: the control plane's added latency and 1-token throughput, beside Ray Serve.
+
+Everything runs on loopback in one run:
+  our stack      ``controlplane.serve.build`` (a private redis-server, a private Ray with the three pools as
+                 actors, the scheduler, the FastAPI app) served by uvicorn in a thread of this process;
+                 the load comes from a separate client process (so the client's own Python does not share
+                 this process's GIL with the server).
+  compute        the same 1-token request through a local ``workers.runtime`` Engine, one at a time.
+  reference      a Ray Serve 3-hop handle chain (A -> B -> C, each passes a short string on through a
+                 DeploymentHandle), in the same Ray instance, called from this process through the app's
+                 handle; no Serve HTTP proxy.
+Figures: median/p90 end-to-end at concurrency 1, the added latency (median E2E - median compute, target
+<= 3 ms), and requests/s of 1-token requests at concurrency C (target >= 300 req/s at 32).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+MiB = 2**20
+PROMPT = [11, 23, 37, 41, 53, 67, 79, 83]  # a short fixed prompt (token ids)
+ADDED_LATENCY_TARGET_MS = 3.0
+THROUGHPUT_TARGET_RPS = 300.0
+READY_TIMEOUT_S = 180.0
+
+
+@dataclass
+class BenchResult:
+    requests: int
+    throughput_requests: int
+    concurrency: int
+    # our stack
+    e2e_median_ms: float = 0.0
+    e2e_p90_ms: float = 0.0
+    compute_median_ms: float = 0.0
+    added_median_ms: float = 0.0
+    throughput_rps: float = 0.0
+    # reference: Ray Serve 3-hop handle chain
+    serve_median_ms: float = 0.0
+    serve_p90_ms: float = 0.0
+    serve_rps: float = 0.0
+    # correctness of every HTTP request sent: (status, completion tokens) -> count
+    ok_requests: int = 0
+    failures: list[str] = field(default_factory=list)
+
+
+# ---------------------------------------------------------------- helpers
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _quantile(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    if not s:
+        return 0.0
+    pos = q * (len(s) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def _payload(model: str) -> dict[str, Any]:
+    return {"model": model, "prompt": PROMPT, "max_tokens": 1, "temperature": 0}
+
+
+def _check(resp: Any) -> str | None:
+    """None if the reply is a 200 with exactly one completion token, else what is wrong."""
+    if resp.status_code != 200:
+        return f"HTTP {resp.status_code}: {resp.text[:200]}"
+    try:
+        n = resp.json()["usage"]["completion_tokens"]
+    except Exception as exc:  # a malformed body is a failure to report, not a crash
+        return f"bad body: {exc!r}"
+    return None if n == 1 else f"{n} completion tokens, expected 1"
+
+
+# ---------------------------------------------------------------- the client process
+def _client_sequential(url: str, model: str, n: int) -> tuple[list[float], list[str]]:
+    import httpx
+
+    lat, errors = [], []
+    with httpx.Client(base_url=url, timeout=60.0) as client:
+        client.post("/v1/completions", json=_payload(model))  # warm the connection
+        for _ in range(n):
+            t0 = time.perf_counter()
+            resp = client.post("/v1/completions", json=_payload(model))
+            lat.append(time.perf_counter() - t0)
+            if (err := _check(resp)) is not None:
+                errors.append(err)
+    return lat, errors
+
+
+def _client_concurrent(url: str, model: str, n: int, concurrency: int) -> tuple[float, int, list[str]]:
+    """(elapsed seconds, requests sent, errors) for n requests from ``concurrency`` tasks."""
+    import asyncio
+
+    import httpx
+
+    async def main() -> tuple[float, int, list[str]]:
+        errors: list[str] = []
+        limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+        async with httpx.AsyncClient(base_url=url, timeout=60.0, limits=limits) as client:
+            # open every connection first so the timed part is steady state
+            await asyncio.gather(*(client.post("/v1/completions", json=_payload(model))
+                                   for _ in range(concurrency)))
+            remaining = n
+
+            async def worker() -> None:
+                nonlocal remaining
+                while remaining > 0:
+                    remaining -= 1
+                    resp = await client.post("/v1/completions", json=_payload(model))
+                    if (err := _check(resp)) is not None:
+                        errors.append(err)
+
+            t0 = time.perf_counter()
+            await asyncio.gather(*(worker() for _ in range(concurrency)))
+            return time.perf_counter() - t0, n, errors
+
+    return asyncio.run(main())
+
+
+def _client(kind: str, *args: Any) -> Any:
+    """Run ``_client_<kind>(*args)`` in a fresh Python process (``python -m`` this module) and return its result.
+
+    A plain child process, not multiprocessing: that would leave its resource tracker running behind us."""
+    root = str(Path(__file__).resolve().parents[2])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, (root, os.environ.get("PYTHONPATH")))))
+    proc = subprocess.run([sys.executable, "-m", __name__ if __name__ != "__main__" else
+                           "controlplane.bench.controlplane_bench", kind, json.dumps(args)],
+                          capture_output=True, text=True, env=env, timeout=600)
+    if proc.returncode != 0:
+        raise RuntimeError(f"the client process failed (exit {proc.returncode}): {proc.stderr[-2000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+# ---------------------------------------------------------------- worker compute (the local engine)
+def measure_compute(n: int) -> list[float]:
+    """Seconds per 1-token request through a local Engine, add_request..finished, one at a time."""
+    from workers.runtime.default_model import ensure_default_checkpoint
+    from workers.runtime.engine import Engine, EngineConfig
+    from workers.runtime.loader import load_model
+    from workers.runtime.sampler import SamplingParams
+
+    bundle = load_model(ensure_default_checkpoint())
+    engine = Engine(bundle.model, bundle.tokenizer, EngineConfig(), bundle.eos_token_ids)
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    out = []
+    for i in range(n + 3):  # 3 warm-up requests
+        t0 = time.perf_counter()
+        engine.add_request(f"c{i}", list(PROMPT), params)
+        done = False
+        while not done:
+            done = any(o.finished for o in engine.step())
+        if i >= 3:
+            out.append(time.perf_counter() - t0)
+    return out
+
+
+# ---------------------------------------------------------------- our stack
+def _settings(port: int):  # type: ignore[no-untyped-def]
+    import secrets
+
+    from controlplane.settings import Settings
+
+    engine = {"kv_cache_bytes": 64 * MiB}
+    pool = {"replicas": 1, "num_cpus": 0.25, "engine": engine}
+    return Settings.load(None, {
+        "encode": pool, "prefill": pool, "decode": pool,
+        "transfer": {"codec_policy": "fp32"},
+        # a fixed admin token: build() then writes no token file under the user's home
+        "api": {"host": "127.0.0.1", "port": port, "admin_token": secrets.token_urlsafe(32)},
+    })
+
+
+class _Server:
+    """uvicorn serving ``app`` in a background thread of this process."""
+
+    def __init__(self, app: Any, port: int) -> None:
+        import uvicorn
+
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, name="bench-uvicorn", daemon=True)
+
+    def __enter__(self) -> "_Server":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+
+
+def _wait_ready(url: str) -> None:
+    import httpx
+
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    last = "no reply"
+    while time.monotonic() < deadline:
+        try:
+            r = httpx.get(url + "/ready", timeout=5.0)
+            if r.status_code == 200:
+                return
+            last = f"HTTP {r.status_code}"
+        except httpx.HTTPError as exc:
+            last = repr(exc)
+        time.sleep(0.2)
+    raise RuntimeError(f"the API at {url} was not ready within {READY_TIMEOUT_S:.0f} s ({last})")
+
+
+# ---------------------------------------------------------------- reference: Ray Serve 3-hop chain
+def _serve_chain(n: int, m: int, concurrency: int) -> tuple[list[float], float]:
+    from ray import serve
+
+    opts = {"ray_actor_options": {"num_cpus": 0}, "max_ongoing_requests": 64}
+
+    @serve.deployment(**opts)
+    class HopC:
+        def __call__(self, s: str) -> str:
+            return s
+
+    @serve.deployment(**opts)
+    class HopB:
+        def __init__(self, nxt: Any) -> None:
+            self.nxt = nxt
+
+        async def __call__(self, s: str) -> str:
+            return await self.nxt.remote(s)
+
+    @serve.deployment(**opts)
+    class HopA:
+        def __init__(self, nxt: Any) -> None:
+            self.nxt = nxt
+
+        async def __call__(self, s: str) -> str:
+            return await self.nxt.remote(s)
+
+    serve_log = logging.getLogger("ray.serve")
+    level = serve_log.level
+    serve_log.setLevel(logging.WARNING)  # Serve's INFO lines would interleave with the table
+    serve.start(proxy_location="Disabled")
+    try:
+        handle = serve.run(HopA.bind(HopB.bind(HopC.bind())), name="epd-bench-chain", route_prefix=None)
+        for _ in range(5):
+            assert handle.remote("ping").result() == "ping"
+        lat = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            reply = handle.remote("ping").result()
+            lat.append(time.perf_counter() - t0)
+            if reply != "ping":
+                raise RuntimeError(f"the Serve chain answered {reply!r}")
+        remaining = [m]
+        lock = threading.Lock()
+
+        def worker() -> None:
+            while True:
+                with lock:
+                    if remaining[0] <= 0:
+                        return
+                    remaining[0] -= 1
+                handle.remote("ping").result()
+
+        with ThreadPoolExecutor(concurrency) as pool:
+            list(pool.map(lambda _: handle.remote("ping").result(), range(concurrency)))  # warm
+            t0 = time.perf_counter()
+            futures = [pool.submit(worker) for _ in range(concurrency)]
+            for f in futures:
+                f.result()
+            elapsed = time.perf_counter() - t0
+        return lat, m / elapsed
+    finally:
+        serve.shutdown()
+        serve_log.setLevel(level)
+
+
+# ---------------------------------------------------------------- the whole run
+def measure(requests: int = 200, throughput_requests: int = 640, concurrency: int = 32,
+            log: Any = None) -> BenchResult:
+    """Run every figure; leaves no process, Ray or Redis behind."""
+    from controlplane.serve import build
+
+    say = log or (lambda msg: None)
+    res = BenchResult(requests, throughput_requests, concurrency)
+    say(f"worker compute: {requests} 1-token requests through a local engine")
+    compute = measure_compute(requests)
+    res.compute_median_ms = _quantile(compute, 0.5) * 1e3
+
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    say("starting the stack (redis-server, Ray, three pools, API)")
+    dep = build(_settings(port))
+    try:
+        with _Server(dep.app, port):
+            _wait_ready(url)
+            model = _served_model(url)
+            say(f"our stack: {requests} sequential requests")
+            lat, errors = _client("sequential", url, model, requests)
+            res.failures += errors
+            res.ok_requests += len(lat) - len(errors)
+            res.e2e_median_ms = _quantile(lat, 0.5) * 1e3
+            res.e2e_p90_ms = _quantile(lat, 0.9) * 1e3
+            res.added_median_ms = res.e2e_median_ms - res.compute_median_ms
+            say(f"our stack: {throughput_requests} requests at concurrency {concurrency}")
+            elapsed, sent, errors = _client("concurrent", url, model, throughput_requests, concurrency)
+            res.failures += errors
+            res.ok_requests += sent - len(errors)
+            res.throughput_rps = sent / elapsed
+        say("reference: Ray Serve 3-hop handle chain")
+        slat, res.serve_rps = _serve_chain(requests, throughput_requests, concurrency)
+        res.serve_median_ms = _quantile(slat, 0.5) * 1e3
+        res.serve_p90_ms = _quantile(slat, 0.9) * 1e3
+    finally:
+        dep.close()
+    return res
+
+
+def _served_model(url: str) -> str:
+    import httpx
+
+    return str(httpx.get(url + "/v1/models", timeout=10.0).json()["data"][0]["id"])
+
+
+def format_table(r: BenchResult) -> str:
+    rows = [
+        ("figure", "value", "reference (same run)", "ref value", "vs target"),
+        ("E2E median, c=1", f"{r.e2e_median_ms:.2f} ms", "Ray Serve 3-hop, median", f"{r.serve_median_ms:.2f} ms",
+         ""),
+        ("E2E p90, c=1", f"{r.e2e_p90_ms:.2f} ms", "Ray Serve 3-hop, p90", f"{r.serve_p90_ms:.2f} ms", ""),
+        ("worker compute median", f"{r.compute_median_ms:.2f} ms", "", "", ""),
+        ("added latency median", f"{r.added_median_ms:.2f} ms", "Ray Serve 3-hop, median",
+         f"{r.serve_median_ms:.2f} ms",
+         f"target <= {ADDED_LATENCY_TARGET_MS:g} ms: "
+         f"{'met' if r.added_median_ms <= ADDED_LATENCY_TARGET_MS else 'MISSED'}"),
+        (f"1-token req/s, c={r.concurrency}", f"{r.throughput_rps:.0f} req/s", f"Ray Serve 3-hop, c={r.concurrency}",
+         f"{r.serve_rps:.0f} req/s",
+         f"target >= {THROUGHPUT_TARGET_RPS:g} req/s: "
+         f"{'met' if r.throughput_rps >= THROUGHPUT_TARGET_RPS else 'MISSED'}"
+         + ("" if r.concurrency == 32 else " (target is at c=32)")),
+    ]
+    widths = [max(len(row[i]) for row in rows) for i in range(5)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    import sys
+
+    res = measure(args.requests, args.throughput_requests, args.concurrency,
+                  log=lambda m: print(f"[bench] {m}", file=sys.stderr, flush=True))
+    print(f"control plane, 1-token requests, prompt {len(PROMPT)} tokens; "
+          f"{res.requests} sequential, {res.throughput_requests} at concurrency {res.concurrency}")
+    print(format_table(res))
+    print(f"{res.ok_requests} requests answered 200 with one token; {len(res.failures)} failed")
+    for err in res.failures[:5]:
+        print(f"  failure: {err}")
+    if args.json is not None:
+        Path(args.json).write_text(json.dumps(asdict(res), indent=2) + "\n")
+    return 1 if res.failures else 0
+
+
+if __name__ == "__main__":  # the client process (see _client)
+    _fn = {"sequential": _client_sequential, "concurrent": _client_concurrent}[sys.argv[1]]
+    print(json.dumps(_fn(*json.loads(sys.argv[2]))))

@@ -156,18 +156,27 @@ def measure_compute(n: int) -> list[float]:
     from workers.runtime.loader import load_model
     from workers.runtime.sampler import SamplingParams
 
+    import torch
+
     bundle = load_model(ensure_default_checkpoint())
     engine = Engine(bundle.model, bundle.tokenizer, EngineConfig(), bundle.eos_token_ids)
     params = SamplingParams(max_tokens=1, temperature=0.0)
     out = []
-    for i in range(n + 3):  # 3 warm-up requests
-        t0 = time.perf_counter()
-        engine.add_request(f"c{i}", list(PROMPT), params)
-        done = False
-        while not done:
-            done = any(o.finished for o in engine.step())
-        if i >= 3:
-            out.append(time.perf_counter() - t0)
+    # The replicas run with a fractional Ray CPU share, where Ray sets OMP_NUM_THREADS=1: measure the
+    # compute with the same one thread, or "added latency" would count the thread difference too.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for i in range(n + 3):  # 3 warm-up requests
+            t0 = time.perf_counter()
+            engine.add_request(f"c{i}", list(PROMPT), params)
+            done = False
+            while not done:
+                done = any(o.finished for o in engine.step())
+            if i >= 3:
+                out.append(time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(threads)
     return out
 
 

@@ -29,7 +29,6 @@ import torch
 from kvtransfer.auth import TransferSecurity
 from kvtransfer.checksum import StreamChecksum, chunk_checksum
 from kvtransfer.codecs import Kind, get_codec
-from kvtransfer.codecs.encoded import as_memoryview
 from kvtransfer.errors import TransferFailed
 from kvtransfer.layout import KVLayout
 from kvtransfer.shm import SegmentPool, SharedSegment, ShmError, reap_orphans, shm_available

@@ -17,7 +17,7 @@ from kvtransfer.embeddings import EmbeddingReceiver, embedding_handler, push_emb
 from kvtransfer.errors import TransferFailed
 from kvtransfer.server import start_server
 from workers.runtime.engine import Engine, EngineConfig
-from workers.runtime.generate import GenerateRequest, build_prompt, generate
+from workers.runtime.generate import GenerateRequest, generate
 from workers.runtime.multimodal import expand_image_tokens
 from workers.runtime.sampler import SamplingParams
 from workers.runtime.sequence import MultimodalInput

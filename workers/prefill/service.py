@@ -65,11 +65,10 @@ class PrefillService(wgrpc.PrefillWorkerServicer):
         mm = None
         if request.num_image_embeddings:
             mm = self._await_embeddings(rid, request, timeout, context)
-        stream = None
         finished = threading.Event()
         context.add_callback(lambda: None if finished.is_set() else self._abort(rid, "the caller went away"))
         try:
-            stream = self.streamer.start(rid, request.kv_target, len(prompt), timeout)
+            self.streamer.start(rid, request.kv_target, len(prompt), timeout)
             q = self.loop.submit(rid, prompt, first_params, mm)
             item = q.get(timeout=timeout)
             if isinstance(item, LoopFailure):

@@ -55,6 +55,29 @@ def pools_status(conn: StateConnection, registry: WorkerRegistry) -> list[PoolVi
     return out
 
 
+def drain_over_rpc(registry: WorkerRegistry, security) -> Callable[[str], bool]:  # type: ignore[no-untyped-def]
+    """``on_drain`` for a live deployment: tell the worker itself (its Drain RPC) to refuse new work."""
+    import grpc
+
+    from epd.worker.v1 import worker_pb2 as wpb
+    from epd.worker.v1 import worker_pb2_grpc as wgrpc
+
+    stubs = {"encode": wgrpc.EncodeWorkerStub, "prefill": wgrpc.PrefillWorkerStub, "decode": wgrpc.DecodeWorkerStub}
+
+    def drain(worker_id: str) -> bool:
+        record = registry.find(worker_id)
+        if record is None:
+            return False
+        with security.open_channel(record.info.address) as channel:
+            try:
+                stubs[record.info.pool.value](channel).Drain(wpb.DrainRequest(), metadata=security.call_metadata(),
+                                                            timeout=5)
+            except grpc.RpcError:
+                return False  # routing already skips it; the worker may be gone
+        return True
+    return drain
+
+
 class ScaleBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
     replicas: int = Field(ge=0, le=MAX_REPLICAS)

@@ -59,7 +59,7 @@ class Deployment:
 
 
 def build(settings: Settings) -> Deployment:
-    from controlplane.admin import admin_router
+    from controlplane.admin import admin_router, drain_over_rpc
     from controlplane.admin_client import ensure_admin_token
     from controlplane.api.app import create_app
     from controlplane.dispatch import Dispatcher
@@ -94,7 +94,8 @@ def build(settings: Settings) -> Deployment:
         scheduler = Scheduler(info, WorkerView(registry), dispatcher, get_policy(settings.scheduler.routing_policy),
                               settings.scheduler, RequestJournal(conn))
         keys = [k.get_secret_value() for k in settings.api.api_keys]
-        dep.app = create_app(scheduler, keys, admin=admin_router(conn, registry, admin_token))
+        dep.app = create_app(scheduler, keys, admin=admin_router(conn, registry, admin_token,
+                                                                 on_drain=drain_over_rpc(registry, security)))
     except BaseException:
         dep.close()
         raise

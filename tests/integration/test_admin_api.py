@@ -1,0 +1,84 @@
+"""The admin API over a real Redis: status, scaling targets, draining, and the admin token."""
+
+from __future__ import annotations
+
+import pytest
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+
+from controlplane.admin import admin_router
+from controlplane.api.errors import install_error_handlers
+from controlplane.state import PoolTargets, WorkerRegistry
+from controlplane.state.registry import WorkerInfo, WorkerLoad
+from redis_fixture import redis_server, state_conn  # noqa: F401 - fixtures
+
+pytestmark = [pytest.mark.integration]
+TOKEN = "admin-" + "x" * 24
+
+
+@pytest.fixture
+def admin(state_conn):  # noqa: F811
+    registry = WorkerRegistry(state_conn, ttl=30)
+    drained: list[str] = []
+    app = FastAPI()
+    install_error_handlers(app)
+    app.include_router(admin_router(state_conn, registry, TOKEN,
+                                    on_drain=lambda wid: drained.append(wid) or True))
+    registry.register(WorkerInfo("decode-a", "decode", "127.0.0.1:5001",
+                                 load=WorkerLoad(free_kv_blocks=10, total_kv_blocks=16, running=2)))
+    registry.register(WorkerInfo("prefill-a", "prefill", "127.0.0.1:5002"))
+    yield TestClient(app), registry, drained, state_conn
+    for wid, pool in (("decode-a", "decode"), ("prefill-a", "prefill")):
+        registry.deregister(wid, pool)
+    for pool in ("encode", "prefill", "decode"):
+        PoolTargets(state_conn).clear_target(pool)
+
+
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+def test_status_lists_every_pool_with_targets_and_load(admin):
+    client, registry, _, conn = admin
+    PoolTargets(conn).set_target("decode", 1)
+    pools = {p["pool"]: p for p in client.get("/admin/pools", headers=AUTH).json()["pools"]}
+    assert set(pools) == {"encode", "prefill", "decode"}
+    assert pools["decode"]["target"] == 1 and pools["decode"]["ready"] == 1
+    assert pools["decode"]["workers"][0] | {} == {"worker_id": "decode-a", "address": "127.0.0.1:5001",
+                                                  "draining": False, "running": 2, "queued_tokens": 0,
+                                                  "free_kv_blocks": 10, "total_kv_blocks": 16}
+    assert pools["encode"]["target"] is None and pools["encode"]["workers"] == []
+
+
+def test_scaling_writes_only_that_pools_target(admin):
+    client, _, _, conn = admin
+    PoolTargets(conn).set_target("prefill", 1)
+    reply = client.put("/admin/pools/decode", json={"replicas": 3}, headers=AUTH)
+    assert reply.status_code == 200 and reply.json() == {"pool": "decode", "target": 3}
+    targets = PoolTargets(conn)
+    assert (targets.get_target("decode"), targets.get_target("prefill")) == (3, 1)
+    for body, status in (({"replicas": -1}, 400), ({"replicas": "two"}, 400), ({"replicaz": 2}, 400),
+                         ({"replicas": 1001}, 400)):
+        bad = client.put("/admin/pools/decode", json=body, headers=AUTH)
+        assert bad.status_code == status and "error" in bad.json(), (body, bad.text)
+    assert client.put("/admin/pools/gpu", json={"replicas": 1}, headers=AUTH).status_code == 404
+    assert targets.get_target("decode") == 3  # the refused changes changed nothing
+
+
+def test_drain_marks_the_worker_and_stops_routing_to_it(admin):
+    client, registry, drained, _ = admin
+    reply = client.post("/admin/workers/decode-a/drain", headers=AUTH)
+    assert reply.status_code == 200 and reply.json()["draining"] is True
+    assert registry.get("decode-a", "decode").info.draining is True and drained == ["decode-a"]
+    pools = {p["pool"]: p for p in client.get("/admin/pools", headers=AUTH).json()["pools"]}
+    assert pools["decode"]["ready"] == 0
+    assert client.post("/admin/workers/nobody/drain", headers=AUTH).status_code == 404
+
+
+@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": TOKEN}])
+def test_every_admin_route_needs_the_token(admin, headers):
+    client, registry, drained, conn = admin
+    assert client.get("/admin/pools", headers=headers).status_code == 401
+    assert client.put("/admin/pools/decode", json={"replicas": 5}, headers=headers).status_code == 401
+    assert client.post("/admin/workers/decode-a/drain", headers=headers).status_code == 401
+    assert PoolTargets(conn).get_target("decode") is None and drained == []
+    assert registry.get("decode-a", "decode").info.draining is False

@@ -152,6 +152,27 @@ def test_scaling_decode_while_requests_stream(served, default_bundle):
     assert not errors and results == [long_ref] * 32
 
 
+def test_drain_stops_routing_to_a_worker_and_requests_go_on(served):
+    from openai import OpenAI
+
+    proc, base, config, env, _ = served
+    status = json.loads(_cli(config, env, "status", "--json").stdout)
+    decode = next(p for p in status["pools"] if p["pool"] == "decode")
+    victim = decode["workers"][0]["worker_id"]
+    out = _cli(config, env, "drain", victim)
+    assert out.returncode == 0 and "draining" in out.stdout
+    status = json.loads(_cli(config, env, "status", "--json").stdout)
+    workers = {w["worker_id"]: w for w in next(p for p in status["pools"] if p["pool"] == "decode")["workers"]}
+    assert workers[victim]["draining"] is True
+    client = OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+    model = client.models.list().data[0].id
+    for _ in range(4):  # served by the other decode replica
+        reply = client.completions.create(model=model, prompt="Hello", max_tokens=4, temperature=0)
+        assert reply.usage.completion_tokens == 4
+    bad = _cli(config, env, "drain", "no-such-worker")
+    assert bad.returncode == 2 and "no live worker" in bad.stderr
+
+
 def test_bad_input_gets_openai_errors_and_ctrl_c_stops_everything(served):
     proc, base, config, env, tmp = served
     bad = httpx.post(f"{base}/v1/chat/completions", content=b"{not json", headers={"Content-Type": "application/json"})

@@ -25,7 +25,7 @@ from controlplane.state.registry import WorkerRegistry
 
 
 @dataclass(frozen=True)
-class WorkerView:
+class WorkerSummary:
     worker_id: str
     address: str
     draining: bool
@@ -40,7 +40,7 @@ class PoolView:
     pool: str
     target: int | None
     ready: int
-    workers: list[WorkerView]
+    workers: list[WorkerSummary]
 
 
 def pools_status(conn: StateConnection, registry: WorkerRegistry) -> list[PoolView]:
@@ -48,7 +48,7 @@ def pools_status(conn: StateConnection, registry: WorkerRegistry) -> list[PoolVi
     out = []
     for pool in Pool:
         live = registry.live_workers(pool)
-        workers = [WorkerView(r.info.worker_id, r.info.address, r.info.draining, r.info.load.running,
+        workers = [WorkerSummary(r.info.worker_id, r.info.address, r.info.draining, r.info.load.running,
                               r.info.load.queued_tokens, r.info.load.free_kv_blocks, r.info.load.total_kv_blocks)
                    for r in live]
         out.append(PoolView(pool.value, targets.get(pool), sum(not w.draining for w in workers), workers))

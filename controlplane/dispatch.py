@@ -9,7 +9,6 @@ Any failure aborts the request on every worker it touched, so nothing keeps bloc
 
 from __future__ import annotations
 
-import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Iterator
@@ -18,7 +17,7 @@ import grpc
 
 from epd.worker.v1 import worker_pb2 as wpb
 from epd.worker.v1 import worker_pb2_grpc as wgrpc
-from kvtransfer.auth import TransferSecurity
+from kvtransfer.auth import ChannelCache, TransferSecurity
 from workers.runtime.sampler import SamplingParams
 from workers.service_base import sampling_to_proto
 
@@ -49,21 +48,15 @@ class DispatchError(Exception):
 class Dispatcher:
     def __init__(self, security: TransferSecurity, max_parallel: int = 64) -> None:
         self.security = security
-        self._channels: dict[str, grpc.Channel] = {}
-        self._lock = threading.Lock()
+        self._channels = ChannelCache(security)
         self._pool = ThreadPoolExecutor(max_workers=max_parallel, thread_name_prefix="dispatch")
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
-        with self._lock:
-            for ch in self._channels.values():
-                ch.close()
+        self._channels.close()
 
     def _channel(self, target: str) -> grpc.Channel:
-        with self._lock:
-            if target not in self._channels:
-                self._channels[target] = self.security.open_channel(target)
-            return self._channels[target]
+        return self._channels.get(target)
 
     def run(self, req: WorkerRequest, route: Route) -> Iterator["wpb.TokenChunk"]:
         md = self.security.call_metadata()

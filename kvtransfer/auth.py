@@ -10,6 +10,7 @@ complete the TLS handshake. Client side, ``open_channel`` builds the matching ch
 from __future__ import annotations
 
 import hmac
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -84,6 +85,28 @@ class TransferSecurity:
         if port == 0:
             raise OSError(f"cannot listen on {address}")
         return port
+
+
+class ChannelCache:
+    """One channel per target, opened with ``security`` on first use and reused (never one per call)."""
+
+    def __init__(self, security: TransferSecurity) -> None:
+        self.security = security
+        self._channels: dict[str, grpc.Channel] = {}
+        self._lock = threading.Lock()
+
+    def get(self, target: str) -> grpc.Channel:
+        with self._lock:
+            ch = self._channels.get(target)
+            if ch is None:
+                ch = self._channels[target] = self.security.open_channel(target)
+            return ch
+
+    def close(self) -> None:
+        with self._lock:
+            channels, self._channels = list(self._channels.values()), {}
+        for ch in channels:
+            ch.close()
 
 
 class TokenAuthInterceptor(grpc.ServerInterceptor):

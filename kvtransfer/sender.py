@@ -26,7 +26,7 @@ from typing import Iterator, Literal
 import grpc
 import torch
 
-from kvtransfer.auth import TransferSecurity
+from kvtransfer.auth import ChannelCache, TransferSecurity
 from kvtransfer.checksum import StreamChecksum, chunk_checksum
 from kvtransfer.codecs import Kind, get_codec
 from kvtransfer.errors import TransferFailed
@@ -100,8 +100,7 @@ class KVSender:
         self.shm_chunk_bytes = shm_chunk_bytes
         self.transport = transport
         self._budget = _ByteBudget(sender_budget_bytes)
-        self._channels: dict[str, grpc.Channel] = {}
-        self._lock = threading.Lock()
+        self._channels = ChannelCache(security)
         self.host = socket.gethostname()
         self.segments = SegmentPool()
         # Quantising is the costly step; it runs here, in parallel across chunks and streams, while
@@ -111,17 +110,10 @@ class KVSender:
             reap_orphans()
 
     def channel(self, target: str) -> grpc.Channel:
-        with self._lock:
-            ch = self._channels.get(target)
-            if ch is None:
-                ch = self._channels[target] = self.security.open_channel(target)
-            return ch
+        return self._channels.get(target)
 
     def close(self) -> None:
-        with self._lock:
-            for ch in self._channels.values():
-                ch.close()
-            self._channels.clear()
+        self._channels.close()
         self.segments.close()
         self.encoders.shutdown(wait=False, cancel_futures=True)
 

@@ -17,7 +17,7 @@ import torch
 
 from epd.worker.v1 import worker_pb2 as wpb
 from epd.worker.v1 import worker_pb2_grpc as wgrpc
-from kvtransfer.auth import TransferSecurity
+from kvtransfer.auth import ChannelCache, TransferSecurity
 from kvtransfer.embeddings import push_embeddings
 from kvtransfer.errors import TransferFailed
 from workers.runtime.errors import EngineError
@@ -34,22 +34,14 @@ class EncodeService(wgrpc.EncodeWorkerServicer):
         self.cache_entries = cache_entries
         self._cache: OrderedDict[str, torch.Tensor] = OrderedDict()
         self._lock = threading.Lock()
-        self._channels: dict[str, grpc.Channel] = {}
+        self._channels = ChannelCache(security)
         self.encoded = 0
 
     def handlers(self) -> tuple[list, list]:
         return [(wgrpc.add_EncodeWorkerServicer_to_server, self)], []
 
     def close(self) -> None:
-        with self._lock:
-            for ch in self._channels.values():
-                ch.close()
-
-    def _channel(self, target: str) -> grpc.Channel:
-        with self._lock:
-            if target not in self._channels:
-                self._channels[target] = self.security.open_channel(target)
-            return self._channels[target]
+        self._channels.close()
 
     def embed(self, images: list[bytes]) -> tuple[torch.Tensor, int]:
         """Embeddings for ``images`` in order, [rows, hidden]; and how many came from the cache."""
@@ -81,7 +73,7 @@ class EncodeService(wgrpc.EncodeWorkerServicer):
             context.abort(status_code_for(exc), str(exc))
         timeout = request.timeout_s or 30.0
         deadline = time.monotonic() + timeout
-        channel = self._channel(request.embeddings_target)
+        channel = self._channels.get(request.embeddings_target)
         while True:
             try:
                 push_embeddings(channel, self.security, request.request_id, embeds, self.encoder.fingerprint(),

@@ -12,6 +12,7 @@ A request's life here:
 from __future__ import annotations
 
 import dataclasses
+import queue
 import threading
 
 import grpc
@@ -80,10 +81,12 @@ class PrefillService(wgrpc.PrefillWorkerServicer):
         except TransferFailed as exc:
             self._abort(rid, exc.message)
             context.abort(exc.code or grpc.StatusCode.UNAVAILABLE, exc.message)
-        except Exception as exc:  # queue.Empty (timeout) or a bug: never leave the stream open
+        except queue.Empty:
+            self._abort(rid, "prefill timed out")
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"prefill of {rid!r} did not finish in {timeout} s")
+        except Exception as exc:  # a bug: never leave the stream open
             self._abort(rid, f"prefill failed: {type(exc).__name__}")
-            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED if type(exc).__name__ == "Empty"
-                          else grpc.StatusCode.INTERNAL, f"prefill of {rid!r} failed: {type(exc).__name__}")
+            context.abort(grpc.StatusCode.INTERNAL, f"prefill of {rid!r} failed: {type(exc).__name__}")
         finally:
             finished.set()
         return wpb.PrefillReply(first_token=item.new_token_ids[0], kv_bytes=push.num_bytes,

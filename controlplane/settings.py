@@ -77,6 +77,17 @@ class PoolSettings(_Model):
     replicas: int = Field(1, ge=0, le=1000)
     num_cpus: float = Field(0.25, ge=0, description="Ray CPUs reserved per replica (0 = none); 0.25 lets 8 replicas share 2 cores")
     num_gpus: float = Field(0.0, ge=0, description="Ray GPUs per replica")
+    ray_resources: dict[str, float] = Field(
+        default_factory=dict, description="custom Ray resources per replica, e.g. {'epd-decode': 1} to place "
+                                          "the pool on its own KubeRay worker group")
+
+    @field_validator("ray_resources")
+    @classmethod
+    def _non_negative(cls, v: dict[str, float]) -> dict[str, float]:
+        bad = [k for k, n in v.items() if n < 0 or not k]
+        if bad:
+            raise ValueError(f"ray_resources need a name and an amount >= 0; bad: {bad}")
+        return v
     engine: EngineSettings = EngineSettings()
 
 

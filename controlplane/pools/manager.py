@@ -239,7 +239,7 @@ class PoolManager:
             name = f"{self.prefix}-{pool.value}-{self._uid}-{index}"
             actor = self._remote_cls.options(
                 name=name, namespace=self.settings.ray.namespace, num_cpus=ps.num_cpus, num_gpus=ps.num_gpus,
-                max_concurrency=ACTOR_CONCURRENCY, max_restarts=0,
+                resources=dict(ps.ray_resources) or None, max_concurrency=ACTOR_CONCURRENCY, max_restarts=0,
             ).remote(pool.value, self._model_dir, self._settings_json, self._token, self.redis_url,
                      self.prefix, index, host)
             pending.append((name, actor, actor.info.remote()))

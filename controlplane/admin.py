@@ -85,7 +85,10 @@ class ScaleBody(BaseModel):
 
 def admin_router(conn: StateConnection, registry: WorkerRegistry, admin_token: str,
                  on_scale: Callable[[str, int], None] | None = None,
-                 on_drain: Callable[[str], bool] | None = None) -> APIRouter:
+                 on_drain: Callable[[str], bool] | None = None,
+                 fixed_pools: dict[str, str] | None = None) -> APIRouter:
+    """``fixed_pools``: pool -> why it cannot be scaled in this deployment (409 with that reason)."""
+    fixed = dict(fixed_pools or {})
     router = APIRouter(prefix="/admin")
     expected = f"Bearer {admin_token}".encode()
 
@@ -105,6 +108,8 @@ def admin_router(conn: StateConnection, registry: WorkerRegistry, admin_token: s
             parsed = Pool(pool)
         except ValueError:
             raise HTTPException(404, f"unknown pool {pool!r}; pools are encode, prefill and decode") from None
+        if parsed.value in fixed:
+            raise HTTPException(409, fixed[parsed.value])
         PoolTargets(conn).set_target(parsed, body.replicas)
         if on_scale is not None:
             on_scale(parsed.value, body.replicas)

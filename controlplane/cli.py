@@ -208,7 +208,9 @@ def build_parser() -> argparse.ArgumentParser:
                                      "OpenAI-compatible API (default http://127.0.0.1:8000). Ctrl-C stops all.")
     srv.add_argument("--config", type=Path, default=None, help="YAML settings file (see `epd config show`)")
     srv.add_argument("--model", type=Path, default=None, help="HF checkpoint folder (default: the demo model)")
-    srv.add_argument("--mode", choices=("disaggregated", "colocated"), default=None)
+    srv.add_argument("--mode", choices=("disaggregated", "colocated"), default=None,
+                     help="disaggregated (default): encode, prefill and decode pools; colocated: decode-pool "
+                          "workers that run whole requests in one engine (the aggregated baseline)")
     srv.add_argument("--host", default=None, help="API address (default 127.0.0.1)")
     srv.add_argument("--port", type=int, default=None, help="API port (default 8000)")
     srv.add_argument("--ray-address", default=None, help="join this Ray cluster instead of starting one")
@@ -294,6 +296,7 @@ def build_parser() -> argparse.ArgumentParser:
     cp.add_argument("--concurrency", type=int, default=32, help="concurrent requests (default %(default)s)")
     cp.add_argument("--json", type=Path, default=None, help="also write the results as JSON here")
     cp.set_defaults(func=cmd_bench_controlplane)
+
     return parser
 
 

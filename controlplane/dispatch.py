@@ -4,6 +4,8 @@
   2. Encode (images only) and Prefill run at once; prefill waits for the embeddings, then streams
      the KV to the decode worker.
   3. Generate on the decode worker streams the tokens back.
+A colocated route (``epd serve --mode colocated``) is one call instead: Complete on a worker that
+encodes, prefills and decodes the request in one engine.
 Any failure aborts the request on every worker it touched, so nothing keeps blocks for it.
 """
 
@@ -25,8 +27,12 @@ from workers.service_base import sampling_to_proto
 @dataclass(frozen=True)
 class Route:
     decode: str
-    prefill: str
+    prefill: str | None = None  # None: ``decode`` is a colocated worker that runs the whole request
     encode: str | None = None
+
+    @property
+    def colocated(self) -> bool:
+        return self.prefill is None
 
 
 @dataclass(frozen=True)
@@ -59,6 +65,30 @@ class Dispatcher:
         return self._channels.get(target)
 
     def run(self, req: WorkerRequest, route: Route) -> Iterator["wpb.TokenChunk"]:
+        if route.colocated:
+            return self._run_colocated(req, route.decode)
+        return self._run_disaggregated(req, route)
+
+    def _run_colocated(self, req: WorkerRequest, target: str) -> Iterator["wpb.TokenChunk"]:
+        md = self.security.call_metadata()
+        worker = wgrpc.DecodeWorkerStub(self._channel(target))
+        stream = worker.Complete(wpb.CompleteRequest(
+            request_id=req.request_id, prompt_token_ids=req.prompt_ids, params=sampling_to_proto(req.params),
+            images=list(req.images), image_positions=list(req.image_positions), timeout_s=req.timeout_s),
+            metadata=md, timeout=req.timeout_s)
+        done = False
+        try:
+            for chunk in stream:
+                done = chunk.finished
+                yield chunk
+        except grpc.RpcError as exc:
+            raise DispatchError("complete", exc.code(), exc.details()) from None
+        finally:
+            if not done:
+                stream.cancel()  # the worker's callback aborts the request and frees its blocks
+
+    def _run_disaggregated(self, req: WorkerRequest, route: Route) -> Iterator["wpb.TokenChunk"]:
+        assert route.prefill is not None
         md = self.security.call_metadata()
         decode = wgrpc.DecodeWorkerStub(self._channel(route.decode))
         prefill = wgrpc.PrefillWorkerStub(self._channel(route.prefill))
@@ -111,6 +141,8 @@ class Dispatcher:
     def _abort(self, rid: str, route: Route) -> None:
         md = self.security.call_metadata()
         for stub, target in ((wgrpc.DecodeWorkerStub, route.decode), (wgrpc.PrefillWorkerStub, route.prefill)):
+            if target is None:
+                continue
             try:
                 stub(self._channel(target)).Abort(wpb.AbortRequest(request_id=rid), metadata=md, timeout=5)
             except grpc.RpcError:

@@ -92,10 +92,13 @@ def build(settings: Settings) -> Deployment:
         dispatcher = Dispatcher(security)
         dep.closers.append(dispatcher.close)
         scheduler = Scheduler(info, WorkerView(registry), dispatcher, get_policy(settings.scheduler.routing_policy),
-                              settings.scheduler, RequestJournal(conn))
+                              settings.scheduler, RequestJournal(conn), colocated=settings.mode == "colocated")
         keys = [k.get_secret_value() for k in settings.api.api_keys]
+        fixed = ({p: f"colocated mode has no {p} pool; its decode workers run whole requests: scale decode"
+                  for p in ("encode", "prefill")} if settings.mode == "colocated" else None)
         dep.app = create_app(scheduler, keys, admin=admin_router(conn, registry, admin_token,
-                                                                 on_drain=drain_over_rpc(registry, security)))
+                                                                 on_drain=drain_over_rpc(registry, security),
+                                                                 fixed_pools=fixed))
     except BaseException:
         dep.close()
         raise

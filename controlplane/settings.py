@@ -164,7 +164,9 @@ class Settings(BaseSettings):
                                       validate_default=True)
 
     model: Path | None = Field(None, description="HF checkpoint folder; unset = the built-in demo model")
-    mode: Literal["disaggregated", "colocated"] = "disaggregated"
+    mode: Literal["disaggregated", "colocated"] = Field(
+        "disaggregated", description="disaggregated: encode, prefill and decode pools; colocated: decode-pool "
+                                     "workers that encode, prefill and decode whole requests (the baseline)")
     encode: PoolSettings = PoolSettings()
     prefill: PoolSettings = PoolSettings()
     decode: PoolSettings = PoolSettings()
@@ -184,6 +186,14 @@ class Settings(BaseSettings):
             raise ValueError("prefill.engine.max_model_len and decode.engine.max_model_len must match")
         if self.transfer.codec_policy.startswith("fp32") and "bfloat16" in (p.dtype, d.dtype):
             raise ValueError("the fp32 codec needs float32 engines; use bf16 for bfloat16 engines")
+        if self.mode == "colocated":
+            for name in ("encode", "prefill"):
+                pool = self.pool(name)  # type: ignore[arg-type]
+                if "replicas" in pool.model_fields_set and pool.replicas > 0:
+                    raise ValueError(f"colocated mode has no {name} pool (its decode workers encode, prefill and "
+                                     f"decode whole requests): leave {name}.replicas unset or 0, and size the "
+                                     f"decode pool")
+                setattr(self, name, pool.model_copy(update={"replicas": 0}))  # what status and workers see
         if self.mode == "disaggregated" and (self.prefill.replicas == 0) != (self.decode.replicas == 0):
             raise ValueError("prefill and decode must both have replicas, or both be scaled to 0")
         return self

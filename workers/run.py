@@ -22,7 +22,7 @@ class RunningWorker:
     pool: Pool
     identity: WorkerIdentity
     server: grpc.Server
-    service: object  # EncodeService | PrefillService | DecodeService
+    service: object  # EncodeService | PrefillService | DecodeService | ColocatedService
 
     @property
     def address(self) -> str:
@@ -36,14 +36,21 @@ class RunningWorker:
 def start_worker(pool: Pool, bundle: LoadedModel, security: TransferSecurity, *, config: EngineConfig = EngineConfig(),
                  codecs: tuple[str, ...] | None = None, store: KVStore = "dequantize",
                  transport: TransportChoice = "auto", host: str = "127.0.0.1", port: int = 0,
-                 max_streams: int = 64) -> RunningWorker:
+                 max_streams: int = 64, colocated: bool = False) -> RunningWorker:
+    """Start ``pool``'s worker. ``colocated`` (decode pool only): a worker that encodes, prefills and
+    decodes whole requests in one engine (workers.colocated) instead of taking KV pushes."""
     identity = WorkerIdentity(pool)
     codecs = codecs or ("bf16",) * bundle.config.num_layers
-    if pool == "encode":
+    if colocated:
+        from workers.colocated.service import ColocatedService
+        if pool != "decode":
+            raise ValueError(f"colocated workers belong to the decode pool, not {pool!r}")
+        service: object = ColocatedService(bundle, config, identity)
+    elif pool == "encode":
         from workers.encode.service import EncodeService
         if bundle.vision is None:
             raise ValueError("an encode worker needs a model with a vision/ encoder")
-        service: object = EncodeService(bundle.vision, security, identity)
+        service = EncodeService(bundle.vision, security, identity)
     elif pool == "prefill":
         from workers.prefill.service import PrefillService
         service = PrefillService(bundle, config, codecs, KVSender(security, transport=transport), identity)
@@ -53,6 +60,6 @@ def start_worker(pool: Pool, bundle: LoadedModel, security: TransferSecurity, *,
     else:
         raise ValueError(f"unknown pool {pool!r}; one of encode, prefill, decode")
     register, generic = service.handlers()  # type: ignore[attr-defined]
-    server, bound = start_worker_server(register, generic, f"{host}:{port}", security, max_streams)
+    server, bound = start_worker_server(register, generic, f"{host}:{port}", security, max_streams, identity)
     identity.address = f"{host}:{bound}"
     return RunningWorker(pool, identity, server, service)

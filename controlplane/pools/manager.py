@@ -142,6 +142,8 @@ class PoolManager:
         """Set ``pool``'s target and bring the pool to it now; scaling down drains first."""
         pool = Pool(pool)
         validate_replicas(replicas)
+        if self.settings.mode == "colocated" and pool is not Pool.DECODE and replicas:
+            raise ValueError(f"colocated mode has no {pool.value} pool; scale the decode pool")
         self.targets.set_target(pool, replicas)
         self.reconcile(pool)
 
@@ -171,6 +173,8 @@ class PoolManager:
         target = self.targets.get_target(pool)
         if target is None:
             return
+        if self.settings.mode == "colocated" and pool is not Pool.DECODE:
+            target = 0  # whatever Redis says: colocated mode runs the decode pool only
         have = len(self._replicas[pool])
         if have < target:
             self._start_replicas(pool, target - have)

@@ -83,13 +83,16 @@ def build_worker(pool: Pool, settings: Settings, folder: Path, security: Transfe
     ps = settings.pool(pool)
     if ps.engine.threads:
         torch.set_num_threads(ps.engine.threads)
-    # decode never sees an image; prefill keeps the encoder for its fingerprint (embedding handshake)
+    colocated = settings.mode == "colocated" and pool == "decode"
+    # a disaggregated decode worker never sees an image; prefill keeps the encoder for its fingerprint
+    # (embedding handshake); a colocated worker encodes images itself
     bundle = load_model(folder, dtype=DTYPES[ps.engine.dtype], device=ps.engine.device,
-                        with_vision=pool != "decode")
-    codecs = None if pool == "encode" else resolve_pool_codecs(settings.transfer.codec_policy, bundle, ps)
+                        with_vision=pool != "decode" or colocated)
+    codecs = (None if pool == "encode" or colocated
+              else resolve_pool_codecs(settings.transfer.codec_policy, bundle, ps))
     return start_worker(pool, bundle, security, config=ps.engine.engine_config(), codecs=codecs,
                         store=settings.transfer.decode_store, transport=settings.transfer.transport,
-                        host=host, port=0, max_streams=settings.transfer.max_streams)
+                        host=host, port=0, max_streams=settings.transfer.max_streams, colocated=colocated)
 
 
 def worker_status(worker: RunningWorker) -> "wpb.WorkerStatus":

@@ -80,8 +80,10 @@ class WorkerView:
 
 class Scheduler:
     def __init__(self, model: ModelInfo, view: WorkerView, dispatcher: Dispatcher, policy: RoutingPolicy,
-                 settings: SchedulerSettings, journal: RequestJournal | None = None) -> None:
+                 settings: SchedulerSettings, journal: RequestJournal | None = None, *, colocated: bool = False) -> None:
+        """``colocated``: route every request to one decode-pool worker that runs it whole."""
         self.model = model
+        self.colocated = colocated
         self.view = view
         self.dispatcher = dispatcher
         self.policy = policy
@@ -91,7 +93,8 @@ class Scheduler:
         self._lock = threading.Lock()
 
     def ready(self) -> bool:
-        pools = ["prefill", "decode"] + (["encode"] if self.model.image_token_id is not None else [])
+        pools = ["decode"] if self.colocated else (
+            ["prefill", "decode"] + (["encode"] if self.model.image_token_id is not None else []))
         try:
             return all(self.view.candidates(p) for p in pools)
         except Exception:  # Redis unreachable: not ready
@@ -130,12 +133,15 @@ class Scheduler:
                     decode = self._pick("decode", tokens, refused)
                     if decode is None:
                         break
-                    prefill = self._pick("prefill", tokens, set())
-                    encode = self._pick("encode", tokens, set()) if request.images else None
-                    if prefill is None or (request.images and encode is None):
-                        raise BackendError("no live prefill/encode replica to serve the request", 503)
-                    route = Route(decode.address, prefill.address, encode.address if encode else None)
-                    chosen = [decode.worker_id, prefill.worker_id] + ([encode.worker_id] if encode else [])
+                    prefill = encode = None
+                    if not self.colocated:
+                        prefill = self._pick("prefill", tokens, set())
+                        encode = self._pick("encode", tokens, set()) if request.images else None
+                        if prefill is None or (request.images and encode is None):
+                            raise BackendError("no live prefill/encode replica to serve the request", 503)
+                    route = Route(decode.address, prefill.address if prefill else None,
+                                  encode.address if encode else None)
+                    chosen = [c.worker_id for c in (decode, prefill, encode) if c is not None]
                     for w in chosen:
                         self.view.begin(w, tokens)
                     try:
@@ -144,7 +150,7 @@ class Scheduler:
                     except DispatchError as exc:
                         for w in chosen:
                             self.view.end(w, tokens)
-                        if exc.stage == "reserve" and exc.code in _RETRY_AT_RESERVE:
+                        if exc.stage in ("reserve", "complete") and exc.code in _RETRY_AT_RESERVE:
                             refused.add(decode.worker_id)
                             continue
                         self._record(rid, RequestState.FAILED, f"{exc.stage}: {exc.message}")
@@ -153,7 +159,9 @@ class Scheduler:
                         with self._lock:
                             self._waiting -= 1
                         queued = False
-                    self._record(rid, RequestState.DECODING, f"decode={decode.worker_id} prefill={prefill.worker_id}")
+                    self._record(rid, RequestState.DECODING, " ".join(
+                        f"{name}={c.worker_id}" for name, c in (("decode", decode), ("prefill", prefill),
+                                                                 ("encode", encode)) if c is not None))
                     try:
                         yield from self._relay(first, stream)
                     except DispatchError as exc:

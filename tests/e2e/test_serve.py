@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -18,6 +17,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from serve_process import descendants, serve_process
 
 from workers.runtime.generate import GenerateRequest, generate
 from workers.runtime.sampler import SamplingParams
@@ -25,56 +25,16 @@ from workers.runtime.sampler import SamplingParams
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _children(pid: int) -> set[int]:
-    out = subprocess.run(["ps", "-eo", "pid=,ppid="], capture_output=True, text=True).stdout.split()
-    pairs = [(int(a), int(b)) for a, b in zip(out[::2], out[1::2])]
-    found, frontier = set(), {pid}
-    while frontier:
-        nxt = {p for p, parent in pairs if parent in frontier} - found
-        found |= nxt
-        frontier = nxt
-    return found
-
-
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, default_ckpt):
-    tmp = tmp_path_factory.mktemp("serve")
-    port = _free_port()
-    config = tmp / "epd.yaml"
-    config.write_text(json.dumps({
-        "model": str(default_ckpt), "api": {"port": port}, "transfer": {"codec_policy": "fp32"},
+    settings = {
+        "model": str(default_ckpt), "transfer": {"codec_policy": "fp32"},
         "encode": {"num_cpus": 0.25, "engine": {"kv_cache_bytes": 32 * 2**20}},
         "prefill": {"replicas": 2, "num_cpus": 0.25, "engine": {"kv_cache_bytes": 64 * 2**20}},
         "decode": {"replicas": 2, "num_cpus": 0.25, "engine": {"kv_cache_bytes": 64 * 2**20}},
-    }))
-    env = {**os.environ, "EPD_STATE_DIR": str(tmp / "state")}
-    log = open(tmp / "serve.log", "w")  # noqa: SIM115 - closed in the finally below
-    proc = subprocess.Popen([sys.executable, "-m", "controlplane.cli", "serve", "--config", str(config)],
-                            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 150
-        while True:
-            assert proc.poll() is None, (tmp / "serve.log").read_text()[-3000:]
-            try:
-                if httpx.get(f"{base}/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "epd serve did not become ready"
-            time.sleep(1)
-        yield proc, base, config, env, tmp
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(30)
-        log.close()
+    }
+    with serve_process(settings, tmp_path_factory.mktemp("serve")) as served:
+        yield served.proc, served.base, served.config, served.env, served.tmp
 
 
 def _cli(config: Path, env: dict, *args: str) -> subprocess.CompletedProcess:
@@ -179,10 +139,10 @@ def test_bad_input_gets_openai_errors_and_ctrl_c_stops_everything(served):
     assert bad.status_code == 400 and "error" in bad.json()
     wrong_admin = httpx.get(f"{base}/admin/pools", headers={"Authorization": "Bearer wrong"})
     assert wrong_admin.status_code == 401
-    descendants = _children(proc.pid)
-    assert descendants, "serve should have started redis-server and Ray"
+    children = descendants(proc.pid)
+    assert children, "serve should have started redis-server and Ray"
     os.killpg(proc.pid, signal.SIGINT)
     proc.wait(60)
     time.sleep(2)
-    alive = [p for p in descendants if Path(f"/proc/{p}").exists()]
+    alive = [p for p in children if Path(f"/proc/{p}").exists()]
     assert alive == [], f"processes left after Ctrl-C: {alive}"

@@ -82,3 +82,17 @@ def test_every_admin_route_needs_the_token(admin, headers):
     assert client.post("/admin/workers/decode-a/drain", headers=headers).status_code == 401
     assert PoolTargets(conn).get_target("decode") is None and drained == []
     assert registry.get("decode-a", "decode").info.draining is False
+
+
+def test_a_pool_fixed_by_the_mode_is_not_scaled(state_conn):  # noqa: F811
+    registry = WorkerRegistry(state_conn, ttl=30)
+    app = FastAPI()
+    install_error_handlers(app)
+    app.include_router(admin_router(state_conn, registry, TOKEN,
+                                    fixed_pools={"prefill": "colocated mode has no prefill pool"}))
+    client = TestClient(app)
+    reply = client.put("/admin/pools/prefill", json={"replicas": 2}, headers=AUTH)
+    assert reply.status_code == 409 and "colocated mode has no prefill pool" in reply.text
+    assert PoolTargets(state_conn).get_target("prefill") is None  # nothing written
+    assert client.put("/admin/pools/decode", json={"replicas": 2}, headers=AUTH).status_code == 200
+    PoolTargets(state_conn).clear_target("decode")

@@ -54,11 +54,21 @@ def test_precedence_yaml_then_env_then_cli(tmp_path, monkeypatch):
     ({"api": {"port": 70000}}, "api.port"),
     ({"redis": {"prefix": "bad prefix"}}, "redis.prefix"),
     ({"decode": {"replicas": 0}}, "both have replicas"),
+    ({"mode": "colocated", "prefill": {"replicas": 2}}, "colocated mode has no prefill pool"),
+    ({"mode": "colocated", "encode": {"replicas": 1}}, "colocated mode has no encode pool"),
+    ({"mode": "aggregated"}, "mode: Input should be 'disaggregated' or 'colocated'"),
+    ({"decode": {"ray_resources": {"epd-decode": -1}}}, "ray_resources need a name and an amount >= 0"),
 ])
 def test_bad_settings_are_refused_with_the_field_named(overrides, message):
     with pytest.raises(SettingsError) as err:
         Settings.load(None, overrides)
     assert message in str(err.value)
+
+
+def test_colocated_mode_needs_only_the_decode_pool():
+    s = Settings.load(None, {"mode": "colocated", "decode": {"replicas": 2}})
+    assert s.mode == "colocated" and s.decode.replicas == 2
+    assert Settings.load(None, {"mode": "colocated", "prefill": {"replicas": 0}}).prefill.replicas == 0
 
 
 def test_bad_yaml_files_are_refused(tmp_path):

@@ -1,0 +1,89 @@
+"""Run `epd serve` as a user does: a real subprocess (Redis, Ray, pools, HTTP API) in its own session.
+
+``serve_process(settings, tmp)`` writes ``settings`` as the YAML config, starts `epd serve`, waits
+for /ready and yields a ``Served``; on exit the whole process group is killed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import httpx
+
+
+@dataclass
+class Served:
+    proc: subprocess.Popen
+    base: str  # http://127.0.0.1:PORT
+    config: Path
+    env: dict[str, str]
+    tmp: Path
+
+    def cli(self, *args: str) -> subprocess.CompletedProcess:
+        """`epd ARGS --config CONFIG` against this deployment."""
+        return subprocess.run([sys.executable, "-m", "controlplane.cli", *args, "--config", str(self.config)],
+                              capture_output=True, text=True, env=self.env, timeout=60)
+
+    def status(self) -> dict[str, Any]:
+        out = self.cli("status", "--json")
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout)
+
+    def log_tail(self, chars: int = 3000) -> str:
+        return (self.tmp / "serve.log").read_text()[-chars:]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def descendants(pid: int) -> set[int]:
+    out = subprocess.run(["ps", "-eo", "pid=,ppid="], capture_output=True, text=True).stdout.split()
+    pairs = [(int(a), int(b)) for a, b in zip(out[::2], out[1::2])]
+    found, frontier = set(), {pid}
+    while frontier:
+        nxt = {p for p, parent in pairs if parent in frontier} - found
+        found |= nxt
+        frontier = nxt
+    return found
+
+
+@contextmanager
+def serve_process(settings: dict[str, Any], tmp: Path, ready_timeout_s: float = 150.0) -> Iterator[Served]:
+    port = free_port()
+    config = tmp / "epd.yaml"
+    config.write_text(json.dumps({**settings, "api": {**settings.get("api", {}), "port": port}}))
+    env = {**os.environ, "EPD_STATE_DIR": str(tmp / "state")}
+    log = open(tmp / "serve.log", "w")  # noqa: SIM115 - closed in the finally below
+    proc = subprocess.Popen([sys.executable, "-m", "controlplane.cli", "serve", "--config", str(config)],
+                            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    served = Served(proc, f"http://127.0.0.1:{port}", config, env, tmp)
+    try:
+        deadline = time.monotonic() + ready_timeout_s
+        while True:
+            assert proc.poll() is None, served.log_tail()
+            try:
+                if httpx.get(f"{served.base}/ready", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "epd serve did not become ready:\n" + served.log_tail()
+            time.sleep(1)
+        yield served
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+        log.close()

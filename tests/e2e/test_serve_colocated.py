@@ -1,0 +1,83 @@
+"""`epd serve --mode colocated`: the aggregated baseline as a first-class deployment.
+
+One pool of decode-pool workers that each encode, prefill and decode whole requests. Answers through
+the official openai client equal the single-process reference for text and images; the decode
+pool scales; the prefill and encode pools cannot be scaled in this mode and say why.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import threading
+
+import pytest
+from PIL import Image
+from serve_process import serve_process
+
+from workers.runtime.generate import GenerateRequest, generate
+from workers.runtime.sampler import SamplingParams
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, default_ckpt):
+    settings = {"model": str(default_ckpt), "mode": "colocated",
+                "decode": {"replicas": 1, "num_cpus": 0.25, "engine": {"kv_cache_bytes": 64 * 2**20}}}
+    with serve_process(settings, tmp_path_factory.mktemp("serve-colocated")) as served:
+        yield served
+
+
+def _png(color: tuple[int, int, int]) -> str:
+    buf = io.BytesIO()
+    Image.new("RGB", (40, 30), color).save(buf, "PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def test_text_and_image_requests_match_the_reference(served, default_bundle):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{served.base}/v1", api_key="unused", max_retries=0)
+    model = client.models.list().data[0].id
+    prompts = [f"Colocated question {i}: what is in the cache?" for i in range(8)]
+    greedy = SamplingParams(max_tokens=12, temperature=0.0)
+    refs = generate(default_bundle, [GenerateRequest(messages=[{"role": "user", "content": p}], params=greedy)
+                                     for p in prompts])
+    got: dict[int, str] = {}
+    errors: list[BaseException] = []
+
+    def one(i: int) -> None:
+        try:
+            out = client.chat.completions.create(model=model, messages=[{"role": "user", "content": prompts[i]}],
+                                                 max_tokens=12, temperature=0)
+            got[i] = out.choices[0].message.content
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors[:3]
+    assert [got[i] for i in range(8)] == [r.text for r in refs]
+
+    url = _png((10, 200, 40))
+    raw = base64.b64decode(url.split(",", 1)[1])
+    ref = generate(default_bundle, [GenerateRequest(
+        messages=[{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour?"}]}],
+        images=(raw,), params=greedy)])[0]
+    out = client.chat.completions.create(model=model, max_tokens=12, temperature=0, messages=[{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "What colour?"}]}])
+    assert out.choices[0].message.content == ref.text
+
+
+def test_only_the_decode_pool_runs_and_scales(served):
+    pools = {p["pool"]: p for p in served.status()["pools"]}
+    assert {name: p["ready"] for name, p in pools.items()} == {"encode": 0, "prefill": 0, "decode": 1}
+    refused = served.cli("scale", "prefill", "2")
+    assert refused.returncode != 0 and "colocated mode has no prefill pool" in refused.stderr
+    assert served.cli("scale", "decode", "2").returncode == 0
+    pools = {p["pool"]: p for p in served.status()["pools"]}
+    assert pools["decode"]["target"] == 2 and pools["prefill"]["ready"] == 0

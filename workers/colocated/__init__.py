@@ -1,0 +1,1 @@
+"""The colocated worker (prefill and decode in one engine): the aggregated baseline."""

@@ -6,6 +6,7 @@
   epd generate ...        generate from a prompt with the single-process engine (the reference path)
   epd config show|schema  the effective settings (secrets masked) / their JSON schema
   epd bench engine|kv|kv-accuracy|controlplane   benchmarks, each beside a reference measured in the same run
+  epd bench serve --url U  load-test an OpenAI-compatible endpoint: TTFT/TPOT/ITL/E2E, throughput, SLO goodput
 """
 
 from __future__ import annotations
@@ -297,6 +298,8 @@ def build_parser() -> argparse.ArgumentParser:
     cp.add_argument("--json", type=Path, default=None, help="also write the results as JSON here")
     cp.set_defaults(func=cmd_bench_controlplane)
 
+    from controlplane.bench.serve.cli import add_serve_parser
+    add_serve_parser(bench)
     return parser
 
 

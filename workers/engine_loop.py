@@ -5,6 +5,10 @@ owns that thread: handlers ``submit`` (or ``adopt`` a transferred prompt) and ge
 receives the request's ``RequestOutput``s, ending with the finished one. ``abort`` drops a
 request and frees its blocks. When the engine has nothing to do the thread sleeps until new work
 arrives. The loop never dies with a request: an engine error fails every request it held.
+
+New work goes through a mailbox that the loop thread empties between steps, so a handler never
+waits for a step to end (the engine holds its lock for the whole step): everything that arrived
+during a step joins the next one together, which is what lets concurrent prompts batch.
 """
 
 from __future__ import annotations
@@ -13,8 +17,10 @@ import logging
 import queue
 import threading
 from dataclasses import dataclass
+from typing import Union
 
 from workers.runtime.engine import Engine, KVReservation, RequestOutput
+from workers.runtime.errors import DuplicateRequestError, EngineError
 from workers.runtime.sampler import SamplingParams
 from workers.runtime.sequence import FinishReason, MultimodalInput
 
@@ -23,15 +29,36 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class LoopFailure:
-    """Put on a request's queue when the engine failed while it was running."""
+    """Put on a request's queue when the engine refused it (``error`` set) or failed while running it."""
 
     message: str
+    error: EngineError | None = None
+
+
+@dataclass(frozen=True)
+class _Add:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    mm: MultimodalInput | None
+
+
+@dataclass(frozen=True)
+class _Adopt:
+    reservation: KVReservation
+    prompt_ids: list[int]
+    first_token: int
+    params: SamplingParams
+
+
+_Work = Union[_Add, _Adopt]
 
 
 class EngineLoop:
     def __init__(self, engine: Engine, name: str = "engine-loop") -> None:
         self.engine = engine
         self._queues: dict[str, queue.Queue] = {}
+        self._inbox: dict[str, _Work] = {}  # request id -> work the loop has not taken yet (insertion order)
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -40,23 +67,28 @@ class EngineLoop:
 
     def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                mm: MultimodalInput | None = None) -> queue.Queue:
-        """Queue a request (EngineError if it is refused); outputs arrive on the returned queue."""
-        q: queue.Queue = queue.Queue()
-        with self._lock:
-            self.engine.add_request(request_id, prompt_ids, params, mm)
-            self._queues[request_id] = q
-        self._wake.set()
-        return q
+        """Queue a request; outputs arrive on the returned queue. Raises the EngineError of a request the
+        engine would refuse; one it refuses later (a duplicate id) gets a ``LoopFailure`` with the error."""
+        self.engine.check_request(prompt_ids, params, mm)
+        return self._post(request_id, _Add(request_id, list(prompt_ids), params, mm))
 
     def adopt(self, reservation: KVReservation, prompt_ids: list[int], first_token: int,
               params: SamplingParams) -> queue.Queue:
-        """Join a transferred prompt; its first output (prefill's token) is already on the queue."""
+        """Join a transferred prompt; its first output (prefill's token) is the first on the queue. A
+        refusal arrives as a ``LoopFailure`` with the error; the reservation is consumed either way."""
+        try:
+            return self._post(reservation.request_id, _Adopt(reservation, list(prompt_ids), first_token, params))
+        except EngineError:
+            self.engine.release(reservation)
+            raise
+
+    def _post(self, request_id: str, work: _Work) -> queue.Queue:
         q: queue.Queue = queue.Queue()
         with self._lock:
-            first = self.engine.add_prefilled(reservation, prompt_ids, first_token, params)
-            q.put(first)
-            if not first.finished:
-                self._queues[reservation.request_id] = q
+            if request_id in self._queues:
+                raise DuplicateRequestError(f"request id {request_id!r} is already in the engine")
+            self._queues[request_id] = q
+            self._inbox[request_id] = work
         self._wake.set()
         return q
 
@@ -64,7 +96,10 @@ class EngineLoop:
         """Drop the request; whoever waits on its queue gets a finished ABORT output."""
         with self._lock:
             q = self._queues.pop(request_id, None)
-            found = self.engine.abort(request_id)
+            work = self._inbox.pop(request_id, None)
+        if isinstance(work, _Adopt):
+            self.engine.release(work.reservation)
+        found = self.engine.abort(request_id) or work is not None
         if q is not None:
             q.put(RequestOutput(request_id, (), "", True, FinishReason.ABORT, 0, 0))
         return found
@@ -78,8 +113,37 @@ class EngineLoop:
         self._wake.set()
         self._thread.join(timeout_s)
 
+    def _admit(self) -> None:
+        """Give the engine what arrived since the last step (on the loop thread, between steps)."""
+        with self._lock:
+            work, self._inbox = list(self._inbox.values()), {}
+        for w in work:
+            rid = w.request_id if isinstance(w, _Add) else w.reservation.request_id
+            first = None
+            try:
+                if isinstance(w, _Add):
+                    self.engine.add_request(rid, w.prompt_ids, w.params, w.mm)
+                else:
+                    first = self.engine.add_prefilled(w.reservation, w.prompt_ids, w.first_token, w.params)
+            except EngineError as exc:
+                with self._lock:
+                    q = self._queues.pop(rid, None)
+                if q is not None:
+                    q.put(LoopFailure(str(exc), exc))
+                continue
+            with self._lock:
+                q = self._queues.get(rid)
+                if q is not None and first is not None:
+                    q.put(first)
+                    if first.finished:
+                        del self._queues[rid]
+            if q is None:  # aborted while it was being admitted
+                self.engine.abort(rid)
+
     def _run(self) -> None:
         while not self._stop.is_set():
+            if self._inbox:
+                self._admit()
             if not self.engine.has_unfinished():
                 self._wake.wait(0.05)
                 self._wake.clear()
@@ -102,8 +166,12 @@ class EngineLoop:
     def _fail_all(self, message: str) -> None:
         with self._lock:
             queues, self._queues = self._queues, {}
-            for rid in queues:
-                self.engine.abort(rid)
+            inbox, self._inbox = self._inbox, {}
+        for w in inbox.values():
+            if isinstance(w, _Adopt):
+                self.engine.release(w.reservation)
+        for rid in queues:
+            self.engine.abort(rid)
         for q in queues.values():
             q.put(LoopFailure(message))
 

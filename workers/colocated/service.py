@@ -67,7 +67,7 @@ class ColocatedService(wgrpc.DecodeWorkerServicer):
             item = q.get()
             if isinstance(item, LoopFailure):
                 finished.set()
-                context.abort(grpc.StatusCode.INTERNAL, item.message)
+                context.abort(status_code_for(item.error) if item.error else grpc.StatusCode.INTERNAL, item.message)
             chunk = wpb.TokenChunk(token_ids=list(item.new_token_ids), text=item.text, finished=item.finished,
                                    prompt_tokens=len(prompt), completion_tokens=item.num_output_tokens)
             if item.finished:

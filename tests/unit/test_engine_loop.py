@@ -1,0 +1,103 @@
+"""The engine loop: work posted while a step runs joins the next step together (batching), and the
+mailbox never loses or leaks a request (abort before admission, refused adoption, duplicates)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from engine_helpers import assert_no_leaks
+from workers.engine_loop import EngineLoop, LoopFailure, drain_outputs
+from workers.runtime.engine import Engine, EngineConfig
+from workers.runtime.errors import DuplicateRequestError, InvalidRequestError
+from workers.runtime.generate import GenerateRequest, generate
+from workers.runtime.loader import load_model
+from workers.runtime.sampler import SamplingParams
+from workers.runtime.sequence import FinishReason
+
+pytestmark = [pytest.mark.unit]
+GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def bundle(tiny_hf):
+    return load_model(tiny_hf("llama-gqa"), require_tokenizer=False)
+
+
+@pytest.fixture
+def gated(bundle):
+    """A loop whose engine steps only when the test opens the gate, and records each step's batch."""
+    engine = Engine(bundle.model, None, EngineConfig(kv_cache_bytes=1 << 22))
+    gate = threading.Semaphore(0)
+    entered = threading.Event()
+    batches: list[int] = []
+    step = engine.step
+
+    def gated_step():  # type: ignore[no-untyped-def]
+        entered.set()
+        gate.acquire()
+        batches.append(len(engine.scheduler.waiting) + len(engine.scheduler.running))
+        return step()
+
+    engine.step = gated_step  # type: ignore[method-assign]
+    loop = EngineLoop(engine)
+    yield engine, loop, gate, batches, entered
+    for _ in range(64):
+        gate.release()
+    loop.stop()
+
+
+def test_requests_posted_during_a_step_join_the_next_step_together(bundle, gated):
+    engine, loop, gate, batches, entered = gated
+    first = loop.submit("a", [5, 6, 7], GREEDY)
+    assert entered.wait(10)  # the loop is inside step 1 with "a" alone; these arrive while it runs
+    queues = [loop.submit(f"b{i}", [8 + i, 9, 10], GREEDY) for i in range(5)]
+    for _ in range(32):
+        gate.release()
+    outs = {rid: drain_outputs(q, 30) for rid, q in [("a", first)] + [(f"b{i}", q) for i, q in enumerate(queues)]}
+    assert all(o[-1].finished and o[-1].num_output_tokens == 4 for o in outs.values())
+    assert batches[:2] == [1, 6], batches  # "a" alone, then the five late requests joined it in one step
+    refs = generate(bundle, [GenerateRequest(prompt_ids=[8 + i, 9, 10], params=GREEDY) for i in range(5)])
+    assert [[t for o in outs[f"b{i}"] for t in o.new_token_ids] for i in range(5)] == [r.token_ids for r in refs]
+    assert_no_leaks(engine)
+
+
+def test_abort_before_admission_frees_everything(gated):
+    engine, loop, gate, _, _ = gated
+    q = loop.submit("x", [5, 6, 7], GREEDY)
+    assert loop.abort("x") is True
+    out = q.get(timeout=5)
+    assert out.finished and out.finish_reason == FinishReason.ABORT
+    for _ in range(4):
+        gate.release()
+    assert loop.abort("x") is False
+    assert_no_leaks(engine)
+
+
+def test_a_duplicate_id_is_refused_and_the_first_request_goes_on(gated):
+    engine, loop, gate, _, _ = gated
+    q = loop.submit("dup", [5, 6, 7], GREEDY)
+    with pytest.raises(DuplicateRequestError):
+        loop.submit("dup", [5, 6, 7], GREEDY)
+    for _ in range(8):
+        gate.release()
+    assert drain_outputs(q, 30)[-1].num_output_tokens == 4
+    assert_no_leaks(engine)
+
+
+def test_a_refused_adoption_arrives_as_a_failure_and_releases_the_reservation(bundle):
+    engine = Engine(bundle.model, None, EngineConfig(kv_cache_bytes=1 << 22))
+    loop = EngineLoop(engine)
+    try:
+        res = engine.reserve("r", 3)
+        q = loop.adopt(res, [5, 6], 7, GREEDY)  # two prompt tokens for a reservation of three
+        item = q.get(timeout=5)
+        assert isinstance(item, LoopFailure) and isinstance(item.error, InvalidRequestError)
+        assert "reservation of 3" in item.message
+        assert_no_leaks(engine)
+        with pytest.raises(InvalidRequestError):  # refused at once: nothing queued
+            loop.submit("bad", [], GREEDY)
+        assert_no_leaks(engine)
+    finally:
+        loop.stop()

@@ -18,11 +18,16 @@ trimmed on every write, and the index itself expires when nothing is written for
 
 from __future__ import annotations
 
+import collections
 import enum
+import logging
 import math
+import threading
 from dataclasses import dataclass
 
 from controlplane.state.client import StateConnection
+
+log = logging.getLogger(__name__)
 
 DEFAULT_RETENTION = 3600.0
 DEFAULT_RECENT_CAP = 10_000
@@ -70,7 +75,12 @@ class RequestJournal:
 
     def record(self, request_id: str, state: RequestState | str, at: float, detail: str = "") -> None:
         """Append a transition. ``detail`` beyond ``MAX_DETAIL`` characters is truncated."""
-        key = self._keys.journal(request_id)
+        self.record_many([self.entry(request_id, state, at, detail)])
+
+    def entry(self, request_id: str, state: RequestState | str, at: float,
+              detail: str = "") -> tuple[str, JournalEntry]:
+        """A checked (request id, entry) pair; ValueError (or InvalidKeyPart) names what is wrong."""
+        self._keys.journal(request_id)  # refuses an id that cannot be a key part
         try:
             state = RequestState(state)
         except ValueError:
@@ -78,14 +88,23 @@ class RequestJournal:
             raise ValueError(f"unknown request state {state!r}; expected one of: {names}") from None
         if isinstance(at, bool) or not isinstance(at, (int, float)) or not math.isfinite(at):
             raise ValueError(f"at must be a finite time in seconds, got {at!r}")
+        return request_id, JournalEntry(state, float(at), detail[:MAX_DETAIL])
+
+    def record_many(self, entries: list[tuple[str, JournalEntry]]) -> None:
+        """Append checked entries (from ``entry``) in one round trip."""
+        if not entries:
+            return
         index = self._keys.journals()
+        latest = max(e.at for _, e in entries)
         with self._conn.guard():
             pipe = self._conn.redis.pipeline(transaction=True)
-            pipe.xadd(key, {"state": state.value, "at": repr(float(at)), "detail": detail[:MAX_DETAIL]},
-                      maxlen=self.max_entries, approximate=False)
-            pipe.pexpire(key, self._retention_ms)
-            pipe.zadd(index, {request_id: float(at)}, gt=True)
-            pipe.zremrangebyscore(index, "-inf", f"({float(at) - self.retention!r}")
+            for request_id, e in entries:
+                key = self._keys.journal(request_id)
+                pipe.xadd(key, {"state": e.state.value, "at": repr(e.at), "detail": e.detail},
+                          maxlen=self.max_entries, approximate=False)
+                pipe.pexpire(key, self._retention_ms)
+                pipe.zadd(index, {request_id: e.at}, gt=True)
+            pipe.zremrangebyscore(index, "-inf", f"({latest - self.retention!r}")
             pipe.zremrangebyrank(index, 0, -(self.recent_cap + 1))
             pipe.pexpire(index, self._retention_ms)
             pipe.execute()
@@ -112,3 +131,71 @@ class RequestJournal:
             pipe.delete(self._keys.journal(request_id))
             pipe.zrem(self._keys.journals(), request_id)
             pipe.execute()
+
+
+class BackgroundJournal:
+    """Journal writes off the request path: ``record`` checks the entry and queues it; a daemon thread
+    writes whatever queued in one round trip. The journal is for status and debugging, so when Redis is
+    slow or away the oldest queued entries beyond ``max_queued`` are dropped (counted in ``dropped``)
+    rather than slowing or failing requests; entries in a write that fails are counted in ``lost``.
+    ``flush`` waits until what was queued is written (or lost)."""
+
+    def __init__(self, journal: RequestJournal, max_queued: int = 10_000) -> None:
+        self.journal = journal
+        self.max_queued = max_queued
+        self.dropped = 0
+        self.lost = 0
+        self._queue: collections.deque[tuple[str, JournalEntry]] = collections.deque()
+        self._cond = threading.Condition()
+        self._written = 0
+        self._queued = 0
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="journal-writer", daemon=True)
+        self._thread.start()
+
+    def record(self, request_id: str, state: RequestState | str, at: float, detail: str = "") -> None:
+        item = self.journal.entry(request_id, state, at, detail)
+        with self._cond:
+            if len(self._queue) >= self.max_queued:
+                self._queue.popleft()
+                self.dropped += 1
+                self._written += 1  # counted as settled, so flush() does not wait for it
+            self._queue.append(item)
+            self._queued += 1
+            self._cond.notify()
+
+    def history(self, request_id: str) -> list[JournalEntry]:
+        return self.journal.history(request_id)
+
+    def recent(self, n: int) -> list[str]:
+        return self.journal.recent(n)
+
+    def flush(self, timeout_s: float = 5.0) -> bool:
+        """True once every entry queued before the call was written (or given up on)."""
+        with self._cond:
+            target = self._queued
+            return self._cond.wait_for(lambda: self._written >= target, timeout_s)
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        self.flush(timeout_s)
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join(timeout_s)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._queue or self._closed)
+                if not self._queue and self._closed:
+                    return
+                batch = list(self._queue)
+                self._queue.clear()
+            try:
+                self.journal.record_many(batch)
+            except Exception as exc:  # Redis away: the entries are lost, requests go on
+                self.lost += len(batch)
+                log.warning("request journal write of %d entries failed: %s", len(batch), exc)
+            with self._cond:
+                self._written += len(batch)
+                self._cond.notify_all()

@@ -18,6 +18,8 @@ from controlplane.state import (Counters, InvalidKeyPart, JournalEntry, KeySpace
                                 PoolTargets, RedisServerNotFound, RequestJournal, RequestState, StateConnection,
                                 StateUnavailable, SystemClock, WorkerInfo, WorkerLoad, WorkerNotRegistered,
                                 WorkerRegistry, connect)
+from controlplane.state import StateError
+from controlplane.state.journal import BackgroundJournal
 from controlplane.state.keys import KEY_LAYOUT
 from redis_fixture import keys_under, process_gone, redis_server, state_conn  # noqa: F401  (fixtures)
 
@@ -220,6 +222,38 @@ def test_journal_keeps_order_details_and_retention(state_conn: StateConnection):
     journal.forget("req-1")
     journal.forget("req-2")
     assert journal.recent(10) == []
+
+
+def test_background_journal_writes_off_the_request_path_in_order(state_conn: StateConnection):
+    journal = BackgroundJournal(RequestJournal(state_conn, retention=60.0))
+    try:
+        for i in range(200):
+            journal.record(f"bg-{i % 4}", RequestState.RECEIVED if i < 4 else RequestState.DECODING, 100.0 + i)
+        with pytest.raises(ValueError, match="unknown request state"):
+            journal.record("bg-0", "done", 1.0)  # refused at once, nothing queued
+        assert journal.flush(10)
+        assert [len(journal.history(f"bg-{k}")) for k in range(4)] == [50, 50, 50, 50]
+        assert [e.at for e in journal.history("bg-1")] == [101.0 + 4 * i for i in range(50)]
+        assert journal.dropped == 0 and journal.lost == 0
+    finally:
+        journal.close()
+        for k in range(4):
+            journal.journal.forget(f"bg-{k}")
+
+
+def test_background_journal_drops_the_oldest_beyond_its_bound_and_survives_redis_errors(state_conn):
+    class Broken(RequestJournal):
+        def record_many(self, entries):  # type: ignore[no-untyped-def]
+            raise StateError("redis is away")
+
+    journal = BackgroundJournal(Broken(state_conn), max_queued=3)
+    try:
+        for i in range(50):
+            journal.record("lost", RequestState.RECEIVED, 1.0 + i)
+        assert journal.flush(10)
+        assert journal.lost >= 1 and journal.dropped + journal.lost == 50
+    finally:
+        journal.close()
 
 
 def test_journal_entries_expire_after_retention(state_conn: StateConnection):

@@ -6,6 +6,7 @@
   epd generate ...        generate from a prompt with the single-process engine (the reference path)
   epd config show|schema  the effective settings (secrets masked) / their JSON schema
   epd bench engine|kv|kv-accuracy|controlplane   benchmarks, each beside a reference measured in the same run
+  epd bench micro         one microbenchmark per hot path, each a ratio to an in-run reference (--compare)
   epd bench serve --url U  load-test an OpenAI-compatible endpoint: TTFT/TPOT/ITL/E2E, throughput, SLO goodput
 """
 
@@ -296,8 +297,14 @@ def build_parser() -> argparse.ArgumentParser:
                     help="requests for the throughput figure (default %(default)s)")
     cp.add_argument("--concurrency", type=int, default=32, help="concurrent requests (default %(default)s)")
     cp.add_argument("--json", type=Path, default=None, help="also write the results as JSON here")
+    cp.add_argument("--observability-cost", type=int, default=0, metavar="ROUNDS",
+                    help="also price metrics + tracing: ROUNDS pairs of throughput runs on the same stack, "
+                         "switched off then on (spans exported over OTLP to a local receiver), and print the "
+                         "on/off requests/s ratio (target >= 0.95); 0 = skip (default)")
     cp.set_defaults(func=cmd_bench_controlplane)
 
+    from controlplane.bench.micro.cli import add_micro_parser
+    add_micro_parser(bench)
     from controlplane.bench.serve.cli import add_serve_parser
     add_serve_parser(bench)
     return parser

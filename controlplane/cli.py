@@ -7,6 +7,7 @@
   epd config show|schema  the effective settings (secrets masked) / their JSON schema
   epd bench engine|kv|kv-accuracy|controlplane   benchmarks, each beside a reference measured in the same run
   epd bench micro         one microbenchmark per hot path, each a ratio to an in-run reference (--compare)
+  epd bench compare       one workload against disaggregated and colocated serving: the goodput ratio
   epd bench serve --url U  load-test an OpenAI-compatible endpoint: TTFT/TPOT/ITL/E2E, throughput, SLO goodput
 """
 
@@ -299,12 +300,15 @@ def build_parser() -> argparse.ArgumentParser:
     cp.add_argument("--json", type=Path, default=None, help="also write the results as JSON here")
     cp.add_argument("--observability-cost", type=int, default=0, metavar="ROUNDS",
                     help="also price metrics + tracing: ROUNDS pairs of throughput runs on the same stack, "
-                         "switched off then on (spans exported over OTLP to a local receiver), and print the "
-                         "on/off requests/s ratio (target >= 0.95); 0 = skip (default)")
+                         "switched off and on (every span exported over OTLP to a local receiver; with "
+                         "OTEL_TRACES_EXPORTER=none not exported; OTEL_TRACES_SAMPLER* apply), and print the "
+                         "on/off requests/s and CPU-per-request ratios (target >= 0.95); 0 = skip (default)")
     cp.set_defaults(func=cmd_bench_controlplane)
 
     from controlplane.bench.micro.cli import add_micro_parser
     add_micro_parser(bench)
+    from controlplane.bench.compare import add_compare_parser
+    add_compare_parser(bench)
     from controlplane.bench.serve.cli import add_serve_parser
     add_serve_parser(bench)
     return parser
@@ -325,10 +329,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def _user_errors() -> tuple[type[Exception], ...]:
     from controlplane.admin_client import AdminError
+    from controlplane.observability.tracing import TracingConfigError
     from controlplane.settings import SettingsError
     from kvtransfer.auth import SecurityConfigError
     from kvtransfer.policy import PolicyError
-    return (EngineError, SettingsError, PolicyError, SecurityConfigError, AdminError)
+    return (EngineError, SettingsError, PolicyError, SecurityConfigError, AdminError, TracingConfigError)
 
 
 if __name__ == "__main__":

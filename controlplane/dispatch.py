@@ -19,6 +19,7 @@ import grpc
 
 from epd.worker.v1 import worker_pb2 as wpb
 from epd.worker.v1 import worker_pb2_grpc as wgrpc
+from controlplane.observability.stages import RequestObserver
 from kvtransfer.auth import ChannelCache, TransferSecurity
 from workers.runtime.sampler import SamplingParams
 from workers.service_base import sampling_to_proto
@@ -72,18 +73,21 @@ class Dispatcher:
     def _run_colocated(self, req: WorkerRequest, target: str) -> Iterator["wpb.TokenChunk"]:
         md = self.security.call_metadata()
         worker = wgrpc.DecodeWorkerStub(self._channel(target))
+        st = RequestObserver(req.request_id).begin("complete", "decode", images=len(req.images))
         stream = worker.Complete(wpb.CompleteRequest(
             request_id=req.request_id, prompt_token_ids=req.prompt_ids, params=sampling_to_proto(req.params),
             images=list(req.images), image_positions=list(req.image_positions), timeout_s=req.timeout_s),
-            metadata=md, timeout=req.timeout_s)
+            metadata=st.metadata(md), timeout=req.timeout_s)
         done = False
         try:
             for chunk in stream:
                 done = chunk.finished
                 yield chunk
         except grpc.RpcError as exc:
+            st.end(exc)
             raise DispatchError("complete", exc.code(), exc.details()) from None
         finally:
+            st.end(None if done else "cancelled")
             if not done:
                 stream.cancel()  # the worker's callback aborts the request and frees its blocks
 
@@ -93,29 +97,38 @@ class Dispatcher:
         decode = wgrpc.DecodeWorkerStub(self._channel(route.decode))
         prefill = wgrpc.PrefillWorkerStub(self._channel(route.prefill))
         params = sampling_to_proto(req.params)
+        obs = RequestObserver(req.request_id)  # spans per call, parented on the caller's trace context
+        st = obs.begin("reserve", traced=False)  # ~1 ms, timed in epd:request_stage_seconds; no span (cost)
         try:
             reply = decode.Reserve(wpb.ReserveRequest(request_id=req.request_id, prompt_token_ids=req.prompt_ids,
                                                       params=params, timeout_s=req.timeout_s),
-                                   metadata=md, timeout=req.timeout_s)
+                                   metadata=st.metadata(md), timeout=req.timeout_s)
         except grpc.RpcError as exc:
+            st.end(exc)
             raise DispatchError("reserve", exc.code(), exc.details()) from None
+        st.end()
         futures: list[tuple[str, Future]] = []
         if req.images:
             if route.encode is None:
                 self._abort(req.request_id, route)
                 raise DispatchError("route", grpc.StatusCode.FAILED_PRECONDITION, "no encode worker for images")
             encode = wgrpc.EncodeWorkerStub(self._channel(route.encode))
+            est = obs.begin("encode", "encode", images=len(req.images))
             futures.append(("encode", self._pool.submit(
                 encode.Encode, wpb.EncodeRequest(request_id=req.request_id, images=list(req.images),
                                                  embeddings_target=route.prefill, timeout_s=req.timeout_s),
-                metadata=md, timeout=req.timeout_s)))
+                metadata=est.metadata(md), timeout=req.timeout_s)))
+            futures[-1][1].add_done_callback(est.end_future)
+        pst = obs.begin("prefill", "prefill", prompt_tokens=len(req.prompt_ids))
         futures.append(("prefill", self._pool.submit(
             prefill.Prefill, wpb.PrefillRequest(request_id=req.request_id, prompt_token_ids=req.prompt_ids,
                                                 params=params, kv_target=reply.kv_target,
                                                 num_image_embeddings=len(req.image_positions),
                                                 image_positions=list(req.image_positions), timeout_s=req.timeout_s),
-            metadata=md, timeout=req.timeout_s)))
-        stream = decode.Generate(wpb.GenerateRequest(request_id=req.request_id), metadata=md,
+            metadata=pst.metadata(md), timeout=req.timeout_s)))
+        futures[-1][1].add_done_callback(pst.end_future)
+        dst = obs.begin("decode", "decode")
+        stream = decode.Generate(wpb.GenerateRequest(request_id=req.request_id), metadata=dst.metadata(md),
                                  timeout=req.timeout_s)
         for _, fut in futures:  # a failed stage aborts the request at once, so decode stops waiting
             fut.add_done_callback(lambda f: self._abort(req.request_id, route) if f.exception() else None)
@@ -131,9 +144,12 @@ class Dispatcher:
             if failed:
                 stage, fut = failed[0]
                 err = fut.exception()
+                dst.end(err)
                 raise DispatchError(stage, err.code(), err.details()) from None  # type: ignore[union-attr]
+            dst.end(exc)
             raise DispatchError("decode", exc.code(), exc.details()) from None
         finally:
+            dst.end(None if done else "cancelled")
             if not done:
                 stream.cancel()
                 self._abort(req.request_id, route)

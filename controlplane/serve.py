@@ -72,6 +72,8 @@ def build(settings: Settings) -> Deployment:
 
     dep = Deployment(settings, None)
     try:
+        from controlplane.observability.deploy import configure_process
+        configure_process(settings.observability, "epd-controlplane")  # bad OTEL_* fail here, before Ray
         model_dir = settings.model or ensure_default_checkpoint()
         info = model_info(settings, Path(model_dir))
         url = settings.redis.url
@@ -91,14 +93,24 @@ def build(settings: Settings) -> Deployment:
         security = TransferSecurity(token=token, tls_ca=t.tls_ca, tls_cert=t.tls_cert, tls_key=t.tls_key)
         dispatcher = Dispatcher(security)
         dep.closers.append(dispatcher.close)
+        from controlplane.state.journal import BackgroundJournal
+        journal = BackgroundJournal(RequestJournal(conn))  # journal writes stay off the request path
+        dep.closers.append(journal.close)
         scheduler = Scheduler(info, WorkerView(registry), dispatcher, get_policy(settings.scheduler.routing_policy),
-                              settings.scheduler, RequestJournal(conn), colocated=settings.mode == "colocated")
+                              settings.scheduler, journal, colocated=settings.mode == "colocated")
         keys = [k.get_secret_value() for k in settings.api.api_keys]
         fixed = ({p: f"colocated mode has no {p} pool; its decode workers run whole requests: scale decode"
                   for p in ("encode", "prefill")} if settings.mode == "colocated" else None)
+        from controlplane.admin import pools_status
+        from controlplane.observability.deploy import instrument_control_plane, uninstrument
+
+        # pool gauges for /metrics and the dashboard, over this deployment's Redis
+        routers = instrument_control_plane(lambda: pools_status(conn, registry), lambda: scheduler.waiting,
+                                           RequestJournal(conn))
+        dep.closers.append(uninstrument)
         dep.app = create_app(scheduler, keys, admin=admin_router(conn, registry, admin_token,
                                                                  on_drain=drain_over_rpc(registry, security),
-                                                                 fixed_pools=fixed))
+                                                                 fixed_pools=fixed), routers=routers)
     except BaseException:
         dep.close()
         raise

@@ -77,9 +77,18 @@ class PoolSettings(_Model):
     replicas: int = Field(1, ge=0, le=1000)
     num_cpus: float = Field(0.25, ge=0, description="Ray CPUs reserved per replica (0 = none); 0.25 lets 8 replicas share 2 cores")
     num_gpus: float = Field(0.0, ge=0, description="Ray GPUs per replica")
+    cpu_affinity: list[int] = Field(default_factory=list, description="pin replica i to core cpu_affinity[i % n] "
+                                                                     "(Linux; empty = no pinning)")
     ray_resources: dict[str, float] = Field(
         default_factory=dict, description="custom Ray resources per replica, e.g. {'epd-decode': 1} to place "
                                           "the pool on its own KubeRay worker group")
+
+    @field_validator("cpu_affinity")
+    @classmethod
+    def _cores(cls, v: list[int]) -> list[int]:
+        if any(c < 0 for c in v):
+            raise ValueError(f"cpu_affinity lists core numbers >= 0, got {v}")
+        return v
 
     @field_validator("ray_resources")
     @classmethod
@@ -159,6 +168,14 @@ class RaySettings(_Model):
     namespace: str = "epd"
 
 
+class ObservabilitySettings(_Model):
+    """Switches only; where spans go is the standard OTEL_* variables' business (docs/observability.md)."""
+
+    metrics: bool = Field(True, description="record Prometheus metrics (served at /metrics)")
+    tracing: bool = Field(True, description="make OpenTelemetry spans and pass W3C trace context to the workers; "
+                                            "exported where OTEL_EXPORTER_OTLP_ENDPOINT / OTEL_TRACES_EXPORTER say")
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="EPD_", env_nested_delimiter="__", extra="forbid",
                                       validate_default=True)
@@ -175,6 +192,7 @@ class Settings(BaseSettings):
     api: ApiSettings = ApiSettings()
     redis: RedisSettings = RedisSettings()
     ray: RaySettings = RaySettings()
+    observability: ObservabilitySettings = ObservabilitySettings()
 
     @model_validator(mode="after")
     def _cross_field(self) -> "Settings":

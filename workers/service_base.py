@@ -56,10 +56,16 @@ def status_code_for(exc: EngineError) -> grpc.StatusCode:
 
 
 def start_worker_server(register: list, generic_handlers: list[grpc.GenericRpcHandler], address: str,
-                        security: TransferSecurity, max_streams: int = 64) -> tuple[grpc.Server, int]:
-    """One server for a worker: ``register`` holds (add_XServicer_to_server, servicer) pairs."""
+                        security: TransferSecurity, max_streams: int = 64,
+                        identity: WorkerIdentity | None = None) -> tuple[grpc.Server, int]:
+    """One server for a worker: ``register`` holds (add_XServicer_to_server, servicer) pairs. Calls that
+    carry a W3C ``traceparent`` get a server span (workers.tracing), after the credential check."""
+    from workers.tracing import TracingInterceptor
+
+    pool = identity.pool if identity is not None else ""
+    tracing = TracingInterceptor(pool, (lambda: identity.worker_id) if identity is not None else "")
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_streams + 16, thread_name_prefix="worker"),
-                         interceptors=security.interceptors(),
+                         interceptors=[*security.interceptors(), tracing],
                          options=CHANNEL_OPTIONS + (("grpc.max_concurrent_streams", max_streams + 8),))
     for add, servicer in register:
         add(servicer, server)

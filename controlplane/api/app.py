@@ -28,6 +28,7 @@ from controlplane.api.relay import Relay, ThreadLanes
 from controlplane.api.streaming import ChatShape, CompletionShape, EventStream, Shape, collect, sse_events
 from controlplane.backend import Backend
 from controlplane.dispatch import WorkerRequest
+from controlplane.observability.http import T0_KEY, ObservabilityMiddleware, fastapi_kwargs, watch
 
 log = logging.getLogger(__name__)
 
@@ -35,11 +36,12 @@ CLIENT_CLOSED = 499  # nginx's status for a client that left before the answer; 
 
 
 def create_app(backend: Backend, api_keys: Sequence[str] = (), admin: APIRouter | None = None, *,
-               relay_threads: int = 256) -> FastAPI:
+               relay_threads: int = 256, routers: Sequence[APIRouter] = ()) -> FastAPI:
     """The ingress app. ``api_keys``: bearer keys for /v1/* (empty: open). ``admin``: a router
-    mounted as is (it guards itself). ``relay_threads``: threads that may wait on backend chunks."""
+    mounted as is (it guards itself). ``relay_threads``: threads that may wait on backend chunks.
+    ``routers``: more routers mounted as they are (the dashboard). ``GET /metrics`` is always served."""
     app = FastAPI(title="epd", summary="OpenAI-compatible API over disaggregated encode/prefill/decode",
-                  docs_url=None, redoc_url=None)
+                  docs_url=None, redoc_url=None, **fastapi_kwargs())
     install_error_handlers(app)
     lanes = ThreadLanes(relay_threads)
     started = int(time.time())
@@ -85,7 +87,8 @@ def create_app(backend: Backend, api_keys: Sequence[str] = (), admin: APIRouter 
 
     async def _answer(worker_request: WorkerRequest, shape: Shape, stream: bool | None,
                       stream_options: StreamOptions | None, request: Request) -> Response:
-        chunks = Relay(backend, worker_request, lanes).chunks()
+        chunks = watch(Relay(backend, worker_request, lanes).chunks(), worker_request.request_id,
+                       request.url.path, getattr(request.state, T0_KEY, None))
         first = await anext(chunks)  # Overloaded / BackendError here keep their own status
         if stream:
             include_usage = stream_options is not None and stream_options.include_usage
@@ -97,10 +100,21 @@ def create_app(backend: Backend, api_keys: Sequence[str] = (), admin: APIRouter 
         return _json(shape.whole(text, last).model_dump_json())
 
     app.include_router(v1)
+
+    @app.get("/metrics", include_in_schema=False)
+    async def prometheus_metrics() -> Response:
+        from controlplane.observability.metrics import CONTENT_TYPE, exposition
+
+        body = await anyio.to_thread.run_sync(exposition)  # pool gauges may read Redis; off the loop
+        return Response(body, media_type=CONTENT_TYPE)
+
+    for router in routers:
+        app.include_router(router)
     if admin is not None:
         app.include_router(admin)
     app.add_middleware(BearerAuth, api_keys=list(api_keys))
-    app.add_middleware(CatchAll)  # added last: outermost
+    app.add_middleware(CatchAll)
+    app.add_middleware(ObservabilityMiddleware)  # added last: outermost, so it sees every status sent
     return app
 
 

@@ -65,6 +65,7 @@ class _GenerationFields(_Request):
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    ignore_eos: bool | None = None  # vLLM/SGLang extension: run to max_tokens past end-of-sequence (benchmarks)
 
 
 class ChatCompletionRequest(_GenerationFields):

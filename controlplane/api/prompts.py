@@ -180,7 +180,8 @@ def _sampling(body: ChatCompletionRequest | CompletionRequest, max_tokens: int |
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
     try:
         params = SamplingParams(max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
-                                top_p=1.0 if body.top_p is None else body.top_p, seed=body.seed, stop=stop)
+                                top_p=1.0 if body.top_p is None else body.top_p, seed=body.seed, stop=stop,
+                                ignore_eos=bool(body.ignore_eos))
     except InvalidRequestError as exc:
         raise APIError(400, str(exc), param=_param_of(str(exc), max_param)) from None
     if prompt_len + max_tokens > limit:

@@ -11,6 +11,12 @@ Everything runs on loopback in one run:
                  handle; no Serve HTTP proxy.
 Figures: median/p90 end-to-end at concurrency 1, the added latency (median E2E - median compute, target
 <= 3 ms), and requests/s of 1-token requests at concurrency C (target >= 300 req/s at 32).
+
+``--observability-cost N``: the stack exports every span over OTLP to a receiver in a child process
+(control plane and workers alike; with OTEL_TRACES_EXPORTER=none, nowhere, as a default ``epd serve``),
+and after the figures above runs N pairs of throughput runs, metrics + tracing
+switched off then on (the switches live in this process; workers trace only calls that carry a trace
+context, so they follow); the figure is median on / median off (target >= 0.95: at most 5% cost).
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ MiB = 2**20
 PROMPT = [11, 23, 37, 41, 53, 67, 79, 83]  # a short fixed prompt (token ids)
 ADDED_LATENCY_TARGET_MS = 3.0
 THROUGHPUT_TARGET_RPS = 300.0
+OBSERVABILITY_TARGET_RATIO = 0.95
 READY_TIMEOUT_S = 180.0
 
 
@@ -51,6 +58,15 @@ class BenchResult:
     serve_median_ms: float = 0.0
     serve_p90_ms: float = 0.0
     serve_rps: float = 0.0
+    # --observability-cost: req/s per round with metrics + tracing off and on, spans the receiver got
+    obs_off_rps: list[float] = field(default_factory=list)
+    obs_on_rps: list[float] = field(default_factory=list)
+    obs_ratio: float = 0.0
+    obs_off_cpu_ms: list[float] = field(default_factory=list)  # CPU of the stack's processes per request
+    obs_on_cpu_ms: list[float] = field(default_factory=list)
+    obs_cpu_ratio: float = 0.0  # median on / median off
+    spans_exported: int = 0
+    span_services: list[str] = field(default_factory=list)  # service.name of the processes that exported
     # correctness of every HTTP request sent: (status, completion tokens) -> count
     ok_requests: int = 0
     failures: list[str] = field(default_factory=list)
@@ -299,8 +315,38 @@ def _serve_chain(n: int, m: int, concurrency: int) -> tuple[list[float], float]:
 
 # ---------------------------------------------------------------- the whole run
 def measure(requests: int = 200, throughput_requests: int = 640, concurrency: int = 32,
-            log: Any = None) -> BenchResult:
+            log: Any = None, observability_rounds: int = 0) -> BenchResult:
     """Run every figure; leaves no process, Ray or Redis behind."""
+    if observability_rounds > 0 and os.environ.get("OTEL_TRACES_EXPORTER", "").strip().lower() != "none":
+        return _with_otlp_receiver(lambda: _measure(requests, throughput_requests, concurrency, log,
+                                                    observability_rounds))
+    return _measure(requests, throughput_requests, concurrency, log, observability_rounds)
+
+
+def _with_otlp_receiver(run: Any) -> BenchResult:
+    """Run with OTEL_EXPORTER_OTLP_ENDPOINT naming an OTLP receiver in a child process (Ray, started
+    inside, passes the variable on to the replicas, so they export too)."""
+    from controlplane.observability.otlp_sink import OTLPSinkProcess
+
+    sink = OTLPSinkProcess()  # its own process, as a collector would be
+    saved = {k: os.environ.get(k) for k in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_TRACES_EXPORTER")}
+    os.environ["OTEL_EXPORTER_OTLP_ENDPOINT"] = sink.endpoint
+    os.environ.pop("OTEL_TRACES_EXPORTER", None)
+    try:
+        res = run()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        received, services = sink.stop()
+    res.spans_exported, res.span_services = received, services
+    return res
+
+
+def _measure(requests: int, throughput_requests: int, concurrency: int, log: Any,
+             observability_rounds: int) -> BenchResult:
     from controlplane.serve import build
 
     say = log or (lambda msg: None)
@@ -329,6 +375,9 @@ def measure(requests: int = 200, throughput_requests: int = 640, concurrency: in
             res.failures += errors
             res.ok_requests += sent - len(errors)
             res.throughput_rps = sent / elapsed
+            if observability_rounds:
+                _observability_cost(res, url, model, throughput_requests, concurrency, observability_rounds,
+                                    say)
         say("reference: Ray Serve 3-hop handle chain")
         slat, res.serve_rps = _serve_chain(requests, throughput_requests, concurrency)
         res.serve_median_ms = _quantile(slat, 0.5) * 1e3
@@ -336,6 +385,62 @@ def measure(requests: int = 200, throughput_requests: int = 640, concurrency: in
     finally:
         dep.close()
     return res
+
+
+def _observability_cost(res: BenchResult, url: str, model: str, n: int, concurrency: int, rounds: int,
+                        say: Any) -> None:
+    """Throughput runs on the running stack, off and on in ABBA order (drift cancels); the ratio of
+    the medians."""
+    from controlplane.observability import tracing
+    from controlplane.observability.metrics import OBSERVABILITY
+
+    saved = (OBSERVABILITY.metrics, OBSERVABILITY.tracing)
+    try:
+        for i in range(rounds):
+            for on in ((False, True) if i % 2 == 0 else (True, False)):
+                OBSERVABILITY.metrics = OBSERVABILITY.tracing = on
+                say(f"observability cost: round {i + 1}/{rounds}, metrics + tracing {'on' if on else 'off'}")
+                cpu0 = _stack_cpu_s()
+                elapsed, sent, errors = _client("concurrent", url, model, n, concurrency)
+                cpu = _stack_cpu_s() - cpu0
+                res.failures += errors
+                res.ok_requests += sent - len(errors)
+                (res.obs_on_rps if on else res.obs_off_rps).append(sent / elapsed)
+                (res.obs_on_cpu_ms if on else res.obs_off_cpu_ms).append(cpu / max(1, sent) * 1e3)
+    finally:
+        OBSERVABILITY.metrics, OBSERVABILITY.tracing = saved
+    tracing.force_flush()
+    time.sleep(6.0)  # the replicas' batch processors flush on their own schedule (OTEL_BSP_SCHEDULE_DELAY)
+    res.obs_ratio = _quantile(res.obs_on_rps, 0.5) / max(1e-9, _quantile(res.obs_off_rps, 0.5))
+    res.obs_cpu_ratio = _quantile(res.obs_on_cpu_ms, 0.5) / max(1e-9, _quantile(res.obs_off_cpu_ms, 0.5))
+
+
+def _stack_cpu_s() -> float:
+    """CPU seconds (user + system) so far of this process (API, scheduler, dispatcher) and the
+    replicas among its descendants: a cost figure that other load on the machine hardly moves."""
+    tick = os.sysconf("SC_CLK_TCK")
+    me = os.getpid()
+    parents: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            parents[int(stat.parent.name)] = int(fields[1])
+        except (OSError, ValueError, IndexError):
+            continue
+    mine, frontier = {me}, {me}
+    while frontier:
+        frontier = {p for p, parent in parents.items() if parent in frontier} - mine
+        mine |= frontier
+    total = 0.0
+    for pid in mine:
+        try:
+            if pid != me and b"WorkerActor" not in Path(f"/proc/{pid}/cmdline").read_bytes():
+                continue
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / tick
+        except (OSError, ValueError, IndexError):
+            continue
+    return total
 
 
 def _served_model(url: str) -> str:
@@ -361,6 +466,13 @@ def format_table(r: BenchResult) -> str:
          f"{'met' if r.throughput_rps >= THROUGHPUT_TARGET_RPS else 'MISSED'}"
          + ("" if r.concurrency == 32 else " (target is at c=32)")),
     ]
+    if r.obs_on_rps:
+        rows.append((f"req/s c={r.concurrency}, metrics+tracing on", f"{_quantile(r.obs_on_rps, 0.5):.0f} req/s",
+                     "the same, both off", f"{_quantile(r.obs_off_rps, 0.5):.0f} req/s",
+                     f"ratio {r.obs_ratio:.3f}, target >= {OBSERVABILITY_TARGET_RATIO:g}: "
+                     f"{'met' if r.obs_ratio >= OBSERVABILITY_TARGET_RATIO else 'MISSED'}"))
+        rows.append(("stack CPU per request, on", f"{_quantile(r.obs_on_cpu_ms, 0.5):.2f} ms", "the same, both off",
+                     f"{_quantile(r.obs_off_cpu_ms, 0.5):.2f} ms", f"ratio {r.obs_cpu_ratio:.3f}"))
     widths = [max(len(row[i]) for row in rows) for i in range(5)]
     lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
@@ -370,11 +482,21 @@ def format_table(r: BenchResult) -> str:
 def run(args: argparse.Namespace) -> int:
     import sys
 
+    rounds = args.observability_cost
+    if rounds < 0:
+        raise SystemExit("--observability-cost takes a number of rounds >= 0")
     res = measure(args.requests, args.throughput_requests, args.concurrency,
-                  log=lambda m: print(f"[bench] {m}", file=sys.stderr, flush=True))
+                  log=lambda m: print(f"[bench] {m}", file=sys.stderr, flush=True), observability_rounds=rounds)
     print(f"control plane, 1-token requests, prompt {len(PROMPT)} tokens; "
           f"{res.requests} sequential, {res.throughput_requests} at concurrency {res.concurrency}")
     print(format_table(res))
+    if res.obs_on_rps:
+        services = ", ".join(res.span_services) or "nobody"
+        print("observability rounds, req/s off: " + ", ".join(f"{x:.0f}" for x in res.obs_off_rps)
+              + "; on: " + ", ".join(f"{x:.0f}" for x in res.obs_on_rps)
+              + f"; spans exported over OTLP: {res.spans_exported} from {services}")
+        print("stack CPU per request, ms, off: " + ", ".join(f"{x:.2f}" for x in res.obs_off_cpu_ms)
+              + "; on: " + ", ".join(f"{x:.2f}" for x in res.obs_on_cpu_ms))
     print(f"{res.ok_requests} requests answered 200 with one token; {len(res.failures)} failed")
     for err in res.failures[:5]:
         print(f"  failure: {err}")

@@ -46,6 +46,7 @@ class WorkerActor:
         from pathlib import Path
 
         from controlplane.pools import replica
+        from controlplane.pools.affinity import core_for, pin_process
         from controlplane.settings import Settings
         from controlplane.state import WorkerRegistry, connect
 
@@ -57,6 +58,9 @@ class WorkerActor:
         if not host:  # on a cluster: this node's address, as the other nodes reach it
             import ray
             host = ray.util.get_node_ip_address()
+        core = core_for(settings.pool(pool).cpu_affinity, index)  # type: ignore[arg-type]
+        if core is not None:
+            pin_process(core)  # before the model loads, so torch's threads start on the core
         self._conn = connect(redis_url, redis_prefix)
         try:
             self.worker = replica.build_worker(pool, settings, folder, security, host)  # type: ignore[arg-type]

@@ -83,6 +83,8 @@ def build_worker(pool: Pool, settings: Settings, folder: Path, security: Transfe
     ps = settings.pool(pool)
     if ps.engine.threads:
         torch.set_num_threads(ps.engine.threads)
+    from controlplane.observability.deploy import configure_process
+    configure_process(settings.observability, f"epd-{pool}")  # spans of traced RPCs go where OTEL_* says
     colocated = settings.mode == "colocated" and pool == "decode"
     # a disaggregated decode worker never sees an image; prefill keeps the encoder for its fingerprint
     # (embedding handshake); a colocated worker encodes images itself

@@ -22,9 +22,12 @@ import grpc
 
 from controlplane.backend import BackendError, Chunk, ModelInfo, Overloaded
 from controlplane.dispatch import DispatchError, Dispatcher, Route, WorkerRequest
+from controlplane.observability import metrics
+from controlplane.observability.stages import queued as queued_stage
+from controlplane.observability.tracing import current_parent
 from controlplane.scheduler.policies import Candidate, RoutingPolicy
 from controlplane.settings import SchedulerSettings
-from controlplane.state.journal import RequestJournal, RequestState
+from controlplane.state.journal import BackgroundJournal, RequestJournal, RequestState
 from controlplane.state.registry import WorkerRegistry
 
 _RETRY_AT_RESERVE = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE)
@@ -80,7 +83,8 @@ class WorkerView:
 
 class Scheduler:
     def __init__(self, model: ModelInfo, view: WorkerView, dispatcher: Dispatcher, policy: RoutingPolicy,
-                 settings: SchedulerSettings, journal: RequestJournal | None = None, *, colocated: bool = False) -> None:
+                 settings: SchedulerSettings, journal: RequestJournal | BackgroundJournal | None = None, *,
+                 colocated: bool = False) -> None:
         """``colocated``: route every request to one decode-pool worker that runs it whole."""
         self.model = model
         self.colocated = colocated
@@ -117,8 +121,10 @@ class Scheduler:
 
     def generate(self, request: WorkerRequest) -> Iterator[Chunk]:
         rid = request.request_id
+        parent, admitted_ns = current_parent(), time.time_ns()  # the "queue" span: admission -> routed
         with self._lock:
             if self._waiting >= self.settings.queue_size:
+                metrics.rejected("queue_full")
                 raise Overloaded(f"{self._waiting} requests are already waiting for decode room", 1.0)
             self._waiting += 1
         self._record(rid, RequestState.QUEUED)
@@ -144,6 +150,7 @@ class Scheduler:
                     chosen = [c.worker_id for c in (decode, prefill, encode) if c is not None]
                     for w in chosen:
                         self.view.begin(w, tokens)
+                    attempt_ns = time.time_ns()
                     try:
                         stream = self.dispatcher.run(request, route)
                         first = next(stream)  # reserve happens before the first chunk
@@ -159,6 +166,7 @@ class Scheduler:
                         with self._lock:
                             self._waiting -= 1
                         queued = False
+                        queued_stage(rid, parent, admitted_ns, attempt_ns)
                     self._record(rid, RequestState.DECODING, " ".join(
                         f"{name}={c.worker_id}" for name, c in (("decode", decode), ("prefill", prefill),
                                                                  ("encode", encode)) if c is not None))
@@ -176,6 +184,8 @@ class Scheduler:
                     raise BackendError("no live decode replica", 503)
                 if time.monotonic() + backoff > deadline:
                     self._record(rid, RequestState.FAILED, "no decode room in time")
+                    metrics.rejected("queue_timeout")
+                    queued_stage(rid, parent, admitted_ns, time.time_ns(), "no decode room in time")
                     raise Overloaded("every decode replica is full; retry later", max(1.0, backoff * 10))
                 time.sleep(backoff)
                 backoff = min(backoff * 2, 0.2)

@@ -191,6 +191,9 @@ def test_defaults_and_max_completion_tokens(client: TestClient, backend: FakeBac
     assert backend.requests[-1].params.max_tokens == 3 and backend.requests[-1].params.stop == ("a", "b")
     assert resp.json()["choices"][0]["finish_reason"] == "length"
     assert resp.json()["usage"]["completion_tokens"] == 3
+    assert backend.requests[-1].params.ignore_eos is False
+    assert chat(client, max_tokens=4, ignore_eos=True).status_code == 200  # the vLLM/SGLang extension
+    assert backend.requests[-1].params.ignore_eos is True
 
 
 def test_chat_with_images(client: TestClient, backend: FakeBackend, tokenizer: Tokenizer) -> None:

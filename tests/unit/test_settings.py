@@ -94,7 +94,7 @@ def test_secrets_are_masked_in_the_effective_settings():
 def test_json_schema_covers_every_section_with_constraints():
     schema = Settings.model_json_schema()
     assert set(schema["properties"]) == {"model", "mode", "encode", "prefill", "decode", "transfer", "scheduler",
-                                         "api", "redis", "ray"}
+                                         "api", "redis", "ray", "observability"}
     pool = schema["$defs"]["PoolSettings"]["properties"]["replicas"]
     assert pool["minimum"] == 0 and pool["maximum"] == 1000
     assert schema["$defs"]["TransferSettings"]["additionalProperties"] is False

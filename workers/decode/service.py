@@ -31,6 +31,7 @@ from workers.runtime.errors import EngineError
 from workers.runtime.loader import LoadedModel
 from workers.runtime.sampler import SamplingParams
 from workers.service_base import WorkerIdentity, sampling_from_proto, status_code_for
+from workers.tracing import mark_kv_failure
 
 
 @dataclass(eq=False)
@@ -112,10 +113,12 @@ class DecodeService(wgrpc.DecodeWorkerServicer):
         outcome = pending.outcome
         if not arrived or outcome is None:
             self._drop(rid)
+            mark_kv_failure(context)
             context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"the KV for {rid!r} did not arrive in time")
         with self._lock:
             self._pending.pop(rid, None)
         if not outcome.ok:
+            mark_kv_failure(context)
             context.abort(outcome.code or grpc.StatusCode.INTERNAL, f"KV transfer failed: {outcome.error}")
         try:
             q = self.loop.adopt(pending.reservation, pending.prompt, outcome.first_token, pending.params)
@@ -127,7 +130,8 @@ class DecodeService(wgrpc.DecodeWorkerServicer):
         while True:
             item = q.get()
             if isinstance(item, LoopFailure):
-                context.abort(grpc.StatusCode.INTERNAL, item.message)
+                finished.set()
+                context.abort(status_code_for(item.error) if item.error else grpc.StatusCode.INTERNAL, item.message)
             chunk = wpb.TokenChunk(token_ids=list(item.new_token_ids), text=item.text, finished=item.finished,
                                    prompt_tokens=prompt_tokens, completion_tokens=item.num_output_tokens)
             if item.finished:

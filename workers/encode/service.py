@@ -23,6 +23,7 @@ from kvtransfer.errors import TransferFailed
 from workers.runtime.errors import EngineError
 from workers.runtime.vision import VisionEncoder, encode_images, preprocess_image
 from workers.service_base import WorkerIdentity, status_code_for
+from workers.tracing import current_span
 
 
 class EncodeService(wgrpc.EncodeWorkerServicer):
@@ -85,6 +86,10 @@ class EncodeService(wgrpc.EncodeWorkerServicer):
                     continue
                 context.abort(exc.code or grpc.StatusCode.UNAVAILABLE, exc.message)
         self.encoded += len(request.images)
+        span = current_span()  # the Encode server span when the call is traced; a no-op otherwise
+        span.set_attribute("epd.images", len(request.images))
+        span.set_attribute("epd.encoder.cache_hits", hits)
+        span.set_attribute("epd.embeddings", int(embeds.shape[0]))
         return wpb.EncodeReply(num_embeddings=embeds.shape[0], cache_hits=hits)
 
     def Status(self, request: "wpb.StatusRequest", context: grpc.ServicerContext) -> "wpb.WorkerStatus":

@@ -21,7 +21,9 @@ from epd.worker.v1 import worker_pb2 as wpb
 from epd.worker.v1 import worker_pb2_grpc as wgrpc
 from kvtransfer.embeddings import EmbeddingOutcome, EmbeddingReceiver, embedding_handler
 from kvtransfer.errors import TransferFailed
-from kvtransfer.sender import KVSender
+from kvtransfer.codecs import Kind, get_codec
+from kvtransfer.layout import KVLayout
+from kvtransfer.sender import KVSender, PushResult
 from workers.engine_loop import EngineLoop, LoopFailure
 from workers.prefill.kv_stream import LayerStreamer
 from workers.runtime.engine import Engine, EngineConfig
@@ -29,6 +31,7 @@ from workers.runtime.errors import EngineError
 from workers.runtime.loader import LoadedModel
 from workers.runtime.sequence import MultimodalInput
 from workers.service_base import WorkerIdentity, sampling_from_proto, status_code_for
+from workers.tracing import child_span, end_child, mark_kv_failure
 
 
 class PrefillService(wgrpc.PrefillWorkerServicer):
@@ -65,32 +68,63 @@ class PrefillService(wgrpc.PrefillWorkerServicer):
             context.abort(status_code_for(exc), str(exc))
         mm = None
         if request.num_image_embeddings:
-            mm = self._await_embeddings(rid, request, timeout, context)
+            waited = child_span("wait-embeddings", {"epd.image_embeddings": request.num_image_embeddings})
+            try:
+                mm = self._await_embeddings(rid, request, timeout, context)
+            finally:
+                end_child(waited)
         finished = threading.Event()
         context.add_callback(lambda: None if finished.is_set() else self._abort(rid, "the caller went away"))
+        kv_span = child_span("kv-transfer", {"epd.kv.target": request.kv_target, "epd.prompt_tokens": len(prompt),
+                                             "epd.kv.codec": ",".join(sorted(set(self.streamer.layout.layer_codecs))),
+                                             "epd.kv.layers": self.streamer.layout.num_layers})
+        kv_error: str | None = "did not finish"
+        from_loop = False  # a LoopFailure is the engine's, not the transfer's
         try:
             self.streamer.start(rid, request.kv_target, len(prompt), timeout)
             q = self.loop.submit(rid, prompt, first_params, mm)
             item = q.get(timeout=timeout)
             if isinstance(item, LoopFailure):
+                from_loop = True
+                if item.error is not None:
+                    raise item.error
                 raise TransferFailed(item.message, grpc.StatusCode.INTERNAL)
+            if not item.new_token_ids:  # aborted (the Abort RPC) before its first token
+                failed = self.streamer.failed(rid)
+                from_loop = failed is None
+                raise failed or TransferFailed(f"prefill of {rid!r} was aborted", grpc.StatusCode.CANCELLED)
             push = self.streamer.finish(rid, item.new_token_ids[0])
+            kv_error = None
         except EngineError as exc:
             self._abort(rid, str(exc))
+            kv_error = str(exc)
             context.abort(status_code_for(exc), str(exc))
         except TransferFailed as exc:
             self._abort(rid, exc.message)
+            kv_error = exc.message
+            if not from_loop:
+                mark_kv_failure(context)
             context.abort(exc.code or grpc.StatusCode.UNAVAILABLE, exc.message)
         except queue.Empty:
             self._abort(rid, "prefill timed out")
+            kv_error = "prefill timed out"
             context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"prefill of {rid!r} did not finish in {timeout} s")
         except Exception as exc:  # a bug: never leave the stream open
             self._abort(rid, f"prefill failed: {type(exc).__name__}")
+            kv_error = f"prefill failed: {type(exc).__name__}: {exc}"
             context.abort(grpc.StatusCode.INTERNAL, f"prefill of {rid!r} failed: {type(exc).__name__}")
         finally:
             finished.set()
+            if kv_error is None:
+                end_child(kv_span, None, **{"epd.kv.wire_bytes": push.num_bytes,
+                                            "epd.kv.logical_bytes": push.logical_bytes,
+                                            "epd.kv.transport": push.transport, "epd.kv.chunks": push.num_chunks})
+            else:
+                end_child(kv_span, kv_error)
         return wpb.PrefillReply(first_token=item.new_token_ids[0], kv_bytes=push.num_bytes,
-                                kv_logical_bytes=push.logical_bytes, transport=push.transport)
+                                kv_logical_bytes=push.logical_bytes, transport=push.transport,
+                                kv_seconds=push.seconds, kv_layers=self.streamer.layout.num_layers,
+                                kv_codecs=kv_codec_stats(self.streamer.layout, len(prompt), push))
 
     def _await_embeddings(self, rid: str, request: "wpb.PrefillRequest", timeout: float,
                           context: grpc.ServicerContext) -> MultimodalInput:
@@ -127,3 +161,26 @@ class PrefillService(wgrpc.PrefillWorkerServicer):
     def Drain(self, request: "wpb.DrainRequest", context: grpc.ServicerContext) -> "wpb.WorkerStatus":
         self.identity.draining = True
         return self.Status(wpb.StatusRequest(), context)
+
+
+def kv_codec_stats(layout: KVLayout, num_tokens: int, push: PushResult) -> list["wpb.KVCodecStats"]:
+    """``push`` split by codec. Wire bytes split in proportion to each codec's encoded size of the
+    request's blocks, logical bytes by layer count; the parts add up to exactly the push's totals."""
+    shape = layout.block_shape(layout.blocks_for(num_tokens))
+    shares: dict[str, list[int]] = {}  # codec -> [layers, encoded bytes]
+    for name in layout.layer_codecs:
+        codec = get_codec(name)
+        share = shares.setdefault(name, [0, 0])
+        share[0] += 1
+        share[1] += codec.layout(shape, Kind.KEY).total_nbytes + codec.layout(shape, Kind.VALUE).total_nbytes
+    total = sum(b for _, b in shares.values()) or 1
+    wire_left, logical_left = push.num_bytes, push.logical_bytes
+    out = []
+    for i, (name, (layers, nbytes)) in enumerate(shares.items()):
+        last = i == len(shares) - 1
+        wire = wire_left if last else push.num_bytes * nbytes // total
+        logical = logical_left if last else push.logical_bytes * layers // layout.num_layers
+        wire_left -= wire
+        logical_left -= logical
+        out.append(wpb.KVCodecStats(codec=name, layers=layers, wire_bytes=wire, logical_bytes=logical))
+    return out

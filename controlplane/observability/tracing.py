@@ -1,0 +1,173 @@
+"""OpenTelemetry for epd: exporters from the standard ``OTEL_*`` variables, and W3C trace context
+carried in gRPC metadata.
+
+Exporter choice (``exporter_from_env``):
+  OTEL_SDK_DISABLED=true                       none
+  OTEL_TRACES_EXPORTER=none                    none
+  OTEL_TRACES_EXPORTER=console                 spans printed to stdout (ConsoleSpanExporter)
+  OTEL_TRACES_EXPORTER=otlp, or unset with
+  OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT set     OTLP over gRPC (the exporter reads the endpoint, headers,
+                                               TLS and timeout variables itself)
+  anything else unset                          none: spans are not recorded, but a trace context that
+                                               arrives (a client's ``traceparent``) is still passed on
+``OTEL_SERVICE_NAME`` and ``OTEL_RESOURCE_ATTRIBUTES`` name the process; ``OTEL_PROPAGATORS`` picks
+the propagator (default W3C tracecontext + baggage).
+
+A request's spans are started with an explicit parent (``start_span(..., parent=...)``) and never made
+"current" across a ``yield``: the control plane's request generators step on different threads, and
+the only way a span's context reaches a worker is the ``traceparent`` in the call's gRPC metadata
+(``grpc_metadata``); workers continue it in ``workers.tracing.TracingInterceptor``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import threading
+from typing import Mapping
+
+from opentelemetry import context as otel_context
+from opentelemetry import propagate, trace
+from opentelemetry.context import Context
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode
+
+from controlplane.observability.metrics import OBSERVABILITY
+
+log = logging.getLogger(__name__)
+
+TRACER_NAME = "epd.controlplane"
+_EXPORTERS = ("otlp", "console", "none")
+_lock = threading.Lock()
+_provider: TracerProvider | None = None
+
+
+class TracingConfigError(ValueError):
+    """OTEL_* variables that cannot be honoured; the message names the variable."""
+
+
+def exporter_from_env(env: Mapping[str, str] | None = None) -> SpanExporter | None:
+    """The span exporter the ``OTEL_*`` variables ask for, or None (see the module docstring)."""
+    env = os.environ if env is None else env
+    if env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+        return None
+    names = [n.strip().lower() for n in env.get("OTEL_TRACES_EXPORTER", "").split(",") if n.strip()]
+    endpoint = env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+    if not names:
+        names = ["otlp"] if endpoint else ["none"]
+    bad = [n for n in names if n not in _EXPORTERS]
+    if bad:
+        raise TracingConfigError(f"OTEL_TRACES_EXPORTER={env.get('OTEL_TRACES_EXPORTER')!r}: unsupported "
+                                 f"exporter {bad[0]!r}; epd supports {', '.join(_EXPORTERS)}")
+    if len(names) > 1:
+        raise TracingConfigError(f"OTEL_TRACES_EXPORTER={env.get('OTEL_TRACES_EXPORTER')!r}: epd sends spans "
+                                 "to one exporter; name one of otlp, console, none")
+    name = names[0]
+    if name == "none":
+        return None
+    if name == "console":
+        return ConsoleSpanExporter()
+    protocol = (env.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or env.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "grpc")
+    if protocol.strip().lower() != "grpc":
+        raise TracingConfigError(f"OTEL_EXPORTER_OTLP_PROTOCOL={protocol!r}: epd ships the OTLP gRPC exporter "
+                                 "only; use grpc (port 4317 on a collector)")
+    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+    return OTLPSpanExporter()  # reads OTEL_EXPORTER_OTLP_* itself
+
+
+def provider(service_name: str) -> TracerProvider:
+    """This process's SDK tracer provider, installed as the global one on first use."""
+    global _provider
+    with _lock:
+        if _provider is None:
+            current = trace.get_tracer_provider()
+            if isinstance(current, TracerProvider):  # someone installed an SDK provider first: share it
+                _provider = current
+            else:
+                attrs = {"service.name": os.environ.get("OTEL_SERVICE_NAME") or service_name}
+                _provider = TracerProvider(resource=Resource.create(attrs))
+                trace.set_tracer_provider(_provider)
+                atexit.register(_provider.shutdown)
+        return _provider
+
+
+def setup_tracing(service_name: str, exporter: SpanExporter | None = None,
+                  env: Mapping[str, str] | None = None) -> bool:
+    """Export this process's spans to ``exporter``, or to the one the OTEL_* variables name. Returns
+    whether spans are now exported; False leaves the no-op provider (context still propagates)."""
+    exporter = exporter if exporter is not None else exporter_from_env(env)
+    if exporter is None:
+        return False
+    add_span_processor(BatchSpanProcessor(exporter), service_name)
+    return True
+
+
+def add_span_processor(processor: SpanProcessor, service_name: str = "epd") -> None:
+    """Send every span this process records through ``processor`` too (tests add an in-memory one)."""
+    provider(service_name).add_span_processor(processor)
+
+
+def force_flush(timeout_ms: int = 5000) -> None:
+    if _provider is not None:
+        _provider.force_flush(timeout_ms)
+
+
+# ---------------------------------------------------------------- spans with explicit parents
+_tracer: trace.Tracer | None = None
+
+
+def tracer() -> trace.Tracer:
+    """The control plane's tracer (cached: ``get_tracer`` builds a new one per call). A proxy until a
+    provider is installed, then bound to it."""
+    global _tracer
+    if _tracer is None:
+        _tracer = trace.get_tracer(TRACER_NAME)
+    return _tracer
+
+
+def current_parent() -> Context | None:
+    """The caller's trace context to parent a request's spans on; None when tracing is off or no
+    request span is current (a caller outside the ingress, e.g. a test, gets no stray root spans)."""
+    if not OBSERVABILITY.tracing:
+        return None
+    ctx = otel_context.get_current()
+    return ctx if trace.get_current_span(ctx).get_span_context().is_valid else None
+
+
+def start_span(name: str, parent: Context | None, kind: SpanKind = SpanKind.INTERNAL,
+               attributes: Mapping[str, object] | None = None, start_time: int | None = None) -> Span | None:
+    """A started span under ``parent`` (not made current), or None when tracing is off (parent None)."""
+    if parent is None:
+        return None
+    return tracer().start_span(name, context=parent, kind=kind, attributes=attributes,  # type: ignore[arg-type]
+                               start_time=start_time)
+
+
+def end_span(span: Span | None, error: BaseException | str | None = None, end_time: int | None = None) -> None:
+    if span is None:
+        return
+    if error is not None:
+        span.set_status(Status(StatusCode.ERROR, str(error)))
+        if isinstance(error, BaseException):
+            span.record_exception(error)
+    span.end(end_time=end_time)
+
+
+# ---------------------------------------------------------------- W3C propagation
+def grpc_metadata(base: tuple[tuple[str, str], ...], span: Span | None) -> tuple[tuple[str, str], ...]:
+    """``base`` plus ``traceparent`` (and ``tracestate``) naming ``span`` as the caller's span."""
+    if span is None:
+        return base
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier, context=trace.set_span_in_context(span))
+    return base + tuple(carrier.items())
+
+
+def context_from_headers(headers: Mapping[str, str]) -> Context:
+    """The trace context a client sent (``traceparent``/``tracestate``); an empty context if none."""
+    return propagate.extract(headers)
+

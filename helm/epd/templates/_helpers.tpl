@@ -1,0 +1,170 @@
+{{/*
+Names, labels, and the EPD_* rendering of `settings:`.
+
+Why one renderer: `settings:` is the settings model (controlplane/settings.py) and every leaf of it must
+reach the pods as the variable that model reads (EPD_ + the path in upper case, nested with "__"), with
+dicts and lists as JSON. The control plane reads them all; each pool's worker group carries its own pool's.
+*/}}
+
+{{- define "epd.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* 40 characters at most: KubeRay appends "-head-svc" and "-<group>-worker-<hash>" to the cluster name. */}}
+{{- define "epd.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 40 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 40 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 40 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "epd.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{ include "epd.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: epd
+{{- end -}}
+
+{{- define "epd.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "epd.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "epd.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag | toString) -}}
+{{- end -}}
+
+{{- define "epd.rayClusterName" -}}{{ include "epd.fullname" . }}{{- end -}}
+{{- define "epd.authSecretName" -}}
+{{- default (printf "%s-auth" (include "epd.fullname" .)) .Values.auth.existingSecret -}}
+{{- end -}}
+{{- define "epd.redisName" -}}{{ include "epd.fullname" . }}-redis{{- end -}}
+{{- define "epd.redisSecretName" -}}
+{{- default (include "epd.redisName" .) .Values.redis.auth.existingSecret -}}
+{{- end -}}
+
+{{/* The pools that run in this mode: colocated runs the decode pool only (its workers run whole requests). */}}
+{{- define "epd.pools" -}}
+{{- if eq (.Values.settings.mode | default "disaggregated") "colocated" -}}
+["decode"]
+{{- else -}}
+["encode","prefill","decode"]
+{{- end -}}
+{{- end -}}
+
+{{/* The Ray custom resource one replica of pool `.` needs; each worker group's pods advertise it. */}}
+{{- define "epd.poolResource" -}}epd-{{ . }}{{- end -}}
+
+{{/*
+One pool's settings as the control plane must see them (JSON): the values' settings.<pool> with the pool's
+custom Ray resource added to ray_resources, so each replica lands on its own worker group. In colocated
+mode encode and prefill keep no replica count (the settings model refuses one there).
+Args: dict "root" $ "pool" NAME
+*/}}
+{{- define "epd.poolSettings" -}}
+{{- $pool := deepCopy (get .root.Values.settings .pool | default dict) -}}
+{{- $res := merge (deepCopy ($pool.ray_resources | default dict)) (dict (include "epd.poolResource" .pool) 1) -}}
+{{- $_ := set $pool "ray_resources" $res -}}
+{{- if and (eq (.root.Values.settings.mode | default "disaggregated") "colocated") (ne .pool "decode") -}}
+{{- $_ := unset $pool "replicas" -}}
+{{- end -}}
+{{- toJson $pool -}}
+{{- end -}}
+
+{{/* A scalar as an environment value: strings as they are, everything else as JSON (no 1e+08 floats). */}}
+{{- define "epd.envValue" -}}
+{{- if kindIs "string" . -}}{{ . }}{{- else -}}{{ toJson . }}{{- end -}}
+{{- end -}}
+
+{{/*
+EPD_* variables for a settings subtree, sorted by name. Maps recurse only where the settings model nests a
+model (the sections and `engine`); any other map (ray_resources) or list is one JSON value.
+tests/helm checks this list against the model. Args: dict "prefix" "EPD" "values" MAP
+*/}}
+{{- define "epd.settingsEnv" -}}
+{{- $nested := list "encode" "prefill" "decode" "transfer" "scheduler" "api" "redis" "ray" "observability" "engine" -}}
+{{- $sep := ternary "_" "__" (eq .prefix "EPD") -}}
+{{- range $key := keys .values | sortAlpha }}
+{{- $v := get $.values $key }}
+{{- $name := printf "%s%s%s" $.prefix $sep (upper $key) }}
+{{- if and (kindIs "map" $v) (has $key $nested) }}
+{{- include "epd.settingsEnv" (dict "prefix" $name "values" $v) }}
+{{- else if not (kindIs "invalid" $v) }}
+- name: {{ $name }}
+  value: {{ include "epd.envValue" $v | quote }}
+{{- end }}
+{{- end }}
+{{- end -}}
+
+{{/* Every EPD_* variable of `settings:` as the control plane reads them (pools with their Ray resource). */}}
+{{- define "epd.controlPlaneSettingsEnv" -}}
+{{- $s := deepCopy .Values.settings -}}
+{{- range $p := list "encode" "prefill" "decode" }}
+{{- $_ := set $s $p (include "epd.poolSettings" (dict "root" $ "pool" $p) | fromJson) }}
+{{- end }}
+{{- include "epd.settingsEnv" (dict "prefix" "EPD" "values" $s) }}
+{{- end -}}
+
+{{/* Volumes every epd pod shares: the model folder (when given) and the mTLS material (when given). */}}
+{{- define "epd.sharedVolumes" -}}
+- name: cache
+  emptyDir: {}
+{{- with .Values.modelVolume.volume }}
+- name: model
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- if .Values.auth.mtls.secretName }}
+- name: mtls
+  secret:
+    secretName: {{ .Values.auth.mtls.secretName }}
+    defaultMode: 0400
+{{- end }}
+{{- end -}}
+
+{{- define "epd.sharedVolumeMounts" -}}
+- name: cache
+  mountPath: /var/cache/epd
+{{- if .Values.modelVolume.volume }}
+- name: model
+  mountPath: {{ .Values.modelVolume.mountPath }}
+  readOnly: true
+{{- end }}
+{{- if .Values.auth.mtls.secretName }}
+- name: mtls
+  mountPath: {{ .Values.auth.mtls.mountPath }}
+  readOnly: true
+{{- end }}
+{{- end -}}
+
+{{/* Checks the schema cannot express (they cross fields); each message names the values to change. */}}
+{{- define "epd.validate" -}}
+{{- $s := .Values.settings -}}
+{{- $pe := ($s.prefill.engine | default dict) -}}
+{{- $de := ($s.decode.engine | default dict) -}}
+{{- if ne (toString ($pe.block_size | default 16)) (toString ($de.block_size | default 16)) -}}
+{{- fail (printf "settings.prefill.engine.block_size (%v) and settings.decode.engine.block_size (%v) must match: KV blocks move between them as they are" ($pe.block_size | default 16) ($de.block_size | default 16)) -}}
+{{- end -}}
+{{- if and (hasPrefix "fp32" ($s.transfer.codec_policy | default "bf16")) (or (eq ($pe.dtype | default "float32") "bfloat16") (eq ($de.dtype | default "float32") "bfloat16")) -}}
+{{- fail "settings.transfer.codec_policy fp32 needs float32 engines: use bf16 with bfloat16 engines" -}}
+{{- end -}}
+{{- range $p := include "epd.pools" . | fromJsonArray -}}
+{{- $n := int64 ((get $s $p).replicas | default 0) -}}
+{{- $g := get $.Values.pools $p -}}
+{{- if gt (int64 $g.minReplicas) $n -}}
+{{- fail (printf "settings.%s.replicas (%d) is below pools.%s.minReplicas (%d): lower minReplicas too" $p $n $p (int64 $g.minReplicas)) -}}
+{{- end -}}
+{{- if gt $n (int64 $g.maxReplicas) -}}
+{{- fail (printf "settings.%s.replicas (%d) is above pools.%s.maxReplicas (%d): raise maxReplicas too" $p $n $p (int64 $g.maxReplicas)) -}}
+{{- end -}}
+{{- end -}}
+{{- if and (not .Values.redis.enabled) (not .Values.redis.external.url) (not .Values.redis.external.existingSecret) -}}
+{{- fail "redis.enabled is false: set redis.external.url, or redis.external.existingSecret and existingSecretKey" -}}
+{{- end -}}
+{{- end -}}

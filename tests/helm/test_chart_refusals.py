@@ -1,0 +1,97 @@
+"""Bad values are refused with a message naming the field (schema first, cross-field checks in the
+templates), and generated secrets never appear in the NOTES."""
+
+from __future__ import annotations
+
+import base64
+import json
+from typing import Any
+
+import pytest
+import yaml
+
+from chart_tools import control_plane_env, defaults, find, helm, refusal, render
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.mark.parametrize("args,where,why", [
+    (("--set", "settings.decode.replicas=-1"), "/settings/decode/replicas", "minimum"),
+    (("--set", "settings.transfer.codec_policy=int9"), "/settings/transfer/codec_policy", "pattern"),
+    (("--set", "settings.transfer.codec_policy=int8\\,0=bf17"), "/settings/transfer/codec_policy", "pattern"),
+    (("--set", "auth.existingSecret=mine", "--set", "auth.existingSecretKeys.adminToken="),
+     "/auth/existingSecretKeys/adminToken", "minLength"),
+    (("--set", "auth.existingSecret=mine", "--set", "auth.existingSecretKeys.transferToken=null"),
+     "/auth/existingSecretKeys", "transferToken"),
+    (("--set", "redis.auth.existingSecret=mine", "--set", "redis.auth.existingSecretKey="),
+     "/redis/auth/existingSecretKey", "minLength"),
+    (("--set", "redis.enabled=false", "--set", "redis.external.existingSecret=r"),
+     "/redis/external/existingSecretKey", "minLength"),
+    (("--set", "auth.transferToken=short"), "/auth/transferToken", "pattern"),
+    (("--set", "settings.decode.engine.kv_cache_byte=1"), "/settings/decode/engine", "kv_cache_byte"),
+    (("--set", "settings.api.host=0.0.0.0"), "/settings/api", "host"),
+    (("--set", "pools.decode.maxReplicas=-2"), "/pools/decode/maxReplicas", "minimum"),
+])
+def test_bad_values_are_refused_by_the_schema(args: tuple[str, ...], where: str, why: str) -> None:
+    message = refusal(*args)
+    assert "values don't meet the specifications of the schema" in message
+    assert f"'{where}'" in message and why in message, message
+
+
+@pytest.mark.parametrize("args,needle", [
+    (("--set", "settings.decode.replicas=9"), "settings.decode.replicas (9) is above pools.decode.maxReplicas (8)"),
+    (("--set", "settings.prefill.engine.block_size=32"), "settings.prefill.engine.block_size (32) and"),
+    (("--set", "redis.enabled=false"), "set redis.external.url"),
+])
+def test_cross_field_mistakes_are_refused_by_name(args: tuple[str, ...], needle: str) -> None:
+    assert needle in refusal(*args)
+
+
+def test_lint_refuses_a_bad_value_too() -> None:
+    r = helm("lint", "--strict", "{chart}", "--set", "settings.encode.replicas=-3")
+    assert r.returncode != 0 and "/settings/encode/replicas" in r.stdout + r.stderr
+
+
+# ------------------------------------------------------------------ secrets and NOTES
+def _install_dry_run(*args: str) -> tuple[list[dict[str, Any]], str]:
+    r = helm("install", "t", "{chart}", "--namespace", "epd", "--dry-run=client", *args)
+    assert r.returncode == 0, r.stderr
+    manifest, notes = r.stdout.split("MANIFEST:", 1)[1].split("NOTES:", 1)
+    return [d for d in yaml.safe_load_all(manifest) if d], notes
+
+
+@pytest.mark.parametrize("extra", [(), ("--set", "auth.adminToken=given-admin-token-0123456789",
+                                         "--set", "auth.apiKeys[0]=given-api-key-0123456789")],
+                         ids=["generated", "given"])
+def test_secrets_never_appear_in_notes(extra: tuple[str, ...]) -> None:
+    objs, notes = _install_dry_run(*extra)
+    secrets: list[str] = []
+    for s in (o for o in objs if o["kind"] == "Secret"):
+        for raw in s["data"].values():
+            value = base64.b64decode(raw).decode()
+            secrets.append(value)
+            if value.startswith("["):
+                secrets += json.loads(value)
+    assert len(secrets) >= 4  # transfer token, admin token, the API key list and its key, redis password
+    assert all(len(v) >= 16 for v in secrets)
+    leaked = [v for v in secrets if v in notes or v[:12] in notes]
+    assert not leaked, "NOTES print a secret"
+    assert "kubectl -n epd get secret t-epd-auth" in notes  # it says where to read them instead
+    if extra:
+        assert "given-admin-token-0123456789" in secrets
+
+
+def test_generated_secrets_are_long_and_distinct() -> None:
+    secrets = {k: base64.b64decode(v).decode() for s in defaults() if s["kind"] == "Secret"
+               for k, v in s["data"].items()}
+    assert set(secrets) == {"transfer-token", "admin-token", "api-keys", "redis-password"}
+    assert len(secrets["transfer-token"]) >= 32 and len(secrets["admin-token"]) >= 32
+    keys = json.loads(secrets["api-keys"])
+    assert len(keys) == 1 and len(keys[0]) >= 32
+    assert len(set(secrets.values())) == 4
+
+
+def test_open_api_when_asked() -> None:
+    objs = render("--set", "auth.generateApiKey=false")
+    assert "EPD_API__API_KEYS" not in control_plane_env(objs)
+    assert "api-keys" not in find(objs, "Secret", "-auth")["data"]

@@ -1,0 +1,140 @@
+"""Server-side trace continuation for the worker services: a span per traced RPC, parented on the
+``traceparent`` the caller put in the gRPC metadata (W3C trace context).
+
+Only calls that carry a ``traceparent`` get a span, so heartbeats, status probes and untraced
+callers cost one metadata scan. A unary handler runs with its span current (so the service can add
+children, e.g. prefill's ``kv-transfer``); a response-streaming handler's span is ended when its
+stream ends, without being made current across yields. Exporting is the process's business
+(``controlplane.observability.tracing.setup_tracing`` in a replica); without it spans are no-ops.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator
+
+import grpc
+from opentelemetry import propagate, trace
+from opentelemetry.trace import SpanKind, Status, StatusCode
+
+TRACER_NAME = "epd.workers"
+TRACEPARENT = "traceparent"
+
+
+_tracer: trace.Tracer | None = None
+
+
+def tracer() -> trace.Tracer:
+    """The workers' tracer (cached: ``get_tracer`` builds a new one per call)."""
+    global _tracer
+    if _tracer is None:
+        _tracer = trace.get_tracer(TRACER_NAME)
+    return _tracer
+
+
+def _failed(span: trace.Span, context: grpc.ServicerContext, exc: BaseException | None) -> None:
+    code = context.code() if hasattr(context, "code") else None
+    if exc is not None or (code is not None and code != grpc.StatusCode.OK):
+        details = context.details() if hasattr(context, "details") else None
+        span.set_status(Status(StatusCode.ERROR, str(details or exc or code)))
+        if code is not None:
+            span.set_attribute("rpc.grpc.status_code", code.value[0])
+
+
+class TracingInterceptor(grpc.ServerInterceptor):
+    """Wraps unary-unary and unary-stream handlers of calls that carry a trace context."""
+
+    def __init__(self, pool: str, worker_id: Callable[[], str] | str = "") -> None:
+        self.pool = pool
+        self._worker_id = worker_id
+
+    def intercept_service(self, continuation: Callable, details: grpc.HandlerCallDetails) -> Any:
+        handler = continuation(details)
+        metadata = details.invocation_metadata or ()
+        if handler is None or not any(k == TRACEPARENT for k, _ in metadata):
+            return handler
+        if handler.request_streaming:
+            return handler  # KV and embedding pushes are traced by their callers' spans
+        carrier = {k: v for k, v in metadata if isinstance(v, str)}
+        service, _, method = details.method.lstrip("/").rpartition("/")
+        worker_id = self._worker_id() if callable(self._worker_id) else self._worker_id
+        attrs = {"rpc.system": "grpc", "rpc.service": service, "rpc.method": method, "epd.pool": self.pool,
+                 "epd.worker_id": worker_id}
+        name = f"{service.rpartition('.')[2]}/{method}"
+        if handler.response_streaming:
+            return grpc.unary_stream_rpc_method_handler(
+                self._streaming(handler.unary_stream, carrier, name, attrs),
+                request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
+        return grpc.unary_unary_rpc_method_handler(
+            self._unary(handler.unary_unary, carrier, name, attrs),
+            request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
+
+    @staticmethod
+    def _unary(behavior: Callable, carrier: dict[str, str], name: str, attrs: dict) -> Callable:
+        def run(request: Any, context: grpc.ServicerContext) -> Any:
+            parent = propagate.extract(carrier)  # from the metadata alone, never this thread's context
+            with tracer().start_as_current_span(name, context=parent, kind=SpanKind.SERVER, attributes=attrs,
+                                                record_exception=False, set_status_on_exception=False) as span:
+                try:
+                    reply = behavior(request, context)
+                except BaseException as exc:
+                    _failed(span, context, exc)
+                    raise
+                _failed(span, context, None)
+                return reply
+        return run
+
+    @staticmethod
+    def _streaming(behavior: Callable, carrier: dict[str, str], name: str, attrs: dict) -> Callable:
+        def run(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+            span = tracer().start_span(name, context=propagate.extract(carrier), kind=SpanKind.SERVER,
+                                       attributes=attrs)
+            error: BaseException | None = None
+            messages = 0
+            try:
+                for item in behavior(request, context):
+                    messages += 1
+                    yield item
+            except BaseException as exc:
+                error = exc
+                raise
+            finally:
+                span.set_attribute("epd.messages", messages)
+                _failed(span, context, error)
+                span.end()
+        return run
+
+
+def current_span() -> trace.Span:
+    """The RPC's server span inside a traced unary handler (a no-op span otherwise)."""
+    return trace.get_current_span()
+
+
+def child_span(name: str, attributes: dict | None = None) -> trace.Span | None:
+    """A span under the current RPC's server span, or None when the call is not traced (so an
+    untraced call never starts a stray root span)."""
+    parent = trace.get_current_span()
+    if not parent.get_span_context().is_valid:
+        return None
+    return tracer().start_span(name, attributes=attributes)
+
+
+def end_child(span: trace.Span | None, error: str | None = None, **attributes: object) -> None:
+    if span is None:
+        return
+    for key, value in attributes.items():
+        span.set_attribute(key, value)  # type: ignore[arg-type]
+    if error is not None:
+        span.set_status(Status(StatusCode.ERROR, error))
+    span.end()
+
+
+FAILURE_KEY = "epd-failure"  # trailing metadata naming what failed, e.g. "kv-transfer"
+KV_TRANSFER_FAILURE = "kv-transfer"
+
+
+def mark_kv_failure(context: grpc.ServicerContext) -> None:
+    """Tell the caller (in trailing metadata) that this call failed in the KV transfer."""
+    try:
+        context.set_trailing_metadata(((FAILURE_KEY, KV_TRANSFER_FAILURE),))
+    except Exception:  # an in-process call without a real context
+        pass

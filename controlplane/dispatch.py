@@ -4,6 +4,8 @@
   2. Encode (images only) and Prefill run at once; prefill waits for the embeddings, then streams
      the KV to the decode worker.
   3. Generate on the decode worker streams the tokens back.
+A one-token request (max_tokens 1) is done after prefill: Prefill(complete=true) samples its token under
+the request's own rules, and no decode worker or KV transfer is involved.
 A colocated route (``epd serve --mode colocated``) is one call instead: Complete on a worker that
 encodes, prefills and decodes the request in one engine.
 Any failure aborts the request on every worker it touched, so nothing keeps blocks for it.
@@ -91,8 +93,52 @@ class Dispatcher:
             if not done:
                 stream.cancel()  # the worker's callback aborts the request and frees its blocks
 
+    def _run_prefill_only(self, req: WorkerRequest, route: Route) -> Iterator["wpb.TokenChunk"]:
+        """A one-token request: its token is prefill's, so no decode reservation and no KV transfer."""
+        assert route.prefill is not None
+        md = self.security.call_metadata()
+        prefill = wgrpc.PrefillWorkerStub(self._channel(route.prefill))
+        obs = RequestObserver(req.request_id)
+        encoded: Future | None = None
+        if req.images:
+            if route.encode is None:
+                raise DispatchError("route", grpc.StatusCode.FAILED_PRECONDITION, "no encode worker for images")
+            encode = wgrpc.EncodeWorkerStub(self._channel(route.encode))
+            est = obs.begin("encode", "encode", images=len(req.images))
+            encoded = self._pool.submit(
+                encode.Encode, wpb.EncodeRequest(request_id=req.request_id, images=list(req.images),
+                                                 embeddings_target=route.prefill, timeout_s=req.timeout_s),
+                metadata=est.metadata(md), timeout=req.timeout_s)
+            encoded.add_done_callback(est.end_future)
+            encoded.add_done_callback(  # prefill stops waiting for embeddings that will not come
+                lambda f: self._abort_at(req.request_id, [(wgrpc.PrefillWorkerStub, route.prefill)])
+                if f.exception() else None)
+        pst = obs.begin("prefill", "prefill", prompt_tokens=len(req.prompt_ids))
+        try:
+            reply = prefill.Prefill(wpb.PrefillRequest(
+                request_id=req.request_id, prompt_token_ids=req.prompt_ids, params=sampling_to_proto(req.params),
+                num_image_embeddings=len(req.image_positions), image_positions=list(req.image_positions),
+                timeout_s=req.timeout_s, complete=True), metadata=pst.metadata(md), timeout=req.timeout_s)
+        except grpc.RpcError as exc:
+            pst.end(exc)
+            if encoded is not None and encoded.done() and encoded.exception() is not None:
+                err = encoded.exception()
+                raise DispatchError("encode", err.code(), err.details()) from None  # type: ignore[union-attr]
+            raise DispatchError("prefill", exc.code(), exc.details()) from None
+        pst.end()
+        if encoded is not None:
+            try:
+                encoded.result()
+            except grpc.RpcError as exc:
+                raise DispatchError("encode", exc.code(), exc.details()) from None
+        yield wpb.TokenChunk(token_ids=[reply.first_token], text=reply.text, finished=True,
+                             finish_reason=reply.finish_reason, prompt_tokens=len(req.prompt_ids), completion_tokens=1)
+
     def _run_disaggregated(self, req: WorkerRequest, route: Route) -> Iterator["wpb.TokenChunk"]:
         assert route.prefill is not None
+        if req.params.max_tokens == 1 and not req.params.forced_tokens:
+            yield from self._run_prefill_only(req, route)
+            return
         md = self.security.call_metadata()
         decode = wgrpc.DecodeWorkerStub(self._channel(route.decode))
         prefill = wgrpc.PrefillWorkerStub(self._channel(route.prefill))
@@ -155,8 +201,11 @@ class Dispatcher:
                 self._abort(req.request_id, route)
 
     def _abort(self, rid: str, route: Route) -> None:
+        self._abort_at(rid, [(wgrpc.DecodeWorkerStub, route.decode), (wgrpc.PrefillWorkerStub, route.prefill)])
+
+    def _abort_at(self, rid: str, targets: list) -> None:  # type: ignore[type-arg]
         md = self.security.call_metadata()
-        for stub, target in ((wgrpc.DecodeWorkerStub, route.decode), (wgrpc.PrefillWorkerStub, route.prefill)):
+        for stub, target in targets:
             if target is None:
                 continue
             try:

@@ -120,6 +120,43 @@ def test_concurrent_requests_all_match(stack):
     _assert_clean(workers)
 
 
+def _one_token(bundle, dispatcher, route, i, greq, params):  # type: ignore[no-untyped-def]
+    ids, mm = build_prompt(bundle, greq)
+    return _run(dispatcher, route, WorkerRequest(f"one-{i}", ids, params, greq.images, mm.positions if mm else ()))
+
+
+def test_one_token_requests_finish_on_prefill_without_touching_decode(stack):
+    bundle, workers, dispatcher, route = stack
+    one = SamplingParams(max_tokens=1, temperature=0.0)
+    images = (_png((20, 160, 90)),)
+    cases = [GenerateRequest(prompt="The first token only", params=one),
+             GenerateRequest(messages=[{"role": "user", "content": [{"type": "image"}, {"type": "text",
+                                                                                    "text": "Colour?"}]}],
+                             images=images, params=one)]
+    engine = workers["decode"].service.engine
+    reserves: list[str] = []
+    real_reserve = engine.reserve
+    engine.reserve = lambda rid, n: (reserves.append(rid), real_reserve(rid, n))[1]  # counts, then reserves
+    try:
+        outcomes = [_one_token(bundle, dispatcher, route, i, greq, one) for i, greq in enumerate(cases)]
+        assert reserves == []  # the decode worker held nothing for them
+        _run(dispatcher, route, WorkerRequest("two-tokens", [5, 6, 7], SamplingParams(max_tokens=2)))
+        assert reserves == ["two-tokens"]  # two tokens do go through decode
+    finally:
+        del engine.reserve
+    for (tokens, text, last), ref in zip(outcomes, generate(bundle, cases)):
+        assert tokens == ref.token_ids and text == ref.text
+        assert last.finished and last.finish_reason == ref.finish_reason.value and last.completion_tokens == 1
+    with SECURITY.open_channel(route.prefill) as ch:  # complete=true is only for one token
+        with pytest.raises(grpc.RpcError) as rpc:
+            wgrpc.PrefillWorkerStub(ch).Prefill(wpb.PrefillRequest(request_id="two", prompt_token_ids=[5, 6],
+                                                                   params=wpb.SamplingParams(max_tokens=2),
+                                                                   complete=True, timeout_s=5),
+                                                metadata=SECURITY.call_metadata(), timeout=10)
+    assert rpc.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "one-token" in rpc.value.details()
+    _assert_clean(workers)
+
+
 def test_failures_name_their_stage_and_release_everything(stack):
     bundle, workers, dispatcher, route = stack
     ids = bundle.tokenizer.encode("Hello")

@@ -29,6 +29,7 @@ from workers.prefill.kv_stream import LayerStreamer
 from workers.runtime.engine import Engine, EngineConfig
 from workers.runtime.errors import EngineError
 from workers.runtime.loader import LoadedModel
+from workers.runtime.sampler import SamplingParams
 from workers.runtime.sequence import MultimodalInput
 from workers.service_base import WorkerIdentity, sampling_from_proto, status_code_for
 from workers.tracing import child_span, end_child, mark_kv_failure
@@ -73,6 +74,8 @@ class PrefillService(wgrpc.PrefillWorkerServicer):
                 mm = self._await_embeddings(rid, request, timeout, context)
             finally:
                 end_child(waited)
+        if request.complete:
+            return self._complete(rid, prompt, params, mm, timeout, context)
         finished = threading.Event()
         context.add_callback(lambda: None if finished.is_set() else self._abort(rid, "the caller went away"))
         kv_span = child_span("kv-transfer", {"epd.kv.target": request.kv_target, "epd.prompt_tokens": len(prompt),
@@ -125,6 +128,31 @@ class PrefillService(wgrpc.PrefillWorkerServicer):
                                 kv_logical_bytes=push.logical_bytes, transport=push.transport,
                                 kv_seconds=push.seconds, kv_layers=self.streamer.layout.num_layers,
                                 kv_codecs=kv_codec_stats(self.streamer.layout, len(prompt), push))
+
+    def _complete(self, rid: str, prompt: list[int], params: SamplingParams, mm: MultimodalInput | None,
+                  timeout: float, context: grpc.ServicerContext) -> "wpb.PrefillReply":
+        """A one-token request served here whole: no KV leaves this worker."""
+        if params.max_tokens != 1:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"complete=true is for one-token requests; this one asks for {params.max_tokens}")
+        finished = threading.Event()
+        context.add_callback(lambda: None if finished.is_set() else self._abort(rid, "the caller went away"))
+        try:
+            q = self.loop.submit(rid, prompt, params, mm)
+            item = q.get(timeout=timeout)
+        except EngineError as exc:
+            context.abort(status_code_for(exc), str(exc))
+        except queue.Empty:
+            self._abort(rid, "prefill timed out")
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"prefill of {rid!r} did not finish in {timeout} s")
+        finally:
+            finished.set()
+        if isinstance(item, LoopFailure):
+            context.abort(status_code_for(item.error) if item.error else grpc.StatusCode.INTERNAL, item.message)
+        if not item.new_token_ids:  # aborted before its token
+            context.abort(grpc.StatusCode.CANCELLED, f"prefill of {rid!r} was aborted")
+        return wpb.PrefillReply(first_token=item.new_token_ids[0], text=item.text,
+                                finish_reason=item.finish_reason.value if item.finish_reason else "length")
 
     def _await_embeddings(self, rid: str, request: "wpb.PrefillRequest", timeout: float,
                           context: grpc.ServicerContext) -> MultimodalInput:

@@ -15,6 +15,20 @@ def chunk_checksum(parts: Iterable[memoryview]) -> int:
     return h.intdigest()
 
 
+class ChunkHasher:
+    """``chunk_checksum`` fed part by part, so a caller can hash each piece while it is in cache."""
+
+    def __init__(self) -> None:
+        self._h = xxhash.xxh3_64()
+
+    def update(self, part: memoryview) -> None:
+        self._h.update(part)
+
+    @property
+    def value(self) -> int:
+        return self._h.intdigest()
+
+
 class StreamChecksum:
     """Order-sensitive digest of the chunk checksums of a stream."""
 

@@ -4,9 +4,11 @@ A stream's life on this side:
   1. ``KVSender.open_stream`` picks the transport (shared memory on the same host, else gRPC
      bytes), opens the Push call with a deadline and queues the handshake.
   2. ``send_layer`` is called as prefill finishes a layer's blocks (the engine's layer hook), with
-     a snapshot of those blocks. It only queues: gRPC's sending thread encodes each queued layer
-     with that layer's codec while the next layer computes. Queued bytes are bounded per stream
-     and per sender, so a slow receiver slows prefill down instead of filling memory.
+     a snapshot of those blocks. It only numbers and queues chunks: the sender's encoder threads
+     encode, checksum and frame several chunks at once while the next layer computes (on shared
+     memory, encoding straight into the segment), and gRPC's sending thread only sends the framed
+     chunks in order. Queued bytes are bounded per stream and per sender, so a slow receiver slows
+     prefill down instead of filling memory.
   3. ``finish`` queues the totals and the first token and waits for the receiver's ack.
   Any failure (refusal, deadline, cancel, receiver gone) fails the stream: later calls raise
   ``TransferFailed`` with the receiver's status and message, and queued data is dropped.
@@ -27,14 +29,27 @@ import grpc
 import torch
 
 from kvtransfer.auth import ChannelCache, TransferSecurity
-from kvtransfer.checksum import StreamChecksum, chunk_checksum
-from kvtransfer.codecs import Kind, get_codec
+from kvtransfer.checksum import StreamChecksum
+from kvtransfer.chunks import chunk_nbytes, encode_into_segment, frame_chunk
+from kvtransfer.codecs import get_codec, native
 from kvtransfer.errors import TransferFailed
 from kvtransfer.layout import KVLayout
+from kvtransfer.memory import retain_freed_buffers
 from kvtransfer.shm import SegmentPool, SharedSegment, ShmError, reap_orphans, shm_available
-from kvtransfer.wire import PROTOCOL_VERSION, PUSH_METHOD, encode_chunk, encode_control, pb
+from kvtransfer.threads import single_threaded_torch
+from kvtransfer.wire import PROTOCOL_VERSION, PUSH_METHOD, encode_control, pb
 
 TransportChoice = Literal["auto", "grpc", "shm"]
+
+
+@dataclass(frozen=True)
+class _Built:
+    """One chunk, encoded and framed on an encoder thread, waiting for its turn on the stream."""
+
+    message: bytes  # what gRPC sends: the whole chunk, or (shared memory) only its header
+    checksum: int
+    nbytes: int  # scales + payload
+    logical: int  # the same blocks in bf16
 
 
 @dataclass(frozen=True)
@@ -103,9 +118,13 @@ class KVSender:
         self._channels = ChannelCache(security)
         self.host = socket.gethostname()
         self.segments = SegmentPool()
-        # Quantising is the costly step; it runs here, in parallel across chunks and streams, while
-        # gRPC's thread frames and sends in order.
-        self.encoders = ThreadPoolExecutor(max_workers=encode_threads, thread_name_prefix="kv-encode")
+        # Encoding, checksumming and framing are the costly steps; they run here, in parallel across
+        # chunks and streams, while gRPC's thread sends in order. Each encoder thread runs torch on
+        # itself alone: the pool is the parallelism (kvtransfer.threads).
+        self.encoders = ThreadPoolExecutor(max_workers=encode_threads, thread_name_prefix="kv-encode",
+                                           initializer=single_threaded_torch)
+        retain_freed_buffers()  # each gRPC message is a fresh multi-MiB bytes object (see kvtransfer.memory)
+        native.load_in_background()
         if transport != "grpc":
             reap_orphans()
 
@@ -145,7 +164,9 @@ class KVStream:
         self._error: TransferFailed | None = None
         self._finished = False
         self._budget = _ByteBudget(sender.stream_budget_bytes)
-        self._seq = 0
+        self._seq = 0  # chunks handed to gRPC
+        self._submitted = 0  # chunks numbered (their seq) and queued, in queue order
+        self._order = threading.Lock()
         self._bytes = 0
         self._logical = 0
         self._checksum = StreamChecksum()
@@ -172,7 +193,7 @@ class KVStream:
         for name in self.layout.layer_codecs:
             codec = get_codec(name)
             shape = self.layout.block_shape(self.num_blocks)
-            total += codec.layout(shape, Kind.KEY).total_nbytes + codec.layout(shape, Kind.VALUE).total_nbytes
+            total += chunk_nbytes(codec, shape)
         # chunks split at block boundaries; per-chunk scale rounding cannot exceed the whole's size
         return total + 4096
 
@@ -189,9 +210,14 @@ class KVStream:
                              f"{self.layout.head_dim}], got {tuple(key.shape)} and {tuple(value.shape)}")
         if first_block < 0 or first_block + n > self.num_blocks:
             raise ValueError(f"blocks {first_block}..{first_block + n - 1} outside the request's {self.num_blocks}")
-        per_block = max(1, key[0].nbytes * 2)
-        chunk_bytes = self.sender.shm_chunk_bytes if self._segment is not None else self.sender.max_chunk_bytes
+        codec = get_codec(self.layout.layer_codecs[layer])
+        one = self.layout.block_shape(1)  # chunks are sized by what goes on the wire, not the input dtype
+        per_block = max(1, chunk_nbytes(codec, one))
+        segment = self._segment
+        chunk_bytes = self.sender.shm_chunk_bytes if segment is not None else self.sender.max_chunk_bytes
         step = max(1, chunk_bytes // per_block)
+        if n:
+            step = -(-n // -(-n // step))  # the same number of chunks, evenly sized (no runt last chunk)
         for i in range(0, n, step):
             k, v = key[i:i + step], value[i:i + step]
             cost = k.nbytes + v.nbytes
@@ -201,9 +227,23 @@ class KVStream:
             except TransferFailed:
                 self._budget.release(cost)
                 raise
-            self._raise_if_failed()
-            encoded = self.sender.encoders.submit(self._encode, layer, k, v)
-            self._queue.put(("layer", (layer, first_block + i, k.shape[0], encoded), cost))
+            try:
+                self._raise_if_failed()
+                # Numbering (and the segment range) is fixed here, in queue order, so the encoder
+                # threads can frame whole chunks in parallel; gRPC's thread only sends them in order.
+                with self._order:
+                    seq = self._submitted
+                    offset = -1
+                    if segment is not None:
+                        offset = self._reserve(segment, codec, tuple(k.shape))
+                    job = self.sender.encoders.submit(self._build, seq, layer, first_block + i, codec, k, v,
+                                                      segment, offset)
+                    self._submitted += 1
+                    self._queue.put(("layer", job, cost))
+            except BaseException:
+                self._budget.release(cost)
+                self.sender._budget.release(cost)
+                raise
 
     def finish(self, first_token: int) -> PushResult:
         """Queue the finish message and wait for the receiver's ack."""
@@ -279,42 +319,43 @@ class KVStream:
                     first_token=item)))
                 return
             try:
-                layer, first_block, num_blocks, encoded = item
-                parts = encoded.result()  # re-raises an encode error (NaN in the cache, ...)
+                built: _Built = item.result()  # re-raises an encode error (NaN in the cache, ...)
                 if self._failed.is_set():
                     continue
-                yield self._frame(layer, first_block, num_blocks, *parts)
+                self._seq += 1
+                self._bytes += built.nbytes
+                self._logical += built.logical
+                self._checksum.add(built.checksum)
+                message = built.message
+                del built, item  # gRPC copies the message; drop our references as it goes
+                yield message
             finally:
                 self._budget.release(cost)
                 self.sender._budget.release(cost)
 
-    def _encode(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> tuple:  # type: ignore[type-arg]
-        """The costly part, run on the sender's encoder threads (torch releases the GIL)."""
-        codec = get_codec(self.layout.layer_codecs[layer])
-        return codec, codec.encode(key.contiguous(), Kind.KEY), codec.encode(value.contiguous(), Kind.VALUE)
-
-    def _frame(self, layer: int, first_block: int, num_blocks: int, codec, k, v) -> bytes:  # type: ignore[no-untyped-def]
-        """Number, checksum and frame one encoded chunk; runs in stream order on gRPC's thread."""
-        scales = [m for m in (k.scales_view(), k.zeros_view(), v.scales_view(), v.zeros_view())
-                  if m is not None and m.nbytes]
-        payload = [k.payload_view(), v.payload_view()]
-        checksum = chunk_checksum([*scales, *payload])
-        nbytes = sum(m.nbytes for m in scales) + sum(m.nbytes for m in payload)
-        chunk = pb.KVChunk(seq=self._seq, request_id=self.request_id, layer=layer, first_block=first_block,
-                           num_blocks=num_blocks, codec=int(codec.codec_id), checksum=checksum)
-        self._seq += 1
-        self._bytes += nbytes
-        self._logical += k.logical_nbytes + v.logical_nbytes
-        self._checksum.add(checksum)
-        if self._segment is None:
-            return encode_chunk(chunk, scales, payload)
+    def _reserve(self, segment: SharedSegment, codec, shape: tuple[int, ...]) -> int:  # type: ignore[no-untyped-def]
+        """The segment offset of the next chunk (under ``_order``); chunks lie back to back."""
+        nbytes = chunk_nbytes(codec, shape)
         offset = self._shm_offset
-        dest = self._segment.view(offset, nbytes)
-        pos = 0
-        for m in (*scales, *payload):
-            dest[pos:pos + m.nbytes] = m
-            pos += m.nbytes
+        if offset + nbytes > segment.size:
+            raise TransferFailed(f"chunk of {nbytes} bytes does not fit the {segment.size}-byte shared "
+                                 f"segment at offset {offset} (more blocks sent than the stream announced?)")
         self._shm_offset += nbytes
+        return offset
+
+    def _build(self, seq: int, layer: int, first_block: int, codec, key: torch.Tensor,  # type: ignore[no-untyped-def]
+               value: torch.Tensor, segment: SharedSegment | None, offset: int) -> _Built:
+        """Encode, checksum and frame one chunk. Runs on the sender's encoder threads, several chunks
+        at once (torch, numpy, xxhash and the native kernels release the GIL); sent in ``seq`` order."""
+        chunk = pb.KVChunk(seq=seq, request_id=self.request_id, layer=layer, first_block=first_block,
+                           num_blocks=key.shape[0], codec=int(codec.codec_id))
+        logical = key.numel() * 4
+        if segment is None:
+            message, nbytes = frame_chunk(chunk, codec, key, value)
+            return _Built(message, chunk.checksum, nbytes, logical)
+        # Shared memory: encoded straight into the segment; the message only says where.
+        nbytes = chunk_nbytes(codec, tuple(key.shape))
+        encode_into_segment(chunk, codec, key, value, segment.view(offset, nbytes))
         chunk.shm.offset = offset
         chunk.shm.length = nbytes
-        return encode_control(pb.PushMessage(chunk=chunk))
+        return _Built(encode_control(pb.PushMessage(chunk=chunk)), chunk.checksum, nbytes, logical)

@@ -8,6 +8,8 @@ from concurrent import futures
 import grpc
 
 from kvtransfer.auth import TransferSecurity
+from kvtransfer.codecs import native
+from kvtransfer.memory import retain_freed_buffers
 from kvtransfer.options import CHANNEL_OPTIONS
 from kvtransfer.receiver import KVReceiver
 from kvtransfer.wire import SERVICE
@@ -26,6 +28,8 @@ def start_server(handlers: list[grpc.GenericRpcHandler], address: str, security:
     Each open stream holds a handler thread, so the pool has a thread for every stream HTTP/2 lets
     a client open (``max_streams``): a stream without a thread would fill the connection's
     flow-control window with unread bytes and stall every other stream on that connection."""
+    retain_freed_buffers()  # grpcio hands each received message over as a fresh multi-MiB bytes object
+    native.load_in_background()  # the receiver dequantises int8 with them
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_streams + 8, thread_name_prefix="kvtransfer"),
                          interceptors=security.interceptors(),
                          options=CHANNEL_OPTIONS + (("grpc.max_concurrent_streams", max_streams),))

@@ -3,7 +3,8 @@
 Everything runs on loopback in one run: a receiver process (KVReceiver + gRPC server + a paged
 cache) and this process as the sender. Figures:
   references   copy into a preallocated buffer, a raw TCP socket, a raw-bytes gRPC stream (4 MiB
-               messages), a protobuf-bytes gRPC stream;
+               messages), a protobuf-bytes gRPC stream; measured before and after the transfers,
+               the faster of the two kept;
   transfers    one push of a whole cache per codec and transport: the demo model's 4k-token cache
                and a 256 MiB synthetic one. "Logical" GB/s counts bf16-equivalent bytes landed in
                the receiver's cache per second, encoding and decoding included;
@@ -224,6 +225,19 @@ def ttft_figure(rx: ReceiverProcess, token: str, tokens: int, repeats: int, code
                    "prefill compute alone", alone * 1e3)]
 
 
+def measure_references(nbytes: int, repeats: int) -> dict[str, references.Measurement]:
+    return {m.name: m for m in (references.memcpy(nbytes, repeats),
+                                references.tcp_socket(nbytes, repeats=repeats),
+                                references.grpc_raw_stream(nbytes, repeats=repeats),
+                                references.grpc_proto_bytes_stream(nbytes, repeats=repeats))}
+
+
+def best_of(a: dict[str, references.Measurement],
+            b: dict[str, references.Measurement]) -> dict[str, references.Measurement]:
+    """Per reference, the faster of two measurements (the ceiling the figures are held to)."""
+    return {name: max(m, b.get(name, m), key=lambda x: x.gbps) for name, m in a.items()}
+
+
 def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -232,11 +246,9 @@ def run(args: argparse.Namespace) -> int:
     synthetic = Shape("synthetic 256 MiB", layers=16, kv_heads=8, head_dim=128, tokens=4096)
     shapes = [demo] if args.quick else [demo, synthetic]
     ref_bytes = 64 * MiB if args.quick else 256 * MiB
-    print(f"references ({ref_bytes // MiB} MiB, best of {args.repeats}) ...", flush=True)
-    refs = {m.name: m for m in (references.memcpy(ref_bytes, args.repeats),
-                                references.tcp_socket(ref_bytes, repeats=args.repeats),
-                                references.grpc_raw_stream(ref_bytes, repeats=args.repeats),
-                                references.grpc_proto_bytes_stream(ref_bytes, repeats=args.repeats))}
+    print(f"references ({ref_bytes // MiB} MiB, best of {args.repeats}, before and after the transfers) ...",
+          flush=True)
+    refs = measure_references(ref_bytes, args.repeats)
     names = {k.split(" ")[0]: k for k in refs}
     memcpy, tcp, grpc_raw = names["memcpy"], names["tcp"], refs and [k for k in refs if "raw" in k][0]
     plan = [("bf16", "grpc", grpc_raw), ("int8", "grpc", tcp), ("fp8", "grpc", tcp), ("int4", "grpc", tcp),
@@ -251,6 +263,12 @@ def run(args: argparse.Namespace) -> int:
         figures += ttft_figure(rx, token, args.ttft_tokens, args.repeats, args.ttft_codec)
     finally:
         rx.close()
+    # Measured again after the transfers, keeping each reference's best: on a shared machine a
+    # reference caught in a busy moment would flatter every ratio computed against it.
+    refs = best_of(refs, measure_references(ref_bytes, args.repeats))
+    for f in figures:
+        if f.reference in refs:
+            f.ref_value = refs[f.reference].gbps
     print()
     print(f"{'reference':<34}{'GB/s':>8}")
     for m in refs.values():

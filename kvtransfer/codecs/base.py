@@ -80,6 +80,24 @@ class Codec(abc.ABC):
         shape = self._check_input(x)
         return self._encode(x.contiguous(), kind, self._layout(shape, kind))
 
+    def encode_into(self, x: torch.Tensor, kind: Kind | str, payload: torch.Tensor) -> EncodedTensor:
+        """Encode like `encode`, writing the payload into `payload` (1-D contiguous uint8 of the
+        layout's payload size, e.g. a view of a shared-memory segment or an outgoing buffer).
+
+        The returned tensor's payload is `payload`; scales and zeros are small and freshly allocated.
+        Why: the sender then writes each payload byte once, where it is sent from. This default
+        encodes and copies; codecs override it to write there directly."""
+        kind = Kind.parse(kind)
+        shape = self._check_input(x)
+        layout = self._layout(shape, kind)
+        _check_payload_out(payload, layout.payload_nbytes)
+        return self._encode_into(x.contiguous(), kind, layout, payload)
+
+    def _encode_into(self, x: torch.Tensor, kind: Kind, layout: WireLayout, payload: torch.Tensor) -> EncodedTensor:
+        enc = self._encode(x, kind, layout)
+        payload.copy_(enc.payload)
+        return EncodedTensor(self.codec_id, kind, enc.shape, payload, enc.scales, enc.zeros)
+
     def decode(self, enc: EncodedTensor, out_dtype: torch.dtype) -> torch.Tensor:
         """Decode into a new contiguous tensor of `out_dtype` (float32 or bfloat16)."""
         if out_dtype not in CACHE_DTYPES:
@@ -151,6 +169,21 @@ class Codec(abc.ABC):
             tensor_from_buffer(zeros, layout.scales_dtype, 0, f"zeros (codec {self.name!r} takes none)")
         return EncodedTensor(self.codec_id, kind, shape4, p, s.view(layout.scales_shape), z)
 
+    def decode_buffer_into(
+        self,
+        kind: Kind | str,
+        shape: tuple[int, ...],
+        payload: object,
+        scales: object,
+        zeros: object | None,
+        out: torch.Tensor,
+    ) -> torch.Tensor:
+        """`from_buffer` then `decode_into`, for a receiver holding received bytes and its cache slice.
+
+        Codecs may override it to read the bytes where they lie: a received message is read-only,
+        so `from_buffer` would copy its payload once more just to wrap it as a tensor."""
+        return self.decode_into(self.from_buffer(kind, shape, payload, scales, zeros), out)
+
     # -- error bound ------------------------------------------------------------------------
     def max_abs_error_bound(
         self, x: torch.Tensor, kind: Kind | str, out_dtype: torch.dtype = torch.float32
@@ -184,6 +217,13 @@ class Codec(abc.ABC):
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r} id={int(self.codec_id)}>"
+
+
+def _check_payload_out(payload: torch.Tensor, nbytes: int) -> None:
+    if not isinstance(payload, torch.Tensor) or payload.dtype != torch.uint8 or payload.dim() != 1:
+        raise CodecError("payload destination must be a 1-D uint8 tensor")
+    if not payload.is_contiguous() or payload.numel() != nbytes:
+        raise CodecError(f"payload destination must be contiguous with {nbytes} bytes, got {payload.numel()}")
 
 
 def raise_non_finite(codec: str) -> None:

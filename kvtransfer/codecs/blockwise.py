@@ -64,8 +64,11 @@ class BlockwiseCodec(Codec):
         return None
 
     def _encode(self, x: torch.Tensor, kind: Kind, layout: WireLayout) -> EncodedTensor:
-        shape: Shape = tuple(x.shape)  # type: ignore[assignment]
         payload = torch.empty(layout.payload_nbytes, dtype=torch.uint8, device=x.device)
+        return self._encode_into(x, kind, layout, payload)
+
+    def _encode_into(self, x: torch.Tensor, kind: Kind, layout: WireLayout, payload: torch.Tensor) -> EncodedTensor:
+        shape: Shape = tuple(x.shape)  # type: ignore[assignment]
         scales = torch.empty(layout.scales_shape, dtype=layout.scales_dtype, device=x.device)
         zeros = None
         if layout.zeros_shape is not None:

@@ -50,14 +50,15 @@ class CacheSink:
             self._store_native(storage, blocks, codec, shape, key, value)
             return
         c = get_codec(codec)
+        if isinstance(storage, DenseLayerStorage) and _consecutive(blocks):
+            # dequantise straight into the blocks from the received bytes: no temporary, no scatter
+            first, n = blocks[0], len(blocks)
+            for kind, part, dest in ((Kind.KEY, key, storage.k), (Kind.VALUE, value, storage.v)):
+                c.decode_buffer_into(kind, shape, part.payload, part.scales, part.zeros,
+                                     dest.view(-1, self.bs, *dest.shape[1:])[first:first + n])
+            return
         k_enc = c.from_buffer(Kind.KEY, shape, key.payload, key.scales, key.zeros)
         v_enc = c.from_buffer(Kind.VALUE, shape, value.payload, value.scales, value.zeros)
-        if isinstance(storage, DenseLayerStorage) and _consecutive(blocks):
-            # dequantise straight into the blocks: no temporary, no scatter
-            first, n = blocks[0], len(blocks)
-            for enc, dest in ((k_enc, storage.k), (v_enc, storage.v)):
-                c.decode_into(enc, dest.view(-1, self.bs, *dest.shape[1:])[first:first + n])
-            return
         dtype = storage.k.dtype if isinstance(storage, DenseLayerStorage) else torch.float32
         k, v = c.decode(k_enc, dtype), c.decode(v_enc, dtype)
         storage.write(self._slots(blocks), k.reshape(-1, *shape[2:]), v.reshape(-1, *shape[2:]))

@@ -1,0 +1,112 @@
+"""Encoding one KV chunk for the wire: the sender's costly per-chunk work, run on its encoder threads.
+
+A chunk is the keys and values of some blocks of one layer. Its bulk bytes are the keys' scales
+(and zero points), the values', then the keys' payload and the values' (see wire.py), checksummed
+with xxh3 in that order. Two destinations:
+  - gRPC: ``frame_chunk`` builds the whole PushMessage as one ``bytes`` (grpcio sends only bytes);
+  - shared memory: ``encode_into_segment`` encodes straight into the chunk's range of the segment.
+For codecs without scales (bf16, fp32) both work a 1 MiB piece at a time and hash each piece right
+after encoding it, while it is still in the core's cache: the input is read from memory once.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvtransfer.checksum import ChunkHasher, chunk_checksum
+from kvtransfer.codecs import Codec, EncodedTensor, Kind
+from kvtransfer.wire import encode_chunk, pb
+
+PIECE_BYTES = 1 << 20  # input bytes per encode-then-hash step: well inside a core's L2
+
+
+def chunk_nbytes(codec: Codec, shape: tuple[int, ...]) -> int:
+    """Scales + payload bytes of a chunk of ``shape`` (keys and values)."""
+    return codec.layout(shape, Kind.KEY).total_nbytes + codec.layout(shape, Kind.VALUE).total_nbytes
+
+
+def frame_chunk(chunk: "pb.KVChunk", codec: Codec, key: torch.Tensor, value: torch.Tensor) -> tuple[bytes, int]:
+    """Encode ``key``/``value``, set ``chunk.checksum``; returns the framed PushMessage and its bulk bytes.
+
+    (Encoding straight into a preallocated message instead of joining parts was measured too: the
+    same for bf16, 11% less sender time for int8, ~2% of a push; not worth building bytes in place.)"""
+    if _sizes(codec, tuple(key.shape))[0] == 0:
+        scales: list[memoryview] = []
+        payload, chunk.checksum = _encode_hashed(codec, key, value)
+    else:
+        k, v = codec.encode(key, Kind.KEY), codec.encode(value, Kind.VALUE)
+        scales = scale_views(k, v)
+        payload = [k.payload_view(), v.payload_view()]
+        chunk.checksum = chunk_checksum([*scales, *payload])
+    nbytes = sum(m.nbytes for m in scales) + sum(m.nbytes for m in payload)
+    return encode_chunk(chunk, scales, payload), nbytes
+
+
+def encode_into_segment(chunk: "pb.KVChunk", codec: Codec, key: torch.Tensor, value: torch.Tensor,
+                        dest: memoryview) -> None:
+    """Encode into ``dest`` (exactly ``chunk_nbytes`` long, writable) and set ``chunk.checksum``."""
+    s_len, k_len, _ = _sizes(codec, tuple(key.shape))
+    chunk.checksum = _encode_into_parts(codec, key, value, dest[:s_len], dest[s_len:], k_len)
+
+
+def _sizes(codec: Codec, shape: tuple[int, ...]) -> tuple[int, int, int]:
+    """(scales + zeros of both, keys' payload, values' payload) bytes."""
+    k_lay, v_lay = codec.layout(shape, Kind.KEY), codec.layout(shape, Kind.VALUE)
+    s_len = k_lay.scale_nbytes + k_lay.zero_nbytes + v_lay.scale_nbytes + v_lay.zero_nbytes
+    return s_len, k_lay.payload_nbytes, v_lay.payload_nbytes
+
+
+def _encode_into_parts(codec: Codec, key: torch.Tensor, value: torch.Tensor, scales: memoryview,
+                       payload: memoryview, k_len: int) -> int:
+    """Encode into the two writable regions (scales and zeros; then keys' and values' payload) and
+    return the chunk's checksum over both."""
+    out = torch.frombuffer(payload, dtype=torch.uint8) if payload.nbytes else torch.empty(0, dtype=torch.uint8)
+    if scales.nbytes == 0:
+        return _encode_into_hashed(codec, key, value, out, payload)
+    k = codec.encode_into(key, Kind.KEY, out[:k_len])
+    v = codec.encode_into(value, Kind.VALUE, out[k_len:])
+    pos = 0
+    for m in scale_views(k, v):
+        scales[pos:pos + m.nbytes] = m
+        pos += m.nbytes
+    return chunk_checksum([scales, payload])
+
+
+def scale_views(k: EncodedTensor, v: EncodedTensor) -> list[memoryview]:
+    """Keys' scales and zeros, then values', as the wire orders them (empty parts left out)."""
+    return [m for m in (k.scales_view(), k.zeros_view(), v.scales_view(), v.zeros_view())
+            if m is not None and m.nbytes]
+
+
+def _blocks_per_piece(key: torch.Tensor) -> int:
+    return max(1, PIECE_BYTES // max(1, key[0].nbytes))
+
+
+def _encode_hashed(codec: Codec, key: torch.Tensor, value: torch.Tensor) -> tuple[list[memoryview], int]:
+    """A scale-free codec encoded a few blocks at a time, each piece's payload hashed right away."""
+    per = _blocks_per_piece(key)
+    hasher = ChunkHasher()
+    views = []
+    for tensor, kind in ((key, Kind.KEY), (value, Kind.VALUE)):
+        for i in range(0, tensor.shape[0], per):
+            view = codec.encode(tensor[i:i + per], kind).payload_view()
+            hasher.update(view)
+            views.append(view)
+    return views, hasher.value
+
+
+def _encode_into_hashed(codec: Codec, key: torch.Tensor, value: torch.Tensor, out: torch.Tensor,
+                        dest: memoryview) -> int:
+    """A scale-free codec, encoded into ``out``/``dest`` (two views of the same bytes) a few blocks at
+    a time, each piece hashed right after it was written."""
+    per = _blocks_per_piece(key)
+    hasher = ChunkHasher()
+    pos = 0
+    for tensor, kind in ((key, Kind.KEY), (value, Kind.VALUE)):
+        for i in range(0, tensor.shape[0], per):
+            part = tensor[i:i + per]
+            n = codec.layout(tuple(part.shape), kind).payload_nbytes
+            codec.encode_into(part, kind, out[pos:pos + n])
+            hasher.update(dest[pos:pos + n])
+            pos += n
+    return hasher.value

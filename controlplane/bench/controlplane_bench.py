@@ -52,6 +52,7 @@ class BenchResult:
     e2e_median_ms: float = 0.0
     e2e_p90_ms: float = 0.0
     compute_median_ms: float = 0.0
+    compute_ceiling_rps: float = 0.0  # the engine alone, the same requests in batches of `concurrency`
     added_median_ms: float = 0.0
     throughput_rps: float = 0.0
     # reference: Ray Serve 3-hop handle chain
@@ -194,6 +195,37 @@ def measure_compute(n: int) -> list[float]:
     finally:
         torch.set_num_threads(threads)
     return out
+
+
+def measure_compute_ceiling(n: int, batch: int) -> float:
+    """Requests/s of the engine alone on one thread, the same 1-token requests added ``batch`` at a time
+    and stepped to completion: what the prefill replica's compute could serve with no control plane."""
+    from workers.runtime.default_model import ensure_default_checkpoint
+    from workers.runtime.engine import Engine, EngineConfig
+    from workers.runtime.loader import load_model
+    from workers.runtime.sampler import SamplingParams
+
+    import torch
+
+    bundle = load_model(ensure_default_checkpoint())
+    engine = Engine(bundle.model, bundle.tokenizer, EngineConfig(), bundle.eos_token_ids)
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        def run(total: int, tag: str) -> float:
+            t0 = time.perf_counter()
+            for start in range(0, total, batch):
+                for i in range(start, min(total, start + batch)):
+                    engine.add_request(f"{tag}{i}", list(PROMPT), params)
+                while engine.has_unfinished():
+                    engine.step()
+            return total / (time.perf_counter() - t0)
+
+        run(batch, "w")  # warm-up
+        return run(n, "c")
+    finally:
+        torch.set_num_threads(threads)
 
 
 # ---------------------------------------------------------------- our stack
@@ -354,6 +386,7 @@ def _measure(requests: int, throughput_requests: int, concurrency: int, log: Any
     say(f"worker compute: {requests} 1-token requests through a local engine")
     compute = measure_compute(requests)
     res.compute_median_ms = _quantile(compute, 0.5) * 1e3
+    res.compute_ceiling_rps = measure_compute_ceiling(throughput_requests, concurrency)
 
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
@@ -465,6 +498,8 @@ def format_table(r: BenchResult) -> str:
          f"target >= {THROUGHPUT_TARGET_RPS:g} req/s: "
          f"{'met' if r.throughput_rps >= THROUGHPUT_TARGET_RPS else 'MISSED'}"
          + ("" if r.concurrency == 32 else " (target is at c=32)")),
+        (f"engine alone, batches of {r.concurrency}", f"{r.compute_ceiling_rps:.0f} req/s",
+         "(the compute ceiling of one prefill replica, one thread)", "", ""),
     ]
     if r.obs_on_rps:
         rows.append((f"req/s c={r.concurrency}, metrics+tracing on", f"{_quantile(r.obs_on_rps, 0.5):.0f} req/s",

@@ -3,10 +3,13 @@ that hosts a worker service next to its KVTransfer service behind one credential
 
 from __future__ import annotations
 
+import queue
 import socket
+import threading
 import uuid
 from concurrent import futures
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Iterator
 
 import grpc
 
@@ -16,6 +19,9 @@ from kvtransfer.options import CHANNEL_OPTIONS
 from workers.runtime.errors import (CapacityError, DuplicateRequestError, EngineError, InvalidImageError,
                                     PromptTooLongError)
 from workers.runtime.sampler import SamplingParams
+
+if TYPE_CHECKING:
+    from workers.engine_loop import EngineLoop
 
 
 @dataclass
@@ -73,3 +79,26 @@ def start_worker_server(register: list, generic_handlers: list[grpc.GenericRpcHa
     port = security.add_port(server, address)
     server.start()
     return server, port
+
+
+def stream_tokens(loop: "EngineLoop", request_id: str, q: "queue.Queue", prompt_tokens: int,
+                  context: grpc.ServicerContext) -> Iterator["wpb.TokenChunk"]:
+    """Relay a request's outputs from its engine-loop queue as TokenChunks until it finishes. A caller that
+    goes away aborts the request (freeing its blocks); an engine failure ends the call with its status."""
+    from workers.engine_loop import LoopFailure
+
+    finished = threading.Event()
+    context.add_callback(lambda: None if finished.is_set() else loop.abort(request_id))
+    while True:
+        item = q.get()
+        if isinstance(item, LoopFailure):
+            finished.set()
+            context.abort(status_code_for(item.error) if item.error else grpc.StatusCode.INTERNAL, item.message)
+        chunk = wpb.TokenChunk(token_ids=list(item.new_token_ids), text=item.text, finished=item.finished,
+                               prompt_tokens=prompt_tokens, completion_tokens=item.num_output_tokens)
+        if item.finished:
+            finished.set()
+            chunk.finish_reason = item.finish_reason.value if item.finish_reason else ""
+        yield chunk
+        if item.finished:
+            return

@@ -45,7 +45,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
-from kvtransfer.options import BASE_CHANNEL_OPTIONS, MAX_MESSAGE_BYTES, bulk_channel_options
+from kvtransfer.options import MAX_MESSAGE_BYTES, bulk_channel_options
 
 MiB = 1 << 20
 DEFAULT_CHUNK = 4 * MiB

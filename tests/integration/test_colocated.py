@@ -7,14 +7,14 @@ request's blocks; the disaggregated KV-push RPCs are refused.
 
 from __future__ import annotations
 
-import io
 import secrets
 import threading
 import time
 
 import grpc
 import pytest
-from PIL import Image
+
+from dispatch_helpers import png, run_request
 
 from controlplane.dispatch import DispatchError, Dispatcher, Route, WorkerRequest
 from epd.worker.v1 import worker_pb2 as wpb
@@ -56,21 +56,6 @@ def _assert_idle(address: str, within_s: float = 5.0) -> None:
         time.sleep(0.05)
 
 
-def _run(dispatcher, route, req: WorkerRequest):  # type: ignore[no-untyped-def]
-    tokens, text, last = [], "", None
-    for chunk in dispatcher.run(req, route):
-        tokens.extend(chunk.token_ids)
-        text += chunk.text
-        last = chunk
-    return tokens, text, last
-
-
-def _png(color) -> bytes:  # type: ignore[no-untyped-def]
-    buf = io.BytesIO()
-    Image.new("RGB", (48, 36), color).save(buf, "PNG")
-    return buf.getvalue()
-
-
 def test_the_route_is_colocated_without_a_prefill_worker():
     assert Route("127.0.0.1:1").colocated and not Route("127.0.0.1:1", "127.0.0.1:2").colocated
 
@@ -80,7 +65,7 @@ def test_text_request_matches_the_reference(colocated):
     greq = GenerateRequest(messages=[{"role": "user", "content": "What is the capital of France?"}], params=GREEDY)
     ids, _ = build_prompt(bundle, greq)
     ref = generate(bundle, [greq])[0]
-    tokens, text, last = _run(dispatcher, route, WorkerRequest("co-text-1", ids, GREEDY))
+    tokens, text, last = run_request(dispatcher, route, WorkerRequest("co-text-1", ids, GREEDY))
     assert tokens == ref.token_ids and text == ref.text
     assert last.finished and last.finish_reason == "length"
     assert (last.prompt_tokens, last.completion_tokens) == (len(ids), 16)
@@ -89,13 +74,13 @@ def test_text_request_matches_the_reference(colocated):
 
 def test_image_request_matches_the_reference(colocated):
     bundle, worker, dispatcher, route = colocated
-    images = (_png((200, 30, 30)), _png((30, 30, 200)))
+    images = (png((200, 30, 30)), png((30, 30, 200)))
     greq = GenerateRequest(messages=[{"role": "user", "content": [{"type": "image"}, {"type": "image"},
                                                                    {"type": "text", "text": "Compare them."}]}],
                            images=images, params=GREEDY)
     ids, mm = build_prompt(bundle, greq)
     ref = generate(bundle, [greq])[0]
-    tokens, _, _ = _run(dispatcher, route, WorkerRequest("co-image-1", ids, GREEDY, images, mm.positions))
+    tokens, _, _ = run_request(dispatcher, route, WorkerRequest("co-image-1", ids, GREEDY, images, mm.positions))
     assert tokens == ref.token_ids
     _assert_idle(worker.address)
 
@@ -108,7 +93,7 @@ def test_concurrent_requests_all_match(colocated):
 
     def one(i: int) -> None:
         ids, _ = build_prompt(bundle, greqs[i])
-        got[i] = _run(dispatcher, route, WorkerRequest(f"co-many-{i}", ids, GREEDY))[0]
+        got[i] = run_request(dispatcher, route, WorkerRequest(f"co-many-{i}", ids, GREEDY))[0]
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
     for t in threads:
@@ -128,7 +113,7 @@ def test_concurrent_requests_all_match(colocated):
 def test_bad_requests_are_refused_with_a_reason_and_hold_nothing(colocated, req, fragment):
     _, worker, dispatcher, route = colocated
     with pytest.raises(DispatchError) as info:
-        _run(dispatcher, route, req)
+        run_request(dispatcher, route, req)
     assert info.value.stage == "complete"
     assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT, info.value
     assert fragment in info.value.message
@@ -141,7 +126,7 @@ def test_an_undecodable_image_is_refused_by_name(colocated, default_bundle):
     ids = [5] + [default_bundle.image_token_id] * n + [6]
     req = WorkerRequest("co-bad-image", ids, GREEDY, (b"\x89PNG but not really",), tuple(range(1, n + 1)))
     with pytest.raises(DispatchError) as info:
-        _run(dispatcher, route, req)
+        run_request(dispatcher, route, req)
     assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT and "image" in info.value.message
     _assert_idle(worker.address)
 
@@ -176,7 +161,7 @@ def test_a_draining_worker_refuses_new_requests(default_bundle):
             assert wgrpc.DecodeWorkerStub(ch).Drain(wpb.DrainRequest(), metadata=SECURITY.call_metadata(),
                                                     timeout=5).draining
         with pytest.raises(DispatchError) as info:
-            _run(dispatcher, Route(worker.address), WorkerRequest("co-drain", [5, 6, 7], GREEDY))
+            run_request(dispatcher, Route(worker.address), WorkerRequest("co-drain", [5, 6, 7], GREEDY))
         assert info.value.code == grpc.StatusCode.UNAVAILABLE and "draining" in info.value.message
     finally:
         dispatcher.close()

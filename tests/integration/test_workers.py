@@ -6,13 +6,13 @@ single-process ``generate()``; failures surface with their stage and status and 
 
 from __future__ import annotations
 
-import io
 import secrets
 import threading
 
 import grpc
 import pytest
-from PIL import Image
+
+from dispatch_helpers import png, run_request
 
 from controlplane.dispatch import DispatchError, Dispatcher, Route, WorkerRequest
 from epd.worker.v1 import worker_pb2 as wpb
@@ -54,27 +54,12 @@ def _assert_clean(workers) -> None:  # type: ignore[no-untyped-def]
         assert (s.kv_blocks_free, s.reservations, s.running, s.waiting) == (s.kv_blocks_total, 0, 0, 0), (pool, s)
 
 
-def _run(dispatcher, route, req: WorkerRequest):  # type: ignore[no-untyped-def]
-    tokens, text, last = [], "", None
-    for chunk in dispatcher.run(req, route):
-        tokens.extend(chunk.token_ids)
-        text += chunk.text
-        last = chunk
-    return tokens, text, last
-
-
-def _png(color) -> bytes:  # type: ignore[no-untyped-def]
-    buf = io.BytesIO()
-    Image.new("RGB", (48, 36), color).save(buf, "PNG")
-    return buf.getvalue()
-
-
 def test_text_request_matches_the_reference(stack):
     bundle, workers, dispatcher, route = stack
     greq = GenerateRequest(messages=[{"role": "user", "content": "What is the capital of France?"}], params=GREEDY)
     ids, _ = build_prompt(bundle, greq)
     ref = generate(bundle, [greq])[0]
-    tokens, text, last = _run(dispatcher, route, WorkerRequest("text-1", ids, GREEDY))
+    tokens, text, last = run_request(dispatcher, route, WorkerRequest("text-1", ids, GREEDY))
     assert tokens == ref.token_ids and text == ref.text
     assert last.finished and last.finish_reason == "length" and last.completion_tokens == 16
     assert last.prompt_tokens == len(ids)
@@ -83,16 +68,16 @@ def test_text_request_matches_the_reference(stack):
 
 def test_image_request_matches_the_reference(stack):
     bundle, workers, dispatcher, route = stack
-    images = (_png((200, 30, 30)), _png((30, 30, 200)))
+    images = (png((200, 30, 30)), png((30, 30, 200)))
     greq = GenerateRequest(messages=[{"role": "user", "content": [{"type": "image"}, {"type": "image"},
                                                                    {"type": "text", "text": "Compare them."}]}],
                            images=images, params=GREEDY)
     ids, mm = build_prompt(bundle, greq)
     ref = generate(bundle, [greq])[0]
-    tokens, _, _ = _run(dispatcher, route, WorkerRequest("image-1", ids, GREEDY, images, mm.positions))
+    tokens, _, _ = run_request(dispatcher, route, WorkerRequest("image-1", ids, GREEDY, images, mm.positions))
     assert tokens == ref.token_ids
     # the same images again come from the encoder's cache
-    tokens, _, _ = _run(dispatcher, route, WorkerRequest("image-2", ids, GREEDY, images, mm.positions))
+    tokens, _, _ = run_request(dispatcher, route, WorkerRequest("image-2", ids, GREEDY, images, mm.positions))
     assert tokens == ref.token_ids
     _assert_clean(workers)
 
@@ -106,7 +91,7 @@ def test_concurrent_requests_all_match(stack):
 
     def one(i: int) -> None:
         try:
-            results[i] = _run(dispatcher, route, WorkerRequest(f"conc-{i}", prompts[i], GREEDY))[0]
+            results[i] = run_request(dispatcher, route, WorkerRequest(f"conc-{i}", prompts[i], GREEDY))[0]
         except BaseException as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
 
@@ -122,13 +107,13 @@ def test_concurrent_requests_all_match(stack):
 
 def _one_token(bundle, dispatcher, route, i, greq, params):  # type: ignore[no-untyped-def]
     ids, mm = build_prompt(bundle, greq)
-    return _run(dispatcher, route, WorkerRequest(f"one-{i}", ids, params, greq.images, mm.positions if mm else ()))
+    return run_request(dispatcher, route, WorkerRequest(f"one-{i}", ids, params, greq.images, mm.positions if mm else ()))
 
 
 def test_one_token_requests_finish_on_prefill_without_touching_decode(stack):
     bundle, workers, dispatcher, route = stack
     one = SamplingParams(max_tokens=1, temperature=0.0)
-    images = (_png((20, 160, 90)),)
+    images = (png((20, 160, 90)),)
     cases = [GenerateRequest(prompt="The first token only", params=one),
              GenerateRequest(messages=[{"role": "user", "content": [{"type": "image"}, {"type": "text",
                                                                                     "text": "Colour?"}]}],
@@ -140,7 +125,7 @@ def test_one_token_requests_finish_on_prefill_without_touching_decode(stack):
     try:
         outcomes = [_one_token(bundle, dispatcher, route, i, greq, one) for i, greq in enumerate(cases)]
         assert reserves == []  # the decode worker held nothing for them
-        _run(dispatcher, route, WorkerRequest("two-tokens", [5, 6, 7], SamplingParams(max_tokens=2)))
+        run_request(dispatcher, route, WorkerRequest("two-tokens", [5, 6, 7], SamplingParams(max_tokens=2)))
         assert reserves == ["two-tokens"]  # two tokens do go through decode
     finally:
         del engine.reserve
@@ -180,7 +165,7 @@ def test_failures_name_their_stage_and_release_everything(stack):
             wgrpc.DecodeWorkerStub(ch).Status(wpb.StatusRequest(), timeout=5)
     assert rpc.value.code() == grpc.StatusCode.UNAUTHENTICATED
     _assert_clean(workers)
-    tokens, _, _ = _run(dispatcher, route, WorkerRequest("after", ids, GREEDY))  # still serving
+    tokens, _, _ = run_request(dispatcher, route, WorkerRequest("after", ids, GREEDY))  # still serving
     assert len(tokens) == 16
 
 

@@ -24,13 +24,13 @@ import torch
 
 from epd.worker.v1 import worker_pb2 as wpb
 from epd.worker.v1 import worker_pb2_grpc as wgrpc
-from workers.engine_loop import EngineLoop, LoopFailure
+from workers.engine_loop import EngineLoop
 from workers.runtime.engine import Engine, EngineConfig
 from workers.runtime.errors import EngineError, InvalidRequestError
 from workers.runtime.loader import LoadedModel
 from workers.runtime.sequence import MultimodalInput
 from workers.runtime.vision import encode_images, preprocess_image
-from workers.service_base import WorkerIdentity, sampling_from_proto, status_code_for
+from workers.service_base import WorkerIdentity, sampling_from_proto, status_code_for, stream_tokens
 
 
 class ColocatedService(wgrpc.DecodeWorkerServicer):
@@ -61,21 +61,7 @@ class ColocatedService(wgrpc.DecodeWorkerServicer):
             q = self.loop.submit(rid, prompt, params, mm)
         except EngineError as exc:
             context.abort(status_code_for(exc), str(exc))
-        finished = threading.Event()
-        context.add_callback(lambda: None if finished.is_set() else self.loop.abort(rid))
-        while True:
-            item = q.get()
-            if isinstance(item, LoopFailure):
-                finished.set()
-                context.abort(status_code_for(item.error) if item.error else grpc.StatusCode.INTERNAL, item.message)
-            chunk = wpb.TokenChunk(token_ids=list(item.new_token_ids), text=item.text, finished=item.finished,
-                                   prompt_tokens=len(prompt), completion_tokens=item.num_output_tokens)
-            if item.finished:
-                finished.set()
-                chunk.finish_reason = item.finish_reason.value if item.finish_reason else ""
-            yield chunk
-            if item.finished:
-                return
+        yield from stream_tokens(self.loop, rid, q, len(prompt), context)
 
     def _embed(self, images: list[bytes], positions: tuple[int, ...]) -> MultimodalInput | None:
         if not images:

@@ -24,13 +24,13 @@ from epd.worker.v1 import worker_pb2_grpc as wgrpc
 from kvtransfer.receiver import KVReceiver, TransferOutcome
 from kvtransfer.server import kv_transfer_handler
 from workers.decode.kv_sink import CacheSink, KVStore, decode_cache_dtypes
-from workers.engine_loop import EngineLoop, LoopFailure
+from workers.engine_loop import EngineLoop
 from workers.prefill.kv_stream import engine_layout
 from workers.runtime.engine import Engine, EngineConfig, KVReservation
 from workers.runtime.errors import EngineError
 from workers.runtime.loader import LoadedModel
 from workers.runtime.sampler import SamplingParams
-from workers.service_base import WorkerIdentity, sampling_from_proto, status_code_for
+from workers.service_base import WorkerIdentity, sampling_from_proto, status_code_for, stream_tokens
 from workers.tracing import mark_kv_failure
 
 
@@ -124,22 +124,7 @@ class DecodeService(wgrpc.DecodeWorkerServicer):
             q = self.loop.adopt(pending.reservation, pending.prompt, outcome.first_token, pending.params)
         except EngineError as exc:
             context.abort(status_code_for(exc), str(exc))
-        finished = threading.Event()
-        context.add_callback(lambda: None if finished.is_set() else self.loop.abort(rid))
-        prompt_tokens = len(pending.prompt)
-        while True:
-            item = q.get()
-            if isinstance(item, LoopFailure):
-                finished.set()
-                context.abort(status_code_for(item.error) if item.error else grpc.StatusCode.INTERNAL, item.message)
-            chunk = wpb.TokenChunk(token_ids=list(item.new_token_ids), text=item.text, finished=item.finished,
-                                   prompt_tokens=prompt_tokens, completion_tokens=item.num_output_tokens)
-            if item.finished:
-                finished.set()
-                chunk.finish_reason = item.finish_reason.value if item.finish_reason else ""
-            yield chunk
-            if item.finished:
-                return
+        yield from stream_tokens(self.loop, rid, q, len(pending.prompt), context)
 
     def Abort(self, request: "wpb.AbortRequest", context: grpc.ServicerContext) -> "wpb.AbortReply":
         rid = request.request_id

@@ -27,6 +27,7 @@ from controlplane.observability.stages import queued as queued_stage
 from controlplane.observability.tracing import current_parent
 from controlplane.scheduler.policies import Candidate, RoutingPolicy
 from controlplane.settings import SchedulerSettings
+from controlplane.state.errors import StateError
 from controlplane.state.journal import BackgroundJournal, RequestJournal, RequestState
 from controlplane.state.registry import WorkerRegistry
 
@@ -115,8 +116,15 @@ class Scheduler:
             except Exception:  # the journal is best effort; Redis trouble must not fail requests
                 pass
 
+    def _candidates(self, pool: str) -> list[Candidate]:
+        """The pool's routable workers; a Redis outage is a 503 that says so, not an internal error."""
+        try:
+            return self.view.candidates(pool)
+        except StateError as exc:
+            raise BackendError(f"the routing state (Redis) is unavailable, retry shortly: {exc}", 503) from None
+
     def _pick(self, pool: str, tokens: int, exclude: set[str]) -> Candidate | None:
-        candidates = [c for c in self.view.candidates(pool) if c.worker_id not in exclude]
+        candidates = [c for c in self._candidates(pool) if c.worker_id not in exclude]
         return self.policy.pick(pool, candidates, tokens) if candidates else None
 
     def generate(self, request: WorkerRequest) -> Iterator[Chunk]:
@@ -180,7 +188,7 @@ class Scheduler:
                             self.view.end(w, tokens)
                     self._record(rid, RequestState.FINISHED)
                     return
-                if not self.view.candidates("decode"):
+                if not self._candidates("decode"):
                     raise BackendError("no live decode replica", 503)
                 if time.monotonic() + backoff > deadline:
                     self._record(rid, RequestState.FAILED, "no decode room in time")

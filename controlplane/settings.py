@@ -166,6 +166,9 @@ class RedisSettings(_Model):
 class RaySettings(_Model):
     address: str | None = Field(None, description="join this Ray cluster; unset = start a local one")
     namespace: str = "epd"
+    replica_start_timeout_s: float = Field(180.0, gt=0, description="a new replica must be placed, load its model "
+                                                                    "and register within this (raise it where "
+                                                                    "nodes or images take long to come up)")
 
 
 class ObservabilitySettings(_Model):

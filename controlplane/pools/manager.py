@@ -71,12 +71,12 @@ class PoolManager:
     """
 
     def __init__(self, settings: Settings, redis_url: str, prefix: str, token: str,
-                 ray_address: str | None = None, *, start_timeout_s: float = 180.0,
+                 ray_address: str | None = None, *, start_timeout_s: float | None = None,
                  drain_timeout_s: float | None = None, reconcile_interval_s: float = 1.0) -> None:
         self.settings = settings
         self.redis_url = redis_url
         self.prefix = prefix
-        self.start_timeout_s = start_timeout_s
+        self.start_timeout_s = start_timeout_s if start_timeout_s is not None else settings.ray.replica_start_timeout_s
         self.drain_timeout_s = drain_timeout_s if drain_timeout_s is not None else settings.scheduler.request_timeout_s
         self.reconcile_interval_s = reconcile_interval_s
         self.runtime = RayRuntime(ray_address if ray_address is not None else settings.ray.address,

@@ -8,8 +8,6 @@ compare token ids, not only text, with the single-process reference.
 from __future__ import annotations
 
 import secrets
-import socket
-import threading
 import time
 from contextlib import closing
 from dataclasses import dataclass
@@ -17,7 +15,8 @@ from typing import Iterator
 
 import grpc
 import pytest
-import uvicorn
+
+from http_helpers import serve_app
 
 from controlplane.api import create_app
 from controlplane.backend import BackendError, Chunk, ModelInfo, Overloaded
@@ -107,24 +106,10 @@ def e2e_stack(default_bundle: LoadedModel) -> Iterator[Stack]:
     dispatcher = Dispatcher(security)
     route = Route(workers["decode"].address, workers["prefill"].address, workers["encode"].address)
     backend = DispatchBackend(default_bundle, dispatcher, route)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    # uvicorn leaves signals alone off the main thread; the test runner keeps its own
-    server = uvicorn.Server(uvicorn.Config(create_app(backend, api_keys=[API_KEY]), log_level="warning",
-                                    lifespan="off", ws="none", timeout_graceful_shutdown=5))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="uvicorn", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.02)
     try:
-        yield Stack(default_bundle, workers, backend, security, f"http://127.0.0.1:{port}/v1", API_KEY)
+        with serve_app(create_app(backend, api_keys=[API_KEY])) as base:
+            yield Stack(default_bundle, workers, backend, security, f"{base}/v1", API_KEY)
     finally:
-        server.should_exit = True
-        thread.join(15)
-        sock.close()
         dispatcher.close()
         for w in workers.values():
             w.stop()

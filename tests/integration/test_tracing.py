@@ -11,8 +11,6 @@ from __future__ import annotations
 import base64
 import io
 import secrets
-import socket
-import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -21,12 +19,13 @@ from dataclasses import dataclass
 import grpc
 import httpx
 import pytest
-import uvicorn
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
 from PIL import Image
+
+from http_helpers import serve_app
 
 from controlplane.api import create_app
 from controlplane.backend import ModelInfo
@@ -112,24 +111,12 @@ def stack(default_bundle, redis_server) -> Iterator[Stack]:  # noqa: F811
     dispatcher = Dispatcher(SECURITY)
     scheduler = Scheduler(model, WorkerView(registry), dispatcher, get_policy("least_loaded"), SchedulerSettings(),
                           RequestJournal(conn))
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(create_app(scheduler), log_level="warning", lifespan="off", ws="none"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.02)
     try:
-        yield Stack(f"http://127.0.0.1:{sock.getsockname()[1]}", workers, exporter,
-                    default_bundle.config.num_layers)
+        with serve_app(create_app(scheduler)) as base:
+            yield Stack(base, workers, exporter, default_bundle.config.num_layers)
     finally:
         gate.open = False
         OBSERVABILITY.metrics, OBSERVABILITY.tracing = saved
-        server.should_exit = True
-        thread.join(15)
-        sock.close()
         dispatcher.close()
         for w in workers.values():
             w.stop()

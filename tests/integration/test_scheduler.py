@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import secrets
 import threading
+import time
 
 import pytest
 
-from controlplane.backend import ModelInfo, Overloaded
+from controlplane.backend import BackendError, ModelInfo, Overloaded
 from controlplane.dispatch import Dispatcher, WorkerRequest
 from controlplane.scheduler.policies import get_policy
 from controlplane.scheduler.scheduler import Scheduler, WorkerView
@@ -132,3 +133,14 @@ def test_draining_replicas_get_no_new_work(cluster):
         _collect(scheduler, WorkerRequest(f"drain-{i}", bundle.tokenizer.encode("hello"), GREEDY))
     details = [RequestJournal(cluster[5]).history(f"drain-{i}")[1].detail for i in range(3)]
     assert all(drained.identity.worker_id not in d for d in details)
+
+
+def test_a_request_no_decode_replica_can_ever_hold_is_refused_at_once(cluster):
+    scheduler = _scheduler(cluster, queue_timeout_s=30.0)
+    started = time.monotonic()
+    with pytest.raises(BackendError) as info:  # ~300 tokens of room per replica; this needs 612
+        _collect(scheduler, WorkerRequest("too-big", [5] * 600, GREEDY))
+    assert info.value.status == 400 and "KV blocks" in str(info.value)
+    assert time.monotonic() - started < 10  # refused, not left to wait out the 30 s queue timeout
+    assert scheduler.waiting == 0
+    assert [e.state for e in RequestJournal(cluster[5]).history("too-big")][-1] == RequestState.FAILED

@@ -8,8 +8,8 @@ import torch
 
 from engine_helpers import assert_no_leaks, run_to_completion
 from workers.runtime.engine import Engine, EngineConfig, LayerKVReady
-from workers.runtime.errors import (CapacityError, DuplicateRequestError, InvalidRequestError,
-                                    PromptTooLongError)
+from workers.runtime.errors import (DuplicateRequestError, InvalidRequestError, PromptTooLongError,
+                                    RequestTooLargeError)
 from workers.runtime.kv_cache import KVCacheSpec
 from workers.runtime.loader import load_model
 from workers.runtime.sampler import SamplingParams
@@ -50,7 +50,7 @@ def test_prompt_longer_than_context_is_refused_before_allocation(bundle):
 
 def test_request_bigger_than_the_pool_is_refused(bundle):
     engine = _engine(bundle, blocks=4)  # 64 tokens
-    with pytest.raises(CapacityError, match="needs 5 KV blocks .* the pool holds 4"):
+    with pytest.raises(RequestTooLargeError, match="needs 5 KV blocks .* the pool holds 4"):
         engine.add_request("big", [5] * 60, _greedy(10))
     assert_no_leaks(engine)
 

@@ -2,7 +2,8 @@
 
 A request's life here:
   1. Reserve   the prompt is checked and blocks are held; the KV receiver expects exactly one push
-               into them before the deadline. Refused with RESOURCE_EXHAUSTED when the pool is full.
+               into them before the deadline. Refused with RESOURCE_EXHAUSTED when the pool is full now,
+               INVALID_ARGUMENT when the request could never fit in it.
   2. (push)    a prefill worker streams the KV into the blocks (kvtransfer.receiver).
   3. Generate  waits for the push, joins the sequence to the running batch with prefill's first
                token, and streams tokens until it finishes. A failed push ends the stream with the

@@ -26,8 +26,8 @@ from typing import Callable, Literal
 import torch
 
 from workers.runtime.attention import DecodeItem, PrefillItem, build_step_batch
-from workers.runtime.errors import (CapacityError, DuplicateRequestError, InvalidRequestError,
-                                    PromptTooLongError)
+from workers.runtime.errors import (DuplicateRequestError, InvalidRequestError, PromptTooLongError,
+                                    RequestTooLargeError)
 from workers.runtime.kv_cache import CACHE_DTYPES, CacheDType, KVCacheSpec, PagedKVCache
 from workers.runtime.model import DecoderModel
 from workers.runtime.sampler import SamplingParams, sample
@@ -182,7 +182,7 @@ class Engine:
                 f"this model's context is {self.max_model_len} tokens; the request needs {total} "
                 f"({len(prompt_ids)} prompt + {params.max_tokens} max_tokens)")
         if self.cache.blocks_for(total) > self.cache.num_blocks:
-            raise CapacityError(
+            raise RequestTooLargeError(
                 f"the request needs {self.cache.blocks_for(total)} KV blocks ({total} tokens); "
                 f"the pool holds {self.cache.num_blocks}")
         if mm is not None:

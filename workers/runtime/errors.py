@@ -28,7 +28,11 @@ class PromptTooLongError(InvalidRequestError):
 
 
 class CapacityError(EngineError):
-    """The request can never fit in the KV pool, however long it waits."""
+    """The KV pool has no room for the request now (it may have later)."""
+
+
+class RequestTooLargeError(InvalidRequestError):
+    """The request can never fit in this worker's KV pool, however long it waits."""
 
 
 class InvalidImageError(InvalidRequestError):

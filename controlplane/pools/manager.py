@@ -1,7 +1,8 @@
 """Runs the encode, prefill and decode pools as Ray actors and keeps each at its target in Redis.
 
 Lifecycle of a manager:
-  1. ``start()``     Ray (``RayRuntime``), each pool's target set from settings, every pool reconciled,
+  1. ``start()``     Ray (``RayRuntime``), each pool's target set from settings (an ``epd scale`` made since
+                     the last start with the same settings is kept), every pool reconciled,
                      then the reconcile loop thread started.
   2. running         ``scale(pool, n)`` writes the target and reconciles that pool now. The loop, every
                      ``reconcile_interval_s``, reconciles each pool whose lock is free: it reads the target
@@ -97,7 +98,8 @@ class PoolManager:
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> "PoolManager":
-        """Ray up, targets from settings, every pool at its target. On any failure everything started is
+        """Ray up, targets from settings (unless only an ``epd scale`` changed them since the last start: see
+        ``PoolTargets.apply_configured``), every pool at its target. On any failure everything started is
         stopped again and the error raised (``WorkerStartError`` names each replica that failed)."""
         self._conn = connect(self.redis_url, self.prefix)
         self.registry = WorkerRegistry(self._conn, ttl=self.settings.redis.heartbeat_ttl_s)
@@ -106,7 +108,7 @@ class PoolManager:
             self.runtime.start()
             self._remote_cls = ray.remote(WorkerActor)
             for pool in Pool:
-                self.targets.set_target(pool, self.settings.pool(pool.value).replicas)
+                self.targets.apply_configured(pool, self.settings.pool(pool.value).replicas)
             for pool in Pool:
                 self.reconcile(pool)
         except BaseException:

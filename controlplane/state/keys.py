@@ -10,6 +10,7 @@ names are their indexes.
 | ``{prefix}:workers:{pool}``           | zset   | 2 x lease TTL, extended per beat    | worker; pruned by readers  |
 |                                       |        | (member worker_id, score lease end) |                            |
 | ``{prefix}:pool:{pool}:target``       | string | none (desired state)                | control plane (scale)      |
+| ``{prefix}:pool:{pool}:configured``   | string | none (replicas the settings asked)  | pool manager (start)       |
 | ``{prefix}:journal:{request_id}``     | stream | retention (default 3600), per write | scheduler                  |
 | ``{prefix}:journals``                 | zset   | retention, per write; capped length | scheduler                  |
 |                                       |        | (member request_id, score last at)  |                            |
@@ -88,6 +89,7 @@ KEY_LAYOUT: tuple[KeySpec, ...] = (
     KeySpec("{prefix}:worker:{pool}:{worker_id}", "hash", "2 x lease TTL", "worker"),
     KeySpec("{prefix}:workers:{pool}", "zset", "2 x lease TTL", "worker; readers prune"),
     KeySpec("{prefix}:pool:{pool}:target", "string", "none", "control plane"),
+    KeySpec("{prefix}:pool:{pool}:configured", "string", "none", "pool manager"),
     KeySpec("{prefix}:journal:{request_id}", "stream", "retention", "scheduler"),
     KeySpec("{prefix}:journals", "zset", "retention", "scheduler"),
     KeySpec("{prefix}:counter:{name}", "string", "none", "control plane"),
@@ -130,6 +132,10 @@ class KeySpace:
     def pool_target(self, pool: Pool | str) -> str:
         """Desired replica count of a pool (decimal string)."""
         return f"{self.prefix}:pool:{parse_pool(pool).value}:target"
+
+    def pool_configured(self, pool: Pool | str) -> str:
+        """The replica count the settings asked for when the pool manager last started (decimal string)."""
+        return f"{self.prefix}:pool:{parse_pool(pool).value}:configured"
 
     def journal(self, request_id: str) -> str:
         """Stream of one request's state transitions."""

@@ -1,6 +1,11 @@
-"""Pool targets: the replica count the operator wants for each pool. Desired state, so no TTL."""
+"""Pool targets: the replica count the operator wants for each pool. Desired state, so no TTL.
+
+A target changes by ``epd scale`` (the admin API) or by the settings when a pool manager starts with a
+replica count different from the last start's; ``apply_configured`` decides which."""
 
 from __future__ import annotations
+
+import redis
 
 from controlplane.state.client import StateConnection
 from controlplane.state.keys import Pool, parse_pool
@@ -45,6 +50,33 @@ class PoolTargets:
         return {pool: int(v) for pool, v in zip(pools, values) if v is not None}
 
     def clear_target(self, pool: Pool | str) -> bool:
-        """Forget the target of ``pool``; returns whether one was set."""
+        """Forget the target of ``pool`` (and what the settings asked); returns whether a target was set."""
+        pool = parse_pool(pool)
         with self._conn.guard():
-            return bool(self._conn.redis.delete(self._keys.pool_target(parse_pool(pool))))
+            removed = self._conn.redis.delete(self._keys.pool_target(pool))
+            self._conn.redis.delete(self._keys.pool_configured(pool))
+        return bool(removed)
+
+    def apply_configured(self, pool: Pool | str, replicas: int) -> int:
+        """The target a starting pool manager should use, with ``replicas`` from its settings: the most recent
+        intent wins. The settings' value when they changed since the last start (or on a first start);
+        otherwise the target already in Redis, so an ``epd scale`` survives a control-plane restart.
+        Returns the target now in effect."""
+        pool = parse_pool(pool)
+        validate_replicas(replicas)
+        target_key, configured_key = self._keys.pool_target(pool), self._keys.pool_configured(pool)
+        with self._conn.guard():
+            with self._conn.redis.pipeline(transaction=True) as pipe:
+                while True:
+                    try:
+                        pipe.watch(target_key, configured_key)
+                        target, configured = pipe.mget(target_key, configured_key)
+                        keep = target is not None and configured is not None and int(configured) == replicas
+                        effective = int(target) if keep else replicas
+                        pipe.multi()
+                        pipe.set(target_key, str(effective))
+                        pipe.set(configured_key, str(replicas))
+                        pipe.execute()
+                        return effective
+                    except redis.WatchError:
+                        continue  # someone scaled at the same moment: read again

@@ -285,8 +285,9 @@ def test_stop_leaves_no_process_behind(manager: PoolManager):
     assert ours == [], f"Ray processes still running: {ours}"
     assert not temp_dir.exists()
     conn = connect(manager.redis_url, manager.prefix)
-    try:  # leases gone; the targets stay, as desired state
-        assert sorted(keys_under(conn)) == sorted(conn.keys.pool_target(p) for p in Pool)
+    try:  # leases gone; the targets (and what the settings asked) stay, as desired state
+        assert sorted(keys_under(conn)) == sorted([conn.keys.pool_target(p) for p in Pool]
+                                                  + [conn.keys.pool_configured(p) for p in Pool])
         for pool in Pool:
             PoolTargets(conn).clear_target(pool)
     finally:

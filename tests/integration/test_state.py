@@ -197,6 +197,24 @@ def test_pool_targets_and_validation(state_conn: StateConnection):
     assert targets.clear_target(Pool.DECODE) is False
 
 
+def test_a_scale_survives_a_restart_with_the_same_settings_and_new_settings_win(state_conn: StateConnection):
+    targets = PoolTargets(state_conn)
+    assert targets.apply_configured(Pool.DECODE, 2) == 2  # first start: the settings
+    targets.set_target(Pool.DECODE, 5)  # epd scale decode 5
+    assert targets.apply_configured(Pool.DECODE, 2) == 5  # restart, same settings: the scale is kept
+    assert targets.get_target(Pool.DECODE) == 5
+    assert targets.apply_configured(Pool.DECODE, 3) == 3  # restart with new settings (helm upgrade): they win
+    targets.set_target(Pool.DECODE, 1)
+    assert targets.apply_configured(Pool.DECODE, 3) == 1
+    with pytest.raises(ValueError, match="between 0 and 1000"):
+        targets.apply_configured(Pool.DECODE, -1)
+    assert targets.get_target(Pool.DECODE) == 1  # a refused call changes nothing
+    assert targets.clear_target(Pool.DECODE) is True
+    assert keys_under(state_conn) == []  # the configured value went with the target
+    assert targets.apply_configured(Pool.DECODE, 3) == 3  # a cleared pool starts from the settings again
+    targets.clear_target(Pool.DECODE)
+
+
 # --- request journal ------------------------------------------------------------------------------------
 
 def test_journal_keeps_order_details_and_retention(state_conn: StateConnection):
@@ -315,7 +333,7 @@ def test_every_key_is_under_the_prefix_and_documented(redis_server: LocalRedis):
         registry = WorkerRegistry(conn, clock=ManualClock(), ttl=5.0)
         for pool in Pool:
             registry.register(info(f"{pool.value}-0", pool))
-        PoolTargets(conn).set_target(Pool.DECODE, 3)
+        PoolTargets(conn).apply_configured(Pool.DECODE, 3)
         RequestJournal(conn).record("req", RequestState.RECEIVED, 1.0)
         Counters(conn).incr("requests_total")
         seen = set()

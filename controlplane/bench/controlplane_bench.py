@@ -31,9 +31,10 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 MiB = 2**20
 PROMPT = [11, 23, 37, 41, 53, 67, 79, 83]  # a short fixed prompt (token ids)
@@ -166,8 +167,12 @@ def _client(kind: str, *args: Any) -> Any:
 
 
 # ---------------------------------------------------------------- worker compute (the local engine)
-def measure_compute(n: int) -> list[float]:
-    """Seconds per 1-token request through a local Engine, add_request..finished, one at a time."""
+@contextmanager
+def _local_engine() -> Iterator[tuple[Any, Any]]:
+    """(engine, 1-token greedy params) over the demo model, torch on one thread while it is open.
+
+    The replicas run with a fractional Ray CPU share, where Ray sets OMP_NUM_THREADS=1: the compute is
+    measured with the same one thread, or "added latency" would count the thread difference too."""
     from workers.runtime.default_model import ensure_default_checkpoint
     from workers.runtime.engine import Engine, EngineConfig
     from workers.runtime.loader import load_model
@@ -177,55 +182,42 @@ def measure_compute(n: int) -> list[float]:
 
     bundle = load_model(ensure_default_checkpoint())
     engine = Engine(bundle.model, bundle.tokenizer, EngineConfig(), bundle.eos_token_ids)
-    params = SamplingParams(max_tokens=1, temperature=0.0)
-    out = []
-    # The replicas run with a fractional Ray CPU share, where Ray sets OMP_NUM_THREADS=1: measure the
-    # compute with the same one thread, or "added latency" would count the thread difference too.
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        for i in range(n + 3):  # 3 warm-up requests
-            t0 = time.perf_counter()
-            engine.add_request(f"c{i}", list(PROMPT), params)
-            done = False
-            while not done:
-                done = any(o.finished for o in engine.step())
-            if i >= 3:
-                out.append(time.perf_counter() - t0)
+        yield engine, SamplingParams(max_tokens=1, temperature=0.0)
     finally:
         torch.set_num_threads(threads)
+
+
+def measure_compute(engine: Any, params: Any, n: int) -> list[float]:
+    """Seconds per 1-token request through the local engine, add_request..finished, one at a time."""
+    out = []
+    for i in range(n + 3):  # 3 warm-up requests
+        t0 = time.perf_counter()
+        engine.add_request(f"c{i}", list(PROMPT), params)
+        done = False
+        while not done:
+            done = any(o.finished for o in engine.step())
+        if i >= 3:
+            out.append(time.perf_counter() - t0)
     return out
 
 
-def measure_compute_ceiling(n: int, batch: int) -> float:
-    """Requests/s of the engine alone on one thread, the same 1-token requests added ``batch`` at a time
-    and stepped to completion: what the prefill replica's compute could serve with no control plane."""
-    from workers.runtime.default_model import ensure_default_checkpoint
-    from workers.runtime.engine import Engine, EngineConfig
-    from workers.runtime.loader import load_model
-    from workers.runtime.sampler import SamplingParams
+def measure_compute_ceiling(engine: Any, params: Any, n: int, batch: int) -> float:
+    """Requests/s of the local engine, the same 1-token requests added ``batch`` at a time and stepped to
+    completion: what the prefill replica's compute could serve with no control plane."""
+    def run(total: int, tag: str) -> float:
+        t0 = time.perf_counter()
+        for start in range(0, total, batch):
+            for i in range(start, min(total, start + batch)):
+                engine.add_request(f"{tag}{i}", list(PROMPT), params)
+            while engine.has_unfinished():
+                engine.step()
+        return total / (time.perf_counter() - t0)
 
-    import torch
-
-    bundle = load_model(ensure_default_checkpoint())
-    engine = Engine(bundle.model, bundle.tokenizer, EngineConfig(), bundle.eos_token_ids)
-    params = SamplingParams(max_tokens=1, temperature=0.0)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        def run(total: int, tag: str) -> float:
-            t0 = time.perf_counter()
-            for start in range(0, total, batch):
-                for i in range(start, min(total, start + batch)):
-                    engine.add_request(f"{tag}{i}", list(PROMPT), params)
-                while engine.has_unfinished():
-                    engine.step()
-            return total / (time.perf_counter() - t0)
-
-        run(batch, "w")  # warm-up
-        return run(n, "c")
-    finally:
-        torch.set_num_threads(threads)
+    run(batch, "w")  # warm-up
+    return run(n, "k")
 
 
 # ---------------------------------------------------------------- our stack
@@ -384,9 +376,10 @@ def _measure(requests: int, throughput_requests: int, concurrency: int, log: Any
     say = log or (lambda msg: None)
     res = BenchResult(requests, throughput_requests, concurrency)
     say(f"worker compute: {requests} 1-token requests through a local engine")
-    compute = measure_compute(requests)
+    with _local_engine() as (engine, params):
+        compute = measure_compute(engine, params, requests)
+        res.compute_ceiling_rps = measure_compute_ceiling(engine, params, throughput_requests, concurrency)
     res.compute_median_ms = _quantile(compute, 0.5) * 1e3
-    res.compute_ceiling_rps = measure_compute_ceiling(throughput_requests, concurrency)
 
     port = _free_port()
     url = f"http://127.0.0.1:{port}"

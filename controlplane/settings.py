@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, m
 from pydantic_settings import (BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict,
                                YamlConfigSettingsSource)
 
+from controlplane.scheduler.policies import available_policies
 from kvtransfer.policy import PolicyError, parse_policy
 
 MiB = 2**20
@@ -147,6 +148,14 @@ class SchedulerSettings(_Model):
     queue_size: int = Field(256, ge=0, description="requests waiting for decode room at most; beyond, 429")
     queue_timeout_s: float = Field(30.0, gt=0, description="longest wait in that queue before 429")
     request_timeout_s: float = Field(600.0, gt=0, description="end-to-end deadline of one request")
+
+    @field_validator("routing_policy")
+    @classmethod
+    def _known_policy(cls, v: str) -> str:
+        """A typo fails when the settings load, not after ``epd serve`` has started the pools."""
+        if v not in available_policies():
+            raise ValueError(f"unknown routing policy {v!r}; known: {', '.join(available_policies())}")
+        return v
 
 
 class ApiSettings(_Model):

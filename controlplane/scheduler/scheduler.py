@@ -123,9 +123,10 @@ class Scheduler:
         except StateError as exc:
             raise BackendError(f"the routing state (Redis) is unavailable, retry shortly: {exc}", 503) from None
 
-    def _pick(self, pool: str, tokens: int, exclude: set[str]) -> Candidate | None:
+    def _pick(self, pool: str, request: WorkerRequest, exclude: set[str]) -> Candidate | None:
         candidates = [c for c in self._candidates(pool) if c.worker_id not in exclude]
-        return self.policy.pick(pool, candidates, tokens) if candidates else None
+        tokens = len(request.prompt_ids)
+        return self.policy.pick(pool, candidates, tokens, prompt_ids=request.prompt_ids) if candidates else None
 
     def generate(self, request: WorkerRequest) -> Iterator[Chunk]:
         rid = request.request_id
@@ -144,13 +145,13 @@ class Scheduler:
             while True:
                 refused: set[str] = set()
                 while True:
-                    decode = self._pick("decode", tokens, refused)
+                    decode = self._pick("decode", request, refused)
                     if decode is None:
                         break
                     prefill = encode = None
                     if not self.colocated:
-                        prefill = self._pick("prefill", tokens, set())
-                        encode = self._pick("encode", tokens, set()) if request.images else None
+                        prefill = self._pick("prefill", request, set())
+                        encode = self._pick("encode", request, set()) if request.images else None
                         if prefill is None or (request.images and encode is None):
                             raise BackendError("no live prefill/encode replica to serve the request", 503)
                     route = Route(decode.address, prefill.address if prefill else None,

@@ -33,7 +33,7 @@ def first_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     proc = micro(*CHEAP, "--json", str(path))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "scheduler.least_loaded" in proc.stdout and "redis.heartbeat" in proc.stdout  # the table
-    assert "no prefix-block index exists yet" in proc.stdout
+    assert "scheduler.prefix_affinity is the decision with a 100,000-block prefix index" in proc.stdout
     return path
 
 
@@ -43,8 +43,8 @@ def test_json_holds_figures_and_ratios(first_run: Path) -> None:
     assert raw["benchmarks"] == ["scheduler", "redis"] and raw["errors"] == {}
     assert raw["meta"]["quick"] is True and raw["meta"]["repeats"] == 3
     names = {r["name"] for r in raw["results"]}
-    assert {"scheduler.least_loaded", "scheduler.round_robin", "redis.register", "redis.heartbeat",
-            "redis.list"} <= names
+    assert {"scheduler.least_loaded", "scheduler.round_robin", "scheduler.prefix_affinity", "redis.register",
+            "redis.heartbeat", "redis.list"} <= names
     for r in raw["results"]:
         assert len(r["values"]) == len(r["ref_values"]) == len(r["ratios"]) == 3
         assert all(v > 0 for v in r["values"] + r["ref_values"] + r["ratios"]), r

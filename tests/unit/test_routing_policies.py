@@ -39,4 +39,10 @@ def test_round_robin_cycles_per_pool():
 def test_unknown_policy_lists_the_known_ones():
     with pytest.raises(ValueError, match="unknown routing policy 'fastest'; known: least_loaded, round_robin"):
         get_policy("fastest")
-    assert available_policies() == ("least_loaded", "round_robin")
+    assert available_policies() == ("least_loaded", "round_robin", "prefix_affinity")
+
+
+def test_load_only_policies_ignore_prompt_ids():
+    cands = [_c("a", queued=500), _c("b", queued=100)]
+    assert get_policy("least_loaded").pick("prefill", cands, 4, prompt_ids=[1, 2, 3, 4]).worker_id == "b"
+    assert get_policy("round_robin").pick("prefill", cands, 4, prompt_ids=[1, 2, 3, 4]).worker_id == "a"

@@ -1,0 +1,217 @@
+"""The prefix-block index and the ``prefix_affinity`` policy built on it: chained hashes, contiguous
+matches, the LRU bound, forgetting a worker, and routing that follows a prefix unless load says no."""
+
+from __future__ import annotations
+
+import pytest
+
+from controlplane.scheduler.policies import Candidate, PrefixAffinity, available_policies, get_policy
+from controlplane.scheduler.prefix_index import PrefixIndex, block_hashes
+from controlplane.settings import SchedulerSettings
+
+pytestmark = [pytest.mark.unit]
+
+BS = 4  # small blocks keep the prompts readable
+
+
+def _c(wid: str, queued: int = 0, inflight_tokens: int = 0, free: int = 100) -> Candidate:
+    return Candidate(wid, f"10.0.0.1:{5000 + len(wid)}", queued, free, 100, 0, inflight_tokens, 0)
+
+
+def _prompt(start: int, blocks: int) -> list[int]:
+    return list(range(start, start + blocks * BS))
+
+
+# --- block_hashes -----------------------------------------------------------------------------------------
+
+def test_block_hashes_one_per_full_block_and_the_partial_tail_is_ignored():
+    assert len(block_hashes(list(range(10)), BS)) == 2
+    assert block_hashes(list(range(8)), BS) == block_hashes(list(range(10)), BS)  # tail of 2 adds nothing
+    assert block_hashes([1, 2, 3], BS) == [] and block_hashes([], BS) == []
+
+
+def test_block_hashes_chain_on_the_prefix():
+    a = block_hashes([1, 2, 3, 4, 9, 9, 9, 9], BS)
+    b = block_hashes([5, 6, 7, 8, 9, 9, 9, 9], BS)
+    assert a[0] != b[0]
+    assert a[1] != b[1]  # the same second block after a different first block is a different prefix
+    assert block_hashes([1, 2, 3, 4, 9, 9, 9, 9], BS) == a  # deterministic within the process
+    assert block_hashes((1, 2, 3, 4), BS) == a[:1]  # any sequence of ints
+
+
+def test_block_hashes_refuses_a_nonpositive_block_size():
+    with pytest.raises(ValueError, match="block_size"):
+        block_hashes([1, 2], 0)
+
+
+# --- PrefixIndex --------------------------------------------------------------------------------------------
+
+def test_match_is_the_longest_contiguous_prefix_per_worker():
+    idx = PrefixIndex(max_blocks=100, block_size=BS)
+    shared = _prompt(0, 2)
+    idx.record("a", idx.hashes(shared + _prompt(100, 3)))  # 5 blocks
+    idx.record("b", idx.hashes(shared + _prompt(200, 1)))  # 2 shared blocks, then its own
+    assert len(idx) == 2 + 3 + 1
+    # every worker with at least one leading block, each with its own contiguous length
+    assert idx.match(idx.hashes(shared + _prompt(100, 3) + _prompt(900, 2))) == {"a": 5, "b": 2}
+    assert idx.match(idx.hashes(shared + _prompt(100, 1))) == {"a": 3, "b": 2}
+    assert idx.match(idx.hashes(shared + _prompt(200, 1))) == {"a": 2, "b": 3}
+    assert idx.match(idx.hashes(shared + _prompt(500, 4))) == {"a": 2, "b": 2}
+    assert idx.match(idx.hashes(_prompt(700, 3))) == {}  # the first block is nobody's: the walk stops there
+    assert idx.workers() == {"a", "b"}
+
+
+def test_record_is_idempotent_and_a_block_lists_each_worker_once():
+    idx = PrefixIndex(max_blocks=100, block_size=BS)
+    h = idx.hashes(_prompt(0, 3))
+    for _ in range(3):
+        idx.record("a", h)
+    idx.record("b", h)
+    assert len(idx) == 3 and idx.match(h) == {"a": 3, "b": 3}
+
+
+def test_lru_bound_evicts_the_least_recently_touched_blocks():
+    idx = PrefixIndex(max_blocks=10, block_size=BS)
+    old, mid, new = idx.hashes(_prompt(0, 4)), idx.hashes(_prompt(100, 4)), idx.hashes(_prompt(200, 4))
+    idx.record("a", old)
+    idx.record("b", mid)
+    idx.record("c", new)  # 12 blocks recorded, 10 kept: two of the oldest prompt's go
+    assert len(idx) == 10
+    assert idx.match(mid) == {"b": 4} and idx.match(new) == {"c": 4}
+    assert idx.match(old) == {"a": 2}  # its tail went first; the head, shared by more prompts, stays
+    idx.record("a", old)  # touched again: now the newest, so the next eviction takes from "mid"
+    assert len(idx) == 10 and idx.match(old) == {"a": 4}
+    assert idx.match(mid) == {"b": 2}
+    for i in range(50):
+        idx.record("d", idx.hashes(_prompt(1000 + 10 * i, 2)))
+        assert len(idx) <= 10
+    assert idx.match(old) == {} and idx.workers() == {"d"}  # evicted blocks take their workers with them
+
+
+def test_forget_worker_drops_it_and_blocks_only_it_held():
+    idx = PrefixIndex(max_blocks=100, block_size=BS)
+    shared, own = idx.hashes(_prompt(0, 2)), idx.hashes(_prompt(0, 2) + _prompt(50, 2))
+    idx.record("a", own)
+    idx.record("b", shared)
+    idx.forget_worker("a")
+    assert len(idx) == 2 and idx.match(own) == {"b": 2} and idx.workers() == {"b"}
+    idx.forget_worker("nobody")  # unknown: nothing happens
+    idx.forget_worker("b")
+    assert len(idx) == 0 and idx.match(own) == {}
+
+
+@pytest.mark.parametrize("kwargs, field", [({"max_blocks": 0}, "max_blocks"), ({"block_size": 0}, "block_size"),
+                                           ({"max_blocks": -5}, "max_blocks")])
+def test_index_validation_names_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        PrefixIndex(**kwargs)
+
+
+# --- the prefix_affinity policy --------------------------------------------------------------------------
+
+def _policy() -> PrefixAffinity:
+    return PrefixAffinity(PrefixIndex(max_blocks=1000, block_size=BS))
+
+
+def test_registered_and_accepted_by_the_settings_but_not_the_default():
+    assert "prefix_affinity" in available_policies()
+    assert isinstance(get_policy("prefix_affinity"), PrefixAffinity)
+    assert SchedulerSettings(routing_policy="prefix_affinity").routing_policy == "prefix_affinity"
+    assert SchedulerSettings().routing_policy == "least_loaded"
+    with pytest.raises(ValueError, match="unknown routing policy 'fastest'"):
+        SchedulerSettings(routing_policy="fastest")
+
+
+def test_prefill_follows_the_worker_that_got_the_prefix():
+    p = _policy()
+    system = _prompt(0, 8)
+    cands = [_c("a"), _c("b", queued=300), _c("c", queued=600)]
+    first = p.pick("prefill", cands, 40, prompt_ids=system + _prompt(100, 2))
+    assert first.worker_id == "a"  # nothing indexed yet: least loaded
+    # "a" is now the busiest, within the balance thresholds; the prompt sharing its prefix still goes there
+    cands = [_c("a", queued=900), _c("b", queued=300), _c("c", queued=600)]
+    assert p.pick("prefill", cands, 40, prompt_ids=system + _prompt(200, 2)).worker_id == "a"
+    # an unrelated prompt goes by load, and is recorded there: its next turn follows it, not the load
+    assert p.pick("prefill", cands, 40, prompt_ids=_prompt(5000, 10)).worker_id == "b"
+    cands = [_c("a", queued=900), _c("b", queued=600), _c("c", queued=300)]
+    assert p.pick("prefill", cands, 40, prompt_ids=_prompt(5000, 10) + _prompt(7000, 3) + [1, 2]).worker_id == "b"
+    assert p.pick("prefill", cands, 40, prompt_ids=_prompt(9000, 10)).worker_id == "c"
+
+
+def test_longest_match_wins_and_ties_go_to_the_least_loaded():
+    p = _policy()
+    system = _prompt(0, 4)
+    p.index.record("a", p.index.hashes(system + _prompt(100, 4)))
+    p.index.record("b", p.index.hashes(system))
+    cands = [_c("a", queued=500), _c("b", queued=0), _c("c", queued=0)]
+    assert p.pick("prefill", cands, 40, prompt_ids=system + _prompt(100, 4)).worker_id == "a"  # 8 blocks vs 4
+    cands = [_c("a", queued=500), _c("b", queued=200), _c("c", queued=0)]
+    # "a" and "b" both hold the 4 system blocks and nothing more: the less loaded of the two, not "c",
+    # which is the least loaded of all but matches nothing
+    assert p.pick("prefill", cands, 40, prompt_ids=system + _prompt(900, 2)).worker_id == "b"
+
+
+def test_falls_back_to_least_loaded_when_the_pool_is_imbalanced():
+    p = _policy()
+    prompt = _prompt(0, 8)
+    p.index.record("a", p.index.hashes(prompt))
+    gap = PrefixAffinity.BALANCE_ABS_TOKENS
+    # over both thresholds: the least loaded wins even though "a" holds the whole prompt
+    imbalanced = [_c("a", queued=gap + 100), _c("b", queued=50)]
+    assert p.imbalanced(imbalanced)
+    assert p.pick("prefill", imbalanced, 32, prompt_ids=prompt).worker_id == "b"
+    # in-flight tokens count as load too
+    assert p.pick("prefill", [_c("a", inflight_tokens=gap + 100), _c("b", queued=50)], 32,
+                  prompt_ids=_prompt(0, 8)).worker_id == "b"
+    assert p.index.match(p.index.hashes(prompt)) == {"a": 8, "b": 8}  # the fallback's choice was recorded too
+    # both tests must hold: a big absolute gap that is small relative to the load is not imbalance,
+    # nor is a big ratio between small loads
+    for balanced in ([_c("a", queued=10 * gap), _c("b", queued=8 * gap)], [_c("a", queued=gap), _c("b", queued=1)]):
+        fresh = _policy()
+        fresh.index.record("a", fresh.index.hashes(prompt))
+        assert not fresh.imbalanced(balanced)
+        assert fresh.pick("prefill", balanced, 32, prompt_ids=prompt).worker_id == "a"
+
+
+def test_never_returns_a_non_candidate():
+    p = _policy()
+    prompt = _prompt(0, 6)
+    p.index.record("gone", p.index.hashes(prompt))
+    p.index.record("b", p.index.hashes(prompt[:2 * BS]))
+    cands = [_c("b", queued=100), _c("c")]
+    assert p.pick("prefill", cands, 24, prompt_ids=prompt).worker_id == "b"  # the best *candidate* match
+    p2 = _policy()
+    p2.index.record("gone", p2.index.hashes(prompt))
+    assert p2.pick("prefill", [_c("b", queued=100), _c("c")], 24, prompt_ids=prompt).worker_id == "c"
+
+
+def test_workers_absent_at_two_sweeps_are_forgotten():
+    p = _policy()
+    p.SWEEP_EVERY = 4  # an instance setting keeps the test short
+    p.index.record("gone", p.index.hashes(_prompt(0, 3)))
+    cands = [_c("a"), _c("b")]
+    for i in range(4):  # first sweep: "gone" is noted missing, not yet forgotten
+        p.pick("prefill", cands, 8, prompt_ids=_prompt(1000 + 100 * i, 2))
+    assert "gone" in p.index.workers()
+    for i in range(4):  # second sweep: still missing, so forgotten, and its blocks with it
+        p.pick("prefill", cands, 8, prompt_ids=_prompt(2000 + 100 * i, 2))
+    assert "gone" not in p.index.workers() and p.index.match(p.index.hashes(_prompt(0, 3))) == {}
+    assert p.index.workers() == {"a"}  # every pick went by load (no matches, equal loads: lowest id)
+
+
+def test_decode_and_encode_pools_are_least_loaded_unchanged():
+    p, ll = _policy(), get_policy("least_loaded")
+    prompt = _prompt(0, 8)
+    p.index.record("a", p.index.hashes(prompt))
+    decode = [_c("a", free=10), _c("b", free=50), _c("c", free=50)]
+    assert p.pick("decode", decode, 32, prompt_ids=prompt).worker_id == ll.pick("decode", decode, 32).worker_id == "b"
+    encode = [_c("a", queued=500), _c("b", queued=100)]
+    assert p.pick("encode", encode, 32, prompt_ids=prompt).worker_id == "b"
+    assert len(p.index) == 8 and p.index.workers() == {"a"}  # neither pick was recorded
+
+
+def test_without_prompt_ids_it_is_least_loaded():
+    p = _policy()
+    cands = [_c("a", queued=500), _c("b", queued=100)]
+    assert p.pick("prefill", cands, 32).worker_id == "b"
+    assert len(p.index) == 0

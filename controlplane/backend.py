@@ -8,7 +8,7 @@ services) is the real backend; tests of the ingress alone can pass any object wi
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator, Protocol
+from typing import Any, Iterator, Protocol
 
 from controlplane.dispatch import WorkerRequest
 from workers.runtime.tokenizer import Tokenizer
@@ -24,6 +24,15 @@ class Chunk:
     finish_reason: str | None
     prompt_tokens: int
     completion_tokens: int
+    # On the finished chunk of a request one engine ran whole (a one-token request, or colocated mode):
+    # that engine's time on it, admission to last output. 0.0 when unknown (disaggregated decoding).
+    engine_seconds: float = 0.0
+
+    @classmethod
+    def from_wire(cls, c: Any) -> "Chunk":
+        """From a worker's ``TokenChunk`` (epd.worker.v1)."""
+        return cls(tuple(c.token_ids), c.text, c.finished, c.finish_reason or None, c.prompt_tokens,
+                   c.completion_tokens, c.engine_seconds)
 
 
 class Overloaded(Exception):

@@ -298,6 +298,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="requests for the throughput figure (default %(default)s)")
     cp.add_argument("--concurrency", type=int, default=32, help="concurrent requests (default %(default)s)")
     cp.add_argument("--json", type=Path, default=None, help="also write the results as JSON here")
+    cp.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                    help="the workers' compute dtype, and the local engine's for the compute figures "
+                         "(default %(default)s, as serving runs weights)")
     cp.add_argument("--observability-cost", type=int, default=0, metavar="ROUNDS",
                     help="also price metrics + tracing: ROUNDS pairs of throughput runs on the same stack, "
                          "switched off and on (every span exported over OTLP to a local receiver; with "

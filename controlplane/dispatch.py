@@ -132,7 +132,8 @@ class Dispatcher:
             except grpc.RpcError as exc:
                 raise DispatchError("encode", exc.code(), exc.details()) from None
         yield wpb.TokenChunk(token_ids=[reply.first_token], text=reply.text, finished=True,
-                             finish_reason=reply.finish_reason, prompt_tokens=len(req.prompt_ids), completion_tokens=1)
+                             finish_reason=reply.finish_reason, prompt_tokens=len(req.prompt_ids), completion_tokens=1,
+                             engine_seconds=reply.engine_seconds)
 
     def _run_disaggregated(self, req: WorkerRequest, route: Route) -> Iterator["wpb.TokenChunk"]:
         assert route.prefill is not None

@@ -13,9 +13,11 @@ during a step joins the next one together, which is what lets concurrent prompts
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass
 from typing import Union
 
@@ -59,6 +61,7 @@ class EngineLoop:
         self.engine = engine
         self._queues: dict[str, queue.Queue] = {}
         self._inbox: dict[str, _Work] = {}  # request id -> work the loop has not taken yet (insertion order)
+        self._admitted: dict[str, float] = {}  # request id -> perf_counter() at admission (loop thread only)
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -117,8 +120,10 @@ class EngineLoop:
         """Give the engine what arrived since the last step (on the loop thread, between steps)."""
         with self._lock:
             work, self._inbox = list(self._inbox.values()), {}
+        now = time.perf_counter()
         for w in work:
             rid = w.request_id if isinstance(w, _Add) else w.reservation.request_id
+            self._admitted[rid] = now
             first = None
             try:
                 if isinstance(w, _Add):
@@ -131,6 +136,8 @@ class EngineLoop:
                 if q is not None:
                     q.put(LoopFailure(str(exc), exc))
                 continue
+            if first is not None and first.finished:
+                first = self._timed(first)
             with self._lock:
                 q = self._queues.get(rid)
                 if q is not None and first is not None:
@@ -138,6 +145,7 @@ class EngineLoop:
                     if first.finished:
                         del self._queues[rid]
             if q is None:  # aborted while it was being admitted
+                self._admitted.pop(rid, None)
                 self.engine.abort(rid)
 
     def _run(self) -> None:
@@ -154,6 +162,7 @@ class EngineLoop:
                 log.exception("engine step failed")
                 self._fail_all(f"engine error: {type(exc).__name__}: {exc}")
                 continue
+            outputs = [self._timed(o) if o.finished else o for o in outputs]
             with self._lock:
                 for out in outputs:
                     q = self._queues.get(out.request_id)
@@ -162,8 +171,18 @@ class EngineLoop:
                     q.put(out)
                     if out.finished:
                         del self._queues[out.request_id]
+            if len(self._admitted) > len(self._queues) + 64:  # aborted requests' entries (loop thread only)
+                with self._lock:
+                    live = set(self._queues)
+                self._admitted = {rid: t for rid, t in self._admitted.items() if rid in live}
+
+    def _timed(self, out: RequestOutput) -> RequestOutput:
+        """A finished output with its request's engine time (admission -> now)."""
+        t0 = self._admitted.pop(out.request_id, None)
+        return out if t0 is None else dataclasses.replace(out, engine_seconds=time.perf_counter() - t0)
 
     def _fail_all(self, message: str) -> None:
+        self._admitted.clear()
         with self._lock:
             queues, self._queues = self._queues, {}
             inbox, self._inbox = self._inbox, {}

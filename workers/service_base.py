@@ -82,9 +82,10 @@ def start_worker_server(register: list, generic_handlers: list[grpc.GenericRpcHa
 
 
 def stream_tokens(loop: "EngineLoop", request_id: str, q: "queue.Queue", prompt_tokens: int,
-                  context: grpc.ServicerContext) -> Iterator["wpb.TokenChunk"]:
+                  context: grpc.ServicerContext, whole: bool = False) -> Iterator["wpb.TokenChunk"]:
     """Relay a request's outputs from its engine-loop queue as TokenChunks until it finishes. A caller that
-    goes away aborts the request (freeing its blocks); an engine failure ends the call with its status."""
+    goes away aborts the request (freeing its blocks); an engine failure ends the call with its status.
+    ``whole``: this engine ran the whole request, so the finished chunk carries its engine time."""
     from workers.engine_loop import LoopFailure
 
     finished = threading.Event()
@@ -99,6 +100,8 @@ def stream_tokens(loop: "EngineLoop", request_id: str, q: "queue.Queue", prompt_
         if item.finished:
             finished.set()
             chunk.finish_reason = item.finish_reason.value if item.finish_reason else ""
+            if whole:
+                chunk.engine_seconds = item.engine_seconds
         yield chunk
         if item.finished:
             return

@@ -97,7 +97,12 @@ def create_app(backend: Backend, api_keys: Sequence[str] = (), admin: APIRouter 
             text, last = await collect(first, chunks, request.is_disconnected)
         except ClientDisconnect:
             return Response(status_code=CLIENT_CLOSED)
-        return _json(shape.whole(text, last).model_dump_json())
+        response = _json(shape.whole(text, last).model_dump_json())
+        if last.engine_seconds > 0:
+            # W3C Server-Timing: what the worker's engine spent on this request (one engine ran it whole),
+            # so a client can tell compute from everything else (epd bench controlplane's added latency).
+            response.headers["server-timing"] = f"engine;dur={last.engine_seconds * 1e3:.3f}"
+        return response
 
     app.include_router(v1)
 

@@ -5,12 +5,19 @@ Everything runs on loopback in one run:
                  actors, the scheduler, the FastAPI app) served by uvicorn in a thread of this process;
                  the load comes from a separate client process (so the client's own Python does not share
                  this process's GIL with the server).
-  compute        the same 1-token request through a local ``workers.runtime`` Engine, one at a time.
+  compute        the same 1-token request through a local ``workers.runtime`` Engine, one at a time, in
+                 this process, in slices alternating with the stack's sequential requests (so drift in the
+                 machine's speed moves both sides of the difference alike); the same dtype as the
+                 workers (``--dtype``, default bfloat16).
   reference      a Ray Serve 3-hop handle chain (A -> B -> C, each passes a short string on through a
                  DeploymentHandle), in the same Ray instance, called from this process through the app's
                  handle; no Serve HTTP proxy.
-Figures: median/p90 end-to-end at concurrency 1, the added latency (median E2E - median compute, target
-<= 3 ms), and requests/s of 1-token requests at concurrency C (target >= 300 req/s at 32).
+Figures: median/p90 end-to-end at concurrency 1; the added latency, per request its end-to-end time minus
+the time the prefill worker's engine spent on it (the response's ``Server-Timing: engine;dur=``; a one-token
+request is computed whole by one engine), median and p90 (target: median <= 3 ms); and requests/s of
+1-token requests at concurrency C (target >= 300 req/s at 32). The local engine's time for the same request
+is printed beside the worker's: the worker's engine runs the same code, colder (its weights leave the
+caches between requests while other processes run), so the local figure is the smaller.
 
 ``--observability-cost N``: the stack exports every span over OTLP to a receiver in a child process
 (control plane and workers alike; with OTEL_TRACES_EXPORTER=none, nowhere, as a default ``epd serve``),
@@ -42,6 +49,10 @@ ADDED_LATENCY_TARGET_MS = 3.0
 THROUGHPUT_TARGET_RPS = 300.0
 OBSERVABILITY_TARGET_RATIO = 0.95
 READY_TIMEOUT_S = 180.0
+LATENCY_SLICES = 5  # compute / end-to-end alternations for the added-latency figure
+# Serving runs weights in bfloat16; on this CPU (avx512_bf16) its matmuls are 2.5-4x float32's, so the
+# compute leaves the control plane more of the 2 cores. --dtype float32 measures the float32 engine.
+DEFAULT_DTYPE = "bfloat16"
 
 
 @dataclass
@@ -49,10 +60,13 @@ class BenchResult:
     requests: int
     throughput_requests: int
     concurrency: int
+    dtype: str = "float32"  # the workers' (and the local engine's) compute dtype
     # our stack
     e2e_median_ms: float = 0.0
     e2e_p90_ms: float = 0.0
-    compute_median_ms: float = 0.0
+    compute_median_ms: float = 0.0  # the local engine (reference)
+    worker_engine_median_ms: float = 0.0  # the prefill worker's engine, per request (Server-Timing)
+    added_p90_ms: float = 0.0
     compute_ceiling_rps: float = 0.0  # the engine alone, the same requests in batches of `concurrency`
     added_median_ms: float = 0.0
     throughput_rps: float = 0.0
@@ -107,19 +121,36 @@ def _check(resp: Any) -> str | None:
 
 
 # ---------------------------------------------------------------- the client process
-def _client_sequential(url: str, model: str, n: int) -> tuple[list[float], list[str]]:
+def _client_sequential(url: str, model: str, n: int) -> tuple[list[float], list[float], list[str]]:
+    """(end-to-end seconds, the worker engine's seconds from each response's Server-Timing, errors)."""
     import httpx
 
-    lat, errors = [], []
+    lat, engine, errors = [], [], []
     with httpx.Client(base_url=url, timeout=60.0) as client:
         client.post("/v1/completions", json=_payload(model))  # warm the connection
         for _ in range(n):
             t0 = time.perf_counter()
             resp = client.post("/v1/completions", json=_payload(model))
             lat.append(time.perf_counter() - t0)
+            engine.append(engine_seconds(resp.headers.get("server-timing", "")))
             if (err := _check(resp)) is not None:
                 errors.append(err)
-    return lat, errors
+    return lat, engine, errors
+
+
+def engine_seconds(server_timing: str) -> float:
+    """The ``engine`` metric of a Server-Timing header in seconds (NaN when absent)."""
+    for metric in server_timing.split(","):
+        name, _, params = metric.strip().partition(";")
+        if name == "engine":
+            for param in params.split(";"):
+                key, _, value = param.strip().partition("=")
+                if key == "dur":
+                    try:
+                        return float(value) / 1e3
+                    except ValueError:
+                        break
+    return float("nan")
 
 
 def _client_concurrent(url: str, model: str, n: int, concurrency: int) -> tuple[float, int, list[str]]:
@@ -168,20 +199,20 @@ def _client(kind: str, *args: Any) -> Any:
 
 # ---------------------------------------------------------------- worker compute (the local engine)
 @contextmanager
-def _local_engine() -> Iterator[tuple[Any, Any]]:
-    """(engine, 1-token greedy params) over the demo model, torch on one thread while it is open.
+def _local_engine(dtype: str = "float32") -> Iterator[tuple[Any, Any]]:
+    """(engine, 1-token greedy params) over the demo model in ``dtype``, torch on one thread while it is open.
 
     The replicas run with a fractional Ray CPU share, where Ray sets OMP_NUM_THREADS=1: the compute is
     measured with the same one thread, or "added latency" would count the thread difference too."""
     from workers.runtime.default_model import ensure_default_checkpoint
-    from workers.runtime.engine import Engine, EngineConfig
+    from workers.runtime.engine import DTYPES, Engine, EngineConfig
     from workers.runtime.loader import load_model
     from workers.runtime.sampler import SamplingParams
 
     import torch
 
-    bundle = load_model(ensure_default_checkpoint())
-    engine = Engine(bundle.model, bundle.tokenizer, EngineConfig(), bundle.eos_token_ids)
+    bundle = load_model(ensure_default_checkpoint(), dtype=DTYPES[dtype])  # as a replica loads it
+    engine = Engine(bundle.model, bundle.tokenizer, EngineConfig(dtype=dtype), bundle.eos_token_ids)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -221,16 +252,16 @@ def measure_compute_ceiling(engine: Any, params: Any, n: int, batch: int) -> flo
 
 
 # ---------------------------------------------------------------- our stack
-def _settings(port: int):  # type: ignore[no-untyped-def]
+def _settings(port: int, dtype: str = DEFAULT_DTYPE):  # type: ignore[no-untyped-def]
     import secrets
 
     from controlplane.settings import Settings
 
-    engine = {"kv_cache_bytes": 64 * MiB}
+    engine = {"kv_cache_bytes": 64 * MiB, "dtype": dtype}
     pool = {"replicas": 1, "num_cpus": 0.25, "engine": engine}
     return Settings.load(None, {
         "encode": pool, "prefill": pool, "decode": pool,
-        "transfer": {"codec_policy": "fp32"},
+        "transfer": {"codec_policy": "fp32" if dtype == "float32" else "bf16"},
         # a fixed admin token: build() then writes no token file under the user's home
         "api": {"host": "127.0.0.1", "port": port, "admin_token": secrets.token_urlsafe(32)},
     })
@@ -339,12 +370,12 @@ def _serve_chain(n: int, m: int, concurrency: int) -> tuple[list[float], float]:
 
 # ---------------------------------------------------------------- the whole run
 def measure(requests: int = 200, throughput_requests: int = 640, concurrency: int = 32,
-            log: Any = None, observability_rounds: int = 0) -> BenchResult:
+            log: Any = None, observability_rounds: int = 0, dtype: str = DEFAULT_DTYPE) -> BenchResult:
     """Run every figure; leaves no process, Ray or Redis behind."""
     if observability_rounds > 0 and os.environ.get("OTEL_TRACES_EXPORTER", "").strip().lower() != "none":
         return _with_otlp_receiver(lambda: _measure(requests, throughput_requests, concurrency, log,
-                                                    observability_rounds))
-    return _measure(requests, throughput_requests, concurrency, log, observability_rounds)
+                                                    observability_rounds, dtype))
+    return _measure(requests, throughput_requests, concurrency, log, observability_rounds, dtype)
 
 
 def _with_otlp_receiver(run: Any) -> BenchResult:
@@ -370,32 +401,46 @@ def _with_otlp_receiver(run: Any) -> BenchResult:
 
 
 def _measure(requests: int, throughput_requests: int, concurrency: int, log: Any,
-             observability_rounds: int) -> BenchResult:
+             observability_rounds: int, dtype: str = DEFAULT_DTYPE) -> BenchResult:
     from controlplane.serve import build
 
     say = log or (lambda msg: None)
-    res = BenchResult(requests, throughput_requests, concurrency)
-    say(f"worker compute: {requests} 1-token requests through a local engine")
-    with _local_engine() as (engine, params):
-        compute = measure_compute(engine, params, requests)
-        res.compute_ceiling_rps = measure_compute_ceiling(engine, params, throughput_requests, concurrency)
-    res.compute_median_ms = _quantile(compute, 0.5) * 1e3
-
+    res = BenchResult(requests, throughput_requests, concurrency, dtype=dtype)
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     say("starting the stack (redis-server, Ray, three pools, API)")
-    dep = build(_settings(port))
+    dep = build(_settings(port, dtype))
     try:
-        with _Server(dep.app, port):
+        with _Server(dep.app, port), _local_engine(dtype) as (engine, params):
             _wait_ready(url)
             model = _served_model(url)
-            say(f"our stack: {requests} sequential requests")
-            lat, errors = _client("sequential", url, model, requests)
-            res.failures += errors
-            res.ok_requests += len(lat) - len(errors)
+            # Compute and end-to-end in alternating slices, so a machine that slows down (or speeds up)
+            # during the run moves both the same way instead of landing in the difference.
+            compute: list[float] = []
+            lat: list[float] = []
+            worker: list[float] = []
+            per = max(1, requests // LATENCY_SLICES)
+            for i in range(LATENCY_SLICES):
+                say(f"latency slice {i + 1}/{LATENCY_SLICES}: {per} requests through a local engine ({dtype}), "
+                    f"then {per} sequential requests through the stack")
+                compute += measure_compute(engine, params, per)
+                part, timed, errors = _client("sequential", url, model, per)
+                lat += part
+                worker += timed
+                res.failures += errors
+                res.ok_requests += len(part) - len(errors)
+            res.compute_median_ms = _quantile(compute, 0.5) * 1e3
             res.e2e_median_ms = _quantile(lat, 0.5) * 1e3
             res.e2e_p90_ms = _quantile(lat, 0.9) * 1e3
-            res.added_median_ms = res.e2e_median_ms - res.compute_median_ms
+            added = [e - w for e, w in zip(lat, worker) if w == w]  # NaN: a response without Server-Timing
+            if len(added) < len(lat):
+                res.failures.append(f"{len(lat) - len(added)} responses had no Server-Timing engine time")
+            if added:
+                res.worker_engine_median_ms = _quantile([w for w in worker if w == w], 0.5) * 1e3
+                res.added_median_ms = _quantile(added, 0.5) * 1e3
+                res.added_p90_ms = _quantile(added, 0.9) * 1e3
+            say(f"compute ceiling: {throughput_requests} requests through the local engine, {concurrency} at a time")
+            res.compute_ceiling_rps = measure_compute_ceiling(engine, params, throughput_requests, concurrency)
             say(f"our stack: {throughput_requests} requests at concurrency {concurrency}")
             elapsed, sent, errors = _client("concurrent", url, model, throughput_requests, concurrency)
             res.failures += errors
@@ -481,7 +526,9 @@ def format_table(r: BenchResult) -> str:
         ("E2E median, c=1", f"{r.e2e_median_ms:.2f} ms", "Ray Serve 3-hop, median", f"{r.serve_median_ms:.2f} ms",
          ""),
         ("E2E p90, c=1", f"{r.e2e_p90_ms:.2f} ms", "Ray Serve 3-hop, p90", f"{r.serve_p90_ms:.2f} ms", ""),
-        ("worker compute median", f"{r.compute_median_ms:.2f} ms", "", "", ""),
+        ("worker engine median", f"{r.worker_engine_median_ms:.2f} ms", "local engine, same request, median",
+         f"{r.compute_median_ms:.2f} ms", ""),
+        ("added latency p90", f"{r.added_p90_ms:.2f} ms", "", "", ""),
         ("added latency median", f"{r.added_median_ms:.2f} ms", "Ray Serve 3-hop, median",
          f"{r.serve_median_ms:.2f} ms",
          f"target <= {ADDED_LATENCY_TARGET_MS:g} ms: "
@@ -514,8 +561,9 @@ def run(args: argparse.Namespace) -> int:
     if rounds < 0:
         raise SystemExit("--observability-cost takes a number of rounds >= 0")
     res = measure(args.requests, args.throughput_requests, args.concurrency,
-                  log=lambda m: print(f"[bench] {m}", file=sys.stderr, flush=True), observability_rounds=rounds)
-    print(f"control plane, 1-token requests, prompt {len(PROMPT)} tokens; "
+                  log=lambda m: print(f"[bench] {m}", file=sys.stderr, flush=True), observability_rounds=rounds,
+                  dtype=args.dtype)
+    print(f"control plane, 1-token requests, prompt {len(PROMPT)} tokens, demo model in {res.dtype}; "
           f"{res.requests} sequential, {res.throughput_requests} at concurrency {res.concurrency}")
     print(format_table(res))
     if res.obs_on_rps:

@@ -207,8 +207,7 @@ class Scheduler:
     @staticmethod
     def _relay(first, stream) -> Iterator[Chunk]:  # type: ignore[no-untyped-def]
         for chunk in _chain(first, stream):
-            yield Chunk(tuple(chunk.token_ids), chunk.text, chunk.finished, chunk.finish_reason or None,
-                        chunk.prompt_tokens, chunk.completion_tokens)
+            yield Chunk.from_wire(chunk)
 
 
 def _chain(first, rest):  # type: ignore[no-untyped-def]

@@ -55,8 +55,7 @@ class DispatchBackend:
                 for c in stream:
                     tokens.extend(c.token_ids)
                     finished = c.finished
-                    yield Chunk(tuple(c.token_ids), c.text, c.finished, c.finish_reason or None, c.prompt_tokens,
-                                c.completion_tokens)
+                    yield Chunk.from_wire(c)
         except DispatchError as exc:
             if exc.code in _CLIENT_FAULTS:
                 raise BackendError(str(exc), status=400, kind="invalid_request_error") from None

@@ -141,6 +141,22 @@ def test_completions(e2e_stack: Stack, client: OpenAI, refs: dict[str, GenerateR
     _check(e2e_stack, refs["completion"], r.id, r.choices[0].text, r.usage, r.choices[0].finish_reason)
 
 
+def test_a_one_token_answer_says_its_engine_time_in_server_timing(e2e_stack: Stack) -> None:
+    """One engine computed it whole, so the response names that engine's time; a disaggregated
+    multi-token answer (two engines) names none rather than a part."""
+    from controlplane.bench.controlplane_bench import engine_seconds
+
+    headers = {"Authorization": f"Bearer {e2e_stack.api_key}"}
+    body = {"model": _model(e2e_stack), "prompt": COMPLETION_PROMPT, "temperature": 0}
+    t0 = time.perf_counter()
+    one = httpx.post(f"{e2e_stack.base_url}/completions", json={**body, "max_tokens": 1}, headers=headers, timeout=60)
+    elapsed = time.perf_counter() - t0
+    assert one.status_code == 200 and one.json()["usage"]["completion_tokens"] == 1
+    assert 0 < engine_seconds(one.headers["server-timing"]) < elapsed
+    many = httpx.post(f"{e2e_stack.base_url}/completions", json={**body, "max_tokens": 3}, headers=headers, timeout=60)
+    assert many.status_code == 200 and "server-timing" not in many.headers
+
+
 def test_16_concurrent_streams_all_complete_and_match(e2e_stack: Stack, client: OpenAI,
                                                       refs: dict[str, GenerateResult]) -> None:
     with ThreadPoolExecutor(len(CONCURRENT)) as pool:

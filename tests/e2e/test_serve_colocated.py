@@ -11,6 +11,7 @@ import base64
 import io
 import threading
 
+import httpx
 import pytest
 from PIL import Image
 from serve_process import serve_process
@@ -71,6 +72,13 @@ def test_text_and_image_requests_match_the_reference(served, default_bundle):
     out = client.chat.completions.create(model=model, max_tokens=12, temperature=0, messages=[{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "What colour?"}]}])
     assert out.choices[0].message.content == ref.text
+
+    # one engine ran each request whole: the response says how long it took (Server-Timing)
+    from controlplane.bench.controlplane_bench import engine_seconds
+
+    resp = httpx.post(f"{served.base}/v1/chat/completions", timeout=60, json={
+        "model": model, "max_tokens": 4, "temperature": 0, "messages": [{"role": "user", "content": prompts[0]}]})
+    assert resp.status_code == 200 and 0 < engine_seconds(resp.headers["server-timing"]) < 60
 
 
 def test_only_the_decode_pool_runs_and_scales(served):

@@ -101,3 +101,19 @@ def test_a_refused_adoption_arrives_as_a_failure_and_releases_the_reservation(bu
         assert_no_leaks(engine)
     finally:
         loop.stop()
+
+
+def test_a_finished_output_carries_its_engine_time_and_nothing_is_left_behind(gated):
+    import time
+
+    engine, loop, gate, _, entered = gated
+    q = loop.submit("timed", [5, 6, 7], GREEDY)
+    assert entered.wait(10)  # admitted, and held in its first step for a known time
+    time.sleep(0.05)
+    for _ in range(8):
+        gate.release()
+    outs = drain_outputs(q, 30)
+    assert [o.engine_seconds for o in outs[:-1]] == [0.0] * (len(outs) - 1)
+    assert 0.05 <= outs[-1].engine_seconds < 30
+    assert loop._admitted == {}  # the admission times go with the request
+    assert_no_leaks(engine)

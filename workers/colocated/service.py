@@ -61,7 +61,7 @@ class ColocatedService(wgrpc.DecodeWorkerServicer):
             q = self.loop.submit(rid, prompt, params, mm)
         except EngineError as exc:
             context.abort(status_code_for(exc), str(exc))
-        yield from stream_tokens(self.loop, rid, q, len(prompt), context)
+        yield from stream_tokens(self.loop, rid, q, len(prompt), context, whole=True)
 
     def _embed(self, images: list[bytes], positions: tuple[int, ...]) -> MultimodalInput | None:
         if not images:

@@ -152,7 +152,8 @@ class PrefillService(wgrpc.PrefillWorkerServicer):
         if not item.new_token_ids:  # aborted before its token
             context.abort(grpc.StatusCode.CANCELLED, f"prefill of {rid!r} was aborted")
         return wpb.PrefillReply(first_token=item.new_token_ids[0], text=item.text,
-                                finish_reason=item.finish_reason.value if item.finish_reason else "length")
+                                finish_reason=item.finish_reason.value if item.finish_reason else "length",
+                                engine_seconds=item.engine_seconds)
 
     def _await_embeddings(self, rid: str, request: "wpb.PrefillRequest", timeout: float,
                           context: grpc.ServicerContext) -> MultimodalInput:

@@ -81,6 +81,9 @@ class RequestOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     logits: torch.Tensor | None = None  # [vocab] float32, when params.return_logits
+    # On a finished output handed out by workers.engine_loop.EngineLoop: seconds from the request's
+    # admission to this output (the steps that ran it and the gaps between them); 0.0 otherwise.
+    engine_seconds: float = 0.0
 
 
 @dataclass(frozen=True)

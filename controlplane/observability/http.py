@@ -122,8 +122,9 @@ async def _timed(chunks: AsyncGenerator[Chunk, None], request_id: str, route: st
             if n:
                 if first_at is None:
                     first_at = now
-                    stream_span = start_span("stream", parent, attributes={"epd.request_id": request_id,
-                                                                          "epd.stage": "stream"})
+                    if not chunk.finished:  # an answer that arrives whole (one token) has no stream stage
+                        stream_span = start_span("stream", parent, attributes={"epd.request_id": request_id,
+                                                                              "epd.stage": "stream"})
                     if on:
                         metrics.TTFT.observe(now - t0)
                         for _ in range(n - 1):  # tokens that came with the first: no wait of their own

@@ -88,7 +88,7 @@ def create_app(backend: Backend, api_keys: Sequence[str] = (), admin: APIRouter 
     async def _answer(worker_request: WorkerRequest, shape: Shape, stream: bool | None,
                       stream_options: StreamOptions | None, request: Request) -> Response:
         chunks = watch(Relay(backend, worker_request, lanes).chunks(), worker_request.request_id,
-                       request.url.path, getattr(request.state, T0_KEY, None))
+                       request.scope["path"], getattr(request.state, T0_KEY, None))  # not .url: it parses
         first = await anext(chunks)  # Overloaded / BackendError here keep their own status
         if stream:
             include_usage = stream_options is not None and stream_options.include_usage

@@ -42,12 +42,15 @@ def test_bench_core_runs_and_cleans_up() -> None:
 
     assert isinstance(res, BenchResult)
     assert res.failures == []  # every request: HTTP 200 with exactly one completion token
-    assert res.ok_requests == 20
-    for name in ("e2e_median_ms", "e2e_p90_ms", "compute_median_ms", "throughput_rps",
+    assert res.ok_requests == 10 + 3 * 10  # sequential, then three throughput rounds
+    for name in ("e2e_median_ms", "e2e_p90_ms", "compute_median_ms", "worker_engine_median_ms", "throughput_rps",
                  "serve_median_ms", "serve_p90_ms", "serve_rps"):
         value = getattr(res, name)
         assert isinstance(value, float) and value > 0, (name, value)
     assert "added latency median" in format_table(res)
+    # every response named its engine time, and the added latency is what is left of each request
+    assert 0 < res.worker_engine_median_ms < res.e2e_p90_ms
+    assert 0 < res.added_median_ms < res.e2e_p90_ms
 
     assert not ray.is_initialized()
     deadline = time.monotonic() + 15

@@ -117,3 +117,43 @@ def test_a_finished_output_carries_its_engine_time_and_nothing_is_left_behind(ga
     assert 0.05 <= outs[-1].engine_seconds < 30
     assert loop._admitted == {}  # the admission times go with the request
     assert_no_leaks(engine)
+
+
+def test_an_idle_loop_lets_the_caller_step_its_own_request(bundle):
+    """run_here on an idle loop: the request is admitted and stepped on the calling thread, its output is
+    waiting when run_here returns, and the result equals the single-process reference."""
+    engine = Engine(bundle.model, None, EngineConfig(kv_cache_bytes=1 << 22))
+    stepped_on: list[int] = []
+    step = engine.step
+
+    def recording_step():  # type: ignore[no-untyped-def]
+        stepped_on.append(threading.get_ident())
+        return step()
+
+    engine.step = recording_step  # type: ignore[method-assign]
+    loop = EngineLoop(engine)
+    try:
+        q = loop.submit("here", [5, 6, 7], GREEDY, wake=False)
+        loop.run_here("here")
+        assert q.qsize() >= 1 and set(stepped_on) == {threading.get_ident()}
+        outs = drain_outputs(q, 5)
+        assert outs[-1].finished and outs[-1].engine_seconds > 0
+        ref = generate(bundle, [GenerateRequest(prompt_ids=[5, 6, 7], params=GREEDY)])[0]
+        assert [t for o in outs for t in o.new_token_ids] == ref.token_ids
+        assert_no_leaks(engine)
+    finally:
+        loop.stop()
+
+
+def test_a_busy_loop_serves_the_request_itself_when_the_caller_cannot_step(gated):
+    """While the loop thread is inside a step, run_here returns at once and the loop serves the request."""
+    engine, loop, gate, batches, entered = gated
+    first = loop.submit("a", [5, 6, 7], GREEDY)
+    assert entered.wait(10)  # the loop thread holds the step
+    q = loop.submit("b", [8, 9, 10], GREEDY, wake=False)
+    loop.run_here("b")  # must not block on the running step
+    assert q.empty()
+    for _ in range(32):
+        gate.release()
+    assert drain_outputs(first, 30)[-1].finished and drain_outputs(q, 30)[-1].num_output_tokens == 4
+    assert_no_leaks(engine)

@@ -138,7 +138,8 @@ class PrefillService(wgrpc.PrefillWorkerServicer):
         finished = threading.Event()
         context.add_callback(lambda: None if finished.is_set() else self._abort(rid, "the caller went away"))
         try:
-            q = self.loop.submit(rid, prompt, params, mm)
+            q = self.loop.submit(rid, prompt, params, mm, wake=False)
+            self.loop.run_here(rid)  # an idle engine steps it on this thread: no hand-off to the loop and back
             item = q.get(timeout=timeout)
         except EngineError as exc:
             context.abort(status_code_for(exc), str(exc))

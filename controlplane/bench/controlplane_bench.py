@@ -24,7 +24,8 @@ caches between requests while other processes run), so the local figure is the s
 (control plane and workers alike; with OTEL_TRACES_EXPORTER=none, nowhere, as a default ``epd serve``),
 and after the figures above runs N pairs of throughput runs, metrics + tracing
 switched off then on (the switches live in this process; workers trace only calls that carry a trace
-context, so they follow); the figure is median on / median off (target >= 0.95: at most 5% cost).
+context, so they follow); the figure is the median of the rounds' own on/off ratios (target >= 0.95: at most
+5% cost).
 """
 
 from __future__ import annotations
@@ -80,10 +81,11 @@ class BenchResult:
     # --observability-cost: req/s per round with metrics + tracing off and on, spans the receiver got
     obs_off_rps: list[float] = field(default_factory=list)
     obs_on_rps: list[float] = field(default_factory=list)
-    obs_ratio: float = 0.0
+    obs_ratio: float = 0.0  # the median of the rounds' on/off ratios
+    obs_round_ratios: list[float] = field(default_factory=list)
     obs_off_cpu_ms: list[float] = field(default_factory=list)  # CPU of the stack's processes per request
     obs_on_cpu_ms: list[float] = field(default_factory=list)
-    obs_cpu_ratio: float = 0.0  # median on / median off
+    obs_cpu_ratio: float = 0.0  # the median of the rounds' on/off ratios
     spans_exported: int = 0
     span_services: list[str] = field(default_factory=list)  # service.name of the processes that exported
     # correctness of every HTTP request sent: (status, completion tokens) -> count
@@ -489,8 +491,10 @@ def _measure(requests: int, throughput_requests: int, concurrency: int, log: Any
 
 def _observability_cost(res: BenchResult, url: str, model: str, n: int, concurrency: int, rounds: int,
                         say: Any) -> None:
-    """Throughput runs on the running stack, off and on in ABBA order (drift cancels); the ratio of
-    the medians."""
+    """Throughput runs on the running stack, off and on in ABBA order. The figure is the median of the
+    rounds' own on/off ratios: each round's two runs are back to back, so the machine's speed, which
+    drifts by 20-40% over minutes here, moves both alike (a ratio of medians over all rounds mixed the
+    drift in)."""
     from controlplane.observability import tracing
     from controlplane.observability.metrics import OBSERVABILITY
 
@@ -511,8 +515,10 @@ def _observability_cost(res: BenchResult, url: str, model: str, n: int, concurre
         OBSERVABILITY.metrics, OBSERVABILITY.tracing = saved
     tracing.force_flush()
     time.sleep(6.0)  # the replicas' batch processors flush on their own schedule (OTEL_BSP_SCHEDULE_DELAY)
-    res.obs_ratio = _quantile(res.obs_on_rps, 0.5) / max(1e-9, _quantile(res.obs_off_rps, 0.5))
-    res.obs_cpu_ratio = _quantile(res.obs_on_cpu_ms, 0.5) / max(1e-9, _quantile(res.obs_off_cpu_ms, 0.5))
+    res.obs_round_ratios = [on / max(1e-9, off) for on, off in zip(res.obs_on_rps, res.obs_off_rps)]
+    res.obs_ratio = _quantile(res.obs_round_ratios, 0.5)
+    res.obs_cpu_ratio = _quantile([on / max(1e-9, off) for on, off in zip(res.obs_on_cpu_ms, res.obs_off_cpu_ms)],
+                                  0.5)
 
 
 def _stack_cpu_s() -> float:
@@ -597,6 +603,7 @@ def run(args: argparse.Namespace) -> int:
     print(format_table(res))
     if res.obs_on_rps:
         services = ", ".join(res.span_services) or "nobody"
+        print("observability rounds, on/off: " + ", ".join(f"{x:.3f}" for x in res.obs_round_ratios))
         print("observability rounds, req/s off: " + ", ".join(f"{x:.0f}" for x in res.obs_off_rps)
               + "; on: " + ", ".join(f"{x:.0f}" for x in res.obs_on_rps)
               + f"; spans exported over OTLP: {res.spans_exported} from {services}")

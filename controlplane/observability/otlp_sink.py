@@ -94,6 +94,7 @@ class OTLPSinkProcess:
         assert self.proc.stdin is not None and self.proc.stdout is not None
         self.proc.stdin.close()  # the child's signal to report and exit
         out = self.proc.stdout.read()
+        self.proc.stdout.close()
         self.proc.wait(30)
         report = json.loads(out.strip().splitlines()[-1]) if out.strip() else {"received": 0, "services": []}
         return int(report["received"]), list(report["services"])

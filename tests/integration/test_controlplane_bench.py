@@ -57,3 +57,16 @@ def test_bench_core_runs_and_cleans_up() -> None:
     while (left := _children() - before) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not left, f"processes started by the benchmark still running: {sorted(left)}"
+
+
+def test_the_observability_rounds_export_from_every_process_and_pair_their_ratios() -> None:
+    """--observability-cost: spans reach the OTLP receiver from the control plane and the prefill replica,
+    and the figure is the median of each round's own on/off ratio."""
+    from controlplane.bench.controlplane_bench import measure
+
+    res = measure(requests=5, throughput_requests=16, concurrency=4, observability_rounds=2)
+    assert res.failures == []
+    assert len(res.obs_on_rps) == len(res.obs_off_rps) == len(res.obs_round_ratios) == 2
+    assert res.obs_round_ratios == [on / off for on, off in zip(res.obs_on_rps, res.obs_off_rps)]
+    assert min(res.obs_round_ratios) <= res.obs_ratio <= max(res.obs_round_ratios)
+    assert res.spans_exported > 0 and {"epd-controlplane", "epd-prefill"} <= set(res.span_services)

@@ -39,6 +39,9 @@ BENCHMARKS: tuple[Benchmark, ...] = (
               "with 100k indexed blocks)"),
     Benchmark("engine", "controlplane.bench.micro.engine:run",
               "a prefill step and decode steps at batch 1, 8, 32 vs HF transformers on the same checkpoint"),
+    Benchmark("engine-loop", "controlplane.bench.micro.engine_loop:run",
+              "a one-token request's hand-off to the engine loop (loop thread, or stepped by the handler) "
+              "vs a raw thread round trip"),
     Benchmark("redis", "controlplane.bench.micro.redis_ops:run",
               "registry register / heartbeat / list (64 workers) vs a raw redis-py SET round trip"),
 )

@@ -56,6 +56,25 @@ class JournalEntry:
     detail: str = ""
 
 
+# KEYS: the index, then one journal key per entry. ARGV: retention ms, max entries per journal, the index's
+# cutoff score (entries older than it leave the index), the index's cap, then per entry: request id,
+# state, at, detail. Per entry: XADD (exact MAXLEN), PEXPIRE the journal, ZADD GT into the index; then
+# the index is trimmed by age and by count and its expiry renewed.
+_RECORD = """
+local ret, maxn = ARGV[1], ARGV[2]
+for i = 2, #KEYS do
+  local a = 5 + (i - 2) * 4
+  redis.call('XADD', KEYS[i], 'MAXLEN', maxn, '*', 'state', ARGV[a + 1], 'at', ARGV[a + 2], 'detail', ARGV[a + 3])
+  redis.call('PEXPIRE', KEYS[i], ret)
+  redis.call('ZADD', KEYS[1], 'GT', ARGV[a + 2], ARGV[a])
+end
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', '(' .. ARGV[3])
+redis.call('ZREMRANGEBYRANK', KEYS[1], 0, -(tonumber(ARGV[4]) + 1))
+redis.call('PEXPIRE', KEYS[1], ret)
+return #KEYS - 1
+"""
+
+
 class RequestJournal:
     """Append-only, self-expiring log of request states. Durations in seconds."""
 
@@ -72,6 +91,7 @@ class RequestJournal:
         self.recent_cap = recent_cap
         self.max_entries = max_entries
         self._retention_ms = math.ceil(retention * 1000)
+        self._record = conn.redis.register_script(_RECORD)
 
     def record(self, request_id: str, state: RequestState | str, at: float, detail: str = "") -> None:
         """Append a transition. ``detail`` beyond ``MAX_DETAIL`` characters is truncated."""
@@ -91,23 +111,19 @@ class RequestJournal:
         return request_id, JournalEntry(state, float(at), detail[:MAX_DETAIL])
 
     def record_many(self, entries: list[tuple[str, JournalEntry]]) -> None:
-        """Append checked entries (from ``entry``) in one round trip."""
+        """Append checked entries (from ``entry``) in one round trip: one script call for the whole
+        batch (``_RECORD``), atomic as the MULTI/EXEC pipeline it replaced, which cost the writing
+        process ~3 commands of client-side packing and parsing per entry."""
         if not entries:
             return
-        index = self._keys.journals()
         latest = max(e.at for _, e in entries)
+        keys = [self._keys.journals()]
+        args: list[object] = [self._retention_ms, self.max_entries, repr(latest - self.retention), self.recent_cap]
+        for request_id, e in entries:
+            keys.append(self._keys.journal(request_id))
+            args += (request_id, e.state.value, repr(e.at), e.detail)
         with self._conn.guard():
-            pipe = self._conn.redis.pipeline(transaction=True)
-            for request_id, e in entries:
-                key = self._keys.journal(request_id)
-                pipe.xadd(key, {"state": e.state.value, "at": repr(e.at), "detail": e.detail},
-                          maxlen=self.max_entries, approximate=False)
-                pipe.pexpire(key, self._retention_ms)
-                pipe.zadd(index, {request_id: e.at}, gt=True)
-            pipe.zremrangebyscore(index, "-inf", f"({latest - self.retention!r}")
-            pipe.zremrangebyrank(index, 0, -(self.recent_cap + 1))
-            pipe.pexpire(index, self._retention_ms)
-            pipe.execute()
+            self._record(keys=keys, args=args)
 
     def history(self, request_id: str) -> list[JournalEntry]:
         """The request's transitions in the order they were recorded; [] if unknown or expired."""

@@ -329,3 +329,21 @@ def test_quantized_zeros_and_scale_per_token_head(dtype_name: str) -> None:
     assert torch.allclose(gk[1, 1], k[1, 1], rtol=rel, atol=1e-3 / 127)
     assert torch.allclose(gv[1, 0], -k[1, 0], rtol=rel, atol=1000 / 127)
     assert store.k_scale[2, 0] / store.k_scale[2, 1] == pytest.approx(1e6, rel=1e-3)  # scale per (token, head)
+
+
+def test_slot_list_equals_the_cache_s_slot_tensor_for_any_span() -> None:
+    """The step builder's int slot list equals PagedKVCache.slots_for's tensor formula on random spans."""
+    import random
+
+    from workers.runtime.attention import slot_list
+
+    rng = random.Random(0)
+    for _ in range(300):
+        bs = rng.choice([1, 4, 16])
+        table = rng.sample(range(1000), rng.randint(1, 12))
+        total = len(table) * bs
+        start = rng.randint(0, total)
+        end = rng.randint(start, total)
+        pos = torch.arange(start, end)
+        expected = (torch.tensor(table, dtype=torch.long)[pos // bs] * bs + pos % bs).tolist()
+        assert slot_list(table, start, end, bs) == expected, (table, bs, start, end)

@@ -61,6 +61,21 @@ class StepBatch:
     embeds: torch.Tensor | None  # [M, hidden]
 
 
+def slot_list(block_table: list[int], start: int, end: int, block_size: int) -> list[int]:
+    """Slot indices of tokens [start, end) of a sequence with this block table, as ints: one C-level
+    ``range`` per block touched (a few µs for a short prompt, where building tensors to compute the
+    same list cost ~30 µs per prefill per step)."""
+    out: list[int] = []
+    pos = start
+    while pos < end:
+        block, off = divmod(pos, block_size)
+        take = min(block_size - off, end - pos)
+        base = block_table[block] * block_size + off
+        out.extend(range(base, base + take))
+        pos += take
+    return out
+
+
 def build_step_batch(decodes: list[DecodeItem], prefills: list[PrefillItem], cache: PagedKVCache) -> StepBatch:
     device = cache.device
     bs = cache.block_size
@@ -88,8 +103,7 @@ def build_step_batch(decodes: list[DecodeItem], prefills: list[PrefillItem], cac
         first = len(ids)
         ids.extend(p.token_ids)
         positions.extend(range(p.start, p.start + n))
-        chunk_slots = cache.slots_for(p.block_table, p.start, p.start + n)
-        slots.extend(chunk_slots.tolist())
+        slots.extend(slot_list(p.block_table, p.start, p.start + n, bs))
         gather = mask = None
         if p.start > 0:
             total = p.start + n

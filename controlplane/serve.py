@@ -73,7 +73,9 @@ def build(settings: Settings) -> Deployment:
     dep = Deployment(settings, None)
     try:
         from controlplane.observability.deploy import configure_process
-        configure_process(settings.observability, "epd-controlplane")  # bad OTEL_* fail here, before Ray
+        from controlplane.observability.tracing import stop_exporting
+        if configure_process(settings.observability, "epd-controlplane"):  # bad OTEL_* fail here, before Ray
+            dep.closers.append(stop_exporting)  # closed last: the spans of the shutdown itself go out too
         model_dir = settings.model or ensure_default_checkpoint()
         info = model_info(settings, Path(model_dir))
         url = settings.redis.url

@@ -43,6 +43,7 @@ TRACER_NAME = "epd.controlplane"
 _EXPORTERS = ("otlp", "console", "none")
 _lock = threading.Lock()
 _provider: TracerProvider | None = None
+_exporting: list[SpanProcessor] = []  # what setup_tracing added (stop_exporting shuts them down)
 
 
 class TracingConfigError(ValueError):
@@ -102,8 +103,23 @@ def setup_tracing(service_name: str, exporter: SpanExporter | None = None,
     exporter = exporter if exporter is not None else exporter_from_env(env)
     if exporter is None:
         return False
-    add_span_processor(BatchSpanProcessor(exporter), service_name)
+    processor = BatchSpanProcessor(exporter)
+    add_span_processor(processor, service_name)
+    with _lock:
+        _exporting.append(processor)
     return True
+
+
+def stop_exporting(timeout_ms: int = 5000) -> None:
+    """Flush and shut down the exporters ``setup_tracing`` added. For a deployment closing in a process
+    that lives on (tests, the benchmarks): a later deployment adds its own exporter, and without this
+    the old one would keep sending every span, twice, to an endpoint that may be gone."""
+    with _lock:
+        processors = list(_exporting)
+        _exporting.clear()
+    for processor in processors:
+        processor.force_flush(timeout_ms)
+        processor.shutdown()
 
 
 def add_span_processor(processor: SpanProcessor, service_name: str = "epd") -> None:

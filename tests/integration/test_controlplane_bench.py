@@ -69,4 +69,6 @@ def test_the_observability_rounds_export_from_every_process_and_pair_their_ratio
     assert len(res.obs_on_rps) == len(res.obs_off_rps) == len(res.obs_round_ratios) == 2
     assert res.obs_round_ratios == [on / off for on, off in zip(res.obs_on_rps, res.obs_off_rps)]
     assert min(res.obs_round_ratios) <= res.obs_ratio <= max(res.obs_round_ratios)
-    assert res.spans_exported > 0 and {"epd-controlplane", "epd-prefill"} <= set(res.span_services)
+    # from the replica and from this process (named "epd-controlplane", unless an earlier test in this
+    # process installed the global tracer provider under its own service name)
+    assert res.spans_exported > 0 and "epd-prefill" in res.span_services and len(res.span_services) >= 2

@@ -28,6 +28,7 @@ from controlplane.api.relay import Relay, ThreadLanes
 from controlplane.api.streaming import ChatShape, CompletionShape, EventStream, Shape, collect, sse_events
 from controlplane.backend import Backend
 from controlplane.dispatch import WorkerRequest
+from controlplane.observability import server_timing
 from controlplane.observability.http import T0_KEY, ObservabilityMiddleware, fastapi_kwargs, watch
 
 log = logging.getLogger(__name__)
@@ -101,7 +102,7 @@ def create_app(backend: Backend, api_keys: Sequence[str] = (), admin: APIRouter 
         if last.engine_seconds > 0:
             # W3C Server-Timing: what the worker's engine spent on this request (one engine ran it whole),
             # so a client can tell compute from everything else (epd bench controlplane's added latency).
-            response.headers["server-timing"] = f"engine;dur={last.engine_seconds * 1e3:.3f}"
+            response.headers[server_timing.HEADER] = server_timing.engine_header(last.engine_seconds)
         return response
 
     app.include_router(v1)

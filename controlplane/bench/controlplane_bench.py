@@ -45,6 +45,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
+from controlplane.observability.server_timing import HEADER as SERVER_TIMING, engine_seconds
+
 MiB = 2**20
 PROMPT = [11, 23, 37, 41, 53, 67, 79, 83]  # a short fixed prompt (token ids)
 ADDED_LATENCY_TARGET_MS = 3.0
@@ -63,7 +65,7 @@ class BenchResult:
     requests: int
     throughput_requests: int
     concurrency: int
-    dtype: str = "float32"  # the workers' (and the local engine's) compute dtype
+    dtype: str = DEFAULT_DTYPE  # the workers' (and the local engine's) compute dtype
     # our stack
     e2e_median_ms: float = 0.0
     e2e_p90_ms: float = 0.0
@@ -146,25 +148,10 @@ def _client_sequential(url: str, model: str, n: int) -> tuple[list[float], list[
             t0 = time.perf_counter()
             resp = conn.send(request)
             lat.append(time.perf_counter() - t0)
-            engine.append(engine_seconds(resp.headers.get("server-timing", "")))
+            engine.append(engine_seconds(resp.headers.get(SERVER_TIMING, "")))
             if (err := _check(resp)) is not None:
                 errors.append(err)
     return lat, engine, errors
-
-
-def engine_seconds(server_timing: str) -> float:
-    """The ``engine`` metric of a Server-Timing header in seconds (NaN when absent)."""
-    for metric in server_timing.split(","):
-        name, _, params = metric.strip().partition(";")
-        if name == "engine":
-            for param in params.split(";"):
-                key, _, value = param.strip().partition("=")
-                if key == "dur":
-                    try:
-                        return float(value) / 1e3
-                    except ValueError:
-                        break
-    return float("nan")
 
 
 def _client_concurrent(url: str, model: str, n: int, concurrency: int) -> tuple[float, int, list[str]]:
@@ -183,24 +170,21 @@ def _client_concurrent(url: str, model: str, n: int, concurrency: int) -> tuple[
 
         async def worker() -> None:
             nonlocal remaining
+            writer = None
             try:
                 reader, writer = await asyncio.open_connection(host, port)
-            except BaseException:
-                ready.abort()  # the others (and the clock) stop waiting for this one
-                raise
-            try:
-                try:
-                    await send_async(reader, writer, request)  # every connection open and warm before the clock
-                except BaseException:
-                    ready.abort()
-                    raise
+                await send_async(reader, writer, request)  # every connection open and warm before the clock
                 await ready.wait()
                 while remaining > 0:
                     remaining -= 1
                     if (err := _check(await send_async(reader, writer, request))) is not None:
                         errors.append(err)
+            except BaseException:
+                ready.abort()  # a connection that fails before the clock must not leave the others waiting
+                raise
             finally:
-                writer.close()
+                if writer is not None:
+                    writer.close()
 
         tasks = [asyncio.create_task(worker()) for _ in range(concurrency)]
         await ready.wait()

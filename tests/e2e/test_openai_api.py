@@ -144,7 +144,7 @@ def test_completions(e2e_stack: Stack, client: OpenAI, refs: dict[str, GenerateR
 def test_a_one_token_answer_says_its_engine_time_in_server_timing(e2e_stack: Stack) -> None:
     """One engine computed it whole, so the response names that engine's time; a disaggregated
     multi-token answer (two engines) names none rather than a part."""
-    from controlplane.bench.controlplane_bench import engine_seconds
+    from controlplane.observability.server_timing import engine_seconds
 
     headers = {"Authorization": f"Bearer {e2e_stack.api_key}"}
     body = {"model": _model(e2e_stack), "prompt": COMPLETION_PROMPT, "temperature": 0}

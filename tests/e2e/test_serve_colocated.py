@@ -74,7 +74,7 @@ def test_text_and_image_requests_match_the_reference(served, default_bundle):
     assert out.choices[0].message.content == ref.text
 
     # one engine ran each request whole: the response says how long it took (Server-Timing)
-    from controlplane.bench.controlplane_bench import engine_seconds
+    from controlplane.observability.server_timing import engine_seconds
 
     resp = httpx.post(f"{served.base}/v1/chat/completions", timeout=60, json={
         "model": model, "max_tokens": 4, "temperature": 0, "messages": [{"role": "user", "content": prompts[0]}]})

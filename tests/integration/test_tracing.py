@@ -306,3 +306,16 @@ def test_otlp_exporter_from_the_environment_delivers_spans_to_a_collector(monkey
         assert names["inner"].trace_id == names["outer"].trace_id
     finally:
         sink.stop()
+
+
+def test_stop_exporting_sends_what_was_recorded_and_nothing_after():
+    """A closing deployment's exporter delivers its last spans, then takes no more (a later deployment in
+    the same process has its own)."""
+    exporter = InMemorySpanExporter()
+    assert tracing.setup_tracing("epd-test", exporter=exporter)
+    tracing.tracer().start_span("before").end()
+    tracing.stop_exporting()
+    assert [s.name for s in exporter.get_finished_spans()] == ["before"]
+    tracing.tracer().start_span("after").end()
+    tracing.force_flush()
+    assert [s.name for s in exporter.get_finished_spans()] == ["before"]

@@ -1,4 +1,4 @@
-"""The Server-Timing parser epd bench controlplane reads each response's worker engine time with."""
+"""The Server-Timing reader epd bench controlplane takes each response's worker engine time with."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from controlplane.bench.controlplane_bench import engine_seconds
+from controlplane.observability.server_timing import engine_seconds
 
 pytestmark = [pytest.mark.unit]
 

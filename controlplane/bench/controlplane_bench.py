@@ -593,7 +593,7 @@ def run(args: argparse.Namespace) -> int:
               + f"; spans exported over OTLP: {res.spans_exported} from {services}")
         print("stack CPU per request, ms, off: " + ", ".join(f"{x:.2f}" for x in res.obs_off_cpu_ms)
               + "; on: " + ", ".join(f"{x:.2f}" for x in res.obs_on_cpu_ms))
-    print(f"throughput rounds, req/s: " + ", ".join(f"{x:.0f}" for x in res.throughput_rounds_rps))
+    print("throughput rounds, req/s: " + ", ".join(f"{x:.0f}" for x in res.throughput_rounds_rps))
     print(f"{res.ok_requests} requests answered 200 with one token; {len(res.failures)} failed")
     for err in res.failures[:5]:
         print(f"  failure: {err}")

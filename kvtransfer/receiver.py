@@ -23,6 +23,7 @@ from typing import Callable, Iterator, Protocol, Sequence
 
 import grpc
 
+from kvtransfer.bulk import KIND_CHUNK, BulkConnection, BulkError, BulkListener
 from kvtransfer.checksum import StreamChecksum, chunk_checksum
 from kvtransfer.codecs import CodecError, Kind, get_codec
 from kvtransfer.errors import TransferRefused
@@ -74,6 +75,14 @@ class KVReceiver:
             lambda rid, err: TransferOutcome(rid, False, code=err.code, error=err.message), clock)
         self._streams = threading.BoundedSemaphore(max_streams)
         self.segments = SegmentCache()
+        self.bulk: BulkListener | None = None
+
+    def enable_bulk(self, host: str, port: int = 0) -> int:
+        """Listen for bulk TCP connections on ``host`` (the address the gRPC server is bound to);
+        returns the port. Without this, OpenBulk is refused and senders use gRPC or shared memory."""
+        if self.bulk is None:
+            self.bulk = BulkListener(host, port)
+        return self.bulk.port
 
     # ------------------------------------------------------------------ control (decode worker side)
     def expect(self, request_id: str, blocks: Sequence[int], on_done: Callable[[TransferOutcome], None],
@@ -91,11 +100,18 @@ class KVReceiver:
         return self.expectations.sweep()
 
     def start_janitor(self, interval_s: float = 0.05) -> None:
-        self.expectations.start_janitor(interval_s, also=self.segments.prune)
+        self.expectations.start_janitor(interval_s, also=self._prune)
+
+    def _prune(self) -> None:
+        self.segments.prune()
+        if self.bulk is not None:
+            self.bulk.prune()
 
     def stop(self) -> None:
         self.expectations.stop()
         self.segments.close()
+        if self.bulk is not None:
+            self.bulk.close()
 
     @property
     def pending(self) -> int:
@@ -107,28 +123,86 @@ class KVReceiver:
         if not self._streams.acquire(timeout=5.0):
             context.abort(Code.RESOURCE_EXHAUSTED, "too many KV streams in flight on this receiver; retry")
         try:
-            return run_stream(self.expectations, context, lambda bound: self._run(requests, bound))
+            return run_stream(self.expectations, context, lambda bound: self._run(requests, bound, context))
         finally:
             self._streams.release()
 
-    def _run(self, requests: Iterator[bytes], bound: list) -> bytes:
+    def open_bulk(self, request: bytes, context: grpc.ServicerContext) -> bytes:
+        """Handler for KVTransfer.OpenBulk: a ticket for one bulk TCP connection (see kvtransfer.bulk)."""
+        if self.bulk is None:
+            context.abort(Code.FAILED_PRECONDITION, "this receiver has no bulk TCP listener; use the grpc or shm "
+                                                    "transport")
+        try:
+            return self.bulk.issue().SerializeToString()
+        except BulkError as exc:
+            context.abort(Code.RESOURCE_EXHAUSTED, str(exc))
+        raise AssertionError("unreachable: context.abort raises")
+
+    def _run(self, requests: Iterator[bytes], bound: list, context: grpc.ServicerContext) -> bytes:
         first = self._next(requests)
         if first is None or first.kind != "handshake":
             raise TransferRefused(Code.INVALID_ARGUMENT, "a Push stream must open with a handshake")
-        exp = self.expectations.claim(first.header.request_id)
-        bound.append(exp)
-        session = self._open(exp, first.header)
+        bulk = self._claim_bulk(first.header, context) if first.header.transport == pb.TRANSPORT_TCP else None
+        done = False
         try:
-            for frame in self._frames(requests):
-                if frame.kind == "chunk":
-                    self._chunk(exp, session, frame)
-                elif frame.kind == "finish":
-                    return self._finish(exp, session, frame.header)
-                else:
-                    raise TransferRefused(Code.INVALID_ARGUMENT, "a second handshake on the same stream")
-            raise TransferRefused(Code.DATA_LOSS, "the stream ended before its finish message (sender gone?)")
+            exp = self.expectations.claim(first.header.request_id)
+            bound.append(exp)
+            session = self._open(exp, first.header)
+            try:
+                frames = self._frames(requests) if bulk is None else self._bulk_frames(bulk, context)
+                for frame in frames:
+                    if frame.kind == "chunk":
+                        self._chunk(exp, session, frame)
+                    elif frame.kind == "finish":
+                        ack = self._finish(exp, session, frame.header)
+                        done = True
+                        return ack
+                    else:
+                        raise TransferRefused(Code.INVALID_ARGUMENT, "a second handshake on the same stream")
+                raise TransferRefused(Code.DATA_LOSS, "the stream ended before its finish message (sender gone?)")
+            finally:
+                session.close()
         finally:
-            session.close()
+            if bulk is not None:
+                self.bulk.release(bulk, reusable=done)  # type: ignore[union-attr]
+
+    def _claim_bulk(self, hs: "pb.PushHandshake", context: grpc.ServicerContext) -> BulkConnection:
+        """The stream's bulk connection, bound to this call: cancelling the call (or its deadline)
+        wakes a read blocked on it."""
+        if self.bulk is None:
+            raise TransferRefused(Code.FAILED_PRECONDITION, "this receiver has no bulk TCP listener; use the grpc "
+                                                            "or shm transport")
+        remaining = context.time_remaining()
+        try:
+            conn = self.bulk.claim(hs.bulk_id, min(5.0, remaining) if remaining is not None else 5.0)
+        except BulkError as exc:
+            code = Code.DEADLINE_EXCEEDED if exc.kind == "timeout" else Code.FAILED_PRECONDITION
+            raise TransferRefused(code, f"bulk connection: {exc}") from None
+        owner = object()
+        conn.bind(owner, remaining if remaining is not None and remaining > 0 else None)
+        if not context.add_callback(lambda: conn.interrupt(owner)):
+            conn.interrupt(owner)  # the call already ended
+        return conn
+
+    def _bulk_frames(self, conn: BulkConnection, context: grpc.ServicerContext) -> Iterator[Frame]:
+        codes = {"closed": Code.DATA_LOSS, "timeout": Code.DEADLINE_EXCEEDED, "protocol": Code.INVALID_ARGUMENT}
+        frames = conn.read_frames(self.max_chunk_bytes + 4096)  # + the chunk's header fields
+        while True:
+            try:
+                kind, view = next(frames)
+            except BulkError as exc:
+                if not context.is_active():  # the call ended: its deadline passed or the sender cancelled it
+                    late = (context.time_remaining() or 0.0) <= 0
+                    raise TransferRefused(Code.DEADLINE_EXCEEDED if late else Code.CANCELLED,
+                                          "the transfer's deadline passed" if late else
+                                          "the sender cancelled or went away") from None
+                what = "the bulk connection ended before the finish message (sender gone?)" \
+                    if exc.kind == "closed" else str(exc)
+                raise TransferRefused(codes.get(exc.kind, Code.DATA_LOSS), what) from None
+            frame = _decode(view)
+            if frame.kind != ("chunk" if kind == KIND_CHUNK else "finish"):
+                raise TransferRefused(Code.INVALID_ARGUMENT, f"a {frame.kind} message in a bulk frame of kind {kind}")
+            yield frame
 
     @staticmethod
     def _next(requests: Iterator[bytes]) -> Frame | None:
@@ -161,7 +235,7 @@ class KVReceiver:
             except ShmError as exc:
                 raise TransferRefused(Code.FAILED_PRECONDITION, f"shared-memory transport unavailable: {exc}; "
                                                                 "use the gRPC transport") from None
-        elif hs.transport != pb.TRANSPORT_GRPC:
+        elif hs.transport not in (pb.TRANSPORT_GRPC, pb.TRANSPORT_TCP):
             raise TransferRefused(Code.INVALID_ARGUMENT, f"unknown transport {hs.transport}")
         return _Session(sender, hs.num_tokens, nblocks, segment, self.segments)
 
@@ -264,7 +338,7 @@ class _Session:
         self.segment = None
 
 
-def _decode(data: bytes) -> Frame:
+def _decode(data: bytes | memoryview) -> Frame:
     try:
         return decode_frame(data, pb.PushMessage, pb.KVChunk)
     except WireError as exc:

@@ -2,12 +2,13 @@
 
 A stream's life on this side:
   1. ``KVSender.open_stream`` picks the transport (shared memory on the same host, else gRPC
-     bytes), opens the Push call with a deadline and queues the handshake.
+     bytes; or the bulk TCP connection when configured, see kvtransfer.bulk), opens the Push call
+     with a deadline and queues the handshake.
   2. ``send_layer`` is called as prefill finishes a layer's blocks (the engine's layer hook), with
      a snapshot of those blocks. It only numbers and queues chunks: the sender's encoder threads
      encode, checksum and frame several chunks at once while the next layer computes (on shared
      memory, encoding straight into the segment), and gRPC's sending thread only sends the framed
-     chunks in order. Queued bytes are bounded per stream and per sender, so a slow receiver slows
+     chunks in order (on the TCP transport, writes them to the bulk connection). Queued bytes are bounded per stream and per sender, so a slow receiver slows
      prefill down instead of filling memory.
   3. ``finish`` queues the totals and the first token and waits for the receiver's ack.
   Any failure (refusal, deadline, cancel, receiver gone) fails the stream: later calls raise
@@ -28,25 +29,27 @@ from typing import Iterator, Literal
 import grpc
 import torch
 
-from kvtransfer.auth import ChannelCache, TransferSecurity
+from kvtransfer.auth import ChannelCache, SecurityConfigError, TransferSecurity
+from kvtransfer.bulk import KIND_CHUNK, KIND_FINISH, BulkConnection, BulkConnector, BulkError
 from kvtransfer.checksum import StreamChecksum
-from kvtransfer.chunks import chunk_nbytes, encode_into_segment, frame_chunk
+from kvtransfer.chunks import chunk_nbytes, encode_into_segment, frame_chunk, frame_chunk_parts
 from kvtransfer.codecs import get_codec, native
 from kvtransfer.errors import TransferFailed
 from kvtransfer.layout import KVLayout
 from kvtransfer.memory import retain_freed_buffers
 from kvtransfer.shm import SegmentPool, SharedSegment, ShmError, reap_orphans, shm_available
 from kvtransfer.threads import single_threaded_torch
-from kvtransfer.wire import PROTOCOL_VERSION, PUSH_METHOD, encode_control, pb
+from kvtransfer.wire import OPEN_BULK_METHOD, PROTOCOL_VERSION, PUSH_METHOD, encode_control, pb
 
-TransportChoice = Literal["auto", "grpc", "shm"]
+TransportChoice = Literal["auto", "grpc", "shm", "tcp"]
 
 
 @dataclass(frozen=True)
 class _Built:
     """One chunk, encoded and framed on an encoder thread, waiting for its turn on the stream."""
 
-    message: bytes  # what gRPC sends: the whole chunk, or (shared memory) only its header
+    message: bytes | list  # what gRPC sends: the whole chunk, or (shared memory) only its header;
+    # on the bulk TCP transport, the whole chunk as parts for sendmsg
     checksum: int
     nbytes: int  # scales + payload
     logical: int  # the same blocks in bf16
@@ -107,13 +110,19 @@ class KVSender:
     def __init__(self, security: TransferSecurity, *, stream_budget_bytes: int = 64 * 2**20,
                  sender_budget_bytes: int = 512 * 2**20, max_chunk_bytes: int = 4 * 2**20,
                  shm_chunk_bytes: int = 16 * 2**20,
-                 transport: TransportChoice = "auto", encode_threads: int = 2) -> None:
+                 transport: TransportChoice = "auto", encode_threads: int = 2,
+                 bulk_chunk_bytes: int = 8 * 2**20) -> None:
+        if transport == "tcp" and security.mtls:
+            raise SecurityConfigError("the tcp transport sends KV bytes unencrypted; with mTLS configured use "
+                                      "'grpc' or 'auto'")
         self.security = security
         self.stream_budget_bytes = stream_budget_bytes
         self.max_chunk_bytes = max_chunk_bytes
         # Shared memory has no message to size, only a control round trip per chunk: bigger is cheaper.
         self.shm_chunk_bytes = shm_chunk_bytes
+        self.bulk_chunk_bytes = bulk_chunk_bytes  # bigger than gRPC's: no message to copy, fewer headers
         self.transport = transport
+        self.bulk = BulkConnector()
         self._budget = _ByteBudget(sender_budget_bytes)
         self._channels = ChannelCache(security)
         self.host = socket.gethostname()
@@ -134,13 +143,14 @@ class KVSender:
     def close(self) -> None:
         self._channels.close()
         self.segments.close()
+        self.bulk.close()
         self.encoders.shutdown(wait=False, cancel_futures=True)
 
     def choose_transport(self, target: str) -> str:
         if self.transport == "grpc":
             return "grpc"
-        if self.transport == "shm":
-            return "shm"
+        if self.transport in ("shm", "tcp"):
+            return self.transport
         return "shm" if is_local_target(target) and shm_available() else "grpc"
 
     def open_stream(self, target: str, request_id: str, layout: KVLayout, num_tokens: int,
@@ -172,6 +182,9 @@ class KVStream:
         self._checksum = StreamChecksum()
         self._segment: SharedSegment | None = None
         self._shm_offset = 0
+        self._bulk: BulkConnection | None = None
+        self._bulk_settled = False
+        self.target = target
         hs = pb.PushHandshake(protocol_version=PROTOCOL_VERSION, request_id=request_id, layout=layout.to_proto(),
                               num_tokens=num_tokens, transport=pb.TRANSPORT_GRPC, sender_host=sender.host)
         if transport == "shm":
@@ -182,11 +195,33 @@ class KVStream:
             hs.transport = pb.TRANSPORT_SHARED_MEMORY
             hs.shm_name = self._segment.name
             hs.shm_size = self._segment.size
+        elif transport == "tcp":
+            self._bulk = self._open_bulk(target, timeout_s)
+            self._bulk.bind(self, timeout_s)  # a write blocked longer than the whole deadline fails
+            hs.transport = pb.TRANSPORT_TCP
+            hs.bulk_id = self._bulk.id
         self._queue.put(("raw", encode_control(pb.PushMessage(handshake=hs)), 0))
         call = sender.channel(target).stream_unary(PUSH_METHOD, request_serializer=None,
                                                    response_deserializer=pb.PushAck.FromString)
         self._future = call.future(self._messages(), timeout=timeout_s, metadata=sender.security.call_metadata())
         self._future.add_done_callback(self._on_done)
+
+    def _open_bulk(self, target: str, timeout_s: float) -> BulkConnection:
+        channel = self.sender.channel(target)
+
+        def ticket(timeout: float) -> "pb.BulkTicket":
+            call = channel.unary_unary(OPEN_BULK_METHOD, request_serializer=None,
+                                       response_deserializer=pb.BulkTicket.FromString)
+            try:
+                return call(b"", timeout=timeout, metadata=self.sender.security.call_metadata())
+            except grpc.RpcError as exc:
+                raise self._as_failure(exc) from None
+
+        try:
+            return self.sender.bulk.take(target, ticket, min(timeout_s, 10.0))
+        except BulkError as exc:
+            code = grpc.StatusCode.DEADLINE_EXCEEDED if exc.kind == "timeout" else grpc.StatusCode.UNAVAILABLE
+            raise TransferFailed(f"cannot open the bulk TCP connection to {target}: {exc}", code) from None
 
     def _segment_size(self) -> int:
         total = 0
@@ -214,7 +249,8 @@ class KVStream:
         one = self.layout.block_shape(1)  # chunks are sized by what goes on the wire, not the input dtype
         per_block = max(1, chunk_nbytes(codec, one))
         segment = self._segment
-        chunk_bytes = self.sender.shm_chunk_bytes if segment is not None else self.sender.max_chunk_bytes
+        chunk_bytes = (self.sender.shm_chunk_bytes if segment is not None else
+                       self.sender.bulk_chunk_bytes if self._bulk is not None else self.sender.max_chunk_bytes)
         step = max(1, chunk_bytes // per_block)
         if n:
             step = -(-n // -(-n // step))  # the same number of chunks, evenly sized (no runt last chunk)
@@ -260,8 +296,10 @@ class KVStream:
         except grpc.FutureCancelledError:
             raise self._error or TransferFailed("transfer cancelled", grpc.StatusCode.CANCELLED) from None
         if ack.num_chunks != self._seq or ack.num_bytes != self._bytes or ack.checksum != self._checksum.value:
+            self._settle_bulk(False)
             raise TransferFailed(f"receiver acknowledged {ack.num_chunks} chunks / {ack.num_bytes} bytes, sent "
                                  f"{self._seq} / {self._bytes}", grpc.StatusCode.DATA_LOSS)
+        self._settle_bulk(True)  # now, not in the done callback, so the next stream finds it idle
         return PushResult(self.request_id, self._seq, self._bytes, self._logical, self.transport,
                           time.monotonic() - self.started)
 
@@ -272,6 +310,8 @@ class KVStream:
         self._failed.set()
         self._future.cancel()
         self._queue.put(("stop", None, 0))
+        if self._bulk is not None:
+            self._bulk.interrupt(self)  # wakes gRPC's thread if it is blocked writing to the connection
 
     @property
     def failed(self) -> bool:
@@ -303,6 +343,20 @@ class KVStream:
             else:
                 self._segment.close()
             self._segment = None
+        self._settle_bulk(err is None)
+
+    def _settle_bulk(self, acked: bool) -> None:
+        """Hand the bulk connection back once (reused only after a clean ack: after a failure it may
+        hold half a stream, so it is closed)."""
+        with self._order:  # held through the hand-back: whoever returns second finds it done
+            bulk = self._bulk
+            if bulk is None or self._bulk_settled:
+                return
+            self._bulk_settled = True
+            if acked:
+                self.sender.bulk.give(self.target, bulk)
+            else:
+                bulk.interrupt(self)
 
     # ------------------------------------------------------------------ gRPC's sending thread
     def _messages(self) -> Iterator[bytes]:
@@ -314,9 +368,13 @@ class KVStream:
                 yield item
                 continue
             if kind == "finish":
-                yield encode_control(pb.PushMessage(finish=pb.PushFinish(
+                finish = encode_control(pb.PushMessage(finish=pb.PushFinish(
                     num_chunks=self._seq, num_bytes=self._bytes, checksum=self._checksum.value,
                     first_token=item)))
+                if self._bulk is not None:
+                    self._send_bulk(KIND_FINISH, [finish])
+                    return
+                yield finish
                 return
             try:
                 built: _Built = item.result()  # re-raises an encode error (NaN in the cache, ...)
@@ -328,10 +386,30 @@ class KVStream:
                 self._checksum.add(built.checksum)
                 message = built.message
                 del built, item  # gRPC copies the message; drop our references as it goes
+                if self._bulk is not None:
+                    self._send_bulk(KIND_CHUNK, message)  # on failure the call is cancelled; "stop" follows
+                    continue
                 yield message
             finally:
                 self._budget.release(cost)
                 self.sender._budget.release(cost)
+
+    def _send_bulk(self, kind: int, parts: list) -> bool:
+        """Write one message to the bulk connection (on gRPC's sending thread, which this keeps busy,
+        in order); on failure, fail the stream and cancel its call."""
+        bulk = self._bulk
+        if bulk is None or self._failed.is_set():
+            return False
+        try:
+            bulk.send_frame(kind, parts)
+            return True
+        except BulkError as exc:
+            if not self._failed.is_set():
+                code = grpc.StatusCode.DEADLINE_EXCEEDED if exc.kind == "timeout" else grpc.StatusCode.UNAVAILABLE
+                self._error = TransferFailed(f"bulk TCP connection to {self.target} failed: {exc}", code)
+                self._failed.set()
+                self._future.cancel()
+            return False
 
     def _reserve(self, segment: SharedSegment, codec, shape: tuple[int, ...]) -> int:  # type: ignore[no-untyped-def]
         """The segment offset of the next chunk (under ``_order``); chunks lie back to back."""
@@ -351,8 +429,8 @@ class KVStream:
                            num_blocks=key.shape[0], codec=int(codec.codec_id))
         logical = key.numel() * 4
         if segment is None:
-            message, nbytes = frame_chunk(chunk, codec, key, value)
-            return _Built(message, chunk.checksum, nbytes, logical)
+            framed, nbytes = (frame_chunk_parts if self._bulk is not None else frame_chunk)(chunk, codec, key, value)
+            return _Built(framed, chunk.checksum, nbytes, logical)
         # Shared memory: encoded straight into the segment; the message only says where.
         nbytes = chunk_nbytes(codec, tuple(key.shape))
         encode_into_segment(chunk, codec, key, value, segment.view(offset, nbytes))

@@ -23,6 +23,7 @@ except ImportError as exc:  # pragma: no cover - only without `make setup`
 SERVICE = "epd.kvtransfer.v1.KVTransfer"
 PUSH_METHOD = f"/{SERVICE}/Push"
 PUSH_EMBEDDINGS_METHOD = f"/{SERVICE}/PushEmbeddings"
+OPEN_BULK_METHOD = f"/{SERVICE}/OpenBulk"
 PROTOCOL_VERSION = 1
 
 _HANDSHAKE, _CHUNK, _FINISH = 1, 2, 3  # oneof field numbers, the same in PushMessage and EmbeddingMessage
@@ -97,6 +98,13 @@ def encode_chunk(chunk: "pb.KVChunk | pb.EmbeddingChunk", scales: Iterable[memor
                  payload: Iterable[memoryview]) -> bytes:
     """PushMessage/EmbeddingMessage{chunk: <chunk with scales and payload>} as bytes, built with
     one copy of the bulk data. ``chunk`` must leave its scales/payload fields unset."""
+    return b"".join(encode_chunk_parts(chunk, scales, payload))
+
+
+def encode_chunk_parts(chunk: "pb.KVChunk | pb.EmbeddingChunk", scales: Iterable[memoryview],
+                       payload: Iterable[memoryview]) -> list[bytes | memoryview]:
+    """The same message as ``encode_chunk``, as the parts that concatenate to it (no copy of the bulk
+    data), for a writer that can send a list of buffers (``socket.sendmsg``)."""
     head = chunk.SerializeToString()
     scales, payload = list(scales), list(payload)
     s_len = sum(m.nbytes for m in scales)
@@ -107,7 +115,7 @@ def encode_chunk(chunk: "pb.KVChunk | pb.EmbeddingChunk", scales: Iterable[memor
     if p_len:  # proto3 omits an empty bytes field; so must we, to stay byte-identical
         parts += [_len_prefix(PAYLOAD_FIELD, p_len), *payload]
     body_len = sum(len(p) if isinstance(p, bytes) else p.nbytes for p in parts)
-    return b"".join([_len_prefix(_CHUNK, body_len), *parts])
+    return [_len_prefix(_CHUNK, body_len), *parts]
 
 
 def encode_control(msg: "pb.PushMessage | pb.EmbeddingMessage") -> bytes:

@@ -5,7 +5,8 @@ cache) and this process as the sender. Figures:
   references   copy into a preallocated buffer, a raw TCP socket, a raw-bytes gRPC stream (4 MiB
                messages), a protobuf-bytes gRPC stream; measured before and after the transfers,
                the faster of the two kept;
-  transfers    one push of a whole cache per codec and transport: the demo model's 4k-token cache
+  transfers    one push of a whole cache per codec and transport (gRPC bytes, the bulk TCP
+               connection beside gRPC, shared memory): the demo model's 4k-token cache
                and a 256 MiB synthetic one. "Logical" GB/s counts bf16-equivalent bytes landed in
                the receiver's cache per second, encoding and decoding included;
   TTFT         a 2k-token prompt: prefill alone, and prefill streaming its KV layer by layer until
@@ -92,6 +93,7 @@ def _receiver_main(conn, token: str) -> None:  # type: ignore[no-untyped-def]
                             t.view(torch.uint8).fill_(0)
                 receiver = KVReceiver(layout, CacheSink(cache), max_chunk_bytes=256 * MiB)
                 server, port = start_server([kv_transfer_handler(receiver)], "127.0.0.1:0", security)
+                receiver.enable_bulk("127.0.0.1")
                 conn.send(port)
             elif cmd == "expect":
                 rid, nblocks = args
@@ -252,6 +254,7 @@ def run(args: argparse.Namespace) -> int:
     names = {k.split(" ")[0]: k for k in refs}
     memcpy, tcp, grpc_raw = names["memcpy"], names["tcp"], refs and [k for k in refs if "raw" in k][0]
     plan = [("bf16", "grpc", grpc_raw), ("int8", "grpc", tcp), ("fp8", "grpc", tcp), ("int4", "grpc", tcp),
+            ("bf16", "tcp", grpc_raw), ("int8", "tcp", tcp),
             ("bf16", "shm", memcpy), ("int8", "shm", memcpy)]
     rx = ReceiverProcess(token)
     figures: list[Figure] = []

@@ -10,9 +10,10 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 import grpc
+import pytest
 import torch
 
 from kvtransfer.auth import TransferSecurity
@@ -31,6 +32,8 @@ from workers.runtime.engine import Engine, EngineConfig, KVReservation
 from workers.runtime.model import DecoderModel
 
 TOKEN = "kv-test-token-0123456789abcdef"
+SECURITY = TransferSecurity(token=TOKEN)
+AUTH = SECURITY.call_metadata()
 BLOCK_SIZE = 4
 NUM_TOKENS = 10  # 3 blocks of 4, the last one partly filled
 
@@ -108,6 +111,7 @@ class Rig:
         kwargs = {} if clock is None else {"clock": clock}
         self.receiver = KVReceiver(self.layout, self.sink, **kwargs)
         self.server, port = start_server([kv_transfer_handler(self.receiver)], "127.0.0.1:0", server_security)
+        self.receiver.enable_bulk("127.0.0.1")  # for the tcp transport
         self.target = f"127.0.0.1:{port}"
         self.client_security = client_security
         self.sender = KVSender(client_security, transport="grpc")
@@ -353,10 +357,10 @@ from kvtransfer.auth import TransferSecurity
 from kvtransfer.layout import KVLayout
 from kvtransfer.sender import KVSender
 
-target, rid, num_tokens, layout_json = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+target, rid, num_tokens, layout_json, transport = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5]
 fields = json.loads(layout_json)
 layout = KVLayout(**{**fields, "layer_codecs": tuple(fields["layer_codecs"])})
-sender = KVSender(TransferSecurity(token=os.environ["EPD_KV_TEST_TOKEN"]), transport="grpc")
+sender = KVSender(TransferSecurity(token=os.environ["EPD_KV_TEST_TOKEN"]), transport=transport)
 print("ready", flush=True)
 sys.stdin.readline()
 stream = sender.open_stream(target, rid, layout, num_tokens, timeout_s=60)
@@ -366,3 +370,33 @@ print("sent", flush=True)
 sys.stdin.readline()
 os._exit(1)  # no finish, no cancel, no goodbye: the process just dies mid-stream
 """
+
+
+# ---------------------------------------------------------------------- fixtures (imported by the test modules)
+@pytest.fixture(scope="module")
+def model() -> DecoderModel:
+    return tiny_model()
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+def make_rig(model: DecoderModel) -> Iterator[Callable[..., Rig]]:
+    """Rigs with the token on both sides unless told otherwise; each must be clean when the test ends."""
+    rigs: list[Rig] = []
+
+    def make(**kwargs: object) -> Rig:
+        kwargs.setdefault("server_security", SECURITY)
+        kwargs.setdefault("client_security", SECURITY)
+        rig = Rig(model, **kwargs)  # type: ignore[arg-type]
+        rigs.append(rig)
+        return rig
+    yield make
+    for rig in rigs:
+        try:
+            rig.assert_clean()  # no reservation, expectation or block left behind
+        finally:
+            rig.close()

@@ -1,4 +1,4 @@
-"""Every codec over both transports lands exactly what the codec decodes, through the real sender,
+"""Every codec over every transport lands exactly what the codec decodes, through the real sender,
 gRPC server, receiver and paged cache: the encoder-thread framing, encoding straight into shared
 memory, several (evenly split) chunks per layer, and decoding from the received bytes."""
 
@@ -33,12 +33,13 @@ def rig():  # type: ignore[no-untyped-def]
     layout = KVLayout(LAYERS, HEADS, DIM, BS, ("bf16",) * LAYERS, "codec-test", "bfloat16")
     receiver = KVReceiver(layout, CacheSink(cache))
     server, port = start_server([kv_transfer_handler(receiver)], "127.0.0.1:0", security)
+    receiver.enable_bulk("127.0.0.1")
     yield cache, security, f"127.0.0.1:{port}", receiver
     server.stop(0)
     receiver.stop()
 
 
-@pytest.mark.parametrize("transport", ["grpc", "shm"])
+@pytest.mark.parametrize("transport", ["grpc", "shm", "tcp"])
 @pytest.mark.parametrize("codec", ["bf16", "int8", "fp8", "int4", "fp32"])
 @pytest.mark.parametrize("blocks", ["consecutive", "scattered"])
 def test_each_codec_lands_what_it_decodes(rig, transport: str, codec: str, blocks: str) -> None:  # type: ignore[no-untyped-def]
@@ -54,7 +55,8 @@ def test_each_codec_lands_what_it_decodes(rig, transport: str, codec: str, block
     rid = f"{codec}-{transport}-{blocks}"
     receiver.expect(rid, ids, lambda o: (done.append(o), landed.set()), timeout_s=30)
     # small chunks: each layer goes in several, unevenly divisible, chunks
-    sender = KVSender(security, transport=transport, max_chunk_bytes=40_000, shm_chunk_bytes=20_000)  # type: ignore[arg-type]
+    sender = KVSender(security, transport=transport, max_chunk_bytes=40_000, shm_chunk_bytes=20_000,  # type: ignore[arg-type]
+                      bulk_chunk_bytes=30_000)
     try:
         stream = sender.open_stream(target, rid, layout, TOKENS, timeout_s=30)
         for layer in range(LAYERS):

@@ -13,14 +13,15 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 import grpc
 import pytest
 import torch
 
-from kv_helpers import (BLOCK_SIZE, CHILD_SENDER, NUM_TOKENS, TOKEN, FakeClock, Frames, OpenPush, Pending, Rig,
-                        make_pki, refused, tiny_model, wait_until)
+from kv_helpers import (AUTH, BLOCK_SIZE, CHILD_SENDER, NUM_TOKENS, SECURITY, TOKEN, FakeClock, Frames, OpenPush,
+                        Pending, Rig, make_pki, refused, wait_until)
+from kv_helpers import clock, make_rig, model  # noqa: F401  (fixtures)
 from kvtransfer.auth import TransferSecurity
 from kvtransfer.errors import TransferFailed
 from kvtransfer.sender import KVSender
@@ -34,36 +35,6 @@ from workers.runtime.sampler import SamplingParams
 pytestmark = [pytest.mark.integration]
 
 Code = grpc.StatusCode
-SECURITY = TransferSecurity(token=TOKEN)
-AUTH = SECURITY.call_metadata()
-
-
-@pytest.fixture(scope="module")
-def model() -> DecoderModel:
-    return tiny_model()
-
-
-@pytest.fixture
-def clock() -> FakeClock:
-    return FakeClock()
-
-
-@pytest.fixture
-def make_rig(model: DecoderModel) -> Iterator[Callable[..., Rig]]:
-    rigs: list[Rig] = []
-
-    def make(**kwargs: object) -> Rig:
-        kwargs.setdefault("server_security", SECURITY)
-        kwargs.setdefault("client_security", SECURITY)
-        rig = Rig(model, **kwargs)  # type: ignore[arg-type]
-        rigs.append(rig)
-        return rig
-    yield make
-    for rig in rigs:
-        try:
-            rig.assert_clean()  # no reservation, expectation or block left behind
-        finally:
-            rig.close()
 
 
 @pytest.fixture
@@ -379,7 +350,8 @@ def test_receiver_cancel_mid_stream_reaches_the_sender(rig: Rig) -> None:
     rig.assert_clean()
 
 
-def test_killed_sender_process_frees_the_reservation(make_rig: Callable[..., Rig]) -> None:
+@pytest.mark.parametrize("transport", ["grpc", "tcp"])
+def test_killed_sender_process_frees_the_reservation(make_rig: Callable[..., Rig], transport: str) -> None:
     rig = make_rig()  # the real clock, with the janitor running
     rig.receiver.start_janitor(0.05)
     lay = rig.layout
@@ -388,7 +360,8 @@ def test_killed_sender_process_frees_the_reservation(make_rig: Callable[..., Rig
                                   model_fingerprint=lay.model_fingerprint, cache_dtype=lay.cache_dtype))
     timeout_s = 3.0
     env = {**os.environ, "EPD_KV_TEST_TOKEN": TOKEN}
-    with subprocess.Popen([sys.executable, "-c", CHILD_SENDER, rig.target, "killed-1", str(NUM_TOKENS), layout_json],
+    with subprocess.Popen([sys.executable, "-c", CHILD_SENDER, rig.target, "killed-1", str(NUM_TOKENS), layout_json,
+                           transport],
                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env) as child:
         assert child.stdout is not None and child.stdin is not None
         assert child.stdout.readline().strip() == "ready"
@@ -476,7 +449,7 @@ def test_shm_reference_outside_the_segment_is_out_of_range(rig: Rig) -> None:
 
 
 # ---------------------------------------------------------------------- the whole path, prefill to decode
-@pytest.mark.parametrize("transport", ["grpc", "shm"])
+@pytest.mark.parametrize("transport", ["grpc", "shm", "tcp"])
 def test_prefill_to_decode_matches_a_single_engine(make_rig: Callable[..., Rig], model: DecoderModel,
                                                    transport: str) -> None:
     rig = make_rig(codecs=("fp32", "fp32"))

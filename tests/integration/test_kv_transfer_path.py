@@ -42,6 +42,7 @@ def decode_peer(conn, model_dir: str, dtype: str, codecs: tuple[str, ...], trans
     receiver.start_janitor()
     server, port = start_server([kv_transfer_handler(receiver)], "127.0.0.1:0",
                                 TransferSecurity(token=transport_token))
+    receiver.enable_bulk("127.0.0.1")  # the tcp transport's connection lands here
     conn.send(port)
     outcomes: dict = {}
     events: dict[str, threading.Event] = {}
@@ -158,7 +159,7 @@ def prompts(default_ckpt):
 
 
 @pytest.mark.parametrize("dtype, codec, transport", [("bfloat16", "bf16", "grpc"), ("float32", "fp32", "grpc"),
-                                                     ("float32", "fp32", "shm")])
+                                                     ("float32", "fp32", "shm"), ("bfloat16", "bf16", "tcp")])
 def test_decode_cache_is_bit_exact_and_generation_matches_the_reference(default_ckpt, prompts, dtype, codec,
                                                                           transport):
     bundle = load_model(default_ckpt, dtype=getattr(torch, dtype), with_vision=False)

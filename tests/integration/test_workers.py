@@ -66,6 +66,27 @@ def test_text_request_matches_the_reference(stack):
     _assert_clean(workers)
 
 
+def test_a_prefill_worker_on_the_tcp_transport_matches_the_reference(stack):
+    """The decode worker listens for bulk TCP connections; a prefill worker set to ``tcp`` pushes over one."""
+    bundle, workers, dispatcher, route = stack
+    codecs = ("fp32",) * bundle.config.num_layers
+    prefill = start_worker("prefill", bundle, SECURITY, codecs=codecs, transport="tcp",
+                           config=EngineConfig(kv_cache_bytes=64 * 2**20))
+    try:
+        greq = GenerateRequest(messages=[{"role": "user", "content": "Name three rivers."}], params=GREEDY)
+        ids, _ = build_prompt(bundle, greq)
+        ref = generate(bundle, [greq])[0]
+        tcp_route = Route(route.decode, prefill.address, route.encode)
+        for i in range(2):  # the second reuses the first's connection
+            tokens, text, _ = run_request(dispatcher, tcp_route, WorkerRequest(f"tcp-{i}", ids, GREEDY))
+            assert tokens == ref.token_ids and text == ref.text
+        decode_receiver = workers["decode"].service.receiver
+        assert decode_receiver.bulk is not None and decode_receiver.bulk.connections == 1
+    finally:
+        prefill.stop()
+    _assert_clean(workers)
+
+
 def test_image_request_matches_the_reference(stack):
     bundle, workers, dispatcher, route = stack
     images = (png((200, 30, 30)), png((30, 30, 200)))

@@ -1,0 +1,413 @@
+"""The bulk TCP transport: a push's chunks travel over a plain TCP connection beside its gRPC call.
+
+Why: on this machine grpcio's Python stream moves 0.3-0.45x what a TCP socket does (its receiving
+side copies each message three times), so no codec can bring a gRPC push to the socket's rate.
+Here the gRPC call still carries the handshake, the deadline, cancellation, the status and the
+ack; only the chunk and finish messages, byte for byte what the gRPC stream would carry, go over
+the connection, each behind a 5-byte header (kind, then a little-endian uint32 length).
+
+Opening a connection (once per sender and receiver, then reused by one stream at a time):
+  1. the sender calls ``OpenBulk`` over its authenticated gRPC channel (token or mTLS, checked by
+     the interceptor like every other call); the receiver answers a port, a connection id and a
+     one-time secret that expires after ``ticket_ttl_s``;
+  2. the sender connects to that port on the receiver's host and sends HELLO, the id, the secret;
+  3. the receiver compares the secret in constant time, answers OK and files the connection.
+A stream's handshake names its connection (``bulk_id``); the stream's own handler claims it, reads
+frames up to the finish and files it again. After any failure both sides close it, so a
+connection never carries a stream's leftovers into the next one. A connection that presents no
+valid ticket within ``hello_timeout_s`` is closed; connections, tickets and hellos in progress are
+all bounded.
+
+Bytes are not encrypted. With mTLS configured the sender refuses the TCP transport and ``auto``
+never picks it; the token path is as private as the gRPC stream without TLS.
+"""
+
+from __future__ import annotations
+
+import hmac
+import queue
+import secrets
+import socket
+import struct
+import threading
+import time
+from typing import Callable, Iterator, Sequence
+
+from kvtransfer.wire import pb
+
+HELLO = b"EPDKV\x01"
+OK = b"\x01"
+ID_BYTES, SECRET_BYTES = 16, 32
+FRAME = struct.Struct("<BI")  # kind, length of the PushMessage that follows
+KIND_CHUNK, KIND_FINISH = 2, 3  # the PushMessage oneof field numbers
+SOCKET_BUFFER_BYTES = 4 * 2**20  # asked for on both ends (Linux caps it at net.core.[rw]mem_max)
+Buffer = bytes | bytearray | memoryview
+
+
+class BulkError(Exception):
+    """A bulk connection could not be opened, claimed, read or written; ``kind`` says how it failed."""
+
+    def __init__(self, message: str, kind: str = "io") -> None:
+        super().__init__(message)
+        self.kind = kind  # "io" | "closed" | "timeout" | "protocol" | "refused" | "busy"
+
+
+def tune(sock: socket.socket) -> None:
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
+    if sock.family in (socket.AF_INET, socket.AF_INET6):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+def recv_exact(sock: socket.socket, view: memoryview) -> None:
+    """Fill ``view`` from ``sock``; BulkError on EOF, timeout or a socket error."""
+    got, n = 0, view.nbytes
+    try:
+        while got < n:
+            k = sock.recv_into(view[got:], n - got)
+            if k == 0:
+                raise BulkError(f"the connection closed after {got} of {n} bytes", "closed")
+            got += k
+    except socket.timeout:
+        raise BulkError("timed out reading the bulk connection", "timeout") from None
+    except OSError as exc:
+        raise BulkError(f"bulk connection error: {exc.strerror or exc}", "closed") from None
+
+
+def send_all(sock: socket.socket, parts: Sequence[Buffer]) -> None:
+    """Write every part, in order, with as few system calls as the kernel allows (no joining copy)."""
+    views = [memoryview(p).cast("B") for p in parts if len(p)]
+    try:
+        while views:
+            sent = sock.sendmsg(views[:512])  # IOV_MAX is 1024 on Linux
+            while sent:
+                if sent >= views[0].nbytes:
+                    sent -= views[0].nbytes
+                    views.pop(0)
+                else:
+                    views[0] = views[0][sent:]
+                    sent = 0
+    except socket.timeout:
+        raise BulkError("timed out writing to the bulk connection (receiver not reading?)", "timeout") from None
+    except OSError as exc:
+        raise BulkError(f"bulk connection error: {exc.strerror or exc}", "closed") from None
+
+
+def hard_close(sock: socket.socket) -> None:
+    """Close now, waking any thread blocked in a send or receive on it."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    sock.close()
+
+
+def peer_closed(sock: socket.socket) -> bool:
+    """True when an idle connection's other end is gone (EOF or error pending). Data waiting to be
+    read does not count: a stream's first chunk can arrive before its handler claims the connection.
+    ``sock`` must be in blocking mode (no timeout), or Python waits for it to become readable first."""
+    try:
+        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except (BlockingIOError, InterruptedError):
+        return False
+    except OSError:
+        return True
+
+
+class BulkConnection:
+    """One authenticated connection and its receive buffer (reused across its streams)."""
+
+    def __init__(self, conn_id: bytes, sock: socket.socket) -> None:
+        self.id = conn_id
+        self.sock = sock
+        self._bufs = [bytearray(), bytearray()]
+        self._lock = threading.Lock()
+        self._owner: object | None = None  # the stream using it now
+
+    # ------------------------------------------------------------------ receiving side
+    def read_frames(self, max_bytes: int) -> Iterator[tuple[int, memoryview]]:
+        """A stream's frames, up to and including its finish. Double-buffered: a helper thread reads
+        the next frame off the socket while the caller works on this one, whose view stays valid
+        until the caller asks for the next."""
+        ready: queue.Queue = queue.Queue(maxsize=1)
+        free: queue.Queue = queue.Queue()
+        for i in range(2):
+            free.put(i)
+
+        def reader() -> None:
+            try:
+                while True:
+                    slot = free.get()
+                    if slot is None:
+                        return
+                    kind, view = self._read_frame(slot, max_bytes)
+                    ready.put((kind, view, slot))
+                    if kind == KIND_FINISH:
+                        return
+            except BulkError as exc:
+                ready.put(exc)
+
+        threading.Thread(target=reader, name="kv-bulk-read", daemon=True).start()
+        try:
+            while True:
+                item = ready.get()
+                if isinstance(item, BulkError):
+                    raise item
+                kind, view, slot = item
+                yield kind, view
+                if kind == KIND_FINISH:
+                    return
+                free.put(slot)
+        finally:
+            free.put(None)  # a reader waiting for a buffer stops; one blocked in recv stops when the socket closes
+
+    def _read_frame(self, slot: int, max_bytes: int) -> tuple[int, memoryview]:
+        head = bytearray(FRAME.size)
+        recv_exact(self.sock, memoryview(head))
+        kind, n = FRAME.unpack(head)
+        if kind not in (KIND_CHUNK, KIND_FINISH):
+            raise BulkError(f"unknown bulk frame kind {kind}", "protocol")
+        if n == 0 or n > max_bytes:
+            raise BulkError(f"bulk frame of {n} bytes (this receiver takes 1..{max_bytes})", "protocol")
+        if len(self._bufs[slot]) < n:
+            self._bufs[slot] = bytearray(n)  # grows to the stream's largest message, then reused
+        view = memoryview(self._bufs[slot])[:n]
+        recv_exact(self.sock, view)
+        return kind, view
+
+    def bind(self, owner: object, timeout_s: float | None) -> None:
+        with self._lock:
+            self._owner = owner
+            self.sock.settimeout(timeout_s)
+
+    def unbind(self) -> None:
+        with self._lock:
+            self._owner = None
+            if self.sock.fileno() >= 0:
+                self.sock.settimeout(None)  # idle: blocking, so peer_closed's MSG_DONTWAIT peek never waits
+
+    def interrupt(self, owner: object) -> None:
+        """Wake ``owner``'s blocked read or write by closing the connection, unless it moved on."""
+        with self._lock:
+            if self._owner is owner:
+                hard_close(self.sock)
+
+    # ------------------------------------------------------------------ sending side
+    def send_frame(self, kind: int, parts: Sequence[Buffer]) -> None:
+        n = sum(memoryview(p).nbytes for p in parts)
+        send_all(self.sock, [FRAME.pack(kind, n), *parts])
+
+    def close(self) -> None:
+        hard_close(self.sock)
+
+
+class BulkListener:
+    """The receiver's side: issues tickets, accepts and authenticates connections, and lends each to
+    one stream at a time."""
+
+    def __init__(self, host: str, port: int = 0, *, ticket_ttl_s: float = 30.0, hello_timeout_s: float = 5.0,
+                 max_connections: int = 256, max_hellos: int = 32,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.ticket_ttl_s = ticket_ttl_s
+        self.hello_timeout_s = hello_timeout_s
+        self.max_connections = max_connections
+        self.clock = clock
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            tune(self._sock)  # before listen: accepted sockets inherit it, and the window scale follows it
+            self._sock.bind((host.strip("[]"), port))
+            self._sock.listen(64)
+        except OSError:
+            self._sock.close()
+            raise
+        self.host = host
+        self.port: int = self._sock.getsockname()[1]
+        self._tickets: dict[bytes, tuple[bytes, float]] = {}  # id -> (secret, expiry)
+        self._idle: dict[bytes, BulkConnection] = {}
+        self._busy: set[bytes] = set()
+        self._cv = threading.Condition()
+        self._hellos = threading.BoundedSemaphore(max_hellos)
+        self._closed = False
+        self._thread = threading.Thread(target=self._accept_loop, name="kv-bulk-accept", daemon=True)
+        self._thread.start()
+
+    def issue(self) -> "pb.BulkTicket":
+        """A ticket for one new connection; BulkError("busy") when the limits are reached."""
+        now = self.clock()
+        with self._cv:
+            self._tickets = {k: v for k, v in self._tickets.items() if v[1] > now}
+            if len(self._tickets) + len(self._idle) + len(self._busy) >= self.max_connections:
+                raise BulkError(f"this receiver already holds {self.max_connections} bulk connections and "
+                                "tickets", "busy")
+            conn_id, secret = secrets.token_bytes(ID_BYTES), secrets.token_bytes(SECRET_BYTES)
+            self._tickets[conn_id] = (secret, now + self.ticket_ttl_s)
+        return pb.BulkTicket(port=self.port, connection_id=conn_id, secret=secret)
+
+    def claim(self, conn_id: bytes, timeout_s: float) -> BulkConnection:
+        """Lend connection ``conn_id`` to one stream, waiting up to ``timeout_s`` for its hello."""
+        end = time.monotonic() + timeout_s
+        with self._cv:
+            while conn_id not in self._idle:
+                if conn_id in self._busy:
+                    raise BulkError("that bulk connection already carries another stream", "refused")
+                if conn_id not in self._tickets:
+                    raise BulkError("no such bulk connection (never opened, closed, or its ticket expired)",
+                                    "refused")
+                remaining = end - time.monotonic()
+                if remaining <= 0:
+                    raise BulkError("the bulk connection did not arrive in time", "timeout")
+                self._cv.wait(remaining)
+            conn = self._idle.pop(conn_id)
+            self._busy.add(conn_id)
+        return conn
+
+    def release(self, conn: BulkConnection, reusable: bool) -> None:
+        """Take a connection back after its stream: filed for the next one, or closed."""
+        conn.unbind()
+        with self._cv:
+            self._busy.discard(conn.id)
+            if reusable and not self._closed:
+                self._idle[conn.id] = conn
+                return
+        conn.close()
+
+    def prune(self) -> None:
+        """Close idle connections whose sender has gone (the janitor calls this)."""
+        with self._cv:
+            gone = [c for c in self._idle.values() if peer_closed(c.sock)]
+            for c in gone:
+                del self._idle[c.id]
+        for c in gone:
+            c.close()
+
+    @property
+    def connections(self) -> int:
+        with self._cv:
+            return len(self._idle) + len(self._busy)
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            idle, self._idle = list(self._idle.values()), {}
+            self._tickets.clear()
+        hard_close(self._sock)
+        for c in idle:
+            c.close()
+        self._thread.join(timeout=2)
+
+    # ------------------------------------------------------------------ accepting
+    def _accept_loop(self) -> None:
+        while not self._closed:
+            try:
+                sock, _ = self._sock.accept()
+            except OSError:
+                if self._closed:
+                    return
+                time.sleep(0.01)  # e.g. out of file descriptors: do not spin
+                continue
+            if not self._hellos.acquire(blocking=False):  # too many half-open connections: refuse this one
+                sock.close()
+                continue
+            threading.Thread(target=self._hello, args=(sock,), name="kv-bulk-hello", daemon=True).start()
+
+    def _hello(self, sock: socket.socket) -> None:
+        try:
+            sock.settimeout(self.hello_timeout_s)
+            buf = bytearray(len(HELLO) + ID_BYTES + SECRET_BYTES)
+            recv_exact(sock, memoryview(buf))
+            conn_id = bytes(buf[len(HELLO):len(HELLO) + ID_BYTES])
+            secret = bytes(buf[len(HELLO) + ID_BYTES:])
+            with self._cv:
+                ticket = self._tickets.pop(conn_id, None) if buf[:len(HELLO)] == HELLO else None
+                valid = (ticket is not None and ticket[1] > self.clock() and hmac.compare_digest(ticket[0], secret)
+                         and not self._closed)
+            if not valid:
+                sock.close()
+                return
+            sock.sendall(OK)
+            sock.settimeout(None)
+            with self._cv:
+                self._idle[conn_id] = BulkConnection(conn_id, sock)
+                self._cv.notify_all()
+        except (BulkError, OSError):
+            sock.close()
+        finally:
+            self._hellos.release()
+
+
+class BulkConnector:
+    """The sender's side: opens connections with tickets and keeps idle ones per target."""
+
+    def __init__(self, max_idle_per_target: int = 8) -> None:
+        self.max_idle_per_target = max_idle_per_target
+        self._idle: dict[str, list[BulkConnection]] = {}
+        self._lock = threading.Lock()
+
+    def take(self, target: str, open_ticket: Callable[[float], "pb.BulkTicket"], timeout_s: float) -> BulkConnection:
+        """An idle connection to ``target``, or a new one (``open_ticket`` calls OpenBulk over gRPC)."""
+        while True:
+            with self._lock:
+                idle = self._idle.get(target)
+                conn = idle.pop() if idle else None
+            if conn is None:
+                break
+            if not peer_closed(conn.sock):
+                return conn
+            conn.close()
+        host = target_host(target)
+        ticket = open_ticket(timeout_s)
+        if len(ticket.connection_id) != ID_BYTES or len(ticket.secret) != SECRET_BYTES or not 0 < ticket.port < 65536:
+            raise BulkError("the receiver sent a malformed bulk ticket", "protocol")
+        try:
+            sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+            tune(sock)
+            sock.settimeout(timeout_s)
+            sock.connect((host, ticket.port))
+        except socket.timeout:
+            sock.close()
+            raise BulkError(f"timed out connecting to the receiver's bulk port {host}:{ticket.port}", "timeout") from None
+        except OSError as exc:
+            sock.close()
+            raise BulkError(f"cannot connect to the receiver's bulk port {host}:{ticket.port}: "
+                            f"{exc.strerror or exc}", "io") from None
+        try:
+            send_all(sock, [HELLO, ticket.connection_id, ticket.secret])
+            answer = bytearray(1)
+            recv_exact(sock, memoryview(answer))
+        except BulkError as exc:
+            sock.close()
+            raise BulkError(f"the receiver did not accept the bulk connection: {exc}", exc.kind) from None
+        if bytes(answer) != OK:
+            sock.close()
+            raise BulkError("the receiver refused the bulk connection", "refused")
+        sock.settimeout(None)
+        return BulkConnection(ticket.connection_id, sock)
+
+    def give(self, target: str, conn: BulkConnection) -> None:
+        """Return a connection whose stream the receiver acknowledged."""
+        conn.unbind()
+        with self._lock:
+            idle = self._idle.setdefault(target, [])
+            if len(idle) < self.max_idle_per_target:
+                idle.append(conn)
+                return
+        conn.close()
+
+    def close(self) -> None:
+        with self._lock:
+            idle, self._idle = [c for cs in self._idle.values() for c in cs], {}
+        for c in idle:
+            c.close()
+
+
+def target_host(target: str) -> str:
+    """The host part of a ``host:port`` gRPC target (``[v6]:port`` too); BulkError for others."""
+    if target.startswith(("unix:", "unix-abstract:")) or ":" not in target:
+        raise BulkError(f"the tcp transport needs a host:port target, not {target!r}", "protocol")
+    host = target.rsplit(":", 1)[0]
+    for prefix in ("ipv4:", "ipv6:", "dns:///", "dns:"):
+        if host.startswith(prefix):
+            host = host[len(prefix):]
+    return host.strip("[]")

@@ -46,24 +46,32 @@ int kv_int8_encode(const void *x, int x_bf16, int64_t n, int64_t bs, int64_t h, 
                    int8_t *q, float *scales) {
     if (h > MAXH) return 2;
     float inv[MAXH];
+    uint32_t mx[MAXH];
     int64_t tile = bs * h * d;
     for (int64_t b = 0; b < n; b++) {
         int64_t base = b * tile;
-        for (int64_t hh = 0; hh < h; hh++) {
-            /* |x| as integer bits orders like |x| for finite values; NaN/inf sort above them all */
-            uint32_t m = 0;
-            for (int64_t t = 0; t < bs; t++) {
+        /* |x| as integer bits orders like |x| for finite values; NaN/inf sort above them all.
+           One pass over the tile in memory order (token, head, dim): a head-major pass strides by
+           h*d and ran 3x slower on inputs not already in cache. */
+        for (int64_t hh = 0; hh < h; hh++) mx[hh] = 0;
+        for (int64_t t = 0; t < bs; t++) {
+            for (int64_t hh = 0; hh < h; hh++) {
                 int64_t row = base + (t * h + hh) * d;
+                uint32_t m = 0;
                 if (x_bf16) {
                     const uint16_t *p = (const uint16_t *)x + row;
                     uint16_t mm = 0;
                     for (int64_t j = 0; j < d; j++) { uint16_t a = p[j] & 0x7FFFu; mm = a > mm ? a : mm; }
-                    uint32_t w = (uint32_t)mm << 16; m = w > m ? w : m;
+                    m = (uint32_t)mm << 16;
                 } else {
                     const uint32_t *p = (const uint32_t *)x + row;
                     for (int64_t j = 0; j < d; j++) { uint32_t a = p[j] & 0x7FFFFFFFu; m = a > m ? a : m; }
                 }
+                mx[hh] = m > mx[hh] ? m : mx[hh];
             }
+        }
+        for (int64_t hh = 0; hh < h; hh++) {
+            uint32_t m = mx[hh];
             if (m >= 0x7F800000u) return 1;
             float amax; memcpy(&amax, &m, 4);
             float s = amax / 127.0f;

@@ -292,10 +292,14 @@ class BulkListener:
             self._closed = True
             idle, self._idle = list(self._idle.values()), {}
             self._tickets.clear()
-        hard_close(self._sock)
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)  # wakes the accept loop (Linux)
+        except OSError:
+            pass
+        self._thread.join(timeout=2)
+        self._sock.close()  # after the loop is gone, so it never accepts on a reused descriptor
         for c in idle:
             c.close()
-        self._thread.join(timeout=2)
 
     # ------------------------------------------------------------------ accepting
     def _accept_loop(self) -> None:

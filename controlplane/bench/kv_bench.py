@@ -83,7 +83,7 @@ def _receiver_main(conn, token: str) -> None:  # type: ignore[no-untyped-def]
             if cmd == "setup":
                 layout, cache_dtype, blocks = args
                 if server is not None:
-                    server.stop(0)
+                    server.stop(0).wait(10)  # its threads must not outlive it holding the old cache
                     receiver.stop()
                 spec = KVCacheSpec(layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.block_size)
                 cache = PagedKVCache(spec, blocks, (cache_dtype,) * layout.num_layers)
@@ -108,7 +108,8 @@ def _receiver_main(conn, token: str) -> None:  # type: ignore[no-untyped-def]
                 break
     finally:
         if server is not None:
-            server.stop(0)
+            server.stop(0).wait(10)
+            receiver.stop()
 
 
 class ReceiverProcess:

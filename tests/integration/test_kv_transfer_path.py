@@ -79,7 +79,7 @@ def decode_peer(conn, model_dir: str, dtype: str, codecs: tuple[str, ...], trans
             elif cmd == "stop":
                 break
     finally:
-        server.stop(0)
+        server.stop(0).wait(10)
         receiver.stop()
 
 

@@ -78,7 +78,7 @@ def test_unknown_benchmark_names_the_valid_ones() -> None:
     proc = micro("--only", "scheduler,nope", timeout=60)
     assert proc.returncode == 2
     assert "unknown benchmark 'nope'" in proc.stderr
-    assert "codec, kv-grpc, kv-shm, scheduler, engine, engine-loop, redis" in proc.stderr
+    assert "codec, kv-grpc, kv-tcp, kv-shm, scheduler, engine, engine-loop, redis" in proc.stderr
 
 
 def test_a_bad_baseline_is_refused_before_anything_runs(tmp_path: Path) -> None:
@@ -129,11 +129,13 @@ def test_whole_suite_smoke_run(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     raw = json.loads(path.read_text())
     assert raw["errors"] == {}
-    assert raw["benchmarks"] == ["codec", "kv-grpc", "kv-shm", "scheduler", "engine", "engine-loop", "redis"]
+    assert raw["benchmarks"] == ["codec", "kv-grpc", "kv-tcp", "kv-shm", "scheduler", "engine", "engine-loop",
+                                 "redis"]
     names = {r["name"] for r in raw["results"]}
     for codec in ("bf16", "fp8", "int8", "int4.key", "int4.value", "fp32"):
         assert {f"codec.{codec}.encode", f"codec.{codec}.decode"} <= names
-    assert {"kv-grpc.bf16", "kv-grpc.bf16.vs-tcp", "kv-grpc.int8", "kv-shm.bf16", "engine.prefill",
+    assert {"kv-grpc.bf16", "kv-grpc.bf16.vs-tcp", "kv-grpc.int8", "kv-tcp.int8", "kv-tcp.bf16", "kv-shm.bf16",
+            "engine.prefill",
             "engine.decode.b1", "engine.decode.b8", "engine.decode.b32", "engine-loop.handoff",
             "engine-loop.run_here"} <= names
     assert all(x > 0 for r in raw["results"] for x in r["ratios"])

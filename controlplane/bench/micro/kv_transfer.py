@@ -1,4 +1,4 @@
-"""``kv-grpc`` and ``kv-shm``: one whole-cache KV push to a receiver process, against the wire's ceilings.
+"""``kv-grpc``, ``kv-tcp`` and ``kv-shm``: one whole-cache KV push to a receiver process, against the wire's ceilings.
 
 The receiver is ``epd bench kv``'s: a separate process running a real ``KVReceiver`` behind the real
 gRPC server, landing blocks in a paged cache through ``CacheSink``. This process sends with a real
@@ -9,6 +9,9 @@ model's shape, 4 x 4 x 64 x 4096 tokens, 16 MiB). Figures are logical GB/s: bf16
   kv-grpc  bf16 and int8 over the gRPC byte stream, against ``kvtransfer.bench.references``' raw TCP
            socket and raw-bytes gRPC stream moving the same number of bytes (each reference spawns its own
            receiver process, which checks every byte);
+  kv-tcp   bf16 and int8 over the bulk TCP connection beside the gRPC call (kvtransfer.bulk), against
+           the same references: int8 against the raw TCP socket it must outrun (issue 3's int8 target),
+           bf16 against the raw gRPC stream;
   kv-shm   bf16 through shared memory (gRPC carries only control), against memcpy of the same bytes.
 """
 
@@ -100,21 +103,32 @@ def _results(name: str, benchmark: str, shape: Shape, pusher: _Pusher, refs: lis
 
 
 def run_grpc(plan: Plan) -> list[Result]:
+    return _run_wire(plan, "grpc", ("bf16", ("grpc", "tcp")), ("int8", ("grpc",)))
+
+
+def run_tcp(plan: Plan) -> list[Result]:
+    return _run_wire(plan, "tcp", ("int8", ("tcp",)), ("bf16", ("grpc",)))
+
+
+def _run_wire(plan: Plan, transport: str, *codecs: tuple[str, tuple[str, ...]]) -> list[Result]:
+    """Each codec over ``transport``, against the named references (the first gives the figure's name)."""
     shape = _shape(plan)
     nbytes = shape.logical_bytes
     cache = _cache(shape)
     token = secrets.token_urlsafe(24)
     # A reference call spawns a receiver and takes the best of `inner` transfers itself.
-    grpc_raw: Reference = ("vs-grpc-raw", "raw gRPC stream",
-                           lambda: references.grpc_raw_stream(nbytes, repeats=plan.inner).seconds)
-    tcp: Reference = ("vs-tcp", "raw TCP socket", lambda: references.tcp_socket(nbytes, repeats=plan.inner).seconds)
+    refs: dict[str, Reference] = {
+        "grpc": ("vs-grpc-raw", "raw gRPC stream",
+                 lambda: references.grpc_raw_stream(nbytes, repeats=plan.inner).seconds),
+        "tcp": ("vs-tcp", "raw TCP socket", lambda: references.tcp_socket(nbytes, repeats=plan.inner).seconds)}
     rx = ReceiverProcess(token)
     out: list[Result] = []
     try:
-        for codec, which in (("bf16", [grpc_raw, tcp]), ("int8", [grpc_raw])):
-            pusher = _Pusher(rx, token, shape, codec, "grpc", cache)
+        for codec, which in codecs:
+            pusher = _Pusher(rx, token, shape, codec, transport, cache)
             try:
-                out += _results(f"kv-grpc.{codec}", "kv-grpc", shape, pusher, which, plan, ref_inner=1)
+                out += _results(f"kv-{transport}.{codec}", f"kv-{transport}", shape, pusher, [refs[w] for w in which],
+                                plan, ref_inner=1)
             finally:
                 pusher.close()
     finally:

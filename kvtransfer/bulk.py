@@ -6,6 +6,9 @@ Here the gRPC call still carries the handshake, the deadline, cancellation, the 
 ack; only the chunk and finish messages, byte for byte what the gRPC stream would carry, go over
 the connection, each behind a 5-byte header (kind, then a little-endian uint32 length).
 
+This module holds the framing, the connection both sides use and the sender's ``BulkConnector``; the
+receiver's ``BulkListener`` is in kvtransfer.bulk_listener.
+
 Opening a connection (once per sender and receiver, then reused by one stream at a time):
   1. the sender calls ``OpenBulk`` over its authenticated gRPC channel (token or mTLS, checked by
      the interceptor like every other call); the receiver answers a port, a connection id and a
@@ -24,14 +27,13 @@ never picks it; the token path is as private as the gRPC stream without TLS.
 
 from __future__ import annotations
 
-import hmac
 import queue
-import secrets
 import socket
 import struct
 import threading
-import time
 from typing import Callable, Iterator, Sequence
+
+import numpy as np
 
 from kvtransfer.wire import pb
 
@@ -120,7 +122,6 @@ class BulkConnection:
     def __init__(self, conn_id: bytes, sock: socket.socket) -> None:
         self.id = conn_id
         self.sock = sock
-        self._bufs = [bytearray(), bytearray()]
         self._lock = threading.Lock()
         self._owner: object | None = None  # the stream using it now
 
@@ -128,7 +129,10 @@ class BulkConnection:
     def read_frames(self, max_bytes: int) -> Iterator[tuple[int, memoryview]]:
         """A stream's frames, up to and including its finish. Double-buffered: a helper thread reads
         the next frame off the socket while the caller works on this one, whose view stays valid
-        until the caller asks for the next."""
+        until the caller asks for the next. The two buffers grow to the stream's largest frame and
+        are dropped with it: an idle connection holds no memory. (numpy.empty: not zero-filled, and
+        with kvtransfer.memory's malloc settings the next stream reuses the same pages.)"""
+        bufs = [np.empty(0, dtype=np.uint8), np.empty(0, dtype=np.uint8)]
         ready: queue.Queue = queue.Queue(maxsize=1)
         free: queue.Queue = queue.Queue()
         for i in range(2):
@@ -140,7 +144,7 @@ class BulkConnection:
                     slot = free.get()
                     if slot is None:
                         return
-                    kind, view = self._read_frame(slot, max_bytes)
+                    kind, view = self._read_frame(bufs, slot, max_bytes)
                     ready.put((kind, view, slot))
                     if kind == KIND_FINISH:
                         return
@@ -161,7 +165,7 @@ class BulkConnection:
         finally:
             free.put(None)  # a reader waiting for a buffer stops; one blocked in recv stops when the socket closes
 
-    def _read_frame(self, slot: int, max_bytes: int) -> tuple[int, memoryview]:
+    def _read_frame(self, bufs: list, slot: int, max_bytes: int) -> tuple[int, memoryview]:
         head = bytearray(FRAME.size)
         recv_exact(self.sock, memoryview(head))
         kind, n = FRAME.unpack(head)
@@ -169,9 +173,9 @@ class BulkConnection:
             raise BulkError(f"unknown bulk frame kind {kind}", "protocol")
         if n == 0 or n > max_bytes:
             raise BulkError(f"bulk frame of {n} bytes (this receiver takes 1..{max_bytes})", "protocol")
-        if len(self._bufs[slot]) < n:
-            self._bufs[slot] = bytearray(n)  # grows to the stream's largest message, then reused
-        view = memoryview(self._bufs[slot])[:n]
+        if bufs[slot].nbytes < n:
+            bufs[slot] = np.empty(n, dtype=np.uint8)
+        view = memoryview(bufs[slot])[:n]
         recv_exact(self.sock, view)
         return kind, view
 
@@ -199,146 +203,6 @@ class BulkConnection:
 
     def close(self) -> None:
         hard_close(self.sock)
-
-
-class BulkListener:
-    """The receiver's side: issues tickets, accepts and authenticates connections, and lends each to
-    one stream at a time."""
-
-    def __init__(self, host: str, port: int = 0, *, ticket_ttl_s: float = 30.0, hello_timeout_s: float = 5.0,
-                 max_connections: int = 256, max_hellos: int = 32,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self.ticket_ttl_s = ticket_ttl_s
-        self.hello_timeout_s = hello_timeout_s
-        self.max_connections = max_connections
-        self.clock = clock
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self._sock = socket.socket(family, socket.SOCK_STREAM)
-        try:
-            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            tune(self._sock)  # before listen: accepted sockets inherit it, and the window scale follows it
-            self._sock.bind((host.strip("[]"), port))
-            self._sock.listen(64)
-        except OSError:
-            self._sock.close()
-            raise
-        self.host = host
-        self.port: int = self._sock.getsockname()[1]
-        self._tickets: dict[bytes, tuple[bytes, float]] = {}  # id -> (secret, expiry)
-        self._idle: dict[bytes, BulkConnection] = {}
-        self._busy: set[bytes] = set()
-        self._cv = threading.Condition()
-        self._hellos = threading.BoundedSemaphore(max_hellos)
-        self._closed = False
-        self._thread = threading.Thread(target=self._accept_loop, name="kv-bulk-accept", daemon=True)
-        self._thread.start()
-
-    def issue(self) -> "pb.BulkTicket":
-        """A ticket for one new connection; BulkError("busy") when the limits are reached."""
-        now = self.clock()
-        with self._cv:
-            self._tickets = {k: v for k, v in self._tickets.items() if v[1] > now}
-            if len(self._tickets) + len(self._idle) + len(self._busy) >= self.max_connections:
-                raise BulkError(f"this receiver already holds {self.max_connections} bulk connections and "
-                                "tickets", "busy")
-            conn_id, secret = secrets.token_bytes(ID_BYTES), secrets.token_bytes(SECRET_BYTES)
-            self._tickets[conn_id] = (secret, now + self.ticket_ttl_s)
-        return pb.BulkTicket(port=self.port, connection_id=conn_id, secret=secret)
-
-    def claim(self, conn_id: bytes, timeout_s: float) -> BulkConnection:
-        """Lend connection ``conn_id`` to one stream, waiting up to ``timeout_s`` for its hello."""
-        end = time.monotonic() + timeout_s
-        with self._cv:
-            while conn_id not in self._idle:
-                if conn_id in self._busy:
-                    raise BulkError("that bulk connection already carries another stream", "refused")
-                if conn_id not in self._tickets:
-                    raise BulkError("no such bulk connection (never opened, closed, or its ticket expired)",
-                                    "refused")
-                remaining = end - time.monotonic()
-                if remaining <= 0:
-                    raise BulkError("the bulk connection did not arrive in time", "timeout")
-                self._cv.wait(remaining)
-            conn = self._idle.pop(conn_id)
-            self._busy.add(conn_id)
-        return conn
-
-    def release(self, conn: BulkConnection, reusable: bool) -> None:
-        """Take a connection back after its stream: filed for the next one, or closed."""
-        conn.unbind()
-        with self._cv:
-            self._busy.discard(conn.id)
-            if reusable and not self._closed:
-                self._idle[conn.id] = conn
-                return
-        conn.close()
-
-    def prune(self) -> None:
-        """Close idle connections whose sender has gone (the janitor calls this)."""
-        with self._cv:
-            gone = [c for c in self._idle.values() if peer_closed(c.sock)]
-            for c in gone:
-                del self._idle[c.id]
-        for c in gone:
-            c.close()
-
-    @property
-    def connections(self) -> int:
-        with self._cv:
-            return len(self._idle) + len(self._busy)
-
-    def close(self) -> None:
-        with self._cv:
-            self._closed = True
-            idle, self._idle = list(self._idle.values()), {}
-            self._tickets.clear()
-        try:
-            self._sock.shutdown(socket.SHUT_RDWR)  # wakes the accept loop (Linux)
-        except OSError:
-            pass
-        self._thread.join(timeout=2)
-        self._sock.close()  # after the loop is gone, so it never accepts on a reused descriptor
-        for c in idle:
-            c.close()
-
-    # ------------------------------------------------------------------ accepting
-    def _accept_loop(self) -> None:
-        while not self._closed:
-            try:
-                sock, _ = self._sock.accept()
-            except OSError:
-                if self._closed:
-                    return
-                time.sleep(0.01)  # e.g. out of file descriptors: do not spin
-                continue
-            if not self._hellos.acquire(blocking=False):  # too many half-open connections: refuse this one
-                sock.close()
-                continue
-            threading.Thread(target=self._hello, args=(sock,), name="kv-bulk-hello", daemon=True).start()
-
-    def _hello(self, sock: socket.socket) -> None:
-        try:
-            sock.settimeout(self.hello_timeout_s)
-            buf = bytearray(len(HELLO) + ID_BYTES + SECRET_BYTES)
-            recv_exact(sock, memoryview(buf))
-            conn_id = bytes(buf[len(HELLO):len(HELLO) + ID_BYTES])
-            secret = bytes(buf[len(HELLO) + ID_BYTES:])
-            with self._cv:
-                ticket = self._tickets.pop(conn_id, None) if buf[:len(HELLO)] == HELLO else None
-                valid = (ticket is not None and ticket[1] > self.clock() and hmac.compare_digest(ticket[0], secret)
-                         and not self._closed)
-            if not valid:
-                sock.close()
-                return
-            sock.sendall(OK)
-            sock.settimeout(None)
-            with self._cv:
-                self._idle[conn_id] = BulkConnection(conn_id, sock)
-                self._cv.notify_all()
-        except (BulkError, OSError):
-            sock.close()
-        finally:
-            self._hellos.release()
 
 
 class BulkConnector:

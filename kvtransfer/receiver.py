@@ -23,7 +23,8 @@ from typing import Callable, Iterator, Protocol, Sequence
 
 import grpc
 
-from kvtransfer.bulk import KIND_CHUNK, BulkConnection, BulkError, BulkListener
+from kvtransfer.bulk import KIND_CHUNK, BulkConnection, BulkError
+from kvtransfer.bulk_listener import BulkListener
 from kvtransfer.checksum import StreamChecksum, chunk_checksum
 from kvtransfer.codecs import CodecError, Kind, get_codec
 from kvtransfer.errors import TransferRefused

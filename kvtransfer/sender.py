@@ -30,6 +30,7 @@ import grpc
 import torch
 
 from kvtransfer.auth import ChannelCache, SecurityConfigError, TransferSecurity
+from kvtransfer.budget import ByteBudget
 from kvtransfer.bulk import KIND_CHUNK, KIND_FINISH, BulkConnection, BulkConnector, BulkError
 from kvtransfer.checksum import StreamChecksum
 from kvtransfer.chunks import chunk_nbytes, encode_into_segment, frame_chunk, frame_chunk_parts
@@ -65,32 +66,6 @@ class PushResult:
     seconds: float
 
 
-class _ByteBudget:
-    """A counting semaphore in bytes; an item larger than the whole budget still passes alone."""
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self.used = 0
-        self._cv = threading.Condition()
-
-    def acquire(self, n: int, deadline: float, failed: threading.Event) -> None:
-        with self._cv:
-            while self.used and self.used + n > self.capacity:
-                if failed.is_set():
-                    return
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise TransferFailed("timed out waiting for the receiver to drain queued KV bytes",
-                                         grpc.StatusCode.DEADLINE_EXCEEDED)
-                self._cv.wait(min(remaining, 0.1))
-            self.used += n
-
-    def release(self, n: int) -> None:
-        with self._cv:
-            self.used -= n
-            self._cv.notify_all()
-
-
 def is_local_target(target: str) -> bool:
     """True when ``target`` (host:port or unix:path) is on this host's loopback."""
     if target.startswith("unix:"):
@@ -123,7 +98,7 @@ class KVSender:
         self.bulk_chunk_bytes = bulk_chunk_bytes  # bigger than gRPC's: no message to copy, fewer headers
         self.transport = transport
         self.bulk = BulkConnector()
-        self._budget = _ByteBudget(sender_budget_bytes)
+        self._budget = ByteBudget(sender_budget_bytes)
         self._channels = ChannelCache(security)
         self.host = socket.gethostname()
         self.segments = SegmentPool()
@@ -173,7 +148,7 @@ class KVStream:
         self._failed = threading.Event()
         self._error: TransferFailed | None = None
         self._finished = False
-        self._budget = _ByteBudget(sender.stream_budget_bytes)
+        self._budget = ByteBudget(sender.stream_budget_bytes)
         self._seq = 0  # chunks handed to gRPC
         self._submitted = 0  # chunks numbered (their seq) and queued, in queue order
         self._order = threading.Lock()

@@ -16,7 +16,8 @@ import torch
 from kv_helpers import AUTH, SECURITY, Frames, OpenPush, Pending, Rig, make_pki, wait_until
 from kv_helpers import make_rig, model  # noqa: F401  (fixtures)
 from kvtransfer.auth import SecurityConfigError, TransferSecurity
-from kvtransfer.bulk import FRAME, HELLO, KIND_CHUNK, KIND_FINISH, OK, BulkListener
+from kvtransfer.bulk import FRAME, HELLO, KIND_CHUNK, KIND_FINISH, OK
+from kvtransfer.bulk_listener import BulkListener
 from kvtransfer.errors import TransferFailed
 from kvtransfer.sender import KVSender
 from kvtransfer.wire import OPEN_BULK_METHOD, pb

@@ -133,7 +133,7 @@ class BulkConnection:
         are dropped with it: an idle connection holds no memory. (numpy.empty: not zero-filled, and
         with kvtransfer.memory's malloc settings the next stream reuses the same pages.)"""
         bufs = [np.empty(0, dtype=np.uint8), np.empty(0, dtype=np.uint8)]
-        ready: queue.Queue = queue.Queue(maxsize=1)
+        ready: queue.Queue = queue.Queue()  # unbounded, so the reader never blocks on it: the two buffers bound it
         free: queue.Queue = queue.Queue()
         for i in range(2):
             free.put(i)
@@ -150,6 +150,8 @@ class BulkConnection:
                         return
             except BulkError as exc:
                 ready.put(exc)
+            except BaseException as exc:  # a bug: the stream must fail, not wait for a frame forever
+                ready.put(BulkError(f"bulk reader failed: {exc!r}", "io"))
 
         threading.Thread(target=reader, name="kv-bulk-read", daemon=True).start()
         try:

@@ -191,6 +191,8 @@ class KVReceiver:
         while True:
             try:
                 kind, view = next(frames)
+            except StopIteration:  # after the finish frame; the caller stops before asking again
+                return
             except BulkError as exc:
                 if not context.is_active():  # the call ended: its deadline passed or the sender cancelled it
                     late = (context.time_remaining() or 0.0) <= 0

@@ -110,7 +110,7 @@ class TransferSettings(_Model):
         "dequantize", description="native keeps int8/fp8 layers quantised in the decode cache")
     transport: Literal["auto", "grpc", "shm", "tcp"] = Field(
         "auto", description="auto: shared memory on one host, else gRPC bytes; tcp: a bulk TCP connection beside "
-                            "gRPC (fastest across hosts, unencrypted, not with mTLS)")
+                            "gRPC (fastest across hosts; TLS when mTLS is configured)")
     token: SecretStr | None = Field(None, description="shared bearer token for KV/embedding RPCs "
                                                       "(generated for a local serve when unset)")
     tls_ca: Path | None = None
@@ -142,9 +142,6 @@ class TransferSettings(_Model):
         tls = (self.tls_ca, self.tls_cert, self.tls_key)
         if any(tls) and not all(tls):
             raise ValueError("mTLS needs all three of tls_ca, tls_cert and tls_key")
-        if all(tls) and self.transport == "tcp":
-            raise ValueError("transport 'tcp' sends KV bytes unencrypted; with mTLS (tls_ca/tls_cert/tls_key) use "
-                             "'grpc' or 'auto'")
         return self
 
 

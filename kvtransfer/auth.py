@@ -10,6 +10,7 @@ complete the TLS handshake. Client side, ``open_channel`` builds the matching ch
 from __future__ import annotations
 
 import hmac
+import ssl
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,6 +63,21 @@ class TransferSecurity:
         return grpc.ssl_server_credentials([(self._read(self.tls_key, "TLS key"), self._read(self.tls_cert, "TLS certificate"))],
                                            root_certificates=self._read(self.tls_ca, "TLS CA"),
                                            require_client_auth=True)
+
+    def ssl_context(self, server_side: bool) -> ssl.SSLContext | None:
+        """The same mTLS material as a Python ``ssl`` context, for the bulk TCP transport (kvtransfer.bulk):
+        TLS 1.2+, the CA verifies the peer's certificate on both sides. None without mTLS."""
+        if not self.mtls:
+            return None
+        purpose = ssl.Purpose.CLIENT_AUTH if server_side else ssl.Purpose.SERVER_AUTH
+        try:
+            ctx = ssl.create_default_context(purpose, cafile=str(self.tls_ca))
+            ctx.load_cert_chain(str(self.tls_cert), str(self.tls_key))
+        except (OSError, ssl.SSLError) as exc:
+            raise SecurityConfigError(f"cannot load the TLS CA, certificate or key: {exc}") from None
+        if server_side:
+            ctx.verify_mode = ssl.CERT_REQUIRED  # mutual: a client without a certificate is refused
+        return ctx
 
     def interceptors(self) -> list[grpc.ServerInterceptor]:
         return [TokenAuthInterceptor(self.token)] if self.token else []

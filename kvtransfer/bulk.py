@@ -21,14 +21,16 @@ connection never carries a stream's leftovers into the next one. A connection th
 valid ticket within ``hello_timeout_s`` is closed; connections, tickets and hellos in progress are
 all bounded.
 
-Bytes are not encrypted. With mTLS configured the sender refuses the TCP transport and ``auto``
-never picks it; the token path is as private as the gRPC stream without TLS.
+With mTLS configured, the connection runs TLS with the same CA, certificate and key as the gRPC
+channel (mutual: the receiver requires the sender's certificate); the ticket is then checked inside
+it. With a token only, the bytes are as private as the gRPC stream without TLS.
 """
 
 from __future__ import annotations
 
 import queue
 import socket
+import ssl
 import struct
 import threading
 from typing import Callable, Iterator, Sequence
@@ -80,6 +82,10 @@ def send_all(sock: socket.socket, parts: Sequence[Buffer]) -> None:
     """Write every part, in order, with as few system calls as the kernel allows (no joining copy)."""
     views = [memoryview(p).cast("B") for p in parts if len(p)]
     try:
+        if isinstance(sock, ssl.SSLSocket):  # no sendmsg over TLS; it copies into its records anyway
+            for v in views:
+                sock.sendall(v)
+            return
         while views:
             sent = sock.sendmsg(views[:512])  # IOV_MAX is 1024 on Linux
             while sent:
@@ -104,16 +110,19 @@ def hard_close(sock: socket.socket) -> None:
     sock.close()
 
 
-def peer_closed(sock: socket.socket) -> bool:
-    """True when an idle connection's other end is gone (EOF or error pending). Data waiting to be
-    read does not count: a stream's first chunk can arrive before its handler claims the connection.
-    ``sock`` must be in blocking mode (no timeout), or Python waits for it to become readable first."""
+def peer_closed(sock: socket.socket, data_means_closed: bool = False) -> bool:
+    """True when an idle connection's other end is gone (EOF or error pending). On the receiver, data
+    waiting to be read does not count: a stream's first chunk can arrive before its handler claims the
+    connection. On the sender (``data_means_closed``) it does: a receiver never writes after its OK, so
+    anything there (a TLS close alert) means the connection is done. Peeks at the raw bytes, under TLS
+    too. ``sock`` must be in blocking mode (no timeout), or Python waits for it to become readable first."""
     try:
-        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+        got = socket.socket.recv(sock, 1, socket.MSG_PEEK | socket.MSG_DONTWAIT)  # the raw socket's, not TLS's
     except (BlockingIOError, InterruptedError):
         return False
     except OSError:
         return True
+    return got == b"" or data_means_closed
 
 
 class BulkConnection:
@@ -210,8 +219,11 @@ class BulkConnection:
 class BulkConnector:
     """The sender's side: opens connections with tickets and keeps idle ones per target."""
 
-    def __init__(self, max_idle_per_target: int = 8) -> None:
+    def __init__(self, max_idle_per_target: int = 8, ssl_context: ssl.SSLContext | None = None,
+                 server_name: str | None = None) -> None:
         self.max_idle_per_target = max_idle_per_target
+        self.ssl_context = ssl_context  # TLS client side, when mTLS is configured
+        self.server_name = server_name  # the name to expect in the receiver's certificate (default: its host)
         self._idle: dict[str, list[BulkConnection]] = {}
         self._lock = threading.Lock()
 
@@ -223,7 +235,7 @@ class BulkConnector:
                 conn = idle.pop() if idle else None
             if conn is None:
                 break
-            if not peer_closed(conn.sock):
+            if not peer_closed(conn.sock, data_means_closed=True):
                 return conn
             conn.close()
         host = target_host(target)
@@ -235,6 +247,12 @@ class BulkConnector:
             tune(sock)
             sock.settimeout(timeout_s)
             sock.connect((host, ticket.port))
+            if self.ssl_context is not None:
+                sock = self.ssl_context.wrap_socket(sock, server_hostname=self.server_name or host)
+        except ssl.SSLError as exc:
+            sock.close()
+            raise BulkError(f"TLS with the receiver's bulk port {host}:{ticket.port} failed: {exc.reason or exc}",
+                            "refused") from None
         except socket.timeout:
             sock.close()
             raise BulkError(f"timed out connecting to the receiver's bulk port {host}:{ticket.port}", "timeout") from None

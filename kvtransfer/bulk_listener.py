@@ -12,6 +12,7 @@ from __future__ import annotations
 import hmac
 import secrets
 import socket
+import ssl
 import threading
 import time
 from typing import Callable
@@ -25,8 +26,9 @@ class BulkListener:
     one stream at a time."""
 
     def __init__(self, host: str, port: int = 0, *, ticket_ttl_s: float = 30.0, hello_timeout_s: float = 5.0,
-                 max_connections: int = 256, max_hellos: int = 32,
+                 max_connections: int = 256, max_hellos: int = 32, ssl_context: ssl.SSLContext | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
+        self.ssl_context = ssl_context  # TLS server side (mutual), when mTLS is configured
         self.ticket_ttl_s = ticket_ttl_s
         self.hello_timeout_s = hello_timeout_s
         self.max_connections = max_connections
@@ -137,7 +139,9 @@ class BulkListener:
 
     def _hello(self, sock: socket.socket) -> None:
         try:
-            sock.settimeout(self.hello_timeout_s)
+            sock.settimeout(self.hello_timeout_s)  # bounds the TLS handshake too
+            if self.ssl_context is not None:
+                sock = self.ssl_context.wrap_socket(sock, server_side=True)
             buf = bytearray(len(HELLO) + ID_BYTES + SECRET_BYTES)
             recv_exact(sock, memoryview(buf))
             conn_id = bytes(buf[len(HELLO):len(HELLO) + ID_BYTES])
@@ -154,7 +158,7 @@ class BulkListener:
             with self._cv:
                 self._idle[conn_id] = BulkConnection(conn_id, sock)
                 self._cv.notify_all()
-        except (BulkError, OSError):
+        except (BulkError, OSError):  # ssl.SSLError is an OSError: no or a bad certificate
             sock.close()
         finally:
             self._hellos.release()

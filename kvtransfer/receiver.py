@@ -16,6 +16,7 @@ A transfer's life on this side:
 
 from __future__ import annotations
 
+import ssl
 import threading
 import time
 from dataclasses import dataclass
@@ -78,11 +79,12 @@ class KVReceiver:
         self.segments = SegmentCache()
         self.bulk: BulkListener | None = None
 
-    def enable_bulk(self, host: str, port: int = 0) -> int:
-        """Listen for bulk TCP connections on ``host`` (the address the gRPC server is bound to);
-        returns the port. Without this, OpenBulk is refused and senders use gRPC or shared memory."""
+    def enable_bulk(self, host: str, port: int = 0, ssl_context: "ssl.SSLContext | None" = None) -> int:
+        """Listen for bulk TCP connections on ``host`` (the address the gRPC server is bound to), over
+        TLS when given ``ssl_context`` (``TransferSecurity.ssl_context(server_side=True)``); returns the
+        port. Without this, OpenBulk is refused and senders use gRPC or shared memory."""
         if self.bulk is None:
-            self.bulk = BulkListener(host, port)
+            self.bulk = BulkListener(host, port, ssl_context=ssl_context)
         return self.bulk.port
 
     # ------------------------------------------------------------------ control (decode worker side)

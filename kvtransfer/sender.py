@@ -29,7 +29,7 @@ from typing import Iterator, Literal
 import grpc
 import torch
 
-from kvtransfer.auth import ChannelCache, SecurityConfigError, TransferSecurity
+from kvtransfer.auth import ChannelCache, TransferSecurity
 from kvtransfer.budget import ByteBudget
 from kvtransfer.bulk import KIND_CHUNK, KIND_FINISH, BulkConnection, BulkConnector, BulkError
 from kvtransfer.checksum import StreamChecksum
@@ -87,9 +87,6 @@ class KVSender:
                  shm_chunk_bytes: int = 16 * 2**20,
                  transport: TransportChoice = "auto", encode_threads: int = 2,
                  bulk_chunk_bytes: int = 8 * 2**20) -> None:
-        if transport == "tcp" and security.mtls:
-            raise SecurityConfigError("the tcp transport sends KV bytes unencrypted; with mTLS configured use "
-                                      "'grpc' or 'auto'")
         self.security = security
         self.stream_budget_bytes = stream_budget_bytes
         self.max_chunk_bytes = max_chunk_bytes
@@ -97,7 +94,8 @@ class KVSender:
         self.shm_chunk_bytes = shm_chunk_bytes
         self.bulk_chunk_bytes = bulk_chunk_bytes  # bigger than gRPC's: no message to copy, fewer headers
         self.transport = transport
-        self.bulk = BulkConnector()
+        self.bulk = BulkConnector(ssl_context=security.ssl_context(server_side=False),
+                                  server_name=security.tls_server_name)
         self._budget = ByteBudget(sender_budget_bytes)
         self._channels = ChannelCache(security)
         self.host = socket.gethostname()

@@ -62,7 +62,7 @@ def start_worker(pool: Pool, bundle: LoadedModel, security: TransferSecurity, *,
     register, generic = service.handlers()  # type: ignore[attr-defined]
     server, bound = start_worker_server(register, generic, f"{host}:{port}", security, max_streams, identity)
     identity.address = f"{host}:{bound}"
-    if pool == "decode" and not colocated and not security.mtls:
-        # the bulk TCP transport's listener, on the gRPC server's host (plaintext, so not beside mTLS)
-        service.receiver.enable_bulk(host)  # type: ignore[attr-defined]
+    if pool == "decode" and not colocated:
+        # the bulk TCP transport's listener, on the gRPC server's host; TLS with the same certificates under mTLS
+        service.receiver.enable_bulk(host, ssl_context=security.ssl_context(server_side=True))  # type: ignore[attr-defined]
     return RunningWorker(pool, identity, server, service)

@@ -111,7 +111,7 @@ class Rig:
         kwargs = {} if clock is None else {"clock": clock}
         self.receiver = KVReceiver(self.layout, self.sink, **kwargs)
         self.server, port = start_server([kv_transfer_handler(self.receiver)], "127.0.0.1:0", server_security)
-        self.receiver.enable_bulk("127.0.0.1")  # for the tcp transport
+        self.receiver.enable_bulk("127.0.0.1", ssl_context=server_security.ssl_context(server_side=True))  # tcp
         self.target = f"127.0.0.1:{port}"
         self.client_security = client_security
         self.sender = KVSender(client_security, transport="grpc")

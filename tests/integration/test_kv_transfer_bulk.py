@@ -6,7 +6,9 @@ the receiver serving the next push."""
 from __future__ import annotations
 
 import socket
+import ssl
 import time
+from pathlib import Path
 from typing import Callable
 
 import grpc
@@ -15,7 +17,7 @@ import torch
 
 from kv_helpers import AUTH, SECURITY, Frames, OpenPush, Pending, Rig, make_pki, wait_until
 from kv_helpers import make_rig, model  # noqa: F401  (fixtures)
-from kvtransfer.auth import SecurityConfigError, TransferSecurity
+from kvtransfer.auth import TransferSecurity
 from kvtransfer.bulk import FRAME, HELLO, KIND_CHUNK, KIND_FINISH, OK
 from kvtransfer.bulk_listener import BulkListener
 from kvtransfer.errors import TransferFailed
@@ -144,10 +146,47 @@ def test_a_silent_connection_is_dropped_after_the_hello_timeout() -> None:
         listener.close()
 
 
-def test_tcp_transport_is_refused_with_mtls_and_without_a_listener(make_rig: Callable[..., Rig], tmp_path) -> None:  # type: ignore[no-untyped-def]
-    pki = make_pki(tmp_path, "bulk")
-    with pytest.raises(SecurityConfigError, match="unencrypted"):
-        KVSender(TransferSecurity(tls_ca=pki.ca, tls_cert=pki.client_cert, tls_key=pki.client_key), transport="tcp")
+def test_under_mtls_the_connection_runs_tls_and_needs_a_certificate(make_rig: Callable[..., Rig],
+                                                                     tmp_path: Path) -> None:
+    pki, other = make_pki(tmp_path / "pki", "epd"), make_pki(tmp_path / "other", "rogue")
+    server = TransferSecurity(tls_ca=pki.ca, tls_cert=pki.server_cert, tls_key=pki.server_key)
+    client = TransferSecurity(tls_ca=pki.ca, tls_cert=pki.client_cert, tls_key=pki.client_key)
+    rig = make_rig(server_security=server, client_security=client)
+    sender = KVSender(client, transport="tcp")
+    try:
+        for _ in range(2):
+            assert rig.send_good(rig.reserve(), sender).transport == "tcp"
+        assert rig.receiver.bulk is not None and rig.receiver.bulk.connections == 1
+    finally:
+        sender.close()
+    with client.open_channel(rig.target) as channel:
+        ticket = open_bulk(channel, metadata=())  # mTLS is the credential: no token
+    rogue = TransferSecurity(tls_ca=pki.ca, tls_cert=other.client_cert, tls_key=other.client_key)
+    no_cert = ssl.create_default_context(cafile=str(pki.ca))
+    attempts = {"plaintext": None, "no client certificate": no_cert,
+                "certificate from another CA": rogue.ssl_context(server_side=False)}
+    for name, ctx in attempts.items():
+        sock = socket.create_connection(("127.0.0.1", ticket.port), timeout=5)
+        try:
+            if ctx is not None:
+                sock = ctx.wrap_socket(sock, server_hostname="127.0.0.1")
+            sock.sendall(HELLO + ticket.connection_id + ticket.secret)
+            answer = sock.recv(1)
+        except (ssl.SSLError, ConnectionError):
+            answer = b""
+        finally:
+            sock.close()
+        assert answer == b"", name  # turned away before the ticket was read
+    good_ctx = client.ssl_context(server_side=False)
+    assert good_ctx is not None
+    with good_ctx.wrap_socket(socket.create_connection(("127.0.0.1", ticket.port), timeout=5),
+                              server_hostname="127.0.0.1") as good:
+        good.sendall(HELLO + ticket.connection_id + ticket.secret)
+        assert good.recv(1) == OK  # the ticket survived the failed attempts: none of them reached it
+    rig.assert_clean()
+
+
+def test_a_receiver_without_a_listener_refuses_by_name(make_rig: Callable[..., Rig]) -> None:
     rig = make_rig()
     assert rig.receiver.bulk is not None
     rig.receiver.bulk.close()

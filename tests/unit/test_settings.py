@@ -50,8 +50,6 @@ def test_precedence_yaml_then_env_then_cli(tmp_path, monkeypatch):
     ({"decode": {"engine": {"block_size": 24}}}, "block_size must be a power of two"),
     ({"transfer": {"token": "short"}}, "at least 16 characters"),
     ({"transfer": {"tls_ca": "/ca.pem"}}, "needs all three"),
-    ({"transfer": {"tls_ca": "/ca.pem", "tls_cert": "/c.pem", "tls_key": "/k.pem", "transport": "tcp"}},
-     "sends KV bytes unencrypted"),
     ({"decode": {"engine": {"max_num_seqs": 64, "max_num_batched_tokens": 8}}}, "must be >= max_num_seqs"),
     ({"api": {"port": 70000}}, "api.port"),
     ({"redis": {"prefix": "bad prefix"}}, "redis.prefix"),

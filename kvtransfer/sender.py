@@ -94,7 +94,7 @@ class KVSender:
         self.shm_chunk_bytes = shm_chunk_bytes
         self.bulk_chunk_bytes = bulk_chunk_bytes  # bigger than gRPC's: no message to copy, fewer headers
         self.transport = transport
-        self.bulk = BulkConnector(ssl_context=security.ssl_context(server_side=False),
+        self.bulk = BulkConnector(ssl_context=security.ssl_context(server_side=False) if transport == "tcp" else None,
                                   server_name=security.tls_server_name)
         self._budget = ByteBudget(sender_budget_bytes)
         self._channels = ChannelCache(security)

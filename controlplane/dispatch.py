@@ -9,11 +9,19 @@ the request's own rules, and no decode worker or KV transfer is involved.
 A colocated route (``epd serve --mode colocated``) is one call instead: Complete on a worker that
 encodes, prefills and decodes the request in one engine.
 Any failure aborts the request on every worker it touched, so nothing keeps blocks for it.
+
+Calls in flight to one worker are capped (``max_calls_per_worker``, the worker server's stream budget:
+``transfer.max_streams``). A request that finds a worker at its cap fails at once with stage "busy" and
+RESOURCE_EXHAUSTED, before any call, and the scheduler retries it from its bounded queue (then 429).
+Without the cap, a burst past the server's HTTP/2 stream limit came back as RST_STREAM REFUSED_STREAM:
+a 502 for requests that never ran.
 """
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -55,10 +63,29 @@ class DispatchError(Exception):
 
 
 class Dispatcher:
-    def __init__(self, security: TransferSecurity, max_parallel: int = 64) -> None:
+    def __init__(self, security: TransferSecurity, max_parallel: int = 64, max_calls_per_worker: int = 64) -> None:
         self.security = security
+        self.max_calls_per_worker = max_calls_per_worker
         self._channels = ChannelCache(security)
         self._pool = ThreadPoolExecutor(max_workers=max_parallel, thread_name_prefix="dispatch")
+        self._slots: dict[str, threading.BoundedSemaphore] = {}
+        self._slots_lock = threading.Lock()
+
+    def _take(self, stack: ExitStack, target: str | None) -> "_Slot":
+        """One call slot on ``target``, given back when ``stack`` closes (or earlier, by ``release``);
+        DispatchError("busy", RESOURCE_EXHAUSTED) at once when the target is at its cap."""
+        if target is None:
+            return _Slot(None)
+        with self._slots_lock:
+            sem = self._slots.get(target)
+            if sem is None:
+                sem = self._slots[target] = threading.BoundedSemaphore(self.max_calls_per_worker)
+        if not sem.acquire(blocking=False):
+            raise DispatchError("busy", grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"worker {target} already has {self.max_calls_per_worker} calls in flight")
+        slot = _Slot(sem)
+        stack.callback(slot.release)
+        return slot
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -68,9 +95,20 @@ class Dispatcher:
         return self._channels.get(target)
 
     def run(self, req: WorkerRequest, route: Route) -> Iterator["wpb.TokenChunk"]:
-        if route.colocated:
-            return self._run_colocated(req, route.decode)
-        return self._run_disaggregated(req, route)
+        """The request's chunks. The workers' call slots are taken on the first ``next()`` (a busy worker
+        fails it at once) and held until the generator ends or is closed."""
+        with ExitStack() as slots:
+            encode = self._take(slots, route.encode if req.images else None)
+            if route.colocated:
+                self._take(slots, route.decode)
+                yield from self._run_colocated(req, route.decode)
+            elif req.params.max_tokens == 1 and not req.params.forced_tokens:
+                self._take(slots, route.prefill)
+                yield from self._run_prefill_only(req, route)
+            else:
+                prefill = self._take(slots, route.prefill)
+                self._take(slots, route.decode)
+                yield from self._run_disaggregated(req, route, {"prefill": prefill, "encode": encode})
 
     def _run_colocated(self, req: WorkerRequest, target: str) -> Iterator["wpb.TokenChunk"]:
         md = self.security.call_metadata()
@@ -135,11 +173,11 @@ class Dispatcher:
                              finish_reason=reply.finish_reason, prompt_tokens=len(req.prompt_ids), completion_tokens=1,
                              engine_seconds=reply.engine_seconds)
 
-    def _run_disaggregated(self, req: WorkerRequest, route: Route) -> Iterator["wpb.TokenChunk"]:
+    def _run_disaggregated(self, req: WorkerRequest, route: Route,
+                           slots: dict[str, "_Slot"] | None = None) -> Iterator["wpb.TokenChunk"]:
+        """``slots``: the encode and prefill workers' call slots, given back as soon as their call ends
+        (the decode worker's is held until the last token)."""
         assert route.prefill is not None
-        if req.params.max_tokens == 1 and not req.params.forced_tokens:
-            yield from self._run_prefill_only(req, route)
-            return
         md = self.security.call_metadata()
         decode = wgrpc.DecodeWorkerStub(self._channel(route.decode))
         prefill = wgrpc.PrefillWorkerStub(self._channel(route.prefill))
@@ -177,8 +215,10 @@ class Dispatcher:
         dst = obs.begin("decode", "decode")
         stream = decode.Generate(wpb.GenerateRequest(request_id=req.request_id), metadata=dst.metadata(md),
                                  timeout=req.timeout_s)
-        for _, fut in futures:  # a failed stage aborts the request at once, so decode stops waiting
+        for stage, fut in futures:  # a failed stage aborts the request at once, so decode stops waiting
             fut.add_done_callback(lambda f: self._abort(req.request_id, route) if f.exception() else None)
+            if slots is not None and stage in slots:
+                fut.add_done_callback(lambda _f, slot=slots[stage]: slot.release())
         done = False
         try:
             for chunk in stream:
@@ -213,3 +253,17 @@ class Dispatcher:
                 stub(self._channel(target)).Abort(wpb.AbortRequest(request_id=rid), metadata=md, timeout=5)
             except grpc.RpcError:
                 pass  # the worker is gone; its own deadlines release what it held
+
+
+class _Slot:
+    """A taken call slot; ``release`` gives it back once, however often it is called."""
+
+    def __init__(self, sem: threading.BoundedSemaphore | None) -> None:
+        self._sem = sem
+        self._lock = threading.Lock()
+
+    def release(self) -> None:
+        with self._lock:
+            sem, self._sem = self._sem, None
+        if sem is not None:
+            sem.release()

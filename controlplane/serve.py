@@ -93,7 +93,7 @@ def build(settings: Settings) -> Deployment:
         registry = WorkerRegistry(conn, ttl=settings.redis.heartbeat_ttl_s)
         t = settings.transfer
         security = TransferSecurity(token=token, tls_ca=t.tls_ca, tls_cert=t.tls_cert, tls_key=t.tls_key)
-        dispatcher = Dispatcher(security)
+        dispatcher = Dispatcher(security, max_calls_per_worker=t.max_streams)  # the workers' stream budget
         dep.closers.append(dispatcher.close)
         from controlplane.state.journal import BackgroundJournal
         journal = BackgroundJournal(RequestJournal(conn))  # journal writes stay off the request path

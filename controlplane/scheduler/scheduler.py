@@ -169,6 +169,8 @@ class Scheduler:
                         if exc.stage in ("reserve", "complete") and exc.code in _RETRY_AT_RESERVE:
                             refused.add(decode.worker_id)
                             continue
+                        if exc.stage == "busy":  # a chosen worker is at its call cap: wait, as for room
+                            break
                         self._record(rid, RequestState.FAILED, f"{exc.stage}: {exc.message}")
                         raise _backend_error(exc) from None
                     if queued:
@@ -195,7 +197,7 @@ class Scheduler:
                     self._record(rid, RequestState.FAILED, "no decode room in time")
                     metrics.rejected("queue_timeout")
                     queued_stage(rid, parent, admitted_ns, time.time_ns(), "no decode room in time")
-                    raise Overloaded("every decode replica is full; retry later", max(1.0, backoff * 10))
+                    raise Overloaded("every replica that could take it is full; retry later", max(1.0, backoff * 10))
                 time.sleep(backoff)
                 backoff = min(backoff * 2, 0.2)
                 self.view.invalidate()

@@ -144,3 +144,52 @@ def test_a_request_no_decode_replica_can_ever_hold_is_refused_at_once(cluster):
     assert time.monotonic() - started < 10  # refused, not left to wait out the 30 s queue timeout
     assert scheduler.waiting == 0
     assert [e.state for e in RequestJournal(cluster[5]).history("too-big")][-1] == RequestState.FAILED
+
+
+def test_a_worker_at_its_call_cap_makes_requests_wait_not_fail(cluster):
+    """More requests than a worker's call budget: the rest wait in the bounded queue (then 429), never
+    a 502. (Past its HTTP/2 stream limit a worker refuses streams, which once surfaced as 502s.)"""
+    bundle, workers, registry, _, model, conn = cluster
+    capped = Dispatcher(SECURITY, max_calls_per_worker=2)
+    try:
+        scheduler = Scheduler(model, WorkerView(registry, refresh_s=0.05), capped, get_policy("least_loaded"),
+                              SchedulerSettings(queue_timeout_s=60), RequestJournal(conn))
+        one = SamplingParams(max_tokens=1, temperature=0.0)
+        prompts = [bundle.tokenizer.encode(f"request {i} waits for a call slot") for i in range(10)]
+        params = [one if i % 2 else GREEDY for i in range(10)]  # one-token (prefill only) and decoded
+        refs = [r.token_ids for r in generate(bundle, [GenerateRequest(prompt_ids=p, params=q)
+                                                          for p, q in zip(prompts, params)])]
+        out: dict[int, list[int]] = {}
+        errors: list[BaseException] = []
+
+        def run(i: int) -> None:
+            try:
+                out[i] = _collect(scheduler, WorkerRequest(f"capped-{i}", prompts[i], params[i]))
+            except BaseException as exc:  # noqa: BLE001
+                errors.append(exc)
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(10)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not errors, errors
+        assert [out[i] for i in range(10)] == refs
+        assert all(s._value == 2 for s in capped._slots.values())  # every slot given back
+
+        # with no time to wait, the overflow is a 429, never a server error: four long requests take both
+        # decode workers' two slots each; the fifth finds every decode worker at its cap
+        impatient = Scheduler(model, WorkerView(registry, refresh_s=0.05), capped, get_policy("least_loaded"),
+                              SchedulerSettings(queue_timeout_s=0.05), RequestJournal(conn))
+        long = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+        holders = [impatient.generate(WorkerRequest(f"hold-{i}", prompts[i], long)) for i in range(4)]
+        for h in holders:
+            assert next(h).token_ids  # started: its decode slot is held until it ends
+        with pytest.raises(Overloaded) as err:
+            next(impatient.generate(WorkerRequest("over", prompts[4], long)))
+        assert err.value.retry_after_s >= 1.0
+        for h in holders:  # the held requests still finish
+            assert sum(len(c.token_ids) for c in h) == 39
+        assert all(s._value == 2 for s in capped._slots.values())
+    finally:
+        capped.close()

@@ -119,7 +119,8 @@ class TransferSettings(_Model):
     timeout_s: float = Field(30.0, gt=0, description="deadline of one transfer, seconds")
     stream_budget_bytes: int = Field(64 * MiB, ge=MiB, description="queued bytes per stream at most")
     sender_budget_bytes: int = Field(512 * MiB, ge=MiB, description="queued bytes per prefill worker at most")
-    max_streams: int = Field(64, ge=1, le=4096, description="concurrent inbound streams per worker")
+    max_streams: int = Field(64, ge=1, le=4096, description="concurrent inbound streams per worker; also the "
+                                                            "control plane's cap on its calls in flight to one worker")
 
     @field_validator("codec_policy")
     @classmethod

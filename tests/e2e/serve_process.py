@@ -83,7 +83,15 @@ def serve_process(settings: dict[str, Any], tmp: Path, ready_timeout_s: float = 
             time.sleep(1)
         yield served
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+        if proc.poll() is None:  # Ctrl-C, as an operator would: the stack removes its Ray folder and token
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                pass
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # whatever of the group is left (nothing, normally)
+        except ProcessLookupError:
+            pass
         proc.wait(30)
         log.close()

@@ -62,6 +62,25 @@ def _collect(scheduler: Scheduler, req: WorkerRequest) -> list[int]:
     return [t for chunk in scheduler.generate(req) for t in chunk.token_ids]
 
 
+def _collect_all(scheduler: Scheduler, reqs: list[WorkerRequest]) -> tuple[list[list[int] | None], list[BaseException]]:
+    """Every request at once, each on its own thread: (tokens per request, in order; the errors raised)."""
+    out: list[list[int] | None] = [None] * len(reqs)
+    errors: list[BaseException] = []
+
+    def one(i: int) -> None:
+        try:
+            out[i] = _collect(scheduler, reqs[i])
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(reqs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    return out, errors
+
+
 def test_requests_are_spread_and_match_the_reference(cluster):
     bundle, workers, registry, *_ = cluster
     scheduler = _scheduler(cluster)
@@ -88,21 +107,8 @@ def test_requests_wait_for_decode_room_and_all_complete(cluster):
     scheduler = _scheduler(cluster, queue_timeout_s=60)
     prompt = bundle.tokenizer.encode("a long prompt " * 60)[:200]
     ref = generate(bundle, [GenerateRequest(prompt_ids=prompt, params=GREEDY)])[0].token_ids
-    out: dict[int, list[int]] = {}
-    errors: list[BaseException] = []
-
-    def one(i: int) -> None:
-        try:
-            out[i] = _collect(scheduler, WorkerRequest(f"wait-{i}", prompt, GREEDY))
-        except BaseException as exc:  # noqa: BLE001
-            errors.append(exc)
-
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(5)]  # room for 2 at a time
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert not errors and all(out[i] == ref for i in range(5))
+    out, errors = _collect_all(scheduler, [WorkerRequest(f"wait-{i}", prompt, GREEDY) for i in range(5)])
+    assert not errors and out == [ref] * 5  # room for 2 at a time
     assert scheduler.waiting == 0
 
 
@@ -159,22 +165,10 @@ def test_a_worker_at_its_call_cap_makes_requests_wait_not_fail(cluster):
         params = [one if i % 2 else GREEDY for i in range(10)]  # one-token (prefill only) and decoded
         refs = [r.token_ids for r in generate(bundle, [GenerateRequest(prompt_ids=p, params=q)
                                                           for p, q in zip(prompts, params)])]
-        out: dict[int, list[int]] = {}
-        errors: list[BaseException] = []
-
-        def run(i: int) -> None:
-            try:
-                out[i] = _collect(scheduler, WorkerRequest(f"capped-{i}", prompts[i], params[i]))
-            except BaseException as exc:  # noqa: BLE001
-                errors.append(exc)
-
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(10)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
+        out, errors = _collect_all(scheduler, [WorkerRequest(f"capped-{i}", prompts[i], params[i])
+                                               for i in range(10)])
         assert not errors, errors
-        assert [out[i] for i in range(10)] == refs
+        assert out == refs
         assert all(s._value == 2 for s in capped._slots.values())  # every slot given back
 
         # with no time to wait, the overflow is a 429, never a server error: four long requests take both

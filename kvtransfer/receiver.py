@@ -35,6 +35,7 @@ from kvtransfer.shm import SegmentCache, SharedSegment, ShmError
 from kvtransfer.wire import PROTOCOL_VERSION, Frame, WireError, decode_frame, pb
 
 Code = grpc.StatusCode
+_NO_LISTENER = "this receiver has no bulk TCP listener; use the grpc or shm transport"
 
 
 @dataclass(frozen=True)
@@ -133,8 +134,7 @@ class KVReceiver:
     def open_bulk(self, request: bytes, context: grpc.ServicerContext) -> bytes:
         """Handler for KVTransfer.OpenBulk: a ticket for one bulk TCP connection (see kvtransfer.bulk)."""
         if self.bulk is None:
-            context.abort(Code.FAILED_PRECONDITION, "this receiver has no bulk TCP listener; use the grpc or shm "
-                                                    "transport")
+            context.abort(Code.FAILED_PRECONDITION, _NO_LISTENER)
         try:
             return self.bulk.issue().SerializeToString()
         except BulkError as exc:
@@ -173,8 +173,7 @@ class KVReceiver:
         """The stream's bulk connection, bound to this call: cancelling the call (or its deadline)
         wakes a read blocked on it."""
         if self.bulk is None:
-            raise TransferRefused(Code.FAILED_PRECONDITION, "this receiver has no bulk TCP listener; use the grpc "
-                                                            "or shm transport")
+            raise TransferRefused(Code.FAILED_PRECONDITION, _NO_LISTENER)
         remaining = context.time_remaining()
         try:
             conn = self.bulk.claim(hs.bulk_id, min(5.0, remaining) if remaining is not None else 5.0)

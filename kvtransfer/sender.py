@@ -367,22 +367,19 @@ class KVStream:
                 self._budget.release(cost)
                 self.sender._budget.release(cost)
 
-    def _send_bulk(self, kind: int, parts: list) -> bool:
+    def _send_bulk(self, kind: int, parts: list) -> None:
         """Write one message to the bulk connection (on gRPC's sending thread, which this keeps busy,
         in order); on failure, fail the stream and cancel its call."""
-        bulk = self._bulk
-        if bulk is None or self._failed.is_set():
-            return False
+        if self._bulk is None or self._failed.is_set():
+            return
         try:
-            bulk.send_frame(kind, parts)
-            return True
+            self._bulk.send_frame(kind, parts)
         except BulkError as exc:
             if not self._failed.is_set():
                 code = grpc.StatusCode.DEADLINE_EXCEEDED if exc.kind == "timeout" else grpc.StatusCode.UNAVAILABLE
                 self._error = TransferFailed(f"bulk TCP connection to {self.target} failed: {exc}", code)
                 self._failed.set()
                 self._future.cancel()
-            return False
 
     def _reserve(self, segment: SharedSegment, codec, shape: tuple[int, ...]) -> int:  # type: ignore[no-untyped-def]
         """The segment offset of the next chunk (under ``_order``); chunks lie back to back."""

@@ -76,9 +76,9 @@ def exporter_from_env(env: Mapping[str, str] | None = None) -> SpanExporter | No
     if protocol.strip().lower() != "grpc":
         raise TracingConfigError(f"OTEL_EXPORTER_OTLP_PROTOCOL={protocol!r}: epd ships the OTLP gRPC exporter "
                                  "only; use grpc (port 4317 on a collector)")
-    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+    from controlplane.observability.otlp_encode import FastOTLPSpanExporter
 
-    return OTLPSpanExporter()  # reads OTEL_EXPORTER_OTLP_* itself
+    return FastOTLPSpanExporter()  # the package's OTLP exporter (reads OTEL_EXPORTER_OTLP_* itself), faster encoding
 
 
 def provider(service_name: str) -> TracerProvider:

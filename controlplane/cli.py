@@ -302,8 +302,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the workers' compute dtype, and the local engine's for the compute figures "
                          "(default %(default)s, as serving runs weights)")
     cp.add_argument("--observability-cost", type=int, default=0, metavar="ROUNDS",
-                    help="also price metrics + tracing: ROUNDS pairs of throughput runs on the same stack, "
-                         "switched off and on (every span exported over OTLP to a local receiver; with "
+                    help="also price metrics + tracing: ROUNDS pairs of 160-request throughput runs on the "
+                         "same stack, switched off and on (16 pairs take ~30 s and give a steadier median "
+                         "than fewer; every span exported over OTLP to a local receiver; with "
                          "OTEL_TRACES_EXPORTER=none not exported; OTEL_TRACES_SAMPLER* apply), and print the "
                          "on/off requests/s and CPU-per-request ratios (target >= 0.95); 0 = skip (default)")
     cp.set_defaults(func=cmd_bench_controlplane)

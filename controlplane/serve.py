@@ -122,7 +122,10 @@ def build(settings: Settings) -> Deployment:
 def serve(settings: Settings) -> int:
     import uvicorn
 
+    from controlplane.heap import freeze_startup_heap
+
     dep = build(settings)
+    freeze_startup_heap("control plane")
     config = uvicorn.Config(dep.app, host=settings.api.host, port=settings.api.port, log_level="info",
                             timeout_graceful_shutdown=10)
     server = uvicorn.Server(config)

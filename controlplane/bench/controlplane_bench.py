@@ -22,8 +22,8 @@ caches between requests while other processes run), so the local figure is the s
 
 ``--observability-cost N``: the stack exports every span over OTLP to a receiver in a child process
 (control plane and workers alike; with OTEL_TRACES_EXPORTER=none, nowhere, as a default ``epd serve``),
-and after the figures above runs N pairs of throughput runs, metrics + tracing
-switched off then on (the switches live in this process; workers trace only calls that carry a trace
+and after the figures above runs N pairs of short throughput runs (``OBS_RUN_REQUESTS`` requests each),
+metrics + tracing switched off then on (the switches live in this process; workers trace only calls that carry a trace
 context, so they follow); the figure is the median of the rounds' own on/off ratios (target >= 0.95: at most
 5% cost).
 """
@@ -45,6 +45,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
+from controlplane.heap import freeze_startup_heap
 from controlplane.observability.server_timing import HEADER as SERVER_TIMING, engine_seconds
 
 MiB = 2**20
@@ -52,6 +53,10 @@ PROMPT = [11, 23, 37, 41, 53, 67, 79, 83]  # a short fixed prompt (token ids)
 ADDED_LATENCY_TARGET_MS = 3.0
 THROUGHPUT_TARGET_RPS = 300.0
 OBSERVABILITY_TARGET_RATIO = 0.95
+# --observability-cost: each off or on run is this many requests (or --throughput-requests, if fewer).
+# Short runs, many pairs: the machine's speed drifts by 20-40% over seconds here, and a pair's two runs
+# must see the same machine. 640-request runs (~1.5 s) left single pairs' ratios spread 0.6-1.1.
+OBS_RUN_REQUESTS = 160
 READY_TIMEOUT_S = 180.0
 LATENCY_SLICES = 5  # compute / end-to-end alternations for the added-latency figure
 THROUGHPUT_ROUNDS = 3  # the throughput figure is the median round's
@@ -426,6 +431,7 @@ def _measure(requests: int, throughput_requests: int, concurrency: int, log: Any
         with _Server(dep.app, port), _local_engine(dtype) as (engine, params):
             _wait_ready(url)
             model = _served_model(url)
+            freeze_startup_heap("benchmark control plane")  # as `epd serve` does once the stack is up
             # Compute and end-to-end in alternating slices, so a machine that slows down (or speeds up)
             # during the run moves both the same way instead of landing in the difference.
             compute: list[float] = []
@@ -462,8 +468,8 @@ def _measure(requests: int, throughput_requests: int, concurrency: int, log: Any
                 res.throughput_rounds_rps.append(sent / elapsed)
             res.throughput_rps = _quantile(res.throughput_rounds_rps, 0.5)
             if observability_rounds:
-                _observability_cost(res, url, model, throughput_requests, concurrency, observability_rounds,
-                                    say)
+                _observability_cost(res, url, model, min(throughput_requests, OBS_RUN_REQUESTS), concurrency,
+                                    observability_rounds, say)
         say("reference: Ray Serve 3-hop handle chain")
         slat, res.serve_rps = _serve_chain(requests, throughput_requests, concurrency)
         res.serve_median_ms = _quantile(slat, 0.5) * 1e3

@@ -77,6 +77,8 @@ class WorkerActor:
             raise
         self._lock = threading.Lock()
         self._stopped = threading.Event()
+        from controlplane.heap import freeze_startup_heap
+        freeze_startup_heap(f"{pool} replica {index}")  # the model and imports: out of the GC's way
         self.state = ReplicaState.SERVING
         log.info("%s replica %d serving at %s", pool, index, self.worker.address)
 

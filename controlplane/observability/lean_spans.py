@@ -15,12 +15,14 @@ length, events, links, with the dropped counts exported), attribute validation (
 are dropped with a warning, as the SDK does), ``record_exception``, status rules (OK sticks, UNSET is
 ignored) and the context-manager behaviour. What it drops: the SDK's own span metrics
 (``otel.sdk.span.*``, off unless OTEL_PYTHON_SDK_INTERNAL_METRICS_ENABLED) and the per-span lock (an
-attribute write is one dict store under the GIL; a write after ``end`` is ignored with a warning).
+attribute write is one dict store under the GIL; a write after ``end`` is ignored with a warning; ending
+and evicting at a full limit take one module-wide lock, so a span is exported once).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import traceback
 from time import time_ns
 from types import TracebackType
@@ -35,6 +37,9 @@ from opentelemetry.util._decorator import _agnosticcontextmanager
 log = logging.getLogger(__name__)
 
 _PRIMITIVES = (str, bool, int, float)
+# One lock for every span's rare paths (ending; evicting at a full limit) instead of one per span: a span
+# is written by the thread that owns its call, but two threads ending one span must not both export it.
+_RARE = threading.Lock()
 
 
 def _clean(key: object, value: Any, max_len: int | None) -> Any:
@@ -135,11 +140,12 @@ class LeanSpan(trace_api.Span, ReadableSpan):
         if key in attrs:  # as the SDK: a key set again moves to the end
             del attrs[key]
         elif limit is not None and len(attrs) >= limit:  # full: the oldest goes, as in the SDK
-            if limit == 0:
+            with _RARE:
                 self._dropped_attributes += 1
-                return
-            del attrs[next(iter(attrs))]
-            self._dropped_attributes += 1
+                if limit == 0:
+                    return
+                if len(attrs) >= limit:
+                    del attrs[next(iter(attrs))]
         attrs[key] = value
 
     def set_attributes(self, attributes: Mapping[str, Any]) -> None:
@@ -210,10 +216,13 @@ class LeanSpan(trace_api.Span, ReadableSpan):
         self._processor.on_start(self, parent_context=parent_context)  # type: ignore[arg-type]
 
     def end(self, end_time: int | None = None) -> None:
-        if self._end_time is not None:
+        with _RARE:
+            ended = self._end_time is not None
+            if not ended:
+                self._end_time = end_time if end_time is not None else time_ns()
+        if ended:
             log.warning("end() on an ended span (%s); ignored", self._name)
             return
-        self._end_time = end_time if end_time is not None else time_ns()
         self._processor._on_ending(self)  # type: ignore[arg-type]
         self._processor.on_end(self)  # it takes no writes from here on: no copy needed
 

@@ -173,3 +173,23 @@ def test_one_tracer_per_scope():
     provider = LeanTracerProvider(sampler=ALWAYS_ON, shutdown_on_exit=False)
     assert provider.get_tracer("a") is provider.get_tracer("a")
     assert provider.get_tracer("a") is not provider.get_tracer("b")
+
+
+def test_a_span_ended_from_many_threads_at_once_is_exported_once():
+    import threading
+
+    (_, _), (lean, out) = _pair()
+    for _ in range(50):
+        span = lean.start_span("raced")
+        gate = threading.Barrier(8)
+
+        def end(span=span, gate=gate) -> None:
+            gate.wait()
+            span.end()
+
+        threads = [threading.Thread(target=end) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert len(out.get_finished_spans()) == 50

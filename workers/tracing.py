@@ -14,11 +14,15 @@ from typing import Any, Callable, Iterator
 
 import grpc
 from opentelemetry import context as otel_context
-from opentelemetry import propagate, trace
+from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 TRACER_NAME = "epd.workers"
 TRACEPARENT = "traceparent"
+# Internal hops carry W3C trace context only (traceparent, tracestate), whatever OTEL_PROPAGATORS says
+# for clients: the control plane injects with the same propagator, and a worker has no use for baggage.
+W3C = TraceContextTextMapPropagator()
 
 
 _tracer: trace.Tracer | None = None
@@ -47,6 +51,7 @@ class TracingInterceptor(grpc.ServerInterceptor):
     def __init__(self, pool: str, worker_id: Callable[[], str] | str = "") -> None:
         self.pool = pool
         self._worker_id = worker_id
+        self._named: dict[tuple[str, str], tuple[str, dict]] = {}  # (method, worker id) -> span name, attributes
 
     def intercept_service(self, continuation: Callable, details: grpc.HandlerCallDetails) -> Any:
         handler = continuation(details)
@@ -56,11 +61,7 @@ class TracingInterceptor(grpc.ServerInterceptor):
         if handler.request_streaming:
             return handler  # KV and embedding pushes are traced by their callers' spans
         carrier = {k: v for k, v in metadata if isinstance(v, str)}
-        service, _, method = details.method.lstrip("/").rpartition("/")
-        worker_id = self._worker_id() if callable(self._worker_id) else self._worker_id
-        attrs = {"rpc.system": "grpc", "rpc.service": service, "rpc.method": method, "epd.pool": self.pool,
-                 "epd.worker_id": worker_id}
-        name = f"{service.rpartition('.')[2]}/{method}"
+        name, attrs = self._name_of(details.method)
         if handler.response_streaming:
             return grpc.unary_stream_rpc_method_handler(
                 self._streaming(handler.unary_stream, carrier, name, attrs),
@@ -69,10 +70,23 @@ class TracingInterceptor(grpc.ServerInterceptor):
             self._unary(handler.unary_unary, carrier, name, attrs),
             request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
 
+    def _name_of(self, full_method: str) -> tuple[str, dict]:
+        """The span name and attributes of calls to ``full_method`` (the same for every call; cached)."""
+        worker_id = self._worker_id() if callable(self._worker_id) else self._worker_id
+        named = self._named.get((full_method, worker_id))
+        if named is None:
+            service, _, method = full_method.lstrip("/").rpartition("/")
+            attrs = {"rpc.system": "grpc", "rpc.service": service, "rpc.method": method, "epd.pool": self.pool,
+                     "epd.worker_id": worker_id}
+            named = (f"{service.rpartition('.')[2]}/{method}", attrs)
+            if len(self._named) < 256:  # a service has a handful of methods; a worker one id at a time
+                self._named[(full_method, worker_id)] = named
+        return named
+
     @staticmethod
     def _unary(behavior: Callable, carrier: dict[str, str], name: str, attrs: dict) -> Callable:
         def run(request: Any, context: grpc.ServicerContext) -> Any:
-            parent = propagate.extract(carrier)  # from the metadata alone, never this thread's context
+            parent = W3C.extract(carrier)  # from the metadata alone, never this thread's context
             span = tracer().start_span(name, context=parent, kind=SpanKind.SERVER, attributes=attrs)
             # current for the handler (its child spans), by hand: start_as_current_span's context-manager
             # layers cost more than the span itself on a one-token request
@@ -92,7 +106,7 @@ class TracingInterceptor(grpc.ServerInterceptor):
     @staticmethod
     def _streaming(behavior: Callable, carrier: dict[str, str], name: str, attrs: dict) -> Callable:
         def run(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
-            span = tracer().start_span(name, context=propagate.extract(carrier), kind=SpanKind.SERVER,
+            span = tracer().start_span(name, context=W3C.extract(carrier), kind=SpanKind.SERVER,
                                        attributes=attrs)
             error: BaseException | None = None
             messages = 0

@@ -11,7 +11,8 @@ Exporter choice (``exporter_from_env``):
   anything else unset                          none: spans are not recorded, but a trace context that
                                                arrives (a client's ``traceparent``) is still passed on
 ``OTEL_SERVICE_NAME`` and ``OTEL_RESOURCE_ATTRIBUTES`` name the process; ``OTEL_PROPAGATORS`` picks
-the propagator (default W3C tracecontext + baggage).
+the propagators that read a client's headers (default W3C tracecontext + baggage). Internal gRPC hops
+always carry W3C trace context (``workers.tracing.W3C``).
 
 A request's spans are started with an explicit parent (``start_span(..., parent=...)``) and never made
 "current" across a ``yield``: the control plane's request generators step on different threads, and
@@ -37,6 +38,7 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
 from controlplane.observability.lean_spans import LeanTracerProvider
 from controlplane.observability.metrics import OBSERVABILITY
+from workers.tracing import W3C
 
 log = logging.getLogger(__name__)
 
@@ -178,11 +180,12 @@ def end_span(span: Span | None, error: BaseException | str | None = None, end_ti
 
 # ---------------------------------------------------------------- W3C propagation
 def grpc_metadata(base: tuple[tuple[str, str], ...], span: Span | None) -> tuple[tuple[str, str], ...]:
-    """``base`` plus ``traceparent`` (and ``tracestate``) naming ``span`` as the caller's span."""
+    """``base`` plus ``traceparent`` (and ``tracestate``) naming ``span`` as the caller's span: W3C trace
+    context only, whatever OTEL_PROPAGATORS says for clients (``workers.tracing.W3C`` reads it)."""
     if span is None:
         return base
     carrier: dict[str, str] = {}
-    propagate.inject(carrier, context=trace.set_span_in_context(span))
+    W3C.inject(carrier, context=trace.set_span_in_context(span))
     return base + tuple(carrier.items())
 
 

@@ -29,6 +29,7 @@ from types import TracebackType
 from typing import Any, Iterator, Mapping, Sequence
 
 from opentelemetry import trace as trace_api
+from opentelemetry.attributes import BoundedAttributes
 from opentelemetry.context import Context
 from opentelemetry.sdk.trace import Event, ReadableSpan, SpanLimits, Tracer, TracerProvider
 from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode, TraceFlags
@@ -62,6 +63,18 @@ def _clean(key: object, value: Any, max_len: int | None) -> Any:
     if max_len is not None and kinds == {str}:
         return tuple(v[:max_len] if v is not None else None for v in value)
     return tuple(value)
+
+
+def _push(items: list, item: Any, limit: int | None) -> int:
+    """Append ``item``; at ``limit`` the oldest goes first, as in the SDK's BoundedList. Returns how
+    many were dropped (0 or 1)."""
+    if limit is None or len(items) < limit:
+        items.append(item)
+        return 0
+    if limit > 0:
+        del items[0]
+        items.append(item)
+    return 1
 
 
 def _linkable(context: SpanContext | None, attributes: Mapping[str, Any] | None) -> bool:
@@ -152,36 +165,23 @@ class LeanSpan(trace_api.Span, ReadableSpan):
         for key, value in attributes.items():
             self.set_attribute(key, value)
 
-    def _bounded(self, attributes: Mapping[str, Any] | None, limit: int | None) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for key, value in (attributes or {}).items():
-            value = _clean(key, value, self._limits.max_attribute_length)
-            if value is not None and (limit is None or len(out) < limit):
-                out[key] = value
-        return out
+    def _rare_attributes(self, attributes: Mapping[str, Any] | None, limit: int | None) -> BoundedAttributes:
+        """An event's or a link's attributes, as the SDK keeps them (events and links are rare: an
+        exception, a retry; the SDK's own container is cheap enough there)."""
+        return BoundedAttributes(limit, attributes, immutable=True, max_value_len=self._limits.max_attribute_length)
 
     def add_event(self, name: str, attributes: Mapping[str, Any] | None = None,
                   timestamp: int | None = None) -> None:
         if self._ended("add_event"):
             return
-        limit = self._limits.max_events
-        if limit is not None and len(self._events) >= limit:  # full: the oldest goes, as in the SDK
-            self._dropped_events += 1
-            if limit == 0:
-                return
-            del self._events[0]
-        self._events.append(Event(name, self._bounded(attributes, self._limits.max_event_attributes), timestamp))
+        event = Event(name, self._rare_attributes(attributes, self._limits.max_event_attributes), timestamp)
+        self._dropped_events += _push(self._events, event, self._limits.max_events)
 
     def add_link(self, context: SpanContext, attributes: Mapping[str, Any] | None = None) -> None:
         if self._ended("add_link") or not _linkable(context, attributes):
             return
-        limit = self._limits.max_links
-        if limit is not None and len(self._links) >= limit:  # full: the oldest goes, as in the SDK
-            self._dropped_links += 1
-            if limit == 0:
-                return
-            del self._links[0]
-        self._links.append(Link(context, self._bounded(attributes, self._limits.max_link_attributes)))
+        link = Link(context, self._rare_attributes(attributes, self._limits.max_link_attributes))
+        self._dropped_links += _push(self._links, link, self._limits.max_links)
 
     def update_name(self, name: str) -> None:
         if not self._ended("update_name"):

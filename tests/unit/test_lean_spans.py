@@ -193,3 +193,16 @@ def test_a_span_ended_from_many_threads_at_once_is_exported_once():
         for t in threads:
             t.join()
     assert len(out.get_finished_spans()) == 50
+
+
+def test_event_and_link_attributes_are_limited_as_the_sdk_limits_them():
+    limits = SpanLimits(max_event_attributes=1, max_link_attributes=1, max_attribute_length=3)
+    got = []
+    for tracer, out in _pair(span_limits=limits):
+        span = tracer.start_span("s", links=[Link(REMOTE, {"a": "abcdef", "b": 2})])
+        span.add_event("e", {"x": 1, "y": "long value"})
+        span.end()
+        (s,) = out.get_finished_spans()
+        got.append(([(dict(e.attributes), e.dropped_attributes) for e in s.events],
+                    [(dict(ln.attributes), ln.dropped_attributes) for ln in s.links]))
+    assert got[0] == got[1] == ([({"y": "lon"}, 1)], [({"b": 2}, 1)])

@@ -151,9 +151,9 @@ def _attributes(tag: bytes, attributes: Mapping[str, Any] | None) -> bytes:
                 value = _AV_INT + (_SMALL[v] if 0 <= v < 128 else _varint(v & _MASK64))
             else:
                 value = _value(v)
-        except TypeError:  # the exporter package logs and skips such a value; so do we
-            continue
-        kb = _keys.get(k) or _key(k)
+            kb = _keys.get(k) or _key(k)
+        except (TypeError, ValueError):  # the exporter package skips such an attribute (e.g. a lone
+            continue                     # surrogate in a string); so do we
         n = len(value)
         kv = kb + _KV_VALUE + (_SMALL[n] if n < 128 else _varint(n)) + value
         n = len(kv)

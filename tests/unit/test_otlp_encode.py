@@ -136,3 +136,13 @@ def test_spans_group_by_equal_resources_and_scopes_as_the_package_does():
     assert [[[sp.name for sp in ss.spans] for ss in rs.scope_spans] for rs in got.resource_spans] == \
         [[["s0", "s2"], ["s3"], ["s5"]], [["s1"], ["s4"]]]
     _same(spans)
+
+
+def test_a_string_that_is_not_valid_unicode_is_skipped_like_the_package_does():
+    from opentelemetry.sdk.trace import ReadableSpan
+
+    span = ReadableSpan("s", context=REMOTE, attributes={"ok": 1, "bad": "x\ud800y", "bad\ud800key": 2, "after": "x"},
+                        resource=Resource.create({"service.name": "enc"}))
+    _same([span])
+    got = ExportTraceServiceRequest.FromString(encode_request([span]))
+    assert [kv.key for kv in got.resource_spans[0].scope_spans[0].spans[0].attributes] == ["ok", "after"]

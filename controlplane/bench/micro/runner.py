@@ -47,6 +47,9 @@ BENCHMARKS: tuple[Benchmark, ...] = (
               "vs a raw thread round trip"),
     Benchmark("redis", "controlplane.bench.micro.redis_ops:run",
               "registry register / heartbeat / list (64 workers) vs a raw redis-py SET round trip"),
+    Benchmark("tracing", "controlplane.bench.micro.tracing:run",
+              "a one-token request's spans (lean) and their OTLP encoding vs the OpenTelemetry SDK's span and "
+              "the exporter package's encoder"),
 )
 NAMES: tuple[str, ...] = tuple(b.name for b in BENCHMARKS)
 _BY_NAME = {b.name: b for b in BENCHMARKS}

@@ -37,7 +37,9 @@ _CLIENT_FAULT = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE)
 
 class WorkerView:
     """The routable workers per pool, read from the registry at most every ``refresh_s`` seconds,
-    plus what this scheduler has sent each one since (so a burst does not pile on one replica)."""
+    plus what this scheduler has sent each one since (so a burst does not pile on one replica).
+    One thread at a time rereads a stale pool (``redis.list`` of 64 workers is ~2.5 ms of decoding
+    under the GIL); requests arriving meanwhile route on the snapshot it is replacing."""
 
     def __init__(self, registry: WorkerRegistry, refresh_s: float = 0.2,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -45,6 +47,7 @@ class WorkerView:
         self.refresh_s = refresh_s
         self.clock = clock
         self._cache: dict[str, tuple[float, list[Candidate]]] = {}
+        self._refreshing: set[str] = set()  # pools whose snapshot a thread is rereading now
         self._inflight: dict[str, list[int]] = {}  # worker id -> [tokens, requests]
         self._lock = threading.Lock()
 
@@ -52,12 +55,24 @@ class WorkerView:
         now = self.clock()
         with self._lock:
             cached = self._cache.get(pool)
-        if cached is None or now - cached[0] > self.refresh_s:
-            records = [r for r in self.registry.live_workers(pool) if not r.info.draining]
-            fresh = [Candidate(r.info.worker_id, r.info.address, r.info.load.queued_tokens, r.info.load.free_kv_blocks,
-                               r.info.load.total_kv_blocks, r.info.load.running) for r in records]
-            with self._lock:
-                self._cache[pool] = cached = (now, fresh)
+            stale = cached is None or now - cached[0] > self.refresh_s
+            # one thread rereads a stale snapshot; the others route on it meanwhile (it is at most one
+            # reread old), instead of every request thread decoding the whole pool from Redis at once
+            reread = stale and (cached is None or pool not in self._refreshing)
+            if reread:
+                self._refreshing.add(pool)
+        if reread:
+            try:
+                records = [r for r in self.registry.live_workers(pool) if not r.info.draining]
+                fresh = [Candidate(r.info.worker_id, r.info.address, r.info.load.queued_tokens,
+                                   r.info.load.free_kv_blocks, r.info.load.total_kv_blocks, r.info.load.running)
+                         for r in records]
+                with self._lock:
+                    self._cache[pool] = cached = (now, fresh)
+            finally:
+                with self._lock:
+                    self._refreshing.discard(pool)
+        assert cached is not None
         with self._lock:
             return [Candidate(c.worker_id, c.address, c.queued_tokens, c.free_kv_blocks, c.total_kv_blocks, c.running,
                               *self._inflight.get(c.worker_id, (0, 0))) for c in cached[1]]

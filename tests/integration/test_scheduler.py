@@ -187,3 +187,68 @@ def test_a_worker_at_its_call_cap_makes_requests_wait_not_fail(cluster):
         assert all(s._value == 2 for s in capped._slots.values())
     finally:
         capped.close()
+
+
+class _CountingRegistry(WorkerRegistry):
+    """The real registry, counting (and slowing) its pool reads, so concurrent rereads would overlap."""
+
+    def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(*args, **kwargs)
+        self.reads = 0
+        self.fail = False  # the read fails as a lost Redis connection would
+
+    def live_workers(self, pool):  # type: ignore[no-untyped-def]
+        self.reads += 1
+        time.sleep(0.05)
+        if self.fail:
+            raise ConnectionError("redis went away")
+        return super().live_workers(pool)
+
+
+def test_a_stale_snapshot_is_reread_by_one_thread_while_the_others_route_on_it(state_conn):  # noqa: F811
+    registry = _CountingRegistry(state_conn, ttl=30)
+    ids = [f"pf-{i}" for i in range(4)]
+    try:
+        for i in range(3):
+            registry.register(WorkerInfo(ids[i], "prefill", f"127.0.0.1:{9000 + i}", load=WorkerLoad()))
+        now = [0.0]
+        view = WorkerView(registry, refresh_s=0.2, clock=lambda: now[0])
+        assert sorted(c.worker_id for c in view.candidates("prefill")) == ids[:3] and registry.reads == 1
+        registry.register(WorkerInfo(ids[3], "prefill", "127.0.0.1:9003", load=WorkerLoad()))
+        now[0] = 1.0  # stale
+        got: list[list[str]] = []
+        gate = threading.Barrier(16)
+
+        def route() -> None:
+            gate.wait()
+            got.append(sorted(c.worker_id for c in view.candidates("prefill")))
+
+        threads = [threading.Thread(target=route) for _ in range(16)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert registry.reads == 2  # one reread for sixteen callers
+        assert len(got) == 16 and all(seen in (ids[:3], ids) for seen in got)
+        assert sorted(c.worker_id for c in view.candidates("prefill")) == ids
+    finally:
+        for worker_id in ids:
+            registry.deregister(worker_id, "prefill")
+
+
+def test_a_failed_reread_raises_to_its_caller_and_the_next_one_tries_again(state_conn):  # noqa: F811
+    registry = _CountingRegistry(state_conn, ttl=30)
+    try:
+        registry.register(WorkerInfo("pf-0", "prefill", "127.0.0.1:9000", load=WorkerLoad()))
+        now = [0.0]
+        view = WorkerView(registry, refresh_s=0.2, clock=lambda: now[0])
+        view.candidates("prefill")
+        now[0] = 1.0
+        registry.fail = True
+        with pytest.raises(ConnectionError):
+            view.candidates("prefill")
+        registry.fail = False
+        assert [c.worker_id for c in view.candidates("prefill")] == ["pf-0"]  # not stuck "rereading"
+        assert registry.reads == 3
+    finally:
+        registry.deregister("pf-0", "prefill")

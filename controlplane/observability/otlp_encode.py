@@ -187,8 +187,8 @@ def _status(status: Status | None) -> bytes:
 def _span(span: ReadableSpan) -> bytes:
     ctx = span.context
     parent = span.parent
-    parts = [_S_TRACE_ID, b"\x10", ctx.trace_id.to_bytes(16, "big"), _S_SPAN_ID, b"\x08", ctx.span_id.to_bytes(8, "big"),
-             _trace_state(ctx)]
+    parts = [_S_TRACE_ID, b"\x10", ctx.trace_id.to_bytes(16, "big"),
+             _S_SPAN_ID, b"\x08", ctx.span_id.to_bytes(8, "big"), _trace_state(ctx)]
     if parent is not None:
         parts += (_S_PARENT, b"\x08", parent.span_id.to_bytes(8, "big"))
     if span.name:

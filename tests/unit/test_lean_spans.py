@@ -102,7 +102,8 @@ def test_a_sampled_out_span_is_not_recorded_and_its_children_follow():
     assert root.get_span_context().is_valid and not root.get_span_context().trace_flags.sampled
     child = lean.start_span("child", context=trace.set_span_in_context(root))
     assert not child.is_recording()
-    sampled = lean.start_span("under a sampled remote parent", context=trace.set_span_in_context(NonRecordingSpan(REMOTE)))
+    sampled = lean.start_span("under a sampled remote parent",
+                              context=trace.set_span_in_context(NonRecordingSpan(REMOTE)))
     assert sampled.is_recording()  # ParentBased follows the caller's decision
     child.end(), root.end(), sampled.end()
     assert [s.name for s in out.get_finished_spans()] == ["under a sampled remote parent"]
@@ -160,7 +161,8 @@ def test_an_exception_in_a_span_context_is_recorded_and_marks_the_span_failed():
     assert got.status.status_code is StatusCode.ERROR and "ValueError: bad prompt" in got.status.description
     (event,) = got.events
     assert event.name == "exception" and event.attributes["exception.type"] == "ValueError"
-    assert event.attributes["exception.message"] == "bad prompt" and "Traceback" in event.attributes["exception.stacktrace"]
+    assert event.attributes["exception.message"] == "bad prompt"
+    assert "Traceback" in event.attributes["exception.stacktrace"]
 
 
 def test_a_disabled_sdk_hands_out_no_op_tracers(monkeypatch):

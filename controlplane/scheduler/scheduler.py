@@ -73,9 +73,9 @@ class WorkerView:
                 with self._lock:
                     self._refreshing.discard(pool)
         assert cached is not None
-        with self._lock:
-            return [Candidate(c.worker_id, c.address, c.queued_tokens, c.free_kv_blocks, c.total_kv_blocks, c.running,
-                              *self._inflight.get(c.worker_id, (0, 0))) for c in cached[1]]
+        inflight, none = self._inflight, (0, 0)
+        with self._lock:  # the snapshot's rows with this scheduler's own in-flight work on each worker
+            return [Candidate(*c[:6], *inflight.get(c[0], none)) for c in cached[1]]
 
     def begin(self, worker_id: str, tokens: int) -> None:
         with self._lock:

@@ -288,17 +288,39 @@ class LeanTracer(trace_api.Tracer):
             yield current
 
 
+# What LeanTracer and LeanSpan read from the SDK's tracer and its processor: partly the SDK's private
+# attributes (present in 1.45, the version tested). If a later SDK drops one, the provider hands out
+# the SDK's own tracer instead (slower, never broken), and says so once.
+_TRACER_NEEDS = ("sampler", "id_generator", "resource", "span_processor", "instrumentation_info",
+                 "_instrumentation_scope", "_span_limits", "_is_enabled")
+_PROCESSOR_NEEDS = ("on_start", "_on_ending", "on_end")
+
+
+def _missing(sdk: Tracer) -> list[str]:
+    missing = [name for name in _TRACER_NEEDS if not hasattr(sdk, name)]
+    processor = getattr(sdk, "span_processor", None)
+    return missing + [f"span_processor.{name}" for name in _PROCESSOR_NEEDS if not hasattr(processor, name)]
+
+
 class LeanTracerProvider(TracerProvider):
     """The SDK's provider, handing out ``LeanTracer``s (one per instrumentation scope, like the SDK's)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._lean: dict[int, LeanTracer] = {}  # by id of the SDK tracer, which the SDK keeps for good
+        self._warned = False
 
     def get_tracer(self, instrumenting_module_name: str, instrumenting_library_version: str | None = None,
                    schema_url: str | None = None, attributes: Any = None) -> trace_api.Tracer:
         sdk = super().get_tracer(instrumenting_module_name, instrumenting_library_version, schema_url, attributes)
         if not isinstance(sdk, Tracer):  # disabled (OTEL_SDK_DISABLED): the SDK's no-op tracer
+            return sdk
+        missing = _missing(sdk)
+        if missing:
+            if not self._warned:
+                self._warned = True
+                log.warning("this opentelemetry-sdk lacks %s: using its own (slower) spans instead of lean ones",
+                            ", ".join(missing))
             return sdk
         with self._tracers_lock:
             lean = self._lean.get(id(sdk))

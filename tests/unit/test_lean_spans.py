@@ -208,3 +208,19 @@ def test_event_and_link_attributes_are_limited_as_the_sdk_limits_them():
         got.append(([(dict(e.attributes), e.dropped_attributes) for e in s.events],
                     [(dict(ln.attributes), ln.dropped_attributes) for ln in s.links]))
     assert got[0] == got[1] == ([({"y": "lon"}, 1)], [({"b": 2}, 1)])
+
+
+def test_an_sdk_without_what_lean_spans_read_gets_its_own_tracer(monkeypatch, caplog):
+    """A later opentelemetry-sdk may drop a private attribute lean spans read: then the SDK's own tracer
+    is handed out (slower, never broken), with one warning naming what is missing."""
+    from opentelemetry.sdk.trace import Tracer
+
+    monkeypatch.delattr(Tracer, "_is_enabled")
+    exporter = InMemorySpanExporter()
+    provider = LeanTracerProvider(resource=RESOURCE, shutdown_on_exit=False)
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracer = provider.get_tracer("epd.test")
+    assert isinstance(tracer, Tracer)
+    provider.get_tracer("epd.other")
+    assert [r.getMessage() for r in caplog.records if "lacks" in r.getMessage()] == [
+        "this opentelemetry-sdk lacks _is_enabled: using its own (slower) spans instead of lean ones"]

@@ -1,8 +1,11 @@
-"""What the worker-service tests share: running one request through the real Dispatcher, and test images."""
+"""What the worker-service tests share: running one request through the real Dispatcher, running many
+at once on threads, and test images."""
 
 from __future__ import annotations
 
 import io
+import threading
+from typing import Callable, TypeVar
 
 from PIL import Image
 
@@ -17,6 +20,29 @@ def run_request(dispatcher: Dispatcher, route: Route, req: WorkerRequest):  # ty
         text += chunk.text
         last = chunk
     return tokens, text, last
+
+
+T = TypeVar("T")
+
+
+def on_threads(fn: Callable[[int], T], n: int, timeout_s: float = 120) -> tuple[list[T | None], list[BaseException]]:
+    """``fn(0) .. fn(n-1)`` at once, each on its own thread: (results in order, None where it raised; the
+    errors raised)."""
+    out: list[T | None] = [None] * n
+    errors: list[BaseException] = []
+
+    def one(i: int) -> None:
+        try:
+            out[i] = fn(i)
+        except BaseException as exc:  # noqa: BLE001 - returned to the test
+            errors.append(exc)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout_s)
+    return out, errors
 
 
 def png(color: tuple[int, int, int], size: tuple[int, int] = (48, 36)) -> bytes:

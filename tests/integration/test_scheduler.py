@@ -17,6 +17,7 @@ from controlplane.settings import SchedulerSettings
 from controlplane.state.journal import RequestJournal, RequestState
 from controlplane.state.registry import WorkerInfo, WorkerLoad, WorkerRegistry
 from kvtransfer.auth import TransferSecurity
+from dispatch_helpers import on_threads
 from redis_fixture import redis_server, state_conn  # noqa: F401 - fixtures
 from workers.run import start_worker
 from workers.runtime.engine import EngineConfig
@@ -64,21 +65,7 @@ def _collect(scheduler: Scheduler, req: WorkerRequest) -> list[int]:
 
 def _collect_all(scheduler: Scheduler, reqs: list[WorkerRequest]) -> tuple[list[list[int] | None], list[BaseException]]:
     """Every request at once, each on its own thread: (tokens per request, in order; the errors raised)."""
-    out: list[list[int] | None] = [None] * len(reqs)
-    errors: list[BaseException] = []
-
-    def one(i: int) -> None:
-        try:
-            out[i] = _collect(scheduler, reqs[i])
-        except BaseException as exc:  # noqa: BLE001
-            errors.append(exc)
-
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(reqs))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    return out, errors
+    return on_threads(lambda i: _collect(scheduler, reqs[i]), len(reqs))
 
 
 def test_requests_are_spread_and_match_the_reference(cluster):

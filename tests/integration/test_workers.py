@@ -7,12 +7,11 @@ single-process ``generate()``; failures surface with their stage and status and 
 from __future__ import annotations
 
 import secrets
-import threading
 
 import grpc
 import pytest
 
-from dispatch_helpers import png, run_request
+from dispatch_helpers import on_threads, png, run_request
 
 from controlplane.dispatch import DispatchError, Dispatcher, Route, WorkerRequest
 from epd.worker.v1 import worker_pb2 as wpb
@@ -107,22 +106,10 @@ def test_concurrent_requests_all_match(stack):
     bundle, workers, dispatcher, route = stack
     prompts = [bundle.tokenizer.encode(f"Request number {i}: " + "the cache moves " * (i % 5 + 1)) for i in range(12)]
     refs = [r.token_ids for r in generate(bundle, [GenerateRequest(prompt_ids=p, params=GREEDY) for p in prompts])]
-    results: dict[int, list[int]] = {}
-    errors: list[BaseException] = []
-
-    def one(i: int) -> None:
-        try:
-            results[i] = run_request(dispatcher, route, WorkerRequest(f"conc-{i}", prompts[i], GREEDY))[0]
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
+    results, errors = on_threads(
+        lambda i: run_request(dispatcher, route, WorkerRequest(f"conc-{i}", prompts[i], GREEDY))[0], len(prompts))
     assert not errors, errors
-    assert [results[i] for i in range(len(prompts))] == refs
+    assert results == refs
     _assert_clean(workers)
 
 

@@ -8,7 +8,9 @@ cache) and this process as the sender. Figures:
   transfers    one push of a whole cache per codec and transport (gRPC bytes, the bulk TCP
                connection beside gRPC, shared memory): the demo model's 4k-token cache
                and a 256 MiB synthetic one. "Logical" GB/s counts bf16-equivalent bytes landed in
-               the receiver's cache per second, encoding and decoding included;
+               the receiver's cache per second, encoding and decoding included. The cache is bf16,
+               except for "kept int8": an int8 cache that stores the received bytes as they are
+               (``decode_store: native``);
   TTFT         a 2k-token prompt: prefill alone, and prefill streaming its KV layer by layer until
                the decode side holds all of it (what decode waits for before its first step).
 """
@@ -151,18 +153,20 @@ def _push_once(sender: KVSender, target: str, layout: KVLayout, shape: Shape, ke
     return elapsed
 
 
-def transfer_figures(shape: Shape, codecs: list[tuple[str, str, str]], rx: ReceiverProcess, token: str,
+def transfer_figures(shape: Shape, codecs: list[tuple[str, str, str, str]], rx: ReceiverProcess, token: str,
                      repeats: int, refs: dict[str, references.Measurement]) -> list[Figure]:
-    """One Figure per (codec, transport, reference name) for a cache of ``shape``."""
+    """One Figure per (codec, transport, reference name, decode storage) for a cache of ``shape``.
+    Storage ``dequantize``: the receiver's cache is bf16 (a decode worker's default); ``native``: the
+    cache keeps the codec's own dtype (``decode_store: native``), so nothing is decoded on arrival."""
     g = torch.Generator().manual_seed(0)
     keys = [torch.randn(shape.blocks, shape.block_size, shape.kv_heads, shape.head_dim, generator=g)
             .to(torch.bfloat16) for _ in range(shape.layers)]
     values = [torch.randn_like(k, dtype=torch.float32).to(torch.bfloat16) for k in keys]
     out = []
-    for codec, transport, ref in codecs:
+    for codec, transport, ref, store in codecs:
         layout = KVLayout(shape.layers, shape.kv_heads, shape.head_dim, shape.block_size, (codec,) * shape.layers,
                           "bench", "bfloat16")
-        port = rx.call("setup", layout, "bfloat16", shape.blocks)
+        port = rx.call("setup", layout, codec if store == "native" else "bfloat16", shape.blocks)
         sender = KVSender(TransferSecurity(token=token), transport=transport,  # type: ignore[arg-type]
                           stream_budget_bytes=256 * MiB, sender_budget_bytes=1024 * MiB)
         try:
@@ -171,7 +175,8 @@ def transfer_figures(shape: Shape, codecs: list[tuple[str, str, str]], rx: Recei
             best = min(_push_once(sender, target, layout, shape, keys, values, rx, f"r{i}") for i in range(repeats))
         finally:
             sender.close()
-        out.append(Figure(f"{shape.name}: {codec} over {transport}", shape.logical_bytes / best / 1e9, "GB/s logical",
+        kept = f", kept {codec}" if store == "native" else ""
+        out.append(Figure(f"{shape.name}: {codec} over {transport}{kept}", shape.logical_bytes / best / 1e9, "GB/s logical",
                           ref, refs[ref].gbps))
     return out
 
@@ -254,9 +259,10 @@ def run(args: argparse.Namespace) -> int:
     refs = measure_references(ref_bytes, args.repeats)
     names = {k.split(" ")[0]: k for k in refs}
     memcpy, tcp, grpc_raw = names["memcpy"], names["tcp"], refs and [k for k in refs if "raw" in k][0]
-    plan = [("bf16", "grpc", grpc_raw), ("int8", "grpc", tcp), ("fp8", "grpc", tcp), ("int4", "grpc", tcp),
-            ("bf16", "tcp", grpc_raw), ("int8", "tcp", tcp),
-            ("bf16", "shm", memcpy), ("int8", "shm", memcpy)]
+    d, n = "dequantize", "native"  # the receiver's cache: bf16, or the codec's own dtype
+    plan = [("bf16", "grpc", grpc_raw, d), ("int8", "grpc", tcp, d), ("fp8", "grpc", tcp, d), ("int4", "grpc", tcp, d),
+            ("bf16", "tcp", grpc_raw, d), ("int8", "tcp", tcp, d), ("int8", "tcp", tcp, n),
+            ("bf16", "shm", memcpy, d), ("int8", "shm", memcpy, d)]
     rx = ReceiverProcess(token)
     figures: list[Figure] = []
     try:
@@ -278,9 +284,9 @@ def run(args: argparse.Namespace) -> int:
     for m in refs.values():
         print(f"{m.name:<34}{m.gbps:8.2f}")
     print()
-    print(f"{'figure':<44}{'value':>12}  {'reference':<30}{'ref':>9}{'ratio':>8}")
+    print(f"{'figure':<46}{'value':>12}  {'reference':<30}{'ref':>9}{'ratio':>8}")
     for f in figures:
-        print(f"{f.name:<44}{f.value:9.2f} {f.unit.split()[0]:<3} {f.reference:<30}{f.ref_value:9.2f}{f.ratio:7.2f}x")
+        print(f"{f.name:<46}{f.value:9.2f} {f.unit.split()[0]:<3} {f.reference:<30}{f.ref_value:9.2f}{f.ratio:7.2f}x")
     if args.json:
         Path(args.json).write_text(json.dumps({"references": {k: m.gbps for k, m in refs.items()},
                                                "figures": [asdict(f) | {"ratio": f.ratio} for f in figures]},

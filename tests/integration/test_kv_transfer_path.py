@@ -27,17 +27,20 @@ pytestmark = [pytest.mark.integration]
 TOKEN = secrets.token_urlsafe(24)
 
 
-def decode_peer(conn, model_dir: str, dtype: str, codecs: tuple[str, ...], transport_token: str) -> None:
-    """The decode side, in its own process."""
+def decode_peer(conn, model_dir: str, dtype: str, codecs: tuple[str, ...], transport_token: str,
+                store: str = "dequantize") -> None:
+    """The decode side, in its own process (``store``: the decode worker's ``decode_store``)."""
     import threading
 
     from kvtransfer.receiver import KVReceiver
     from kvtransfer.server import kv_transfer_handler, start_server
-    from workers.decode.kv_sink import CacheSink
+    from workers.decode.kv_sink import CacheSink, decode_cache_dtypes
     from workers.prefill.kv_stream import engine_layout
 
     bundle = load_model(model_dir, dtype=getattr(torch, dtype), with_vision=False)
-    engine = Engine(bundle.model, bundle.tokenizer, EngineConfig(dtype=dtype), bundle.eos_token_ids)
+    engine = Engine(bundle.model, bundle.tokenizer,
+                    EngineConfig(dtype=dtype, kv_layer_dtypes=decode_cache_dtypes(codecs, dtype, store)),  # type: ignore[arg-type]
+                    bundle.eos_token_ids)
     receiver = KVReceiver(engine_layout(engine, codecs), CacheSink(engine.cache))
     receiver.start_janitor()
     server, port = start_server([kv_transfer_handler(receiver)], "127.0.0.1:0",
@@ -73,6 +76,8 @@ def decode_peer(conn, model_dir: str, dtype: str, codecs: tuple[str, ...], trans
                     for out in engine.step():
                         tokens.extend(out.new_token_ids)
                 conn.send(("ok", tokens, cache))
+            elif cmd == "cache_dtypes":
+                conn.send([str(layer.k.dtype) for layer in engine.cache.layers])
             elif cmd == "stats":
                 s = engine.stats()
                 conn.send((s.blocks_free, s.blocks_total, s.num_reservations, receiver.pending))
@@ -84,10 +89,11 @@ def decode_peer(conn, model_dir: str, dtype: str, codecs: tuple[str, ...], trans
 
 
 class Peer:
-    def __init__(self, model_dir: Path, dtype: str, codecs: tuple[str, ...]) -> None:
+    def __init__(self, model_dir: Path, dtype: str, codecs: tuple[str, ...], store: str = "dequantize") -> None:
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=decode_peer, args=(child, str(model_dir), dtype, codecs, TOKEN), daemon=True)
+        self.proc = ctx.Process(target=decode_peer, args=(child, str(model_dir), dtype, codecs, TOKEN, store),
+                                daemon=True)
         self.proc.start()
         if not self.conn.poll(60):
             raise RuntimeError("decode peer did not start")
@@ -111,8 +117,9 @@ class Peer:
 
 
 def _disaggregated(model_dir: Path, dtype: str, codecs: tuple[str, ...], prompts: list[list[int]],
-                   params: SamplingParams, transport: str = "grpc", chunk: int = 64):
-    """Run prompts through prefill here and decode in the peer; returns tokens and cache comparisons."""
+                   params: SamplingParams, transport: str = "grpc", chunk: int = 64, store: str = "dequantize"):
+    """Run prompts through prefill here and decode in the peer; returns tokens and cache comparisons
+    (and the stats tuple, whose last entry is the decode cache's dtype per layer)."""
     bundle = load_model(model_dir, dtype=getattr(torch, dtype), with_vision=False)
     engine = Engine(bundle.model, bundle.tokenizer, EngineConfig(dtype=dtype, prefill_chunk_size=chunk),
                     bundle.eos_token_ids)
@@ -126,7 +133,7 @@ def _disaggregated(model_dir: Path, dtype: str, codecs: tuple[str, ...], prompts
             prefill_kv.setdefault(c.request_id, [None] * bundle.config.num_layers)[ev.layer] = (k.clone(), v.clone())
 
     engine.add_layer_hook(capture)
-    peer = Peer(model_dir, dtype, codecs)
+    peer = Peer(model_dir, dtype, codecs, store)
     results = []
     try:
         for i, prompt in enumerate(prompts):
@@ -142,7 +149,7 @@ def _disaggregated(model_dir: Path, dtype: str, codecs: tuple[str, ...], prompts
             status, tokens, cache = peer.call("wait", rid, prompt, params)
             assert status == "ok"
             results.append((tokens, cache, prefill_kv[rid], push))
-        stats = peer.call("stats")
+        stats = (*peer.call("stats"), peer.call("cache_dtypes"))
     finally:
         peer.close()
         sender.close()
@@ -165,7 +172,7 @@ def test_decode_cache_is_bit_exact_and_generation_matches_the_reference(default_
     bundle = load_model(default_ckpt, dtype=getattr(torch, dtype), with_vision=False)
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     layers = bundle.config.num_layers
-    results, (free, total, reservations, pending) = _disaggregated(default_ckpt, dtype, (codec,) * layers, prompts,
+    results, (free, total, reservations, pending, _) = _disaggregated(default_ckpt, dtype, (codec,) * layers, prompts,
                                                                    params, transport)
     reference = generate(bundle, [GenerateRequest(prompt_ids=p, params=params) for p in prompts],
                          EngineConfig(dtype=dtype))
@@ -181,7 +188,7 @@ def test_decode_cache_is_bit_exact_and_generation_matches_the_reference(default_
 def test_int8_transfer_stays_within_its_bound_and_keeps_generating(default_ckpt, prompts):
     bundle = load_model(default_ckpt, with_vision=False)
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    results, (free, total, reservations, pending) = _disaggregated(
+    results, (free, total, reservations, pending, _) = _disaggregated(
         default_ckpt, "float32", ("int8",) * bundle.config.num_layers, prompts[:1], params)
     tokens, decode_kv, prefill_kv, push = results[0]
     assert push.num_bytes < push.logical_bytes * 0.6  # int8 halves the bf16 bytes (plus scales)
@@ -192,4 +199,26 @@ def test_int8_transfer_stays_within_its_bound_and_keeps_generating(default_ckpt,
             assert (got - want).abs().max().item() <= bound
             assert not torch.equal(got, want)  # it really was quantised
     assert len(tokens) == 8
+    assert (free, reservations, pending) == (total, 0, 0)
+
+
+@pytest.mark.parametrize("codec", ["int8", "fp8"])
+def test_native_storage_keeps_the_codec_and_decodes_as_the_dequantized_cache_does(default_ckpt, prompts, codec):
+    """``decode_store: native`` keeps int8/fp8 as received; read back in float32 it holds exactly what
+    the default (dequantised) storage holds, so generation continues identically."""
+    bundle = load_model(default_ckpt, with_vision=False)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    codecs = (codec,) * bundle.config.num_layers
+    runs = {store: _disaggregated(default_ckpt, "float32", codecs, prompts[:2], params, "tcp", store=store)
+            for store in ("dequantize", "native")}
+    (dense, dense_stats), (native, native_stats) = runs["dequantize"], runs["native"]
+    assert set(dense_stats[-1]) == {"torch.float32"}
+    assert set(native_stats[-1]) == {"torch.int8" if codec == "int8" else "torch.float8_e4m3fn"}
+    for (d_tokens, d_kv, _, _), (n_tokens, n_kv, prefill_kv, push) in zip(dense, native):
+        assert push.transport == "tcp"
+        for layer in range(bundle.config.num_layers):
+            assert torch.equal(n_kv[layer][0], d_kv[layer][0]) and torch.equal(n_kv[layer][1], d_kv[layer][1])
+            assert not torch.equal(n_kv[layer][0], prefill_kv[layer][0])  # it really was quantised
+        assert n_tokens == d_tokens and len(n_tokens) == 8
+    free, total, reservations, pending, _ = native_stats
     assert (free, reservations, pending) == (total, 0, 0)

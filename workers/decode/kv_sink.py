@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from kvtransfer.codecs import Kind, get_codec
-from kvtransfer.codecs.encoded import tensor_from_buffer
+from kvtransfer.codecs.encoded import CodecError
 from kvtransfer.receiver import WireParts
 from workers.runtime.kv_cache import DenseLayerStorage, PagedKVCache, QuantizedLayerStorage
 
@@ -80,15 +80,26 @@ class CacheSink:
 
     def _store_native(self, storage: QuantizedLayerStorage, blocks: Sequence[int], codec: str,
                       shape: tuple[int, int, int, int], key: WireParts, value: WireParts) -> None:
+        """Payload bytes copied as they are, one memcpy per run of consecutive block ids; the scales
+        (int8: per (block, head), fp8: per block) broadcast to the cache's one per (token, head)."""
         n, bs, h, d = shape
-        slots = self._slots(blocks)
+        per_block = bs * h * d
+        groups = h if codec == "int8" else 1
+        runs = _runs(blocks)
         for data, scale, part in ((storage.k, storage.k_scale, key), (storage.v, storage.v_scale, value)):
-            q = tensor_from_buffer(part.payload, torch.uint8, n * bs * h * d, "payload").view(n * bs, h, d)
-            s = tensor_from_buffer(part.scales, torch.float32, part.scales.nbytes, "scales")
-            # int8 scales are per (block, head); fp8 per block. The cache keeps one per (token, head).
-            s = s.view(n, 1, h if codec == "int8" else 1).expand(n, bs, h).reshape(n * bs, h)
-            data.view(torch.uint8).index_copy_(0, slots, q)
-            scale.index_copy_(0, slots, s)
+            if part.payload.nbytes != n * per_block:
+                raise CodecError(f"payload has {part.payload.nbytes} bytes, expected {n * per_block} for {n} "
+                                 f"{codec} blocks")
+            if part.scales.nbytes != n * groups * 4:
+                raise CodecError(f"scales have {part.scales.nbytes} bytes, expected {n * groups * 4} for {n} "
+                                 f"{codec} blocks")
+            src = np.frombuffer(part.payload, dtype=np.uint8).reshape(n, per_block)
+            dst = data.view(torch.uint8).view(-1, per_block).numpy()
+            s = torch.from_numpy(np.frombuffer(part.scales, dtype=np.float32).reshape(n, 1, groups).copy())
+            s_dst = scale.view(-1, bs, h)
+            for start, end, first in runs:
+                np.copyto(dst[first:first + end - start], src[start:end])
+                s_dst[first:first + end - start].copy_(s[start:end].expand(-1, bs, h))
 
 
 def _consecutive(blocks: Sequence[int]) -> bool:

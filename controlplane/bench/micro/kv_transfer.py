@@ -11,7 +11,8 @@ model's shape, 4 x 4 x 64 x 4096 tokens, 16 MiB). Figures are logical GB/s: bf16
            receiver process, which checks every byte);
   kv-tcp   bf16 and int8 over the bulk TCP connection beside the gRPC call (kvtransfer.bulk), against
            the same references: int8 against the raw TCP socket it must outrun (issue 3's int8 target),
-           bf16 against the raw gRPC stream;
+           bf16 against the raw gRPC stream; ``kv-tcp.int8-kept`` lands int8 in an int8 cache
+           (``decode_store: native``: nothing is dequantised on arrival);
   kv-shm   bf16 through shared memory (gRPC carries only control), against memcpy of the same bytes.
 """
 
@@ -52,11 +53,11 @@ class _Pusher:
     """One codec and transport to the receiver process: ``push()`` sends the whole cache, returns seconds."""
 
     def __init__(self, rx: ReceiverProcess, token: str, shape: Shape, codec: str, transport: str,
-                 cache: tuple[list[torch.Tensor], list[torch.Tensor]]) -> None:
+                 cache: tuple[list[torch.Tensor], list[torch.Tensor]], store: str = "dequantize") -> None:
         self.rx, self.shape, self.cache = rx, shape, cache
         self.layout = KVLayout(shape.layers, shape.kv_heads, shape.head_dim, shape.block_size,
                                (codec,) * shape.layers, "bench-micro", "bfloat16")
-        port = rx.call("setup", self.layout, "bfloat16", shape.blocks)
+        port = rx.call("setup", self.layout, codec if store == "native" else "bfloat16", shape.blocks)
         self.target = f"127.0.0.1:{port}"
         self.sender = KVSender(TransferSecurity(token=token), transport=transport,  # type: ignore[arg-type]
                                stream_budget_bytes=256 * MiB, sender_budget_bytes=1024 * MiB)
@@ -103,15 +104,17 @@ def _results(name: str, benchmark: str, shape: Shape, pusher: _Pusher, refs: lis
 
 
 def run_grpc(plan: Plan) -> list[Result]:
-    return _run_wire(plan, "grpc", ("bf16", ("grpc", "tcp")), ("int8", ("grpc",)))
+    return _run_wire(plan, "grpc", ("bf16", ("grpc", "tcp"), "dequantize"), ("int8", ("grpc",), "dequantize"))
 
 
 def run_tcp(plan: Plan) -> list[Result]:
-    return _run_wire(plan, "tcp", ("int8", ("tcp",)), ("bf16", ("grpc",)))
+    return _run_wire(plan, "tcp", ("int8", ("tcp",), "dequantize"), ("int8", ("tcp",), "native"),
+                     ("bf16", ("grpc",), "dequantize"))
 
 
-def _run_wire(plan: Plan, transport: str, *codecs: tuple[str, tuple[str, ...]]) -> list[Result]:
-    """Each codec over ``transport``, against the named references (the first gives the figure's name)."""
+def _run_wire(plan: Plan, transport: str, *codecs: tuple[str, tuple[str, ...], str]) -> list[Result]:
+    """Each (codec, references, decode storage) over ``transport``, against the named references (the
+    first gives the figure's name); storage ``native`` keeps the codec's dtype in the receiver's cache."""
     shape = _shape(plan)
     nbytes = shape.logical_bytes
     cache = _cache(shape)
@@ -124,10 +127,11 @@ def _run_wire(plan: Plan, transport: str, *codecs: tuple[str, tuple[str, ...]]) 
     rx = ReceiverProcess(token)
     out: list[Result] = []
     try:
-        for codec, which in codecs:
-            pusher = _Pusher(rx, token, shape, codec, transport, cache)
+        for codec, which, store in codecs:
+            pusher = _Pusher(rx, token, shape, codec, transport, cache, store)
             try:
-                out += _results(f"kv-{transport}.{codec}", f"kv-{transport}", shape, pusher, [refs[w] for w in which],
+                kept = "-kept" if store == "native" else ""
+                out += _results(f"kv-{transport}.{codec}{kept}", f"kv-{transport}", shape, pusher, [refs[w] for w in which],
                                 plan, ref_inner=1)
             finally:
                 pusher.close()

@@ -1,0 +1,77 @@
+"""``CacheSink``: received KV blocks landing in the decode cache, for each storage the decode worker can
+keep (dequantised into a float cache, or ``native``: int8/fp8 kept as received)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvtransfer.codecs import CodecError, Kind, get_codec
+from kvtransfer.receiver import WireParts
+from workers.decode.kv_sink import CacheSink, decode_cache_dtypes
+from workers.runtime.kv_cache import KVCacheSpec, PagedKVCache
+
+pytestmark = pytest.mark.unit
+
+SPEC = KVCacheSpec(num_layers=2, num_kv_heads=4, head_dim=32, block_size=16)
+BLOCKS = [5, 6, 2, 9, 10]  # two runs of consecutive ids and a lone block, out of order
+
+
+def _wire(codec: str, x: torch.Tensor, kind: Kind) -> tuple[WireParts, torch.Tensor]:
+    enc = get_codec(codec).encode(x, kind)
+    scales = memoryview(enc.scales.contiguous().view(torch.uint8).numpy().tobytes())
+    return WireParts(memoryview(enc.payload.numpy().tobytes()), scales, None), get_codec(codec).decode(enc, torch.float32)
+
+
+def _kv(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    shape = (len(BLOCKS), SPEC.block_size, SPEC.num_kv_heads, SPEC.head_dim)
+    # heads on very different scales, so a scale landing on the wrong head or block shows
+    ramp = torch.tensor([0.01, 1.0, 30.0, 0.5]).view(1, 1, 4, 1)
+    return torch.randn(*shape, generator=g) * ramp, torch.randn(*shape, generator=g) * ramp
+
+
+@pytest.mark.parametrize("codec", ["int8", "fp8"])
+def test_native_storage_holds_exactly_what_the_codec_decodes(codec: str) -> None:
+    assert decode_cache_dtypes((codec, "bf16"), "float32", "native") == (codec, "float32")
+    cache = PagedKVCache(SPEC, 16, (codec, "float32"))
+    sink = CacheSink(cache)
+    k, v = _kv(1)
+    (kw, k_want), (vw, v_want) = _wire(codec, k, Kind.KEY), _wire(codec, v, Kind.VALUE)
+    sink.write(0, BLOCKS, codec, tuple(k.shape), kw, vw)  # type: ignore[arg-type]
+
+    tokens = len(BLOCKS) * SPEC.block_size
+    got_k, got_v = cache.read_tokens(0, BLOCKS, tokens, torch.float32)
+    assert torch.equal(got_k, k_want.reshape(tokens, 4, 32))  # bit for bit: the same q x scale products
+    assert torch.equal(got_v, v_want.reshape(tokens, 4, 32))
+    untouched = [b for b in range(16) if b not in BLOCKS]
+    k_rest, v_rest = cache.read_tokens(0, untouched, len(untouched) * SPEC.block_size, torch.float32)
+    assert not k_rest.any() and not v_rest.any(), "wrote outside the request's blocks"
+
+
+@pytest.mark.parametrize("codec", ["int8", "fp8"])
+def test_native_storage_refuses_a_short_part_and_writes_nothing(codec: str) -> None:
+    cache = PagedKVCache(SPEC, 16, (codec, "float32"))
+    sink = CacheSink(cache)
+    k, v = _kv(2)
+    (kw, _), (vw, _) = _wire(codec, k, Kind.KEY), _wire(codec, v, Kind.VALUE)
+    short_payload = WireParts(kw.payload[:-1], kw.scales, None)
+    short_scales = WireParts(kw.payload, kw.scales[:-4], None)
+    for bad, words in ((short_payload, "payload"), (short_scales, "scales")):
+        with pytest.raises(CodecError, match=words):
+            sink.write(0, BLOCKS, codec, tuple(k.shape), bad, vw)  # type: ignore[arg-type]
+    got_k, got_v = cache.read_tokens(0, list(range(16)), 16 * SPEC.block_size, torch.float32)
+    assert not got_k.any() and not got_v.any()
+
+
+def test_native_and_dequantized_storage_agree_within_the_float_rounding() -> None:
+    native = PagedKVCache(SPEC, 16, ("int8", "float32"))
+    dense = PagedKVCache(SPEC, 16, ("float32", "float32"))
+    k, v = _kv(3)
+    (kw, _), (vw, _) = _wire("int8", k, Kind.KEY), _wire("int8", v, Kind.VALUE)
+    for cache in (native, dense):
+        CacheSink(cache).write(0, BLOCKS, "int8", tuple(k.shape), kw, vw)  # type: ignore[arg-type]
+    tokens = len(BLOCKS) * SPEC.block_size
+    for a, b in zip(native.read_tokens(0, BLOCKS, tokens, torch.float32), dense.read_tokens(0, BLOCKS, tokens,
+                                                                                             torch.float32)):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)

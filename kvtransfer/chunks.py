@@ -51,6 +51,30 @@ def frame_chunk_parts(chunk: "pb.KVChunk", codec: Codec, key: torch.Tensor,
     return encode_chunk_parts(chunk, scales, payload), nbytes
 
 
+def frame_chunk_into(chunk: "pb.KVChunk", codec: Codec, key: torch.Tensor, value: torch.Tensor,
+                     buf: torch.Tensor) -> tuple[list[bytes | memoryview], int]:
+    """``frame_chunk_parts`` with the scales and payload encoded into ``buf`` (1-D uint8, at least
+    ``chunk_nbytes`` long; a pooled buffer), for codecs that encode straight into a destination
+    (``writes_in_place``). The parts are views of ``buf``: reuse it only once they are sent."""
+    nbytes = chunk_nbytes(codec, tuple(key.shape))
+    dest = memoryview(buf.numpy())[:nbytes]
+    s_len, k_len, _ = _sizes(codec, tuple(key.shape))
+    chunk.checksum = _encode_into_parts(codec, key, value, dest[:s_len], dest[s_len:], k_len)
+    return encode_chunk_parts(chunk, [dest[:s_len]], [dest[s_len:]]), nbytes
+
+
+def writes_in_place(codec: Codec) -> bool:
+    """True for a codec with scales whose ``encode_into`` writes the payload where it is told (no
+    temporary): encoding it into a pooled buffer saves a fresh allocation per chunk. Scale-free
+    codecs (bf16, fp32) send views of their input instead, with no copy at all."""
+    if type(codec)._encode_into is Codec._encode_into:
+        return False
+    try:
+        return _sizes(codec, (1, 32, 2, 64))[0] > 0  # a shape every codec accepts (int4: even dims, groups of 32)
+    except ValueError:  # CodecError: a codec with other constraints; the plain path serves it
+        return False
+
+
 def encode_into_segment(chunk: "pb.KVChunk", codec: Codec, key: torch.Tensor, value: torch.Tensor,
                         dest: memoryview) -> None:
     """Encode into ``dest`` (exactly ``chunk_nbytes`` long, writable) and set ``chunk.checksum``."""

@@ -33,11 +33,12 @@ from kvtransfer.auth import ChannelCache, TransferSecurity
 from kvtransfer.budget import ByteBudget
 from kvtransfer.bulk import KIND_CHUNK, KIND_FINISH, BulkConnection, BulkConnector, BulkError
 from kvtransfer.checksum import StreamChecksum
-from kvtransfer.chunks import chunk_nbytes, encode_into_segment, frame_chunk, frame_chunk_parts
+from kvtransfer.chunks import (chunk_nbytes, encode_into_segment, frame_chunk, frame_chunk_into, frame_chunk_parts,
+                               writes_in_place)
 from kvtransfer.codecs import get_codec, native
 from kvtransfer.errors import TransferFailed
 from kvtransfer.layout import KVLayout
-from kvtransfer.memory import retain_freed_buffers
+from kvtransfer.memory import BufferPool, retain_freed_buffers
 from kvtransfer.shm import SegmentPool, SharedSegment, ShmError, reap_orphans, shm_available
 from kvtransfer.threads import single_threaded_torch
 from kvtransfer.wire import OPEN_BULK_METHOD, PROTOCOL_VERSION, PUSH_METHOD, encode_control, pb
@@ -54,6 +55,7 @@ class _Built:
     checksum: int
     nbytes: int  # scales + payload
     logical: int  # the same blocks in bf16
+    buffer: torch.Tensor | None = None  # the pooled buffer ``message`` views (bulk TCP): given back once sent
 
 
 @dataclass(frozen=True)
@@ -106,6 +108,10 @@ class KVSender:
         self.encoders = ThreadPoolExecutor(max_workers=encode_threads, thread_name_prefix="kv-encode",
                                            initializer=single_threaded_torch)
         retain_freed_buffers()  # each gRPC message is a fresh multi-MiB bytes object (see kvtransfer.memory)
+        # Quantised chunks are encoded into pooled buffers (see kvtransfer.memory). The pool holds at
+        # most what was in flight at once, which the sender budget bounds (quantised wire bytes are
+        # fewer than the input bytes the budget counts).
+        self.buffers = BufferPool(max_bytes=sender_budget_bytes)
         native.load_in_background()
         if transport != "grpc":
             reap_orphans()
@@ -118,6 +124,7 @@ class KVSender:
         self.segments.close()
         self.bulk.close()
         self.encoders.shutdown(wait=False, cancel_futures=True)
+        self.buffers.clear()
 
     def choose_transport(self, target: str) -> str:
         if self.transport == "grpc":
@@ -352,20 +359,27 @@ class KVStream:
             try:
                 built: _Built = item.result()  # re-raises an encode error (NaN in the cache, ...)
                 if self._failed.is_set():
+                    self._give_back(built)
                     continue
                 self._seq += 1
                 self._bytes += built.nbytes
                 self._logical += built.logical
                 self._checksum.add(built.checksum)
                 message = built.message
-                del built, item  # gRPC copies the message; drop our references as it goes
                 if self._bulk is not None:
                     self._send_bulk(KIND_CHUNK, message)  # on failure the call is cancelled; "stop" follows
+                    del message
+                    self._give_back(built)  # sendmsg has copied it into the kernel: reusable now
                     continue
+                del built, item  # gRPC copies the message; drop our references as it goes
                 yield message
             finally:
                 self._budget.release(cost)
                 self.sender._budget.release(cost)
+
+    def _give_back(self, built: _Built) -> None:
+        if built.buffer is not None:
+            self.sender.buffers.give(built.buffer)
 
     def _send_bulk(self, kind: int, parts: list) -> None:
         """Write one message to the bulk connection (on gRPC's sending thread, which this keeps busy,
@@ -399,8 +413,18 @@ class KVStream:
                            num_blocks=key.shape[0], codec=int(codec.codec_id))
         logical = key.numel() * 4
         if segment is None:
-            framed, nbytes = (frame_chunk_parts if self._bulk is not None else frame_chunk)(chunk, codec, key, value)
-            return _Built(framed, chunk.checksum, nbytes, logical)
+            if not writes_in_place(codec):  # bf16/fp32: the message's parts are views of the input itself
+                framed, nbytes = (frame_chunk_parts if self._bulk is not None else frame_chunk)(chunk, codec, key,
+                                                                                                value)
+                return _Built(framed, chunk.checksum, nbytes, logical)
+            buf = self.sender.buffers.take(chunk_nbytes(codec, tuple(key.shape)))
+            parts, nbytes = frame_chunk_into(chunk, codec, key, value, buf)
+            if self._bulk is not None:
+                return _Built(parts, chunk.checksum, nbytes, logical, buf)  # sent from buf, then given back
+            message = b"".join(parts)  # gRPC sends bytes: buf is free again once joined
+            del parts
+            self.sender.buffers.give(buf)
+            return _Built(message, chunk.checksum, nbytes, logical)
         # Shared memory: encoded straight into the segment; the message only says where.
         nbytes = chunk_nbytes(codec, tuple(key.shape))
         encode_into_segment(chunk, codec, key, value, segment.view(offset, nbytes))

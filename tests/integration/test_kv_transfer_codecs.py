@@ -75,3 +75,52 @@ def test_each_codec_lands_what_it_decodes(rig, transport: str, codec: str, block
             # per chunk: the sender splits each layer at chunk boundaries that scales never span
             want = c.decode(c.encode(x, kind), torch.bfloat16)
             assert torch.equal(got.view(x.shape).view(torch.int16), want.view(torch.int16)), (layer, kind)
+
+
+@pytest.mark.parametrize("transport", ["tcp", "grpc"])
+def test_pooled_chunk_buffers_are_reused_across_streams_without_mixing_their_data(rig, transport: str) -> None:  # type: ignore[no-untyped-def]
+    """Quantised chunks are encoded into the sender's pooled buffers, handed back once sent: with
+    streams pushing at once from one sender, every stream still lands exactly its own data."""
+    cache, security, target, receiver = rig
+    nblocks = 10
+    layout = KVLayout(LAYERS, HEADS, DIM, BS, ("int8",) * LAYERS, "codec-test", "bfloat16")
+    sender = KVSender(security, transport=transport, max_chunk_bytes=12_000, bulk_chunk_bytes=12_000)  # type: ignore[arg-type]
+    c = get_codec("int8")
+    errors: list[BaseException] = []
+
+    def push(worker: int) -> None:
+        try:
+            for rnd in range(3):
+                ids = list(range(worker * nblocks, (worker + 1) * nblocks))
+                g = torch.Generator().manual_seed(100 * worker + rnd)
+                keys = [torch.randn(nblocks, BS, HEADS, DIM, generator=g).to(torch.bfloat16) for _ in range(LAYERS)]
+                values = [torch.randn(nblocks, BS, HEADS, DIM, generator=g).to(torch.bfloat16) for _ in range(LAYERS)]
+                done: list[TransferOutcome] = []
+                landed = threading.Event()
+                rid = f"pool-{transport}-{worker}-{rnd}"
+                receiver.expect(rid, ids, lambda o: (done.append(o), landed.set()), timeout_s=30)
+                stream = sender.open_stream(target, rid, layout, nblocks * BS, timeout_s=30)
+                for layer in range(LAYERS):
+                    stream.send_layer(layer, 0, keys[layer], values[layer])
+                stream.finish(0)
+                assert landed.wait(10) and done[0].ok, done
+                slots = (torch.tensor(ids)[:, None] * BS + torch.arange(BS)).reshape(-1)
+                for layer in range(LAYERS):
+                    got_k, got_v = cache.layers[layer].gather(slots, torch.bfloat16)
+                    for got, x, kind in ((got_k, keys[layer], Kind.KEY), (got_v, values[layer], Kind.VALUE)):
+                        want = c.decode(c.encode(x, kind), torch.bfloat16)
+                        assert torch.equal(got.view(x.shape), want), (rid, layer, kind)
+        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=push, args=(w,)) for w in range(4)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not errors, errors
+        assert sender.buffers.idle_bytes > 0  # the buffers went back to the pool, ready for the next chunk
+    finally:
+        sender.close()
+    assert receiver.pending == 0

@@ -5,12 +5,14 @@ memory, several (evenly split) chunks per layer, and decoding from the received 
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
 
 from kvtransfer.auth import TransferSecurity
 from kvtransfer.codecs import Kind, get_codec
+from kvtransfer.errors import TransferFailed
 from kvtransfer.layout import KVLayout
 from kvtransfer.receiver import KVReceiver, TransferOutcome
 from kvtransfer.sender import KVSender
@@ -42,7 +44,9 @@ def rig():  # type: ignore[no-untyped-def]
 @pytest.mark.parametrize("transport", ["grpc", "shm", "tcp"])
 @pytest.mark.parametrize("codec", ["bf16", "int8", "fp8", "int4", "fp32"])
 @pytest.mark.parametrize("blocks", ["consecutive", "scattered"])
-def test_each_codec_lands_what_it_decodes(rig, transport: str, codec: str, blocks: str) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("built_by", ["encoder threads", "sending thread"])
+def test_each_codec_lands_what_it_decodes(rig, transport: str, codec: str, blocks: str,  # type: ignore[no-untyped-def]
+                                          built_by: str) -> None:
     cache, security, target, receiver = rig
     nblocks = -(-TOKENS // BS)
     ids = list(range(40, 40 + nblocks)) if blocks == "consecutive" else [2 * i + 1 for i in range(nblocks)][::-1]
@@ -52,11 +56,13 @@ def test_each_codec_lands_what_it_decodes(rig, transport: str, codec: str, block
     values = [(torch.randn(nblocks, BS, HEADS, DIM, generator=g) * 3).to(torch.bfloat16) for _ in range(LAYERS)]
     done: list[TransferOutcome] = []
     landed = threading.Event()
-    rid = f"{codec}-{transport}-{blocks}"
+    rid = f"{codec}-{transport}-{blocks}-{built_by}"
     receiver.expect(rid, ids, lambda o: (done.append(o), landed.set()), timeout_s=30)
     # small chunks: each layer goes in several, unevenly divisible, chunks
+    # (small chunks are encoded by the thread that sends them; inline_build_bytes=0 sends every one
+    # through the encoder threads)
     sender = KVSender(security, transport=transport, max_chunk_bytes=40_000, shm_chunk_bytes=20_000,  # type: ignore[arg-type]
-                      bulk_chunk_bytes=30_000)
+                      bulk_chunk_bytes=30_000, inline_build_bytes=0 if built_by == "encoder threads" else 1 << 20)
     try:
         stream = sender.open_stream(target, rid, layout, TOKENS, timeout_s=30)
         for layer in range(LAYERS):
@@ -84,7 +90,8 @@ def test_pooled_chunk_buffers_are_reused_across_streams_without_mixing_their_dat
     cache, security, target, receiver = rig
     nblocks = 10
     layout = KVLayout(LAYERS, HEADS, DIM, BS, ("int8",) * LAYERS, "codec-test", "bfloat16")
-    sender = KVSender(security, transport=transport, max_chunk_bytes=12_000, bulk_chunk_bytes=12_000)  # type: ignore[arg-type]
+    sender = KVSender(security, transport=transport, max_chunk_bytes=12_000, bulk_chunk_bytes=12_000,  # type: ignore[arg-type]
+                      inline_build_bytes=0)  # encoder threads: several chunks encoded at once
     c = get_codec("int8")
     errors: list[BaseException] = []
 
@@ -124,3 +131,66 @@ def test_pooled_chunk_buffers_are_reused_across_streams_without_mixing_their_dat
     finally:
         sender.close()
     assert receiver.pending == 0
+
+
+@pytest.mark.parametrize("transport", ["grpc", "shm", "tcp"])
+@pytest.mark.parametrize("built_by", ["encoder threads", "sending thread"])
+def test_a_non_finite_cache_fails_the_push_by_name_and_frees_the_reservation(rig, transport: str,  # type: ignore[no-untyped-def]
+                                                                              built_by: str) -> None:
+    cache, security, target, receiver = rig
+    nblocks = 4
+    layout = KVLayout(LAYERS, HEADS, DIM, BS, ("int8",) * LAYERS, "codec-test", "bfloat16")
+    sender = KVSender(security, transport=transport,  # type: ignore[arg-type]
+                      inline_build_bytes=0 if built_by == "encoder threads" else 1 << 20)
+    try:
+        for rnd, poisoned in enumerate((True, False)):  # then the same sender pushes a good cache
+            keys = [torch.randn(nblocks, BS, HEADS, DIM).to(torch.bfloat16) for _ in range(LAYERS)]
+            if poisoned:
+                keys[1][2, 3, 1, 5] = float("nan")
+            done: list[TransferOutcome] = []
+            landed = threading.Event()
+            rid = f"nan-{transport}-{built_by}-{rnd}"
+            receiver.expect(rid, list(range(60, 60 + nblocks)), lambda o: (done.append(o), landed.set()),
+                            timeout_s=2 if poisoned else 30)
+            stream = sender.open_stream(target, rid, layout, nblocks * BS, timeout_s=30)
+            for layer in range(LAYERS):
+                stream.send_layer(layer, 0, keys[layer], keys[layer])
+            if poisoned:
+                with pytest.raises(TransferFailed, match=r"(?i)layer 1.*(nan|finite)|(nan|finite).*layer 1"):
+                    stream.finish(0)
+                # The cancelled call frees the reservation at once, or, when it was cancelled before its
+                # handshake reached the receiver, at the reservation's deadline (the janitor's sweep).
+                deadline = time.monotonic() + 10
+                while not landed.wait(0.1) and time.monotonic() < deadline:
+                    receiver.sweep()
+                assert landed.is_set() and not done[0].ok
+            else:
+                assert stream.finish(0).num_chunks >= LAYERS
+                assert landed.wait(10) and done[0].ok
+    finally:
+        sender.close()
+    assert receiver.pending == 0
+
+
+@pytest.mark.parametrize("transport", ["grpc", "shm", "tcp"])
+def test_a_refused_push_gives_back_all_the_senders_budget(rig, transport: str) -> None:  # type: ignore[no-untyped-def]
+    """Chunks still queued when the receiver refuses the stream are dropped with their bytes returned
+    to the sender-wide budget: a refusal must not leave later pushes waiting for room that never frees."""
+    cache, security, target, receiver = rig
+    layout = KVLayout(LAYERS, HEADS, DIM, BS, ("int8",) * LAYERS, "codec-test", "bfloat16")
+    sender = KVSender(security, transport=transport, max_chunk_bytes=4_000, shm_chunk_bytes=4_000,  # type: ignore[arg-type]
+                      bulk_chunk_bytes=4_000)
+    keys = torch.randn(20, BS, HEADS, DIM).to(torch.bfloat16)
+    try:
+        for rnd in range(3):
+            stream = sender.open_stream(target, f"never-expected-{transport}-{rnd}", layout, 20 * BS, timeout_s=10)
+            with pytest.raises(TransferFailed):
+                for layer in range(LAYERS):
+                    stream.send_layer(layer, 0, keys, keys)  # dozens of chunks queued behind the handshake
+                stream.finish(0)
+            deadline = time.monotonic() + 5
+            while sender._budget.used and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert sender._budget.used == 0, f"{sender._budget.used} bytes of the sender budget never came back"
+    finally:
+        sender.close()

@@ -48,6 +48,7 @@ class BulkListener:
         self._tickets: dict[bytes, tuple[bytes, float]] = {}  # id -> (secret, expiry)
         self._idle: dict[bytes, BulkConnection] = {}
         self._busy: set[bytes] = set()
+        self._arriving: set[bytes] = set()  # ticket checked, OK being sent: claim() waits for these
         self._cv = threading.Condition()
         self._hellos = threading.BoundedSemaphore(max_hellos)
         self._closed = False
@@ -59,7 +60,7 @@ class BulkListener:
         now = self.clock()
         with self._cv:
             self._tickets = {k: v for k, v in self._tickets.items() if v[1] > now}
-            if len(self._tickets) + len(self._idle) + len(self._busy) >= self.max_connections:
+            if len(self._tickets) + len(self._arriving) + len(self._idle) + len(self._busy) >= self.max_connections:
                 raise BulkError(f"this receiver already holds {self.max_connections} bulk connections and "
                                 "tickets", "busy")
             conn_id, secret = secrets.token_bytes(ID_BYTES), secrets.token_bytes(SECRET_BYTES)
@@ -73,7 +74,7 @@ class BulkListener:
             while conn_id not in self._idle:
                 if conn_id in self._busy:
                     raise BulkError("that bulk connection already carries another stream", "refused")
-                if conn_id not in self._tickets:
+                if conn_id not in self._tickets and conn_id not in self._arriving:
                     raise BulkError("no such bulk connection (never opened, closed, or its ticket expired)",
                                     "refused")
                 remaining = end - time.monotonic()
@@ -137,7 +138,18 @@ class BulkListener:
                 continue
             threading.Thread(target=self._hello, args=(sock,), name="kv-bulk-hello", daemon=True).start()
 
+    def _file(self, conn_id: bytes, sock: socket.socket) -> None:
+        """An authenticated connection, its OK sent: idle, ready for the stream that names it."""
+        with self._cv:
+            self._arriving.discard(conn_id)
+            if self._closed:
+                sock.close()
+            else:
+                self._idle[conn_id] = BulkConnection(conn_id, sock)
+            self._cv.notify_all()
+
     def _hello(self, sock: socket.socket) -> None:
+        arriving: bytes | None = None
         try:
             sock.settimeout(self.hello_timeout_s)  # bounds the TLS handshake too
             if self.ssl_context is not None:
@@ -150,15 +162,23 @@ class BulkListener:
                 ticket = self._tickets.pop(conn_id, None) if buf[:len(HELLO)] == HELLO else None
                 valid = (ticket is not None and ticket[1] > self.clock() and hmac.compare_digest(ticket[0], secret)
                          and not self._closed)
+                if valid:
+                    # The sender may name this connection in a handshake as soon as it reads our OK,
+                    # before it is filed below: claim() waits for it meanwhile, as for a ticket.
+                    arriving = conn_id
+                    self._arriving.add(conn_id)
             if not valid:
                 sock.close()
                 return
             sock.sendall(OK)
             sock.settimeout(None)
-            with self._cv:
-                self._idle[conn_id] = BulkConnection(conn_id, sock)
-                self._cv.notify_all()
+            arriving = None
+            self._file(conn_id, sock)
         except (BulkError, OSError):  # ssl.SSLError is an OSError: no or a bad certificate
             sock.close()
         finally:
+            if arriving is not None:  # the OK could not be sent: a claim waiting for it fails now
+                with self._cv:
+                    self._arriving.discard(arriving)
+                    self._cv.notify_all()
             self._hellos.release()

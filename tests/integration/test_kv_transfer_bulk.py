@@ -146,6 +146,29 @@ def test_a_silent_connection_is_dropped_after_the_hello_timeout() -> None:
         listener.close()
 
 
+def test_a_connection_named_right_after_its_ok_is_waited_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sender names a new connection in its handshake as soon as it reads the OK; the receiver may
+    not have filed it yet. The claim waits for it (it once failed as "no such bulk connection")."""
+    file = BulkListener._file
+
+    def slow_filing(self: BulkListener, conn_id: bytes, sock: socket.socket) -> None:
+        time.sleep(0.3)  # the OK is out; the connection is not yet idle
+        file(self, conn_id, sock)
+
+    monkeypatch.setattr(BulkListener, "_file", slow_filing)
+    listener = BulkListener("127.0.0.1")
+    try:
+        ticket = listener.issue()
+        sock, answer = connect(ticket)
+        assert answer == OK
+        conn = listener.claim(ticket.connection_id, timeout_s=5)  # before the filing is done
+        assert conn.id == ticket.connection_id and listener.connections == 1
+        listener.release(conn, reusable=False)
+        sock.close()
+    finally:
+        listener.close()
+
+
 def test_under_mtls_the_connection_runs_tls_and_needs_a_certificate(make_rig: Callable[..., Rig],
                                                                      tmp_path: Path) -> None:
     pki, other = make_pki(tmp_path / "pki", "epd"), make_pki(tmp_path / "other", "rogue")

@@ -11,6 +11,9 @@ cache) and this process as the sender. Figures:
                the receiver's cache per second, encoding and decoding included. The cache is bf16,
                except for "kept int8": an int8 cache that stores the received bytes as they are
                (``decode_store: native``);
+  paired       int8 over tcp for the 256 MiB cache, each push paired with a TCP socket transfer of
+               the same bytes right after (or before) it: the median of the pairs' ratios, which the
+               machine's drift between minutes moves far less than a best-of against a best-of;
   TTFT         a 2k-token prompt: prefill alone, and prefill streaming its KV layer by layer until
                the decode side holds all of it (what decode waits for before its first step).
 """
@@ -21,6 +24,7 @@ import argparse
 import json
 import multiprocessing as mp
 import secrets
+import statistics
 import threading
 import time
 from dataclasses import asdict, dataclass
@@ -181,6 +185,52 @@ def transfer_figures(shape: Shape, codecs: list[tuple[str, str, str, str]], rx: 
     return out
 
 
+@dataclass
+class Paired:
+    name: str
+    ratios: list[float]  # per pair: the socket's time / the push's time (logical GB/s over the socket's)
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.ratios)
+
+
+def paired_figures(shape: Shape, rx: ReceiverProcess, token: str, pairs: int) -> list[Paired]:
+    """int8 over tcp into an int8 cache (kept) and a bf16 cache, each push paired with a raw TCP socket
+    moving the same logical bytes, the order alternating from pair to pair."""
+    g = torch.Generator().manual_seed(0)
+    keys = [torch.randn(shape.blocks, shape.block_size, shape.kv_heads, shape.head_dim, generator=g)
+            .to(torch.bfloat16) for _ in range(shape.layers)]
+    values = [torch.randn_like(k, dtype=torch.float32).to(torch.bfloat16) for k in keys]
+    layout = KVLayout(shape.layers, shape.kv_heads, shape.head_dim, shape.block_size, ("int8",) * shape.layers,
+                      "bench", "bfloat16")
+    out = []
+    for store, label in (("native", "kept int8"), ("dequantize", "bf16 cache")):
+        port = rx.call("setup", layout, "int8" if store == "native" else "bfloat16", shape.blocks)
+        sender = KVSender(TransferSecurity(token=token), transport="tcp", stream_budget_bytes=256 * MiB,
+                          sender_budget_bytes=1024 * MiB)
+        ratios = []
+        try:
+            target = f"127.0.0.1:{port}"
+            _push_once(sender, target, layout, shape, keys, values, rx, "paired-warm")
+            for i in range(pairs):
+                def push() -> float:
+                    return _push_once(sender, target, layout, shape, keys, values, rx, f"paired-{store}-{i}")
+
+                def socket_s() -> float:
+                    return references.tcp_socket(shape.logical_bytes, repeats=1).seconds
+
+                if i % 2 == 0:
+                    p_s, t_s = push(), socket_s()
+                else:
+                    t_s, p_s = socket_s(), push()
+                ratios.append(t_s / p_s)
+        finally:
+            sender.close()
+        out.append(Paired(f"{shape.name}: int8 over tcp, {label}", ratios))
+    return out
+
+
 def ttft_figure(rx: ReceiverProcess, token: str, tokens: int, repeats: int, codec: str) -> list[Figure]:
     from workers.prefill.kv_stream import LayerStreamer
     from workers.runtime.default_model import ensure_default_checkpoint
@@ -246,13 +296,39 @@ def best_of(a: dict[str, references.Measurement],
     return {name: max(m, b.get(name, m), key=lambda x: x.gbps) for name, m in a.items()}
 
 
+def _run_paired_only(shape: Shape, token: str, pairs: int, json_path: Path | None) -> int:
+    rx = ReceiverProcess(token)
+    try:
+        print(f"paired: {pairs} pushes of int8 over tcp per cache, each beside a TCP socket transfer ...", flush=True)
+        paired = paired_figures(shape, rx, token, pairs)
+    finally:
+        rx.close()
+    _print_paired(paired)
+    if json_path:
+        Path(json_path).write_text(json.dumps({"paired": [asdict(pf) | {"median": pf.median} for pf in paired]},
+                                              indent=2))
+    return 0
+
+
+def _print_paired(paired: list[Paired]) -> None:
+    print()
+    print(f"{'paired with a TCP socket, same bytes, same pair':<46}{'median':>8}  [min-max] over pairs")
+    for pf in paired:
+        print(f"{pf.name:<46}{pf.median:7.2f}x  [{min(pf.ratios):.2f}-{max(pf.ratios):.2f}] over {len(pf.ratios)}")
+
+
 def run(args: argparse.Namespace) -> int:
+    pairs = (0 if args.quick else 8) if args.paired is None else args.paired
+    if pairs < 0:
+        raise SystemExit("epd bench kv: --paired must be 0 or more")
     if args.threads:
         torch.set_num_threads(args.threads)
     token = secrets.token_urlsafe(24)
     demo = Shape("demo 4k-token cache", layers=4, kv_heads=4, head_dim=64, tokens=4096)
     synthetic = Shape("synthetic 256 MiB", layers=16, kv_heads=8, head_dim=128, tokens=4096)
     shapes = [demo] if args.quick else [demo, synthetic]
+    if args.paired_only:
+        return _run_paired_only(shapes[-1], token, pairs or 8, args.json)
     ref_bytes = 64 * MiB if args.quick else 256 * MiB
     print(f"references ({ref_bytes // MiB} MiB, best of {args.repeats}, before and after the transfers) ...",
           flush=True)
@@ -265,10 +341,15 @@ def run(args: argparse.Namespace) -> int:
             ("bf16", "shm", memcpy, d), ("int8", "shm", memcpy, d)]
     rx = ReceiverProcess(token)
     figures: list[Figure] = []
+    paired: list[Paired] = []
     try:
         for shape in shapes:
             print(f"{shape.name}: {shape.logical_bytes / MiB:.0f} MiB logical ...", flush=True)
             figures += transfer_figures(shape, plan, rx, token, args.repeats, refs)
+        if pairs > 0:
+            print(f"paired: {pairs} pushes of int8 over tcp per cache, each beside a TCP socket transfer ...",
+                  flush=True)
+            paired = paired_figures(shapes[-1], rx, token, pairs)
         print("TTFT ...", flush=True)
         figures += ttft_figure(rx, token, args.ttft_tokens, args.repeats, args.ttft_codec)
     finally:
@@ -287,8 +368,11 @@ def run(args: argparse.Namespace) -> int:
     print(f"{'figure':<46}{'value':>12}  {'reference':<30}{'ref':>9}{'ratio':>8}")
     for f in figures:
         print(f"{f.name:<46}{f.value:9.2f} {f.unit.split()[0]:<3} {f.reference:<30}{f.ref_value:9.2f}{f.ratio:7.2f}x")
+    if paired:
+        _print_paired(paired)
     if args.json:
         Path(args.json).write_text(json.dumps({"references": {k: m.gbps for k, m in refs.items()},
-                                               "figures": [asdict(f) | {"ratio": f.ratio} for f in figures]},
+                                               "figures": [asdict(f) | {"ratio": f.ratio} for f in figures],
+                                               "paired": [asdict(pf) | {"median": pf.median} for pf in paired]},
                                               indent=2))
     return 0

@@ -52,18 +52,21 @@ def run(args) -> int:  # type: ignore[no-untyped-def]
     bundle = load_model(_model_dir(args.model), dtype=DTYPES[args.dtype], device=args.device, with_vision=False)
     policies = args.policy or ["fp8", "int8", "int4", "int4,0=bf16,-1=bf16", "auto"]
     prompts = sample_prompts(bundle, args.prompts)
-    explicit = []
+    explicit, labels = [], []
     for spec in policies:
+        label = spec
         if spec.startswith("auto"):
             engine = Engine(bundle.model, bundle.tokenizer, EngineConfig(dtype=args.dtype))
             codecs = resolve_codecs(spec, engine, sample_prompts(bundle, 8, seed=99)).codecs
-            spec = ",".join([codecs[0]] + [f"{i}={c}" for i, c in enumerate(codecs) if c != codecs[0]])
-            print(f"auto resolved to {spec}")
+            resolved = ",".join([codecs[0]] + [f"{i}={c}" for i, c in enumerate(codecs) if c != codecs[0]])
+            print(f"{spec} resolved to {resolved}")
+            spec, label = resolved, f"{spec} (resolved to {resolved})"
         explicit.append(spec)
+        labels.append(label)
     print(f"{args.prompts} prompts x {args.max_tokens} greedy tokens, agreement with the bf16 transfer")
     print(f"{'policy':<28}{'free-running':>14}{'teacher-forced':>16}{'diverged':>10}")
-    for a in agreement(bundle, explicit, prompts, args.max_tokens):
-        print(f"{a.policy:<28}{a.free_running:14.4f}{a.teacher_forced:16.4f}{a.diverged:>6}/{len(prompts)}")
+    for label, a in zip(labels, agreement(bundle, explicit, prompts, args.max_tokens)):
+        print(f"{label:<28}{a.free_running:14.4f}{a.teacher_forced:16.4f}{a.diverged:>6}/{len(prompts)}")
     return 0
 
 

@@ -173,17 +173,20 @@ def test_a_non_finite_cache_fails_the_push_by_name_and_frees_the_reservation(rig
 
 
 @pytest.mark.parametrize("transport", ["grpc", "shm", "tcp"])
-def test_a_refused_push_gives_back_all_the_senders_budget(rig, transport: str) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("built_by", ["encoder threads", "sending thread"])
+def test_a_refused_push_gives_back_all_the_senders_budget(rig, transport: str,  # type: ignore[no-untyped-def]
+                                                           built_by: str) -> None:
     """Chunks still queued when the receiver refuses the stream are dropped with their bytes returned
     to the sender-wide budget: a refusal must not leave later pushes waiting for room that never frees."""
     cache, security, target, receiver = rig
     layout = KVLayout(LAYERS, HEADS, DIM, BS, ("int8",) * LAYERS, "codec-test", "bfloat16")
     sender = KVSender(security, transport=transport, max_chunk_bytes=4_000, shm_chunk_bytes=4_000,  # type: ignore[arg-type]
-                      bulk_chunk_bytes=4_000)
+                      bulk_chunk_bytes=4_000, inline_build_bytes=0 if built_by == "encoder threads" else 1 << 20)
     keys = torch.randn(20, BS, HEADS, DIM).to(torch.bfloat16)
     try:
         for rnd in range(3):
-            stream = sender.open_stream(target, f"never-expected-{transport}-{rnd}", layout, 20 * BS, timeout_s=10)
+            stream = sender.open_stream(target, f"never-expected-{transport}-{built_by}-{rnd}", layout, 20 * BS,
+                                        timeout_s=10)
             with pytest.raises(TransferFailed):
                 for layer in range(LAYERS):
                     stream.send_layer(layer, 0, keys, keys)  # dozens of chunks queued behind the handshake

@@ -37,6 +37,7 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
+from kvtransfer.reused_threads import ReusedThreads
 from kvtransfer.wire import pb
 
 HELLO = b"EPDKV\x01"
@@ -125,38 +126,7 @@ def peer_closed(sock: socket.socket, data_means_closed: bool = False) -> bool:
     return got == b"" or data_means_closed
 
 
-class _ReaderThreads:
-    """Daemon threads that read streams' frames ahead of their handlers, reused from stream to stream:
-    starting a thread per stream cost 7-19% of a small push's time here. A new one starts only when
-    every one is busy, so a stream never waits for a reader (and daemon, like the threads before, so a
-    stream cut off mid-read never holds up the process's exit)."""
-
-    def __init__(self) -> None:
-        self._tasks: queue.SimpleQueue = queue.SimpleQueue()
-        self._idle = 0
-        self._lock = threading.Lock()
-
-    def submit(self, fn: Callable[[], None]) -> None:
-        with self._lock:
-            spawn = self._idle == 0
-            if not spawn:
-                self._idle -= 1
-        self._tasks.put(fn)
-        if spawn:
-            threading.Thread(target=self._run, name="kv-bulk-read", daemon=True).start()
-
-    def _run(self) -> None:
-        while True:
-            fn = self._tasks.get()
-            try:
-                fn()
-            except BaseException:  # noqa: BLE001 - a reader reports its own failures to its stream
-                pass
-            with self._lock:
-                self._idle += 1
-
-
-_READERS = _ReaderThreads()
+_READERS = ReusedThreads("kv-bulk-read")  # each stream's frame reader (see read_frames)
 
 
 class BulkConnection:

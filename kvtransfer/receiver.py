@@ -131,6 +131,17 @@ class KVReceiver:
         finally:
             self._streams.release()
 
+    def push_bulk(self, request: bytes, context: grpc.ServicerContext) -> bytes:
+        """Handler for KVTransfer.PushBulk: a push on the bulk TCP transport, opened by a unary call whose
+        request is the handshake; chunks and finish come over the bulk connection it names."""
+        if not self._streams.acquire(timeout=5.0):
+            context.abort(Code.RESOURCE_EXHAUSTED, "too many KV streams in flight on this receiver; retry")
+        try:
+            return run_stream(self.expectations, context,
+                              lambda bound: self._run(iter((request,)), bound, context, bulk_only=True))
+        finally:
+            self._streams.release()
+
     def open_bulk(self, request: bytes, context: grpc.ServicerContext) -> bytes:
         """Handler for KVTransfer.OpenBulk: a ticket for one bulk TCP connection (see kvtransfer.bulk)."""
         if self.bulk is None:
@@ -141,7 +152,8 @@ class KVReceiver:
             context.abort(Code.RESOURCE_EXHAUSTED, str(exc))
         raise AssertionError("unreachable: context.abort raises")
 
-    def _run(self, requests: Iterator[bytes], bound: list, context: grpc.ServicerContext) -> bytes:
+    def _run(self, requests: Iterator[bytes], bound: list, context: grpc.ServicerContext,
+             bulk_only: bool = False) -> bytes:
         first = self._next(requests)
         if first is None or first.kind != "handshake":
             raise TransferRefused(Code.INVALID_ARGUMENT, "a Push stream must open with a handshake")
@@ -150,6 +162,9 @@ class KVReceiver:
         try:
             exp = self.expectations.claim(first.header.request_id)
             bound.append(exp)
+            if bulk_only and bulk is None:  # the reservation is released with this refusal
+                raise TransferRefused(Code.INVALID_ARGUMENT, "PushBulk carries only TRANSPORT_TCP pushes (its data "
+                                                             "comes over the bulk connection); use Push")
             session = self._open(exp, first.header)
             try:
                 frames = self._frames(requests) if bulk is None else self._bulk_frames(bulk, context)

@@ -22,7 +22,7 @@ from kvtransfer.bulk import FRAME, HELLO, KIND_CHUNK, KIND_FINISH, OK
 from kvtransfer.bulk_listener import BulkListener
 from kvtransfer.errors import TransferFailed
 from kvtransfer.sender import KVSender
-from kvtransfer.wire import OPEN_BULK_METHOD, pb
+from kvtransfer.wire import OPEN_BULK_METHOD, PUSH_BULK_METHOD, pb
 
 pytestmark = [pytest.mark.integration]
 
@@ -112,6 +112,33 @@ def test_open_bulk_needs_the_token(rig: Rig) -> None:
             open_bulk(rig.channel, metadata)
         assert err.value.code() == Code.UNAUTHENTICATED
     assert rig.receiver.bulk is not None and rig.receiver.bulk.connections == 0
+
+
+def push_bulk(channel: grpc.Channel, request: bytes, metadata=AUTH, timeout: float = 10.0) -> pb.PushAck:  # type: ignore[no-untyped-def]
+    call = channel.unary_unary(PUSH_BULK_METHOD, request_serializer=None, response_deserializer=pb.PushAck.FromString)
+    return call(request, metadata=tuple(metadata), timeout=timeout)
+
+
+def test_push_bulk_needs_the_token_and_a_tcp_handshake(rig: Rig) -> None:
+    """PushBulk (the unary call that opens a tcp-transport push) is refused without the token, for a
+    handshake of another transport, and for bytes that are no handshake; the reservation is released
+    where one was named, and the receiver then serves a good push."""
+    frames = Frames(rig.layout, "pb-unauth")
+    for metadata in ((), (("authorization", "Bearer wrong-token-0123456789"),)):
+        with pytest.raises(grpc.RpcError) as err:
+            push_bulk(rig.channel, frames.handshake(transport=pb.TRANSPORT_TCP), metadata)
+        assert err.value.code() == Code.UNAUTHENTICATED
+    pending = rig.reserve("pb-grpc-transport")
+    with pytest.raises(grpc.RpcError) as err:
+        push_bulk(rig.channel, Frames(rig.layout, pending.rid).handshake())  # TRANSPORT_GRPC
+    assert err.value.code() == Code.INVALID_ARGUMENT and "only TRANSPORT_TCP" in (err.value.details() or "")
+    rig.assert_failed(pending, Code.INVALID_ARGUMENT, "only TRANSPORT_TCP")
+    for junk in (b"", b"\xff\xff\xff", Frames(rig.layout, "x").finish()):
+        with pytest.raises(grpc.RpcError) as err:
+            push_bulk(rig.channel, junk)
+        assert err.value.code() == Code.INVALID_ARGUMENT
+    rig.good_transfer()
+    rig.assert_clean()
 
 
 def test_a_wrong_or_reused_secret_is_turned_away(rig: Rig) -> None:

@@ -27,6 +27,15 @@ TOKENS = 37 * BS - 5  # 37 blocks, the last one partly filled
 TOKEN = "codec-test-token-0123456789"
 
 
+BUILT_BY = ["encoder threads", "sending thread"]
+
+
+def inline_bytes(built_by: str) -> int:
+    """KVSender's inline_build_bytes that sends every chunk of these tests through the encoder threads
+    (0), or has the sending thread encode each itself (chunks here are all far under 1 MiB)."""
+    return 0 if built_by == "encoder threads" else 1 << 20
+
+
 @pytest.fixture(scope="module")
 def rig():  # type: ignore[no-untyped-def]
     spec = KVCacheSpec(LAYERS, HEADS, DIM, BS)
@@ -44,7 +53,7 @@ def rig():  # type: ignore[no-untyped-def]
 @pytest.mark.parametrize("transport", ["grpc", "shm", "tcp"])
 @pytest.mark.parametrize("codec", ["bf16", "int8", "fp8", "int4", "fp32"])
 @pytest.mark.parametrize("blocks", ["consecutive", "scattered"])
-@pytest.mark.parametrize("built_by", ["encoder threads", "sending thread"])
+@pytest.mark.parametrize("built_by", BUILT_BY)
 def test_each_codec_lands_what_it_decodes(rig, transport: str, codec: str, blocks: str,  # type: ignore[no-untyped-def]
                                           built_by: str) -> None:
     cache, security, target, receiver = rig
@@ -58,11 +67,9 @@ def test_each_codec_lands_what_it_decodes(rig, transport: str, codec: str, block
     landed = threading.Event()
     rid = f"{codec}-{transport}-{blocks}-{built_by}"
     receiver.expect(rid, ids, lambda o: (done.append(o), landed.set()), timeout_s=30)
-    # small chunks: each layer goes in several, unevenly divisible, chunks
-    # (small chunks are encoded by the thread that sends them; inline_build_bytes=0 sends every one
-    # through the encoder threads)
+    # small chunks: each layer goes in several, unevenly divisible, chunks (encoded as inline_bytes says)
     sender = KVSender(security, transport=transport, max_chunk_bytes=40_000, shm_chunk_bytes=20_000,  # type: ignore[arg-type]
-                      bulk_chunk_bytes=30_000, inline_build_bytes=0 if built_by == "encoder threads" else 1 << 20)
+                      bulk_chunk_bytes=30_000, inline_build_bytes=inline_bytes(built_by))
     try:
         stream = sender.open_stream(target, rid, layout, TOKENS, timeout_s=30)
         for layer in range(LAYERS):
@@ -134,14 +141,14 @@ def test_pooled_chunk_buffers_are_reused_across_streams_without_mixing_their_dat
 
 
 @pytest.mark.parametrize("transport", ["grpc", "shm", "tcp"])
-@pytest.mark.parametrize("built_by", ["encoder threads", "sending thread"])
+@pytest.mark.parametrize("built_by", BUILT_BY)
 def test_a_non_finite_cache_fails_the_push_by_name_and_frees_the_reservation(rig, transport: str,  # type: ignore[no-untyped-def]
                                                                               built_by: str) -> None:
     cache, security, target, receiver = rig
     nblocks = 4
     layout = KVLayout(LAYERS, HEADS, DIM, BS, ("int8",) * LAYERS, "codec-test", "bfloat16")
     sender = KVSender(security, transport=transport,  # type: ignore[arg-type]
-                      inline_build_bytes=0 if built_by == "encoder threads" else 1 << 20)
+                      inline_build_bytes=inline_bytes(built_by))
     try:
         for rnd, poisoned in enumerate((True, False)):  # then the same sender pushes a good cache
             keys = [torch.randn(nblocks, BS, HEADS, DIM).to(torch.bfloat16) for _ in range(LAYERS)]
@@ -173,7 +180,7 @@ def test_a_non_finite_cache_fails_the_push_by_name_and_frees_the_reservation(rig
 
 
 @pytest.mark.parametrize("transport", ["grpc", "shm", "tcp"])
-@pytest.mark.parametrize("built_by", ["encoder threads", "sending thread"])
+@pytest.mark.parametrize("built_by", BUILT_BY)
 def test_a_refused_push_gives_back_all_the_senders_budget(rig, transport: str,  # type: ignore[no-untyped-def]
                                                            built_by: str) -> None:
     """Chunks still queued when the receiver refuses the stream are dropped with their bytes returned
@@ -181,7 +188,7 @@ def test_a_refused_push_gives_back_all_the_senders_budget(rig, transport: str,  
     cache, security, target, receiver = rig
     layout = KVLayout(LAYERS, HEADS, DIM, BS, ("int8",) * LAYERS, "codec-test", "bfloat16")
     sender = KVSender(security, transport=transport, max_chunk_bytes=4_000, shm_chunk_bytes=4_000,  # type: ignore[arg-type]
-                      bulk_chunk_bytes=4_000, inline_build_bytes=0 if built_by == "encoder threads" else 1 << 20)
+                      bulk_chunk_bytes=4_000, inline_build_bytes=inline_bytes(built_by))
     keys = torch.randn(20, BS, HEADS, DIM).to(torch.bfloat16)
     try:
         for rnd in range(3):

@@ -12,12 +12,14 @@ after encoding it, while it is still in the core's cache: the input is read from
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from kvtransfer.checksum import ChunkHasher, chunk_checksum
 from kvtransfer.codecs import Codec, EncodedTensor, Kind
 from kvtransfer.wire import encode_chunk_parts, pb
 
+_NUMPY_FLOATS = {torch.float32: np.float32, torch.float16: np.float16}
 PIECE_BYTES = 1 << 20  # input bytes per encode-then-hash step: well inside a core's L2
 
 
@@ -73,6 +75,27 @@ def writes_in_place(codec: Codec) -> bool:
         return _sizes(codec, (1, 32, 2, 64))[0] > 0  # a shape every codec accepts (int4: even dims, groups of 32)
     except ValueError:  # CodecError: a codec with other constraints; the plain path serves it
         return False
+
+
+def non_finite_values(codec_name: str, scales_dtype: torch.dtype, scales: memoryview, payload: memoryview) -> str | None:
+    """What is non-finite in a received chunk's values, or None: NaN/inf in its scales (and zero
+    points), or a NaN byte in an fp8 payload (e4m3 has no inf). The sender refuses to encode such a
+    cache, and checksums only prove the bytes arrived as sent, so this guards against a sender that
+    is wrong: one NaN that lands in the decode cache poisons every later step of that request, and a
+    sampled step's whole batch. Costs a pass over the (small) scales, and over fp8 payloads. Integer
+    payloads (int8, int4) cannot hold one; float payloads (bf16, fp32) are not checked here (a full
+    pass over the largest payloads; the sender checks them)."""
+    if scales.nbytes:
+        np_dtype = _NUMPY_FLOATS.get(scales_dtype)
+        finite = (np.isfinite(np.frombuffer(scales, dtype=np_dtype)).all() if np_dtype is not None else
+                  torch.isfinite(torch.frombuffer(bytearray(scales), dtype=scales_dtype)).all())
+        if not bool(finite):
+            return "its scales hold NaN or inf"
+    if codec_name == "fp8" and payload.nbytes:
+        raw = np.frombuffer(payload, dtype=np.uint8)
+        if np.any((raw & 0x7F) == 0x7F):  # S.1111.111: e4m3fn's only NaN pattern
+            return "its fp8 payload holds NaN"
+    return None
 
 
 def encode_into_segment(chunk: "pb.KVChunk", codec: Codec, key: torch.Tensor, value: torch.Tensor,

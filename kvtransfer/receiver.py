@@ -27,6 +27,7 @@ import grpc
 from kvtransfer.bulk import KIND_CHUNK, BulkConnection, BulkError
 from kvtransfer.bulk_listener import BulkListener
 from kvtransfer.checksum import StreamChecksum, chunk_checksum
+from kvtransfer.chunks import non_finite_values
 from kvtransfer.codecs import CodecError, Kind, get_codec
 from kvtransfer.errors import TransferRefused
 from kvtransfer.expectations import Expectations, Expected, State, run_stream
@@ -291,6 +292,9 @@ class KVReceiver:
                                   f"expected {want_scales}+{want_payload} for codec {codec_name}")
         if chunk_checksum((scales, payload)) != c.checksum:
             raise TransferRefused(Code.DATA_LOSS, f"{where}: checksum mismatch, the data was corrupted")
+        problem = non_finite_values(codec_name, k_lay.scales_dtype, scales, payload)
+        if problem is not None:
+            raise TransferRefused(Code.INVALID_ARGUMENT, f"{where}: {problem}; refusing to land a corrupt KV cache")
         covered = s.coverage[c.layer]
         if any(covered[c.first_block:c.first_block + c.num_blocks]):
             raise TransferRefused(Code.INVALID_ARGUMENT, f"{where} overlaps blocks already received")

@@ -212,9 +212,11 @@ class Frames:
         return encode_control(pb.PushMessage(handshake=hs))
 
     def chunk(self, layer: int, /, first_block: int = 0, num_blocks: int | None = None, *, codec: str | None = None,
-              edit_payload: Callable[[bytes], bytes] | None = None, **header: object) -> bytes:
+              edit_payload: Callable[[bytes], bytes] | None = None,
+              as_sent: Callable[[bytes, bytes], tuple[bytes, bytes]] | None = None, **header: object) -> bytes:
         """Blocks [first_block, first_block + num_blocks) of ``layer``, encoded with ``codec`` (the layer's
-        by default). The checksum covers the bytes before ``edit_payload``; ``header`` overrides fields."""
+        by default). The checksum covers the bytes before ``edit_payload`` (corruption on the way) and
+        after ``as_sent`` (scales, payload -> what a wrong sender sends); ``header`` overrides fields."""
         n = self.num_blocks - first_block if num_blocks is None else num_blocks
         c = get_codec(codec or self.layout.layer_codecs[layer])
         shape = self.layout.block_shape(max(n, 1))
@@ -223,6 +225,8 @@ class Frames:
         scales = b"".join(bytes(m) for m in (ek.scales_view(), ek.zeros_view(), ev.scales_view(), ev.zeros_view())
                           if m is not None)
         payload = bytes(ek.payload_view()) + bytes(ev.payload_view())
+        if as_sent is not None:
+            scales, payload = as_sent(scales, payload)
         checksum = chunk_checksum([memoryview(scales), memoryview(payload)])
         fields: dict[str, object] = dict(seq=self.seq, request_id=self.rid, layer=layer, first_block=first_block,
                                          num_blocks=n, codec=int(c.codec_id), checksum=checksum)

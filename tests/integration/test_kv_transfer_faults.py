@@ -147,6 +147,15 @@ def test_transfer_shorter_than_the_reservation_is_refused(rig: Rig) -> None:
 
 
 # ---------------------------------------------------------------------- refused chunks
+def _float32_at(scales: bytes, index: int, value: float) -> bytes:
+    """``scales`` (float32) with the one at ``index`` set to ``value``."""
+    import struct
+
+    values = list(struct.unpack(f"<{len(scales) // 4}f", scales))
+    values[index] = value
+    return struct.pack(f"<{len(values)}f", *values)
+
+
 def _flip_byte(payload: bytes) -> bytes:
     i = len(payload) // 2
     return payload[:i] + bytes([payload[i] ^ 0x10]) + payload[i + 1:]
@@ -174,6 +183,11 @@ CHUNKS: dict[str, tuple[Callable[[Frames, Pending], list[bytes]], grpc.StatusCod
                                        Code.INVALID_ARGUMENT, "shared-memory reference"),
     "second handshake": (lambda f, o: [f.handshake()], Code.INVALID_ARGUMENT, "second handshake"),
     "malformed frame": (lambda f, o: [b"\x12\x05ab"], Code.INVALID_ARGUMENT, "malformed message"),
+    # well-formed and checksummed, but values a correct sender never sends (it refuses a NaN cache)
+    "NaN in a scale": (lambda f, o: [f.chunk(1, as_sent=lambda s, p: (_float32_at(s, 1, float("nan")), p))],
+                       Code.INVALID_ARGUMENT, "scales hold NaN or inf"),
+    "inf in a scale": (lambda f, o: [f.chunk(1, as_sent=lambda s, p: (_float32_at(s, -1, float("inf")), p))],
+                       Code.INVALID_ARGUMENT, "scales hold NaN or inf"),
 }
 
 

@@ -12,6 +12,8 @@ after encoding it, while it is still in the core's cache: the input is read from
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 
@@ -65,6 +67,7 @@ def frame_chunk_into(chunk: "pb.KVChunk", codec: Codec, key: torch.Tensor, value
     return encode_chunk_parts(chunk, [dest[:s_len]], [dest[s_len:]]), nbytes
 
 
+@functools.cache  # asked once per chunk on the sender; codecs are singletons
 def writes_in_place(codec: Codec) -> bool:
     """True for a codec with scales whose ``encode_into`` writes the payload where it is told (no
     temporary): encoding it into a pooled buffer saves a fresh allocation per chunk. Scale-free

@@ -157,15 +157,21 @@ def _push_once(sender: KVSender, target: str, layout: KVLayout, shape: Shape, ke
     return elapsed
 
 
+def random_cache(shape: Shape) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """A bf16 cache of ``shape`` (keys, values per layer), the same on every run."""
+    g = torch.Generator().manual_seed(0)
+    keys = [torch.randn(shape.blocks, shape.block_size, shape.kv_heads, shape.head_dim, generator=g)
+            .to(torch.bfloat16) for _ in range(shape.layers)]
+    values = [torch.randn_like(k, dtype=torch.float32).to(torch.bfloat16) for k in keys]
+    return keys, values
+
+
 def transfer_figures(shape: Shape, codecs: list[tuple[str, str, str, str]], rx: ReceiverProcess, token: str,
                      repeats: int, refs: dict[str, references.Measurement]) -> list[Figure]:
     """One Figure per (codec, transport, reference name, decode storage) for a cache of ``shape``.
     Storage ``dequantize``: the receiver's cache is bf16 (a decode worker's default); ``native``: the
     cache keeps the codec's own dtype (``decode_store: native``), so nothing is decoded on arrival."""
-    g = torch.Generator().manual_seed(0)
-    keys = [torch.randn(shape.blocks, shape.block_size, shape.kv_heads, shape.head_dim, generator=g)
-            .to(torch.bfloat16) for _ in range(shape.layers)]
-    values = [torch.randn_like(k, dtype=torch.float32).to(torch.bfloat16) for k in keys]
+    keys, values = random_cache(shape)
     out = []
     for codec, transport, ref, store in codecs:
         layout = KVLayout(shape.layers, shape.kv_heads, shape.head_dim, shape.block_size, (codec,) * shape.layers,
@@ -198,10 +204,8 @@ class Paired:
 def paired_figures(shape: Shape, rx: ReceiverProcess, token: str, pairs: int) -> list[Paired]:
     """int8 over tcp into an int8 cache (kept) and a bf16 cache, each push paired with a raw TCP socket
     moving the same logical bytes, the order alternating from pair to pair."""
-    g = torch.Generator().manual_seed(0)
-    keys = [torch.randn(shape.blocks, shape.block_size, shape.kv_heads, shape.head_dim, generator=g)
-            .to(torch.bfloat16) for _ in range(shape.layers)]
-    values = [torch.randn_like(k, dtype=torch.float32).to(torch.bfloat16) for k in keys]
+    print(f"paired: {pairs} pushes of int8 over tcp per cache, each beside a TCP socket transfer ...", flush=True)
+    keys, values = random_cache(shape)
     layout = KVLayout(shape.layers, shape.kv_heads, shape.head_dim, shape.block_size, ("int8",) * shape.layers,
                       "bench", "bfloat16")
     out = []
@@ -299,7 +303,6 @@ def best_of(a: dict[str, references.Measurement],
 def _run_paired_only(shape: Shape, token: str, pairs: int, json_path: Path | None) -> int:
     rx = ReceiverProcess(token)
     try:
-        print(f"paired: {pairs} pushes of int8 over tcp per cache, each beside a TCP socket transfer ...", flush=True)
         paired = paired_figures(shape, rx, token, pairs)
     finally:
         rx.close()
@@ -347,8 +350,6 @@ def run(args: argparse.Namespace) -> int:
             print(f"{shape.name}: {shape.logical_bytes / MiB:.0f} MiB logical ...", flush=True)
             figures += transfer_figures(shape, plan, rx, token, args.repeats, refs)
         if pairs > 0:
-            print(f"paired: {pairs} pushes of int8 over tcp per cache, each beside a TCP socket transfer ...",
-                  flush=True)
             paired = paired_figures(shapes[-1], rx, token, pairs)
         print("TTFT ...", flush=True)
         figures += ttft_figure(rx, token, args.ttft_tokens, args.repeats, args.ttft_codec)

@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 import torch
 
-from controlplane.bench.kv_bench import ReceiverProcess, Shape
+from controlplane.bench.kv_bench import ReceiverProcess, Shape, random_cache
 from controlplane.bench.micro.results import Result
 from controlplane.bench.micro.timing import Plan, paired
 from kvtransfer.auth import TransferSecurity
@@ -39,14 +39,6 @@ def _shape(plan: Plan) -> Shape:
     if plan.quick:
         return Shape("demo 4k-token cache", layers=4, kv_heads=4, head_dim=64, tokens=4096)
     return Shape("64 MiB cache", layers=8, kv_heads=8, head_dim=128, tokens=2048)
-
-
-def _cache(shape: Shape) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    g = torch.Generator().manual_seed(0)
-    dims = (shape.blocks, shape.block_size, shape.kv_heads, shape.head_dim)
-    keys = [torch.randn(*dims, generator=g).to(torch.bfloat16) for _ in range(shape.layers)]
-    values = [torch.randn(*dims, generator=g).to(torch.bfloat16) for _ in range(shape.layers)]
-    return keys, values
 
 
 class _Pusher:
@@ -117,7 +109,7 @@ def _run_wire(plan: Plan, transport: str, *codecs: tuple[str, tuple[str, ...], s
     first gives the figure's name); storage ``native`` keeps the codec's dtype in the receiver's cache."""
     shape = _shape(plan)
     nbytes = shape.logical_bytes
-    cache = _cache(shape)
+    cache = random_cache(shape)
     token = secrets.token_urlsafe(24)
     # A reference call spawns a receiver and takes the best of `inner` transfers itself.
     refs: dict[str, Reference] = {
@@ -143,7 +135,7 @@ def _run_wire(plan: Plan, transport: str, *codecs: tuple[str, tuple[str, ...], s
 def run_shm(plan: Plan) -> list[Result]:
     shape = _shape(plan)
     nbytes = shape.logical_bytes
-    cache = _cache(shape)
+    cache = random_cache(shape)
     token = secrets.token_urlsafe(24)
     src = torch.empty(nbytes, dtype=torch.uint8).fill_(0xA5)
     dst = torch.empty_like(src)

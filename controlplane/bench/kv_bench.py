@@ -160,9 +160,9 @@ def _push_once(sender: KVSender, target: str, layout: KVLayout, shape: Shape, ke
 def random_cache(shape: Shape) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """A bf16 cache of ``shape`` (keys, values per layer), the same on every run."""
     g = torch.Generator().manual_seed(0)
-    keys = [torch.randn(shape.blocks, shape.block_size, shape.kv_heads, shape.head_dim, generator=g)
-            .to(torch.bfloat16) for _ in range(shape.layers)]
-    values = [torch.randn_like(k, dtype=torch.float32).to(torch.bfloat16) for k in keys]
+    dims = (shape.blocks, shape.block_size, shape.kv_heads, shape.head_dim)
+    keys = [torch.randn(*dims, generator=g).to(torch.bfloat16) for _ in range(shape.layers)]
+    values = [torch.randn(*dims, generator=g).to(torch.bfloat16) for _ in range(shape.layers)]
     return keys, values
 
 

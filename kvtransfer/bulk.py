@@ -1,24 +1,30 @@
-"""The bulk TCP transport: a push's chunks travel over a plain TCP connection beside its gRPC call.
+"""The bulk TCP transport: a push travels whole over a plain TCP connection, no gRPC call per push.
 
 Why: on this machine grpcio's Python stream moves 0.3-0.45x what a TCP socket does (its receiving
-side copies each message three times), so no codec can bring a gRPC push to the socket's rate.
-Here the gRPC call still carries the handshake, the deadline, cancellation, the status and the
-ack; only the chunk and finish messages, byte for byte what the gRPC stream would carry, go over
-the connection, each behind a 5-byte header (kind, then a little-endian uint32 length).
+side copies each message three times), so no codec can bring a gRPC push to the socket's rate; and a
+gRPC call per push (opening it, delivering its request to a handler thread, returning its answer) cost
+~1 ms of a small push's ~1.2 here, more than its data.
+
+Each message is a 5-byte header (kind, then a little-endian uint32 length) and the message's bytes:
+the sender's handshake, chunks and finish (``PushMessage`` bytes, byte for byte what ``Push`` would
+carry; the handshake holds the push's deadline), then the receiver's ``PushResult`` (status, message,
+ack). See proto/epd/kvtransfer/v1/kvtransfer.proto for the contract.
 
 This module holds the framing, the connection both sides use and the sender's ``BulkConnector``; the
-receiver's ``BulkListener`` is in kvtransfer.bulk_listener.
+receiver's ``BulkListener`` is in kvtransfer.bulk_listener, and what it does with each push in
+kvtransfer.receiver (``KVReceiver.serve_bulk``).
 
-Opening a connection (once per sender and receiver, then reused by one stream at a time):
+Opening a connection (once per sender and receiver, then reused by one push at a time):
   1. the sender calls ``OpenBulk`` over its authenticated gRPC channel (token or mTLS, checked by
      the interceptor like every other call); the receiver answers a port, a connection id and a
      one-time secret that expires after ``ticket_ttl_s``;
   2. the sender connects to that port on the receiver's host and sends HELLO, the id, the secret;
-  3. the receiver compares the secret in constant time, answers OK and files the connection.
-A stream's handshake names its connection (``bulk_id``); the stream's own handler claims it, reads
-frames up to the finish and files it again. After any failure both sides close it, so a
-connection never carries a stream's leftovers into the next one. A connection that presents no
-valid ticket within ``hello_timeout_s`` is closed; connections, tickets and hellos in progress are
+  3. the receiver compares the secret in constant time, answers OK, and a thread of its own serves
+     the connection from then on: a push, its result, the next push.
+The connection is then the credential of every push on it. After a refused push the receiver reads
+and drops what the sender still sends until the sender closes; after any failure neither side reuses
+the connection, so it never carries a push's leftovers into the next one. A connection that presents
+no valid ticket within ``hello_timeout_s`` is closed; connections, tickets and hellos in progress are
 all bounded.
 
 With mTLS configured, the connection runs TLS with the same CA, certificate and key as the gRPC
@@ -33,6 +39,7 @@ import socket
 import ssl
 import struct
 import threading
+import time
 from typing import Callable, Iterator, Sequence
 
 import numpy as np
@@ -40,11 +47,13 @@ import numpy as np
 from kvtransfer.reused_threads import ReusedThreads
 from kvtransfer.wire import pb
 
-HELLO = b"EPDKV\x01"
+HELLO = b"EPDKV\x02"  # 2: the whole push on the connection (1 carried its handshake and ack on gRPC)
 OK = b"\x01"
 ID_BYTES, SECRET_BYTES = 16, 32
-FRAME = struct.Struct("<BI")  # kind, length of the PushMessage that follows
-KIND_CHUNK, KIND_FINISH = 2, 3  # the PushMessage oneof field numbers
+FRAME = struct.Struct("<BI")  # kind, length of the message that follows
+KIND_HANDSHAKE, KIND_CHUNK, KIND_FINISH = 1, 2, 3  # sender -> receiver: PushMessage bytes (its oneof's numbers)
+KIND_RESULT = 4  # receiver -> sender: a PushResult
+CONTROL_BYTES = 64 * 2**10  # the most a handshake or a result may take
 SOCKET_BUFFER_BYTES = 4 * 2**20  # asked for on both ends (Linux caps it at net.core.[rw]mem_max)
 Buffer = bytes | bytearray | memoryview
 
@@ -64,11 +73,18 @@ def tune(sock: socket.socket) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
-def recv_exact(sock: socket.socket, view: memoryview) -> None:
-    """Fill ``view`` from ``sock``; BulkError on EOF, timeout or a socket error."""
+def recv_exact(sock: socket.socket, view: memoryview, deadline: float | None = None) -> None:
+    """Fill ``view`` from ``sock``; BulkError on EOF, timeout or a socket error. With ``deadline`` (a
+    ``time.monotonic()`` value) each read waits at most until then, so a trickling peer cannot stretch
+    it (``sock`` must then be in timeout mode: ``bind`` with a timeout)."""
     got, n = 0, view.nbytes
     try:
         while got < n:
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise socket.timeout
+                sock.settimeout(left)
             k = sock.recv_into(view[got:], n - got)
             if k == 0:
                 raise BulkError(f"the connection closed after {got} of {n} bytes", "closed")
@@ -139,12 +155,20 @@ class BulkConnection:
         self._owner: object | None = None  # the stream using it now
 
     # ------------------------------------------------------------------ receiving side
-    def read_frames(self, max_bytes: int) -> Iterator[tuple[int, memoryview]]:
-        """A stream's frames, up to and including its finish. Double-buffered: a helper thread reads
+    def read_message(self, kinds: tuple[int, ...], max_bytes: int = CONTROL_BYTES,
+                     deadline: float | None = None) -> tuple[int, bytes]:
+        """One small message (a handshake, a result), read whole into a new buffer."""
+        kind, n = self._read_header(kinds, max_bytes, deadline)
+        buf = bytearray(n)
+        recv_exact(self.sock, memoryview(buf), deadline)
+        return kind, bytes(buf)
+
+    def read_frames(self, max_bytes: int, deadline: float | None = None) -> Iterator[tuple[int, memoryview]]:
+        """A push's chunk frames, up to and including its finish. Double-buffered: a helper thread reads
         the next frame off the socket while the caller works on this one, whose view stays valid
-        until the caller asks for the next. The two buffers grow to the stream's largest frame and
+        until the caller asks for the next. The two buffers grow to the push's largest frame and
         are dropped with it: an idle connection holds no memory. (numpy.empty: not zero-filled, and
-        with kvtransfer.memory's malloc settings the next stream reuses the same pages.)"""
+        with kvtransfer.memory's malloc settings the next push reuses the same pages.)"""
         bufs = [np.empty(0, dtype=np.uint8), np.empty(0, dtype=np.uint8)]
         ready: queue.Queue = queue.Queue()  # unbounded, so the reader never blocks on it: the two buffers bound it
         free: queue.Queue = queue.Queue()
@@ -157,13 +181,13 @@ class BulkConnection:
                     slot = free.get()
                     if slot is None:
                         return
-                    kind, view = self._read_frame(bufs, slot, max_bytes)
+                    kind, view = self._read_frame(bufs, slot, max_bytes, deadline)
                     ready.put((kind, view, slot))
                     if kind == KIND_FINISH:
                         return
             except BulkError as exc:
                 ready.put(exc)
-            except BaseException as exc:  # a bug: the stream must fail, not wait for a frame forever
+            except BaseException as exc:  # a bug: the push must fail, not wait for a frame forever
                 ready.put(BulkError(f"bulk reader failed: {exc!r}", "io"))
 
         _READERS.submit(reader)
@@ -180,19 +204,44 @@ class BulkConnection:
         finally:
             free.put(None)  # a reader waiting for a buffer stops; one blocked in recv stops when the socket closes
 
-    def _read_frame(self, bufs: list, slot: int, max_bytes: int) -> tuple[int, memoryview]:
+    def _read_header(self, kinds: tuple[int, ...], max_bytes: int, deadline: float | None) -> tuple[int, int]:
         head = bytearray(FRAME.size)
-        recv_exact(self.sock, memoryview(head))
+        recv_exact(self.sock, memoryview(head), deadline)
         kind, n = FRAME.unpack(head)
-        if kind not in (KIND_CHUNK, KIND_FINISH):
-            raise BulkError(f"unknown bulk frame kind {kind}", "protocol")
+        if kind not in kinds:
+            raise BulkError(f"unexpected bulk message kind {kind} (expected {' or '.join(map(str, kinds))})",
+                            "protocol")
         if n == 0 or n > max_bytes:
-            raise BulkError(f"bulk frame of {n} bytes (this receiver takes 1..{max_bytes})", "protocol")
+            raise BulkError(f"bulk message of {n} bytes (this side takes 1..{max_bytes})", "protocol")
+        return kind, n
+
+    def _read_frame(self, bufs: list, slot: int, max_bytes: int, deadline: float | None) -> tuple[int, memoryview]:
+        kind, n = self._read_header((KIND_CHUNK, KIND_FINISH), max_bytes, deadline)
         if bufs[slot].nbytes < n:
             bufs[slot] = np.empty(n, dtype=np.uint8)
         view = memoryview(bufs[slot])[:n]
-        recv_exact(self.sock, view)
+        recv_exact(self.sock, view, deadline)
         return kind, view
+
+    def drain(self, timeout_s: float) -> None:
+        """After a refusal: read and drop what the peer still sends until it closes (or ``timeout_s``),
+        so the result written before is read by the peer instead of lost to a reset."""
+        deadline = time.monotonic() + timeout_s
+        scratch = bytearray(256 * 2**10)
+        try:
+            self.sock.shutdown(socket.SHUT_WR)
+        except OSError:
+            return
+        try:
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return
+                self.sock.settimeout(left)
+                if self.sock.recv_into(scratch) == 0:
+                    return
+        except OSError:  # timeout, reset, TLS alert: done either way
+            return
 
     def bind(self, owner: object, timeout_s: float | None) -> None:
         with self._lock:

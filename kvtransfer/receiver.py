@@ -2,7 +2,8 @@
 
 A transfer's life on this side:
   1. EXPECTED   ``expect`` registers the request id, the blocks reserved for it and a deadline.
-  2. STREAMING  a Push stream's handshake names the request; its layout is checked against ours.
+  2. STREAMING  a push's handshake names the request (on a Push stream, or on a bulk TCP connection,
+                see ``serve_bulk``); its layout is checked against ours.
                 Each chunk is checked (request id, sequence number, layer, codec, block range,
                 byte sizes, checksum, not seen before) and only then written into the reserved
                 blocks through the ``KVSink``.
@@ -10,12 +11,14 @@ A transfer's life on this side:
                 ``on_done`` gets the first token.
   4. FAILED     any refused message, a cancelled or broken stream, ``cancel`` or the deadline:
                 ``on_done`` gets the error, and the caller releases the blocks. The stream ends
-                with a status that names the problem; other transfers are unaffected.
+                with a status that names the problem (on a bulk connection, a PushResult that
+                carries it); other transfers are unaffected.
 ``on_done`` is called exactly once per expected request.
 """
 
 from __future__ import annotations
 
+import logging
 import ssl
 import threading
 import time
@@ -24,7 +27,7 @@ from typing import Callable, Iterator, Protocol, Sequence
 
 import grpc
 
-from kvtransfer.bulk import KIND_CHUNK, BulkConnection, BulkError
+from kvtransfer.bulk import KIND_CHUNK, KIND_HANDSHAKE, KIND_RESULT, BulkConnection, BulkError
 from kvtransfer.bulk_listener import BulkListener
 from kvtransfer.checksum import StreamChecksum, chunk_checksum
 from kvtransfer.chunks import non_finite_values
@@ -37,6 +40,10 @@ from kvtransfer.wire import PROTOCOL_VERSION, Frame, WireError, decode_frame, pb
 
 Code = grpc.StatusCode
 _NO_LISTENER = "this receiver has no bulk TCP listener; use the grpc or shm transport"
+# After refusing a push on a bulk connection: how long to keep reading (and dropping) what the sender still
+# sends, so that it reads the refusal before the connection closes.
+DRAIN_S = 5.0
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -86,7 +93,7 @@ class KVReceiver:
         TLS when given ``ssl_context`` (``TransferSecurity.ssl_context(server_side=True)``); returns the
         port. Without this, OpenBulk is refused and senders use gRPC or shared memory."""
         if self.bulk is None:
-            self.bulk = BulkListener(host, port, ssl_context=ssl_context)
+            self.bulk = BulkListener(host, self.serve_bulk, port, ssl_context=ssl_context)
         return self.bulk.port
 
     # ------------------------------------------------------------------ control (decode worker side)
@@ -109,8 +116,6 @@ class KVReceiver:
 
     def _prune(self) -> None:
         self.segments.prune()
-        if self.bulk is not None:
-            self.bulk.prune()
 
     def stop(self) -> None:
         self.expectations.stop()
@@ -132,17 +137,6 @@ class KVReceiver:
         finally:
             self._streams.release()
 
-    def push_bulk(self, request: bytes, context: grpc.ServicerContext) -> bytes:
-        """Handler for KVTransfer.PushBulk: a push on the bulk TCP transport, opened by a unary call whose
-        request is the handshake; chunks and finish come over the bulk connection it names."""
-        if not self._streams.acquire(timeout=5.0):
-            context.abort(Code.RESOURCE_EXHAUSTED, "too many KV streams in flight on this receiver; retry")
-        try:
-            return run_stream(self.expectations, context,
-                              lambda bound: self._run(iter((request,)), bound, context, bulk_only=True))
-        finally:
-            self._streams.release()
-
     def open_bulk(self, request: bytes, context: grpc.ServicerContext) -> bytes:
         """Handler for KVTransfer.OpenBulk: a ticket for one bulk TCP connection (see kvtransfer.bulk)."""
         if self.bulk is None:
@@ -153,71 +147,102 @@ class KVReceiver:
             context.abort(Code.RESOURCE_EXHAUSTED, str(exc))
         raise AssertionError("unreachable: context.abort raises")
 
-    def _run(self, requests: Iterator[bytes], bound: list, context: grpc.ServicerContext,
-             bulk_only: bool = False) -> bytes:
+    def _run(self, requests: Iterator[bytes], bound: list, context: grpc.ServicerContext) -> bytes:
         first = self._next(requests)
         if first is None or first.kind != "handshake":
             raise TransferRefused(Code.INVALID_ARGUMENT, "a Push stream must open with a handshake")
-        bulk = self._claim_bulk(first.header, context) if first.header.transport == pb.TRANSPORT_TCP else None
-        done = False
+        exp = self.expectations.claim(first.header.request_id)
+        bound.append(exp)
+        if first.header.transport == pb.TRANSPORT_TCP:  # the reservation is released with this refusal
+            raise TransferRefused(Code.INVALID_ARGUMENT, "a TRANSPORT_TCP push travels whole over its bulk TCP "
+                                                         "connection (opened with OpenBulk), not on Push")
+        return self._land(exp, first.header, self._frames(requests)).SerializeToString()
+
+    def _land(self, exp: Expected, hs: "pb.PushHandshake", frames: Iterator[Frame]) -> "pb.PushAck":
+        """Check and land a push's chunks up to its finish; the ack."""
+        session = self._open(exp, hs)
         try:
-            exp = self.expectations.claim(first.header.request_id)
-            bound.append(exp)
-            if bulk_only and bulk is None:  # the reservation is released with this refusal
-                raise TransferRefused(Code.INVALID_ARGUMENT, "PushBulk carries only TRANSPORT_TCP pushes (its data "
-                                                             "comes over the bulk connection); use Push")
-            session = self._open(exp, first.header)
-            try:
-                frames = self._frames(requests) if bulk is None else self._bulk_frames(bulk, context)
-                for frame in frames:
-                    if frame.kind == "chunk":
-                        self._chunk(exp, session, frame)
-                    elif frame.kind == "finish":
-                        ack = self._finish(exp, session, frame.header)
-                        done = True
-                        return ack
-                    else:
-                        raise TransferRefused(Code.INVALID_ARGUMENT, "a second handshake on the same stream")
-                raise TransferRefused(Code.DATA_LOSS, "the stream ended before its finish message (sender gone?)")
-            finally:
-                session.close()
+            for frame in frames:
+                if frame.kind == "chunk":
+                    self._chunk(exp, session, frame)
+                elif frame.kind == "finish":
+                    return self._finish(exp, session, frame.header)
+                else:
+                    raise TransferRefused(Code.INVALID_ARGUMENT, "a second handshake on the same stream")
+            raise TransferRefused(Code.DATA_LOSS, "the stream ended before its finish message (sender gone?)")
         finally:
-            if bulk is not None:
-                self.bulk.release(bulk, reusable=done)  # type: ignore[union-attr]
+            session.close()
 
-    def _claim_bulk(self, hs: "pb.PushHandshake", context: grpc.ServicerContext) -> BulkConnection:
-        """The stream's bulk connection, bound to this call: cancelling the call (or its deadline)
-        wakes a read blocked on it."""
-        if self.bulk is None:
-            raise TransferRefused(Code.FAILED_PRECONDITION, _NO_LISTENER)
-        remaining = context.time_remaining()
+    # ------------------------------------------------------------------ pushes on bulk TCP connections
+    def serve_bulk(self, conn: BulkConnection) -> None:
+        """An authenticated bulk connection's pushes, one after another, until it closes (on the
+        listener's thread for it). Each push ends with a PushResult; after a refusal the connection
+        is drained (so the sender reads the result) and closed."""
+        while True:
+            conn.unbind()  # idle: wait for the next handshake as long as the sender keeps the connection
+            try:
+                _, data = conn.read_message((KIND_HANDSHAKE,))
+            except BulkError as exc:
+                if exc.kind != "protocol":
+                    return  # the sender closed it, or the listener is closing
+                code, message, ack = Code.INVALID_ARGUMENT, f"a push must open with a handshake: {exc}", None
+            else:
+                code, message, ack = self._bulk_push(conn, data)
+            result = pb.PushResult(code=code.value[0], message=message, ack=ack)
+            try:
+                conn.send_frame(KIND_RESULT, [result.SerializeToString()])
+            except BulkError:
+                return
+            if code is not Code.OK:
+                conn.drain(DRAIN_S)
+                return
+
+    def _bulk_push(self, conn: BulkConnection, data: bytes) -> tuple[grpc.StatusCode, str, "pb.PushAck | None"]:
+        """One push on a bulk connection, from its handshake: (status, message, ack). Refusals fail the
+        reservation as on Push."""
+        if not self._streams.acquire(timeout=5.0):
+            return Code.RESOURCE_EXHAUSTED, "too many KV streams in flight on this receiver; retry", None
+        bound: list[Expected] = []
         try:
-            conn = self.bulk.claim(hs.bulk_id, min(5.0, remaining) if remaining is not None else 5.0)
-        except BulkError as exc:
-            code = Code.DEADLINE_EXCEEDED if exc.kind == "timeout" else Code.FAILED_PRECONDITION
-            raise TransferRefused(code, f"bulk connection: {exc}") from None
-        owner = object()
-        conn.bind(owner, remaining if remaining is not None and remaining > 0 else None)
-        if not context.add_callback(lambda: conn.interrupt(owner)):
-            conn.interrupt(owner)  # the call already ended
-        return conn
+            first = _decode(data)
+            hs: pb.PushHandshake = first.header  # type: ignore[assignment]
+            if first.kind != "handshake":
+                raise TransferRefused(Code.INVALID_ARGUMENT, "a push must open with a handshake")
+            exp = self.expectations.claim(hs.request_id)
+            bound.append(exp)
+            if hs.transport != pb.TRANSPORT_TCP:
+                raise TransferRefused(Code.INVALID_ARGUMENT, "a push on a bulk TCP connection must say "
+                                                             "TRANSPORT_TCP in its handshake")
+            if hs.timeout_ms == 0:
+                raise TransferRefused(Code.INVALID_ARGUMENT, "a TRANSPORT_TCP handshake must carry timeout_ms, "
+                                                             "the push's deadline")
+            deadline = time.monotonic() + hs.timeout_ms / 1e3
+            conn.bind(self, hs.timeout_ms / 1e3)  # timeout mode: each read then waits until the deadline at most
+            return Code.OK, "", self._land(exp, hs, self._bulk_frames(conn, deadline))
+        except TransferRefused as err:
+            if bound:
+                self.expectations.fail(bound[0], err)
+                err = bound[0].failure or err
+            return err.code, err.message, None
+        except Exception as exc:  # a bug: fail this transfer, keep serving the others
+            log.exception("transfer receiver error")
+            if bound:
+                self.expectations.fail(bound[0], TransferRefused(Code.INTERNAL, f"receiver error: {exc}"))
+            return Code.INTERNAL, f"receiver error: {type(exc).__name__}", None
+        finally:
+            self._streams.release()
 
-    def _bulk_frames(self, conn: BulkConnection, context: grpc.ServicerContext) -> Iterator[Frame]:
-        codes = {"closed": Code.DATA_LOSS, "timeout": Code.DEADLINE_EXCEEDED, "protocol": Code.INVALID_ARGUMENT}
-        frames = conn.read_frames(self.max_chunk_bytes + 4096)  # + the chunk's header fields
+    def _bulk_frames(self, conn: BulkConnection, deadline: float) -> Iterator[Frame]:
+        codes = {"closed": Code.CANCELLED, "timeout": Code.DEADLINE_EXCEEDED, "protocol": Code.INVALID_ARGUMENT}
+        frames = conn.read_frames(self.max_chunk_bytes + 4096, deadline)  # + the chunk's header fields
         while True:
             try:
                 kind, view = next(frames)
             except StopIteration:  # after the finish frame; the caller stops before asking again
                 return
             except BulkError as exc:
-                if not context.is_active():  # the call ended: its deadline passed or the sender cancelled it
-                    late = (context.time_remaining() or 0.0) <= 0
-                    raise TransferRefused(Code.DEADLINE_EXCEEDED if late else Code.CANCELLED,
-                                          "the transfer's deadline passed" if late else
-                                          "the sender cancelled or went away") from None
-                what = "the bulk connection ended before the finish message (sender gone?)" \
-                    if exc.kind == "closed" else str(exc)
+                what = {"closed": "the sender cancelled or went away (its bulk connection closed before the finish)",
+                        "timeout": "the transfer's deadline passed"}.get(exc.kind, str(exc))
                 raise TransferRefused(codes.get(exc.kind, Code.DATA_LOSS), what) from None
             frame = _decode(view)
             if frame.kind != ("chunk" if kind == KIND_CHUNK else "finish"):
@@ -312,7 +337,7 @@ class KVReceiver:
         s.num_bytes += scales.nbytes + payload.nbytes
         s.checksum.add(c.checksum)
 
-    def _finish(self, exp: Expected, s: "_Session", f: "pb.PushFinish") -> bytes:
+    def _finish(self, exp: Expected, s: "_Session", f: "pb.PushFinish") -> "pb.PushAck":
         if f.num_chunks != s.next_seq or f.num_bytes != s.num_bytes or f.checksum != s.checksum.value:
             raise TransferRefused(Code.DATA_LOSS, f"finish totals disagree: sender sent {f.num_chunks} chunks / "
                                                   f"{f.num_bytes} bytes, receiver got {s.next_seq} / {s.num_bytes}")
@@ -324,7 +349,7 @@ class KVReceiver:
         self.expectations.complete(exp, TransferOutcome(exp.request_id, True, first_token=f.first_token,
                                                         num_chunks=s.next_seq, num_bytes=s.num_bytes))
         return pb.PushAck(request_id=exp.request_id, num_chunks=s.next_seq, num_bytes=s.num_bytes,
-                          checksum=s.checksum.value).SerializeToString()
+                          checksum=s.checksum.value)
 
 
 class _Session:

@@ -8,12 +8,13 @@ A stream's life on this side:
      a snapshot of those blocks. It only numbers and queues chunks: the sender's encoder threads
      encode, checksum and frame several chunks at once while the next layer computes (on shared
      memory, encoding straight into the segment), and one sending thread only sends the framed
-     chunks in order: gRPC's, or on the TCP transport a writer thread that writes them to the bulk
-     connection (that stream's gRPC call, PushBulk, carries only the handshake and the ack). A small chunk
+     chunks in order: gRPC's, or on the TCP transport a writer thread that writes the whole push (the
+     handshake, chunks and finish) to the bulk connection, with no gRPC call. A small chunk
      (``inline_build_bytes``) is encoded by the sending thread itself when its turn comes: its
      hand-off would cost more than the work. Queued bytes are bounded per stream and per sender,
      so a slow receiver slows prefill down instead of filling memory.
-  3. ``finish`` queues the totals and the first token and waits for the receiver's ack.
+  3. ``finish`` queues the totals and the first token and waits for the receiver's ack (on the TCP
+     transport, its PushResult, read by ``kvtransfer.bulk_call.BulkCall``).
   Any failure (refusal, deadline, cancel, receiver gone) fails the stream: later calls raise
   ``TransferFailed`` with the receiver's status and message, and queued data is dropped.
 """
@@ -35,7 +36,8 @@ import torch
 
 from kvtransfer.auth import ChannelCache, TransferSecurity
 from kvtransfer.budget import ByteBudget
-from kvtransfer.bulk import KIND_CHUNK, KIND_FINISH, BulkConnection, BulkConnector, BulkError
+from kvtransfer.bulk import KIND_CHUNK, KIND_FINISH, KIND_HANDSHAKE, BulkConnection, BulkConnector, BulkError
+from kvtransfer.bulk_call import BulkCall
 from kvtransfer.checksum import StreamChecksum
 from kvtransfer.chunks import (chunk_nbytes, encode_into_segment, frame_chunk, frame_chunk_into, frame_chunk_parts,
                                writes_in_place)
@@ -46,7 +48,7 @@ from kvtransfer.memory import BufferPool, retain_freed_buffers
 from kvtransfer.shm import SegmentPool, SharedSegment, ShmError, reap_orphans, shm_available
 from kvtransfer.threads import single_threaded_torch
 from kvtransfer.reused_threads import ReusedThreads
-from kvtransfer.wire import OPEN_BULK_METHOD, PROTOCOL_VERSION, PUSH_BULK_METHOD, PUSH_METHOD, encode_control, pb
+from kvtransfer.wire import OPEN_BULK_METHOD, PROTOCOL_VERSION, PUSH_METHOD, encode_control, pb
 
 TransportChoice = Literal["auto", "grpc", "shm", "tcp"]
 _BULK_WRITERS = ReusedThreads("kv-bulk-write")  # one per bulk TCP stream while it sends
@@ -189,19 +191,18 @@ class KVStream:
             self._bulk = self._open_bulk(target, timeout_s)
             self._bulk.bind(self, timeout_s)  # a write blocked longer than the whole deadline fails
             hs.transport = pb.TRANSPORT_TCP
-            hs.bulk_id = self._bulk.id
-        handshake = encode_control(pb.PushMessage(handshake=hs))
         if self._bulk is not None:
-            # PushBulk: a unary call whose request is the handshake, and whose answer is the ack (cheaper
-            # to open than Push's stream, ~0.6 against ~1.3 ms here); the chunks go out on the bulk
-            # connection from one of the sender's writer threads.
-            call = sender.channel(target).unary_unary(PUSH_BULK_METHOD, request_serializer=None,
-                                                      response_deserializer=pb.PushAck.FromString)
-            self._future = call.future(handshake, timeout=timeout_s, metadata=sender.security.call_metadata())
+            hs.timeout_ms = max(1, round(timeout_s * 1e3))  # the receiver's deadline for this push
+        handshake = encode_control(pb.PushMessage(handshake=hs))
+        self._queue.put(("raw", handshake, 0))
+        if self._bulk is not None:
+            # The whole push goes over the bulk connection, written by a reused writer thread; the
+            # receiver's result comes back on it (BulkCall). No gRPC call per push: opening one, and
+            # its request and answer crossing grpcio's threads, cost more than a small push's data.
+            self._future = BulkCall(self._bulk, self, target)
             self._future.add_done_callback(self._on_done)
             _BULK_WRITERS.submit(self._write_bulk)
         else:
-            self._queue.put(("raw", handshake, 0))
             call = sender.channel(target).stream_unary(PUSH_METHOD, request_serializer=None,
                                                        response_deserializer=pb.PushAck.FromString)
             self._future = call.future(self._messages(), timeout=timeout_s,
@@ -327,7 +328,9 @@ class KVStream:
         if self._failed.is_set():
             raise self._error or TransferFailed("transfer failed")
 
-    def _as_failure(self, exc: grpc.RpcError) -> TransferFailed:
+    def _as_failure(self, exc: grpc.RpcError | TransferFailed) -> TransferFailed:
+        if isinstance(exc, TransferFailed):  # a BulkCall's
+            return exc
         code = exc.code() if hasattr(exc, "code") else None
         details = exc.details() if hasattr(exc, "details") else str(exc)
         return TransferFailed(f"receiver refused the KV push: {details}", code)
@@ -401,7 +404,10 @@ class KVStream:
             kind, item, cost = self._queue.get()
             if kind == "stop":
                 return
-            if kind == "raw":
+            if kind == "raw":  # the handshake
+                if self._bulk is not None:
+                    self._send_bulk(KIND_HANDSHAKE, [item])
+                    continue
                 yield item
                 continue
             if kind == "finish":

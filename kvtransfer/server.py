@@ -19,7 +19,6 @@ def kv_transfer_handler(receiver: KVReceiver) -> grpc.GenericRpcHandler:
     return grpc.method_handlers_generic_handler(SERVICE, {
         "Push": grpc.stream_unary_rpc_method_handler(receiver.push),
         "OpenBulk": grpc.unary_unary_rpc_method_handler(receiver.open_bulk),
-        "PushBulk": grpc.unary_unary_rpc_method_handler(receiver.push_bulk),
     })
 
 

@@ -24,7 +24,6 @@ SERVICE = "epd.kvtransfer.v1.KVTransfer"
 PUSH_METHOD = f"/{SERVICE}/Push"
 PUSH_EMBEDDINGS_METHOD = f"/{SERVICE}/PushEmbeddings"
 OPEN_BULK_METHOD = f"/{SERVICE}/OpenBulk"
-PUSH_BULK_METHOD = f"/{SERVICE}/PushBulk"
 PROTOCOL_VERSION = 1
 
 _HANDSHAKE, _CHUNK, _FINISH = 1, 2, 3  # oneof field numbers, the same in PushMessage and EmbeddingMessage

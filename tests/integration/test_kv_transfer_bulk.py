@@ -1,5 +1,5 @@
 """The bulk TCP transport against a real gRPC server and real sockets: tickets and credentials, connection
-reuse, and every way a stream on it can break. Each refused push must end with a status naming the
+reuse, and every way a push on it can break. Each refused push must end with a result naming the
 problem, release the reservation, write nothing it should not, close the connection it used, and leave
 the receiver serving the next push."""
 
@@ -18,11 +18,11 @@ import torch
 from kv_helpers import AUTH, SECURITY, Frames, OpenPush, Pending, Rig, make_pki, wait_until
 from kv_helpers import make_rig, model  # noqa: F401  (fixtures)
 from kvtransfer.auth import TransferSecurity
-from kvtransfer.bulk import FRAME, HELLO, KIND_CHUNK, KIND_FINISH, OK
+from kvtransfer.bulk import FRAME, HELLO, KIND_CHUNK, KIND_FINISH, KIND_HANDSHAKE, KIND_RESULT, OK
 from kvtransfer.bulk_listener import BulkListener
 from kvtransfer.errors import TransferFailed
 from kvtransfer.sender import KVSender
-from kvtransfer.wire import OPEN_BULK_METHOD, PUSH_BULK_METHOD, pb
+from kvtransfer.wire import OPEN_BULK_METHOD, pb
 
 pytestmark = [pytest.mark.integration]
 
@@ -66,15 +66,37 @@ def frame(kind: int, message: bytes) -> bytes:
     return FRAME.pack(kind, len(message)) + message
 
 
-def bulk_push(rig: Rig, rid: str, *, timeout: float = 10.0) -> tuple[OpenPush, socket.socket, Frames]:
-    """A raw push on the tcp transport: its handshake sent over gRPC; the caller writes the socket."""
+def bulk_push(rig: Rig, rid: str, *, timeout: float = 10.0) -> tuple[socket.socket, Frames]:
+    """A raw push on the tcp transport, its handshake sent; the caller writes the rest."""
     ticket = open_bulk(rig.channel)
     sock, answer = connect(ticket)
     assert answer == OK
     frames = Frames(rig.layout, rid)
-    push = OpenPush(rig.channel, AUTH, timeout=timeout)
-    push.send(frames.handshake(transport=pb.TRANSPORT_TCP, bulk_id=ticket.connection_id))
-    return push, sock, frames
+    sock.sendall(frame(KIND_HANDSHAKE, frames.handshake(transport=pb.TRANSPORT_TCP, timeout_ms=int(timeout * 1e3))))
+    return sock, frames
+
+
+def read_result(sock: socket.socket, timeout: float = 5.0) -> pb.PushResult:
+    """The receiver's PushResult, the one message it writes per push."""
+    sock.settimeout(timeout)
+    data = b""
+    while len(data) < FRAME.size or len(data) < FRAME.size + FRAME.unpack(data[:FRAME.size])[1]:
+        got = sock.recv(65536)
+        assert got, f"the connection closed after {len(data)} bytes, before a whole result"
+        data += got
+    kind, n = FRAME.unpack(data[:FRAME.size])
+    assert kind == KIND_RESULT and len(data) == FRAME.size + n
+    return pb.PushResult.FromString(data[FRAME.size:])
+
+
+def assert_closed_after_result(sock: socket.socket) -> None:
+    """The receiver wrote nothing more and ends the connection once this side closes its half."""
+    sock.shutdown(socket.SHUT_WR)
+    sock.settimeout(5)
+    try:
+        assert sock.recv(1) == b""
+    except ConnectionResetError:
+        pass
 
 
 # ---------------------------------------------------------------------- good pushes
@@ -93,14 +115,24 @@ def test_pushes_over_tcp_land_exactly_and_reuse_one_connection(rig: Rig) -> None
 
 def test_a_hand_written_push_over_the_bulk_connection_is_acknowledged(rig: Rig) -> None:
     pending = rig.reserve("by-hand")
-    push, sock, frames = bulk_push(rig, "by-hand")
+    sock, frames = bulk_push(rig, "by-hand")
     with sock:
         sock.sendall(b"".join(frame(KIND_CHUNK, c) for c in frames.all_layers()))
         sock.sendall(frame(KIND_FINISH, frames.finish(first_token=11)))
-        ack = push.result()
-    assert (ack.num_chunks, ack.num_bytes, ack.checksum) == (frames.seq, frames.nbytes, frames.checksum.value)
-    outcome = pending.outcome()
-    assert outcome.ok and outcome.first_token == 11
+        result = read_result(sock)
+        assert result.code == 0 and result.message == ""
+        ack = result.ack
+        assert (ack.num_chunks, ack.num_bytes, ack.checksum) == (frames.seq, frames.nbytes, frames.checksum.value)
+        outcome = pending.outcome()
+        assert outcome.ok and outcome.first_token == 11
+        # the connection carries the next push
+        second = rig.reserve("by-hand-2")
+        again = Frames(rig.layout, "by-hand-2")
+        sock.sendall(frame(KIND_HANDSHAKE, again.handshake(transport=pb.TRANSPORT_TCP, timeout_ms=10_000)))
+        sock.sendall(b"".join(frame(KIND_CHUNK, c) for c in again.all_layers()))
+        sock.sendall(frame(KIND_FINISH, again.finish(first_token=12)))
+        assert read_result(sock).code == 0 and second.outcome().first_token == 12
+        assert rig.engine.release(second.reservation)
     assert rig.engine.release(pending.reservation)
     rig.assert_clean()
 
@@ -114,29 +146,48 @@ def test_open_bulk_needs_the_token(rig: Rig) -> None:
     assert rig.receiver.bulk is not None and rig.receiver.bulk.connections == 0
 
 
-def push_bulk(channel: grpc.Channel, request: bytes, metadata=AUTH, timeout: float = 10.0) -> pb.PushAck:  # type: ignore[no-untyped-def]
-    call = channel.unary_unary(PUSH_BULK_METHOD, request_serializer=None, response_deserializer=pb.PushAck.FromString)
-    return call(request, metadata=tuple(metadata), timeout=timeout)
+@pytest.mark.parametrize("case", ["grpc transport", "no deadline", "not a handshake", "junk", "a chunk first"])
+def test_a_push_on_the_connection_must_open_with_a_tcp_handshake(rig: Rig, case: str) -> None:
+    """A connection's first message must be a TRANSPORT_TCP handshake with a deadline. Anything else
+    gets a result naming the problem (the reservation, where one was named, is released) and the
+    connection ends; the receiver then serves a good push."""
+    pending = rig.reserve(f"hs-{case.replace(' ', '-')}")
+    frames = Frames(rig.layout, pending.rid)
+    message, expect = {
+        "grpc transport": (frame(KIND_HANDSHAKE, frames.handshake(timeout_ms=5000)), "must say TRANSPORT_TCP"),
+        "no deadline": (frame(KIND_HANDSHAKE, frames.handshake(transport=pb.TRANSPORT_TCP)), "must carry timeout_ms"),
+        "not a handshake": (frame(KIND_HANDSHAKE, frames.finish()), "must open with a handshake"),
+        "junk": (frame(KIND_HANDSHAKE, b"\xff\xff\xff"), "malformed message"),
+        "a chunk first": (frame(KIND_CHUNK, frames.chunk(0)), "must open with a handshake"),
+    }[case]
+    ticket = open_bulk(rig.channel)
+    sock, answer = connect(ticket)
+    with sock:
+        assert answer == OK
+        sock.sendall(message)
+        result = read_result(sock)
+        assert result.code == Code.INVALID_ARGUMENT.value[0] and expect in result.message, result
+        assert_closed_after_result(sock)
+    if case in ("grpc transport", "no deadline"):  # these named the reservation: it is released
+        rig.assert_failed(pending, Code.INVALID_ARGUMENT, expect)
+    else:
+        assert not pending.done.is_set()
+        send_good_with(rig, "tcp", pending)
+    wait_until(lambda: rig.receiver.bulk.connections == 0, 5, "the connection to be closed")
+    rig.good_transfer()
+    rig.assert_clean()
 
 
-def test_push_bulk_needs_the_token_and_a_tcp_handshake(rig: Rig) -> None:
-    """PushBulk (the unary call that opens a tcp-transport push) is refused without the token, for a
-    handshake of another transport, and for bytes that are no handshake; the reservation is released
-    where one was named, and the receiver then serves a good push."""
-    frames = Frames(rig.layout, "pb-unauth")
-    for metadata in ((), (("authorization", "Bearer wrong-token-0123456789"),)):
-        with pytest.raises(grpc.RpcError) as err:
-            push_bulk(rig.channel, frames.handshake(transport=pb.TRANSPORT_TCP), metadata)
-        assert err.value.code() == Code.UNAUTHENTICATED
-    pending = rig.reserve("pb-grpc-transport")
-    with pytest.raises(grpc.RpcError) as err:
-        push_bulk(rig.channel, Frames(rig.layout, pending.rid).handshake())  # TRANSPORT_GRPC
-    assert err.value.code() == Code.INVALID_ARGUMENT and "only TRANSPORT_TCP" in (err.value.details() or "")
-    rig.assert_failed(pending, Code.INVALID_ARGUMENT, "only TRANSPORT_TCP")
-    for junk in (b"", b"\xff\xff\xff", Frames(rig.layout, "x").finish()):
-        with pytest.raises(grpc.RpcError) as err:
-            push_bulk(rig.channel, junk)
-        assert err.value.code() == Code.INVALID_ARGUMENT
+def test_push_with_a_tcp_handshake_is_refused_by_name(rig: Rig) -> None:
+    """A tcp push travels whole over its connection; a Push stream saying TRANSPORT_TCP is refused and
+    its reservation released."""
+    pending = rig.reserve()
+    push = OpenPush(rig.channel, AUTH)
+    push.send(Frames(rig.layout, pending.rid).handshake(transport=pb.TRANSPORT_TCP))
+    err = push.error()
+    assert err.code() == Code.INVALID_ARGUMENT and "travels whole over its bulk TCP connection" in err.details()
+    push.end()
+    rig.assert_failed(pending, Code.INVALID_ARGUMENT, "travels whole over its bulk TCP connection")
     rig.good_transfer()
     rig.assert_clean()
 
@@ -161,7 +212,7 @@ def test_a_wrong_or_reused_secret_is_turned_away(rig: Rig) -> None:
 
 
 def test_a_silent_connection_is_dropped_after_the_hello_timeout() -> None:
-    listener = BulkListener("127.0.0.1", hello_timeout_s=0.3)
+    listener = BulkListener("127.0.0.1", lambda conn: None, hello_timeout_s=0.3)
     try:
         sock = socket.create_connection(("127.0.0.1", listener.port), timeout=5)
         start = time.monotonic()
@@ -169,29 +220,6 @@ def test_a_silent_connection_is_dropped_after_the_hello_timeout() -> None:
         assert time.monotonic() - start < 3
         sock.close()
         assert listener.connections == 0
-    finally:
-        listener.close()
-
-
-def test_a_connection_named_right_after_its_ok_is_waited_for(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The sender names a new connection in its handshake as soon as it reads the OK; the receiver may
-    not have filed it yet. The claim waits for it (it once failed as "no such bulk connection")."""
-    file = BulkListener._file
-
-    def slow_filing(self: BulkListener, conn_id: bytes, sock: socket.socket) -> None:
-        time.sleep(0.3)  # the OK is out; the connection is not yet idle
-        file(self, conn_id, sock)
-
-    monkeypatch.setattr(BulkListener, "_file", slow_filing)
-    listener = BulkListener("127.0.0.1")
-    try:
-        ticket = listener.issue()
-        sock, answer = connect(ticket)
-        assert answer == OK
-        conn = listener.claim(ticket.connection_id, timeout_s=5)  # before the filing is done
-        assert conn.id == ticket.connection_id and listener.connections == 1
-        listener.release(conn, reusable=False)
-        sock.close()
     finally:
         listener.close()
 
@@ -253,27 +281,15 @@ def test_a_receiver_without_a_listener_refuses_by_name(make_rig: Callable[..., R
 
 
 # ---------------------------------------------------------------------- broken streams
-def test_a_handshake_naming_an_unknown_connection_is_refused(rig: Rig) -> None:
-    pending = rig.reserve()
-    frames = Frames(rig.layout, pending.rid)
-    push = OpenPush(rig.channel, AUTH)
-    push.send(frames.handshake(transport=pb.TRANSPORT_TCP, bulk_id=bytes(16)))
-    err = push.error()
-    assert err.code() == Code.FAILED_PRECONDITION and "no such bulk connection" in err.details()
-    push.end()
-    # the stream never claimed the reservation, so it still waits; a good push completes it
-    send_good_with(rig, "tcp", pending)
-    rig.assert_clean()
-
-
-@pytest.mark.parametrize("case", ["corrupted", "out of order", "oversized", "unknown kind", "truncated",
-                                  "kind mismatch"])
+@pytest.mark.parametrize("case", ["corrupted", "out of order", "oversized", "unknown kind", "a second handshake",
+                                  "truncated", "kind mismatch"])
 def test_bad_bulk_frames_are_refused_and_the_connection_closed(rig: Rig, case: str) -> None:
     pending = rig.reserve()
-    push, sock, frames = bulk_push(rig, pending.rid)
+    sock, frames = bulk_push(rig, pending.rid)
     expect = {"corrupted": (Code.DATA_LOSS, "checksum mismatch"), "out of order": (Code.INVALID_ARGUMENT, "out of order"),
-              "oversized": (Code.INVALID_ARGUMENT, "bulk frame of"), "unknown kind": (Code.INVALID_ARGUMENT, "kind 9"),
-              "truncated": (Code.DATA_LOSS, "ended before the finish"),
+              "oversized": (Code.INVALID_ARGUMENT, "bulk message of"), "unknown kind": (Code.INVALID_ARGUMENT, "kind 9"),
+              "a second handshake": (Code.INVALID_ARGUMENT, "kind 1"),
+              "truncated": (Code.CANCELLED, "closed before the finish"),
               "kind mismatch": (Code.INVALID_ARGUMENT, "in a bulk frame of kind 3")}[case]
     with sock:
         if case == "corrupted":
@@ -285,20 +301,20 @@ def test_bad_bulk_frames_are_refused_and_the_connection_closed(rig: Rig, case: s
             sock.sendall(FRAME.pack(KIND_CHUNK, 2**31))
         elif case == "unknown kind":
             sock.sendall(FRAME.pack(9, 10) + bytes(10))
+        elif case == "a second handshake":
+            sock.sendall(frame(KIND_HANDSHAKE, frames.handshake(transport=pb.TRANSPORT_TCP, timeout_ms=5000)))
         elif case == "truncated":
             data = frame(KIND_CHUNK, frames.chunk(0))
             sock.sendall(data[:len(data) // 2])
             sock.shutdown(socket.SHUT_WR)  # the sender goes away mid-frame
         else:
             sock.sendall(frame(KIND_FINISH, frames.chunk(0)))
-        err = push.error()
-        assert err.code() == expect[0] and expect[1] in err.details(), err.details()
-        sock.settimeout(5)
-        try:
-            assert sock.recv(1) == b""  # the receiver closed the connection: nothing of it is reused
-        except ConnectionResetError:
-            pass
-    push.end()
+        if case == "truncated":  # its result goes nowhere: the sender has gone
+            wait_until(pending.done.is_set, 5, "the reservation to be released")
+        else:
+            result = read_result(sock)
+            assert result.code == expect[0].value[0] and expect[1] in result.message, result
+            assert_closed_after_result(sock)  # nothing of the connection is reused
     rig.assert_failed(pending, expect[0], expect[1])
     assert rig.sink.writes == []
     wait_until(lambda: rig.receiver.bulk.connections == 0, 5, "the connection to be closed")
@@ -310,17 +326,16 @@ def test_bad_bulk_frames_are_refused_and_the_connection_closed(rig: Rig, case: s
 
 def test_a_stalled_sender_hits_the_deadline_and_frees_the_reservation(rig: Rig) -> None:
     pending = rig.reserve()
-    push, sock, frames = bulk_push(rig, pending.rid, timeout=1.0)
+    sock, frames = bulk_push(rig, pending.rid, timeout=1.0)
     with sock:
         sock.sendall(frame(KIND_CHUNK, frames.chunk(0)))  # one layer, then silence
         start = time.monotonic()
-        err = push.error(timeout=5)
-        assert err.code() == Code.DEADLINE_EXCEEDED
+        result = read_result(sock, timeout=5)
+        assert result.code == Code.DEADLINE_EXCEEDED.value[0] and "deadline passed" in result.message, result
         wait_until(pending.done.is_set, 3, "the reservation to be released")
         assert time.monotonic() - start < 3
-    push.end()
     outcome = pending.outcome()
-    assert not outcome.ok and outcome.code in (Code.CANCELLED, Code.DEADLINE_EXCEEDED), outcome
+    assert not outcome.ok and outcome.code == Code.DEADLINE_EXCEEDED, outcome
     assert rig.engine.release(pending.reservation) is False
     wait_until(lambda: rig.receiver.bulk.connections == 0, 5, "the connection to be closed")
     rig.good_transfer()

@@ -109,8 +109,8 @@ class TransferSettings(_Model):
     decode_store: Literal["dequantize", "native"] = Field(
         "dequantize", description="native keeps int8/fp8 layers quantised in the decode cache")
     transport: Literal["auto", "grpc", "shm", "tcp"] = Field(
-        "auto", description="auto: shared memory on one host, else gRPC bytes; tcp: a bulk TCP connection beside "
-                            "gRPC (fastest across hosts; TLS when mTLS is configured)")
+        "auto", description="auto: shared memory on one host, else gRPC bytes; tcp: each push over a bulk TCP "
+                            "connection opened through gRPC (fastest across hosts; TLS when mTLS is configured)")
     token: SecretStr | None = Field(None, description="shared bearer token for KV/embedding RPCs "
                                                       "(generated for a local serve when unset)")
     tls_ca: Path | None = None

@@ -55,6 +55,9 @@ KIND_HANDSHAKE, KIND_CHUNK, KIND_FINISH = 1, 2, 3  # sender -> receiver: PushMes
 KIND_RESULT = 4  # receiver -> sender: a PushResult
 CONTROL_BYTES = 64 * 2**10  # the most a handshake or a result may take
 SOCKET_BUFFER_BYTES = 4 * 2**20  # asked for on both ends (Linux caps it at net.core.[rw]mem_max)
+# TCP keepalive: an idle connection whose peer host vanished (no FIN, no reset) is found dead after
+# ~60 s instead of holding the receiver's thread for it, and its place under max_connections, for good.
+KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_PROBES = 30, 10, 3
 Buffer = bytes | bytearray | memoryview
 
 
@@ -71,6 +74,11 @@ def tune(sock: socket.socket) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
     if sock.family in (socket.AF_INET, socket.AF_INET6):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        if hasattr(socket, "TCP_KEEPIDLE"):  # Linux; elsewhere the system's keepalive timing applies
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, KEEPALIVE_IDLE_S)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, KEEPALIVE_INTERVAL_S)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, KEEPALIVE_PROBES)
 
 
 def recv_exact(sock: socket.socket, view: memoryview, deadline: float | None = None) -> None:

@@ -18,7 +18,7 @@ import torch
 from kv_helpers import AUTH, SECURITY, Frames, OpenPush, Pending, Rig, make_pki, wait_until
 from kv_helpers import make_rig, model  # noqa: F401  (fixtures)
 from kvtransfer.auth import TransferSecurity
-from kvtransfer.bulk import FRAME, HELLO, KIND_CHUNK, KIND_FINISH, KIND_HANDSHAKE, KIND_RESULT, OK
+from kvtransfer.bulk import FRAME, HELLO, KEEPALIVE_IDLE_S, KIND_CHUNK, KIND_FINISH, KIND_HANDSHAKE, KIND_RESULT, OK
 from kvtransfer.bulk_listener import BulkListener
 from kvtransfer.errors import TransferFailed
 from kvtransfer.sender import KVSender
@@ -107,9 +107,15 @@ def test_pushes_over_tcp_land_exactly_and_reuse_one_connection(rig: Rig) -> None
             result = rig.send_good(rig.reserve(), sender)  # checks every landed value
             assert result.transport == "tcp" and result.num_chunks > rig.layout.num_layers
         assert rig.receiver.bulk is not None and rig.receiver.bulk.connections == 1
+        # both ends probe an idle connection, so a vanished peer host does not hold it (and its thread) for good
+        ends = [c.sock for c in sender.bulk._idle[rig.target]] + [c.sock for c in rig.receiver.bulk._open.values()]
+        assert len(ends) == 2
+        for sock in ends:
+            assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+            assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == KEEPALIVE_IDLE_S
     finally:
         sender.close()
-    wait_until(lambda: rig.receiver.bulk.connections == 0, 5, "the closed sender's connection to be pruned")
+    wait_until(lambda: rig.receiver.bulk.connections == 0, 5, "the closed sender's connection to end")
     rig.assert_clean()
 
 

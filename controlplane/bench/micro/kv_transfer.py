@@ -9,7 +9,7 @@ model's shape, 4 x 4 x 64 x 4096 tokens, 16 MiB). Figures are logical GB/s: bf16
   kv-grpc  bf16 and int8 over the gRPC byte stream, against ``kvtransfer.bench.references``' raw TCP
            socket and raw-bytes gRPC stream moving the same number of bytes (each reference spawns its own
            receiver process, which checks every byte);
-  kv-tcp   bf16 and int8 over the bulk TCP connection beside the gRPC call (kvtransfer.bulk), against
+  kv-tcp   bf16 and int8 over the bulk TCP connection, no gRPC call per push (kvtransfer.bulk), against
            the same references: int8 against the raw TCP socket it must outrun (issue 3's int8 target),
            bf16 against the raw gRPC stream; ``kv-tcp.int8-kept`` lands int8 in an int8 cache
            (``decode_store: native``: nothing is dequantised on arrival);

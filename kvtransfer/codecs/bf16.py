@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from kvtransfer.codecs import native
 from kvtransfer.codecs.base import FLOAT32_TINY, Codec, Shape, raise_non_finite
 from kvtransfer.codecs.encoded import CodecId, EncodedTensor, Kind, WireLayout
 
@@ -18,18 +19,25 @@ _PIECE = 1 << 19  # elements (1 MiB of bf16) per copy-then-check step: stays in 
 
 
 def all_finite_bf16(y: torch.Tensor) -> bool:
-    """True unless a bf16 tensor holds NaN or inf, from two integer max reductions.
+    """True unless a bf16 tensor holds NaN or inf, from integer max reductions.
 
-    A bf16 value is non-finite exactly when its 8 exponent bits are all ones: read as int16 that is
-    a value >= 0x7F80 (sign bit clear), read as uint16 a value >= 0xFF80 (sign bit set); finite
-    values of either sign stay below both (checked over all 65536 patterns). Integer max runs at
+    A bf16 value is non-finite exactly when its 8 exponent bits are all ones. With the native kernels
+    (kvtransfer.codecs.native): one pass, the max of ``v & 0x7FFF`` below 0x7F80 (9.6 against 27 µs
+    per MiB in cache here, 1.6 against 3.1 ms per 64 MiB from memory). Without: numpy, read as int16
+    a value >= 0x7F80 (sign bit clear), read as uint16 a value >= 0xFF80 (sign bit set); finite values
+    of either sign stay below both. Both are checked over all 65536 patterns. Integer max runs at
     memory speed where a float aminmax over bf16 converts every element first: ~6x less time."""
     if y.numel() == 0:
         return True
     if y.device.type != "cpu":
         lo, hi = torch.aminmax(y)
         return bool(torch.isfinite(lo) and torch.isfinite(hi))
-    bits = y.detach().reshape(-1).view(torch.int16).numpy()  # numpy: no torch threads, GIL released
+    flat = y.detach().reshape(-1)
+    lib = native.load()
+    if lib is not None:  # ctypes releases the GIL for the call
+        flat = flat.contiguous()  # the kernel reads n values back to back
+        return bool(lib.kv_bf16_all_finite(flat.data_ptr(), flat.numel()))
+    bits = flat.view(torch.int16).numpy()  # numpy: no torch threads, GIL released
     return int(bits.max()) < 0x7F80 and int(bits.view(np.uint16).max()) < 0xFF80
 
 

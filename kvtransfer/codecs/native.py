@@ -1,4 +1,4 @@
-"""Fused int8 kernels in C, compiled on first use with the system C compiler and called via ctypes.
+"""Fused int8 kernels (and bf16's finite check) in C, compiled on first use with the system C compiler and called via ctypes.
 
 Why: eager torch quantises int8 in six passes over float32 scratch (~2 GB/s logical per core here)
 and dequantises in three, so the codec, not the wire, bounded every int8 transfer. The kernels
@@ -97,6 +97,14 @@ int kv_int8_encode(const void *x, int x_bf16, int64_t n, int64_t bs, int64_t h, 
     return 0;
 }
 
+/* 1 when none of the n bf16 values at x is NaN or inf (exponent bits all ones: (v & 0x7FFF) >= 0x7F80),
+   else 0. One integer max pass at memory speed (vectorised by the compiler). */
+int kv_bf16_all_finite(const uint16_t *x, int64_t n) {
+    uint16_t m = 0;
+    for (int64_t i = 0; i < n; i++) { uint16_t a = x[i] & 0x7FFFu; m = a > m ? a : m; }
+    return m < 0x7F80u;
+}
+
 /* q int8 [n, bs, h, d], scales float32 [n, h] -> out [n, bs, h, d] bf16 (out_bf16 = 1) or float32 */
 void kv_int8_decode(const int8_t *q, const float *scales, int64_t n, int64_t bs, int64_t h, int64_t d,
                     void *out, int out_bf16) {
@@ -192,4 +200,6 @@ def _build_and_load() -> ctypes.CDLL | None:
     lib.kv_int8_decode.argtypes = (ctypes.c_void_p, ctypes.c_void_p, i64, i64, i64, i64, ctypes.c_void_p,
                                    ctypes.c_int)
     lib.kv_int8_decode.restype = None
+    lib.kv_bf16_all_finite.argtypes = (ctypes.c_void_p, i64)
+    lib.kv_bf16_all_finite.restype = ctypes.c_int
     return lib

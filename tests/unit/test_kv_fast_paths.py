@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 
-from kvtransfer.codecs import CodecError, Kind, available_codecs, get_codec
+from kvtransfer.codecs import CodecError, Kind, available_codecs, get_codec, native
 from kvtransfer.codecs.bf16 import all_finite_bf16
 from kvtransfer.memory import retain_freed_buffers
 from kvtransfer.threads import single_threaded_torch
@@ -16,13 +16,23 @@ from kvtransfer.threads import single_threaded_torch
 pytestmark = pytest.mark.unit
 
 
-def test_bf16_finite_check_agrees_with_isfinite_on_every_bit_pattern() -> None:
+@pytest.mark.parametrize("path", ["native", "numpy"])
+def test_bf16_finite_check_agrees_with_isfinite_on_every_bit_pattern(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    if path == "native":
+        if native.load() is None:
+            pytest.skip("no C compiler: the native kernels are not built here")
+    else:
+        monkeypatch.setattr(native, "load", lambda: None)
     patterns = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
     finite = torch.isfinite(patterns)
     base = torch.zeros(64, dtype=torch.bfloat16)
     for i in range(patterns.numel()):
         base[17] = patterns[i]
         assert all_finite_bf16(base) == bool(finite[i]), f"bit pattern {i - 32768:#06x}"
+    # a non-contiguous view is checked over its own elements only
+    wide = torch.zeros(8, 2, dtype=torch.bfloat16)
+    wide[:, 1] = float("nan")
+    assert all_finite_bf16(wide[:, 0]) and not all_finite_bf16(wide[:, 1])
 
 
 @pytest.mark.parametrize("name", available_codecs())

@@ -313,6 +313,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "than fewer; every span exported over OTLP to a local receiver; with "
                          "OTEL_TRACES_EXPORTER=none not exported; OTEL_TRACES_SAMPLER* apply), and print the "
                          "on/off requests/s and CPU-per-request ratios (target >= 0.95); 0 = skip (default)")
+    cp.add_argument("--observability-tokens", type=int, default=1, metavar="T",
+                    help="completion tokens per request in the --observability-cost rounds (default %(default)s: "
+                         "the worst case, all overhead; with T > 1 each run is 3 requests per connection)")
     cp.set_defaults(func=cmd_bench_controlplane)
 
     from controlplane.bench.micro.cli import add_micro_parser

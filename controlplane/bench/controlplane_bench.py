@@ -25,7 +25,9 @@ caches between requests while other processes run), so the local figure is the s
 and after the figures above runs N pairs of short throughput runs (``OBS_RUN_REQUESTS`` requests each),
 metrics + tracing switched off then on (the switches live in this process; workers trace only calls that carry a trace
 context, so they follow); the figure is the median of the rounds' own on/off ratios (target >= 0.95: at most
-5% cost).
+5% cost). ``--observability-tokens T`` makes those rounds' requests T tokens long (``ignore_eos``; each run
+is then ``OBS_RUN_PER_CONNECTION`` requests per connection): the 1-token default is the worst case, a
+request whose whole life is the control plane's overhead and four spans.
 """
 
 from __future__ import annotations
@@ -57,6 +59,9 @@ OBSERVABILITY_TARGET_RATIO = 0.95
 # Short runs, many pairs: the machine's speed drifts by 20-40% over seconds here, and a pair's two runs
 # must see the same machine. 640-request runs (~1.5 s) left single pairs' ratios spread 0.6-1.1.
 OBS_RUN_REQUESTS = 160
+# --observability-tokens T > 1: each run is this many requests per connection (a T-token request takes
+# T decode steps, so fewer requests fill a run of about the same length).
+OBS_RUN_PER_CONNECTION = 3
 READY_TIMEOUT_S = 180.0
 LATENCY_SLICES = 5  # compute / end-to-end alternations for the added-latency figure
 THROUGHPUT_ROUNDS = 3  # the throughput figure is the median round's
@@ -93,6 +98,7 @@ class BenchResult:
     obs_off_cpu_ms: list[float] = field(default_factory=list)  # CPU of the stack's processes per request
     obs_on_cpu_ms: list[float] = field(default_factory=list)
     obs_cpu_ratio: float = 0.0  # the median of the rounds' on/off ratios
+    obs_tokens: int = 1  # completion tokens per request in those rounds (--observability-tokens)
     spans_exported: int = 0
     span_services: list[str] = field(default_factory=list)  # service.name of the processes that exported
     # correctness of every HTTP request sent: (status, completion tokens) -> count
@@ -117,19 +123,22 @@ def _quantile(xs: list[float], q: float) -> float:
     return s[lo] + (s[hi] - s[lo]) * (pos - lo)
 
 
-def _payload(model: str) -> dict[str, Any]:
-    return {"model": model, "prompt": PROMPT, "max_tokens": 1, "temperature": 0}
+def _payload(model: str, max_tokens: int = 1) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": model, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0}
+    if max_tokens > 1:
+        body["ignore_eos"] = True  # exactly max_tokens, so every request costs the same
+    return body
 
 
-def _check(resp: Any) -> str | None:
-    """None if the reply is a 200 with exactly one completion token, else what is wrong."""
+def _check(resp: Any, max_tokens: int = 1) -> str | None:
+    """None if the reply is a 200 with exactly ``max_tokens`` completion tokens, else what is wrong."""
     if resp.status != 200:
         return f"HTTP {resp.status}: {resp.body[:200]!r}"
     try:
         n = resp.json()["usage"]["completion_tokens"]
     except Exception as exc:  # a malformed body is a failure to report, not a crash
         return f"bad body: {exc!r}"
-    return None if n == 1 else f"{n} completion tokens, expected 1"
+    return None if n == max_tokens else f"{n} completion tokens, expected {max_tokens}"
 
 
 # ---------------------------------------------------------------- the client process
@@ -159,14 +168,16 @@ def _client_sequential(url: str, model: str, n: int) -> tuple[list[float], list[
     return lat, engine, errors
 
 
-def _client_concurrent(url: str, model: str, n: int, concurrency: int) -> tuple[float, int, list[str]]:
-    """(elapsed seconds, requests sent, errors) for n requests from ``concurrency`` connections."""
+def _client_concurrent(url: str, model: str, n: int, concurrency: int, max_tokens: int = 1
+                       ) -> tuple[float, int, list[str]]:
+    """(elapsed seconds, requests sent, errors) for n requests of ``max_tokens`` tokens from ``concurrency``
+    connections."""
     import asyncio
 
     from controlplane.bench.lean_http import post_bytes, send_async
 
     host, port = _endpoint(url)
-    request = post_bytes(host, port, "/v1/completions", _payload(model))
+    request = post_bytes(host, port, "/v1/completions", _payload(model, max_tokens))
 
     async def main() -> tuple[float, int, list[str]]:
         errors: list[str] = []
@@ -182,7 +193,7 @@ def _client_concurrent(url: str, model: str, n: int, concurrency: int) -> tuple[
                 await ready.wait()
                 while remaining > 0:
                     remaining -= 1
-                    if (err := _check(await send_async(reader, writer, request))) is not None:
+                    if (err := _check(await send_async(reader, writer, request), max_tokens)) is not None:
                         errors.append(err)
             except BaseException:
                 ready.abort()  # a connection that fails before the clock must not leave the others waiting
@@ -387,12 +398,13 @@ def _serve_chain(n: int, m: int, concurrency: int) -> tuple[list[float], float]:
 
 # ---------------------------------------------------------------- the whole run
 def measure(requests: int = 200, throughput_requests: int = 640, concurrency: int = 32,
-            log: Any = None, observability_rounds: int = 0, dtype: str = DEFAULT_DTYPE) -> BenchResult:
+            log: Any = None, observability_rounds: int = 0, dtype: str = DEFAULT_DTYPE,
+            observability_tokens: int = 1) -> BenchResult:
     """Run every figure; leaves no process, Ray or Redis behind."""
     if observability_rounds > 0 and os.environ.get("OTEL_TRACES_EXPORTER", "").strip().lower() != "none":
         return _with_otlp_receiver(lambda: _measure(requests, throughput_requests, concurrency, log,
-                                                    observability_rounds, dtype))
-    return _measure(requests, throughput_requests, concurrency, log, observability_rounds, dtype)
+                                                    observability_rounds, dtype, observability_tokens))
+    return _measure(requests, throughput_requests, concurrency, log, observability_rounds, dtype, observability_tokens)
 
 
 def _with_otlp_receiver(run: Any) -> BenchResult:
@@ -418,11 +430,11 @@ def _with_otlp_receiver(run: Any) -> BenchResult:
 
 
 def _measure(requests: int, throughput_requests: int, concurrency: int, log: Any,
-             observability_rounds: int, dtype: str = DEFAULT_DTYPE) -> BenchResult:
+             observability_rounds: int, dtype: str = DEFAULT_DTYPE, observability_tokens: int = 1) -> BenchResult:
     from controlplane.serve import build
 
     say = log or (lambda msg: None)
-    res = BenchResult(requests, throughput_requests, concurrency, dtype=dtype)
+    res = BenchResult(requests, throughput_requests, concurrency, dtype=dtype, obs_tokens=observability_tokens)
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     say("starting the stack (redis-server, Ray, three pools, API)")
@@ -468,8 +480,9 @@ def _measure(requests: int, throughput_requests: int, concurrency: int, log: Any
                 res.throughput_rounds_rps.append(sent / elapsed)
             res.throughput_rps = _quantile(res.throughput_rounds_rps, 0.5)
             if observability_rounds:
-                _observability_cost(res, url, model, min(throughput_requests, OBS_RUN_REQUESTS), concurrency,
-                                    observability_rounds, say)
+                n = (min(throughput_requests, OBS_RUN_REQUESTS) if observability_tokens == 1 else
+                     min(throughput_requests, OBS_RUN_PER_CONNECTION * concurrency))
+                _observability_cost(res, url, model, n, concurrency, observability_rounds, say, observability_tokens)
         say("reference: Ray Serve 3-hop handle chain")
         slat, res.serve_rps = _serve_chain(requests, throughput_requests, concurrency)
         res.serve_median_ms = _quantile(slat, 0.5) * 1e3
@@ -480,7 +493,7 @@ def _measure(requests: int, throughput_requests: int, concurrency: int, log: Any
 
 
 def _observability_cost(res: BenchResult, url: str, model: str, n: int, concurrency: int, rounds: int,
-                        say: Any) -> None:
+                        say: Any, tokens: int = 1) -> None:
     """Throughput runs on the running stack, off and on in ABBA order. The figure is the median of the
     rounds' own on/off ratios: each round's two runs are back to back, so the machine's speed, which
     drifts by 20-40% over minutes here, moves both alike (a ratio of medians over all rounds mixed the
@@ -493,9 +506,10 @@ def _observability_cost(res: BenchResult, url: str, model: str, n: int, concurre
         for i in range(rounds):
             for on in ((False, True) if i % 2 == 0 else (True, False)):
                 OBSERVABILITY.metrics = OBSERVABILITY.tracing = on
-                say(f"observability cost: round {i + 1}/{rounds}, metrics + tracing {'on' if on else 'off'}")
+                say(f"observability cost: round {i + 1}/{rounds}, metrics + tracing {'on' if on else 'off'}, "
+                    f"{n} requests of {tokens} token{'s' if tokens > 1 else ''}")
                 cpu0 = _stack_cpu_s()
-                elapsed, sent, errors = _client("concurrent", url, model, n, concurrency)
+                elapsed, sent, errors = _client("concurrent", url, model, n, concurrency, tokens)
                 cpu = _stack_cpu_s() - cpu0
                 res.failures += errors
                 res.ok_requests += sent - len(errors)
@@ -567,7 +581,8 @@ def format_table(r: BenchResult) -> str:
          "(the compute ceiling of one prefill replica, one thread)", "", ""),
     ]
     if r.obs_on_rps:
-        rows.append((f"req/s c={r.concurrency}, metrics+tracing on", f"{_quantile(r.obs_on_rps, 0.5):.0f} req/s",
+        per = "" if r.obs_tokens == 1 else f", {r.obs_tokens}-token requests"
+        rows.append((f"req/s c={r.concurrency}{per}, metrics+tracing on", f"{_quantile(r.obs_on_rps, 0.5):.0f} req/s",
                      "the same, both off", f"{_quantile(r.obs_off_rps, 0.5):.0f} req/s",
                      f"ratio {r.obs_ratio:.3f}, target >= {OBSERVABILITY_TARGET_RATIO:g}: "
                      f"{'met' if r.obs_ratio >= OBSERVABILITY_TARGET_RATIO else 'MISSED'}"))
@@ -585,15 +600,18 @@ def run(args: argparse.Namespace) -> int:
     rounds = args.observability_cost
     if rounds < 0:
         raise SystemExit("--observability-cost takes a number of rounds >= 0")
+    if args.observability_tokens < 1:
+        raise SystemExit("--observability-tokens takes a number of completion tokens >= 1")
     res = measure(args.requests, args.throughput_requests, args.concurrency,
                   log=lambda m: print(f"[bench] {m}", file=sys.stderr, flush=True), observability_rounds=rounds,
-                  dtype=args.dtype)
+                  dtype=args.dtype, observability_tokens=args.observability_tokens)
     print(f"control plane, 1-token requests, prompt {len(PROMPT)} tokens, demo model in {res.dtype}; "
           f"{res.requests} sequential, {res.throughput_requests} at concurrency {res.concurrency}")
     print(format_table(res))
     if res.obs_on_rps:
         services = ", ".join(res.span_services) or "nobody"
-        print("observability rounds, on/off: " + ", ".join(f"{x:.3f}" for x in res.obs_round_ratios))
+        per = "" if res.obs_tokens == 1 else f" ({res.obs_tokens}-token requests)"
+        print(f"observability rounds{per}, on/off: " + ", ".join(f"{x:.3f}" for x in res.obs_round_ratios))
         print("observability rounds, req/s off: " + ", ".join(f"{x:.0f}" for x in res.obs_off_rps)
               + "; on: " + ", ".join(f"{x:.0f}" for x in res.obs_on_rps)
               + f"; spans exported over OTLP: {res.spans_exported} from {services}")

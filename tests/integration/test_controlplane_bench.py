@@ -61,14 +61,18 @@ def test_bench_core_runs_and_cleans_up() -> None:
 
 def test_the_observability_rounds_export_from_every_process_and_pair_their_ratios() -> None:
     """--observability-cost: spans reach the OTLP receiver from the control plane and the prefill replica,
-    and the figure is the median of each round's own on/off ratio."""
-    from controlplane.bench.controlplane_bench import measure
+    and the figure is the median of each round's own on/off ratio. With --observability-tokens 3 the
+    rounds' requests go through prefill, the KV transfer and decode, and each answers exactly 3 tokens."""
+    from controlplane.bench.controlplane_bench import format_table, measure
 
-    res = measure(requests=5, throughput_requests=16, concurrency=4, observability_rounds=2)
-    assert res.failures == []
+    res = measure(requests=5, throughput_requests=16, concurrency=4, observability_rounds=2, observability_tokens=3)
+    assert res.failures == []  # every response of every round: HTTP 200 with exactly its token count
+    assert res.obs_tokens == 3 and "3-token requests" in format_table(res)
+    assert res.ok_requests == 5 + 3 * 16 + 2 * 2 * 12  # the rounds: 3 requests per connection, on and off
     assert len(res.obs_on_rps) == len(res.obs_off_rps) == len(res.obs_round_ratios) == 2
     assert res.obs_round_ratios == [on / off for on, off in zip(res.obs_on_rps, res.obs_off_rps)]
     assert min(res.obs_round_ratios) <= res.obs_ratio <= max(res.obs_round_ratios)
     # from the replica and from this process (named "epd-controlplane", unless an earlier test in this
     # process installed the global tracer provider under its own service name)
-    assert res.spans_exported > 0 and "epd-prefill" in res.span_services and len(res.span_services) >= 2
+    assert res.spans_exported > 0 and {"epd-prefill", "epd-decode"} <= set(res.span_services)
+    assert len(res.span_services) >= 3

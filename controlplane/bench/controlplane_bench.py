@@ -618,7 +618,8 @@ def run(args: argparse.Namespace) -> int:
         print("stack CPU per request, ms, off: " + ", ".join(f"{x:.2f}" for x in res.obs_off_cpu_ms)
               + "; on: " + ", ".join(f"{x:.2f}" for x in res.obs_on_cpu_ms))
     print("throughput rounds, req/s: " + ", ".join(f"{x:.0f}" for x in res.throughput_rounds_rps))
-    print(f"{res.ok_requests} requests answered 200 with one token; {len(res.failures)} failed")
+    tokens = "one token" if res.obs_tokens == 1 or not res.obs_on_rps else "the tokens they asked for"
+    print(f"{res.ok_requests} requests answered 200 with {tokens}; {len(res.failures)} failed")
     for err in res.failures[:5]:
         print(f"  failure: {err}")
     if args.json is not None:

@@ -345,9 +345,13 @@ def test_reservation_expired_before_handshake_is_not_found(rig: Rig, clock: Fake
     rig.assert_clean()
 
 
-def test_receiver_cancel_mid_stream_reaches_the_sender(rig: Rig) -> None:
+@pytest.mark.parametrize("transport", ["grpc", "tcp"])
+def test_receiver_cancel_mid_stream_reaches_the_sender(rig: Rig, transport: str) -> None:
+    """The decode side cancels a push in flight: its reason reaches the sender (on tcp, in the
+    connection's PushResult), the reservation is released once, nothing more lands."""
     pending = rig.reserve()
-    stream = rig.sender.open_stream(rig.target, pending.rid, rig.layout, NUM_TOKENS, timeout_s=10)
+    sender = rig.sender if transport == "grpc" else KVSender(SECURITY, transport="tcp")
+    stream = sender.open_stream(rig.target, pending.rid, rig.layout, NUM_TOKENS, timeout_s=10)
     k = torch.randn(rig.layout.block_shape(3))
     stream.send_layer(0, 0, k, k.clone())
     rig.sink.wait_for(1)
@@ -360,6 +364,8 @@ def test_receiver_cancel_mid_stream_reaches_the_sender(rig: Rig) -> None:
         stream.finish(3)
     assert info.value.code == Code.CANCELLED and "decode worker aborted the request" in info.value.message
     assert len(rig.sink.writes) == 1
+    if sender is not rig.sender:
+        sender.close()
     rig.good_transfer()
     rig.assert_clean()
 

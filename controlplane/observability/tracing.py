@@ -96,9 +96,25 @@ def provider(service_name: str) -> TracerProvider:
                 attrs = {"service.name": os.environ.get("OTEL_SERVICE_NAME") or service_name}
                 # the SDK's provider, with spans that cost a third of the SDK's (lean_spans)
                 _provider = LeanTracerProvider(resource=Resource.create(attrs))
+                _defer_worker_spans(_provider)
                 trace.set_tracer_provider(_provider)
                 atexit.register(_provider.shutdown)
         return _provider
+
+
+def _defer_worker_spans(sdk_provider: TracerProvider) -> None:
+    """Workers' server spans in this process are recorded off the request path (deferred_spans), the
+    flush of the pending ones first in line among the provider's processors."""
+    from controlplane.observability.deferred_spans import DeferredSpans, FlushDeferred
+    from controlplane.observability.lean_spans import LeanTracer
+    from workers.tracing import TRACER_NAME as WORKER_TRACER
+    from workers.tracing import defer_server_spans
+
+    lean = sdk_provider.get_tracer(WORKER_TRACER)
+    if isinstance(lean, LeanTracer):
+        deferred = DeferredSpans(lean)
+        sdk_provider.add_span_processor(FlushDeferred(deferred))
+        defer_server_spans(deferred)
 
 
 def setup_tracing(service_name: str, exporter: SpanExporter | None = None,

@@ -41,7 +41,7 @@ class BulkListener:
         self._sock = socket.socket(family, socket.SOCK_STREAM)
         try:
             self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            tune(self._sock)  # before listen: accepted sockets inherit it, and the window scale follows it
+            tune(self._sock)  # accepted sockets inherit its options
             self._sock.bind((host.strip("[]"), port))
             self._sock.listen(64)
         except OSError:

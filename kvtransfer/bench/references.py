@@ -49,8 +49,6 @@ from kvtransfer.options import MAX_MESSAGE_BYTES, bulk_channel_options
 
 MiB = 1 << 20
 DEFAULT_CHUNK = 4 * MiB
-SOCKET_BUFFER_BYTES = 4 * MiB
-"""SO_SNDBUF / SO_RCVBUF asked for on both ends (Linux caps it at net.core.[rw]mem_max, then doubles)."""
 
 FAST_CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = bulk_channel_options(64 * MiB)
 """Options for bulk client streams; pass the same tuple to ``grpc.server`` and to the channel.
@@ -128,7 +126,7 @@ def memcpy(nbytes: int, repeats: int = 3, threads: int | None = None) -> Measure
 
 
 def tcp_socket(nbytes: int, chunk: int = DEFAULT_CHUNK, repeats: int = 3) -> Measurement:
-    """A TCP stream over 127.0.0.1 to a receiver process (TCP_NODELAY, large socket buffers)."""
+    """A TCP stream over 127.0.0.1 to a receiver process (TCP_NODELAY, autotuned socket buffers)."""
     return _socket_stream("tcp socket", socket.AF_INET, ("127.0.0.1", 0), nbytes, chunk, repeats)
 
 
@@ -143,8 +141,10 @@ def unix_socket(nbytes: int, chunk: int = DEFAULT_CHUNK, repeats: int = 3) -> Me
 
 
 def _tune(sock: socket.socket) -> None:
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
+    """TCP_NODELAY; the buffers are left to the kernel's autotuning, which ran this stream 8% faster here
+    (256 MiB, 6 interleaved runs: 5.23 against 4.84 GB/s with 4 MiB asked for on both ends; asking for
+    a size turns autotuning off, and Linux caps it at net.core.[rw]mem_max). The bulk transport does
+    the same (kvtransfer.bulk.tune)."""
     if sock.family == socket.AF_INET:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 

@@ -69,14 +69,6 @@ def _failure(context: grpc.ServicerContext, exc: BaseException | None) -> tuple[
     return None
 
 
-def _failed(span: trace.Span, context: grpc.ServicerContext, exc: BaseException | None) -> None:
-    failure = _failure(context, exc)
-    if failure is not None:
-        span.set_status(Status(StatusCode.ERROR, failure[0]))
-        if failure[1] is not None:
-            span.set_attribute("rpc.grpc.status_code", failure[1])
-
-
 class TracingInterceptor(grpc.ServerInterceptor):
     """Wraps unary-unary and unary-stream handlers of calls that carry a trace context."""
 
@@ -118,15 +110,10 @@ class TracingInterceptor(grpc.ServerInterceptor):
     @staticmethod
     def _unary(behavior: Callable, carrier: dict[str, str], name: str, attrs: dict) -> Callable:
         def run(request: Any, context: grpc.ServicerContext) -> Any:
-            recorder = _recorder
-            deferred = recorder.begin(carrier, name, SpanKind.SERVER, attrs) if recorder is not None else None
-            if deferred is not None:
-                return _run_deferred(recorder, deferred, behavior, request, context)  # type: ignore[arg-type]
-            parent = W3C.extract(carrier)  # from the metadata alone, never this thread's context
-            span = tracer().start_span(name, context=parent, kind=SpanKind.SERVER, attributes=attrs)
+            current, end = _begin(carrier, name, attrs)
             # current for the handler (its child spans), by hand: start_as_current_span's context-manager
             # layers cost more than the span itself on a one-token request
-            token = otel_context.attach(trace.set_span_in_context(span, parent))
+            token = otel_context.attach(current)
             error: BaseException | None = None
             try:
                 return behavior(request, context)
@@ -135,20 +122,13 @@ class TracingInterceptor(grpc.ServerInterceptor):
                 raise
             finally:
                 otel_context.detach(token)
-                _failed(span, context, error)
-                span.end()
+                end(_failure(context, error), None)
         return run
 
     @staticmethod
     def _streaming(behavior: Callable, carrier: dict[str, str], name: str, attrs: dict) -> Callable:
         def run(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
-            recorder = _recorder
-            deferred = recorder.begin(carrier, name, SpanKind.SERVER, attrs) if recorder is not None else None
-            if deferred is not None:
-                yield from _stream_deferred(recorder, deferred, behavior, request, context)  # type: ignore[arg-type]
-                return
-            span = tracer().start_span(name, context=W3C.extract(carrier), kind=SpanKind.SERVER,
-                                       attributes=attrs)
+            _, end = _begin(carrier, name, attrs)  # never made current across yields
             error: BaseException | None = None
             messages = 0
             try:
@@ -159,39 +139,35 @@ class TracingInterceptor(grpc.ServerInterceptor):
                 error = exc
                 raise
             finally:
-                span.set_attribute("epd.messages", messages)
-                _failed(span, context, error)
-                span.end()
+                end(_failure(context, error), {"epd.messages": messages})
         return run
 
 
-def _run_deferred(recorder: ServerSpanRecorder, deferred: Any, behavior: Callable, request: Any,
-                  context: grpc.ServicerContext) -> Any:
-    token = otel_context.attach(deferred.context)  # the handler's child spans name this one as their parent
-    error: BaseException | None = None
-    try:
-        return behavior(request, context)
-    except BaseException as exc:
-        error = exc
-        raise
-    finally:
-        otel_context.detach(token)
-        recorder.finish(deferred, _failure(context, error))
+_Ending = Callable[[tuple[str, int | None] | None, Mapping[str, Any] | None], None]
 
 
-def _stream_deferred(recorder: ServerSpanRecorder, deferred: Any, behavior: Callable, request: Any,
-                     context: grpc.ServicerContext) -> Iterator[Any]:
-    error: BaseException | None = None
-    messages = 0
-    try:
-        for item in behavior(request, context):
-            messages += 1
-            yield item
-    except BaseException as exc:
-        error = exc
-        raise
-    finally:
-        recorder.finish(deferred, _failure(context, error), {"epd.messages": messages})
+def _begin(carrier: dict[str, str], name: str, attrs: dict) -> tuple[otel_context.Context, _Ending]:
+    """A traced call's server span, begun: the context its handler runs in, and how to end it (with
+    the call's failure and extra attributes). Recorded off the request path when a recorder is set and
+    takes the call; the SDK's span otherwise, parented from the metadata alone, never this thread's
+    context."""
+    recorder = _recorder
+    deferred = recorder.begin(carrier, name, SpanKind.SERVER, attrs) if recorder is not None else None
+    if deferred is not None:
+        finish = recorder.finish  # type: ignore[union-attr]
+        return deferred.context, lambda failure, extra: finish(deferred, failure, extra)
+    parent = W3C.extract(carrier)
+    span = tracer().start_span(name, context=parent, kind=SpanKind.SERVER, attributes=attrs)
+
+    def end(failure: tuple[str, int | None] | None, extra: Mapping[str, Any] | None) -> None:
+        if extra:
+            span.set_attributes(extra)
+        if failure is not None:
+            span.set_status(Status(StatusCode.ERROR, failure[0]))
+            if failure[1] is not None:
+                span.set_attribute("rpc.grpc.status_code", failure[1])
+        span.end()
+    return trace.set_span_in_context(span, parent), end
 
 
 def current_span() -> trace.Span:

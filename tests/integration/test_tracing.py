@@ -222,9 +222,14 @@ def test_worker_continues_a_hand_written_traceparent_from_grpc_metadata(stack: S
     assert len(stack.exporter.get_finished_spans()) == untraced_before  # an untraced call makes no span
 
 
-def test_a_refused_call_ends_its_server_span_with_the_error(stack: Stack):
+@pytest.mark.parametrize("path", ["deferred", "sdk"])
+def test_a_refused_call_ends_its_server_span_with_the_error(stack: Stack, path: str):
+    """Both ways a worker makes its server span: recorded off the request path, and the SDK's own (taken
+    for a traceparent with a tracestate, which the SDK parses and passes on)."""
     trace_id = secrets.randbits(128)
     md = SECURITY.call_metadata() + (("traceparent", f"00-{trace_id:032x}-{secrets.randbits(64):016x}-01"),)
+    if path == "sdk":
+        md += (("tracestate", "epd=test"),)
     with SECURITY.open_channel(stack.workers["decode"].address) as ch:
         with pytest.raises(grpc.RpcError) as err:
             wgrpc.DecodeWorkerStub(ch).Generate(wpb.GenerateRequest(request_id="nobody-reserved-this"), metadata=md,
@@ -233,6 +238,9 @@ def test_a_refused_call_ends_its_server_span_with_the_error(stack: Stack):
     spans = _spans_of(stack.exporter, trace_id, {"DecodeWorker/Generate"})
     gen = _one(spans, "DecodeWorker/Generate")
     assert not gen.status.is_ok and "no reservation" in (gen.status.description or "")
+    assert gen.attributes["rpc.grpc.status_code"] == grpc.StatusCode.NOT_FOUND.value[0]
+    assert gen.attributes["epd.messages"] == 0
+    assert gen.context.trace_state.get("epd") == ("test" if path == "sdk" else None)
 
 
 def test_a_kv_transfer_failure_is_counted_once_and_marks_its_spans(stack: Stack, default_bundle):

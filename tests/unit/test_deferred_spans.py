@@ -69,23 +69,19 @@ def test_a_deferred_span_is_built_as_the_call_left_it_with_its_children_parented
     assert encode_request([server]) == encode_spans([server]).SerializeToString()
 
 
-def test_an_unsampled_caller_gets_no_span_but_its_children_carry_the_flag() -> None:
-    provider, deferred, exporter = _rig()
-    carrier, trace_id, _ = _carrier(sampled=False)
-    span = deferred.begin(carrier, "DecodeWorker/Generate", SpanKind.SERVER, ATTRS)
-    assert span is not None and not span.record and not span.span_context.trace_flags.sampled
-    deferred.finish(span)
-    provider.force_flush()
-    assert exporter.get_finished_spans() == ()
-
-
-@pytest.mark.parametrize("sampler", [ALWAYS_OFF, ParentBased(ALWAYS_OFF, remote_parent_sampled=ALWAYS_OFF),
-                                     TraceIdRatioBased(0.0)])
-def test_any_other_sampler_is_asked(sampler) -> None:  # type: ignore[no-untyped-def]
-    provider, deferred, exporter = _rig(sampler=sampler)
-    carrier, _, _ = _carrier(sampled=True)
+@pytest.mark.parametrize(("sampler", "caller_sampled"), [
+    (None, False),  # the default parent-based sampler: an unsampled caller, no span
+    (ALWAYS_OFF, True),  # any other sampler is asked, whatever the caller says
+    (ParentBased(ALWAYS_OFF, remote_parent_sampled=ALWAYS_OFF), True),
+    (TraceIdRatioBased(0.0), True),
+])
+def test_a_span_the_sampler_drops_is_not_built_and_its_children_carry_the_flag(sampler, caller_sampled: bool
+                                                                              ) -> None:  # type: ignore[no-untyped-def]
+    provider, deferred, exporter = _rig(**({"sampler": sampler} if sampler is not None else {}))
+    carrier, _, _ = _carrier(sampled=caller_sampled)
     span = deferred.begin(carrier, "PrefillWorker/Prefill", SpanKind.SERVER, ATTRS)
     assert span is not None and not span.record and not span.span_context.trace_flags.sampled
+    assert not trace.get_current_span(span.context).get_span_context().trace_flags.sampled
     deferred.finish(span)
     provider.force_flush()
     assert exporter.get_finished_spans() == ()

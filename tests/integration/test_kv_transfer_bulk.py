@@ -368,3 +368,31 @@ def test_a_sender_cancel_mid_stream_frees_both_sides(rig: Rig) -> None:
         sender.close()
     rig.assert_clean()
 
+
+
+def test_a_receiver_stopping_mid_push_fails_it_at_once_on_both_sides(make_rig: Callable[..., Rig]) -> None:
+    """The decode worker shuts down while a push is in flight: the reservation fails by name, and the
+    sender's next call fails within moments, not at its 30 s deadline."""
+    rig = make_rig()
+    pending = rig.reserve()
+    sender = KVSender(SECURITY, transport="tcp")
+    try:
+        n = rig.layout.blocks_for(pending.reservation.num_tokens)
+        stream = sender.open_stream(rig.target, pending.rid, rig.layout, pending.reservation.num_tokens, timeout_s=30)
+        k = torch.randn(rig.layout.block_shape(n))
+        stream.send_layer(0, 0, k, k.clone())
+        rig.sink.wait_for(1)
+        rig.receiver.stop()
+        outcome = pending.outcome()
+        assert not outcome.ok and outcome.code == Code.UNAVAILABLE and "shutting down" in (outcome.error or "")
+        start = time.monotonic()
+        with pytest.raises(TransferFailed) as info:
+            for layer in range(1, rig.layout.num_layers):
+                stream.send_layer(layer, 0, k.clone(), k.clone())
+            stream.finish(3)
+        assert time.monotonic() - start < 5
+        assert info.value.code in (Code.UNAVAILABLE, Code.CANCELLED), info.value
+        assert rig.receiver.bulk is not None and rig.receiver.bulk.connections == 0
+        assert len(rig.sink.writes) == 1  # nothing landed after the stop
+    finally:
+        sender.close()

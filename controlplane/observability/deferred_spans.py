@@ -98,6 +98,7 @@ class DeferredSpans:
         self.dropped = 0
         self._pending: deque[Deferred] = deque()
         self._build_lock = threading.Lock()  # one builder at a time: spans reach the processors once, in order
+        self._start_lock = threading.Lock()
         self._wake = threading.Event()
         self._stopped = False
         self._thread: threading.Thread | None = None  # started by the first span to finish
@@ -179,7 +180,7 @@ class DeferredSpans:
         span.end(d.end_ns)
 
     def _start(self) -> None:
-        with self._build_lock:
+        with self._start_lock:
             if self._thread is None and not self._stopped:
                 self._thread = threading.Thread(target=self._run, name="epd-deferred-spans", daemon=True)
                 self._thread.start()

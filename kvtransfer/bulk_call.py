@@ -25,8 +25,12 @@ _CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 
 class BulkCall:
-    def __init__(self, conn: BulkConnection, owner: object, target: str) -> None:
+    def __init__(self, conn: BulkConnection, owner: object, target: str,
+                 after: threading.Event | None = None) -> None:
+        """``after``: read the result only once it is set (under TLS, when the push's writer is done:
+        see ``BulkConnection.tls``); ``cancel`` sets it too."""
         self.conn = conn
+        self._after = after
         self.owner = owner  # what the connection is bound to (cancel interrupts only that binding)
         self.target = target
         self._done = threading.Event()
@@ -62,6 +66,8 @@ class BulkCall:
             if self._done.is_set():
                 return False
             self._cancelled = True
+        if self._after is not None:
+            self._after.set()
         self.conn.interrupt(self.owner)  # wakes the reader, which completes the call as cancelled
         return True
 
@@ -76,6 +82,10 @@ class BulkCall:
     def _read(self) -> None:
         ack, error = None, None
         try:
+            if self._after is not None:
+                self._after.wait()
+                if self._cancelled:
+                    raise BulkError("cancelled", "closed")
             _, data = self.conn.read_message((KIND_RESULT,))
             result = pb.PushResult.FromString(data)
             if result.code == 0:

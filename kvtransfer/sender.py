@@ -176,6 +176,7 @@ class KVStream:
         self._shm_offset = 0
         self._bulk: BulkConnection | None = None
         self._bulk_settled = False
+        self._written: threading.Event | None = None  # under TLS: set when the writer is done (BulkCall reads after)
         self.target = target
         hs = pb.PushHandshake(protocol_version=PROTOCOL_VERSION, request_id=request_id, layout=layout.to_proto(),
                               num_tokens=num_tokens, transport=pb.TRANSPORT_GRPC, sender_host=sender.host)
@@ -199,7 +200,8 @@ class KVStream:
             # The whole push goes over the bulk connection, written by a reused writer thread; the
             # receiver's result comes back on it (BulkCall). No gRPC call per push: opening one, and
             # its request and answer crossing grpcio's threads, cost more than a small push's data.
-            self._future = BulkCall(self._bulk, self, target)
+            self._written = threading.Event() if self._bulk.tls else None  # see BulkConnection.tls
+            self._future = BulkCall(self._bulk, self, target, after=self._written)
             self._future.add_done_callback(self._on_done)
             _BULK_WRITERS.submit(self._write_bulk)
         else:
@@ -396,6 +398,9 @@ class KVStream:
             if self._error is None:
                 self._error = TransferFailed(f"sending the KV push failed: {exc!r}", grpc.StatusCode.INTERNAL)
             self.cancel()
+        finally:
+            if self._written is not None:
+                self._written.set()  # under TLS the result is read only now
 
     def _messages(self) -> Iterator[bytes]:
         """What the stream sends, in order: gRPC's request iterator for Push, or (bulk TCP) run by

@@ -241,6 +241,21 @@ def test_under_mtls_the_connection_runs_tls_and_needs_a_certificate(make_rig: Ca
         for _ in range(2):
             assert rig.send_good(rig.reserve(), sender).transport == "tcp"
         assert rig.receiver.bulk is not None and rig.receiver.bulk.connections == 1
+        # a push the receiver cancels halfway: over TLS the sender learns it with its result, by name
+        pending = rig.reserve()
+        n = rig.layout.blocks_for(pending.reservation.num_tokens)
+        stream = sender.open_stream(rig.target, pending.rid, rig.layout, pending.reservation.num_tokens, timeout_s=10)
+        k = torch.randn(rig.layout.block_shape(n))
+        landed = len(rig.sink.writes)
+        stream.send_layer(0, 0, k, k.clone())
+        rig.sink.wait_for(landed + 1)
+        assert rig.receiver.cancel(pending.rid, "the request was aborted")
+        with pytest.raises(TransferFailed) as info:
+            for layer in range(1, rig.layout.num_layers):
+                stream.send_layer(layer, 0, k.clone(), k.clone())
+            stream.finish(1)
+        assert info.value.code == Code.CANCELLED and "the request was aborted" in info.value.message
+        assert rig.send_good(rig.reserve(), sender).transport == "tcp"  # on a fresh connection
     finally:
         sender.close()
     with client.open_channel(rig.target) as channel:

@@ -99,6 +99,19 @@ def assert_closed_after_result(sock: socket.socket) -> None:
         pass
 
 
+def first_layer_landed(rig: Rig, sender: KVSender, pending: Pending,  # type: ignore[no-untyped-def]
+                       timeout_s: float = 10):
+    """A push opened for ``pending`` whose layer 0 has landed: (the stream, the blocks it sent)."""
+    n = rig.layout.blocks_for(pending.reservation.num_tokens)
+    stream = sender.open_stream(rig.target, pending.rid, rig.layout, pending.reservation.num_tokens,
+                                timeout_s=timeout_s)
+    k = torch.randn(rig.layout.block_shape(n))
+    landed = len(rig.sink.writes)
+    stream.send_layer(0, 0, k, k.clone())
+    rig.sink.wait_for(landed + 1)
+    return stream, k
+
+
 # ---------------------------------------------------------------------- good pushes
 def test_pushes_over_tcp_land_exactly_and_reuse_one_connection(rig: Rig) -> None:
     sender = KVSender(SECURITY, transport="tcp", bulk_chunk_bytes=300)  # several chunks per layer
@@ -243,12 +256,7 @@ def test_under_mtls_the_connection_runs_tls_and_needs_a_certificate(make_rig: Ca
         assert rig.receiver.bulk is not None and rig.receiver.bulk.connections == 1
         # a push the receiver cancels halfway: over TLS the sender learns it with its result, by name
         pending = rig.reserve()
-        n = rig.layout.blocks_for(pending.reservation.num_tokens)
-        stream = sender.open_stream(rig.target, pending.rid, rig.layout, pending.reservation.num_tokens, timeout_s=10)
-        k = torch.randn(rig.layout.block_shape(n))
-        landed = len(rig.sink.writes)
-        stream.send_layer(0, 0, k, k.clone())
-        rig.sink.wait_for(landed + 1)
+        stream, k = first_layer_landed(rig, sender, pending)
         assert rig.receiver.cancel(pending.rid, "the request was aborted")
         with pytest.raises(TransferFailed) as info:
             for layer in range(1, rig.layout.num_layers):
@@ -367,11 +375,7 @@ def test_a_sender_cancel_mid_stream_frees_both_sides(rig: Rig) -> None:
     pending = rig.reserve()
     sender = KVSender(SECURITY, transport="tcp")
     try:
-        n = rig.layout.blocks_for(pending.reservation.num_tokens)
-        stream = sender.open_stream(rig.target, pending.rid, rig.layout, pending.reservation.num_tokens, timeout_s=10)
-        k = torch.randn(rig.layout.block_shape(n))
-        stream.send_layer(0, 0, k, k.clone())
-        rig.sink.wait_for(1)
+        stream, _ = first_layer_landed(rig, sender, pending)
         stream.cancel("the request was aborted")
         wait_until(pending.done.is_set, 5, "the reservation to be released")
         outcome = pending.outcome()
@@ -384,7 +388,6 @@ def test_a_sender_cancel_mid_stream_frees_both_sides(rig: Rig) -> None:
     rig.assert_clean()
 
 
-
 def test_a_receiver_stopping_mid_push_fails_it_at_once_on_both_sides(make_rig: Callable[..., Rig]) -> None:
     """The decode worker shuts down while a push is in flight: the reservation fails by name, and the
     sender's next call fails within moments, not at its 30 s deadline."""
@@ -392,11 +395,7 @@ def test_a_receiver_stopping_mid_push_fails_it_at_once_on_both_sides(make_rig: C
     pending = rig.reserve()
     sender = KVSender(SECURITY, transport="tcp")
     try:
-        n = rig.layout.blocks_for(pending.reservation.num_tokens)
-        stream = sender.open_stream(rig.target, pending.rid, rig.layout, pending.reservation.num_tokens, timeout_s=30)
-        k = torch.randn(rig.layout.block_shape(n))
-        stream.send_layer(0, 0, k, k.clone())
-        rig.sink.wait_for(1)
+        stream, k = first_layer_landed(rig, sender, pending, timeout_s=30)
         rig.receiver.stop()
         outcome = pending.outcome()
         assert not outcome.ok and outcome.code == Code.UNAVAILABLE and "shutting down" in (outcome.error or "")

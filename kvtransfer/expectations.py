@@ -118,24 +118,32 @@ class Expectations(Generic[O]):
             self.fail(exp, TransferRefused(Code.UNAVAILABLE, "the receiver is shutting down"))
 
 
+def refusal(expectations: Expectations, bound: list, exc: Exception) -> TransferRefused:
+    """What a push that raised ``exc`` is refused with, after failing its expectation (``bound[0]``, once
+    the handshake claimed it): a refusal as raised, unless the expectation had already failed (the first
+    failure wins); anything else is a bug, logged and answered INTERNAL while the others carry on."""
+    if isinstance(exc, TransferRefused):
+        if bound:
+            expectations.fail(bound[0], exc)
+            return bound[0].failure or exc
+        return exc
+    log.exception("transfer receiver error")
+    if bound:
+        expectations.fail(bound[0], TransferRefused(Code.INTERNAL, f"receiver error: {exc}"))
+    return TransferRefused(Code.INTERNAL, f"receiver error: {type(exc).__name__}")
+
+
 def run_stream(expectations: Expectations, context: grpc.ServicerContext, body: Callable[[list], bytes]) -> bytes:
     """Run a push handler body; map refusals to statuses and fail the bound expectation (held in
     ``bound[0]`` once the handshake claims it) on any error."""
     bound: list[Expected] = []
     try:
         return body(bound)
-    except TransferRefused as err:
-        if bound:
-            expectations.fail(bound[0], err)
-            err = bound[0].failure or err
-        context.abort(err.code, err.message)
     except grpc.RpcError:  # the client cancelled or disconnected mid-stream
         if bound:
             expectations.fail(bound[0], TransferRefused(Code.CANCELLED, "the sender cancelled or went away"))
         raise
-    except Exception as exc:  # a bug: fail this transfer, keep serving the others
-        log.exception("transfer receiver error")
-        if bound:
-            expectations.fail(bound[0], TransferRefused(Code.INTERNAL, f"receiver error: {exc}"))
-        context.abort(Code.INTERNAL, f"receiver error: {type(exc).__name__}")
+    except Exception as exc:
+        err = refusal(expectations, bound, exc)
+        context.abort(err.code, err.message)
     raise AssertionError("unreachable: context.abort raises")

@@ -18,7 +18,6 @@ A transfer's life on this side:
 
 from __future__ import annotations
 
-import logging
 import ssl
 import threading
 import time
@@ -33,7 +32,7 @@ from kvtransfer.checksum import StreamChecksum, chunk_checksum
 from kvtransfer.chunks import non_finite_values
 from kvtransfer.codecs import CodecError, Kind, get_codec
 from kvtransfer.errors import TransferRefused
-from kvtransfer.expectations import Expectations, Expected, State, run_stream
+from kvtransfer.expectations import Expectations, Expected, State, refusal, run_stream
 from kvtransfer.layout import KVLayout, LayoutMismatch
 from kvtransfer.shm import SegmentCache, SharedSegment, ShmError
 from kvtransfer.wire import PROTOCOL_VERSION, Frame, WireError, decode_frame, pb
@@ -43,7 +42,6 @@ _NO_LISTENER = "this receiver has no bulk TCP listener; use the grpc or shm tran
 # After refusing a push on a bulk connection: how long to keep reading (and dropping) what the sender still
 # sends, so that it reads the refusal before the connection closes.
 DRAIN_S = 5.0
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -219,16 +217,9 @@ class KVReceiver:
             deadline = time.monotonic() + hs.timeout_ms / 1e3
             conn.bind(self, hs.timeout_ms / 1e3)  # timeout mode: each read then waits until the deadline at most
             return Code.OK, "", self._land(exp, hs, self._bulk_frames(conn, deadline))
-        except TransferRefused as err:
-            if bound:
-                self.expectations.fail(bound[0], err)
-                err = bound[0].failure or err
+        except Exception as exc:
+            err = refusal(self.expectations, bound, exc)
             return err.code, err.message, None
-        except Exception as exc:  # a bug: fail this transfer, keep serving the others
-            log.exception("transfer receiver error")
-            if bound:
-                self.expectations.fail(bound[0], TransferRefused(Code.INTERNAL, f"receiver error: {exc}"))
-            return Code.INTERNAL, f"receiver error: {type(exc).__name__}", None
         finally:
             self._streams.release()
 

@@ -18,6 +18,7 @@ A transfer's life on this side:
 
 from __future__ import annotations
 
+import logging
 import ssl
 import threading
 import time
@@ -34,11 +35,16 @@ from kvtransfer.codecs import CodecError, Kind, get_codec
 from kvtransfer.errors import TransferRefused
 from kvtransfer.expectations import Expectations, Expected, State, refusal, run_stream
 from kvtransfer.layout import KVLayout, LayoutMismatch
-from kvtransfer.shm import SegmentCache, SharedSegment, ShmError
+from kvtransfer.shm import SegmentCache, SharedSegment, ShmError, reap_orphans
 from kvtransfer.wire import PROTOCOL_VERSION, Frame, WireError, decode_frame, pb
 
+log = logging.getLogger(__name__)
 Code = grpc.StatusCode
 _NO_LISTENER = "this receiver has no bulk TCP listener; use the grpc or shm transport"
+# How often the janitor removes shared-memory segments whose sender process has died (kvtransfer.shm):
+# a crashed prefill worker's pooled segments (up to 1 GiB of RAM in /dev/shm) go within this long, even
+# when no new sender starts on the host to reap them.
+ORPHAN_REAP_S = 5.0
 # After refusing a push on a bulk connection: how long to keep reading (and dropping) what the sender still
 # sends, so that it reads the refusal before the connection closes.
 DRAIN_S = 5.0
@@ -85,6 +91,9 @@ class KVReceiver:
         self._streams = threading.BoundedSemaphore(max_streams)
         self.segments = SegmentCache()
         self.bulk: BulkListener | None = None
+        self.orphan_reap_s = ORPHAN_REAP_S
+        self._clock = clock
+        self._next_reap = clock()
 
     def enable_bulk(self, host: str, port: int = 0, ssl_context: "ssl.SSLContext | None" = None) -> int:
         """Listen for bulk TCP connections on ``host`` (the address the gRPC server is bound to), over
@@ -113,6 +122,18 @@ class KVReceiver:
         self.expectations.start_janitor(interval_s, also=self._prune)
 
     def _prune(self) -> None:
+        """The janitor's housekeeping: dead senders' segments removed (every ``orphan_reap_s``), then
+        the mappings of removed segments dropped."""
+        now = self._clock()
+        if now >= self._next_reap:
+            self._next_reap = now + self.orphan_reap_s
+            try:
+                removed = reap_orphans()
+            except OSError as exc:  # /dev/shm unreadable: nothing to reap here, and no reason to stop
+                log.warning("could not look for dead senders' shared-memory segments: %s", exc)
+            else:
+                if removed:
+                    log.info("removed %d shared-memory segment(s) of dead KV senders", len(removed))
         self.segments.prune()
 
     def stop(self) -> None:

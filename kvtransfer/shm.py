@@ -7,9 +7,10 @@ place. Segments are reused: a fresh tmpfs page costs a page fault on first touch
 fresh-segment-per-stream design to about 1 GB/s, so the sender keeps a small pool of segments
 (``SegmentPool``) and the receiver keeps its mappings (``SegmentCache``), both populated up front
 (MAP_POPULATE). The sender unlinks its segments when it closes; segments of a sender that died
-are removed by ``reap_orphans`` (names carry the creator's pid). A same-user process that truncates
-a segment under the receiver can crash it (SIGBUS); segments are private to the user running both. Names are checked against a fixed pattern, so a
-handshake cannot point the receiver at any other file.
+are removed by ``reap_orphans`` (names carry the creator's pid), which a new sender runs at start and
+every receiver's janitor every few seconds. A same-user process that truncates a segment under the
+receiver can crash it (SIGBUS); segments are private to the user running both. Names are checked
+against a fixed pattern, so a handshake cannot point the receiver at any other file.
 """
 
 from __future__ import annotations

@@ -345,7 +345,7 @@ def test_reservation_expired_before_handshake_is_not_found(rig: Rig, clock: Fake
     rig.assert_clean()
 
 
-@pytest.mark.parametrize("transport", ["grpc", "tcp"])
+@pytest.mark.parametrize("transport", ["grpc", "shm", "tcp"])
 def test_receiver_cancel_mid_stream_reaches_the_sender(rig: Rig, transport: str) -> None:
     """The decode side cancels a push in flight: its reason reaches the sender (on tcp, in the
     connection's PushResult), the reservation is released once, nothing more lands."""
@@ -370,9 +370,13 @@ def test_receiver_cancel_mid_stream_reaches_the_sender(rig: Rig, transport: str)
     rig.assert_clean()
 
 
-@pytest.mark.parametrize("transport", ["grpc", "tcp"])
+@pytest.mark.parametrize("transport", ["grpc", "shm", "tcp"])
 def test_killed_sender_process_frees_the_reservation(make_rig: Callable[..., Rig], transport: str) -> None:
+    """A sender process that dies mid-push: its reservation is released within the deadline, and over
+    shared memory the receiver's janitor also removes the dead process's segment (no new sender has to
+    start on the host to reap it)."""
     rig = make_rig()  # the real clock, with the janitor running
+    rig.receiver.orphan_reap_s = 0.2
     rig.receiver.start_janitor(0.05)
     lay = rig.layout
     layout_json = json.dumps(dict(num_layers=lay.num_layers, num_kv_heads=lay.num_kv_heads, head_dim=lay.head_dim,
@@ -390,6 +394,8 @@ def test_killed_sender_process_frees_the_reservation(make_rig: Callable[..., Rig
         child.stdin.flush()
         assert child.stdout.readline().strip() == "sent"
         rig.sink.wait_for(1)  # layer 0 landed: the child is mid-stream
+        dead_segments = set(SHM_DIR.glob(f"epd-kv-{child.pid}-*"))
+        assert len(dead_segments) == (1 if transport == "shm" else 0)
         child.stdin.write("die\n")
         child.stdin.flush()
         assert child.wait(timeout=10) == 1
@@ -400,6 +406,7 @@ def test_killed_sender_process_frees_the_reservation(make_rig: Callable[..., Rig
     assert "sender" in (outcome.error or ""), outcome
     assert rig.engine.release(pending.reservation) is False
     assert rig.sink.writes == [(0, pending.reservation.blocks)]
+    wait_until(lambda: not any(p.exists() for p in dead_segments), 5.0, "the dead sender's segment to be removed")
     rig.assert_clean()
     rig.good_transfer()
     rig.assert_clean()

@@ -136,6 +136,12 @@ class SegmentPool:
                 return seg
         return SharedSegment.create(max(size, 16 << 20))
 
+    @property
+    def idle(self) -> int:
+        """Segments waiting in the pool for the next stream."""
+        with self._lock:
+            return len(self._free)
+
     def give(self, seg: SharedSegment) -> None:
         with self._lock:
             if sum(s.size for s in self._free) + seg.size <= self.max_bytes:

@@ -90,15 +90,16 @@ def test_each_codec_lands_what_it_decodes(rig, transport: str, codec: str, block
             assert torch.equal(got.view(x.shape).view(torch.int16), want.view(torch.int16)), (layer, kind)
 
 
-@pytest.mark.parametrize("transport", ["tcp", "grpc"])
+@pytest.mark.parametrize("transport", ["tcp", "grpc", "shm"])
 def test_pooled_chunk_buffers_are_reused_across_streams_without_mixing_their_data(rig, transport: str) -> None:  # type: ignore[no-untyped-def]
-    """Quantised chunks are encoded into the sender's pooled buffers, handed back once sent: with
-    streams pushing at once from one sender, every stream still lands exactly its own data."""
+    """Quantised chunks are encoded into the sender's pooled buffers (over shared memory: into pooled
+    segments), handed back once sent: with streams pushing at once from one sender, every stream still
+    lands exactly its own data."""
     cache, security, target, receiver = rig
     nblocks = 10
     layout = KVLayout(LAYERS, HEADS, DIM, BS, ("int8",) * LAYERS, "codec-test", "bfloat16")
     sender = KVSender(security, transport=transport, max_chunk_bytes=12_000, bulk_chunk_bytes=12_000,  # type: ignore[arg-type]
-                      inline_build_bytes=0)  # encoder threads: several chunks encoded at once
+                      shm_chunk_bytes=12_000, inline_build_bytes=0)  # encoder threads: several chunks at once
     c = get_codec("int8")
     errors: list[BaseException] = []
 
@@ -134,7 +135,10 @@ def test_pooled_chunk_buffers_are_reused_across_streams_without_mixing_their_dat
         for t in threads:
             t.join(60)
         assert not errors, errors
-        assert sender.buffers.idle_bytes > 0  # the buffers went back to the pool, ready for the next chunk
+        if transport == "shm":  # encoded straight into the segments, which went back to their pool
+            assert sender.segments.idle >= 1
+        else:
+            assert sender.buffers.idle_bytes > 0  # the buffers went back to the pool, ready for the next chunk
     finally:
         sender.close()
     assert receiver.pending == 0

@@ -1,4 +1,5 @@
-"""The bulk TCP transport: a push travels whole over a plain TCP connection, no gRPC call per push.
+"""The bulk TCP transport: a push travels whole over a plain TCP connection, no gRPC call per push. A
+shared-memory push uses the same connection for its control messages (its bytes stay in the segment).
 
 Why: on this machine grpcio's Python stream moves 0.3-0.45x what a TCP socket does (its receiving
 side copies each message three times), so no codec can bring a gRPC push to the socket's rate; and a
@@ -177,15 +178,17 @@ class BulkConnection:
         recv_exact(self.sock, memoryview(buf), deadline)
         return kind, bytes(buf)
 
-    def read_frames(self, max_bytes: int, deadline: float | None = None) -> Iterator[tuple[int, memoryview]]:
-        """A push's chunk frames, up to and including its finish. Double-buffered: a helper thread reads
-        the next frame off the socket while the caller works on this one, whose view stays valid
-        until the caller asks for the next. The two buffers grow to the push's largest frame and
+    def read_frames(self, max_bytes: int, deadline: float | None = None,
+                    ahead: bool = True) -> Iterator[tuple[int, memoryview]]:
+        """A push's chunk frames, up to and including its finish. Double-buffered (``ahead``): a helper
+        thread reads the next frame off the socket while the caller works on this one, whose view stays
+        valid until the caller asks for the next. The two buffers grow to the push's largest frame and
         are dropped with it: an idle connection holds no memory. (numpy.empty: not zero-filled, and
-        with kvtransfer.memory's malloc settings the next push reuses the same pages.) Under TLS, one
-        buffer, read on the caller's thread (see ``tls``)."""
+        with kvtransfer.memory's malloc settings the next push reuses the same pages.) Under TLS, or
+        without ``ahead`` (small control frames, where the hand-off would cost more than the read),
+        one buffer, read on the caller's thread (see ``tls``)."""
         bufs = [np.empty(0, dtype=np.uint8), np.empty(0, dtype=np.uint8)]
-        if self.tls:
+        if self.tls or not ahead:
             while True:
                 kind, view = self._read_frame(bufs, 0, max_bytes, deadline)
                 yield kind, view
@@ -346,6 +349,11 @@ class BulkConnector:
             raise BulkError("the receiver refused the bulk connection", "refused")
         sock.settimeout(None)
         return BulkConnection(ticket.connection_id, sock)
+
+    def idle(self, target: str) -> int:
+        """Connections to ``target`` waiting for the next push."""
+        with self._lock:
+            return len(self._idle.get(target, ()))
 
     def give(self, target: str, conn: BulkConnection) -> None:
         """Return a connection whose stream the receiver acknowledged."""

@@ -27,7 +27,7 @@ from typing import Callable, Iterator, Protocol, Sequence
 
 import grpc
 
-from kvtransfer.bulk import KIND_CHUNK, KIND_HANDSHAKE, KIND_RESULT, BulkConnection, BulkError
+from kvtransfer.bulk import CONTROL_BYTES, KIND_CHUNK, KIND_HANDSHAKE, KIND_RESULT, BulkConnection, BulkError
 from kvtransfer.bulk_listener import BulkListener
 from kvtransfer.checksum import StreamChecksum, chunk_checksum
 from kvtransfer.chunks import non_finite_values
@@ -40,7 +40,8 @@ from kvtransfer.wire import PROTOCOL_VERSION, Frame, WireError, decode_frame, pb
 
 log = logging.getLogger(__name__)
 Code = grpc.StatusCode
-_NO_LISTENER = "this receiver has no bulk TCP listener; use the grpc or shm transport"
+_NO_LISTENER = ("this receiver has no bulk TCP listener; use the grpc or shm transport (shm then carries its "
+                "control on gRPC)")
 # How often the janitor removes shared-memory segments whose sender process has died (kvtransfer.shm):
 # a crashed prefill worker's pooled segments (up to 1 GiB of RAM in /dev/shm) go within this long, even
 # when no new sender starts on the host to reap them.
@@ -229,24 +230,28 @@ class KVReceiver:
                 raise TransferRefused(Code.INVALID_ARGUMENT, "a push must open with a handshake")
             exp = self.expectations.claim(hs.request_id)
             bound.append(exp)
-            if hs.transport != pb.TRANSPORT_TCP:
+            if hs.transport not in (pb.TRANSPORT_TCP, pb.TRANSPORT_SHARED_MEMORY):
                 raise TransferRefused(Code.INVALID_ARGUMENT, "a push on a bulk TCP connection must say "
-                                                             "TRANSPORT_TCP in its handshake")
+                                                             "TRANSPORT_TCP or TRANSPORT_SHARED_MEMORY in its "
+                                                             "handshake")
             if hs.timeout_ms == 0:
-                raise TransferRefused(Code.INVALID_ARGUMENT, "a TRANSPORT_TCP handshake must carry timeout_ms, "
-                                                             "the push's deadline")
+                raise TransferRefused(Code.INVALID_ARGUMENT, "a handshake on a bulk TCP connection must carry "
+                                                             "timeout_ms, the push's deadline")
             deadline = time.monotonic() + hs.timeout_ms / 1e3
             conn.bind(self, hs.timeout_ms / 1e3)  # timeout mode: each read then waits until the deadline at most
-            return Code.OK, "", self._land(exp, hs, self._bulk_frames(conn, deadline))
+            return Code.OK, "", self._land(exp, hs, self._bulk_frames(conn, deadline, hs.transport))
         except Exception as exc:
             err = refusal(self.expectations, bound, exc)
             return err.code, err.message, None
         finally:
             self._streams.release()
 
-    def _bulk_frames(self, conn: BulkConnection, deadline: float) -> Iterator[Frame]:
+    def _bulk_frames(self, conn: BulkConnection, deadline: float, transport: int) -> Iterator[Frame]:
         codes = {"closed": Code.CANCELLED, "timeout": Code.DEADLINE_EXCEEDED, "protocol": Code.INVALID_ARGUMENT}
-        frames = conn.read_frames(self.max_chunk_bytes + 4096, deadline)  # + the chunk's header fields
+        if transport == pb.TRANSPORT_TCP:  # chunks carry their bytes: read the next while this one lands
+            frames = conn.read_frames(self.max_chunk_bytes + 4096, deadline)  # + the chunk's header fields
+        else:  # shared memory: frames are control messages only, read on this thread as they come
+            frames = conn.read_frames(CONTROL_BYTES, deadline, ahead=False)
         while True:
             try:
                 kind, view = next(frames)

@@ -1,5 +1,6 @@
 """Shared-memory segments for the same-host path: the payload moves through a file in /dev/shm and
-gRPC carries only control messages.
+only control messages travel: on the receiver's bulk TCP connection when it has one (kvtransfer.bulk),
+else on the gRPC Push stream.
 
 The sender creates a segment (mode 0600, so only the same user can open it) and writes each
 chunk's scales and payload at increasing offsets; the receiver maps it by name and reads chunks in

@@ -22,7 +22,7 @@ from kvtransfer.bulk import FRAME, HELLO, KEEPALIVE_IDLE_S, KIND_CHUNK, KIND_FIN
 from kvtransfer.bulk_listener import BulkListener
 from kvtransfer.errors import TransferFailed
 from kvtransfer.sender import KVSender
-from kvtransfer.wire import OPEN_BULK_METHOD, pb
+from kvtransfer.wire import OPEN_BULK_METHOD, encode_control, pb
 
 pytestmark = [pytest.mark.integration]
 
@@ -129,6 +129,89 @@ def test_pushes_over_tcp_land_exactly_and_reuse_one_connection(rig: Rig) -> None
     finally:
         sender.close()
     wait_until(lambda: rig.receiver.bulk.connections == 0, 5, "the closed sender's connection to end")
+    rig.assert_clean()
+
+
+def test_shm_pushes_carry_their_control_on_the_bulk_connection(rig: Rig) -> None:
+    """Shared memory moves the bytes; the handshake, the chunks' offsets and the finish go over one reused
+    bulk connection (no gRPC call per push), and the result comes back on it."""
+    sender = KVSender(SECURITY, transport="shm", shm_chunk_bytes=300)  # several chunks per layer
+    try:
+        for _ in range(3):
+            result = rig.send_good(rig.reserve(), sender)  # checks every landed value
+            assert result.transport == "shm" and result.num_chunks > rig.layout.num_layers
+        assert rig.receiver.bulk is not None and rig.receiver.bulk.connections == 1
+        assert sender.bulk.idle(rig.target) == 1 and sender.segments.idle == 1
+    finally:
+        sender.close()
+    rig.assert_clean()
+
+
+def test_shm_control_falls_back_to_grpc_without_a_listener(make_rig: Callable[..., Rig],
+                                                          caplog: pytest.LogCaptureFixture) -> None:
+    """A receiver with no bulk listener still takes shared-memory pushes, their control on the gRPC Push
+    stream; the sender says so once and stops asking for a connection for a while."""
+    rig = make_rig()
+    assert rig.receiver.bulk is not None
+    rig.receiver.bulk.close()
+    rig.receiver.bulk = None  # as a receiver that never enabled it
+    sender = KVSender(SECURITY, transport="shm")
+    try:
+        with caplog.at_level("WARNING", logger="kvtransfer.sender"):
+            for _ in range(2):
+                assert rig.send_good(rig.reserve(), sender).transport == "shm"
+        assert not sender.bulk_control_usable(rig.target) and sender.bulk.idle(rig.target) == 0
+        said = [r.getMessage() for r in caplog.records if "gave no bulk TCP connection" in r.getMessage()]
+        assert len(said) == 1 and "no bulk TCP listener" in said[0], said
+    finally:
+        sender.close()
+    rig.assert_clean()
+
+
+def shm_push(rig: Rig, rid: str, segment_name: str, segment_size: int) -> tuple[socket.socket, Frames]:
+    """A raw shared-memory push on a bulk connection, its handshake sent; the caller writes the rest."""
+    ticket = open_bulk(rig.channel)
+    sock, answer = connect(ticket)
+    assert answer == OK
+    frames = Frames(rig.layout, rid)
+    sock.sendall(frame(KIND_HANDSHAKE, frames.handshake(transport=pb.TRANSPORT_SHARED_MEMORY, timeout_ms=10_000,
+                                                         shm_name=segment_name, shm_size=segment_size)))
+    return sock, frames
+
+
+@pytest.mark.parametrize("case", ["no such segment", "bytes in the frame", "a frame over 64 KiB",
+                                  "offset outside the segment"])
+def test_bad_shm_pushes_on_the_bulk_connection_are_refused_by_name(rig: Rig, case: str) -> None:
+    from kvtransfer.shm import SharedSegment
+
+    pending = rig.reserve()
+    segment = SharedSegment.create(4096)
+    name = "epd-kv-1-" + "0" * 32 if case == "no such segment" else segment.name
+    expect = {"no such segment": (Code.FAILED_PRECONDITION, "shared-memory transport unavailable"),
+              "bytes in the frame": (Code.INVALID_ARGUMENT, "inline bytes on a shared-memory stream"),
+              "a frame over 64 KiB": (Code.INVALID_ARGUMENT, "bulk message of"),
+              "offset outside the segment": (Code.OUT_OF_RANGE, "outside the 4096-byte segment")}[case]
+    try:
+        sock, frames = shm_push(rig, pending.rid, name, segment.size)
+        with sock:
+            if case == "bytes in the frame":  # a tcp-style chunk on a shm push
+                sock.sendall(frame(KIND_CHUNK, frames.chunk(0)))
+            elif case == "a frame over 64 KiB":
+                sock.sendall(FRAME.pack(KIND_CHUNK, 64 * 2**10 + 1))
+            elif case == "offset outside the segment":
+                chunk = pb.KVChunk(seq=0, request_id=pending.rid, layer=0, first_block=0,
+                                   num_blocks=frames.num_blocks, codec=pb.CODEC_FP32,
+                                   shm=pb.ShmRef(offset=1024, length=10**6))
+                sock.sendall(frame(KIND_CHUNK, encode_control(pb.PushMessage(chunk=chunk))))
+            result = read_result(sock)
+            assert result.code == expect[0].value[0] and expect[1] in result.message, result
+            assert_closed_after_result(sock)
+    finally:
+        segment.close()
+    rig.assert_failed(pending, expect[0], expect[1])
+    assert rig.sink.writes == []
+    wait_until(lambda: rig.receiver.bulk.connections == 0, 5, "the connection to be closed")
+    send_good_with(rig, "shm")  # the receiver serves the next shm push
     rig.assert_clean()
 
 
@@ -266,6 +349,12 @@ def test_under_mtls_the_connection_runs_tls_and_needs_a_certificate(make_rig: Ca
         assert rig.send_good(rig.reserve(), sender).transport == "tcp"  # on a fresh connection
     finally:
         sender.close()
+    shm = KVSender(client, transport="shm")  # its control on a TLS bulk connection of its own
+    try:
+        assert rig.send_good(rig.reserve(), shm).transport == "shm"
+        assert shm.bulk.idle(rig.target) == 1 and shm.bulk.ssl_context is not None
+    finally:
+        shm.close()
     with client.open_channel(rig.target) as channel:
         ticket = open_bulk(channel, metadata=())  # mTLS is the credential: no token
     rogue = TransferSecurity(tls_ca=pki.ca, tls_cert=other.client_cert, tls_key=other.client_key)

@@ -62,6 +62,9 @@ def test_text_request_matches_the_reference(stack):
     assert tokens == ref.token_ids and text == ref.text
     assert last.finished and last.finish_reason == "length" and last.completion_tokens == 16
     assert last.prompt_tokens == len(ids)
+    # same host, so the KV went through shared memory, its control on the decode worker's bulk connection
+    assert workers["prefill"].service.sender.transport == "auto"
+    assert workers["decode"].service.receiver.bulk.connections == 1
     _assert_clean(workers)
 
 
@@ -76,11 +79,13 @@ def test_a_prefill_worker_on_the_tcp_transport_matches_the_reference(stack):
         ids, _ = build_prompt(bundle, greq)
         ref = generate(bundle, [greq])[0]
         tcp_route = Route(route.decode, prefill.address, route.encode)
+        decode_receiver = workers["decode"].service.receiver
+        assert decode_receiver.bulk is not None
+        before = decode_receiver.bulk.connections  # the stack's own prefill worker's (shm control rides one)
         for i in range(2):  # the second reuses the first's connection
             tokens, text, _ = run_request(dispatcher, tcp_route, WorkerRequest(f"tcp-{i}", ids, GREEDY))
             assert tokens == ref.token_ids and text == ref.text
-        decode_receiver = workers["decode"].service.receiver
-        assert decode_receiver.bulk is not None and decode_receiver.bulk.connections == 1
+        assert decode_receiver.bulk.connections == before + 1
     finally:
         prefill.stop()
     _assert_clean(workers)

@@ -13,7 +13,7 @@ model's shape, 4 x 4 x 64 x 4096 tokens, 16 MiB). Figures are logical GB/s: bf16
            the same references: int8 against the raw TCP socket it must outrun (issue 3's int8 target),
            bf16 against the raw gRPC stream; ``kv-tcp.int8-kept`` lands int8 in an int8 cache
            (``decode_store: native``: nothing is dequantised on arrival);
-  kv-shm   bf16 through shared memory (gRPC carries only control), against memcpy of the same bytes.
+  kv-shm   bf16 through shared memory (only control travels, on the bulk connection), against memcpy of the same bytes.
 """
 
 from __future__ import annotations

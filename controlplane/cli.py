@@ -274,9 +274,10 @@ def build_parser() -> argparse.ArgumentParser:
     kv.add_argument("--ttft-codec", default="bf16", help="codec for the TTFT figure (default bf16)")
     kv.add_argument("--threads", type=int, default=None, help="torch threads in the sender process")
     kv.add_argument("--paired", type=int, default=None, metavar="N",
-                    help="then N pushes of the largest cache as int8 over tcp (into an int8 and a bf16 cache), "
-                         "each paired with a TCP socket transfer of the same bytes; prints the pairs' median "
-                         "ratio (default 8, or 0 with --quick; 0: skip)")
+                    help="then N pushes of the largest cache as int8 over tcp (into an int8 and a bf16 cache) "
+                         "and over shared memory (into an int8 cache), each paired with its reference moving "
+                         "the same bytes (a TCP socket; a memcpy); prints the pairs' median ratio (default 8, "
+                         "or 0 with --quick; 0: skip)")
     kv.add_argument("--paired-only", action="store_true",
                     help="run only the paired pushes (--paired N of them, default 8), nothing else first")
     kv.add_argument("--json", type=Path, default=None, help="also write the results as JSON here")

@@ -29,16 +29,17 @@ def test_quick_run_reports_every_figure_and_the_pairs(tmp_path: Path) -> None:
     raw = json.loads(out.read_text())
     names = [f["name"] for f in raw["figures"]]
     for want in ("bf16 over grpc", "int8 over grpc", "fp8 over grpc", "int4 over grpc", "bf16 over tcp",
-                 "int8 over tcp", "int8 over tcp, kept int8", "bf16 over shm", "int8 over shm"):
+                 "int8 over tcp", "int8 over tcp, kept int8", "bf16 over shm", "int8 over shm", "int8 over shm, kept int8"):
         assert f"demo 4k-token cache: {want}" in names, names
     assert any(n.startswith("TTFT 256-token prompt") for n in names)
     assert all(f["value"] > 0 and f["ref_value"] > 0 for f in raw["figures"])
     assert all(f["reference"] in raw["references"] or f["reference"] == "prefill compute alone"
                for f in raw["figures"])
     assert [p["name"] for p in raw["paired"]] == ["demo 4k-token cache: int8 over tcp, kept int8",
-                                                  "demo 4k-token cache: int8 over tcp, bf16 cache"]
+                                                  "demo 4k-token cache: int8 over tcp, bf16 cache",
+                                                  "demo 4k-token cache: int8 over shm, kept int8"]
     assert all(len(p["ratios"]) == 2 and all(r > 0 for r in p["ratios"]) for p in raw["paired"])
-    assert "paired with a TCP socket" in proc.stdout and "kept int8" in proc.stdout
+    assert "paired with its reference" in proc.stdout and "kept int8" in proc.stdout
 
 
 def test_a_negative_pair_count_is_refused_by_name() -> None:
@@ -51,6 +52,6 @@ def test_paired_only_runs_just_the_pairs(tmp_path: Path) -> None:
     out = tmp_path / "paired.json"
     proc = bench_kv("--quick", "--paired-only", "--paired", "2", "--json", str(out), timeout=180)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert [len(p["ratios"]) for p in json.loads(out.read_text())["paired"]] == [2, 2]
-    assert "paired with a TCP socket" in proc.stdout and "over 2" in proc.stdout
-    assert "memcpy" not in proc.stdout and "TTFT" not in proc.stdout  # nothing else ran
+    assert [len(p["ratios"]) for p in json.loads(out.read_text())["paired"]] == [2, 2, 2]
+    assert "paired with its reference" in proc.stdout and "over 2" in proc.stdout
+    assert "grpc raw stream" not in proc.stdout and "TTFT" not in proc.stdout  # nothing else ran

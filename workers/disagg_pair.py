@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 from kvtransfer.auth import TransferSecurity
 from kvtransfer.receiver import KVReceiver, TransferOutcome
-from kvtransfer.sender import KVSender, PushResult, TransportChoice
+from kvtransfer.sender import KVSender, TransportChoice
+from kvtransfer.stream import PushResult
 from kvtransfer.server import kv_transfer_handler, start_server
 from workers.decode.kv_sink import CacheSink, KVStore, decode_cache_dtypes
 from workers.prefill.kv_stream import LayerStreamer, engine_layout

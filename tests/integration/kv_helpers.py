@@ -22,7 +22,8 @@ from kvtransfer.codecs import Kind, get_codec
 from kvtransfer.layout import KVLayout
 from kvtransfer.options import CHANNEL_OPTIONS
 from kvtransfer.receiver import KVReceiver, TransferOutcome, WireParts
-from kvtransfer.sender import KVSender, PushResult
+from kvtransfer.sender import KVSender
+from kvtransfer.stream import PushResult
 from kvtransfer.server import kv_transfer_handler, start_server
 from kvtransfer.wire import PROTOCOL_VERSION, PUSH_METHOD, encode_chunk, encode_control, pb
 from workers.decode.kv_sink import CacheSink

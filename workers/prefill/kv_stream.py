@@ -17,7 +17,8 @@ import torch
 
 from kvtransfer.errors import TransferFailed
 from kvtransfer.layout import KVLayout
-from kvtransfer.sender import KVSender, KVStream, PushResult
+from kvtransfer.sender import KVSender
+from kvtransfer.stream import KVStream, PushResult
 from workers.runtime.engine import Engine, LayerKVReady
 
 

@@ -23,7 +23,8 @@ from kvtransfer.embeddings import EmbeddingOutcome, EmbeddingReceiver, embedding
 from kvtransfer.errors import TransferFailed
 from kvtransfer.codecs import Kind, get_codec
 from kvtransfer.layout import KVLayout
-from kvtransfer.sender import KVSender, PushResult
+from kvtransfer.sender import KVSender
+from kvtransfer.stream import PushResult
 from workers.engine_loop import EngineLoop, LoopFailure
 from workers.prefill.kv_stream import LayerStreamer
 from workers.runtime.engine import Engine, EngineConfig

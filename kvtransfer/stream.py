@@ -1,0 +1,465 @@
+"""One KV push from the sending end (runs on the prefill worker), opened by ``KVSender.open_stream``.
+
+A stream's life on this side:
+  1. ``KVSender.open_stream`` picks the transport (shared memory on the same host, else gRPC
+     bytes; or the bulk TCP connection when configured, see kvtransfer.bulk), opens the Push call
+     with a deadline and queues the handshake. A shared-memory push sends its control messages
+     (handshake, chunk offsets, finish) over the bulk TCP connection too when the receiver has one,
+     and over the gRPC Push stream otherwise.
+  2. ``send_layer`` is called as prefill finishes a layer's blocks (the engine's layer hook), with
+     a snapshot of those blocks. It only numbers and queues chunks: the sender's encoder threads
+     encode, checksum and frame several chunks at once while the next layer computes (on shared
+     memory, encoding straight into the segment), and one sending thread only sends the framed
+     chunks in order: gRPC's, or on the TCP transport a writer thread that writes the whole push (the
+     handshake, chunks and finish) to the bulk connection, with no gRPC call. A small chunk
+     (``inline_build_bytes``) is encoded by the sending thread itself when its turn comes: its
+     hand-off would cost more than the work. Queued bytes are bounded per stream and per sender,
+     so a slow receiver slows prefill down instead of filling memory.
+  3. ``finish`` queues the totals and the first token and waits for the receiver's ack (on the TCP
+     transport, its PushResult, read by ``kvtransfer.bulk_call.BulkCall``).
+  Any failure (refusal, deadline, cancel, receiver gone) fails the stream: later calls raise
+  ``TransferFailed`` with the receiver's status and message, and queued data is dropped.
+"""
+
+from __future__ import annotations
+
+import functools
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Iterator
+
+import grpc
+import torch
+
+from kvtransfer.bulk import KIND_CHUNK, KIND_FINISH, KIND_HANDSHAKE, BulkConnection, BulkError
+from kvtransfer.bulk_call import BulkCall
+from kvtransfer.budget import ByteBudget
+from kvtransfer.checksum import StreamChecksum
+from kvtransfer.chunks import (chunk_nbytes, encode_into_segment, frame_chunk, frame_chunk_into, frame_chunk_parts,
+                               writes_in_place)
+from kvtransfer.codecs import CodecError, get_codec
+from kvtransfer.errors import TransferFailed
+from kvtransfer.layout import KVLayout
+from kvtransfer.reused_threads import ReusedThreads
+from kvtransfer.shm import SharedSegment, ShmError
+from kvtransfer.wire import OPEN_BULK_METHOD, PROTOCOL_VERSION, PUSH_METHOD, encode_control, pb
+
+if TYPE_CHECKING:
+    from kvtransfer.sender import KVSender
+
+_BULK_WRITERS = ReusedThreads("kv-bulk-write")  # one per bulk TCP stream while it sends
+
+
+@dataclass(frozen=True)
+class _Built:
+    """One chunk, encoded and framed on an encoder thread, waiting for its turn on the stream."""
+
+    message: bytes | list  # what gRPC sends: the whole chunk, or (shared memory) only its header;
+    # on the bulk TCP transport, the whole chunk as parts for sendmsg
+    checksum: int
+    nbytes: int  # scales + payload
+    logical: int  # the same blocks in bf16
+    buffer: torch.Tensor | None = None  # the pooled buffer ``message`` views (bulk TCP): given back once sent
+
+
+@dataclass(frozen=True)
+class PushResult:
+    request_id: str
+    num_chunks: int
+    num_bytes: int  # scales + payload bytes moved
+    logical_bytes: int  # the same blocks in bf16, for throughput figures
+    transport: str
+    seconds: float
+
+
+class KVStream:
+    def __init__(self, sender: KVSender, target: str, request_id: str, layout: KVLayout, num_tokens: int,
+                 timeout_s: float, transport: str) -> None:
+        self.sender = sender
+        self.request_id = request_id
+        self.layout = layout
+        self.num_tokens = num_tokens
+        self.num_blocks = layout.blocks_for(num_tokens)
+        self.transport = transport
+        self.started = time.monotonic()
+        self.deadline = self.started + timeout_s
+        self._queue: queue.Queue = queue.Queue()
+        self._failed = threading.Event()
+        self._error: TransferFailed | None = None
+        self._finished = False
+        self._budget = ByteBudget(sender.stream_budget_bytes)
+        self._seq = 0  # chunks handed to gRPC
+        self._submitted = 0  # chunks numbered (their seq) and queued, in queue order
+        self._order = threading.Lock()
+        self._bytes = 0
+        self._logical = 0
+        self._checksum = StreamChecksum()
+        self._segment: SharedSegment | None = None
+        self._shm_offset = 0
+        self._bulk: BulkConnection | None = None
+        self._bulk_settled = False
+        self._written: threading.Event | None = None  # under TLS: set when the writer is done (BulkCall reads after)
+        self.target = target
+        hs = pb.PushHandshake(protocol_version=PROTOCOL_VERSION, request_id=request_id, layout=layout.to_proto(),
+                              num_tokens=num_tokens, transport=pb.TRANSPORT_GRPC, sender_host=sender.host)
+        if transport == "shm":
+            try:
+                self._segment = sender.segments.take(self._segment_size())
+            except ShmError as exc:
+                raise TransferFailed(f"cannot use shared memory: {exc}") from None
+            hs.transport = pb.TRANSPORT_SHARED_MEMORY
+            hs.shm_name = self._segment.name
+            hs.shm_size = self._segment.size
+            # Its control messages go over the bulk connection when the receiver has one: a gRPC stream
+            # per push cost ~1 ms more here (a 1-chunk push: 1.6-1.7 against 0.6-0.7 ms), and each
+            # message crossed grpcio's threads on both sides (2-4 ms late under load).
+            self._bulk = self._control_connection(target, timeout_s)
+        elif transport == "tcp":
+            self._bulk = self._open_bulk(target, timeout_s)
+            hs.transport = pb.TRANSPORT_TCP
+        if self._bulk is not None:
+            self._bulk.bind(self, timeout_s)  # a write blocked longer than the whole deadline fails
+        if self._bulk is not None:
+            hs.timeout_ms = max(1, round(timeout_s * 1e3))  # the receiver's deadline for this push
+        handshake = encode_control(pb.PushMessage(handshake=hs))
+        self._queue.put(("raw", handshake, 0))
+        if self._bulk is not None:
+            # The whole push goes over the bulk connection, written by a reused writer thread; the
+            # receiver's result comes back on it (BulkCall). No gRPC call per push: opening one, and
+            # its request and answer crossing grpcio's threads, cost more than a small push's data.
+            self._written = threading.Event() if self._bulk.tls else None  # see BulkConnection.tls
+            self._future = BulkCall(self._bulk, self, target, after=self._written)
+            self._future.add_done_callback(self._on_done)
+            _BULK_WRITERS.submit(self._write_bulk)
+        else:
+            call = sender.channel(target).stream_unary(PUSH_METHOD, request_serializer=None,
+                                                       response_deserializer=pb.PushAck.FromString)
+            self._future = call.future(self._messages(), timeout=timeout_s,
+                                       metadata=sender.security.call_metadata())
+            self._future.add_done_callback(self._on_done)
+
+    def _open_bulk(self, target: str, timeout_s: float) -> BulkConnection:
+        channel = self.sender.channel(target)
+
+        def ticket(timeout: float) -> "pb.BulkTicket":
+            call = channel.unary_unary(OPEN_BULK_METHOD, request_serializer=None,
+                                       response_deserializer=pb.BulkTicket.FromString)
+            try:
+                return call(b"", timeout=timeout, metadata=self.sender.security.call_metadata())
+            except grpc.RpcError as exc:
+                raise self._as_failure(exc) from None
+
+        try:
+            return self.sender.bulk.take(target, ticket, min(timeout_s, 10.0))
+        except BulkError as exc:
+            code = grpc.StatusCode.DEADLINE_EXCEEDED if exc.kind == "timeout" else grpc.StatusCode.UNAVAILABLE
+            raise TransferFailed(f"cannot open the bulk TCP connection to {target}: {exc}", code) from None
+
+    def _control_connection(self, target: str, timeout_s: float) -> BulkConnection | None:
+        """A shm push's bulk connection for its control messages, or None to send them on gRPC (the
+        receiver has no bulk listener, or could not give a connection lately)."""
+        if not self.sender.bulk_control_usable(target):
+            return None
+        try:
+            return self._open_bulk(target, timeout_s)
+        except TransferFailed as exc:
+            self.sender.bulk_control_failed(target, exc)
+            return None
+
+    def _segment_size(self) -> int:
+        total = 0
+        for name in self.layout.layer_codecs:
+            codec = get_codec(name)
+            shape = self.layout.block_shape(self.num_blocks)
+            total += chunk_nbytes(codec, shape)
+        # chunks split at block boundaries; per-chunk scale rounding cannot exceed the whole's size
+        return total + 4096
+
+    # ------------------------------------------------------------------ producer side (prefill)
+    def send_layer(self, layer: int, first_block: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Queue blocks [first_block, first_block + n) of ``layer``; key/value are [n, block, heads, dim]
+        snapshots this stream now owns. Returns once queued (may wait for budget)."""
+        self._raise_if_failed()
+        if self._finished:
+            raise TransferFailed("send_layer after finish")
+        n = key.shape[0]
+        if key.shape != value.shape or tuple(key.shape[1:]) != self.layout.block_shape(1)[1:]:
+            raise ValueError(f"blocks must be [n, {self.layout.block_size}, {self.layout.num_kv_heads}, "
+                             f"{self.layout.head_dim}], got {tuple(key.shape)} and {tuple(value.shape)}")
+        if first_block < 0 or first_block + n > self.num_blocks:
+            raise ValueError(f"blocks {first_block}..{first_block + n - 1} outside the request's {self.num_blocks}")
+        codec = get_codec(self.layout.layer_codecs[layer])
+        one = self.layout.block_shape(1)  # chunks are sized by what goes on the wire, not the input dtype
+        per_block = max(1, chunk_nbytes(codec, one))
+        segment = self._segment
+        chunk_bytes = (self.sender.shm_chunk_bytes if segment is not None else
+                       self.sender.bulk_chunk_bytes if self._bulk is not None else self.sender.max_chunk_bytes)
+        step = max(1, chunk_bytes // per_block)
+        if n:
+            step = -(-n // -(-n // step))  # the same number of chunks, evenly sized (no runt last chunk)
+        for i in range(0, n, step):
+            k, v = key[i:i + step], value[i:i + step]
+            cost = k.nbytes + v.nbytes
+            self._budget.acquire(cost, self.deadline, self._failed)
+            try:
+                self.sender._budget.acquire(cost, self.deadline, self._failed)
+            except TransferFailed:
+                self._budget.release(cost)
+                raise
+            try:
+                # Numbering (and the segment range) is fixed here, in queue order, so the encoder
+                # threads can frame whole chunks in parallel; gRPC's thread only sends them in order.
+                with self._order:  # the failure check too: _on_done drains the queue under this lock
+                    self._raise_if_failed()
+                    seq = self._submitted
+                    offset = -1
+                    if segment is not None:
+                        offset = self._reserve(segment, codec, tuple(k.shape))
+                    if cost <= self.sender.inline_build_bytes:  # built by the sending thread (_messages)
+                        job = functools.partial(self._build, seq, layer, first_block + i, codec, k, v, segment,
+                                                offset)
+                    else:
+                        job = self.sender.encoders.submit(self._build, seq, layer, first_block + i, codec, k, v,
+                                                          segment, offset)
+                    self._submitted += 1
+                    self._queue.put(("layer", job, cost))
+            except BaseException:
+                self._budget.release(cost)
+                self.sender._budget.release(cost)
+                raise
+
+    def finish(self, first_token: int) -> PushResult:
+        """Queue the finish message and wait for the receiver's ack."""
+        self._raise_if_failed()
+        self._finished = True
+        self._queue.put(("finish", first_token, 0))
+        try:
+            ack = self._future.result(timeout=max(0.0, self.deadline - time.monotonic()) + 1.0)
+        except grpc.RpcError as exc:
+            raise self._as_failure(exc) from None
+        except grpc.FutureTimeoutError:
+            self.cancel("timed out waiting for the receiver's ack")
+            raise TransferFailed("timed out waiting for the receiver's ack", grpc.StatusCode.DEADLINE_EXCEEDED)
+        except grpc.FutureCancelledError:
+            raise self._error or TransferFailed("transfer cancelled", grpc.StatusCode.CANCELLED) from None
+        if ack.num_chunks != self._seq or ack.num_bytes != self._bytes or ack.checksum != self._checksum.value:
+            self._settle_bulk(False)
+            raise TransferFailed(f"receiver acknowledged {ack.num_chunks} chunks / {ack.num_bytes} bytes, sent "
+                                 f"{self._seq} / {self._bytes}", grpc.StatusCode.DATA_LOSS)
+        self._settle_bulk(True)  # now, not in the done callback, so the next stream finds it idle
+        return PushResult(self.request_id, self._seq, self._bytes, self._logical, self.transport,
+                          time.monotonic() - self.started)
+
+    def cancel(self, reason: str = "cancelled by the sender") -> None:
+        """Abort the stream on both sides (the receiver releases the reservation)."""
+        if self._error is None:
+            self._error = TransferFailed(reason, grpc.StatusCode.CANCELLED)
+        self._failed.set()
+        self._future.cancel()
+        self._queue.put(("stop", None, 0))
+        if self._bulk is not None:
+            self._bulk.interrupt(self)  # wakes the writer thread if it is blocked writing to the connection
+
+    @property
+    def failed(self) -> bool:
+        return self._failed.is_set()
+
+    def _raise_if_failed(self) -> None:
+        if self._failed.is_set():
+            raise self._error or TransferFailed("transfer failed")
+
+    def _as_failure(self, exc: grpc.RpcError | TransferFailed) -> TransferFailed:
+        if isinstance(exc, TransferFailed):  # a BulkCall's
+            return exc
+        code = exc.code() if hasattr(exc, "code") else None
+        details = exc.details() if hasattr(exc, "details") else str(exc)
+        return TransferFailed(f"receiver refused the KV push: {details}", code)
+
+    def _on_done(self, fut: grpc.Future) -> None:
+        if fut.cancelled():
+            err = self._error or TransferFailed("transfer cancelled", grpc.StatusCode.CANCELLED)
+        else:
+            exc = fut.exception()
+            err = self._as_failure(exc) if exc is not None else None
+        with self._order:  # send_layer checks for failure and queues under this lock: nothing slips in after
+            if err is not None:
+                self._error = self._error or err
+                self._failed.set()
+            self._drain()
+        self._queue.put(("stop", None, 0))
+        if self._segment is not None:
+            # Reuse only after a clean ack: after a failure the receiver may still be reading it.
+            if err is None:
+                self.sender.segments.give(self._segment)
+            else:
+                self._segment.close()
+            self._segment = None
+        self._settle_bulk(err is None)
+
+    def _drain(self) -> None:
+        """Drop what is still queued once the call is over (nothing will send it; gRPC stops reading
+        the request iterator when a call fails), returning its bytes to both budgets: otherwise a
+        refused push would leave the sender-wide budget short for good."""
+        while True:
+            try:
+                kind, item, cost = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "layer" and not isinstance(item, functools.partial):
+                item.cancel()  # an encoder that has not started it skips it
+                if item.done() and not item.cancelled() and item.exception() is None:
+                    self._give_back(item.result())
+            self._budget.release(cost)
+            self.sender._budget.release(cost)
+
+    def _settle_bulk(self, acked: bool) -> None:
+        """Hand the bulk connection back once (reused only after a clean ack: after a failure it may
+        hold half a stream, so it is closed)."""
+        with self._order:  # held through the hand-back: whoever returns second finds it done
+            bulk = self._bulk
+            if bulk is None or self._bulk_settled:
+                return
+            self._bulk_settled = True
+            if acked:
+                self.sender.bulk.give(self.target, bulk)
+            else:
+                bulk.interrupt(self)
+
+    # ------------------------------------------------------------------ the sending thread
+    def _write_bulk(self) -> None:
+        """The bulk TCP transport's sending thread: ``_messages`` writes every chunk and the finish to
+        the connection itself (it yields nothing here) until the finish or the stream fails."""
+        try:
+            for _ in self._messages():
+                pass
+        except Exception as exc:  # a bug: fail the stream by name rather than leave it to its deadline
+            if self._error is None:
+                self._error = TransferFailed(f"sending the KV push failed: {exc!r}", grpc.StatusCode.INTERNAL)
+            self.cancel()
+        finally:
+            if self._written is not None:
+                self._written.set()  # under TLS the result is read only now
+
+    def _messages(self) -> Iterator[bytes]:
+        """What the stream sends, in order: gRPC's request iterator for Push, or (bulk TCP) run by
+        ``_write_bulk``, writing to the connection."""
+        while True:
+            kind, item, cost = self._queue.get()
+            if kind == "stop":
+                return
+            if kind == "raw":  # the handshake
+                if self._bulk is not None:
+                    self._send_bulk(KIND_HANDSHAKE, [item])
+                    continue
+                yield item
+                continue
+            if kind == "finish":
+                finish = encode_control(pb.PushMessage(finish=pb.PushFinish(
+                    num_chunks=self._seq, num_bytes=self._bytes, checksum=self._checksum.value,
+                    first_token=item)))
+                if self._bulk is not None:
+                    self._send_bulk(KIND_FINISH, [finish])
+                    return
+                yield finish
+                return
+            try:
+                inline = isinstance(item, functools.partial)
+                if inline and self._failed.is_set():
+                    continue  # never built
+                try:
+                    built: _Built = item() if inline else item.result()
+                except Exception as exc:  # NaN in the cache, ...: fail the stream by name, cancel the call
+                    self._fail_encoding(exc)
+                    continue  # later chunks are dropped as they come (their budget released) until "stop"
+                if self._failed.is_set():
+                    self._give_back(built)
+                    continue
+                self._seq += 1
+                self._bytes += built.nbytes
+                self._logical += built.logical
+                self._checksum.add(built.checksum)
+                message = built.message
+                if self._bulk is not None:
+                    # (a shm chunk's message is one bytes object; a tcp chunk's, its parts)
+                    self._send_bulk(KIND_CHUNK, [message] if isinstance(message, bytes) else message)
+                    del message
+                    self._give_back(built)  # sendmsg has copied it into the kernel: reusable now
+                    continue
+                del built, item  # gRPC copies the message; drop our references as it goes
+                yield message
+            finally:
+                self._budget.release(cost)
+                self.sender._budget.release(cost)
+
+    def _fail_encoding(self, exc: Exception) -> None:
+        if self._error is None:
+            self._error = (TransferFailed(f"cannot send the KV cache: {exc}", grpc.StatusCode.INVALID_ARGUMENT)
+                           if isinstance(exc, CodecError) else
+                           TransferFailed(f"encoding a KV chunk failed: {exc!r}", grpc.StatusCode.INTERNAL))
+        self.cancel()
+
+    def _give_back(self, built: _Built) -> None:
+        if built.buffer is not None:
+            self.sender.buffers.give(built.buffer)
+
+    def _send_bulk(self, kind: int, parts: list) -> None:
+        """Write one message to the bulk connection (on the stream's writer thread, which this keeps busy,
+        in order); on failure, fail the stream and cancel its call."""
+        if self._bulk is None or self._failed.is_set():
+            return
+        try:
+            self._bulk.send_frame(kind, parts)
+        except BulkError as exc:
+            if not self._failed.is_set():
+                code = grpc.StatusCode.DEADLINE_EXCEEDED if exc.kind == "timeout" else grpc.StatusCode.UNAVAILABLE
+                self._error = TransferFailed(f"bulk TCP connection to {self.target} failed: {exc}", code)
+                self._failed.set()
+                self._future.cancel()
+
+    def _reserve(self, segment: SharedSegment, codec, shape: tuple[int, ...]) -> int:  # type: ignore[no-untyped-def]
+        """The segment offset of the next chunk (under ``_order``); chunks lie back to back."""
+        nbytes = chunk_nbytes(codec, shape)
+        offset = self._shm_offset
+        if offset + nbytes > segment.size:
+            raise TransferFailed(f"chunk of {nbytes} bytes does not fit the {segment.size}-byte shared "
+                                 f"segment at offset {offset} (more blocks sent than the stream announced?)")
+        self._shm_offset += nbytes
+        return offset
+
+    def _build(self, seq: int, layer: int, first_block: int, codec, key: torch.Tensor,  # type: ignore[no-untyped-def]
+               value: torch.Tensor, segment: SharedSegment | None, offset: int) -> _Built:
+        """Encode, checksum and frame one chunk. Runs on the sender's encoder threads, several chunks
+        at once (torch, numpy, xxhash and the native kernels release the GIL), or on the sending
+        thread for a small chunk; sent in ``seq`` order. A chunk that cannot be encoded (NaN in the
+        cache) raises CodecError naming its layer and blocks."""
+        try:
+            return self._encode_chunk(seq, layer, first_block, codec, key, value, segment, offset)
+        except CodecError as exc:
+            raise CodecError(f"layer {layer}, blocks {first_block}..{first_block + key.shape[0] - 1}: {exc}") from None
+
+    def _encode_chunk(self, seq: int, layer: int, first_block: int, codec, key: torch.Tensor,  # type: ignore[no-untyped-def]
+                      value: torch.Tensor, segment: SharedSegment | None, offset: int) -> _Built:
+        chunk = pb.KVChunk(seq=seq, request_id=self.request_id, layer=layer, first_block=first_block,
+                           num_blocks=key.shape[0], codec=int(codec.codec_id))
+        logical = key.numel() * 4
+        if segment is None:
+            if not writes_in_place(codec):  # bf16/fp32: the message's parts are views of the input itself
+                framed, nbytes = (frame_chunk_parts if self._bulk is not None else frame_chunk)(chunk, codec, key,
+                                                                                                value)
+                return _Built(framed, chunk.checksum, nbytes, logical)
+            buf = self.sender.buffers.take(chunk_nbytes(codec, tuple(key.shape)))
+            parts, nbytes = frame_chunk_into(chunk, codec, key, value, buf)
+            if self._bulk is not None:
+                return _Built(parts, chunk.checksum, nbytes, logical, buf)  # sent from buf, then given back
+            message = b"".join(parts)  # gRPC sends bytes: buf is free again once joined
+            del parts
+            self.sender.buffers.give(buf)
+            return _Built(message, chunk.checksum, nbytes, logical)
+        # Shared memory: encoded straight into the segment; the message only says where.
+        nbytes = chunk_nbytes(codec, tuple(key.shape))
+        encode_into_segment(chunk, codec, key, value, segment.view(offset, nbytes))
+        chunk.shm.offset = offset
+        chunk.shm.length = nbytes
+        return _Built(encode_control(pb.PushMessage(chunk=chunk)), chunk.checksum, nbytes, logical)

@@ -113,13 +113,21 @@ def first_layer_landed(rig: Rig, sender: KVSender, pending: Pending,  # type: ig
 
 
 # ---------------------------------------------------------------------- good pushes
-def test_pushes_over_tcp_land_exactly_and_reuse_one_connection(rig: Rig) -> None:
-    sender = KVSender(SECURITY, transport="tcp", bulk_chunk_bytes=300)  # several chunks per layer
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_pushes_on_the_bulk_connection_land_exactly_and_reuse_it(rig: Rig, transport: str) -> None:
+    """tcp pushes travel whole over one reused bulk connection; shm pushes send only their control on it
+    (handshake, chunk offsets, finish: no gRPC call per push), the bytes staying in the segment. Each
+    push's result comes back on the connection."""
+    chunking = {"bulk_chunk_bytes": 300} if transport == "tcp" else {"shm_chunk_bytes": 300}
+    sender = KVSender(SECURITY, transport=transport, **chunking)  # type: ignore[arg-type]  (several chunks a layer)
     try:
         for _ in range(3):
             result = rig.send_good(rig.reserve(), sender)  # checks every landed value
-            assert result.transport == "tcp" and result.num_chunks > rig.layout.num_layers
+            assert result.transport == transport and result.num_chunks > rig.layout.num_layers
         assert rig.receiver.bulk is not None and rig.receiver.bulk.connections == 1
+        assert sender.bulk.idle(rig.target) == 1
+        if transport == "shm":
+            assert sender.segments.idle == 1
         # both ends probe an idle connection, so a vanished peer host does not hold it (and its thread) for good
         ends = [c.sock for c in sender.bulk._idle[rig.target]] + [c.sock for c in rig.receiver.bulk._open.values()]
         assert len(ends) == 2
@@ -129,21 +137,6 @@ def test_pushes_over_tcp_land_exactly_and_reuse_one_connection(rig: Rig) -> None
     finally:
         sender.close()
     wait_until(lambda: rig.receiver.bulk.connections == 0, 5, "the closed sender's connection to end")
-    rig.assert_clean()
-
-
-def test_shm_pushes_carry_their_control_on_the_bulk_connection(rig: Rig) -> None:
-    """Shared memory moves the bytes; the handshake, the chunks' offsets and the finish go over one reused
-    bulk connection (no gRPC call per push), and the result comes back on it."""
-    sender = KVSender(SECURITY, transport="shm", shm_chunk_bytes=300)  # several chunks per layer
-    try:
-        for _ in range(3):
-            result = rig.send_good(rig.reserve(), sender)  # checks every landed value
-            assert result.transport == "shm" and result.num_chunks > rig.layout.num_layers
-        assert rig.receiver.bulk is not None and rig.receiver.bulk.connections == 1
-        assert sender.bulk.idle(rig.target) == 1 and sender.segments.idle == 1
-    finally:
-        sender.close()
     rig.assert_clean()
 
 

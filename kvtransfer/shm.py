@@ -9,13 +9,16 @@ fresh-segment-per-stream design to about 1 GB/s, so the sender keeps a small poo
 (``SegmentPool``) and the receiver keeps its mappings (``SegmentCache``), both populated up front
 (MAP_POPULATE). The sender unlinks its segments when it closes; segments of a sender that died
 are removed by ``reap_orphans`` (names carry the creator's pid), which a new sender runs at start and
-every receiver's janitor every few seconds. A same-user process that truncates a segment under the
+every receiver's janitor every few seconds; a segment whose pid is not found is removed only if no
+process holds the lock its creator takes before naming it (a live sender in another pid namespace that
+shares /dev/shm keeps it). A same-user process that truncates a segment under the
 receiver can crash it (SIGBUS); segments are private to the user running both. Names are checked
 against a fixed pattern, so a handshake cannot point the receiver at any other file.
 """
 
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
 import re
@@ -50,19 +53,26 @@ class SharedSegment:
     def create(cls, size: int) -> "SharedSegment":
         if not shm_available():
             raise ShmError(f"{SHM_DIR} is not available for shared memory")
-        name = f"epd-kv-{os.getpid()}-{uuid.uuid4().hex}"
-        path = SHM_DIR / name
+        token = uuid.uuid4().hex
+        name = f"epd-kv-{os.getpid()}-{token}"
+        path, building = SHM_DIR / name, SHM_DIR / f"epd-kv-new-{token}"  # (the second name no reaper matches)
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            fd = os.open(building, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         except OSError as exc:
-            raise ShmError(f"cannot create shared memory {path}: {exc.strerror}") from None
+            raise ShmError(f"cannot create shared memory {building}: {exc.strerror}") from None
         try:
             os.ftruncate(fd, size)
+            # Held until this process closes the segment or dies (the kernel drops it then), and taken before
+            # the file gets its reapable name: a reaper that cannot see our pid (another pid namespace
+            # sharing /dev/shm) still sees the segment is in use.
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            os.rename(building, path)
             return cls(name, fd, size, owner=True)
         except OSError as exc:
             os.close(fd)
+            building.unlink(missing_ok=True)
             path.unlink(missing_ok=True)
-            raise ShmError(f"cannot size shared memory {path} to {size} bytes: {exc.strerror}") from None
+            raise ShmError(f"cannot set up shared memory {path} ({size} bytes): {exc.strerror}") from None
 
     @classmethod
     def attach(cls, name: str, size: int) -> "SharedSegment":
@@ -101,7 +111,9 @@ class SharedSegment:
 
 
 def reap_orphans() -> list[str]:
-    """Remove segments whose creating process no longer exists; returns their names."""
+    """Remove segments whose creating process no longer exists; returns their names. A segment whose
+    pid is not found here is removed only if nothing holds its lock: its creator may be alive in
+    another pid namespace that shares /dev/shm (a container), where its pid means nothing to us."""
     removed = []
     if not SHM_DIR.is_dir():
         return removed
@@ -112,11 +124,27 @@ def reap_orphans() -> list[str]:
         try:
             os.kill(int(m.group(1)), 0)
         except ProcessLookupError:
-            path.unlink(missing_ok=True)
-            removed.append(path.name)
+            if _unheld(path):
+                path.unlink(missing_ok=True)
+                removed.append(path.name)
         except PermissionError:  # alive, another user's
             pass
     return removed
+
+
+def _unheld(path: Path) -> bool:
+    """True when no process holds the segment's lock (its creator has closed it or died)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:  # gone already, or not ours to open
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:  # held: in use
+        return False
+    finally:
+        os.close(fd)  # (releases the lock, if taken)
+    return True
 
 
 class SegmentPool:

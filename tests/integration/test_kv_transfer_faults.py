@@ -8,6 +8,7 @@ Every refused push must end with a status naming the problem, release the reserv
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import json
 import os
 import subprocess
@@ -442,18 +443,32 @@ def test_shm_segments_are_reused_and_removed_at_close(rig: Rig) -> None:
 
 
 def test_segments_of_dead_senders_are_reaped() -> None:
+    """Names carry the creator's pid; a segment whose pid is gone is removed unless a process still
+    holds its lock (each sender holds its own segments' from before they get their name)."""
     from kvtransfer.shm import reap_orphans
 
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     orphan = SHM_DIR / f"epd-kv-{int(dead.stdout)}-{'0' * 32}"
+    # a live sender whose pid means nothing here (another pid namespace sharing /dev/shm): it holds its lock
+    elsewhere = SHM_DIR / f"epd-kv-{int(dead.stdout)}-{'1' * 32}"
     mine = SharedSegment.create(4096)
     orphan.write_bytes(b"x" * 16)
+    elsewhere.write_bytes(b"x" * 16)
+    held = os.open(elsewhere, os.O_RDONLY)
+    fcntl.flock(held, fcntl.LOCK_SH)
     try:
         removed = reap_orphans()
         assert orphan.name in removed and not orphan.exists()
         assert (SHM_DIR / mine.name).exists()  # a live sender's segment stays
+        assert elsewhere.exists() and elsewhere.name not in removed
+        os.close(held)  # that sender is gone now
+        held = -1
+        assert elsewhere.name in reap_orphans() and not elsewhere.exists()
     finally:
+        if held >= 0:
+            os.close(held)
         orphan.unlink(missing_ok=True)
+        elsewhere.unlink(missing_ok=True)
         mine.close()
 
 

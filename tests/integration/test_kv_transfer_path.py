@@ -7,6 +7,7 @@ control (reserve, wait, continue decoding); the KV goes only over gRPC.
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing as mp
 import secrets
 from pathlib import Path
@@ -140,7 +141,7 @@ def _disaggregated(model_dir: Path, dtype: str, codecs: tuple[str, ...], prompts
             rid = f"r{i}"
             assert peer.call("reserve", rid, len(prompt)) == "ok"
             streamer.start(rid, peer.target, len(prompt), timeout_s=10)
-            engine.add_request(rid, prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+            engine.add_request(rid, prompt, dataclasses.replace(params, max_tokens=1))  # prefill draws the first token
             first = None
             while engine.has_unfinished():
                 for out in engine.step():
@@ -183,6 +184,18 @@ def test_decode_cache_is_bit_exact_and_generation_matches_the_reference(default_
             assert torch.equal(decode_kv[layer][1], prefill_kv[layer][1]), f"values differ at layer {layer}"
         assert tokens == ref.token_ids
     assert (free, reservations, pending) == (total, 0, 0), "the decode side leaked blocks or reservations"
+
+
+def test_seeded_sampling_continues_across_the_transfer_as_in_one_engine(default_ckpt, prompts):
+    """Prefill draws the first token and decode the rest, yet a seeded request samples exactly what one
+    engine's generate() samples: each draw is seeded by the request's seed and the token's index."""
+    bundle = load_model(default_ckpt, dtype=torch.float32, with_vision=False)
+    params = SamplingParams(max_tokens=16, temperature=1.0, top_k=50, seed=4321, ignore_eos=True)
+    results, _ = _disaggregated(default_ckpt, "float32", ("fp32",) * bundle.config.num_layers, prompts, params)
+    reference = generate(bundle, [GenerateRequest(prompt_ids=p, params=params) for p in prompts],
+                         EngineConfig(dtype="float32"))
+    assert [tokens for tokens, *_ in results] == [ref.token_ids for ref in reference]
+    assert len({tuple(ref.token_ids) for ref in reference}) == len(prompts), "sampling was meant to differ per prompt"
 
 
 def test_int8_transfer_stays_within_its_bound_and_keeps_generating(default_ckpt, prompts):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from workers.runtime.errors import InvalidRequestError
-from workers.runtime.sampler import SamplingParams, sample
+from workers.runtime.sampler import SamplingParams, draw_seed, sample, seed_draw
 
 pytestmark = [pytest.mark.unit]
 
@@ -153,3 +153,16 @@ def test_temperature_distribution(temperature: float, expected: list[float]) -> 
     counts = Counter(_draws(row, SamplingParams(temperature=temperature), n, seed=3))
     for token, p in enumerate(expected):
         assert counts[token] / n == pytest.approx(p, abs=0.03)
+
+
+def test_each_draw_has_its_own_seed_from_the_request_seed_and_the_token_index() -> None:
+    seeds = [draw_seed(s, i) for s in (0, 1, 2, 2**63 - 1) for i in range(500)]
+    assert all(0 <= x < 2**63 for x in seeds)
+    assert len(set(seeds)) == len(seeds), "two draws of these requests would share a seed"
+    assert draw_seed(7, 3) == draw_seed(7, 3)
+    row = _logits(1, seed=5)[0]
+    p = SamplingParams(temperature=1.0)
+    a, b = torch.Generator(), torch.Generator()
+    seed_draw(a, 7, 3)
+    seed_draw(b, 7, 3)
+    assert sample(row[None], [p], [a]) == sample(row[None], [p], [b])

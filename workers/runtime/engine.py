@@ -30,7 +30,7 @@ from workers.runtime.errors import (DuplicateRequestError, InvalidRequestError, 
                                     RequestTooLargeError)
 from workers.runtime.kv_cache import CACHE_DTYPES, CacheDType, KVCacheSpec, PagedKVCache
 from workers.runtime.model import DecoderModel
-from workers.runtime.sampler import SamplingParams, sample
+from workers.runtime.sampler import SamplingParams, sample, seed_draw
 from workers.runtime.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from workers.runtime.sequence import FinishReason, MultimodalInput, Sequence
 from workers.runtime.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -169,8 +169,7 @@ class Engine:
         detok = None
         if self.tokenizer is not None:
             detok = IncrementalDetokenizer(self.tokenizer, params.stop)
-        return Sequence(request_id, list(prompt_ids), params, torch.Generator().manual_seed(seed),
-                        time.monotonic(), mm, detok)
+        return Sequence(request_id, list(prompt_ids), params, seed, time.monotonic(), mm, detok)
 
     def check_request(self, prompt_ids: list[int], params: SamplingParams, mm: MultimodalInput | None = None) -> None:
         """Raise the EngineError this request would get, without queueing or allocating anything."""
@@ -307,6 +306,9 @@ class Engine:
         for c in plan.prefills:
             c.seq.num_computed = c.end
         sampled = plan.decodes + [c.seq for c in plan.prefills if c.end == c.seq.num_tokens]
+        for s in sampled:
+            if not s.params.greedy:
+                seed_draw(s.generator, s.seed, len(s.output_ids))
         tokens = sample(logits, [s.params for s in sampled], [s.generator for s in sampled])
         tokens = [s.params.forced_tokens[len(s.output_ids)] if s.params.forced_tokens else t
                   for s, t in zip(sampled, tokens)]

@@ -2,7 +2,10 @@
 
 Greedy rows take the argmax. Other rows apply temperature, top-k and top-p, then draw with the
 sequence's own ``torch.Generator``, so a seeded request gives the same tokens whatever else is in
-the batch.
+the batch. The engine seeds that generator afresh before each draw from the request's seed and the
+output token's index (``seed_draw``), so a draw does not depend on the draws before it either: a
+request whose first token was sampled by a prefill worker continues on a decode worker exactly as
+it would have in one engine.
 """
 
 from __future__ import annotations
@@ -52,6 +55,22 @@ class SamplingParams:
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def draw_seed(seed: int, index: int) -> int:
+    """The seed of output token ``index``'s draw: splitmix64 over (seed, index), in [0, 2^63)."""
+    z = (seed + (index + 1) * 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) >> 1
+
+
+def seed_draw(generator: torch.Generator, seed: int, index: int) -> None:
+    """Seed ``generator`` for output token ``index`` of a request seeded with ``seed`` (~2 µs)."""
+    generator.manual_seed(draw_seed(seed, index))
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]) -> list[int]:

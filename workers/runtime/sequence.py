@@ -44,7 +44,7 @@ class Sequence:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
-    generator: torch.Generator
+    seed: int  # with an output token's index, seeds that token's draw (``sampler.seed_draw``)
     arrival: float
     mm: MultimodalInput | None = None
     detok: IncrementalDetokenizer | None = None
@@ -54,6 +54,7 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
+    generator: torch.Generator = field(default_factory=torch.Generator)
 
     @property
     def num_tokens(self) -> int:

@@ -31,6 +31,7 @@ pytestmark = [pytest.mark.e2e]
 
 MAX_TOKENS = 12
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+SEEDED = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.9, top_p=0.95, seed=77)
 TEXT = [{"role": "user", "content": "What is the capital of France?"}]
 COMPLETION_PROMPT = "The model reads a checkpoint folder and"
 CONCURRENT = [[{"role": "user", "content": f"Request {i}: " + "the cache moves " * (i % 5 + 1)}] for i in range(16)]
@@ -52,7 +53,8 @@ def refs(e2e_stack: Stack) -> dict[str, GenerateResult]:
     reqs = {"text": GenerateRequest(messages=TEXT, params=GREEDY),
             "image": GenerateRequest(messages=[{"role": "user", "content": [
                 {"type": "image"}, {"type": "text", "text": "Describe this image."}]}], images=(IMAGE,), params=GREEDY),
-            "completion": GenerateRequest(prompt=COMPLETION_PROMPT, params=GREEDY)}
+            "completion": GenerateRequest(prompt=COMPLETION_PROMPT, params=GREEDY),
+            "seeded": GenerateRequest(prompt=COMPLETION_PROMPT, params=SEEDED)}
     reqs.update({f"conc-{i}": GenerateRequest(messages=m, params=GREEDY) for i, m in enumerate(CONCURRENT)})
     return dict(zip(reqs, generate(e2e_stack.bundle, list(reqs.values()))))
 
@@ -139,6 +141,16 @@ def test_completions(e2e_stack: Stack, client: OpenAI, refs: dict[str, GenerateR
     ids = refs["completion"].prompt_ids
     r = client.completions.create(model=_model(e2e_stack), prompt=ids, max_tokens=MAX_TOKENS, temperature=0)
     _check(e2e_stack, refs["completion"], r.id, r.choices[0].text, r.usage, r.choices[0].finish_reason)
+
+
+def test_a_seeded_sampled_answer_equals_the_single_process_one(e2e_stack: Stack, client: OpenAI,
+                                                                refs: dict[str, GenerateResult]) -> None:
+    """Prefill samples the first token and decode the rest; with a seed the tokens are generate()'s."""
+    assert refs["seeded"].token_ids != refs["completion"].token_ids, "the seeded reference was meant to sample"
+    for _ in range(2):
+        r = client.completions.create(model=_model(e2e_stack), prompt=COMPLETION_PROMPT, max_tokens=MAX_TOKENS,
+                                      temperature=SEEDED.temperature, top_p=SEEDED.top_p, seed=SEEDED.seed)
+        _check(e2e_stack, refs["seeded"], r.id, r.choices[0].text, r.usage, r.choices[0].finish_reason)
 
 
 def test_a_one_token_answer_says_its_engine_time_in_server_timing(e2e_stack: Stack) -> None:

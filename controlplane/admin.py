@@ -15,8 +15,10 @@ import hmac
 from dataclasses import asdict, dataclass
 from typing import Callable
 
-from fastapi import APIRouter, Header, HTTPException
-from pydantic import BaseModel, ConfigDict, Field
+import anyio.to_thread
+from fastapi import APIRouter, Header, HTTPException, Request
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from controlplane.state.client import StateConnection
 from controlplane.state.keys import Pool
@@ -79,8 +81,19 @@ def drain_over_rpc(registry: WorkerRegistry, security) -> Callable[[str], bool]:
 
 
 class ScaleBody(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)  # "2" or 2.0 is a 400, as on /v1
     replicas: int = Field(ge=0, le=MAX_REPLICAS)
+
+
+def _scale_body(raw: bytes) -> ScaleBody:
+    """The body of a scale request, read only after the token is checked (so a caller without it
+    learns nothing about what the body should hold); errors take the API's 400 path."""
+    if not raw.strip():
+        raise RequestValidationError([{"type": "missing", "loc": ("body",), "msg": "Field required"}])
+    try:
+        return ScaleBody.model_validate_json(raw)
+    except ValidationError as exc:
+        raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]) from None
 
 
 def admin_router(conn: StateConnection, registry: WorkerRegistry, admin_token: str,
@@ -94,25 +107,31 @@ def admin_router(conn: StateConnection, registry: WorkerRegistry, admin_token: s
 
     def check(authorization: str | None) -> None:
         if not hmac.compare_digest((authorization or "").encode(), expected):
-            raise HTTPException(401, "missing or wrong admin token (Authorization: Bearer <admin token>)")
+            raise HTTPException(401, "missing or wrong admin token (Authorization: Bearer <admin token>)",
+                                headers={"WWW-Authenticate": "Bearer"})
 
     @router.get("/pools")
     def get_pools(authorization: str | None = Header(None)) -> dict:
         check(authorization)
         return {"pools": [asdict(p) for p in pools_status(conn, registry)]}
 
-    @router.put("/pools/{pool}")
-    def put_pool(pool: str, body: ScaleBody, authorization: str | None = Header(None)) -> dict:
+    @router.put("/pools/{pool}", openapi_extra={"requestBody": {"content": {"application/json": {
+        "schema": ScaleBody.model_json_schema()}}, "required": True}})
+    async def put_pool(pool: str, request: Request, authorization: str | None = Header(None)) -> dict:
         check(authorization)
+        body = _scale_body(await request.body())
         try:
             parsed = Pool(pool)
         except ValueError:
             raise HTTPException(404, f"unknown pool {pool!r}; pools are encode, prefill and decode") from None
         if parsed.value in fixed:
             raise HTTPException(409, fixed[parsed.value])
-        PoolTargets(conn).set_target(parsed, body.replicas)
-        if on_scale is not None:
-            on_scale(parsed.value, body.replicas)
+
+        def scale() -> None:  # Redis and the pool manager: off the event loop
+            PoolTargets(conn).set_target(parsed, body.replicas)
+            if on_scale is not None:
+                on_scale(parsed.value, body.replicas)
+        await anyio.to_thread.run_sync(scale)
         return {"pool": parsed.value, "target": body.replicas}
 
     @router.post("/workers/{worker_id}/drain")

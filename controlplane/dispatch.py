@@ -53,7 +53,9 @@ class WorkerRequest:
     params: SamplingParams
     images: tuple[bytes, ...] = ()
     image_positions: tuple[int, ...] = ()  # prompt indices of the placeholder tokens
-    timeout_s: float = 60.0
+    # The deadline of every worker call the request makes. The scheduler sets it from
+    # scheduler.request_timeout_s (less the time the request queued); this default is for direct use.
+    timeout_s: float = 600.0
 
 
 class DispatchError(Exception):

@@ -22,6 +22,7 @@ from starlette.responses import JSONResponse, Response
 
 from controlplane.api.auth import BearerAuth
 from controlplane.api.errors import CatchAll, install_error_handlers
+from controlplane.api.limits import MAX_BODY_BYTES, BodyLimit
 from controlplane.api.models import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, StreamOptions
 from controlplane.api.prompts import check_model, prepare_chat, prepare_completion
 from controlplane.api.relay import Relay, ThreadLanes
@@ -37,10 +38,12 @@ CLIENT_CLOSED = 499  # nginx's status for a client that left before the answer; 
 
 
 def create_app(backend: Backend, api_keys: Sequence[str] = (), admin: APIRouter | None = None, *,
-               relay_threads: int = 256, routers: Sequence[APIRouter] = ()) -> FastAPI:
+               relay_threads: int = 256, routers: Sequence[APIRouter] = (),
+               max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
     """The ingress app. ``api_keys``: bearer keys for /v1/* (empty: open). ``admin``: a router
     mounted as is (it guards itself). ``relay_threads``: threads that may wait on backend chunks.
-    ``routers``: more routers mounted as they are (the dashboard). ``GET /metrics`` is always served."""
+    ``routers``: more routers mounted as they are (the dashboard). ``GET /metrics`` is always served.
+    ``max_body_bytes``: a larger request body is a 413 (``limits.BodyLimit``)."""
     app = FastAPI(title="epd", summary="OpenAI-compatible API over disaggregated encode/prefill/decode",
                   docs_url=None, redoc_url=None, **fastapi_kwargs())
     install_error_handlers(app)
@@ -118,7 +121,8 @@ def create_app(backend: Backend, api_keys: Sequence[str] = (), admin: APIRouter 
         app.include_router(router)
     if admin is not None:
         app.include_router(admin)
-    app.add_middleware(BearerAuth, api_keys=list(api_keys))
+    app.add_middleware(BodyLimit, limit=max_body_bytes)
+    app.add_middleware(BearerAuth, api_keys=list(api_keys))  # outside BodyLimit: no key, no size hint
     app.add_middleware(CatchAll)
     app.add_middleware(ObservabilityMiddleware)  # added last: outermost, so it sees every status sent
     return app

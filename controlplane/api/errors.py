@@ -40,6 +40,8 @@ class APIError(Exception):
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
                  param: str | None = None, code: str | None = None,
                  headers: dict[str, str] | None = None) -> None:
+        # a message may echo what the client sent; keep it encodable whatever that held (a lone surrogate)
+        message = message.encode("utf-8", "backslashreplace").decode("utf-8")
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
         self.headers = headers or {}
@@ -116,6 +118,18 @@ def _param(loc: list[str | int]) -> str:
     return out
 
 
+_FASTAPI_BODY_ERROR = "There was an error parsing the body"
+
+
+def _body_error(cause: BaseException) -> str:
+    if isinstance(cause, UnicodeDecodeError):
+        return (f"The request body is not valid UTF-8 (byte {cause.start} is 0x{cause.object[cause.start]:02x}); "
+                "send JSON encoded as UTF-8.")
+    if isinstance(cause, RecursionError):
+        return "The request body's JSON is nested too deeply to parse."
+    return f"{_FASTAPI_BODY_ERROR}: {type(cause).__name__}."
+
+
 def install_error_handlers(app: FastAPI) -> None:
     async def api_error(_: Request, exc: Exception) -> Response:
         return as_api_error(exc).response()
@@ -126,9 +140,14 @@ def install_error_handlers(app: FastAPI) -> None:
 
     async def http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, StarletteHTTPException)
+        cause = exc.__cause__
+        if isinstance(cause, APIError):  # raised while FastAPI read the body (limits.BodyLimit)
+            return cause.response()
         message = str(exc.detail)
         if exc.status_code == 404 and message == "Not Found":  # the router's own: no such route
             message = f"Invalid URL ({request.method} {request.url.path})"
+        elif message == _FASTAPI_BODY_ERROR and cause is not None:  # it wraps what failed in that message
+            message = _body_error(cause)
         err = APIError(exc.status_code, message, type="invalid_request_error" if exc.status_code < 500
                        else "server_error", headers=dict(exc.headers or {}))
         return err.response()

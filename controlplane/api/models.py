@@ -9,7 +9,24 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_serializer
+from pydantic_core import PydanticCustomError
+
+
+def _unicode_text(value: str) -> str:
+    """JSON may escape a lone UTF-16 surrogate ("\\ud800"); Python keeps it, and it cannot be encoded
+    (tokenised, sent to a worker or echoed in an error). Refuse it here, naming where it is."""
+    if not value.isascii():
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise PydanticCustomError(
+                "invalid_unicode", "the text holds a lone UTF-16 surrogate (\\u{code}) at character {at}, "
+                "which is not a Unicode character", {"code": f"{ord(value[exc.start]):04x}", "at": exc.start}) from None
+    return value
+
+
+Text = Annotated[str, AfterValidator(_unicode_text)]  # every string a request carries
 
 
 class _Request(BaseModel):
@@ -17,13 +34,13 @@ class _Request(BaseModel):
 
 
 class ImageURL(_Request):
-    url: str
+    url: Text
     detail: Literal["auto", "low", "high"] | None = None
 
 
 class TextPart(_Request):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ImagePart(_Request):
@@ -37,8 +54,8 @@ CONTENT_PART_TAGS = ("text", "image_url")  # pydantic puts the tag in an error's
 
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[ContentPart] | None = None
-    name: str | None = None
+    content: Text | list[ContentPart] | None = None
+    name: Text | None = None
 
 
 class StreamOptions(_Request):
@@ -46,25 +63,25 @@ class StreamOptions(_Request):
 
 
 class ResponseFormat(_Request):
-    type: str
+    type: Text
 
 
 class _GenerationFields(_Request):
     """What chat and text completions share."""
 
-    model: str
+    model: Text
     max_tokens: int | None = None  # None: the rest of the context
     temperature: float | None = None  # None: 1.0
     top_p: float | None = None
     seed: int | None = None
-    stop: str | list[str] | None = None
+    stop: Text | list[Text] | None = None
     n: int | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
-    user: str | None = None
+    user: Text | None = None
     ignore_eos: bool | None = None  # vLLM/SGLang extension: run to max_tokens past end-of-sequence (benchmarks)
 
 
@@ -78,10 +95,10 @@ class ChatCompletionRequest(_GenerationFields):
 
 
 class CompletionRequest(_GenerationFields):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: Text | list[int] | list[Text] | list[list[int]]
     echo: bool | None = None
     best_of: int | None = None
-    suffix: str | None = None
+    suffix: Text | None = None
     logprobs: int | None = None
 
 

@@ -16,6 +16,7 @@ import uuid
 from typing import Any, Callable
 
 from controlplane.api.errors import APIError
+from controlplane.api.limits import MAX_IMAGE_BYTES, MAX_IMAGES_BYTES, MiB
 from controlplane.api.models import ChatCompletionRequest, CompletionRequest, ImagePart, TextPart
 from controlplane.backend import ModelInfo
 from controlplane.dispatch import WorkerRequest
@@ -75,6 +76,10 @@ def _template_messages(body: ChatCompletionRequest, model: ModelInfo) -> tuple[l
                         raise APIError(400, f"The model `{model.name}` does not accept images.", param=where)
                     images.append(decode_data_url(part.image_url.url, where))
                     content.append({"type": "image"})
+                    if sum(map(len, images)) > MAX_IMAGES_BYTES:
+                        raise APIError(400, f"the request's images come to more than {MAX_IMAGES_BYTES // MiB} MiB "
+                                            "together; send fewer or smaller images.", param=where,
+                                       code="image_too_large")
         messages.append({"role": msg.role, "content": content})
     return messages, images
 
@@ -92,6 +97,9 @@ def decode_data_url(url: str, param: str) -> bytes:
     if header.split(";")[-1].strip().lower() != "base64":
         raise APIError(400, "the image data: URL must be base64-encoded (data:image/png;base64,...).",
                        param=param, code="invalid_image_url")
+    if len(payload) // 4 * 3 > MAX_IMAGE_BYTES + 3:  # base64's size, before decoding anything
+        raise APIError(400, f"the image is {len(payload) // 4 * 3 / MiB:.1f} MiB; images may be at most "
+                            f"{MAX_IMAGE_BYTES // MiB} MiB each.", param=param, code="image_too_large")
     try:
         data = base64.b64decode(_WHITESPACE.sub("", payload), validate=True)
     except (binascii.Error, ValueError):
@@ -99,6 +107,9 @@ def decode_data_url(url: str, param: str) -> bytes:
                        code="invalid_image_url") from None
     if not data:
         raise APIError(400, "the image data: URL holds no data.", param=param, code="invalid_image_url")
+    if len(data) > MAX_IMAGE_BYTES:
+        raise APIError(400, f"the image is {len(data) / MiB:.1f} MiB; images may be at most "
+                            f"{MAX_IMAGE_BYTES // MiB} MiB each.", param=param, code="image_too_large")
     return data
 
 
@@ -183,7 +194,11 @@ def _sampling(body: ChatCompletionRequest | CompletionRequest, max_tokens: int |
                                 top_p=1.0 if body.top_p is None else body.top_p, seed=body.seed, stop=stop,
                                 ignore_eos=bool(body.ignore_eos))
     except InvalidRequestError as exc:
-        raise APIError(400, str(exc), param=_param_of(str(exc), max_param)) from None
+        param = _param_of(str(exc), max_param)
+        message = str(exc)
+        if param == max_param and max_param != "max_tokens":  # name the field the client sent
+            message = max_param + message[len("max_tokens"):]
+        raise APIError(400, message, param=param) from None
     if prompt_len + max_tokens > limit:
         raise APIError(400, f"This model's maximum context length is {limit} tokens. However, you requested "
                             f"{prompt_len + max_tokens} tokens ({prompt_len} in the {noun}, {max_tokens} in the "

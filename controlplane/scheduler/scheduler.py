@@ -14,6 +14,7 @@ A request's life here:
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from typing import Callable, Iterator
@@ -154,7 +155,8 @@ class Scheduler:
         self._record(rid, RequestState.QUEUED)
         queued = True
         try:
-            deadline = time.monotonic() + self.settings.queue_timeout_s
+            admitted = time.monotonic()
+            deadline = admitted + self.settings.queue_timeout_s
             backoff = 0.01
             tokens = len(request.prompt_ids)
             while True:
@@ -175,8 +177,10 @@ class Scheduler:
                     for w in chosen:
                         self.view.begin(w, tokens)
                     attempt_ns = time.time_ns()
+                    # the request's deadline (scheduler.request_timeout_s) counts from admission
+                    left = max(0.001, self.settings.request_timeout_s - (time.monotonic() - admitted))
                     try:
-                        stream = self.dispatcher.run(request, route)
+                        stream = self.dispatcher.run(dataclasses.replace(request, timeout_s=left), route)
                         first = next(stream)  # reserve happens before the first chunk
                     except DispatchError as exc:
                         for w in chosen:
@@ -188,6 +192,11 @@ class Scheduler:
                             break
                         self._record(rid, RequestState.FAILED, f"{exc.stage}: {exc.message}")
                         raise _backend_error(exc) from None
+                    except BaseException as exc:  # a bug or an interrupt: the routing counts still drop
+                        for w in chosen:
+                            self.view.end(w, tokens)
+                        self._record(rid, RequestState.FAILED, f"internal error: {type(exc).__name__}")
+                        raise
                     if queued:
                         with self._lock:
                             self._waiting -= 1

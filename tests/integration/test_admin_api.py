@@ -57,9 +57,15 @@ def test_scaling_writes_only_that_pools_target(admin):
     targets = PoolTargets(conn)
     assert (targets.get_target("decode"), targets.get_target("prefill")) == (3, 1)
     for body, status in (({"replicas": -1}, 400), ({"replicas": "two"}, 400), ({"replicaz": 2}, 400),
-                         ({"replicas": 1001}, 400)):
+                         ({"replicas": 1001}, 400), ({"replicas": "2"}, 400), ({"replicas": 2.0}, 400),
+                         ({"replicas": True}, 400), ([2], 400)):
         bad = client.put("/admin/pools/decode", json=body, headers=AUTH)
         assert bad.status_code == status and "error" in bad.json(), (body, bad.text)
+    bad = client.put("/admin/pools/decode", json={"replicas": "2"}, headers=AUTH).json()["error"]
+    assert bad["param"] == "replicas" and "valid integer" in bad["message"], bad
+    for raw in (b"", b"{not json"):
+        bad = client.put("/admin/pools/decode", content=raw, headers=AUTH | {"content-type": "application/json"})
+        assert bad.status_code == 400 and ("missing" in bad.text or "parse the JSON" in bad.text), bad.text
     assert client.put("/admin/pools/gpu", json={"replicas": 1}, headers=AUTH).status_code == 404
     assert targets.get_target("decode") == 3  # the refused changes changed nothing
 
@@ -77,8 +83,13 @@ def test_drain_marks_the_worker_and_stops_routing_to_it(admin):
 @pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": TOKEN}])
 def test_every_admin_route_needs_the_token(admin, headers):
     client, registry, drained, conn = admin
-    assert client.get("/admin/pools", headers=headers).status_code == 401
+    reply = client.get("/admin/pools", headers=headers)
+    assert reply.status_code == 401 and reply.headers["www-authenticate"] == "Bearer"
     assert client.put("/admin/pools/decode", json={"replicas": 5}, headers=headers).status_code == 401
+    # the token is checked before the body: a caller without it learns nothing about what the body holds
+    for raw in (b'{"replicas": "x"}', b"", b"{not json", b"[1]"):
+        reply = client.put("/admin/pools/decode", content=raw, headers=headers | {"content-type": "application/json"})
+        assert reply.status_code == 401 and "admin token" in reply.json()["error"]["message"], (raw, reply.text)
     assert client.post("/admin/workers/decode-a/drain", headers=headers).status_code == 401
     assert PoolTargets(conn).get_target("decode") is None and drained == []
     assert registry.get("decode-a", "decode").info.draining is False

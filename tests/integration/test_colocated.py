@@ -127,7 +127,7 @@ def test_an_undecodable_image_is_refused_by_name(colocated, default_bundle):
     req = WorkerRequest("co-bad-image", ids, GREEDY, (b"\x89PNG but not really",), tuple(range(1, n + 1)))
     with pytest.raises(DispatchError) as info:
         run_request(dispatcher, route, req)
-    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT and "image" in info.value.message
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT and "image 1 of 1: " in info.value.message
     _assert_idle(worker.address)
 
 

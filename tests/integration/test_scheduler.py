@@ -139,6 +139,48 @@ def test_a_request_no_decode_replica_can_ever_hold_is_refused_at_once(cluster):
     assert [e.state for e in RequestJournal(cluster[5]).history("too-big")][-1] == RequestState.FAILED
 
 
+def test_a_request_past_the_request_timeout_is_cut_off_with_504_and_frees_its_blocks(cluster):
+    """scheduler.request_timeout_s is the deadline of every worker call a request makes."""
+    bundle, workers, *_ = cluster
+    scheduler = _scheduler(cluster, request_timeout_s=0.15)
+    long = SamplingParams(max_tokens=280, temperature=0.0, ignore_eos=True)  # seconds of decoding here
+    started = time.monotonic()
+    with pytest.raises(BackendError) as info:
+        _collect(scheduler, WorkerRequest("deadline", bundle.tokenizer.encode("hello"), long))
+    assert info.value.status == 504 and "timed out" in str(info.value), info.value
+    assert time.monotonic() - started < 10
+    assert [e.state for e in RequestJournal(cluster[5]).history("deadline")][-1] == RequestState.FAILED
+    assert scheduler.view._inflight == {}  # the routing counts dropped too
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:  # the workers abort it and free its blocks
+        stats = [w.service.engine.stats() for w in workers]  # type: ignore[attr-defined]
+        if all(s.blocks_free == s.blocks_total and s.num_reservations == 0 for s in stats):
+            break
+        time.sleep(0.05)
+    assert all(s.blocks_free == s.blocks_total and s.num_reservations == 0 for s in stats), stats
+    # with the default deadline the same request runs to its end
+    assert len(_collect(_scheduler(cluster), WorkerRequest("in-time", bundle.tokenizer.encode("hello"), long))) == 280
+
+
+def test_an_unexpected_error_in_dispatch_fails_the_request_and_drops_the_routing_counts(cluster):
+    bundle, workers, registry, _, model, conn = cluster
+
+    class Broken(Dispatcher):
+        def run(self, req, route):  # type: ignore[no-untyped-def, override]
+            raise UnicodeEncodeError("utf-8", "\ud800", 0, 1, "surrogates not allowed")
+
+    broken = Broken(SECURITY)
+    try:
+        scheduler = Scheduler(model, WorkerView(registry, refresh_s=0.05), broken, get_policy("least_loaded"),
+                              SchedulerSettings(), RequestJournal(conn))
+        with pytest.raises(UnicodeEncodeError):
+            _collect(scheduler, WorkerRequest("broken", bundle.tokenizer.encode("hello"), GREEDY))
+        assert scheduler.view._inflight == {} and scheduler.waiting == 0
+        assert [e.state for e in RequestJournal(conn).history("broken")][-1] == RequestState.FAILED
+    finally:
+        broken.close()
+
+
 def test_a_worker_at_its_call_cap_makes_requests_wait_not_fail(cluster):
     """More requests than a worker's call budget: the rest wait in the bounded queue (then 429), never
     a 502. (Past its HTTP/2 stream limit a worker refuses streams, which once surfaced as 502s.)"""

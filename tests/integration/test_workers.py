@@ -158,10 +158,12 @@ def test_one_token_requests_finish_on_prefill_without_touching_decode(stack):
 def test_failures_name_their_stage_and_release_everything(stack):
     bundle, workers, dispatcher, route = stack
     ids = bundle.tokenizer.encode("Hello")
-    with pytest.raises(DispatchError) as err:  # an undecodable image
-        list(dispatcher.run(WorkerRequest("bad-image", ids + [bundle.image_token_id] * 64, GREEDY,
-                                          (b"not an image",), tuple(range(len(ids), len(ids) + 64))), route))
-    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and "image" in err.value.message
+    with pytest.raises(DispatchError) as err:  # an undecodable image after a good one: named by its place
+        list(dispatcher.run(WorkerRequest("bad-image", ids + [bundle.image_token_id] * 128, GREEDY,
+                                          (png((1, 2, 3)), b"not an image"), tuple(range(len(ids), len(ids) + 128))),
+                            route))
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.message.startswith("image 2 of 2: image data (12 bytes"), err.value.message
     with pytest.raises(DispatchError) as err:  # a prompt longer than the context
         list(dispatcher.run(WorkerRequest("too-long", [5] * 9000, GREEDY), route))
     assert err.value.stage == "reserve" and err.value.code == grpc.StatusCode.INVALID_ARGUMENT

@@ -229,6 +229,53 @@ def test_bad_image_urls(client: TestClient, backend: FakeBackend, url: str, frag
     assert backend.requests == []
 
 
+def _image_chat(client: TestClient, *sizes: int) -> httpx.Response:
+    content = [{"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(
+        b"\x89PNG" + b"p" * (n - 4)).decode()}} for n in sizes]
+    return client.post("/v1/chat/completions", json={"model": NAME, "messages": [{"role": "user", "content": content}]})
+
+
+def test_images_over_the_size_limits_are_refused_before_decoding(client: TestClient, backend: FakeBackend,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """An image past 20 MiB, or images past 48 MiB together, would not fit the encode worker's message;
+    each is a 400 naming the image (this test lowers the limits to keep its bodies small)."""
+    import controlplane.api.prompts as prompts
+    monkeypatch.setattr(prompts, "MAX_IMAGE_BYTES", 3 * 1024)
+    monkeypatch.setattr(prompts, "MAX_IMAGES_BYTES", 5 * 1024)
+    assert _image_chat(client, 3 * 1024).status_code == 200  # at the limit
+    err = assert_error(_image_chat(client, 2048, 3 * 1024 + 1), 400, "images may be at most",
+                       param="messages[0].content[1].image_url", code="image_too_large")
+    assert err["message"].startswith("the image is ")
+    assert_error(_image_chat(client, 2048, 2048, 2048), 400, "together", param="messages[0].content[2].image_url",
+                 code="image_too_large")
+    assert len(backend.requests) == 1
+
+
+def test_a_body_over_the_limit_is_a_413_whether_its_length_is_declared_or_not(backend: FakeBackend) -> None:
+    with TestClient(create_app(backend, max_body_bytes=4096)) as client:
+        big = json.dumps({"model": NAME, "messages": [{"role": "user", "content": "x" * 5000}]}).encode()
+        declared = client.post("/v1/chat/completions", content=big, headers={"content-type": "application/json"})
+        assert_error(declared, 413, "larger than this server accepts", code="request_too_large")
+
+        def chunks() -> Iterator[bytes]:  # no Content-Length: counted as it arrives
+            for i in range(0, len(big), 1000):
+                yield big[i:i + 1000]
+        chunked = client.post("/v1/chat/completions", content=chunks(), headers={"content-type": "application/json"})
+        assert_error(chunked, 413, "larger than this server accepts", code="request_too_large")
+        assert backend.requests == []
+        assert chat(client).status_code == 200
+
+
+def test_a_body_that_is_not_utf8_or_too_deep_gets_a_message_that_says_so(client: TestClient,
+                                                                          backend: FakeBackend) -> None:
+    headers = {"content-type": "application/json"}
+    assert_error(client.post("/v1/completions", content=b'{"model": "\xff\xfe"}', headers=headers), 400,
+                 "not valid UTF-8")
+    assert_error(client.post("/v1/completions", content=b"[" * 100_000 + b"]" * 100_000, headers=headers), 400,
+                 "nested too deeply")
+    assert backend.requests == []
+
+
 def test_a_text_only_model_refuses_images(tokenizer: Tokenizer) -> None:
     backend = FakeBackend(model_info(tokenizer, images=False))
     with TestClient(create_app(backend)) as client:
@@ -412,6 +459,26 @@ def test_wrong_types(client: TestClient, backend: FakeBackend, field: str, value
     assert backend.requests == []
 
 
+@pytest.mark.parametrize("path, field, value, param, at", [
+    ("/v1/chat/completions", "messages", [{"role": "user", "content": "\ud800"}], "messages[0].content", 0),
+    ("/v1/chat/completions", "messages", [{"role": "user", "content": [{"type": "text", "text": "ok \udc80"}]}],
+     "messages[0].content[0].text", 3),
+    ("/v1/chat/completions", "stop", ["fine", "x\ud83d"], "stop[1]", 1),
+    ("/v1/chat/completions", "model", "\ud800", "model", 0),
+    ("/v1/chat/completions", "user", "\udfff", "user", 0),
+    ("/v1/completions", "prompt", "caf\u00e9 \udc80", "prompt", 5),
+])
+def test_a_lone_surrogate_in_any_string_is_a_400_naming_it(client: TestClient, backend: FakeBackend, path: str,
+                                                           field: str, value: Any, param: str, at: int) -> None:
+    """JSON can escape half a UTF-16 pair; such a string cannot be tokenised or sent on, so it is refused."""
+    body = {"model": NAME, "messages": [{"role": "user", "content": "Hi"}], "prompt": "Hi", field: value}
+    resp = client.post(path, content=json.dumps(body), headers={"content-type": "application/json"})
+    err = assert_error(resp, 400, "lone UTF-16 surrogate", param=param)
+    assert f"at character {at}" in err["message"]
+    assert backend.requests == []
+    assert chat(client).status_code == 200  # a good request after it
+
+
 def test_missing_fields(client: TestClient) -> None:
     assert_error(client.post("/v1/chat/completions", json={"model": NAME}), 400, "Field required", param="messages")
     assert_error(client.post("/v1/completions", json={"prompt": "x"}), 400, "Field required", param="model")
@@ -420,7 +487,7 @@ def test_missing_fields(client: TestClient) -> None:
 @pytest.mark.parametrize("body, fragment, param", [
     ({"max_tokens": -1}, "max_tokens must be an integer >= 1, got -1", "max_tokens"),
     ({"max_tokens": 0}, "max_tokens must be an integer >= 1", "max_tokens"),
-    ({"max_completion_tokens": -3}, "max_tokens must be an integer >= 1, got -3", "max_completion_tokens"),
+    ({"max_completion_tokens": -3}, "max_completion_tokens must be an integer >= 1, got -3", "max_completion_tokens"),
     ({"temperature": -0.5}, "temperature must be in [0, 100]", "temperature"),
     ({"top_p": 0}, "top_p must be in (0, 1]", "top_p"),
     ({"seed": -1}, "seed must be an integer", "seed"),

@@ -29,7 +29,7 @@ from workers.runtime.engine import Engine, EngineConfig
 from workers.runtime.errors import EngineError, InvalidRequestError
 from workers.runtime.loader import LoadedModel
 from workers.runtime.sequence import MultimodalInput
-from workers.runtime.vision import encode_images, preprocess_image
+from workers.runtime.vision import encode_images, preprocess_images
 from workers.service_base import WorkerIdentity, sampling_from_proto, status_code_for, stream_tokens
 
 
@@ -74,7 +74,7 @@ class ColocatedService(wgrpc.DecodeWorkerServicer):
         rows = len(images) * vision.config.num_image_tokens
         if len(positions) != rows:  # the engine checks the positions against the prompt
             raise InvalidRequestError(f"{len(images)} image(s) need {rows} placeholder positions, got {len(positions)}")
-        pixels = [preprocess_image(data, vision.config) for data in images]  # InvalidImageError names the image
+        pixels = list(preprocess_images(images, vision.config).values())  # InvalidImageError names the image
         with self._vision_lock:
             embeds = encode_images(vision, pixels)
         return MultimodalInput(torch.cat(embeds).to(torch.float32), positions)

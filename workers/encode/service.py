@@ -21,7 +21,7 @@ from kvtransfer.auth import ChannelCache, TransferSecurity
 from kvtransfer.embeddings import push_embeddings
 from kvtransfer.errors import TransferFailed
 from workers.runtime.errors import EngineError
-from workers.runtime.vision import VisionEncoder, encode_images, preprocess_image
+from workers.runtime.vision import VisionEncoder, encode_images, preprocess_images
 from workers.service_base import WorkerIdentity, status_code_for
 from workers.tracing import current_span
 
@@ -49,14 +49,14 @@ class EncodeService(wgrpc.EncodeWorkerServicer):
         keys = [hashlib.sha256(data).hexdigest() for data in images]
         with self._lock:
             cached = {k: self._cache[k] for k in keys if k in self._cache}
-        todo = [(k, data) for k, data in zip(keys, images) if k not in cached]
+        todo = [k for k in keys if k not in cached]
         if todo:
-            cfg = self.encoder.config
-            pixels = [preprocess_image(data, cfg) for _, data in todo]
-            for (k, _), emb in zip(todo, encode_images(self.encoder, pixels)):
-                cached[k] = emb.to(torch.float32).contiguous()
+            hits = {i for i, k in enumerate(keys) if k in cached}
+            pixels = preprocess_images(images, self.encoder.config, skip=hits)  # an error names the image
+            for i, emb in zip(pixels, encode_images(self.encoder, list(pixels.values()))):
+                cached[keys[i]] = emb.to(torch.float32).contiguous()
             with self._lock:
-                for k, _ in todo:
+                for k in todo:
                     self._cache[k] = cached[k]
                     self._cache.move_to_end(k)
                 while len(self._cache) > self.cache_entries:

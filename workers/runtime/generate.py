@@ -17,7 +17,7 @@ from workers.runtime.multimodal import expand_image_tokens
 from workers.runtime.sampler import SamplingParams
 from workers.runtime.sequence import FinishReason, MultimodalInput
 from workers.runtime.tokenizer import Message
-from workers.runtime.vision import encode_images, preprocess_image
+from workers.runtime.vision import encode_images, preprocess_images
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,7 @@ def build_prompt(bundle: LoadedModel, req: GenerateRequest) -> tuple[list[int], 
     if bundle.vision is None or bundle.image_token_id is None:
         raise InvalidRequestError("this model does not accept images")
     cfg = bundle.vision.config
-    pixels = [preprocess_image(data, cfg) for data in req.images]
+    pixels = list(preprocess_images(req.images, cfg).values())
     embeds = encode_images(bundle.vision, pixels)
     ids, positions = expand_image_tokens(ids, bundle.image_token_id, cfg.num_image_tokens, len(req.images))
     return ids, MultimodalInput(torch.cat(embeds).to(torch.float32), positions)

@@ -12,6 +12,7 @@ import io
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Container, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -270,6 +271,20 @@ def preprocess_image(data: bytes, cfg: VisionConfig) -> Tensor:
     except (OSError, ValueError, SyntaxError, EOFError) as exc:
         raise InvalidImageError(f"{image.format} image is corrupt or truncated: {exc}") from None
     return preprocess_pil_image(image, cfg)
+
+
+def preprocess_images(images: Sequence[bytes], cfg: VisionConfig, skip: Container[int] = ()) -> dict[int, Tensor]:
+    """``preprocess_image`` over a request's images, by index, leaving out the indices in ``skip`` (cached);
+    a bad image's InvalidImageError says which one it is ("image 2 of 3: ...", in prompt order)."""
+    out: dict[int, Tensor] = {}
+    for i, data in enumerate(images):
+        if i in skip:
+            continue
+        try:
+            out[i] = preprocess_image(data, cfg)
+        except InvalidImageError as exc:
+            raise InvalidImageError(f"image {i + 1} of {len(images)}: {exc}") from None
+    return out
 
 
 def _describe_undecodable(data: bytes) -> str:

@@ -1,0 +1,56 @@
+"""Size limits on what a request may carry, checked before anything is decoded or sent on.
+
+A request's images travel to an encode worker in one gRPC message of at most 64 MiB
+(``kvtransfer.options.MAX_MESSAGE_BYTES``), so the ingress refuses, with a 4xx that says so:
+
+  - an image over ``MAX_IMAGE_BYTES`` (20 MiB decoded, OpenAI's own limit per image): 400;
+  - images over ``MAX_IMAGES_BYTES`` together (48 MiB decoded): 400;
+  - a body over ``MAX_BODY_BYTES`` (80 MiB: 48 MiB of images in base64 is 64 MiB): 413, read no further.
+"""
+
+from __future__ import annotations
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from controlplane.api.errors import APIError
+
+MiB = 1 << 20
+MAX_IMAGE_BYTES = 20 * MiB
+MAX_IMAGES_BYTES = 48 * MiB
+MAX_BODY_BYTES = 80 * MiB
+
+
+def body_too_large(limit: int) -> APIError:
+    return APIError(413, f"The request body is larger than this server accepts ({limit // MiB} MiB); images may "
+                         f"be at most {MAX_IMAGE_BYTES // MiB} MiB each and {MAX_IMAGES_BYTES // MiB} MiB together.",
+                    code="request_too_large")
+
+
+class BodyLimit:
+    """Refuse a body over ``limit`` bytes: at once from its Content-Length, else (chunked) when the bytes
+    read pass it. The second raises ``body_too_large`` from ``receive``, which the app's handlers answer."""
+
+    def __init__(self, app: ASGIApp, limit: int = MAX_BODY_BYTES) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.limit:
+            await body_too_large(self.limit).response()(scope, receive, send)
+            return
+        seen = 0
+
+        async def counting_receive() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.limit:
+                    raise body_too_large(self.limit)
+            return message
+
+        await self.app(scope, counting_receive, send)

@@ -292,7 +292,7 @@ def test_missing_config_key_is_named(tmp_path: Path, key: str) -> None:
     ({"num_attention_heads": 4, "num_key_value_heads": 3}, "must be a multiple of"),
     ({"hidden_size": 0}, "hidden_size must be a positive integer"),
     ({"head_dim": 7}, "head_dim must be even"),
-    ({"vocab_size": "many"}, "malformed value"),
+    ({"vocab_size": "many"}, "vocab_size must be a positive integer, got 'many'"),
 ])
 def test_invalid_config_values(overrides: dict, pattern: str) -> None:
     with pytest.raises(CheckpointError, match=pattern):

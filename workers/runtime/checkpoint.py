@@ -1,26 +1,39 @@
 """Decoder weights <-> Hugging Face safetensors checkpoints.
 
 HF names (``model.layers.3.self_attn.q_proj.weight``) map onto the engine's fused parameters
-(``layers.3.qkv_proj.weight``). Reading checks every tensor's presence and shape before copying,
-and names the tensor and file in any error.
+(``layers.3.qkv_proj.weight``). Reading checks every tensor's presence, shape, dtype and finiteness
+before copying, refuses tensors the config does not account for, and names the tensor and file in
+any error.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from workers.runtime.config import ModelConfig
+from workers.runtime.config import ModelConfig, read_json_object
 from workers.runtime.errors import CheckpointError
 from workers.runtime.model import DecoderModel
 
 INDEX_FILE = "model.safetensors.index.json"
-# Tensors some checkpoints carry that the engine recomputes or does not need.
-_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# Tensors a real checkpoint may carry beside the decoder's, which the engine may leave unread. Anything
+# else that the config does not account for is refused: it means the config and the weights disagree
+# (num_hidden_layers too small, tie_word_embeddings over a distinct lm_head, a Qwen2 checkpoint labelled
+# Llama whose q/k/v biases would be dropped), and the model would run, wrongly.
+# - rotary_emb.inv_freq / cos_cached / sin_cached: RoPE buffers older Llama checkpoints saved; the engine
+#   recomputes them from config.json.
+# - vision_tower.*, vision_model.*, multi_modal_projector.* (optionally under model.): a multimodal
+#   checkpoint's image side. The engine reads its vision tower from the vision/ subfolder (vision.py),
+#   whose files are never in this folder's weight map, so these are someone else's to load.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+_IGNORED_PREFIXES = tuple(f"{outer}{inner}." for outer in ("", "model.")
+                          for inner in ("vision_tower", "vision_model", "multi_modal_projector"))
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
 
 def hf_tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -51,25 +64,59 @@ def _weight_map(folder: Path) -> dict[str, Path]:
     """Tensor name -> the safetensors file that holds it."""
     index = folder / INDEX_FILE
     if index.exists():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise CheckpointError(f"{index}: malformed index ({exc})") from None
-        files = {name: folder / fname for name, fname in weight_map.items()}
-        for path in set(files.values()):
+        weight_map = read_json_object(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index}: malformed index (weight_map must be an object of tensor name -> "
+                                  f"file name, got {weight_map!r:.80})")
+        files: dict[str, Path] = {}
+        for name, fname in weight_map.items():
+            # A shard is a plain file name in this folder: "../other/model.safetensors" or an absolute path
+            # would load weights from outside the checkpoint. (Symlinked shards, as in the HF hub cache,
+            # are fine: the name is checked, not where the link points.)
+            if (not isinstance(fname, str) or not fname or fname in (".", "..") or "/" in fname
+                    or "\\" in fname or Path(fname).is_absolute()):
+                raise CheckpointError(f"{index}: malformed index (tensor {name!r} maps to {fname!r}; a shard must "
+                                      "be a file name inside the checkpoint folder)")
+            files[name] = folder / fname
+        for path in sorted(set(files.values())):
             if not path.exists():
                 raise CheckpointError(f"{index}: lists shard {path.name}, which is missing")
         return files
     shards = sorted(folder.glob("*.safetensors"))
     if not shards:
         raise CheckpointError(f"{folder}: no *.safetensors weights found")
-    files: dict[str, Path] = {}
+    files = {}
     for path in shards:
         for name in _keys(path):
             if name in files:
                 raise CheckpointError(f"tensor {name!r} appears in both {files[name].name} and {path.name}")
             files[name] = path
     return files
+
+
+def _is_ignorable(name: str) -> bool:
+    return name.endswith(_IGNORED_SUFFIXES) or name.startswith(_IGNORED_PREFIXES)
+
+
+def _check_no_unused(folder: Path, files: dict[str, Path], expected: dict[str, tuple[int, ...]],
+                     cfg: ModelConfig) -> None:
+    """Refuse tensors that neither the config nor the allow-list above accounts for."""
+    unused = [n for n in files if n not in expected and not _is_ignorable(n)]
+    if cfg.tie_word_embeddings and "lm_head.weight" in unused:
+        unused.remove("lm_head.weight")  # read_hf_tensors accepts it when it equals the embeddings
+    if not unused:
+        return
+    layer_ids = (int(m.group(1)) for m in map(_LAYER.match, unused) if m)
+    extra_layers = sorted({n for n in layer_ids if n >= cfg.num_layers})
+    if extra_layers:
+        lo, hi = extra_layers[0], extra_layers[-1]
+        span = f"model.layers.{lo}.*" if lo == hi else f"model.layers.{lo}..{hi}.*"
+        raise CheckpointError(f"{folder}: {span} are in the checkpoint but config.json says "
+                              f"num_hidden_layers={cfg.num_layers}")
+    shown = ", ".join(repr(n) for n in unused[:3])
+    more = f" (and {len(unused) - 3} more)" if len(unused) > 3 else ""
+    raise CheckpointError(f"{folder}: the checkpoint holds tensors that config.json does not account for: "
+                          f"{shown}{more} ({files[unused[0]].name})")
 
 
 def _keys(path: Path) -> list[str]:
@@ -81,15 +128,19 @@ def _keys(path: Path) -> list[str]:
 
 
 def read_hf_tensors(folder: Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """Load and shape-check every tensor the config requires. Extra tensors are ignored."""
+    """Load and check every tensor the config requires; refuse tensors it does not account for."""
     expected = hf_tensor_shapes(cfg)
     files = _weight_map(folder)
     missing = [n for n in expected if n not in files]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise CheckpointError(f"{folder}: checkpoint is missing tensor {missing[0]!r}{more}")
+    _check_no_unused(folder, files, expected, cfg)
+    wanted = dict(expected)
+    if cfg.tie_word_embeddings and "lm_head.weight" in files:
+        wanted["lm_head.weight"] = expected["model.embed_tokens.weight"]  # checked against it below
     by_file: dict[Path, list[str]] = {}
-    for name in expected:
+    for name in wanted:
         by_file.setdefault(files[name], []).append(name)
     tensors: dict[str, torch.Tensor] = {}
     for path, names in by_file.items():
@@ -97,15 +148,36 @@ def read_hf_tensors(folder: Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
             with safe_open(str(path), framework="pt") as f:
                 for name in names:
                     t = f.get_tensor(name)
-                    if tuple(t.shape) != expected[name]:
+                    if tuple(t.shape) != wanted[name]:
                         raise CheckpointError(
-                            f"{path.name}: tensor {name!r} has shape {tuple(t.shape)}, expected {expected[name]}")
+                            f"{path.name}: tensor {name!r} has shape {tuple(t.shape)}, expected {wanted[name]}")
                     if not t.is_floating_point():
                         raise CheckpointError(f"{path.name}: tensor {name!r} has non-float dtype {t.dtype}")
+                    if not _all_finite(t):
+                        bad = int((~torch.isfinite(t.float())).sum())
+                        raise CheckpointError(f"{path.name}: tensor {name!r} holds {bad} NaN or infinite "
+                                              f"value{'s' if bad > 1 else ''}")
                     tensors[name] = t
         except SafetensorError as exc:
             raise CheckpointError(f"{path}: unreadable safetensors file ({exc})") from None
+    head = tensors.pop("lm_head.weight", None)
+    if head is not None and not cfg.tie_word_embeddings:
+        tensors["lm_head.weight"] = head
+    elif head is not None and not torch.equal(head, tensors["model.embed_tokens.weight"]):
+        raise CheckpointError(f"{files['lm_head.weight'].name}: tensor 'lm_head.weight' is in the checkpoint "
+                              "but config.json says tie_word_embeddings=true, which would use "
+                              "model.embed_tokens.weight (a different tensor) in its place")
     return tensors
+
+
+def _all_finite(t: torch.Tensor) -> bool:
+    """No NaN or +-Inf. aminmax propagates NaN and reads the tensor once without a mask the size of
+    the tensor (isfinite().all() allocates one and is ~20x slower on CPU)."""
+    try:
+        lo, hi = torch.aminmax(t)
+    except (RuntimeError, NotImplementedError):  # dtypes without aminmax (float8 on CPU)
+        return bool(torch.isfinite(t.float()).all())
+    return bool(torch.isfinite(lo) and torch.isfinite(hi))
 
 
 @torch.inference_mode()

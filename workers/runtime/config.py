@@ -8,6 +8,7 @@ what is supported, so a bad checkpoint fails at load time rather than mid-reques
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -34,6 +35,16 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+
+    def __post_init__(self) -> None:
+        # A backstop for direct construction; _parse_rope names the config.json key first.
+        for name in ("theta", "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+                raise CheckpointError(f"config.json: rope {name} must be a positive number, got {value!r}")
+        if self.rope_type == "llama3" and not self.high_freq_factor > self.low_freq_factor:
+            raise CheckpointError(f"config.json: rope high_freq_factor ({self.high_freq_factor!r}) must be greater "
+                                  f"than low_freq_factor ({self.low_freq_factor!r})")
 
 
 @dataclass(frozen=True)
@@ -62,8 +73,9 @@ class ModelConfig:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                      "num_kv_heads", "head_dim", "max_position_embeddings"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise CheckpointError(f"config.json: {name} must be a positive integer, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise CheckpointError(
+                    f"config.json: {_HF_KEYS.get(name, name)} must be a positive integer, got {value!r}")
         if self.num_heads % self.num_kv_heads:
             raise CheckpointError(
                 f"config.json: num_attention_heads ({self.num_heads}) must be a multiple of "
@@ -72,6 +84,7 @@ class ModelConfig:
             raise CheckpointError(f"config.json: head_dim must be even for rotary embeddings, got {self.head_dim}")
         if not self.rms_norm_eps > 0:
             raise CheckpointError(f"config.json: rms_norm_eps must be positive, got {self.rms_norm_eps!r}")
+        check_token_ids(self.eos_token_ids, "eos_token_id", "config.json", self.vocab_size)
 
     @property
     def q_size(self) -> int:
@@ -94,62 +107,39 @@ class ModelConfig:
     # ------------------------------------------------------------------ parsing
     @classmethod
     def from_hf_dict(cls, raw: dict[str, Any]) -> "ModelConfig":
-        archs = raw.get("architectures") or []
-        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-        if arch is None:
-            # Fall back on model_type when architectures is absent (some hand-written configs).
-            by_type = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}
-            arch = by_type.get(raw.get("model_type", "")) if not archs else None
-        if arch is None:
-            named = ", ".join(archs) or f"model_type={raw.get('model_type')!r}"
-            raise UnsupportedArchitectureError(
-                f"config.json: unsupported architecture {named}; supported: "
-                f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+        arch = _architecture(raw)
         model_type = SUPPORTED_ARCHITECTURES[arch]
-        if raw.get("use_sliding_window"):
+        if _flag(raw, "use_sliding_window", False):
             raise UnsupportedArchitectureError("config.json: sliding-window attention is not supported")
         act = raw.get("hidden_act", "silu")
         if act != "silu":
             raise UnsupportedArchitectureError(f"config.json: hidden_act {act!r} is not supported (only 'silu')")
-        try:
-            hidden = int(raw["hidden_size"])
-            heads = int(raw["num_attention_heads"])
-            cfg = cls(
-                architecture=arch,
-                vocab_size=int(raw["vocab_size"]),
-                hidden_size=hidden,
-                intermediate_size=int(raw["intermediate_size"]),
-                num_layers=int(raw["num_hidden_layers"]),
-                num_heads=heads,
-                num_kv_heads=int(raw.get("num_key_value_heads") or heads),
-                head_dim=int(raw.get("head_dim") or hidden // heads),
-                max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
-                rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-                rope=_parse_rope(raw),
-                tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-                qkv_bias=model_type == "qwen2" or bool(raw.get("attention_bias", False)),
-                o_bias=model_type == "llama" and bool(raw.get("attention_bias", False)),
-                mlp_bias=bool(raw.get("mlp_bias", False)),
-                bos_token_id=_optional_int(raw.get("bos_token_id")),
-                eos_token_ids=_id_tuple(raw.get("eos_token_id")),
-            )
-        except KeyError as exc:
-            raise CheckpointError(f"config.json: missing required key {exc.args[0]!r}") from None
-        except (TypeError, ValueError) as exc:
-            raise CheckpointError(f"config.json: malformed value ({exc})") from None
-        return cfg
+        hidden = _int(raw, "hidden_size")
+        heads = _int(raw, "num_attention_heads")
+        attention_bias = _flag(raw, "attention_bias", False)
+        return cls(
+            architecture=arch,
+            vocab_size=_int(raw, "vocab_size"),
+            hidden_size=hidden,
+            intermediate_size=_int(raw, "intermediate_size"),
+            num_layers=_int(raw, "num_hidden_layers"),
+            num_heads=heads,
+            num_kv_heads=_int(raw, "num_key_value_heads", heads),  # absent: plain multi-head attention
+            head_dim=_int(raw, "head_dim", hidden // heads),
+            max_position_embeddings=_int(raw, "max_position_embeddings", 2048),
+            rms_norm_eps=_number(raw, "rms_norm_eps", 1e-6),
+            rope=_parse_rope(raw),
+            tie_word_embeddings=_flag(raw, "tie_word_embeddings", False),
+            qkv_bias=model_type == "qwen2" or attention_bias,
+            o_bias=model_type == "llama" and attention_bias,
+            mlp_bias=_flag(raw, "mlp_bias", False),
+            bos_token_id=_optional_token_id(raw.get("bos_token_id")),
+            eos_token_ids=parse_token_ids(raw.get("eos_token_id"), "eos_token_id", "config.json"),
+        )
 
     @classmethod
     def from_file(cls, path: Path) -> "ModelConfig":
-        try:
-            raw = json.loads(Path(path).read_text())
-        except FileNotFoundError:
-            raise CheckpointError(f"{path}: file not found") from None
-        except json.JSONDecodeError as exc:
-            raise CheckpointError(f"{path}: not valid JSON ({exc})") from None
-        if not isinstance(raw, dict):
-            raise CheckpointError(f"{path}: expected a JSON object")
-        return cls.from_hf_dict(raw)
+        return cls.from_hf_dict(read_json_object(Path(path)))
 
     def to_hf_dict(self) -> dict[str, Any]:
         """The transformers-5 style config.json for this model."""
@@ -186,35 +176,154 @@ class ModelConfig:
         return out
 
 
+# ------------------------------------------------------------------ reading checkpoint files
+def read_text(path: Path) -> str:
+    """A checkpoint file's UTF-8 text; anything unreadable is a CheckpointError naming the path."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: file not found") from None
+    except NotADirectoryError:
+        # some folder on the way is a file (``--model /etc/passwd``): name it
+        not_folder = next((p for p in path.parents if p.exists()), path.parent)
+        raise CheckpointError(f"{not_folder}: is not a folder") from None
+    except IsADirectoryError:
+        raise CheckpointError(f"{path}: is a folder, not a file") from None
+    except UnicodeDecodeError as exc:
+        raise CheckpointError(f"{path}: is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    except OSError as exc:
+        raise CheckpointError(f"{path}: unreadable ({exc.strerror or exc})") from None
+
+
+def read_json_object(path: Path) -> dict[str, Any]:
+    """A checkpoint JSON file that must hold an object (config.json, tokenizer_config.json, ...)."""
+    try:
+        raw = json.loads(read_text(path))
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{path}: expected a JSON object, got {type(raw).__name__}")
+    return raw
+
+
+def parse_token_ids(value: Any, key: str, source: str, vocab_size: int | None = None) -> tuple[int, ...]:
+    """``eos_token_id``-style values: null, one id or a list of ids, each in [0, vocab_size)."""
+    if value is None:
+        return ()
+    ids = value if isinstance(value, list) else [value]
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in ids):
+        raise CheckpointError(f"{source}: {key} must be a token id or a list of token ids, got {value!r}")
+    return check_token_ids(tuple(ids), key, source, vocab_size)
+
+
+def check_token_ids(ids: tuple[int, ...], key: str, source: str, vocab_size: int | None) -> tuple[int, ...]:
+    limit = vocab_size if vocab_size is not None else math.inf
+    bad = [i for i in ids if not 0 <= i < limit]
+    if bad:
+        where = f"[0, {vocab_size})" if vocab_size is not None else "non-negative"
+        raise CheckpointError(f"{source}: {key} {bad[0]} is out of range (token ids must be {where})")
+    return ids
+
+
+# ------------------------------------------------------------------ config.json fields
+_HF_KEYS = {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
+            "num_kv_heads": "num_key_value_heads"}
+_REQUIRED: Any = object()
+
+
+def _get(raw: dict[str, Any], key: str, default: Any, where: str = "") -> Any:
+    """The value at ``key``; absent or null gives ``default`` (null is how HF writes "unset")."""
+    value = raw.get(key)
+    if value is None:
+        if default is _REQUIRED:
+            raise CheckpointError(f"config.json: missing required key {where + key!r}")
+        return default
+    return value
+
+
+def _int(raw: dict[str, Any], key: str, default: Any = _REQUIRED, *, where: str = "") -> int:
+    """A positive integer. 512.0 reads as 512; 512.7, true and "512" are refused."""
+    value = _get(raw, key, default, where)
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise CheckpointError(f"config.json: {where}{key} must be a positive integer, got {value!r}")
+    return value
+
+
+def _number(raw: dict[str, Any], key: str, default: Any = _REQUIRED, *, where: str = "") -> float:
+    """A positive, finite number."""
+    value = _get(raw, key, default, where)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise CheckpointError(f"config.json: {where}{key} must be a positive number, got {value!r}")
+    return float(value)
+
+
+def _flag(raw: dict[str, Any], key: str, default: bool) -> bool:
+    value = _get(raw, key, default)
+    if not isinstance(value, bool):  # "false" would be truthy
+        raise CheckpointError(f"config.json: {key} must be true or false, got {value!r}")
+    return value
+
+
+def _optional_token_id(value: Any) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise CheckpointError(f"config.json: bos_token_id must be a token id, got {value!r}")
+    return value
+
+
+def _architecture(raw: dict[str, Any]) -> str:
+    archs = raw.get("architectures")
+    if archs is None:
+        archs = []
+    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+        raise CheckpointError(f"config.json: architectures must be a list of class names, got {archs!r}")
+    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    if arch is None and not archs:
+        # Fall back on model_type when architectures is absent (some hand-written configs).
+        by_type = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}
+        model_type = raw.get("model_type")
+        arch = by_type.get(model_type) if isinstance(model_type, str) else None
+    if arch is None:
+        named = ", ".join(archs) or f"model_type={raw.get('model_type')!r}"
+        raise UnsupportedArchitectureError(
+            f"config.json: unsupported architecture {named}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    return arch
+
+
 def _parse_rope(raw: dict[str, Any]) -> RopeConfig:
+    where = "rope_parameters."
     params = raw.get("rope_parameters")
     if isinstance(params, dict) and "rope_theta" not in params and params:
         # transformers 5 may nest per-layer-type parameters: {"full_attention": {...}}
-        params = next(iter(params.values())) if all(isinstance(v, dict) for v in params.values()) else params
+        if all(isinstance(v, dict) for v in params.values()):
+            layer_type, params = next(iter(params.items()))
+            where = f"rope_parameters.{layer_type}."
     if not isinstance(params, dict):
-        params = dict(raw.get("rope_scaling") or {})
-        params.setdefault("rope_theta", raw.get("rope_theta", 10000.0))
+        scaling = raw.get("rope_scaling")
+        if scaling is not None and not isinstance(scaling, dict):
+            raise CheckpointError(f"config.json: rope_scaling must be an object or null, got {scaling!r}")
+        params = dict(scaling or {})
+        where = "rope_scaling."
+        theta = _number(raw, "rope_theta", 10000.0)  # transformers 4 keeps theta beside rope_scaling
+    else:
+        theta = _number(params, "rope_theta", 10000.0, where=where)
     rope_type = params.get("rope_type") or params.get("type") or "default"
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise UnsupportedArchitectureError(
             f"config.json: rope type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
-    kwargs: dict[str, Any] = {"theta": float(params.get("rope_theta", 10000.0)), "rope_type": rope_type}
+    kwargs: dict[str, Any] = {"theta": theta, "rope_type": rope_type}
     if rope_type != "default":
-        kwargs["factor"] = float(params["factor"])
+        kwargs["factor"] = _number(params, "factor", where=where)
     if rope_type == "llama3":
-        kwargs.update(low_freq_factor=float(params["low_freq_factor"]),
-                      high_freq_factor=float(params["high_freq_factor"]),
-                      original_max_position_embeddings=int(params["original_max_position_embeddings"]))
+        low = _number(params, "low_freq_factor", where=where)
+        high = _number(params, "high_freq_factor", where=where)
+        if not high > low:
+            raise CheckpointError(f"config.json: {where}high_freq_factor ({high!r}) must be greater than "
+                                  f"{where}low_freq_factor ({low!r})")
+        kwargs.update(low_freq_factor=low, high_freq_factor=high,
+                      original_max_position_embeddings=_int(params, "original_max_position_embeddings",
+                                                            where=where))
     return RopeConfig(**kwargs)
-
-
-def _optional_int(value: Any) -> int | None:
-    return None if value is None else int(value)
-
-
-def _id_tuple(value: Any) -> tuple[int, ...]:
-    if value is None:
-        return ()
-    if isinstance(value, (list, tuple)):
-        return tuple(int(v) for v in value)
-    return (int(value),)

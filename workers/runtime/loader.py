@@ -7,14 +7,13 @@ A folder holds ``config.json``, ``*.safetensors`` (optionally sharded with an in
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from workers.runtime.checkpoint import load_into, read_hf_tensors
-from workers.runtime.config import ModelConfig
+from workers.runtime.config import ModelConfig, parse_token_ids, read_json_object
 from workers.runtime.errors import CheckpointError
 from workers.runtime.model import DecoderModel
 from workers.runtime.tokenizer import Tokenizer
@@ -37,26 +36,22 @@ class LoadedModel:
         return self.tokenizer.token_to_id(self.tokenizer.image_token)
 
 
-def read_generation_eos(folder: Path) -> tuple[int, ...]:
+def read_generation_eos(folder: Path, vocab_size: int | None = None) -> tuple[int, ...]:
+    """eos ids from ``generation_config.json`` (empty if absent), each checked against ``vocab_size``."""
     path = folder / "generation_config.json"
     if not path.exists():
         return ()
-    try:
-        raw = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise CheckpointError(f"{path}: not valid JSON ({exc})") from None
-    eos = raw.get("eos_token_id")
-    if eos is None:
-        return ()
-    return tuple(int(e) for e in (eos if isinstance(eos, list) else [eos]))
+    return parse_token_ids(read_json_object(path).get("eos_token_id"), "eos_token_id", str(path), vocab_size)
 
 
 def load_model(folder: Path | str, dtype: torch.dtype = torch.float32, device: str = "cpu",
                require_tokenizer: bool = True, with_vision: bool = True) -> LoadedModel:
     """Read a checkpoint folder; any problem raises CheckpointError naming the file or tensor."""
     folder = Path(folder)
+    if not folder.exists():
+        raise CheckpointError(f"{folder}: not a checkpoint folder (it does not exist)")
     if not folder.is_dir():
-        raise CheckpointError(f"{folder}: not a checkpoint folder")
+        raise CheckpointError(f"{folder}: is not a folder (a checkpoint is a folder holding config.json)")
     cfg = ModelConfig.from_file(folder / "config.json")
     tensors = read_hf_tensors(folder, cfg)
     model = DecoderModel(cfg, dtype=dtype, device=device)
@@ -69,7 +64,7 @@ def load_model(folder: Path | str, dtype: torch.dtype = torch.float32, device: s
             raise CheckpointError(
                 f"{folder}: tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size is "
                 f"{cfg.vocab_size}")
-    eos = read_generation_eos(folder) or cfg.eos_token_ids
+    eos = read_generation_eos(folder, cfg.vocab_size) or cfg.eos_token_ids
     encoder = None
     if with_vision and has_vision(folder):
         encoder = load_vision(folder, device=device, dtype=dtype)

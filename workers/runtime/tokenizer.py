@@ -16,9 +16,11 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
+import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
+from workers.runtime.config import read_json_object, read_text
 from workers.runtime.errors import CheckpointError, InvalidRequestError
 
 Message = dict[str, Any]
@@ -43,6 +45,9 @@ class Tokenizer:
     # ------------------------------------------------------------------ loading
     @classmethod
     def from_folder(cls, folder: Path) -> "Tokenizer":
+        """Read the tokenizer files and compile the chat template; any problem names its file."""
+        if not folder.is_dir():
+            raise CheckpointError(f"{folder}: is not a folder")
         path = folder / "tokenizer.json"
         if not path.exists():
             raise CheckpointError(f"{folder}: tokenizer.json not found (only fast tokenizers are supported)")
@@ -53,23 +58,19 @@ class Tokenizer:
         config: dict[str, Any] = {}
         config_path = folder / "tokenizer_config.json"
         if config_path.exists():
-            try:
-                config = json.loads(config_path.read_text())
-            except json.JSONDecodeError as exc:
-                raise CheckpointError(f"{config_path}: not valid JSON ({exc})") from None
+            config = read_json_object(config_path)
         template = None
         jinja_path = folder / "chat_template.jinja"
         if jinja_path.exists():
-            template = jinja_path.read_text()
+            template, template_path = read_text(jinja_path), jinja_path
         else:
-            raw = config.get("chat_template")
-            if isinstance(raw, list):  # [{"name": "default", "template": ...}, ...]
-                named = {t.get("name"): t.get("template") for t in raw if isinstance(t, dict)}
-                raw = named.get("default") or next(iter(named.values()), None)
-            template = raw if isinstance(raw, str) else None
-        return cls(backend, bos_token=_token_str(config.get("bos_token")),
-                   eos_token=_token_str(config.get("eos_token")), chat_template=template,
-                   image_token=_token_str(config.get("image_token")))
+            template, template_path = _config_template(config.get("chat_template"), config_path), config_path
+        tok = cls(backend, bos_token=_token_str(config.get("bos_token")),
+                  eos_token=_token_str(config.get("eos_token")), chat_template=template,
+                  image_token=_token_str(config.get("image_token")))
+        if template:
+            tok._template = _compile_template(template, template_path)  # at load, not at the first chat request
+        return tok
 
     # ------------------------------------------------------------------ basics
     @property
@@ -91,15 +92,7 @@ class Tokenizer:
         if not self.chat_template:
             raise InvalidRequestError("this model has no chat template; use the completions API instead")
         if self._template is None:
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                extensions=["jinja2.ext.loopcontrols"])
-            env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(x, ensure_ascii=False, indent=indent)
-            env.globals["raise_exception"] = _raise_template_error
-            env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-            try:
-                self._template = env.from_string(self.chat_template)
-            except jinja2.TemplateError as exc:
-                raise CheckpointError(f"chat template does not compile: {exc}") from None
+            self._template = _compile_template(self.chat_template, None)
         try:
             return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                          bos_token=self.bos_token or "", eos_token=self.eos_token or "", **extra)
@@ -113,6 +106,43 @@ class Tokenizer:
 
 def _raise_template_error(message: str) -> None:
     raise jinja2.TemplateError(message)
+
+
+def _config_template(raw: Any, config_path: Path) -> str | None:
+    """The chat template in tokenizer_config.json: a string, or a list of named templates."""
+    if isinstance(raw, list):  # [{"name": "default", "template": ...}, ...]
+        named = {t.get("name"): t.get("template") for t in raw if isinstance(t, dict)}
+        raw = named.get("default") or next(iter(named.values()), None)
+    if raw is not None and not isinstance(raw, str):
+        raise CheckpointError(f"{config_path}: chat_template must be a string or a list of "
+                              f"{{name, template}} objects, got {raw!r:.80}")
+    return raw
+
+
+class _GenerationBlock(jinja2.ext.Extension):
+    """``{% generation %}...{% endgeneration %}``: transformers marks assistant text with it (for training
+    masks) and renders the body unchanged; so does this. Without it such a template would not compile."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> list[jinja2.nodes.Node]:
+        next(parser.stream)
+        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+
+def _compile_template(source: str, origin: Path | None) -> jinja2.Template:
+    """Compile as transformers does; ``origin`` (the file it came from) is named in any error."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[_GenerationBlock, "jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(x, ensure_ascii=False, indent=indent)
+    env.globals["raise_exception"] = _raise_template_error
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    try:
+        return env.from_string(source)
+    except jinja2.TemplateError as exc:
+        where = f"{origin}: " if origin is not None else ""
+        line = f" (line {exc.lineno})" if isinstance(exc, jinja2.TemplateSyntaxError) else ""
+        raise CheckpointError(f"{where}chat template does not compile{line}: {exc}") from None
 
 
 @dataclass

@@ -198,6 +198,17 @@ def test_wrongly_shaped_tensor_is_named(saved: Path) -> None:
         load_vision(saved)
 
 
+def test_a_non_finite_vision_weight_is_named(saved: Path) -> None:
+    name = "vision_model.encoder.layers.1.mlp.fc2.weight"
+
+    def poison(tensors: dict[str, torch.Tensor]) -> None:
+        tensors[name] = tensors[name].clone()
+        tensors[name][0, 0] = float("nan")
+    _rewrite(saved / "vision" / "model.safetensors", poison)
+    with pytest.raises(CheckpointError, match=rf"model\.safetensors: tensor '{name}' holds 1 NaN or infinite value"):
+        load_vision(saved)
+
+
 def test_missing_or_unreadable_files(saved: Path) -> None:
     (saved / "vision" / "projector.safetensors").write_bytes(b"not safetensors")
     with pytest.raises(CheckpointError, match="projector.safetensors: not a readable safetensors file"):

@@ -153,10 +153,7 @@ def read_hf_tensors(folder: Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
                             f"{path.name}: tensor {name!r} has shape {tuple(t.shape)}, expected {wanted[name]}")
                     if not t.is_floating_point():
                         raise CheckpointError(f"{path.name}: tensor {name!r} has non-float dtype {t.dtype}")
-                    if not _all_finite(t):
-                        bad = int((~torch.isfinite(t.float())).sum())
-                        raise CheckpointError(f"{path.name}: tensor {name!r} holds {bad} NaN or infinite "
-                                              f"value{'s' if bad > 1 else ''}")
+                    check_finite(t, name, path.name)
                     tensors[name] = t
         except SafetensorError as exc:
             raise CheckpointError(f"{path}: unreadable safetensors file ({exc})") from None
@@ -168,6 +165,13 @@ def read_hf_tensors(folder: Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
                               "but config.json says tie_word_embeddings=true, which would use "
                               "model.embed_tokens.weight (a different tensor) in its place")
     return tensors
+
+
+def check_finite(t: torch.Tensor, name: str, where: str) -> None:
+    """CheckpointError naming the tensor and file when ``t`` holds a NaN or an infinity."""
+    if not _all_finite(t):
+        bad = int((~torch.isfinite(t.float())).sum())
+        raise CheckpointError(f"{where}: tensor {name!r} holds {bad} NaN or infinite value{'s' if bad > 1 else ''}")
 
 
 def _all_finite(t: torch.Tensor) -> bool:

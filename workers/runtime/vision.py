@@ -21,6 +21,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
+from workers.runtime.checkpoint import check_finite
 from workers.runtime.fingerprint import module_fingerprint
 from workers.runtime.errors import CheckpointError, InvalidImageError, UnsupportedArchitectureError
 
@@ -410,6 +411,7 @@ def _read_tensors(path: Path, expected: dict[str, tuple[int, ...]]) -> dict[str,
                 if tuple(tensor.shape) != shape or not tensor.is_floating_point():
                     raise CheckpointError(f"{path}: tensor {name!r} has shape {list(tensor.shape)} and dtype "
                                           f"{tensor.dtype}, expected a float tensor of shape {list(shape)}")
+                check_finite(tensor, name, str(path))
                 out[name] = tensor
     except (SafetensorError, OSError) as exc:
         raise CheckpointError(f"{path}: not a readable safetensors file: {exc}") from None

@@ -75,10 +75,14 @@ serve: setup
 	$(VENV)/bin/epd serve $(SERVE_ARGS)
 
 # The engine alone, in one process: generate from PROMPT with the built-in model.
+# PROMPT and MAX_TOKENS reach epd through the environment, never through the shell's parsing, so any
+# text (quotes, $, ;) arrives verbatim; $(value ...) keeps make from expanding a $ in them either.
 PROMPT ?= The model reads a checkpoint folder and
 MAX_TOKENS ?= 48
+demo: export EPD_DEMO_PROMPT := $(value PROMPT)
+demo: export EPD_DEMO_MAX_TOKENS := $(value MAX_TOKENS)
 demo: setup
-	$(VENV)/bin/epd generate --prompt "$(PROMPT)" --max-tokens $(MAX_TOKENS)
+	$(VENV)/bin/epd generate --prompt "$$EPD_DEMO_PROMPT" --max-tokens "$$EPD_DEMO_MAX_TOKENS"
 
 test: test-setup
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS) tests

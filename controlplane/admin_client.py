@@ -3,12 +3,14 @@ admin token (a file only the user can read, so the CLI finds it without the toke
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import secrets
 import urllib.error
 import urllib.request
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from controlplane.settings import Settings
 
@@ -37,37 +39,92 @@ def ensure_admin_token(settings: Settings) -> str:
 
 
 def find_admin_token(settings: Settings) -> str:
+    token = _admin_token_or_none(settings)
+    if token is None:
+        raise AdminError(f"no admin token: set EPD_API__ADMIN_TOKEN, or run this where `epd serve` wrote "
+                         f"{admin_token_file()}")
+    return token
+
+
+def _admin_token_or_none(settings: Settings) -> str | None:
     if settings.api.admin_token is not None:
         return settings.api.admin_token.get_secret_value()
     path = admin_token_file()
-    if not path.exists():
-        raise AdminError(f"no admin token: set EPD_API__ADMIN_TOKEN, or run this where `epd serve` wrote {path}")
-    return path.read_text().strip()
+    try:
+        return path.read_text().strip() if path.exists() else None
+    except OSError as exc:
+        raise AdminError(f"cannot read the admin token file {path}: {exc.strerror}") from None
 
 
 class AdminError(Exception):
     """The admin API could not be reached, refused the token, or refused the change."""
 
 
-def call(settings: Settings, method: str, path: str, body: dict | None = None, url: str | None = None) -> dict:
-    base = url or f"http://{settings.api.host}:{settings.api.port}"
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(base + path, data=data, method=method,
-                                 headers={"Authorization": f"Bearer {find_admin_token(settings)}",
-                                          "Content-Type": "application/json"})
+def api_url(settings: Settings, url: str | None = None) -> str:
+    """The API's base URL: ``url`` (--url) when given, else the settings' host and port."""
+    base = (url or f"http://{settings.api.host}:{settings.api.port}").rstrip("/")
     try:
-        with urllib.request.urlopen(req, timeout=10) as resp:
-            return json.loads(resp.read())
+        parts = urlsplit(base)
+        parts.port  # noqa: B018 - raises ValueError for a port that is not a number
+    except ValueError:
+        parts = None
+    if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
+        raise AdminError(f"{base!r} is not the URL of an epd API: use http://host:port (or https://)")
+    return base
+
+
+def call(settings: Settings, method: str, path: str, body: dict | None = None, url: str | None = None,
+         timeout: float = 10.0) -> dict:
+    """One admin request; its JSON reply. ``AdminError`` (naming the URL) for every way it can fail.
+    Without an admin token, a read-only probe first tells an API that is down from a missing token."""
+    base = api_url(settings, url)
+    token = _admin_token_or_none(settings)
+    if token is None:
+        _request(base, "GET", "/admin/pools", None, None, timeout, probe=True)
+        find_admin_token(settings)  # the API answered: the token is what is missing
+    return _request(base, method, path, body, token, timeout)
+
+
+def _request(base: str, method: str, path: str, body: dict | None, token: str | None, timeout: float,
+             probe: bool = False) -> dict:
+    data = None if body is None else json.dumps(body).encode()
+    headers = {"Content-Type": "application/json"}
+    if token is not None:
+        headers["Authorization"] = f"Bearer {token}"
+    req = urllib.request.Request(base + path, data=data, method=method, headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            raw = resp.read()
     except urllib.error.HTTPError as exc:
+        if probe:
+            return {}  # it answered; what it said needs the token
         detail = exc.read().decode(errors="replace")
         try:
             err = json.loads(detail)
             detail = (err.get("error") or {}).get("message") or err.get("detail") or detail
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, AttributeError):
             pass
-        raise AdminError(f"{method} {path}: HTTP {exc.code}: {detail}") from None
+        raise AdminError(f"{method} {base}{path}: HTTP {exc.code}: {detail}") from None
     except urllib.error.URLError as exc:
+        if isinstance(exc.reason, TimeoutError):
+            raise AdminError(f"the epd API at {base} did not answer within {timeout:g} s") from None
         raise AdminError(f"cannot reach the epd API at {base} ({exc.reason}); is `epd serve` running?") from None
+    except TimeoutError:  # connected, then no reply in time
+        raise AdminError(f"the epd API at {base} did not answer within {timeout:g} s") from None
+    except (OSError, http.client.HTTPException) as exc:  # reset, closed mid-reply, not HTTP at all
+        raise AdminError(f"the epd API at {base} broke off the reply ({type(exc).__name__}: {exc}); "
+                         f"is {base} an epd API?") from None
+    except ValueError as exc:  # http.client.InvalidURL: characters no request line can carry
+        raise AdminError(f"{base!r} is not a usable URL: {exc}") from None
+    if probe:
+        return {}
+    try:
+        reply = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        reply = None
+    if not isinstance(reply, dict):
+        raise AdminError(f"{method} {base}{path}: the reply is not a JSON object; is {base} an epd API?")
+    return reply
 
 
 def format_status(data: dict) -> str:

@@ -18,15 +18,58 @@ import sys
 import time
 from pathlib import Path
 
-from workers.runtime.errors import EngineError
+
+class UsageError(Exception):
+    """A command-line argument that cannot work; the message names the flag."""
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", type=Path, default=None,
                    help="HF checkpoint folder (default: the built-in demo model with random weights)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="compute dtype")
-    p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default: cpu)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:N or mps (default: cpu)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads, >= 1 (default: torch's choice)")
+
+
+def check_engine_args(args: argparse.Namespace) -> None:
+    """--device and --threads of a command that runs the engine here: ``UsageError`` before any loading."""
+    import torch
+
+    from controlplane.settings import parse_device
+    try:
+        device = parse_device(args.device)
+    except ValueError as exc:
+        raise UsageError(f"--device {exc}") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise UsageError(f"--device {args.device}: CUDA is not available here (this torch "
+                             f"{'sees no GPU' if torch.backends.cuda.is_built() else 'is built without CUDA'}); "
+                             f"use --device cpu")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise UsageError(f"--device {args.device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise UsageError(f"--device {args.device}: MPS is not available here; use --device cpu")
+    if args.threads is not None and args.threads < 1:
+        raise UsageError(f"--threads must be >= 1, got {args.threads} (leave it out for torch's choice)")
+
+
+def int_list(text: str, flag: str) -> list[int]:
+    """A comma list of integers >= 1 (``--batches 1,8,16``); ``UsageError`` naming ``flag`` otherwise."""
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise UsageError(f"{flag} takes a comma list of integers, e.g. 1,8,16; got {text!r}") from None
+    if not values or min(values) < 1:
+        raise UsageError(f"{flag} values must be >= 1, got {text!r}")
+    return values
+
+
+def check_positive(args: argparse.Namespace, *flags: str) -> None:
+    """Each ``--flag`` (an int) must be >= 1."""
+    for flag in flags:
+        value = getattr(args, flag.removeprefix("--").replace("-", "_"))
+        if value < 1:
+            raise UsageError(f"{flag} must be >= 1, got {value}")
 
 
 def _model_dir(arg: Path | None) -> Path:
@@ -37,10 +80,16 @@ def _model_dir(arg: Path | None) -> Path:
 def cmd_model_init(args: argparse.Namespace) -> int:
     from workers.runtime.default_model import write_default_checkpoint
     folder: Path = args.dir
-    if folder.exists() and any(folder.iterdir()) and not args.force:
-        print(f"epd: {folder} exists and is not empty; pass --force to overwrite", file=sys.stderr)
-        return 2
-    write_default_checkpoint(folder, seed=args.seed, with_vision=not args.no_vision)
+    if folder.exists() and not folder.is_dir():
+        raise UsageError(f"{folder} exists and is not a folder")
+    try:
+        if folder.exists() and any(folder.iterdir()) and not args.force:
+            print(f"epd: {folder} exists and is not empty; pass --force to overwrite", file=sys.stderr)
+            return 2
+        write_default_checkpoint(folder, seed=args.seed, with_vision=not args.no_vision)
+    except OSError as exc:
+        where = f" ({exc.filename})" if exc.filename and str(exc.filename) != str(folder) else ""
+        raise UsageError(f"cannot write the model to {folder}{where}: {exc.strerror or exc}") from None
     print(f"wrote the demo model (random weights, seed {args.seed}) to {folder}")
     return 0
 
@@ -53,18 +102,19 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from workers.runtime.loader import load_model
     from workers.runtime.sampler import SamplingParams
 
+    check_engine_args(args)
+    images = tuple(_read_image(p) for p in args.image)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed, stop=tuple(args.stop))
     if args.threads:
         torch.set_num_threads(args.threads)
     bundle = load_model(_model_dir(args.model), dtype=DTYPES[args.dtype], device=args.device)
-    images = tuple(Path(p).read_bytes() for p in args.image)
     if args.chat is not None or images:
         text = args.chat if args.chat is not None else args.prompt
         parts = [{"type": "image"} for _ in images] + [{"type": "text", "text": text}]
         req = GenerateRequest(messages=[{"role": "user", "content": parts}], images=images)
     else:
         req = GenerateRequest(prompt=args.prompt)
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, seed=args.seed, stop=tuple(args.stop))
     ids, mm = build_prompt(bundle, req)
     engine = Engine(bundle.model, bundle.tokenizer, EngineConfig(dtype=args.dtype, device=args.device),
                     bundle.eos_token_ids)
@@ -87,6 +137,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     print(f"\n[{n} tokens, prompt {len(ids)} tokens, finish={reason_name}, "
           f"ttft={ttft * 1e3:.1f} ms, {tps:.1f} tok/s]", file=sys.stderr)
     return 0
+
+
+def _read_image(path: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError as exc:
+        raise UsageError(f"--image {path}: cannot read it: {exc.strerror or exc}") from None
 
 
 def cmd_bench_engine(args: argparse.Namespace) -> int:
@@ -153,15 +210,25 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     import json
 
-    from controlplane.admin_client import call, format_status
-    data = call(_settings(args), "GET", "/admin/pools", url=args.url)
-    print(json.dumps(data, indent=2) if args.json else format_status(data))
+    from controlplane.admin_client import AdminError, api_url, call, format_status
+    settings = _settings(args)
+    data = call(settings, "GET", "/admin/pools", url=args.url)
+    try:
+        text = json.dumps(data, indent=2) if args.json else format_status(data)
+    except (KeyError, TypeError) as exc:
+        raise AdminError(f"the reply of {api_url(settings, args.url)}/admin/pools lacks {exc}; "
+                         f"is it an epd API of this version?") from None
+    print(text)
     return 0
 
 
 def cmd_scale(args: argparse.Namespace) -> int:
-    from controlplane.admin_client import call
-    reply = call(_settings(args), "PUT", f"/admin/pools/{args.pool}", {"replicas": args.replicas}, url=args.url)
+    from controlplane.admin_client import AdminError, api_url, call
+    settings = _settings(args)
+    reply = call(settings, "PUT", f"/admin/pools/{args.pool}", {"replicas": args.replicas}, url=args.url)
+    if "pool" not in reply or "target" not in reply:
+        raise AdminError(f"the reply of {api_url(settings, args.url)}/admin/pools/{args.pool} lacks the pool "
+                         f"and its target; is it an epd API of this version?")
     print(f"{reply['pool']}: target {reply['target']} replicas (the pool manager reconciles; see `epd status`)")
     return 0
 
@@ -197,11 +264,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", default=None, help="a user message, rendered with the model's chat template")
     gen.add_argument("--image", action="append", default=[], help="image file (PNG/JPEG) for the chat message; "
                                                                   "repeatable")
-    gen.add_argument("--max-tokens", type=int, default=32)
+    gen.add_argument("--max-tokens", type=int, default=32, help="tokens to generate at most (default: %(default)s)")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: %(default)s = off)")
     gen.add_argument("--top-k", type=int, default=0, help="0 = off")
-    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--seed", type=int, default=None, help="sampling seed (default: none, nondeterministic "
+                                                            "when sampling)")
     gen.add_argument("--stop", action="append", default=[], help="stop string; repeatable")
     gen.set_defaults(func=cmd_generate)
 
@@ -220,17 +288,25 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--redis-url", default=None, help="use this Redis instead of starting one")
     srv.set_defaults(func=cmd_serve)
 
-    for name, helptext in (("status", "pools, replicas, health, load"),
-                           ("scale", "set a pool's replica count"), ("drain", "stop routing to one worker")):
-        p = sub.add_parser(name, help=helptext)
+    admin = ("Talks to a running `epd serve` through its admin API (--url, default http://<api.host>:<api.port> "
+             "from the settings) with the admin token: EPD_API__ADMIN_TOKEN, api.admin_token in --config, or the "
+             "file a local `epd serve` wrote under $EPD_STATE_DIR (default ~/.local/state/epd).")
+    for name, helptext, what in (
+            ("status", "pools, replicas, health, load", "Show each pool's target and ready replicas, and each "
+             "worker's address, state, running sequences, queued tokens and KV blocks in use."),
+            ("scale", "set a pool's replica count", "Set a pool's target replica count; the pool manager starts "
+             "or drains replicas to reach it (watch with `epd status`)."),
+            ("drain", "stop routing to one worker", "Stop routing new work to one worker; its in-flight "
+             "requests finish.")):
+        p = sub.add_parser(name, help=helptext, description=f"{what} {admin}")
         p.add_argument("--config", type=Path, default=None, help="YAML settings file (API address, admin token)")
         p.add_argument("--url", default=None, help="the epd API (default: http://<api.host>:<api.port>)")
         if name == "status":
-            p.add_argument("--json", action="store_true")
+            p.add_argument("--json", action="store_true", help="print the admin API's JSON instead of a table")
             p.set_defaults(func=cmd_status)
         elif name == "scale":
-            p.add_argument("pool", choices=("encode", "prefill", "decode"))
-            p.add_argument("replicas", type=int)
+            p.add_argument("pool", choices=("encode", "prefill", "decode"), help="the pool to scale")
+            p.add_argument("replicas", type=int, help="its new replica count (0 or more)")
             p.set_defaults(func=cmd_scale)
         else:
             p.add_argument("worker", help="worker id, as `epd status` shows it")
@@ -257,8 +333,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(eng)
     eng.add_argument("--batches", default="1,8,16,32", help="decode batch sizes (default: %(default)s)")
     eng.add_argument("--prefill-lengths", default="128,1024,4096", help="prompt lengths (default: %(default)s)")
-    eng.add_argument("--decode-tokens", type=int, default=64, help="tokens generated per sequence")
-    eng.add_argument("--repeats", type=int, default=3, help="take the best of this many runs")
+    eng.add_argument("--decode-tokens", type=int, default=64,
+                     help="tokens generated per sequence (default: %(default)s)")
+    eng.add_argument("--repeats", type=int, default=3, help="take the best of this many runs (default: %(default)s)")
     eng.add_argument("--json", type=Path, default=None, help="also write the results as JSON here")
     eng.add_argument("--no-hf", action="store_true", help="skip the transformers reference")
     eng.set_defaults(func=cmd_bench_engine)
@@ -270,7 +347,8 @@ def build_parser() -> argparse.ArgumentParser:
                                       "measured in the same run; then the TTFT of a streamed prefill.")
     kv.add_argument("--repeats", type=int, default=3, help="best of this many pushes (default 3)")
     kv.add_argument("--quick", action="store_true", help="only the 4k-token cache, 64 MiB references")
-    kv.add_argument("--ttft-tokens", type=int, default=2048, help="prompt length for the TTFT figure")
+    kv.add_argument("--ttft-tokens", type=int, default=2048,
+                    help="prompt length for the TTFT figure (default: %(default)s)")
     kv.add_argument("--ttft-codec", default="bf16", help="codec for the TTFT figure (default bf16)")
     kv.add_argument("--threads", type=int, default=None, help="torch threads in the sender process")
     kv.add_argument("--paired", type=int, default=None, metavar="N",
@@ -290,8 +368,8 @@ def build_parser() -> argparse.ArgumentParser:
     acc.add_argument("--policy", action="append", default=None,
                      help="codec policy to evaluate, repeatable (default: fp8, int8, int4, int4,0=bf16,-1=bf16 "
                           "and auto)")
-    acc.add_argument("--prompts", type=int, default=64)
-    acc.add_argument("--max-tokens", type=int, default=64)
+    acc.add_argument("--prompts", type=int, default=64, help="prompts to compare (default: %(default)s)")
+    acc.add_argument("--max-tokens", type=int, default=64, help="greedy tokens per prompt (default: %(default)s)")
     acc.set_defaults(func=cmd_bench_kv_accuracy)
 
     cp = bench.add_parser("controlplane", help="control-plane added latency and 1-token req/s vs Ray Serve",
@@ -337,17 +415,43 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # errors caused by input name the problem themselves; anything else is a bug
         if not isinstance(exc, _user_errors()):
             raise
-        print(f"epd: error: {exc}", file=sys.stderr)
+        print(f"epd: error: {_one_line(exc)}", file=sys.stderr)
         return 2
 
 
+# Errors a user's input or environment causes (module, class): one line and rc 2, never a traceback.
+# Looked up in sys.modules, so the error path imports nothing: a class whose module is not loaded
+# cannot have been raised.
+_USER_ERRORS = (
+    ("controlplane.cli", "UsageError"),
+    ("workers.runtime.errors", "EngineError"),
+    ("controlplane.settings", "SettingsError"),
+    ("kvtransfer.policy", "PolicyError"),
+    ("kvtransfer.auth", "SecurityConfigError"),
+    ("controlplane.admin_client", "AdminError"),
+    ("controlplane.observability.tracing", "TracingConfigError"),
+    ("controlplane.state.errors", "StateUnavailable"),  # Redis unreachable (epd serve --redis-url ...)
+    ("controlplane.state.errors", "RedisServerNotFound"),  # no redis-server to start a private one
+    ("controlplane.pools.status", "PoolError"),  # a replica did not start (the pools are stopped again)
+)
+
+
 def _user_errors() -> tuple[type[Exception], ...]:
-    from controlplane.admin_client import AdminError
-    from controlplane.observability.tracing import TracingConfigError
-    from controlplane.settings import SettingsError
-    from kvtransfer.auth import SecurityConfigError
-    from kvtransfer.policy import PolicyError
-    return (EngineError, SettingsError, PolicyError, SecurityConfigError, AdminError, TracingConfigError)
+    # UsageError itself too: run as `python -m controlplane.cli` this module is __main__, and the bench
+    # modules' `from controlplane.cli import ...` loads a second copy with its own class (in the table)
+    return (UsageError, *(getattr(sys.modules[module], name) for module, name in _USER_ERRORS
+                          if module in sys.modules))
+
+
+def _one_line(exc: Exception) -> str:
+    """The error's first line; a pool's start failure also keeps its first replica's reason (Ray's full
+    report is already on stderr, where the actor's own output went)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    if not lines:
+        return type(exc).__name__
+    if len(lines) > 1 and lines[0].endswith(":"):
+        return f"{lines[0]} {lines[1]}"
+    return lines[0]
 
 
 if __name__ == "__main__":

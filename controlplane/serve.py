@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from controlplane.backend import ModelInfo
-from controlplane.settings import Settings
+from controlplane.settings import Settings, SettingsError
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +40,39 @@ def model_info(settings: Settings, model_dir: Path) -> ModelInfo:
         tokens_per_image = load_vision_config(model_dir).num_image_tokens
     name = settings.api.served_model_name or model_dir.name
     return ModelInfo(name, tokenizer, min(limit, cfg.max_position_embeddings), image_token_id,
-                     tokens_per_image or 0, read_generation_eos(model_dir) or cfg.eos_token_ids)
+                     tokens_per_image or 0, read_generation_eos(model_dir, cfg.vocab_size) or cfg.eos_token_ids)
+
+
+def validate(settings: Settings, model_dir: Path) -> None:
+    """What the settings cannot check alone, checked before anything starts: the codec policy against the
+    model's layers and the mTLS files. Raises ``SettingsError`` naming the setting. (Device spellings,
+    URLs and cross-field rules are the settings' own validators.)"""
+    from kvtransfer.auth import SecurityConfigError, TransferSecurity
+    from kvtransfer.policy import ExplicitPolicy, PolicyError, parse_policy
+    from workers.runtime.config import ModelConfig
+
+    t = settings.transfer
+    policy = parse_policy(t.codec_policy)
+    if isinstance(policy, ExplicitPolicy):
+        layers = ModelConfig.from_file(model_dir / "config.json").num_layers
+        try:
+            policy.resolve(layers)
+        except PolicyError as exc:
+            raise SettingsError(f"transfer.codec_policy {t.codec_policy!r}: {exc}") from None
+    for name, path in (("tls_ca", t.tls_ca), ("tls_cert", t.tls_cert), ("tls_key", t.tls_key)):
+        if path is None:
+            continue
+        try:
+            with open(path, "rb"):
+                pass
+        except OSError as exc:
+            raise SettingsError(f"transfer.{name}: cannot read {path}: {exc.strerror}") from None
+    if t.tls_ca is not None:  # readable; now whether they are a CA, a certificate and its key
+        try:
+            TransferSecurity(token=None, tls_ca=t.tls_ca, tls_cert=t.tls_cert, tls_key=t.tls_key,
+                             allow_insecure=True).ssl_context(server_side=True)
+        except SecurityConfigError as exc:
+            raise SettingsError(f"transfer.tls_ca/tls_cert/tls_key: {exc}") from None
 
 
 @dataclass
@@ -77,6 +109,7 @@ def build(settings: Settings) -> Deployment:
         if configure_process(settings.observability, "epd-controlplane"):  # bad OTEL_* fail here, before Ray
             dep.closers.append(stop_exporting)  # closed last: the spans of the shutdown itself go out too
         model_dir = settings.model or ensure_default_checkpoint()
+        validate(settings, Path(model_dir))
         info = model_info(settings, Path(model_dir))
         url = settings.redis.url
         if url is None:

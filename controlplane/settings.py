@@ -3,20 +3,27 @@
 Sources, lowest to highest precedence: defaults < YAML file (``--config``) < ``EPD_*`` environment
 variables < CLI flags. Nested fields use ``__`` in variables: ``EPD_DECODE__REPLICAS=2``,
 ``EPD_TRANSFER__CODEC_POLICY=int8``, ``EPD_API__PORT=9000``. Unknown keys are refused (a typo never
-silently does nothing), and cross-field rules are checked once, here. ``Settings.model_json_schema()``
-is the schema that helm's values.schema.json is built from.
+silently does nothing), in the YAML file and among the ``EPD_*`` variables alike (except the few in
+``ENV_OUTSIDE_SETTINGS``); an empty variable counts as unset. Cross-field rules are checked once, here.
+``Settings.model_json_schema()`` is the schema that helm's values.schema.json is built from.
 """
 
 from __future__ import annotations
 
 import contextvars
+import json
+import os
+import typing
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import parse_qsl, urlencode, urlsplit
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import (BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict,
                                YamlConfigSettingsSource)
+from pydantic_settings import SettingsError as _SourceError
 
 from controlplane.scheduler.policies import available_policies
 from kvtransfer.policy import PolicyError, parse_policy
@@ -25,11 +32,55 @@ MiB = 2**20
 PoolName = Literal["encode", "prefill", "decode"]
 POOLS: tuple[PoolName, ...] = ("encode", "prefill", "decode")
 
+# EPD_* variables read on purpose outside this model, each by the code named here. Every other EPD_*
+# variable must name a setting, or ``Settings.load`` refuses it (tests/unit/test_settings.py greps the
+# repository for EPD_* reads and fails when one is missing from this list).
+ENV_OUTSIDE_SETTINGS: dict[str, str] = {
+    "EPD_CACHE_DIR": "where the demo model is cached (workers/runtime/default_model.py)",
+    "EPD_STATE_DIR": "where a local serve keeps its admin token (controlplane/admin_client.py)",
+    "EPD_KERNEL_CACHE": "where the native KV codec kernels are compiled to (kvtransfer/codecs/native.py)",
+    "EPD_NATIVE_KERNELS": "0 turns the native KV codec kernels off (kvtransfer/codecs/native.py)",
+    "EPD_CHART_REDIS_PASSWORD": "helm: the chart's Redis password, spelled into EPD_REDIS__URL by the kubelet",
+    "EPD_DEMO_PROMPT": "make demo: the prompt, passed through the environment untouched",
+    "EPD_DEMO_MAX_TOKENS": "make demo: the token count, passed through the environment untouched",
+    "EPD_KV_TEST_TOKEN": "tests: the transfer token handed to a sender subprocess (tests/integration)",
+}
+DEVICE_TYPES = ("cpu", "cuda", "mps")
+
 _yaml_file: contextvars.ContextVar[Path | None] = contextvars.ContextVar("epd_yaml_file", default=None)
 
 
 class SettingsError(ValueError):
     """Settings that do not load or validate; the message names the field and the problem."""
+
+
+def parse_device(value: str):  # type: ignore[no-untyped-def]
+    """``value`` as a ``torch.device`` of a type the engine runs on; ``ValueError`` naming the choices.
+    Only the spelling is checked: the device exists where the workers run, not necessarily here."""
+    import torch
+
+    try:
+        device = torch.device(value)
+    except (RuntimeError, ValueError):
+        device = None
+    if device is None or device.type not in DEVICE_TYPES:
+        raise ValueError(f"{value!r} is not a device epd runs on: use cpu, cuda, cuda:N or mps")
+    return device
+
+
+def mask_url(url: str) -> str:
+    """``url`` with its password (in the authority or a ``password=`` query parameter) shown as ``***``."""
+    from controlplane.state.client import redact
+
+    try:
+        masked = redact(url)
+    except ValueError:  # not a URL at all: nothing recognisable to keep
+        return "***"
+    base, sep, query = masked.partition("?")
+    pairs = parse_qsl(query, keep_blank_values=True)
+    if any(k.lower() == "password" for k, _ in pairs):
+        masked = base + sep + urlencode([(k, "***" if k.lower() == "password" else v) for k, v in pairs], safe="*")
+    return masked
 
 
 class _Model(BaseModel):
@@ -49,6 +100,12 @@ class EngineSettings(_Model):
     max_num_batched_tokens: int = Field(2048, ge=1, description="tokens computed per engine step at most")
     prefill_chunk_size: int = Field(512, ge=1, description="prompt tokens of one sequence per step at most")
     max_model_len: int | None = Field(None, ge=2, description="context limit (default: the model's)")
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, v: str) -> str:
+        parse_device(v)
+        return v
 
     @field_validator("block_size")
     @classmethod
@@ -174,6 +231,26 @@ class RedisSettings(_Model):
     prefix: str = Field("epd", pattern=r"^[A-Za-z0-9_.-]+$", description="prefix of every key")
     heartbeat_ttl_s: float = Field(5.0, gt=0, description="a worker's lease; it leaves routing within 2 TTLs")
 
+    @field_validator("url")
+    @classmethod
+    def _redis_url(cls, v: str | None) -> str | None:
+        """What redis-py would refuse only once ``epd serve`` connects (the message never shows a password)."""
+        if v is None:
+            return v
+        try:
+            parts = urlsplit(v)
+            parts.port  # noqa: B018 - raises ValueError for a port that is not a number
+        except ValueError:
+            parts = None
+        if parts is None or parts.scheme not in ("redis", "rediss", "unix"):
+            raise ValueError(f"{mask_url(v)!r} is not a Redis URL: use redis://host:port/db, rediss://... (TLS) "
+                             f"or unix:///path/to/redis.sock")
+        if parts.scheme != "unix" and not parts.hostname:
+            raise ValueError(f"{mask_url(v)!r} names no host: use redis://host:port/db")
+        if parts.scheme == "unix" and not parts.path:
+            raise ValueError(f"{mask_url(v)!r} names no socket: use unix:///path/to/redis.sock")
+        return v
+
 
 class RaySettings(_Model):
     address: str | None = Field(None, description="join this Ray cluster; unset = start a local one")
@@ -192,8 +269,9 @@ class ObservabilitySettings(_Model):
 
 
 class Settings(BaseSettings):
+    # env_ignore_empty: EPD_MODEL= means "unset", not the path "." (nor an empty Redis URL)
     model_config = SettingsConfigDict(env_prefix="EPD_", env_nested_delimiter="__", extra="forbid",
-                                      validate_default=True)
+                                      validate_default=True, env_ignore_empty=True)
 
     model: Path | None = Field(None, description="HF checkpoint folder; unset = the built-in demo model")
     mode: Literal["disaggregated", "colocated"] = Field(
@@ -251,17 +329,110 @@ class Settings(BaseSettings):
         """Defaults < ``config`` YAML < EPD_* environment < ``overrides`` (CLI flags, nested dicts)."""
         if config is not None:
             _check_yaml(config)
+        _check_environment(os.environ)
         token = _yaml_file.set(config)
         try:
             return cls(**(overrides or {}))
+        except _SourceError as exc:  # an EPD_* value that had to be JSON and is not
+            raise SettingsError(_describe_env_error(exc, os.environ)) from None
         except ValueError as exc:  # pydantic's ValidationError is a ValueError
             raise SettingsError(_describe(exc)) from None
         finally:
             _yaml_file.reset(token)
 
     def redacted(self) -> dict[str, Any]:
-        """The effective settings as plain data, secrets shown as '**********'."""
-        return self.model_dump(mode="json")
+        """The effective settings as plain data, secrets shown as '**********' and URL passwords as '***'."""
+        data = self.model_dump(mode="json")
+        for section, key in (("redis", "url"), ("ray", "address")):
+            if data[section][key] is not None:
+                data[section][key] = mask_url(data[section][key])
+        return data
+
+
+def _env_settings(environ: Mapping[str, str]) -> list[str]:
+    """The non-empty EPD_* variable names in ``environ`` (matched like pydantic-settings: any case)."""
+    return sorted(name for name, value in environ.items() if name.upper().startswith("EPD_") and value != "")
+
+
+def _check_environment(environ: Mapping[str, str]) -> None:
+    """Refuse EPD_* variables that name no setting; suggest ``__`` where one ``_`` was meant."""
+    problems = []
+    for name in _env_settings(environ):
+        key = name.upper().removeprefix("EPD_")
+        if name.upper() in ENV_OUTSIDE_SETTINGS or key.split("__", 1)[0].lower() in Settings.model_fields:
+            continue  # a section's unknown field is refused by the model itself, with its path
+        meant = _nested_spelling(key.lower(), Settings)
+        section = next((f for f, info in Settings.model_fields.items()
+                        if _section_model(info.annotation) is not None and key.lower().startswith(f + "_")), None)
+        if meant is not None:
+            hint = f" (did you mean EPD_{meant.upper()}? nested settings use a double underscore)"
+        elif section is not None:
+            hint = f" (nested settings use a double underscore: EPD_{section.upper()}__<FIELD>)"
+        else:
+            hint = ""
+        problems.append(name + hint)
+    if problems:
+        raise SettingsError(f"unknown setting variable{'s' if len(problems) > 1 else ''}: {'; '.join(problems)}; "
+                            f"settings are EPD_<FIELD> or EPD_<SECTION>__<FIELD> (see `epd config schema`)")
+
+
+def _nested_spelling(key: str, model: type[BaseModel]) -> str | None:
+    """``decode_engine_dtype`` -> ``decode__engine__dtype`` when that is a setting of ``model``."""
+    for name, info in model.model_fields.items():
+        if key == name:
+            return name
+        sub = _section_model(info.annotation)
+        if sub is not None and key.startswith(name + "_"):
+            rest = _nested_spelling(key[len(name):].lstrip("_"), sub)
+            if rest is not None:
+                return f"{name}__{rest}"
+    return None
+
+
+def _section_model(annotation: Any) -> type[BaseModel] | None:
+    """The settings model that ``annotation`` (maybe ``X | None``) nests, if it nests one."""
+    return next((a for a in (annotation, *typing.get_args(annotation))
+                 if isinstance(a, type) and issubclass(a, BaseModel)), None)
+
+
+def _describe_env_error(exc: ValueError, environ: Mapping[str, str]) -> str:
+    """pydantic-settings names only the top-level field whose variable did not parse as JSON; name the
+    variable itself and say what it must hold. Values are never echoed (they may be secrets)."""
+    text = str(exc)
+    bad = []
+    for name in _env_settings(environ):
+        expected = _json_expected(name.upper().removeprefix("EPD_").lower().split("__"))
+        if expected is None:
+            continue
+        try:
+            json.loads(environ[name])
+        except ValueError:
+            bad.append(f"{name} must hold {expected}")
+    return "invalid settings: " + ("; ".join(bad) if bad else text)
+
+
+def _json_expected(path: list[str]) -> str | None:
+    """What JSON the variable for the setting at ``path`` must hold; None where a plain string will do."""
+    model: type[BaseModel] = Settings
+    for i, key in enumerate(path):
+        if key not in model.model_fields:
+            return None
+        annotation = model.model_fields[key].annotation
+        sub = _section_model(annotation)
+        if sub is not None:
+            model = sub
+            continue
+        if i != len(path) - 1:
+            return None
+        origins = {typing.get_origin(a) for a in (annotation, *typing.get_args(annotation))}
+        if list in origins:
+            return "a JSON list, e.g. '[0, 1]' or '[\"k-1\"]'"
+        if dict in origins:
+            return 'a JSON object, e.g. \'{"name": 1}\''
+        return None
+    first = next(iter(model.model_fields))
+    return (f"a JSON object of {'.'.join(path)} settings, e.g. '{{\"{first}\": ...}}' (or set one field at a "
+            f"time: EPD_{'__'.join(path).upper()}__{first.upper()}=...)")
 
 
 def _check_yaml(path: Path) -> None:

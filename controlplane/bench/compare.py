@@ -184,7 +184,11 @@ def write_outputs(res: CompareResult, out_dir: Path) -> list[Path]:
 
 def add_compare_parser(bench: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
     p = bench.add_parser("compare", help="one workload against disaggregated and colocated serving: goodput ratio",
-                         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                         description=(
+                             "Run one workload against the disaggregated and the colocated deployment of the same "
+                             "model and engine settings, both on loopback with equal cores (--cores: one per "
+                             "computing worker), and report the goodput ratio (disaggregated / colocated) at each "
+                             "request rate under the --goodput SLOs: a table on stdout, JSON and plots in --out."))
     p.add_argument("--model", type=Path, default=None, help="HF checkpoint folder (default: the demo model)")
     p.add_argument("--input-len", type=int, default=1024, help="prompt tokens (default 1024: prefill-heavy)")
     p.add_argument("--output-len", type=int, default=32, help="tokens generated per request (default 32)")
@@ -193,9 +197,11 @@ def add_compare_parser(bench: "argparse._SubParsersAction[argparse.ArgumentParse
     p.add_argument("--goodput", nargs="+", default=["ttft:2000", "tpot:40"], metavar="METRIC:MS",
                    help="SLOs, e.g. ttft:2000 tpot:40 (default)")
     p.add_argument("--cores", default="0,1", help="one core per computing worker (default 0,1)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, default=Path("bench-compare"), help="JSON and plots go here")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the prompts and arrival times, the same for both modes (default: %(default)s)")
+    p.add_argument("--out", type=Path, default=Path("bench-compare"),
+                   help="folder for the JSON results and plots (default: %(default)s)")
+    p.add_argument("--no-progress", action="store_true", help="do not print progress lines")
     p.set_defaults(func=cmd_bench_compare)
 
 

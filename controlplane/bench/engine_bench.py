@@ -108,15 +108,17 @@ def _hf_forward_seconds(hf, length: int, vocab: int) -> float:  # type: ignore[n
 
 
 def run(args: argparse.Namespace) -> int:
-    from controlplane.cli import _model_dir
+    from controlplane.cli import _model_dir, check_engine_args, check_positive, int_list
 
+    check_engine_args(args)  # every argument before any loading
+    batches = int_list(args.batches, "--batches")
+    lengths = int_list(args.prefill_lengths, "--prefill-lengths")
+    check_positive(args, "--decode-tokens", "--repeats")
     if args.threads:
         torch.set_num_threads(args.threads)
     path = _model_dir(args.model)
     dtype = DTYPES[args.dtype]
     bundle = load_model(path, dtype=dtype, device=args.device, with_vision=False)
-    batches = [int(b) for b in args.batches.split(",")]
-    lengths = [int(n) for n in args.prefill_lengths.split(",")]
     cfg = EngineConfig(dtype=args.dtype, device=args.device, max_num_seqs=max(64, max(batches)))
     tokens = args.decode_tokens
     hf = None if args.no_hf else _hf_model(path, dtype)

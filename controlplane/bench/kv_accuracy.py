@@ -42,15 +42,28 @@ def run(args) -> int:  # type: ignore[no-untyped-def]
     """``epd bench kv-accuracy``."""
     import torch
 
-    from controlplane.cli import _model_dir
+    from controlplane.cli import UsageError, _model_dir, check_engine_args, check_positive
+    from kvtransfer.policy import ExplicitPolicy, PolicyError
     from workers.prefill.calibrate import resolve_codecs
     from workers.runtime.engine import DTYPES, Engine, EngineConfig
     from workers.runtime.loader import load_model
 
+    check_engine_args(args)  # every argument before any loading or output
+    check_positive(args, "--prompts", "--max-tokens")
+    policies = args.policy or ["fp8", "int8", "int4", "int4,0=bf16,-1=bf16", "auto"]
+    try:
+        parsed = [parse_policy(spec) for spec in policies]
+    except PolicyError as exc:
+        raise UsageError(f"--policy: {exc}") from None
     if args.threads:
         torch.set_num_threads(args.threads)
     bundle = load_model(_model_dir(args.model), dtype=DTYPES[args.dtype], device=args.device, with_vision=False)
-    policies = args.policy or ["fp8", "int8", "int4", "int4,0=bf16,-1=bf16", "auto"]
+    for spec, policy in zip(policies, parsed):
+        if isinstance(policy, ExplicitPolicy):
+            try:
+                policy.resolve(bundle.config.num_layers)
+            except PolicyError as exc:
+                raise UsageError(f"--policy {spec!r}: {exc}") from None
     prompts = sample_prompts(bundle, args.prompts)
     explicit, labels = [], []
     for spec in policies:

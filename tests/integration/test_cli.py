@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import hashlib
 import io
+import json
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -106,3 +109,36 @@ def test_help_lists_the_commands():
     assert result.returncode == 0
     for command in ("model", "generate", "bench"):
         assert command in result.stdout
+
+
+def make_demo(tmp_path: Path, *variables: str) -> list[str]:
+    """Run `make demo` with a stand-in epd that prints the arguments it got (as JSON); return them."""
+    if shutil.which("make") is None:
+        pytest.skip("make is not installed")
+    fake = tmp_path / "venv" / "bin" / "epd"
+    fake.parent.mkdir(parents=True)
+    fake.write_text(f"#!{sys.executable}\nimport json, sys\nprint(json.dumps(sys.argv[1:]))\n")
+    fake.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k not in ("PROMPT", "MAX_TOKENS", "MAKEFLAGS")}
+    result = subprocess.run(["make", "-s", "-o", "setup", "demo", f"VENV={fake.parent.parent}", *variables],
+                            cwd=Path(__file__).resolve().parents[2], env=env, capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("\n") == 1, result.stdout  # nothing else ran and printed
+    return json.loads(result.stdout)
+
+
+@pytest.mark.parametrize("prompt, max_tokens", [
+    ("""it's "$HOME" $(id) `id` $$ \\ back # hash; echo INJECTED""", "5"),
+    ("x", "3; echo INJECTED"),
+    ("", "48"),
+])
+def test_make_demo_passes_prompt_and_max_tokens_verbatim(prompt, max_tokens, tmp_path):
+    """Both reach epd as single arguments, whatever they hold: no shell parsing, no make expansion of $."""
+    assert make_demo(tmp_path, f"PROMPT={prompt}", f"MAX_TOKENS={max_tokens}") == [
+        "generate", "--prompt", prompt, "--max-tokens", max_tokens]
+
+
+def test_make_demo_defaults(tmp_path):
+    assert make_demo(tmp_path) == ["generate", "--prompt", "The model reads a checkpoint folder and",
+                                   "--max-tokens", "48"]

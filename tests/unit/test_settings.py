@@ -113,3 +113,152 @@ def test_config_show_prints_effective_settings_without_secrets(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "controlplane.cli", "config", "show"], capture_output=True,
                          text=True, env={**env, "EPD_DECODE__REPLICAS": "-3"}, timeout=60)
     assert bad.returncode == 2 and "decode.replicas" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def _config_show(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "controlplane.cli", "config", "show", *args], capture_output=True,
+                          text=True, env={"PATH": "/usr/bin:/bin", **env}, timeout=60)
+
+
+@pytest.mark.parametrize("url, shown", [
+    ("redis://:hunter2@h:6379/0", "redis://:***@h:6379/0"),
+    ("rediss://user:hunter2@h:6380/1", "rediss://user:***@h:6380/1"),
+    ("redis://h:6379/0?password=hunter2&db=1", "redis://h:6379/0?password=***&db=1"),
+    ("redis://h:6379/0", "redis://h:6379/0"),
+])
+def test_passwords_in_the_redis_url_are_masked(url, shown, monkeypatch):
+    monkeypatch.setenv("EPD_REDIS__URL", url)
+    s = Settings.load()
+    assert s.redis.url == url  # the real value is what serve connects with
+    assert s.redacted()["redis"]["url"] == shown
+    assert "hunter2" not in json.dumps(s.redacted())
+
+
+def test_config_show_masks_the_redis_password():
+    out = _config_show({"EPD_REDIS__URL": "redis://:hunter2@h:6379/0"}, "--json")
+    assert out.returncode == 0, out.stderr
+    assert "hunter2" not in out.stdout and json.loads(out.stdout)["redis"]["url"] == "redis://:***@h:6379/0"
+
+
+@pytest.mark.parametrize("name, message", [
+    ("EPD_DECODE_REPLICAS", "EPD_DECODE_REPLICAS (did you mean EPD_DECODE__REPLICAS? nested settings use a "
+                            "double underscore)"),
+    ("EPD_DECODE_ENGINE_DTYPE", "did you mean EPD_DECODE__ENGINE__DTYPE?"),
+    ("EPD_TRANSFER_CODEC_POLICY", "did you mean EPD_TRANSFER__CODEC_POLICY?"),
+    ("EPD_DECODE_REPLICAZ", "EPD_DECODE_REPLICAZ (nested settings use a double underscore: EPD_DECODE__<FIELD>)"),
+    ("EPD_BOGUS", "unknown setting variable: EPD_BOGUS;"),
+    ("epd_bogus", "unknown setting variable: epd_bogus;"),  # read case-insensitively, so refused likewise
+])
+def test_unknown_epd_variables_are_refused_with_a_hint(name, message, monkeypatch):
+    monkeypatch.setenv(name, "5")
+    with pytest.raises(SettingsError) as err:
+        Settings.load()
+    assert message in str(err.value)
+
+
+def test_unknown_fields_inside_a_section_are_refused_with_their_path(monkeypatch):
+    monkeypatch.setenv("EPD_DECODE__REPLICAZ", "1")
+    with pytest.raises(SettingsError, match="decode.replicaz: unknown setting"):
+        Settings.load()
+
+
+def test_config_show_refuses_a_misspelt_variable_in_one_line():
+    out = _config_show({"EPD_DECODE_REPLICAS": "5"})
+    assert out.returncode == 2 and "Traceback" not in out.stderr and out.stderr.count("\n") == 1
+    assert "EPD_DECODE__REPLICAS" in out.stderr
+
+
+def test_variables_read_outside_the_model_are_allowed(monkeypatch, tmp_path):
+    from controlplane.settings import ENV_OUTSIDE_SETTINGS
+    for name in ENV_OUTSIDE_SETTINGS:
+        monkeypatch.setenv(name, str(tmp_path))
+    assert Settings.load().decode.replicas == 1
+
+
+def test_every_epd_variable_the_repository_reads_is_a_setting_or_allow_listed():
+    """A new os.environ["EPD_X"] (or an EPD_X in the Makefile or the chart) that is not a setting must join
+    ENV_OUTSIDE_SETTINGS, or Settings.load would refuse the variable it reads."""
+    import re
+    from pathlib import Path
+
+    from controlplane.settings import ENV_OUTSIDE_SETTINGS, _nested_spelling
+
+    root = Path(__file__).resolve().parents[2]
+    reads = re.compile(r"""(?:environ(?:\.get)?\s*[\(\[]\s*|getenv\(\s*)["'](EPD_[A-Z0-9_]+)["']""")
+    found: dict[str, str] = {}
+    for folder in ("controlplane", "workers", "kvtransfer", "scripts", "tests"):
+        for path in (root / folder).rglob("*.py"):
+            if path.resolve() == Path(__file__).resolve():
+                continue  # this file names bad variables on purpose
+            for name in reads.findall(path.read_text(errors="replace")):
+                found.setdefault(name, str(path.relative_to(root)))
+    for path in [root / "Makefile", *(root / "helm").rglob("*.yaml")]:
+        for name in re.findall(r"\b(EPD_[A-Z0-9_]*[A-Z0-9])\b", path.read_text(errors="replace")):
+            found.setdefault(name, str(path.relative_to(root)))
+    assert {"EPD_NATIVE_KERNELS", "EPD_STATE_DIR", "EPD_CACHE_DIR", "EPD_DEMO_PROMPT"} <= set(found)
+    missing = {name: where for name, where in found.items()
+               if name not in ENV_OUTSIDE_SETTINGS and _nested_spelling(name.removeprefix("EPD_").lower()
+                                                                         .replace("__", "_"), Settings) is None}
+    assert not missing, f"EPD_* variables read outside the settings model and not in ENV_OUTSIDE_SETTINGS: {missing}"
+
+
+@pytest.mark.parametrize("name, check", [
+    ("EPD_MODEL", lambda s: s.model is None),  # not Path("") == "." (the current directory)
+    ("EPD_REDIS__URL", lambda s: s.redis.url is None),  # a private redis-server, not a traceback later
+    ("EPD_DECODE__REPLICAS", lambda s: s.decode.replicas == 1),
+    ("EPD_API__ADMIN_TOKEN", lambda s: s.api.admin_token is None),
+])
+def test_empty_variables_count_as_unset(name, check, monkeypatch):
+    monkeypatch.setenv(name, "")
+    assert check(Settings.load())
+
+
+def test_an_empty_unknown_variable_is_not_an_error(monkeypatch):
+    monkeypatch.setenv("EPD_BOGUS", "")
+    Settings.load()
+
+
+@pytest.mark.parametrize("name, value, message", [
+    ("EPD_DECODE", "notjson", "EPD_DECODE must hold a JSON object of decode settings"),
+    ("EPD_DECODE", "notjson", "EPD_DECODE__REPLICAS="),
+    ("EPD_API__API_KEYS", "k-secretsecretsecret", "EPD_API__API_KEYS must hold a JSON list"),
+    ("EPD_DECODE__RAY_RESOURCES", "gpu", "EPD_DECODE__RAY_RESOURCES must hold a JSON object"),
+])
+def test_a_variable_that_must_be_json_is_named(name, value, message, monkeypatch):
+    monkeypatch.setenv(name, value)
+    with pytest.raises(SettingsError) as err:
+        Settings.load()
+    assert message in str(err.value) and value not in str(err.value)  # values may be secrets: never echoed
+
+
+def test_whole_sections_as_json_still_load(monkeypatch):
+    monkeypatch.setenv("EPD_DECODE", '{"replicas": 3}')
+    monkeypatch.setenv("EPD_API__API_KEYS", '["k-0123456789abcdef"]')
+    s = Settings.load()
+    assert s.decode.replicas == 3 and len(s.api.api_keys) == 1
+
+
+@pytest.mark.parametrize("url", ["notaurl", "http://h:6379/0", "redis://", "redis://h:port/0", "unix://",
+                                 "redis://:hunter2@h:notaport/0"])
+def test_redis_urls_that_redis_would_refuse_are_refused_at_load(url):
+    with pytest.raises(SettingsError) as err:
+        Settings.load(None, {"redis": {"url": url}})
+    assert "redis.url" in str(err.value) and "hunter2" not in str(err.value)
+
+
+@pytest.mark.parametrize("url", ["redis://127.0.0.1:6379/0", "rediss://user:pw@h/1", "unix:///run/redis.sock",
+                                 "redis://h"])
+def test_redis_urls_redis_takes_are_accepted(url):
+    assert Settings.load(None, {"redis": {"url": url}}).redis.url == url
+
+
+@pytest.mark.parametrize("device", ["gpu9", "cuda:x", "CUDA", "meta", ""])
+def test_engine_devices_are_checked_at_load(device):
+    with pytest.raises(SettingsError, match="decode.engine.device: .* is not a device epd runs on"):
+        Settings.load(None, {"decode": {"engine": {"device": device}}})
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda", "cuda:1", "mps"])
+def test_engine_devices_are_not_required_to_exist_where_the_settings_load(device):
+    """The control plane may run without the GPUs its workers use (Kubernetes): only spelling is checked."""
+    assert Settings.load(None, {"prefill": {"engine": {"device": device}}}).prefill.engine.device == device

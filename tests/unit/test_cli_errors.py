@@ -1,0 +1,203 @@
+"""`epd` refuses bad arguments in one line (`epd: error: ...`, exit status 2) before it loads or starts
+anything, and its --help says what each option does and defaults to."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from controlplane.cli import build_parser, main
+
+pytestmark = [pytest.mark.unit]
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch, tmp_path):
+    for key in list(os.environ):
+        if key.startswith("EPD_"):
+            monkeypatch.delenv(key)
+    monkeypatch.setenv("EPD_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.setenv("COLUMNS", "400")  # argparse wraps help at the terminal's width: one line per option
+
+
+@pytest.fixture
+def no_loading(monkeypatch):
+    """Fail the test if a command gets as far as loading a model."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("the arguments should have been refused before loading the model")
+    import controlplane.bench.engine_bench as engine_bench
+    import workers.runtime.loader as loader
+    monkeypatch.setattr(loader, "load_model", refuse)
+    monkeypatch.setattr(engine_bench, "load_model", refuse)
+
+
+def one_line_error(capsys, argv: list[str]) -> str:
+    assert main(argv) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and out.err.startswith("epd: error: ") and out.err.count("\n") == 1, out
+    return out.err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--device", "gpu9"], "--device 'gpu9' is not a device epd runs on"),
+    (["--threads", "-3"], "--threads must be >= 1, got -3"),
+    (["--threads", "0"], "--threads must be >= 1, got 0"),
+    (["--image", "/nonexistent.png"], "--image /nonexistent.png: cannot read it: No such file or directory"),
+    (["--max-tokens", "0"], "max_tokens must be an integer >= 1"),
+])
+def test_generate_refuses_bad_arguments_before_loading(args, message, capsys, no_loading):
+    assert message in one_line_error(capsys, ["generate", *args])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_generate_on_cuda_without_cuda_is_refused(capsys, no_loading):
+    assert "--device cuda: CUDA is not available here" in one_line_error(capsys, ["generate", "--device", "cuda"])
+
+
+def test_generate_on_a_cuda_index_that_does_not_exist_is_refused(capsys, no_loading):
+    err = one_line_error(capsys, ["generate", "--device", f"cuda:{max(torch.cuda.device_count(), 1) + 7}"])
+    assert "--device cuda:" in err
+
+
+def test_model_init_into_a_file_is_refused(capsys, tmp_path):
+    target = tmp_path / "a-file"
+    target.write_text("keep me")
+    assert f"{target} exists and is not a folder" in one_line_error(capsys, ["model", "init", str(target)])
+    assert target.read_text() == "keep me"
+
+
+def test_model_init_where_no_folder_can_be_made_is_refused(capsys, tmp_path):
+    (tmp_path / "a-file").write_text("")
+    target = tmp_path / "a-file" / "model"
+    assert f"cannot write the model to {target}" in one_line_error(capsys, ["model", "init", str(target)])
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--batches", "a,b"], "--batches takes a comma list of integers"),
+    (["--batches", "0"], "--batches values must be >= 1"),
+    (["--batches", "8,-1"], "--batches values must be >= 1"),
+    (["--prefill-lengths", "128,,4096"], "--prefill-lengths takes a comma list of integers"),
+    (["--decode-tokens", "0"], "--decode-tokens must be >= 1"),
+    (["--repeats", "0"], "--repeats must be >= 1"),
+    (["--threads", "0"], "--threads must be >= 1"),
+    (["--device", "gpu9"], "--device 'gpu9'"),
+])
+def test_bench_engine_refuses_bad_arguments_before_loading(args, message, capsys, no_loading):
+    assert message in one_line_error(capsys, ["bench", "engine", "--no-hf", *args])
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--policy", "int9"], "--policy: codec policy 'int9': unknown codec 'int9'"),
+    (["--policy", "int8", "--policy", "auto:x"], "--policy"),
+    (["--prompts", "0"], "--prompts must be >= 1"),
+    (["--max-tokens", "0"], "--max-tokens must be >= 1"),
+])
+def test_bench_kv_accuracy_refuses_bad_arguments_before_any_output(args, message, capsys, no_loading):
+    assert message in one_line_error(capsys, ["bench", "kv-accuracy", *args])
+
+
+def test_bench_kv_accuracy_checks_policy_layers_against_the_model_before_any_output(capsys, default_ckpt):
+    err = one_line_error(capsys, ["bench", "kv-accuracy", "--model", str(default_ckpt), "--policy", "int8",
+                                  "--policy", "int8,99=bf16", "--prompts", "1", "--max-tokens", "1"])
+    assert "--policy 'int8,99=bf16': codec policy names layer 99, but the model has 4 layers" in err
+
+
+def _serve_failing_with(monkeypatch, exc: Exception) -> None:
+    import controlplane.serve as serve
+
+    def build(settings):
+        raise exc
+    monkeypatch.setattr(serve, "build", build)
+
+
+def test_a_replica_that_fails_to_start_ends_serve_in_one_line(capsys, monkeypatch):
+    from controlplane.pools.status import WorkerStartError
+    report = ("1 of 2 decode replicas failed to start:\n"
+              "epd-decode-abc123-0: AssertionError: Torch not compiled with CUDA enabled\n"
+              "  (raised while the actor started; Ray's report follows)\n"
+              "Traceback (most recent call last):\n  File ...\nAssertionError: Torch not compiled with CUDA enabled")
+    _serve_failing_with(monkeypatch, WorkerStartError(report))
+    err = one_line_error(capsys, ["serve", "--port", "18120"])
+    assert err == ("epd: error: 1 of 2 decode replicas failed to start: epd-decode-abc123-0: AssertionError: "
+                   "Torch not compiled with CUDA enabled\n")
+
+
+def test_an_unreachable_redis_ends_serve_in_one_line(capsys, monkeypatch):
+    from controlplane.state.errors import RedisServerNotFound, StateUnavailable
+    _serve_failing_with(monkeypatch, StateUnavailable("redis://127.0.0.1:1/0", "Connection refused"))
+    assert "cannot reach Redis at redis://127.0.0.1:1/0" in one_line_error(capsys, ["serve", "--port", "18120"])
+    _serve_failing_with(monkeypatch, RedisServerNotFound("redis-server is not installed"))
+    assert "redis-server is not installed" in one_line_error(capsys, ["serve", "--port", "18120"])
+
+
+def test_serve_refuses_a_redis_url_that_is_not_one(capsys):
+    err = one_line_error(capsys, ["serve", "--redis-url", "notaurl", "--port", "18120"])
+    assert "redis.url: 'notaurl' is not a Redis URL" in err
+
+
+def test_bugs_still_raise(monkeypatch):
+    _serve_failing_with(monkeypatch, KeyError("a bug"))
+    with pytest.raises(KeyError):
+        main(["serve", "--port", "18120"])
+
+
+def _help(*command: str) -> str:
+    parser = build_parser()
+    for name in command:
+        parser = next(a for a in parser._subparsers._group_actions if a.choices).choices[name]  # type: ignore
+    return parser.format_help()
+
+
+def test_status_and_scale_help_say_what_they_need():
+    status = _help("status")
+    assert "print the admin API's JSON instead of a table" in status
+    assert "running `epd serve`" in status and "admin token" in status
+    scale = _help("scale")
+    assert "its new replica count" in scale and "the pool to scale" in scale
+    assert "running `epd serve`" in scale and "EPD_API__ADMIN_TOKEN" in scale
+
+
+@pytest.mark.parametrize("command, expected", [
+    (("generate",), ["tokens to generate at most (default: 32)", "(default: 1.0", "sampling seed (default: none"]),
+    (("bench", "kv"), ["TTFT figure (default: 2048)"]),
+    (("bench", "engine"), ["per sequence (default: 64)", "this many runs (default: 3)"]),
+    (("bench", "kv-accuracy"), ["prompts to compare (default: 64)", "per prompt (default: 64)"]),
+    (("bench", "compare"), ["(default: 0)", "(default: bench-compare)"]),
+])
+def test_help_shows_the_defaults(command, expected):
+    text = " ".join(_help(*command).split())  # argparse wraps lines
+    for phrase in expected:
+        assert phrase in text, (command, phrase)
+
+
+def test_bench_compare_help_is_plain_words():
+    text = _help("bench", "compare")
+    assert "``" not in text and "controlplane." not in text
+    assert "goodput ratio" in text
+
+
+def test_readme_lists_the_admin_commands_flags():
+    commands = (Path(__file__).resolve().parents[2] / "README.md").read_text().split("## Commands", 1)[1]
+    commands = commands.split("\n## ", 1)[0]
+    for line in ("epd status [--json] [--url URL] [--config FILE]", "epd scale POOL N [--url URL] [--config FILE]",
+                 "epd drain WORKER [--url URL] [--config FILE]"):
+        assert line in commands
+
+
+@pytest.mark.parametrize("args, message", [
+    (["generate", "--device", "gpu9"], "--device 'gpu9' is not a device epd runs on"),
+    (["bench", "engine", "--batches", "a,b"], "--batches takes a comma list of integers"),  # raised in a bench module
+])
+def test_usage_errors_are_one_line_when_run_as_a_module_too(args, message):
+    """`python -m controlplane.cli` makes this module __main__: its errors and the bench modules' (which import
+    controlplane.cli again) are both one line."""
+    import subprocess
+    import sys
+    result = subprocess.run([sys.executable, "-m", "controlplane.cli", *args], capture_output=True, text=True,
+                            timeout=60, cwd=Path(__file__).resolve().parents[2],
+                            env={"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/tmp")})
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert message in result.stderr

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Callable
 
@@ -69,3 +70,12 @@ def default_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def default_bundle(default_ckpt: Path) -> LoadedModel:
     return load_model(default_ckpt)
+
+
+@pytest.fixture
+def no_epd_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run with no EPD_* variable set, so settings come from the test alone (the suite may run inside an
+    environment that sets some)."""
+    for key in list(os.environ):
+        if key.startswith("EPD_"):
+            monkeypatch.delenv(key)

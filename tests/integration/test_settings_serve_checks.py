@@ -21,10 +21,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(autouse=True)
-def _clean_env(monkeypatch):
-    for key in list(os.environ):
-        if key.startswith("EPD_"):
-            monkeypatch.delenv(key)
+def _clean_env(no_epd_env):
+    pass
 
 
 def _tls(folder: Path) -> dict:

@@ -4,7 +4,6 @@ the URL, and a missing token is reported only once the API has been reached."""
 from __future__ import annotations
 
 import json
-import os
 import socket
 import threading
 from collections.abc import Iterator
@@ -21,10 +20,7 @@ pytestmark = [pytest.mark.unit]
 
 
 @pytest.fixture(autouse=True)
-def _clean_env(monkeypatch, tmp_path):
-    for key in list(os.environ):
-        if key.startswith("EPD_"):
-            monkeypatch.delenv(key)
+def _clean_env(no_epd_env, monkeypatch, tmp_path):
     monkeypatch.setenv("EPD_STATE_DIR", str(tmp_path / "state"))  # no admin token file unless a test writes one
 
 

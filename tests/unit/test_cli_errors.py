@@ -15,10 +15,7 @@ pytestmark = [pytest.mark.unit]
 
 
 @pytest.fixture(autouse=True)
-def _clean_env(monkeypatch, tmp_path):
-    for key in list(os.environ):
-        if key.startswith("EPD_"):
-            monkeypatch.delenv(key)
+def _clean_env(no_epd_env, monkeypatch, tmp_path):
     monkeypatch.setenv("EPD_STATE_DIR", str(tmp_path / "state"))
     monkeypatch.setenv("COLUMNS", "400")  # argparse wraps help at the terminal's width: one line per option
 

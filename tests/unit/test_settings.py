@@ -14,11 +14,8 @@ pytestmark = [pytest.mark.unit]
 
 
 @pytest.fixture(autouse=True)
-def _clean_env(monkeypatch):
-    import os
-    for key in list(os.environ):
-        if key.startswith("EPD_"):
-            monkeypatch.delenv(key)
+def _clean_env(no_epd_env):
+    pass
 
 
 def test_defaults_are_valid_and_build_engine_configs():

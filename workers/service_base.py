@@ -3,6 +3,7 @@ that hosts a worker service next to its KVTransfer service behind one credential
 
 from __future__ import annotations
 
+import math
 import queue
 import socket
 import threading
@@ -17,7 +18,7 @@ from epd.worker.v1 import worker_pb2 as wpb
 from kvtransfer.auth import TransferSecurity
 from kvtransfer.options import CHANNEL_OPTIONS
 from workers.runtime.errors import (CapacityError, DuplicateRequestError, EngineError, InvalidImageError,
-                                    PromptTooLongError)
+                                    InvalidRequestError, PromptTooLongError)
 from workers.runtime.sampler import SamplingParams
 
 if TYPE_CHECKING:
@@ -34,6 +35,33 @@ class WorkerIdentity:
     def __post_init__(self) -> None:
         if not self.worker_id:
             self.worker_id = f"{self.pool}-{socket.gethostname()}-{uuid.uuid4().hex[:8]}"
+
+
+DEFAULT_TIMEOUT_S = 30.0  # a request's timeout_s of 0 (proto3's "unset")
+MAX_TIMEOUT_S = 24 * 3600.0
+MAX_REQUEST_ID_CHARS = 256  # the control plane sends uuids (36)
+
+
+def request_id_of(request) -> str:  # type: ignore[no-untyped-def]
+    """The request's id; InvalidRequestError when it is empty or over ``MAX_REQUEST_ID_CHARS``."""
+    rid = request.request_id
+    if not rid:
+        raise InvalidRequestError("request_id is required")
+    if len(rid) > MAX_REQUEST_ID_CHARS:
+        raise InvalidRequestError(f"request_id is {len(rid)} characters long; at most {MAX_REQUEST_ID_CHARS}")
+    return rid
+
+
+def timeout_of(request) -> float:  # type: ignore[no-untyped-def]
+    """The request's ``timeout_s`` (0: ``DEFAULT_TIMEOUT_S``); InvalidRequestError when it is negative, not
+    finite or over a day: a NaN deadline never passes, so whatever it guards would be held for good."""
+    t = request.timeout_s
+    if t == 0:
+        return DEFAULT_TIMEOUT_S
+    if not math.isfinite(t) or t < 0 or t > MAX_TIMEOUT_S:
+        raise InvalidRequestError(f"timeout_s must be seconds in (0, {MAX_TIMEOUT_S:.0f}] (0 for the default "
+                                  f"{DEFAULT_TIMEOUT_S:.0f}), got {t!r}")
+    return t
 
 
 def sampling_from_proto(p: "wpb.SamplingParams") -> SamplingParams:

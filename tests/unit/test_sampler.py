@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from workers.runtime.errors import InvalidRequestError
-from workers.runtime.sampler import SamplingParams, draw_seed, sample, seed_draw
+from workers.runtime.sampler import GREEDY_BELOW, SamplingParams, draw_seed, sample, seed_draw
 
 pytestmark = [pytest.mark.unit]
 
@@ -166,3 +166,21 @@ def test_each_draw_has_its_own_seed_from_the_request_seed_and_the_token_index() 
     seed_draw(a, 7, 3)
     seed_draw(b, 7, 3)
     assert sample(row[None], [p], [a]) == sample(row[None], [p], [b])
+
+
+def test_a_temperature_below_the_greedy_threshold_is_greedy() -> None:
+    logits = _logits(3, seed=9)
+    params = [SamplingParams(temperature=t, seed=1) for t in (1e-38, 1e-45, GREEDY_BELOW / 2)]
+    assert all(p.greedy for p in params) and not SamplingParams(temperature=GREEDY_BELOW).greedy
+    assert sample(logits, params, [_gen(1)] * 3) == logits.argmax(dim=-1).tolist()
+
+
+def test_a_row_whose_logits_are_not_finite_does_not_fail_the_others() -> None:
+    logits = _logits(3, seed=10)
+    logits[1, 7] = float("inf")
+    logits[2, 3] = float("nan")
+    params = [SamplingParams(temperature=1.0, seed=5)] * 3
+    got = sample(logits, params, [_gen(5), _gen(5), _gen(5)])
+    alone = sample(logits[:1], params[:1], [_gen(5)])
+    assert got[0] == alone[0]  # the finite row is sampled as it would be alone
+    assert got[1] == 7 and 0 <= got[2] < VOCAB

@@ -30,7 +30,8 @@ from workers.runtime.errors import EngineError, InvalidRequestError
 from workers.runtime.loader import LoadedModel
 from workers.runtime.sequence import MultimodalInput
 from workers.runtime.vision import encode_images, preprocess_images
-from workers.service_base import WorkerIdentity, sampling_from_proto, status_code_for, stream_tokens
+from workers.service_base import (WorkerIdentity, request_id_of, sampling_from_proto, status_code_for, stream_tokens,
+                                  timeout_of)
 
 
 class ColocatedService(wgrpc.DecodeWorkerServicer):
@@ -51,8 +52,10 @@ class ColocatedService(wgrpc.DecodeWorkerServicer):
     def Complete(self, request: "wpb.CompleteRequest", context: grpc.ServicerContext) -> Iterator["wpb.TokenChunk"]:
         if self.identity.draining:
             context.abort(grpc.StatusCode.UNAVAILABLE, f"worker {self.identity.worker_id} is draining")
-        rid, prompt = request.request_id, list(request.prompt_token_ids)
+        prompt = list(request.prompt_token_ids)
         try:
+            rid = request_id_of(request)
+            timeout_of(request)  # the caller's gRPC deadline bounds the call; a bad value is still refused
             params = sampling_from_proto(request.params)
             self.engine.check_request(prompt, params)  # cheap checks before the vision tower runs
             mm = self._embed(list(request.images), tuple(request.image_positions))

@@ -31,7 +31,8 @@ from workers.runtime.engine import Engine, EngineConfig, KVReservation
 from workers.runtime.errors import EngineError
 from workers.runtime.loader import LoadedModel
 from workers.runtime.sampler import SamplingParams
-from workers.service_base import WorkerIdentity, sampling_from_proto, status_code_for, stream_tokens
+from workers.service_base import (WorkerIdentity, request_id_of, sampling_from_proto, status_code_for, stream_tokens,
+                                  timeout_of)
 from workers.tracing import mark_kv_failure
 
 
@@ -75,14 +76,14 @@ class DecodeService(wgrpc.DecodeWorkerServicer):
     def Reserve(self, request: "wpb.ReserveRequest", context: grpc.ServicerContext) -> "wpb.ReserveReply":
         if self.identity.draining:
             context.abort(grpc.StatusCode.UNAVAILABLE, f"decode worker {self.identity.worker_id} is draining")
-        rid, prompt = request.request_id, list(request.prompt_token_ids)
+        prompt = list(request.prompt_token_ids)
         try:
+            rid, timeout = request_id_of(request), timeout_of(request)
             params = sampling_from_proto(request.params)
             self.engine.check_request(prompt, params)
             reservation = self.engine.reserve(rid, len(prompt))
         except EngineError as exc:
             context.abort(status_code_for(exc), str(exc))
-        timeout = request.timeout_s or 30.0
         pending = _Pending(reservation, prompt, params, time.monotonic() + 2 * timeout)
         with self._lock:
             self._pending[rid] = pending

@@ -22,7 +22,7 @@ from kvtransfer.embeddings import push_embeddings
 from kvtransfer.errors import TransferFailed
 from workers.runtime.errors import EngineError
 from workers.runtime.vision import VisionEncoder, encode_images, preprocess_images
-from workers.service_base import WorkerIdentity, status_code_for
+from workers.service_base import WorkerIdentity, request_id_of, status_code_for, timeout_of
 from workers.tracing import current_span
 
 
@@ -68,16 +68,18 @@ class EncodeService(wgrpc.EncodeWorkerServicer):
             context.abort(grpc.StatusCode.UNAVAILABLE, f"encode worker {self.identity.worker_id} is draining")
         if not request.images:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "no images to encode")
+        if not request.embeddings_target:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "embeddings_target (the prefill worker) is required")
         try:
+            rid, timeout = request_id_of(request), timeout_of(request)
             embeds, hits = self.embed(list(request.images))
         except EngineError as exc:
             context.abort(status_code_for(exc), str(exc))
-        timeout = request.timeout_s or 30.0
         deadline = time.monotonic() + timeout
         channel = self._channels.get(request.embeddings_target)
         while True:
             try:
-                push_embeddings(channel, self.security, request.request_id, embeds, self.encoder.fingerprint(),
+                push_embeddings(channel, self.security, rid, embeds, self.encoder.fingerprint(),
                                 timeout_s=max(0.1, deadline - time.monotonic()))
                 break
             except TransferFailed as exc:

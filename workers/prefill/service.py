@@ -28,11 +28,11 @@ from kvtransfer.stream import PushResult
 from workers.engine_loop import EngineLoop, LoopFailure
 from workers.prefill.kv_stream import LayerStreamer
 from workers.runtime.engine import Engine, EngineConfig
-from workers.runtime.errors import EngineError
+from workers.runtime.errors import EngineError, InvalidRequestError
 from workers.runtime.loader import LoadedModel
 from workers.runtime.sampler import SamplingParams
 from workers.runtime.sequence import MultimodalInput
-from workers.service_base import WorkerIdentity, sampling_from_proto, status_code_for
+from workers.service_base import WorkerIdentity, request_id_of, sampling_from_proto, status_code_for, timeout_of
 from workers.tracing import child_span, end_child, mark_kv_failure
 
 
@@ -47,6 +47,8 @@ class PrefillService(wgrpc.PrefillWorkerServicer):
         fingerprint = bundle.vision.fingerprint() if bundle.vision is not None else "no-vision"
         self.embeddings = EmbeddingReceiver(bundle.config.hidden_size, fingerprint)
         self.embeddings.expectations.start_janitor()
+        self._inflight: set[str] = set()  # request ids with a Prefill call in progress
+        self._inflight_lock = threading.Lock()
 
     def handlers(self) -> tuple[list, list]:
         return [(wgrpc.add_PrefillWorkerServicer_to_server, self)], [embedding_handler(self.embeddings)]
@@ -59,15 +61,39 @@ class PrefillService(wgrpc.PrefillWorkerServicer):
     def Prefill(self, request: "wpb.PrefillRequest", context: grpc.ServicerContext) -> "wpb.PrefillReply":
         if self.identity.draining:
             context.abort(grpc.StatusCode.UNAVAILABLE, f"prefill worker {self.identity.worker_id} is draining")
-        rid, prompt = request.request_id, list(request.prompt_token_ids)
-        timeout = request.timeout_s or 30.0
+        prompt = list(request.prompt_token_ids)
         try:
+            rid, timeout = request_id_of(request), timeout_of(request)
             params = sampling_from_proto(request.params)
             # prefill samples only the first token; the rest of the rules apply on the decode worker
             first_params = dataclasses.replace(params, max_tokens=1, stop=(), stop_token_ids=(), ignore_eos=True)
             self.engine.check_request(prompt, first_params)
+            if request.num_image_embeddings != len(request.image_positions) or len(request.image_positions) > len(prompt):
+                raise InvalidRequestError(f"num_image_embeddings ({request.num_image_embeddings}) must equal the number "
+                                          f"of image_positions ({len(request.image_positions)}), at most one per "
+                                          f"prompt token ({len(prompt)})")
+            if not request.complete and not request.kv_target:
+                raise InvalidRequestError("kv_target (the decode worker that reserved the KV) is required")
         except EngineError as exc:
             context.abort(status_code_for(exc), str(exc))
+        with self._inflight_lock:  # a second call with a live request's id must not touch the first
+            duplicate = rid in self._inflight
+            self._inflight.add(rid)
+        if duplicate:
+            context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request {rid!r} is already being prefilled on this worker")
+        finished = threading.Event()
+        # from here on, a caller that goes away (or its deadline) aborts the request wherever it is: waiting
+        # for embeddings, queued, computing or streaming its KV
+        context.add_callback(lambda: None if finished.is_set() else self._abort(rid, "the caller went away"))
+        try:
+            return self._prefill(rid, prompt, params, first_params, timeout, request, context)
+        finally:
+            finished.set()
+            with self._inflight_lock:
+                self._inflight.discard(rid)
+
+    def _prefill(self, rid: str, prompt: list[int], params: SamplingParams, first_params: SamplingParams,
+                 timeout: float, request: "wpb.PrefillRequest", context: grpc.ServicerContext) -> "wpb.PrefillReply":
         mm = None
         if request.num_image_embeddings:
             waited = child_span("wait-embeddings", {"epd.image_embeddings": request.num_image_embeddings})
@@ -77,8 +103,6 @@ class PrefillService(wgrpc.PrefillWorkerServicer):
                 end_child(waited)
         if request.complete:
             return self._complete(rid, prompt, params, mm, timeout, context)
-        finished = threading.Event()
-        context.add_callback(lambda: None if finished.is_set() else self._abort(rid, "the caller went away"))
         kv_span = child_span("kv-transfer", {"epd.kv.target": request.kv_target, "epd.prompt_tokens": len(prompt),
                                              "epd.kv.codec": ",".join(sorted(set(self.streamer.layout.layer_codecs))),
                                              "epd.kv.layers": self.streamer.layout.num_layers})
@@ -118,7 +142,6 @@ class PrefillService(wgrpc.PrefillWorkerServicer):
             kv_error = f"prefill failed: {type(exc).__name__}: {exc}"
             context.abort(grpc.StatusCode.INTERNAL, f"prefill of {rid!r} failed: {type(exc).__name__}")
         finally:
-            finished.set()
             if kv_error is None:
                 end_child(kv_span, None, **{"epd.kv.wire_bytes": push.num_bytes,
                                             "epd.kv.logical_bytes": push.logical_bytes,
@@ -136,8 +159,6 @@ class PrefillService(wgrpc.PrefillWorkerServicer):
         if params.max_tokens != 1:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           f"complete=true is for one-token requests; this one asks for {params.max_tokens}")
-        finished = threading.Event()
-        context.add_callback(lambda: None if finished.is_set() else self._abort(rid, "the caller went away"))
         try:
             q = self.loop.submit(rid, prompt, params, mm, wake=False)
             self.loop.run_here(rid)  # an idle engine steps it on this thread: no hand-off to the loop and back
@@ -147,8 +168,6 @@ class PrefillService(wgrpc.PrefillWorkerServicer):
         except queue.Empty:
             self._abort(rid, "prefill timed out")
             context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"prefill of {rid!r} did not finish in {timeout} s")
-        finally:
-            finished.set()
         if isinstance(item, LoopFailure):
             context.abort(status_code_for(item.error) if item.error else grpc.StatusCode.INTERNAL, item.message)
         if not item.new_token_ids:  # aborted before its token
@@ -161,7 +180,10 @@ class PrefillService(wgrpc.PrefillWorkerServicer):
                           context: grpc.ServicerContext) -> MultimodalInput:
         done = threading.Event()
         box: list[EmbeddingOutcome] = []
-        self.embeddings.expect(rid, request.num_image_embeddings, lambda o: (box.append(o), done.set()), timeout)
+        try:
+            self.embeddings.expect(rid, request.num_image_embeddings, lambda o: (box.append(o), done.set()), timeout)
+        except ValueError as exc:  # the receiver's own bounds on a request
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         if not done.wait(timeout + 1.0) or not box:
             self.embeddings.cancel(rid, "prefill stopped waiting")
             context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"image embeddings for {rid!r} did not arrive")

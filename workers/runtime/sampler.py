@@ -17,6 +17,11 @@ import torch
 from workers.runtime.errors import InvalidRequestError
 
 
+# Temperatures below this are greedy (vLLM's _SAMPLING_EPS): dividing logits by 1e-38 overflows them to
+# inf, and softmax then gives NaN.
+GREEDY_BELOW = 1e-5
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16
@@ -50,7 +55,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
 
 
 def _is_int(value: object) -> bool:
@@ -84,8 +89,10 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     if any(params[i].top_k or params[i].top_p < 1.0 for i in rows):
         x = _apply_top_k_top_p(x, [params[i].top_k for i in rows], [params[i].top_p for i in rows])
     probs = torch.softmax(x, dim=-1)
+    usable = torch.isfinite(probs).all(dim=-1).tolist()
     for j, i in enumerate(rows):
-        out[i] = int(torch.multinomial(probs[j], 1, generator=generators[i]).item())
+        if usable[j]:  # else (non-finite logits) the row keeps its argmax: one row must not fail the batch
+            out[i] = int(torch.multinomial(probs[j], 1, generator=generators[i]).item())
     return out
 
 

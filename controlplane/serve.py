@@ -43,6 +43,15 @@ def model_info(settings: Settings, model_dir: Path) -> ModelInfo:
                      tokens_per_image or 0, read_generation_eos(model_dir, cfg.vocab_size) or cfg.eos_token_ids)
 
 
+def rewrite_targets(conn, manager) -> None:  # type: ignore[no-untyped-def]
+    """After a restarted private Redis: each pool's target is what the manager runs now."""
+    from controlplane.state import Pool, PoolTargets
+
+    targets = PoolTargets(conn)
+    for pool in Pool:
+        targets.set_target(pool, len(manager.replicas(pool)))
+
+
 def validate(settings: Settings, model_dir: Path) -> None:
     """What the settings cannot check alone, checked before anything starts: the codec policy against the
     model's layers and the mTLS files. Raises ``SettingsError`` naming the setting. (Device spellings,
@@ -99,6 +108,7 @@ def build(settings: Settings) -> Deployment:
     from controlplane.scheduler.policies import get_policy
     from controlplane.scheduler.scheduler import Scheduler, WorkerView
     from controlplane.state import LocalRedis, RequestJournal, WorkerRegistry, connect
+    from controlplane.state.watchdog import PrivateRedisWatchdog
     from kvtransfer.auth import TransferSecurity
     from workers.runtime.default_model import ensure_default_checkpoint
 
@@ -112,17 +122,21 @@ def build(settings: Settings) -> Deployment:
         validate(settings, Path(model_dir))
         info = model_info(settings, Path(model_dir))
         url = settings.redis.url
+        redis = None
         if url is None:
             redis = LocalRedis().start()
-            dep.closers.append(redis.close)
             url = redis.url
             log.info("started a private redis-server at %s", url)
+            dep.closers.append(redis.close)
         conn = connect(url, settings.redis.prefix)
         dep.closers.append(conn.close)
         token = settings.transfer.token.get_secret_value() if settings.transfer.token else secrets.token_urlsafe(32)
         admin_token = ensure_admin_token(settings)
         manager = PoolManager(settings, url, settings.redis.prefix, token).start()
         dep.closers.append(manager.stop)
+        if redis is not None:  # restarted on its port if it dies; still closed last, after the manager's goodbyes
+            watchdog = PrivateRedisWatchdog(redis, lambda: rewrite_targets(conn, manager)).start()
+            dep.closers[dep.closers.index(redis.close)] = watchdog.close
         registry = WorkerRegistry(conn, ttl=settings.redis.heartbeat_ttl_s)
         t = settings.transfer
         security = TransferSecurity(token=token, tls_ca=t.tls_ca, tls_cert=t.tls_cert, tls_key=t.tls_key)

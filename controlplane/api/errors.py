@@ -8,6 +8,7 @@
   unknown model                                 404     .. / model_not_found
   missing or wrong API key                      401     .. / invalid_api_key
   Overloaded (no decode room in bounds)         429     rate_limit_error, Retry-After
+  StateError (Redis away: /admin, /dashboard)   503     server_error, Retry-After
   BackendError                                  its     its kind (4xx: invalid_request_error)
   anything else (a bug; logged)                 500     server_error, generic message
   ============================================  ======  ===========================
@@ -27,6 +28,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from controlplane.api.models import CONTENT_PART_TAGS, ErrorBody, ErrorDetail
 from controlplane.backend import BackendError, Overloaded
+from controlplane.state.errors import StateError
 from workers.runtime.errors import InvalidRequestError
 
 log = logging.getLogger(__name__)
@@ -68,6 +70,9 @@ def as_api_error(exc: BaseException) -> APIError:
         return APIError(exc.status, str(exc), type=kind)
     if isinstance(exc, InvalidRequestError):
         return APIError(400, str(exc))
+    if isinstance(exc, StateError):  # the admin and dashboard routes read Redis directly
+        return APIError(503, f"the routing state (Redis) is unavailable, retry shortly: {exc}", type="server_error",
+                        headers={"Retry-After": "1"})
     return APIError(500, INTERNAL_MESSAGE, type="server_error")
 
 
@@ -152,7 +157,7 @@ def install_error_handlers(app: FastAPI) -> None:
                        else "server_error", headers=dict(exc.headers or {}))
         return err.response()
 
-    for cls in (APIError, Overloaded, BackendError, InvalidRequestError):
+    for cls in (APIError, Overloaded, BackendError, InvalidRequestError, StateError):
         app.add_exception_handler(cls, api_error)
     app.add_exception_handler(RequestValidationError, invalid)
     app.add_exception_handler(StarletteHTTPException, http_error)

@@ -181,8 +181,11 @@ class PoolManager:
         if have < target:
             self._start_replicas(pool, target - have)
         elif have > target:
-            ordered = sorted(self._replicas[pool], key=lambda r: r.started_at)
-            victims = ordered[target:]  # the newest go first
+            # drained replicas (epd drain) go first, then the newest: a scale-down must never stop a routable
+            # replica and keep one that takes no new work
+            draining = {rec.info.worker_id for rec in self.registry.live_workers(pool) if rec.info.draining}
+            ordered = sorted(self._replicas[pool], key=lambda r: (r.worker_id in draining, r.started_at))
+            victims = ordered[target:]
             self._replicas[pool] = ordered[:target]
             self._drain_and_stop(victims)
 

@@ -169,8 +169,10 @@ class Scheduler:
                     if not self.colocated:
                         prefill = self._pick("prefill", request, set())
                         encode = self._pick("encode", request, set()) if request.images else None
-                        if prefill is None or (request.images and encode is None):
-                            raise BackendError("no live prefill/encode replica to serve the request", 503)
+                        missing = [pool for pool, c in (("prefill", prefill), ("encode", encode))
+                                   if c is None and (pool == "prefill" or request.images)]
+                        if missing:
+                            raise BackendError(f"no live {' or '.join(missing)} replica to serve the request", 503)
                     route = Route(decode.address, prefill.address if prefill else None,
                                   encode.address if encode else None)
                     chosen = [c.worker_id for c in (decode, prefill, encode) if c is not None]
@@ -210,13 +212,19 @@ class Scheduler:
                     except DispatchError as exc:
                         self._record(rid, RequestState.FAILED, f"{exc.stage}: {exc.message}")
                         raise _backend_error(exc) from None
+                    except GeneratorExit:  # the ingress closed the stream: the client went away
+                        self._record(rid, RequestState.ABORTED, "the client went away")
+                        raise
+                    except BaseException as exc:
+                        self._record(rid, RequestState.FAILED, f"internal error: {type(exc).__name__}")
+                        raise
                     finally:
                         for w in chosen:
                             self.view.end(w, tokens)
                     self._record(rid, RequestState.FINISHED)
                     return
                 if not self._candidates("decode"):
-                    raise BackendError("no live decode replica", 503)
+                    raise BackendError("no live decode replica to serve the request", 503)
                 if time.monotonic() + backoff > deadline:
                     self._record(rid, RequestState.FAILED, "no decode room in time")
                     metrics.rejected("queue_timeout")
@@ -225,6 +233,10 @@ class Scheduler:
                 time.sleep(backoff)
                 backoff = min(backoff * 2, 0.2)
                 self.view.invalidate()
+        except BackendError as exc:  # refused before streaming (no replica, Redis away): say so in the journal
+            if exc.status == 503:
+                self._record(rid, RequestState.FAILED, str(exc))
+            raise
         finally:
             if queued:
                 with self._lock:

@@ -95,6 +95,27 @@ def test_every_admin_route_needs_the_token(admin, headers):
     assert registry.get("decode-a", "decode").info.draining is False
 
 
+def test_redis_away_is_a_503_that_says_so_on_every_route():
+    """Not a generic 500: `epd status` and `epd scale` print this message."""
+    from controlplane.state import LocalRedis, connect
+    down = LocalRedis()
+    down.start()
+    conn = connect(down.url, "admin-down", retries=0, socket_timeout=0.5)
+    app = FastAPI()
+    install_error_handlers(app)
+    app.include_router(admin_router(conn, WorkerRegistry(conn, ttl=30), TOKEN))
+    client = TestClient(app)
+    down.close()  # Redis goes away under a running API
+    try:
+        for method, path, body in (("GET", "/admin/pools", None), ("PUT", "/admin/pools/decode", {"replicas": 2}),
+                                   ("POST", "/admin/workers/decode-a/drain", None)):
+            reply = client.request(method, path, json=body, headers=AUTH)
+            assert reply.status_code == 503, (path, reply.text)
+            assert "Redis" in reply.json()["error"]["message"] and reply.headers["retry-after"] == "1"
+    finally:
+        conn.close()
+
+
 def test_a_pool_fixed_by_the_mode_is_not_scaled(state_conn):  # noqa: F811
     registry = WorkerRegistry(state_conn, ttl=30)
     app = FastAPI()

@@ -220,6 +220,25 @@ def test_a_target_written_to_redis_is_picked_up_by_the_loop(manager: PoolManager
     assert {pool: live_ids(manager, pool) for pool in Pool} == before
 
 
+def test_scaling_down_stops_a_drained_replica_before_a_routable_one(manager: PoolManager):
+    """`epd drain` on the older replica, then a scale-down: the drained one goes, though it is older
+    (it used to keep it and stop the only routable replica)."""
+    (older,) = manager.replicas("prefill")
+    manager.scale("prefill", 2)
+    wait_for(lambda: len(live_ids(manager, Pool.PREFILL)) == 2, 120, "a second prefill replica")
+    (newer,) = [r for r in manager.replicas("prefill") if r.worker_id != older.worker_id]
+    conn = connect(manager.redis_url, manager.prefix)
+    try:
+        WorkerRegistry(conn).set_draining(older.worker_id, "prefill")
+        manager.scale("prefill", 1)
+        wait_for(lambda: live_ids(manager, Pool.PREFILL) == [newer.worker_id], 60, "the drained replica to go")
+        assert manager.replicas("prefill") == (newer,)
+        record = WorkerRegistry(conn).get(newer.worker_id, "prefill")
+        assert record is not None and not record.info.draining
+    finally:
+        conn.close()
+
+
 def test_a_lost_lease_is_registered_again_not_replaced(manager: PoolManager):
     (replica,) = manager.replicas("prefill")
     pid = ray.get(replica.actor.pid.remote(), timeout=30)

@@ -162,6 +162,26 @@ def test_a_request_past_the_request_timeout_is_cut_off_with_504_and_frees_its_bl
     assert len(_collect(_scheduler(cluster), WorkerRequest("in-time", bundle.tokenizer.encode("hello"), long))) == 280
 
 
+def test_the_journal_ends_every_request_refused_or_left(cluster):
+    """A 503 for a missing pool ends in FAILED naming the pool; a client that closes its stream ends in
+    ABORTED. Both were left at 'queued' / 'decoding' for good."""
+    bundle, *_ = cluster
+    scheduler = _scheduler(cluster)
+    journal = RequestJournal(cluster[5])
+    ids = bundle.tokenizer.encode("describe it")
+    with pytest.raises(BackendError) as info:  # this cluster has no encode pool
+        _collect(scheduler, WorkerRequest("no-encode", ids, GREEDY, (b"png",), (0,)))
+    assert info.value.status == 503 and "no live encode replica" in str(info.value)
+    last = journal.history("no-encode")[-1]
+    assert last.state == RequestState.FAILED and "encode" in last.detail
+    long = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
+    stream = scheduler.generate(WorkerRequest("left", ids, long))
+    assert next(stream).token_ids
+    stream.close()  # what the ingress does when the client goes away
+    assert [e.state for e in journal.history("left")][-1] == RequestState.ABORTED
+    assert scheduler.view._inflight == {}
+
+
 def test_an_unexpected_error_in_dispatch_fails_the_request_and_drops_the_routing_counts(cluster):
     bundle, workers, registry, _, model, conn = cluster
 

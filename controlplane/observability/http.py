@@ -139,6 +139,8 @@ async def _timed(chunks: AsyncGenerator[Chunk, None], request_id: str, route: st
             yield chunk
     except BaseException as exc:
         status = _status_of(exc) if isinstance(exc, Exception) else 499
+        if on and first_at is not None:
+            metrics.CUT_SHORT.labels(route, str(status)).inc()
         end_span(stream_span, exc)
         stream_span = None
         raise

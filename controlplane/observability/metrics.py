@@ -78,6 +78,10 @@ KV_SECONDS = Histogram(f"{PREFIX}kv_transfer_seconds", "One request's KV push pr
 # ---------------------------------------------------------------- counters
 REQUESTS = Counter(f"{PREFIX}requests", "HTTP requests answered, by route and status code.", ["route", "status"],
                    registry=REGISTRY)
+CUT_SHORT = Counter(f"{PREFIX}requests_cut_short", "Requests that ended after their first token without their last: "
+                    "a worker failed (the status that failure maps to) or the client left (499). A streamed "
+                    "answer's status line, counted as 200 in epd:requests, was sent by then.",
+                    ["route", "status"], registry=REGISTRY)
 PROMPT_TOKENS = Counter(f"{PREFIX}prompt_tokens", "Prompt tokens of finished requests.", registry=REGISTRY)
 GENERATION_TOKENS = Counter(f"{PREFIX}generation_tokens", "Output tokens of finished requests.", registry=REGISTRY)
 KV_LOGICAL_BYTES = Counter(f"{PREFIX}kv_transfer_logical_bytes",

@@ -31,7 +31,7 @@ EPD_FAMILIES = {  # family name -> type, as the parser reports them
     "epd:requests": "counter", "epd:kv_transfer_logical_bytes": "counter", "epd:kv_transfer_wire_bytes": "counter",
     "epd:kv_transfer_failures": "counter", "epd:admission_rejections": "counter", "epd:encoder_images": "counter",
     "epd:encoder_cache_hits": "counter", "epd:prompt_tokens": "counter", "epd:generation_tokens": "counter",
-    "epd:queue_depth": "gauge", "epd:scheduler_queue_depth": "gauge",
+    "epd:queue_depth": "gauge", "epd:scheduler_queue_depth": "gauge", "epd:requests_cut_short": "counter",
 }
 
 
@@ -121,6 +121,32 @@ def test_counters_and_histogram_counts_equal_the_workload(e2e_stack: Stack) -> N
         assert all(a[1] <= b[1] for a, b in zip(buckets, buckets[1:]))
     for pool in ("encode", "prefill", "decode"):  # nothing left in flight
         assert _v(after, "epd:queue_depth", pool=pool) == 0, pool
+
+
+def test_a_stream_the_client_leaves_is_counted_as_cut_short(e2e_stack: Stack) -> None:
+    """Its status line said 200 before the client left; epd:requests_cut_short says it did not finish."""
+    base = e2e_stack.base_url.removesuffix("/v1")
+    before, _ = _scrape(base)
+    headers = {"Authorization": f"Bearer {e2e_stack.api_key}"}
+    model = httpx.get(f"{e2e_stack.base_url}/models", headers=headers, timeout=10).json()["data"][0]["id"]
+    body = {"model": model, "prompt": "Leave early", "max_tokens": 400, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    with httpx.stream("POST", f"{e2e_stack.base_url}/completions", json=body, headers=headers, timeout=30) as resp:
+        assert resp.status_code == 200
+        for line in resp.iter_lines():
+            if line.startswith("data: {"):
+                break  # the first token is here; leave
+    deadline = time.monotonic() + 10
+    while True:
+        after, _ = _scrape(base)
+        left = (_v(after, "epd:requests_cut_short_total", route="/v1/completions", status="499")
+                - _v(before, "epd:requests_cut_short_total", route="/v1/completions", status="499"))
+        if left == 1 or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert left == 1
+    assert (_v(after, "epd:e2e_request_latency_seconds_count")
+            == _v(before, "epd:e2e_request_latency_seconds_count"))  # it never finished
 
 
 def test_metrics_needs_no_api_key_and_leaves_generation_guarded(e2e_stack: Stack) -> None:

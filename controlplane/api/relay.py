@@ -6,12 +6,16 @@
      iterator (it must end there), so the backend's bookkeeping after its last yield runs and a
      1-token request costs two hops, not three.
   3. Leaving early (client gone, task cancelled, error) closes the backend's iterator on a thread,
-     shielded from the cancellation, so its ``finally`` aborts the request on the workers.
+     shielded from the cancellation, so its ``finally`` aborts the request on the workers. If a thread
+     is still inside ``next()`` (the task was cancelled while waiting for a chunk, as at shutdown), the
+     close is left to that thread for when its ``next()`` returns: closing a generator that is running
+     raises "generator already executing" and would skip the abort.
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
 import weakref
 from dataclasses import dataclass
 from typing import AsyncGenerator, Generator, Iterator
@@ -64,6 +68,35 @@ def _step(it: Iterator[Chunk]) -> tuple[object, bool]:
     return item, False
 
 
+class _Stepper:
+    """Steps an iterator on worker threads and closes it once, never while a step runs."""
+
+    def __init__(self, it: Generator[Chunk, None, None]) -> None:
+        self.it = it
+        self._lock = threading.Lock()
+        self._running = False
+        self._close_pending = False
+
+    def step(self) -> tuple[object, bool]:
+        with self._lock:
+            self._running = True
+        try:
+            return _step(self.it)
+        finally:
+            with self._lock:
+                self._running = False
+                close_now, self._close_pending = self._close_pending, False
+            if close_now:
+                self.it.close()
+
+    def close(self) -> None:
+        with self._lock:
+            if self._running:  # the step's thread closes it as soon as its next() returns
+                self._close_pending = True
+                return
+        self.it.close()
+
+
 @dataclass
 class Relay:
     """``async for chunk in Relay(...).chunks()``: the request's chunks, the last one finished."""
@@ -74,11 +107,11 @@ class Relay:
 
     async def chunks(self) -> AsyncGenerator[Chunk, None]:
         limiter = self.lanes.limiter()
-        it = _drive(self.backend, self.request)
+        stepper = _Stepper(_drive(self.backend, self.request))
         ended = False
         try:
             while True:
-                item, ended = await anyio.to_thread.run_sync(_step, it, limiter=limiter)
+                item, ended = await anyio.to_thread.run_sync(stepper.step, limiter=limiter)
                 if item is _END:
                     raise BackendError("the backend ended the request without finishing it", status=502)
                 assert isinstance(item, Chunk)
@@ -88,4 +121,4 @@ class Relay:
         finally:
             if not ended:
                 with anyio.CancelScope(shield=True):
-                    await anyio.to_thread.run_sync(it.close, limiter=limiter)
+                    await anyio.to_thread.run_sync(stepper.close, limiter=limiter)

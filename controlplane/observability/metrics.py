@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Protocol
@@ -35,6 +37,10 @@ if TYPE_CHECKING:
 PREFIX = "epd:"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 CLUSTER_CACHE_S = 1.0
+# A scrape waits at most this long for the pool gauges (they read Redis); a stalled Redis (its client
+# retries for ~8 s a command) leaves them out of that scrape instead of holding the scrape past
+# Prometheus's timeout. The read goes on in the background and serves the next scrape.
+CLUSTER_WAIT_S = 1.0
 RECENT_REQUESTS = 1000  # kept for the dashboard's charts and timelines
 
 
@@ -132,29 +138,44 @@ class ClusterSource(Protocol):
 
 
 class _ClusterCollector(Collector):
-    """Pool gauges from the bound source; a failing source yields no pool gauges, never a failed scrape."""
+    """Pool gauges from the bound source; a failing or slow source yields no pool gauges, never a failed
+    or stalled scrape."""
 
     def __init__(self) -> None:
         self.source: ClusterSource | None = None
         self._cached: tuple[float, ClusterSnapshot | None] = (0.0, None)
         self._lock = threading.Lock()
+        self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pool-gauges")
+        self._reading: Future | None = None
 
     def describe(self) -> Iterable[Metric]:
         return []
 
-    def current(self) -> ClusterSnapshot | None:
+    def _read(self, src: ClusterSource) -> ClusterSnapshot | None:
+        try:
+            snap: ClusterSnapshot | None = src.snapshot()
+        except Exception:  # Redis away: the rest of /metrics still answers
+            snap = None
+        with self._lock:
+            if self.source is src:
+                self._cached = (time.monotonic(), snap)
+        return snap
+
+    def current(self, wait_s: float | None = None) -> ClusterSnapshot | None:
         src = self.source
         if src is None:
             return None
         with self._lock:
             at, snap = self._cached
-            if snap is None or time.monotonic() - at > CLUSTER_CACHE_S:
-                try:
-                    snap = src.snapshot()
-                except Exception:  # Redis away: the rest of /metrics still answers
-                    snap = None
-                self._cached = (time.monotonic(), snap)
-            return snap
+            if snap is not None and time.monotonic() - at <= CLUSTER_CACHE_S:
+                return snap
+            if self._reading is None or self._reading.done():  # one read at a time, however many scrapes
+                self._reading = self._reader.submit(self._read, src)
+            reading = self._reading
+        try:
+            return reading.result(timeout=CLUSTER_WAIT_S if wait_s is None else wait_s)
+        except FutureTimeout:
+            return None
 
     def collect(self) -> Iterator[Metric]:
         snap = self.current()

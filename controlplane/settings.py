@@ -84,7 +84,7 @@ def mask_url(url: str) -> str:
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_default=True)
+    model_config = ConfigDict(extra="forbid", validate_default=True, allow_inf_nan=False)  # a NaN deadline never passes
 
 
 class EngineSettings(_Model):

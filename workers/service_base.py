@@ -65,8 +65,9 @@ def timeout_of(request) -> float:  # type: ignore[no-untyped-def]
 
 
 def sampling_from_proto(p: "wpb.SamplingParams") -> SamplingParams:
-    """Raises InvalidRequestError (an EngineError) for out-of-range values."""
-    return SamplingParams(max_tokens=p.max_tokens or 16, temperature=p.temperature, top_p=p.top_p or 1.0,
+    """Raises InvalidRequestError (an EngineError) for out-of-range values, max_tokens 0 (unset) included:
+    a caller that forgot it used to get 16 tokens silently. top_p 0 (unset) is 1 (off)."""
+    return SamplingParams(max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p or 1.0,
                           top_k=p.top_k, seed=p.seed if p.HasField("seed") else None, stop=tuple(p.stop),
                           stop_token_ids=tuple(p.stop_token_ids), ignore_eos=p.ignore_eos)
 

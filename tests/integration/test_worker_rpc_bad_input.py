@@ -119,9 +119,11 @@ def test_an_empty_or_oversized_request_id_is_refused_everywhere(workers, default
     _assert_idle(workers, default_bundle)
 
 
-def test_missing_targets_and_mismatched_image_counts_are_refused(workers, default_bundle):
+def test_missing_targets_max_tokens_and_mismatched_image_counts_are_refused(workers, default_bundle):
     _, _, stubs = workers
     ids = default_bundle.tokenizer.encode("hello there")
+    assert "max_tokens must be an integer >= 1, got 0" in _refused(stubs["decode"].Reserve, wpb.ReserveRequest(
+        request_id="no-max", prompt_token_ids=ids, params=wpb.SamplingParams(ignore_eos=True)))
     assert "kv_target" in _refused(stubs["prefill"].Prefill, wpb.PrefillRequest(
         request_id="no-target", prompt_token_ids=ids, params=GREEDY))
     assert "embeddings_target" in _refused(stubs["encode"].Encode, wpb.EncodeRequest(

@@ -208,6 +208,18 @@ class SchedulerSettings(_Model):
     queue_size: int = Field(256, ge=0, description="requests waiting for decode room at most; beyond, 429")
     queue_timeout_s: float = Field(30.0, gt=0, description="longest wait in that queue before 429")
     request_timeout_s: float = Field(600.0, gt=0, description="end-to-end deadline of one request")
+    migration_limit: int = Field(3, ge=0, description="times one request may move to another worker after "
+                                                       "its worker died or hung; beyond, a retriable 503")
+    token_idle_timeout_s: float = Field(5.0, gt=0, description="a streaming worker that sends no token for "
+                                                                "this long is taken as hung and its request moves")
+    first_token_timeout_s: float = Field(60.0, gt=0, description="the same bound before a request's first token "
+                                                                  "(it covers queueing and prefill)")
+    keepalive_s: float = Field(2.0, gt=0, description="HTTP/2 keepalive ping interval on worker channels; a "
+                                                       "worker that misses one for as long again is lost")
+    breaker_failures: int = Field(3, ge=1, description="consecutive failed calls that open a worker's circuit "
+                                                        "breaker (no routing to it)")
+    breaker_open_s: float = Field(5.0, gt=0, description="how long an open breaker waits before one half-open "
+                                                          "probe request may try the worker again")
 
     @field_validator("routing_policy")
     @classmethod
@@ -230,6 +242,9 @@ class RedisSettings(_Model):
     url: str | None = Field(None, description="redis://host:port/db; unset = epd starts a local redis-server")
     prefix: str = Field("epd", pattern=r"^[A-Za-z0-9_.-]+$", description="prefix of every key")
     heartbeat_ttl_s: float = Field(5.0, gt=0, description="a worker's lease; it leaves routing within 2 TTLs")
+    command_budget_s: float = Field(0.25, gt=0, description="on the request path, the time one Redis command may "
+                                                             "take (one try); past it routing uses its last good "
+                                                             "snapshot")
 
     @field_validator("url")
     @classmethod

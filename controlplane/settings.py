@@ -236,6 +236,8 @@ class ApiSettings(_Model):
     served_model_name: str | None = Field(None, description="model id in /v1/models (default: folder name)")
     admin_token: SecretStr | None = Field(None, description="for /admin and epd scale (generated locally if unset)")
     api_keys: list[SecretStr] = Field(default_factory=list, description="accepted bearer keys; empty = open API")
+    ops_token: SecretStr | None = Field(None, description="bearer token /metrics and /dashboard ask for (Prometheus: "
+                                                          "authorization.credentials); unset = both open")
 
 
 class RedisSettings(_Model):
@@ -270,6 +272,8 @@ class RedisSettings(_Model):
 class RaySettings(_Model):
     address: str | None = Field(None, description="join this Ray cluster; unset = start a local one")
     namespace: str = "epd"
+    loopback_only: bool = Field(True, description="a local Ray that epd serve starts binds 127.0.0.1 only (GCS, "
+                                                  "raylet, agents, workers); false: Ray's default, every interface")
     replica_start_timeout_s: float = Field(180.0, gt=0, description="a new replica must be placed, load its model "
                                                                     "and register within this (raise it where "
                                                                     "nodes or images take long to come up)")

@@ -132,6 +132,13 @@ def make_layer_storage(spec: KVCacheSpec, num_blocks: int, dtype_name: CacheDTyp
     raise InvalidRequestError(f"unknown KV cache dtype {dtype_name!r}; supported: {', '.join(CACHE_DTYPES)}")
 
 
+def block_slots(blocks: list[int], block_size: int, device: torch.device) -> torch.Tensor:
+    """Slot ids of every token of ``blocks`` (in order), a long tensor on ``device``: the cache's, as
+    index ops refuse an index on another device."""
+    b = torch.tensor(blocks, dtype=torch.long, device=device)
+    return (b[:, None] * block_size + torch.arange(block_size, device=device)).reshape(-1)
+
+
 class BlockAllocator:
     """A free list of block ids with refcounts. Pure bookkeeping: it never touches tensors."""
 
@@ -234,9 +241,9 @@ class PagedKVCache:
     def slots_for(self, block_table: list[int], start: int, end: int) -> torch.Tensor:
         """Slot indices of tokens [start, end) of a sequence with this block table."""
         bs = self.spec.block_size
-        pos = torch.arange(start, end)
-        table = torch.tensor(block_table, dtype=torch.long)
-        return (table[pos // bs] * bs + pos % bs).to(self.device)
+        pos = torch.arange(start, end, device=self.device)
+        table = torch.tensor(block_table, dtype=torch.long, device=self.device)
+        return table[pos // bs] * bs + pos % bs
 
     def read_tokens(self, layer: int, block_table: list[int], num_tokens: int,
                     dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

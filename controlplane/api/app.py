@@ -20,7 +20,7 @@ from fastapi import APIRouter, FastAPI, Request
 from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, Response
 
-from controlplane.api.auth import BearerAuth
+from controlplane.api.auth import BearerAuth, OpsAuth
 from controlplane.api.errors import CatchAll, install_error_handlers
 from controlplane.api.limits import MAX_BODY_BYTES, BodyLimit
 from controlplane.api.models import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, StreamOptions
@@ -39,11 +39,12 @@ CLIENT_CLOSED = 499  # nginx's status for a client that left before the answer; 
 
 def create_app(backend: Backend, api_keys: Sequence[str] = (), admin: APIRouter | None = None, *,
                relay_threads: int = 256, routers: Sequence[APIRouter] = (),
-               max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+               max_body_bytes: int = MAX_BODY_BYTES, ops_token: str | None = None) -> FastAPI:
     """The ingress app. ``api_keys``: bearer keys for /v1/* (empty: open). ``admin``: a router
     mounted as is (it guards itself). ``relay_threads``: threads that may wait on backend chunks.
     ``routers``: more routers mounted as they are (the dashboard). ``GET /metrics`` is always served.
-    ``max_body_bytes``: a larger request body is a 413 (``limits.BodyLimit``)."""
+    ``max_body_bytes``: a larger request body is a 413 (``limits.BodyLimit``). ``ops_token``: /metrics and
+    /dashboard need it (``auth.OpsAuth``; None: open)."""
     app = FastAPI(title="epd", summary="OpenAI-compatible API over disaggregated encode/prefill/decode",
                   docs_url=None, redoc_url=None, **fastapi_kwargs())
     install_error_handlers(app)
@@ -123,6 +124,7 @@ def create_app(backend: Backend, api_keys: Sequence[str] = (), admin: APIRouter 
         app.include_router(admin)
     app.add_middleware(BodyLimit, limit=max_body_bytes)
     app.add_middleware(BearerAuth, api_keys=list(api_keys))  # outside BodyLimit: no key, no size hint
+    app.add_middleware(OpsAuth, token=ops_token)
     app.add_middleware(CatchAll)
     app.add_middleware(ObservabilityMiddleware)  # added last: outermost, so it sees every status sent
     return app

@@ -1,4 +1,7 @@
 """API keys: with any configured, every /v1/* request needs ``Authorization: Bearer <key>``.
+The ops token (``api.ops_token``): when set, /metrics and /dashboard (the page and its data) need it, as
+``Authorization: Bearer <token>`` (Prometheus's ``authorization`` block) or, for a browser opening the page,
+``?token=<token>`` (the page then sends it as a header on its own requests).
 
 A middleware rather than a dependency, so a request without a key is refused before its body is
 read or parsed (an unauthenticated caller learns nothing about what the body should hold).
@@ -10,11 +13,32 @@ from __future__ import annotations
 import secrets
 from typing import Sequence
 
+from urllib.parse import parse_qs
+
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from controlplane.api.errors import APIError
 
 PROTECTED_PREFIX = "/v1"
+OPS_PATHS = ("/metrics", "/dashboard/api")
+OPS_PAGES = ("/dashboard", "/dashboard/")  # the page itself; its static JS and CSS hold no data
+
+
+def _under(path: str, prefix: str) -> bool:
+    return path == prefix or path.startswith(prefix + "/")
+
+
+def _bearer(header: bytes | None) -> bytes | None:
+    if header is None:
+        return None
+    scheme, _, token = header.partition(b" ")
+    token = token.strip()
+    return token if scheme.lower() == b"bearer" and token else None
+
+
+def _matches(token: bytes | None, keys: Sequence[bytes]) -> bool:
+    # compare against every key, so the time taken does not tell which one nearly matched
+    return token is not None and sum(secrets.compare_digest(token, key) for key in keys) > 0
 
 
 class BearerAuth:
@@ -23,19 +47,12 @@ class BearerAuth:
         self.keys = [k.encode() for k in api_keys if k]
 
     def _allowed(self, header: bytes | None) -> bool:
-        if header is None:
-            return False
-        scheme, _, token = header.partition(b" ")
-        if scheme.lower() != b"bearer" or not token.strip():
-            return False
-        token = token.strip()
-        # compare against every key, so the time taken does not tell which one nearly matched
-        return sum(secrets.compare_digest(token, key) for key in self.keys) > 0
+        return _matches(_bearer(header), self.keys)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path", "")
         if (not self.keys or scope["type"] != "http"
-                or not (path == PROTECTED_PREFIX or path.startswith(PROTECTED_PREFIX + "/"))):
+                or not _under(path, PROTECTED_PREFIX)):
             await self.app(scope, receive, send)
             return
         header = dict(scope.get("headers") or []).get(b"authorization")
@@ -45,4 +62,31 @@ class BearerAuth:
         message = ("You didn't provide an API key. Send it as 'Authorization: Bearer <key>'." if header is None
                    else "Incorrect API key provided.")
         err = APIError(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        await err.response()(scope, receive, send)
+
+
+class OpsAuth:
+    """/metrics and /dashboard behind ``token`` (None: open). A refusal is a 401 that says how to send it."""
+
+    def __init__(self, app: ASGIApp, token: str | None) -> None:
+        self.app = app
+        self.keys = [token.encode()] if token else []
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope.get("path", "")
+        guarded = path in OPS_PAGES or any(_under(path, p) for p in OPS_PATHS)
+        if not self.keys or scope["type"] != "http" or not guarded:
+            await self.app(scope, receive, send)
+            return
+        header = dict(scope.get("headers") or []).get(b"authorization")
+        token = _bearer(header)
+        if token is None:
+            query = parse_qs((scope.get("query_string") or b"").decode("latin-1"))
+            token = query["token"][-1].encode() if query.get("token") else None
+        if _matches(token, self.keys):
+            await self.app(scope, receive, send)
+            return
+        err = APIError(401, "/metrics and /dashboard need the ops token (api.ops_token): send "
+                            "'Authorization: Bearer <token>', or open /dashboard?token=<token>",
+                       code="invalid_ops_token", headers={"WWW-Authenticate": "Bearer"})
         await err.response()(scope, receive, send)

@@ -81,7 +81,7 @@ class PoolManager:
         self.drain_timeout_s = drain_timeout_s if drain_timeout_s is not None else settings.scheduler.request_timeout_s
         self.reconcile_interval_s = reconcile_interval_s
         self.runtime = RayRuntime(ray_address if ray_address is not None else settings.ray.address,
-                                  settings.ray.namespace)
+                                  settings.ray.namespace, loopback_only=settings.ray.loopback_only)
         self._token = token
         self._settings_json = settings.model_dump_json(exclude=_SECRETS)  # secrets never ride in Ray task args
         self._model_dir = str(settings.model) if settings.model is not None else ""  # "": the actor resolves it

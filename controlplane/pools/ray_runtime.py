@@ -10,7 +10,11 @@ Lifecycle:
                    with a fresh token in a 0600 file in that temp dir: Ray 2.60 would otherwise write
                    ``~/.ray/auth_token`` on first start, which then switches every later local
                    ``ray.init`` of the user to token auth. A user who set ``RAY_AUTH_MODE`` (or a
-                   token) gets exactly that.
+                   token) gets exactly that. With ``loopback_only`` every process of that cluster (GCS,
+                   raylet, agents, workers) binds 127.0.0.1: Ray takes its node address from its
+                   local-only switch ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``, read when Ray is imported,
+                   so ``loopback_environment()`` must run before the process's first ``import ray``
+                   (``epd serve`` does). ``start()`` warns when the node address is not loopback.
   2. ``stop()``    ``ray.shutdown()`` if ``start`` called ``ray.init``; then the environment is restored
                    and the temp dir removed. Idempotent.
 """
@@ -25,6 +29,8 @@ import tempfile
 from pathlib import Path
 
 import ray
+
+from controlplane.ray_env import LOOPBACK_HOSTS, LOOPBACK_VAR, loopback_environment
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +48,10 @@ def _reload_ray_auth() -> None:
 
 
 class RayRuntime:
-    def __init__(self, address: str | None, namespace: str, num_cpus: int | None = None) -> None:
+    def __init__(self, address: str | None, namespace: str, num_cpus: int | None = None,
+                 loopback_only: bool = True) -> None:
         self.address = address
+        self.loopback_only = loopback_only
         self.namespace = namespace
         self.num_cpus = num_cpus or os.cpu_count() or 1
         self.temp_dir: Path | None = None  # the private cluster's, while it runs
@@ -61,6 +69,8 @@ class RayRuntime:
         self.temp_dir = Path(tempfile.mkdtemp(prefix="epd-ray-"))
         try:
             self._private_token()
+            if loopback_environment(False, self.loopback_only):  # Ray's child processes read it too
+                self._saved_env = {**(self._saved_env or {}), LOOPBACK_VAR: None}
             ray.init(num_cpus=self.num_cpus, namespace=self.namespace, include_dashboard=False,
                      _temp_dir=str(self.temp_dir), log_to_driver=False, logging_level=logging.WARNING,
                      object_store_memory=OBJECT_STORE_BYTES)
@@ -68,6 +78,10 @@ class RayRuntime:
             self._restore()
             raise
         self.owns_connection = True
+        node_ip = ray.util.get_node_ip_address()
+        if self.loopback_only and node_ip not in LOOPBACK_HOSTS:
+            log.warning("the local Ray took the node address %s and listens beyond loopback: Ray was imported "
+                        "before %s=0 was set (set it in the environment first)", node_ip, LOOPBACK_VAR)
 
     def _private_token(self) -> None:
         if any(v in os.environ for v in _AUTH_VARS):
@@ -77,7 +91,7 @@ class RayRuntime:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as f:
             f.write(secrets.token_hex(32))
-        self._saved_env = {v: os.environ.get(v) for v in _AUTH_VARS}
+        self._saved_env = {**(self._saved_env or {}), **{v: os.environ.get(v) for v in _AUTH_VARS}}
         os.environ["RAY_AUTH_MODE"] = "token"
         os.environ["RAY_AUTH_TOKEN_PATH"] = str(path)  # Ray's own processes inherit both
         _reload_ray_auth()

@@ -6,6 +6,9 @@ const COLORS = ["#2f6fde", "#e07b22", "#1d8a4e", "#8a3ffc"];
 const TOKEN_KEY = "epd-admin-token";
 const STAGES = ["queue", "reserve", "encode", "prefill", "kv_transfer", "decode", "complete", "stream"];
 const dash = (window.epdDashboard = { state: null, polls: 0, errors: 0 });
+// api.ops_token: the page was opened as /dashboard?token=...; its data requests send it as a header
+const opsToken = new URLSearchParams(window.location.search).get("token");
+const opsHeaders = () => (opsToken ? { Authorization: `Bearer ${opsToken}` } : {});
 
 function el(tag, attrs = {}, ...children) {
   const node = document.createElement(tag);
@@ -168,7 +171,7 @@ function render(state) {
 
 async function poll() {
   try {
-    const resp = await fetch("/dashboard/api/state", { cache: "no-store" });
+    const resp = await fetch("/dashboard/api/state", { cache: "no-store", headers: opsHeaders() });
     if (!resp.ok) throw new Error(`HTTP ${resp.status}`);
     const state = await resp.json();
     dash.state = state; dash.polls++;

@@ -100,6 +100,9 @@ class Deployment:
 
 
 def build(settings: Settings) -> Deployment:
+    from controlplane.ray_env import loopback_environment
+
+    loopback_environment(settings.ray.address is not None, settings.ray.loopback_only)  # before Ray is imported
     from controlplane.admin import admin_router, drain_over_rpc
     from controlplane.admin_client import ensure_admin_token
     from controlplane.api.app import create_app
@@ -159,7 +162,8 @@ def build(settings: Settings) -> Deployment:
         dep.closers.append(uninstrument)
         dep.app = create_app(scheduler, keys, admin=admin_router(conn, registry, admin_token,
                                                                  on_drain=drain_over_rpc(registry, security),
-                                                                 fixed_pools=fixed), routers=routers)
+                                                                 fixed_pools=fixed), routers=routers,
+                             ops_token=settings.api.ops_token.get_secret_value() if settings.api.ops_token else None)
     except BaseException:
         dep.close()
         raise

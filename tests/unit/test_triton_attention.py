@@ -1,0 +1,124 @@
+"""Paged attention kernels against the torch gather path (``attention.paged_attention``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.unit.triton_env import DEVICE
+from workers.runtime.attention import DecodeItem, PrefillItem, build_step_batch, paged_attention
+from workers.runtime.kernels.cache_views import cache_tensors
+from workers.runtime.kernels.paged_attention import (make_prefill_tiles, paged_decode_attention,
+                                                     paged_prefill_attention)
+from workers.runtime.kv_cache import KVCacheSpec, PagedKVCache
+
+pytestmark = pytest.mark.unit
+HEAD_DIM = 16
+KV_HEADS = 2
+TOL = {torch.float32: 2e-5, torch.bfloat16: 3e-2, torch.float16: 4e-3}
+
+
+def _cache(block_size: int, cache_dtype: str, num_blocks: int = 12) -> PagedKVCache:
+    cache = PagedKVCache(KVCacheSpec(1, KV_HEADS, HEAD_DIM, block_size), num_blocks, (cache_dtype,), DEVICE)
+    gen = torch.Generator().manual_seed(1)
+    slots = torch.arange(num_blocks * block_size)
+    k, v = (torch.randn(len(slots), KV_HEADS, HEAD_DIM, generator=gen) for _ in range(2))
+    cache.layers[0].write(slots.to(DEVICE), k.to(DEVICE), v.to(DEVICE))
+    return cache
+
+
+def _tables(cache: PagedKVCache, lengths: list[int]) -> list[list[int]]:
+    """Scattered block tables: sequences share no block and their blocks are not in order."""
+    perm = torch.randperm(cache.num_blocks, generator=torch.Generator().manual_seed(2)).tolist()
+    tables, used = [], 0
+    for n in lengths:
+        k = max(1, cache.blocks_for(n))
+        tables.append(perm[used:used + k])
+        used += k
+    return tables
+
+
+def _padded(tables: list[list[int]]) -> torch.Tensor:
+    width = max(len(t) for t in tables)
+    return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=DEVICE)
+
+
+CASES = [  # (query heads, block size, cache dtype, compute dtype)
+    (2, 16, "float32", torch.float32), (4, 16, "float32", torch.float32), (8, 32, "float32", torch.float32),
+    (4, 16, "bfloat16", torch.bfloat16), (4, 32, "float16", torch.float16), (4, 16, "float32", torch.bfloat16),
+    (4, 16, "int8", torch.float32), (8, 32, "int8", torch.bfloat16), (4, 16, "fp8", torch.float32),
+    (2, 32, "fp8", torch.bfloat16),
+]
+
+
+@pytest.mark.parametrize("heads,block_size,cache_dtype,dtype", CASES)
+def test_decode_matches_gather_path(heads: int, block_size: int, cache_dtype: str, dtype: torch.dtype) -> None:
+    cache = _cache(block_size, cache_dtype)
+    lengths = [1, block_size + 3, 2 * block_size, 5]  # ragged, one exactly a block boundary
+    tables = _tables(cache, lengths)
+    q = torch.randn(len(lengths), heads, HEAD_DIM, generator=torch.Generator().manual_seed(3)).to(DEVICE, dtype)
+    batch = build_step_batch([DecodeItem(0, n - 1, t) for n, t in zip(lengths, tables)], [], cache)
+    want = paged_attention(q, q, q, batch, cache.layers[0], HEAD_DIM ** -0.5)
+    got = torch.full_like(q, float("nan"))
+    seq_lens = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
+    paged_decode_attention(q, cache_tensors(cache.layers[0]), _padded(tables), seq_lens, HEAD_DIM ** -0.5,
+                           block_size, got)
+    torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def test_decode_padded_rows_are_zero_and_others_unchanged() -> None:
+    """A bucket's padded rows (length 0) read nothing and give zeros; the real rows are as alone."""
+    cache = _cache(16, "bfloat16")
+    tables = _tables(cache, [7, 20])
+    q = torch.randn(4, 4, HEAD_DIM, generator=torch.Generator().manual_seed(4)).to(DEVICE, torch.bfloat16)
+    bt = torch.cat([_padded(tables), torch.full((2, 2), -1, dtype=torch.int32, device=DEVICE)])
+    out = torch.full_like(q, float("nan"))
+    lens = torch.tensor([7, 20, 0, 0], dtype=torch.int32, device=DEVICE)
+    paged_decode_attention(q, cache_tensors(cache.layers[0]), bt, lens, 0.25, 16, out)
+    alone = torch.empty_like(q[:2])
+    paged_decode_attention(q[:2], cache_tensors(cache.layers[0]), _padded(tables), lens[:2], 0.25, 16, alone)
+    assert torch.equal(out[2:], torch.zeros_like(out[2:]))
+    assert torch.equal(out[:2], alone)
+
+
+@pytest.mark.parametrize("heads,block_size,cache_dtype,dtype", [c for c in CASES if c[1] == 16 or c[0] == 8])
+def test_prefill_over_cached_context_matches_gather_path(heads: int, block_size: int, cache_dtype: str,
+                                                         dtype: torch.dtype) -> None:
+    """Chunks with cached context (chunked prefill, a prefix hit) attend through the block tables."""
+    cache = _cache(block_size, cache_dtype)
+    chunks = [(block_size + 5, 20), (3, 1), (2 * block_size, 17)]  # (context, chunk tokens), ragged
+    tables = _tables(cache, [c + n for c, n in chunks])
+    total = sum(n for _, n in chunks)
+    q = torch.randn(total, heads, HEAD_DIM, generator=torch.Generator().manual_seed(5)).to(DEVICE, dtype)
+    items = [PrefillItem([0] * n, c, t, want_logits=False) for (c, n), t in zip(chunks, tables)]
+    batch = build_step_batch([], items, cache)
+    want = paged_attention(q, q, q, batch, cache.layers[0], HEAD_DIM ** -0.5)
+    starts = [s.token_start for s in batch.prefills]
+    tiles = make_prefill_tiles([(i, st, n, c) for i, (st, (c, n)) in enumerate(zip(starts, chunks))], DEVICE)
+    got = torch.full_like(q, float("nan"))
+    paged_prefill_attention(q, cache_tensors(cache.layers[0]), _padded(tables), tiles, HEAD_DIM ** -0.5,
+                            block_size, got)
+    torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def test_prefill_of_a_fresh_prompt_matches_causal_sdpa() -> None:
+    cache = _cache(16, "float32")
+    n = 21
+    (table,) = _tables(cache, [n])
+    gen = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(n, h, HEAD_DIM, generator=gen).to(DEVICE) for h in (4, KV_HEADS, KV_HEADS))
+    batch = build_step_batch([], [PrefillItem([0] * n, 0, table, want_logits=False)], cache)
+    cache.layers[0].write(batch.slot_mapping, k, v)
+    want = paged_attention(q, k, v, batch, cache.layers[0], 0.25)
+    got = torch.empty_like(q)
+    paged_prefill_attention(q, cache_tensors(cache.layers[0]), _padded([table]),
+                            make_prefill_tiles([(0, 0, n, 0)], DEVICE), 0.25, 16, got)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
+def test_small_blocks_are_refused() -> None:
+    cache = PagedKVCache(KVCacheSpec(1, KV_HEADS, HEAD_DIM, 8), 4, ("float32",), DEVICE)
+    q = torch.zeros(1, 4, HEAD_DIM, device=DEVICE)
+    with pytest.raises(ValueError, match="block size >= 16"):
+        paged_decode_attention(q, cache_tensors(cache.layers[0]), torch.zeros(1, 1, dtype=torch.int32),
+                               torch.ones(1, dtype=torch.int32), 0.25, 8, q)

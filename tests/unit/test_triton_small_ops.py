@@ -1,0 +1,88 @@
+"""The KV write and the fused small-op kernels against the torch path they replace on a GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.unit.triton_env import DEVICE
+from workers.runtime.config import RopeConfig
+from workers.runtime.kernels.cache_views import cache_tensors
+from workers.runtime.kernels.fused import add_rmsnorm, rmsnorm, rope_, silu_mul
+from workers.runtime.kernels.kv_write import write_kv
+from workers.runtime.kv_cache import KVCacheSpec, PagedKVCache
+from workers.runtime.model import RMSNorm
+from workers.runtime.rope import RotaryEmbedding
+
+pytestmark = pytest.mark.unit
+
+
+def _pool(cache_dtype: str) -> PagedKVCache:
+    return PagedKVCache(KVCacheSpec(1, 3, 16, 16), 4, (cache_dtype,), DEVICE)
+
+
+def _state(cache: PagedKVCache) -> list[torch.Tensor]:
+    s = cache.layers[0]
+    return [t.view(torch.uint8).clone() for t in (s.k, s.v)] + [
+        getattr(s, n).clone() for n in ("k_scale", "v_scale") if hasattr(s, n)]
+
+
+@pytest.mark.parametrize("cache_dtype,dtype", [("float32", torch.float32), ("bfloat16", torch.bfloat16),
+                                               ("float16", torch.bfloat16), ("int8", torch.float32),
+                                               ("int8", torch.bfloat16), ("fp8", torch.float32),
+                                               ("fp8", torch.bfloat16)])
+def test_kv_write_stores_what_storage_write_stores(cache_dtype: str, dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(0)
+    # k comes from a fused qkv matmul in the model: a strided view, as here.
+    qkv = (torch.randn(6, 2 * 3 * 16, generator=gen) * 3).to(DEVICE, dtype)
+    k, v = qkv[:, :48].view(6, 3, 16), qkv[:, 48:].view(6, 3, 16)
+    k[0, 1] = 0.0  # an all-zero head: the 1e-12 floor keeps its scale finite
+    slots = torch.tensor([5, 17, 0, 63, 40, 2], device=DEVICE)
+    want, got = _pool(cache_dtype), _pool(cache_dtype)
+    want.layers[0].write(slots, k, v)
+    write_kv(cache_tensors(got.layers[0]), slots, k, v)
+    for a, b in zip(_state(got), _state(want)):
+        assert torch.equal(a, b)
+
+
+def test_kv_write_skips_padded_slots() -> None:
+    cache = _pool("int8")
+    before = _state(cache)
+    k = torch.randn(3, 3, 16).to(DEVICE)
+    write_kv(cache_tensors(cache.layers[0]), torch.tensor([-1, -1, -1], device=DEVICE), k, k)
+    assert all(torch.equal(a, b) for a, b in zip(_state(cache), before))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rmsnorm_and_residual_add(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(1)
+    norm = RMSNorm(40, 1e-5, dtype, DEVICE)
+    norm.weight.copy_(torch.randn(40, generator=gen))
+    x, r = (torch.randn(5, 40, generator=gen).to(DEVICE, dtype) for _ in range(2))
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 1e-2}
+    torch.testing.assert_close(rmsnorm(x, norm.weight, 1e-5), norm(x), **tol)
+    h, out = add_rmsnorm(x, r, norm.weight, 1e-5)
+    # One bf16 ulp: Triton's interpreter truncates float32 -> bf16 where a GPU rounds to nearest.
+    torch.testing.assert_close(h, r + x, atol=0, rtol=0 if dtype == torch.float32 else 2 ** -7)
+    torch.testing.assert_close(out, norm(r + x), **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_in_place_matches_rotary_embedding(dtype: torch.dtype) -> None:
+    rotary = RotaryEmbedding(RopeConfig(), 16, DEVICE)
+    cos, sin = rotary.cos_sin(torch.tensor([0, 3, 9, 100], device=DEVICE), dtype)
+    qkv = torch.randn(4, 5 * 16, generator=torch.Generator().manual_seed(2)).to(DEVICE, dtype)
+    q = qkv[:, :48].view(4, 3, 16)
+    want = RotaryEmbedding.apply(q, cos, sin)
+    rope_(q, cos, sin)
+    tol = 1e-6 if dtype == torch.float32 else 2 ** -7  # one bf16 ulp, as above
+    torch.testing.assert_close(q, want, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul(dtype: torch.dtype) -> None:
+    gate_up = torch.randn(3, 2 * 24, generator=torch.Generator().manual_seed(3)).to(DEVICE, dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    tol = {"atol": 1e-6, "rtol": 1e-6} if dtype == torch.float32 else {"atol": 1e-2, "rtol": 1e-2}
+    torch.testing.assert_close(silu_mul(gate_up), F.silu(gate) * up, **tol)

@@ -1,21 +1,18 @@
-"""Server-side trace continuation for the worker services: a span per traced RPC, parented on the
-``traceparent`` the caller put in the gRPC metadata (W3C trace context).
+"""Worker-side tracing, all of it: a server span per traced RPC, parented on the ``traceparent`` the
+caller put in the gRPC metadata (W3C trace context), and the child spans a handler makes under it.
 
-Only calls that carry a ``traceparent`` get a span, so heartbeats, status probes and untraced
-callers cost one metadata scan. A unary handler runs with its span current (so the service can add
-children, e.g. prefill's ``kv-transfer``); a response-streaming handler's span is ended when its
-stream ends, without being made current across yields. Exporting is the process's business
-(``controlplane.observability.tracing.setup_tracing`` in a replica); without it spans are no-ops.
-
-Where the process's tracing set-up installs a recorder (``defer_server_spans``; the control plane's
-does, see controlplane.observability.deferred_spans), a call's server span is only begun and finished
-on the request path, and built into a span later, in a batch: in place, between engine steps, the SDK's
-span cost several times its price alone.
+Only calls that carry a ``traceparent`` get a span, so heartbeats, status probes and untraced callers
+cost one metadata scan. A unary handler runs with its span current (so the service can add children,
+e.g. prefill's ``kv-transfer``); a response-streaming handler's span is ended when its stream ends,
+without being made current across yields. Spans come from the process's global tracer provider, the
+OpenTelemetry SDK's: its sampler decides (the default ones follow the caller's sampled flag), its
+processors export. Installing that provider and its exporter is the process's business (a pool replica
+does it from the standard ``OTEL_*`` variables); without one, spans are no-ops.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator, Mapping, Protocol
+from typing import Any, Callable, Iterator, Mapping
 
 import grpc
 from opentelemetry import context as otel_context
@@ -31,25 +28,6 @@ W3C = TraceContextTextMapPropagator()
 
 
 _tracer: trace.Tracer | None = None
-
-
-class ServerSpanRecorder(Protocol):
-    """Records server spans off the request path (controlplane.observability.deferred_spans)."""
-
-    def begin(self, carrier: Mapping[str, str], name: str, kind: SpanKind, attributes: Mapping[str, Any]) -> Any:
-        """A begun span with a ``context`` attribute (what the handler runs in), or None: use the SDK."""
-
-    def finish(self, span: Any, failure: tuple[str, int | None] | None = None,
-               extra: Mapping[str, Any] | None = None) -> None: ...
-
-
-_recorder: ServerSpanRecorder | None = None
-
-
-def defer_server_spans(recorder: ServerSpanRecorder | None) -> None:
-    """Record traced calls' server spans with ``recorder`` from now on (None: the SDK's spans)."""
-    global _recorder
-    _recorder = recorder
 
 
 def tracer() -> trace.Tracer:
@@ -147,25 +125,20 @@ _Ending = Callable[[tuple[str, int | None] | None, Mapping[str, Any] | None], No
 
 
 def _begin(carrier: dict[str, str], name: str, attrs: dict) -> tuple[otel_context.Context, _Ending]:
-    """A traced call's server span, begun: the context its handler runs in, and how to end it (with
-    the call's failure and extra attributes). Recorded off the request path when a recorder is set and
-    takes the call; the SDK's span otherwise, parented from the metadata alone, never this thread's
+    """A traced call's server span, started: the context its handler runs in, and how to end it (with
+    the call's failure and extra attributes). Parented from the metadata alone, never this thread's
     context."""
-    recorder = _recorder
-    deferred = recorder.begin(carrier, name, SpanKind.SERVER, attrs) if recorder is not None else None
-    if deferred is not None:
-        finish = recorder.finish  # type: ignore[union-attr]
-        return deferred.context, lambda failure, extra: finish(deferred, failure, extra)
     parent = W3C.extract(carrier)
     span = tracer().start_span(name, context=parent, kind=SpanKind.SERVER, attributes=attrs)
 
     def end(failure: tuple[str, int | None] | None, extra: Mapping[str, Any] | None) -> None:
-        if extra:
-            span.set_attributes(extra)
-        if failure is not None:
-            span.set_status(Status(StatusCode.ERROR, failure[0]))
-            if failure[1] is not None:
-                span.set_attribute("rpc.grpc.status_code", failure[1])
+        if span.is_recording():  # a sampled-out call's span takes nothing
+            if extra:
+                span.set_attributes(extra)
+            if failure is not None:
+                span.set_status(Status(StatusCode.ERROR, failure[0]))
+                if failure[1] is not None:
+                    span.set_attribute("rpc.grpc.status_code", failure[1])
         span.end()
     return trace.set_span_in_context(span, parent), end
 

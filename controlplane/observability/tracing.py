@@ -1,7 +1,8 @@
-"""OpenTelemetry for epd: exporters from the standard ``OTEL_*`` variables, and W3C trace context
-carried in gRPC metadata.
+"""OpenTelemetry for epd, on the SDK's own path: its ``TracerProvider``, ``BatchSpanProcessor``, OTLP
+exporter and samplers, configured by the standard ``OTEL_*`` variables; W3C trace context carried in
+gRPC metadata.
 
-Exporter choice (``exporter_from_env``):
+Exporter (``exporter_from_env``):
   OTEL_SDK_DISABLED=true                       none
   OTEL_TRACES_EXPORTER=none                    none
   OTEL_TRACES_EXPORTER=console                 spans printed to stdout (ConsoleSpanExporter)
@@ -10,13 +11,24 @@ Exporter choice (``exporter_from_env``):
                                                TLS and timeout variables itself)
   anything else unset                          none: spans are not recorded, but a trace context that
                                                arrives (a client's ``traceparent``) is still passed on
-``OTEL_SERVICE_NAME`` and ``OTEL_RESOURCE_ATTRIBUTES`` name the process; ``OTEL_PROPAGATORS`` picks
-the propagators that read a client's headers (default W3C tracecontext + baggage). Internal gRPC hops
-always carry W3C trace context (``workers.tracing.W3C``).
+
+Sampler (when spans are exported):
+  OTEL_TRACES_SAMPLER unset                    ``parentbased_traceidratio`` at ``DEFAULT_SAMPLER_RATIO``:
+                                               a request that arrives with a ``traceparent`` follows its
+                                               sampled flag; one without is traced with that probability
+  OTEL_TRACES_SAMPLER set                      the SDK reads it and OTEL_TRACES_SAMPLER_ARG itself
+                                               (e.g. ``always_on`` exports every span)
+A sampled-out request still carries its trace context to the workers (their spans are not recorded
+either: they follow the parent). The sampler is fixed when the process's provider is made (the first
+``setup_tracing`` or ``add_span_processor``). The batch processor reads ``OTEL_BSP_*``.
+
+``OTEL_SERVICE_NAME`` and ``OTEL_RESOURCE_ATTRIBUTES`` name the process; ``OTEL_PROPAGATORS`` picks the
+propagators that read a client's headers (default W3C tracecontext + baggage). Internal gRPC hops always
+carry W3C trace context (``workers.tracing.W3C``).
 
 A request's spans are started with an explicit parent (``start_span(..., parent=...)``) and never made
-"current" across a ``yield``: the control plane's request generators step on different threads, and
-the only way a span's context reaches a worker is the ``traceparent`` in the call's gRPC metadata
+"current" across a ``yield``: the control plane's request generators step on different threads, and the
+only way a span's context reaches a worker is the ``traceparent`` in the call's gRPC metadata
 (``grpc_metadata``); workers continue it in ``workers.tracing.TracingInterceptor``.
 """
 
@@ -34,16 +46,22 @@ from opentelemetry.context import Context
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
+from opentelemetry.sdk.trace.sampling import ParentBasedTraceIdRatio, Sampler
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
+from opentelemetry.util.types import Attributes
 
-from controlplane.observability.lean_spans import LeanTracerProvider
 from controlplane.observability.metrics import OBSERVABILITY
 from workers.tracing import W3C
 
 log = logging.getLogger(__name__)
 
 TRACER_NAME = "epd.controlplane"
+DEFAULT_SAMPLER = "parentbased_traceidratio"
+DEFAULT_SAMPLER_RATIO = 0.1  # of the requests that arrive without a trace context
 _EXPORTERS = ("otlp", "console", "none")
+# the values of OTEL_TRACES_SAMPLER the SDK builds in (the spec's others need a plugin epd does not ship)
+_SAMPLERS = ("always_on", "always_off", "traceidratio", "parentbased_always_on", "parentbased_always_off",
+             "parentbased_traceidratio")
 _lock = threading.Lock()
 _provider: TracerProvider | None = None
 _exporting: list[SpanProcessor] = []  # what setup_tracing added (stop_exporting shuts them down)
@@ -78,14 +96,41 @@ def exporter_from_env(env: Mapping[str, str] | None = None) -> SpanExporter | No
     if protocol.strip().lower() != "grpc":
         raise TracingConfigError(f"OTEL_EXPORTER_OTLP_PROTOCOL={protocol!r}: epd ships the OTLP gRPC exporter "
                                  "only; use grpc (port 4317 on a collector)")
-    from controlplane.observability.otlp_encode import FastOTLPSpanExporter
+    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 
-    return FastOTLPSpanExporter()  # the package's OTLP exporter (reads OTEL_EXPORTER_OTLP_* itself), faster encoding
+    return OTLPSpanExporter()  # reads OTEL_EXPORTER_OTLP_* itself
 
 
-def provider(service_name: str) -> TracerProvider:
-    """This process's SDK tracer provider (``LeanTracerProvider``), installed as the global one on first
-    use; an SDK provider someone installed first is shared instead."""
+def sampler_from_env(env: Mapping[str, str] | None = None) -> Sampler | None:
+    """epd's default sampler when ``OTEL_TRACES_SAMPLER`` is unset; None when it is set (the SDK's
+    ``TracerProvider`` then reads it and ``OTEL_TRACES_SAMPLER_ARG`` itself). Raises
+    ``TracingConfigError`` for values the SDK would ignore with a warning."""
+    env = os.environ if env is None else env
+    name = env.get("OTEL_TRACES_SAMPLER", "").strip().lower()
+    arg = env.get("OTEL_TRACES_SAMPLER_ARG", "").strip()
+    if not name:
+        if arg:
+            raise TracingConfigError(f"OTEL_TRACES_SAMPLER_ARG={arg!r} is set but OTEL_TRACES_SAMPLER is not, and the "
+                                     "argument applies only with it: set OTEL_TRACES_SAMPLER=parentbased_traceidratio "
+                                     f"too (epd's default sampler, at {DEFAULT_SAMPLER_RATIO})")
+        return ParentBasedTraceIdRatio(DEFAULT_SAMPLER_RATIO)
+    if name not in _SAMPLERS:
+        raise TracingConfigError(f"OTEL_TRACES_SAMPLER={env.get('OTEL_TRACES_SAMPLER')!r}: unsupported sampler; "
+                                 f"epd supports {', '.join(_SAMPLERS)}")
+    if name.endswith("traceidratio") and arg:
+        try:
+            ratio = float(arg)
+        except ValueError:
+            ratio = -1.0
+        if not 0.0 <= ratio <= 1.0:
+            raise TracingConfigError(f"OTEL_TRACES_SAMPLER_ARG={arg!r}: {name} takes a probability from 0 to 1")
+    return None
+
+
+def provider(service_name: str, sampler: Sampler | None = None) -> TracerProvider:
+    """This process's SDK tracer provider, installed as the global one on first use (with ``sampler``;
+    None: the SDK's, from ``OTEL_TRACES_SAMPLER``, default ``parentbased_always_on``); an SDK provider
+    someone installed first is shared instead."""
     global _provider
     with _lock:
         if _provider is None:
@@ -94,38 +139,23 @@ def provider(service_name: str) -> TracerProvider:
                 _provider = current
             else:
                 attrs = {"service.name": os.environ.get("OTEL_SERVICE_NAME") or service_name}
-                # the SDK's provider, with spans that cost a third of the SDK's (lean_spans)
-                _provider = LeanTracerProvider(resource=Resource.create(attrs))
-                _defer_worker_spans(_provider)
+                _provider = TracerProvider(sampler=sampler, resource=Resource.create(attrs))
                 trace.set_tracer_provider(_provider)
                 atexit.register(_provider.shutdown)
         return _provider
 
 
-def _defer_worker_spans(sdk_provider: TracerProvider) -> None:
-    """Workers' server spans in this process are recorded off the request path (deferred_spans), the
-    flush of the pending ones first in line among the provider's processors."""
-    from controlplane.observability.deferred_spans import DeferredSpans, FlushDeferred
-    from controlplane.observability.lean_spans import LeanTracer
-    from workers.tracing import TRACER_NAME as WORKER_TRACER
-    from workers.tracing import defer_server_spans
-
-    lean = sdk_provider.get_tracer(WORKER_TRACER)
-    if isinstance(lean, LeanTracer):
-        deferred = DeferredSpans(lean)
-        sdk_provider.add_span_processor(FlushDeferred(deferred))
-        defer_server_spans(deferred)
-
-
 def setup_tracing(service_name: str, exporter: SpanExporter | None = None,
                   env: Mapping[str, str] | None = None) -> bool:
-    """Export this process's spans to ``exporter``, or to the one the OTEL_* variables name. Returns
-    whether spans are now exported; False leaves the no-op provider (context still propagates)."""
+    """Export this process's spans to ``exporter``, or to the one the OTEL_* variables name, sampled as
+    they say (see the module docstring). Returns whether spans are now exported; False leaves the no-op
+    provider (context still propagates). Raises ``TracingConfigError`` naming a bad variable."""
+    sampler = sampler_from_env(env)
     exporter = exporter if exporter is not None else exporter_from_env(env)
     if exporter is None:
         return False
     processor = BatchSpanProcessor(exporter)
-    add_span_processor(processor, service_name)
+    provider(service_name, sampler).add_span_processor(processor)
     with _lock:
         _exporting.append(processor)
     return True
@@ -176,18 +206,17 @@ def current_parent() -> Context | None:
 
 
 def start_span(name: str, parent: Context | None, kind: SpanKind = SpanKind.INTERNAL,
-               attributes: Mapping[str, object] | None = None, start_time: int | None = None) -> Span | None:
+               attributes: Attributes = None, start_time: int | None = None) -> Span | None:
     """A started span under ``parent`` (not made current), or None when tracing is off (parent None)."""
     if parent is None:
         return None
-    return tracer().start_span(name, context=parent, kind=kind, attributes=attributes,  # type: ignore[arg-type]
-                               start_time=start_time)
+    return tracer().start_span(name, context=parent, kind=kind, attributes=attributes, start_time=start_time)
 
 
 def end_span(span: Span | None, error: BaseException | str | None = None, end_time: int | None = None) -> None:
     if span is None:
         return
-    if error is not None:
+    if error is not None and span.is_recording():
         span.set_status(Status(StatusCode.ERROR, str(error)))
         if isinstance(error, BaseException):
             span.record_exception(error)
@@ -208,4 +237,3 @@ def grpc_metadata(base: tuple[tuple[str, str], ...], span: Span | None) -> tuple
 def context_from_headers(headers: Mapping[str, str]) -> Context:
     """The trace context a client sent (``traceparent``/``tracestate``); an empty context if none."""
     return propagate.extract(headers)
-

@@ -9,7 +9,8 @@
   missing or wrong API key                      401     .. / invalid_api_key
   Overloaded (no decode room in bounds)         429     rate_limit_error, Retry-After
   StateError (Redis away: /admin, /dashboard)   503     server_error, Retry-After
-  BackendError                                  its     its kind (4xx: invalid_request_error)
+  BackendError                                  its     its kind (4xx: invalid_request_error);
+                                                        Retry-After when it has retry_after_s
   anything else (a bug; logged)                 500     server_error, generic message
   ============================================  ======  ===========================
 """
@@ -67,7 +68,9 @@ def as_api_error(exc: BaseException) -> APIError:
         kind = exc.kind
         if exc.status < 500 and kind == "server_error":
             kind = "invalid_request_error"
-        return APIError(exc.status, str(exc), type=kind)
+        retry = exc.retry_after_s
+        headers = {"Retry-After": str(max(1, math.ceil(retry)))} if retry is not None and math.isfinite(retry) else None
+        return APIError(exc.status, str(exc), type=kind, headers=headers)
     if isinstance(exc, InvalidRequestError):
         return APIError(400, str(exc))
     if isinstance(exc, StateError):  # the admin and dashboard routes read Redis directly

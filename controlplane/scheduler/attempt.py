@@ -1,0 +1,77 @@
+"""One attempt: a request's run on one route, from the first worker call to its last chunk.
+
+``Attempt.open`` counts the route's workers as busy in the view (so the next pick sees them), starts
+the dispatch and waits for the first chunk (the decode reservation is made before it). The attempt is
+a context manager: on every exit (finished, failed, the client gone, an interrupt) it closes the
+dispatch (which aborts the request on every worker it touched) and gives each count back exactly once.
+An ``open`` that raises has already given everything back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from types import TracebackType
+
+from epd.worker.v1 import worker_pb2 as wpb
+from controlplane.dispatch import Dispatcher, WorkerRequest
+from controlplane.scheduler.health import WorkerHealth
+from controlplane.scheduler.selection import Selection
+from controlplane.scheduler.worker_view import WorkerView
+
+
+class Attempt:
+    def __init__(self, view: WorkerView, health: WorkerHealth, selection: Selection, tokens: int) -> None:
+        self.view = view
+        self.health = health
+        self.selection = selection
+        self.tokens = tokens  # prompt tokens, as counted in the view
+        self._stream: Iterator["wpb.TokenChunk"] | None = None
+        self._first: "wpb.TokenChunk | None" = None
+        self._held = False
+
+    @classmethod
+    def open(cls, view: WorkerView, health: WorkerHealth, dispatcher: Dispatcher, selection: Selection,
+             request: WorkerRequest, timeout_s: float) -> "Attempt":
+        """Start ``request`` on ``selection`` with ``timeout_s`` as every call's deadline; DispatchError
+        (everything given back) when it fails before its first chunk."""
+        attempt = cls(view, health, selection, len(request.prompt_ids))
+        attempt._take()
+        try:
+            attempt._stream = dispatcher.run(dataclasses.replace(request, timeout_s=timeout_s), selection.route)
+            attempt._first = next(attempt._stream)  # reserve happens before the first chunk
+        except BaseException:
+            attempt.close()
+            raise
+        return attempt
+
+    def _take(self) -> None:
+        for c in self.selection.workers:
+            self.view.begin(c.worker_id, self.tokens)
+            self.health.begin(c.worker_id)
+        self._held = True
+
+    def chunks(self) -> Iterator["wpb.TokenChunk"]:
+        """The attempt's chunks from the first; DispatchError when a stage fails."""
+        assert self._stream is not None and self._first is not None
+        first, self._first = self._first, None
+        yield first
+        yield from self._stream
+
+    def close(self) -> None:
+        """Abort what is still running and give the counts back; idempotent."""
+        stream, self._stream = self._stream, None
+        try:
+            if stream is not None:
+                stream.close()  # generator close: the dispatch's finally aborts it on its workers
+        finally:
+            if self._held:
+                self._held = False
+                for c in self.selection.workers:
+                    self.view.end(c.worker_id, self.tokens)
+
+    def __enter__(self) -> "Attempt":
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self.close()

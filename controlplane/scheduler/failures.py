@@ -1,0 +1,36 @@
+"""What a failed attempt means for its request (``Verdict``), and the HTTP error it ends in."""
+
+from __future__ import annotations
+
+import enum
+
+import grpc
+
+from controlplane.backend import BackendError
+from controlplane.dispatch import DispatchError
+
+_RETRY_AT_RESERVE = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE)
+_CLIENT_FAULT = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE)
+
+
+class Verdict(enum.Enum):
+    REFUSED = "refused"  # the decode replica refused the reservation (full, draining): try the next one
+    BUSY = "busy"  # a chosen worker is at its call cap: wait, as for room
+    FAILED = "failed"  # the request itself failed: end it with its error
+
+
+def verdict(exc: DispatchError, started: bool) -> Verdict:
+    """``started``: the request already streamed chunks from this attempt."""
+    if not started and exc.stage in ("reserve", "complete") and exc.code in _RETRY_AT_RESERVE:
+        return Verdict.REFUSED
+    if not started and exc.stage == "busy":
+        return Verdict.BUSY
+    return Verdict.FAILED
+
+
+def backend_error(exc: DispatchError) -> BackendError:
+    if exc.code in _CLIENT_FAULT:
+        return BackendError(exc.message, 400, "invalid_request_error")
+    if exc.code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return BackendError(f"{exc.stage} timed out: {exc.message}", 504)
+    return BackendError(f"{exc.stage} failed: {exc.message}", 502)

@@ -23,7 +23,7 @@ $(PY):
 $(STAMP): pyproject.toml | $(PY)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet $(TORCH_SPEC) $$([ -d /opt/wheels ] && echo --find-links /opt/wheels)
-	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet -e '.[dev,bench]'
 	touch $(STAMP)
 
 # Python code for the wire, generated from proto/ (never committed).

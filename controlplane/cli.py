@@ -5,10 +5,10 @@
   epd model init DIR      write the built-in demo model (random weights) as an HF checkpoint folder
   epd generate ...        generate from a prompt with the single-process engine (the reference path)
   epd config show|schema  the effective settings (secrets masked) / their JSON schema
-  epd bench engine|kv|kv-accuracy|controlplane   benchmarks, each beside a reference measured in the same run
-  epd bench micro         one microbenchmark per hot path, each a ratio to an in-run reference (--compare)
-  epd bench compare       one workload against disaggregated and colocated serving: the goodput ratio
-  epd bench serve --url U  load-test an OpenAI-compatible endpoint: TTFT/TPOT/ITL/E2E, throughput, SLO goodput
+  epd bench ...           benchmarks and the load-test harness: the ``bench`` package's own subcommands
+
+Commands from other installed packages join through the ``epd.commands`` entry-point group: each entry is a
+function that adds its subparsers (``bench.cli:add_bench_parser``). The control plane never imports them.
 """
 
 from __future__ import annotations
@@ -16,65 +16,13 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Callable
+from importlib.metadata import entry_points
 from pathlib import Path
 
+from controlplane.cli_args import UsageError, add_engine_args, check_engine_args, model_dir
 
-class UsageError(Exception):
-    """A command-line argument that cannot work; the message names the flag."""
-
-
-def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", type=Path, default=None,
-                   help="HF checkpoint folder (default: the built-in demo model with random weights)")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="compute dtype")
-    p.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:N or mps (default: cpu)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads, >= 1 (default: torch's choice)")
-
-
-def check_engine_args(args: argparse.Namespace) -> None:
-    """--device and --threads of a command that runs the engine here: ``UsageError`` before any loading."""
-    import torch
-
-    from controlplane.settings import parse_device
-    try:
-        device = parse_device(args.device)
-    except ValueError as exc:
-        raise UsageError(f"--device {exc}") from None
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise UsageError(f"--device {args.device}: CUDA is not available here (this torch "
-                             f"{'sees no GPU' if torch.backends.cuda.is_built() else 'is built without CUDA'}); "
-                             f"use --device cpu")
-        if device.index is not None and device.index >= torch.cuda.device_count():
-            raise UsageError(f"--device {args.device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
-    if device.type == "mps" and not torch.backends.mps.is_available():
-        raise UsageError(f"--device {args.device}: MPS is not available here; use --device cpu")
-    if args.threads is not None and args.threads < 1:
-        raise UsageError(f"--threads must be >= 1, got {args.threads} (leave it out for torch's choice)")
-
-
-def int_list(text: str, flag: str) -> list[int]:
-    """A comma list of integers >= 1 (``--batches 1,8,16``); ``UsageError`` naming ``flag`` otherwise."""
-    try:
-        values = [int(v) for v in text.split(",")]
-    except ValueError:
-        raise UsageError(f"{flag} takes a comma list of integers, e.g. 1,8,16; got {text!r}") from None
-    if not values or min(values) < 1:
-        raise UsageError(f"{flag} values must be >= 1, got {text!r}")
-    return values
-
-
-def check_positive(args: argparse.Namespace, *flags: str) -> None:
-    """Each ``--flag`` (an int) must be >= 1."""
-    for flag in flags:
-        value = getattr(args, flag.removeprefix("--").replace("-", "_"))
-        if value < 1:
-            raise UsageError(f"{flag} must be >= 1, got {value}")
-
-
-def _model_dir(arg: Path | None) -> Path:
-    from workers.runtime.default_model import ensure_default_checkpoint
-    return arg if arg is not None else ensure_default_checkpoint()
+COMMAND_PLUGINS = "epd.commands"
 
 
 def cmd_model_init(args: argparse.Namespace) -> int:
@@ -108,7 +56,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                             top_k=args.top_k, seed=args.seed, stop=tuple(args.stop))
     if args.threads:
         torch.set_num_threads(args.threads)
-    bundle = load_model(_model_dir(args.model), dtype=DTYPES[args.dtype], device=args.device)
+    bundle = load_model(model_dir(args.model), dtype=DTYPES[args.dtype], device=args.device)
     if args.chat is not None or images:
         text = args.chat if args.chat is not None else args.prompt
         parts = [{"type": "image"} for _ in images] + [{"type": "text", "text": text}]
@@ -144,26 +92,6 @@ def _read_image(path: str) -> bytes:
         return Path(path).read_bytes()
     except OSError as exc:
         raise UsageError(f"--image {path}: cannot read it: {exc.strerror or exc}") from None
-
-
-def cmd_bench_engine(args: argparse.Namespace) -> int:
-    from controlplane.bench.engine_bench import run
-    return run(args)
-
-
-def cmd_bench_kv(args: argparse.Namespace) -> int:
-    from controlplane.bench.kv_bench import run
-    return run(args)
-
-
-def cmd_bench_controlplane(args: argparse.Namespace) -> int:
-    from controlplane.bench.controlplane_bench import run
-    return run(args)
-
-
-def cmd_bench_kv_accuracy(args: argparse.Namespace) -> int:
-    from controlplane.bench.kv_accuracy import run
-    return run(args)
 
 
 def cmd_config_show(args: argparse.Namespace) -> int:
@@ -240,6 +168,11 @@ def cmd_drain(args: argparse.Namespace) -> int:
     return 0
 
 
+def _command_plugins() -> list[Callable[[argparse._SubParsersAction], None]]:  # type: ignore[type-arg]
+    """The subparser builders installed packages register under ``epd.commands``, by entry name."""
+    return [ep.load() for ep in sorted(entry_points(group=COMMAND_PLUGINS), key=lambda ep: ep.name)]
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="epd", description="epd: disaggregated encode/prefill/decode serving.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -259,7 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="generate from a prompt in one process (the reference path)",
                          description="Run encode, prefill and decode in this process and stream the text.")
-    _add_engine_args(gen)
+    add_engine_args(gen)
     gen.add_argument("--prompt", default="Hello, world.", help="completion prompt (default: %(default)r)")
     gen.add_argument("--chat", default=None, help="a user message, rendered with the model's chat template")
     gen.add_argument("--image", action="append", default=[], help="image file (PNG/JPEG) for the chat message; "
@@ -324,85 +257,8 @@ def build_parser() -> argparse.ArgumentParser:
     schema = config.add_parser("schema", help="print the settings' JSON schema")
     schema.set_defaults(func=cmd_config_schema)
 
-    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True,
-                                                                     metavar="SUITE")
-    eng = bench.add_parser("engine", help="engine prefill/decode throughput vs HF transformers",
-                           description="Decode tokens/s at batch 1/8/16/32 and prefill tokens/s at 128/1k/4k "
-                                       "tokens, beside HF transformers generate() and forward on the same "
-                                       "checkpoint and thread count, measured in the same run.")
-    _add_engine_args(eng)
-    eng.add_argument("--batches", default="1,8,16,32", help="decode batch sizes (default: %(default)s)")
-    eng.add_argument("--prefill-lengths", default="128,1024,4096", help="prompt lengths (default: %(default)s)")
-    eng.add_argument("--decode-tokens", type=int, default=64,
-                     help="tokens generated per sequence (default: %(default)s)")
-    eng.add_argument("--repeats", type=int, default=3, help="take the best of this many runs (default: %(default)s)")
-    eng.add_argument("--json", type=Path, default=None, help="also write the results as JSON here")
-    eng.add_argument("--no-hf", action="store_true", help="skip the transformers reference")
-    eng.set_defaults(func=cmd_bench_engine)
-
-    kv = bench.add_parser("kv", help="KV-transfer throughput and TTFT vs memcpy, TCP and raw gRPC",
-                          description="Push whole KV caches (the demo model's 4k-token cache and a 256 MiB "
-                                      "synthetic one) through every codec and transport to a receiver process "
-                                      "on loopback, beside memcpy, a raw TCP socket and raw gRPC streams "
-                                      "measured in the same run; then the TTFT of a streamed prefill.")
-    kv.add_argument("--repeats", type=int, default=3, help="best of this many pushes (default 3)")
-    kv.add_argument("--quick", action="store_true", help="only the 4k-token cache, 64 MiB references")
-    kv.add_argument("--ttft-tokens", type=int, default=2048,
-                    help="prompt length for the TTFT figure (default: %(default)s)")
-    kv.add_argument("--ttft-codec", default="bf16", help="codec for the TTFT figure (default bf16)")
-    kv.add_argument("--threads", type=int, default=None, help="torch threads in the sender process")
-    kv.add_argument("--paired", type=int, default=None, metavar="N",
-                    help="then N pushes of the largest cache as int8 over tcp (into an int8 and a bf16 cache) "
-                         "and over shared memory (into an int8 cache), each paired with its reference moving "
-                         "the same bytes (a TCP socket; a memcpy); prints the pairs' median ratio (default 8, "
-                         "or 0 with --quick; 0: skip)")
-    kv.add_argument("--paired-only", action="store_true",
-                    help="run only the paired pushes (--paired N of them, default 8), nothing else first")
-    kv.add_argument("--json", type=Path, default=None, help="also write the results as JSON here")
-    kv.set_defaults(func=cmd_bench_kv)
-
-    acc = bench.add_parser("kv-accuracy", help="token agreement of quantised KV transfer vs the bf16 path",
-                           description="64 prompts x 64 greedy tokens through the real transfer per codec "
-                                       "policy; free-running and teacher-forced agreement with the bf16 path.")
-    _add_engine_args(acc)
-    acc.add_argument("--policy", action="append", default=None,
-                     help="codec policy to evaluate, repeatable (default: fp8, int8, int4, int4,0=bf16,-1=bf16 "
-                          "and auto)")
-    acc.add_argument("--prompts", type=int, default=64, help="prompts to compare (default: %(default)s)")
-    acc.add_argument("--max-tokens", type=int, default=64, help="greedy tokens per prompt (default: %(default)s)")
-    acc.set_defaults(func=cmd_bench_kv_accuracy)
-
-    cp = bench.add_parser("controlplane", help="control-plane added latency and 1-token req/s vs Ray Serve",
-                          description="Start the whole stack in this process (private redis-server, Ray, the "
-                                      "three pools, the API on loopback) and send 1-token completions: median "
-                                      "added latency (end-to-end minus the worker's compute, measured in the "
-                                      "same run) at concurrency 1 and requests/s at --concurrency, beside a "
-                                      "Ray Serve 3-hop handle chain measured in the same run.")
-    cp.add_argument("--requests", type=int, default=200, help="sequential requests (default %(default)s)")
-    cp.add_argument("--throughput-requests", type=int, default=640,
-                    help="requests for the throughput figure (default %(default)s)")
-    cp.add_argument("--concurrency", type=int, default=32, help="concurrent requests (default %(default)s)")
-    cp.add_argument("--json", type=Path, default=None, help="also write the results as JSON here")
-    cp.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
-                    help="the workers' compute dtype, and the local engine's for the compute figures "
-                         "(default %(default)s, as serving runs weights)")
-    cp.add_argument("--observability-cost", type=int, default=0, metavar="ROUNDS",
-                    help="also price metrics + tracing: ROUNDS pairs of 160-request throughput runs on the "
-                         "same stack, switched off and on (16 pairs take ~30 s and give a steadier median "
-                         "than fewer; every span exported over OTLP to a local receiver; with "
-                         "OTEL_TRACES_EXPORTER=none not exported; OTEL_TRACES_SAMPLER* apply), and print the "
-                         "on/off requests/s and CPU-per-request ratios (target >= 0.95); 0 = skip (default)")
-    cp.add_argument("--observability-tokens", type=int, default=1, metavar="T",
-                    help="completion tokens per request in the --observability-cost rounds (default %(default)s: "
-                         "the worst case, all overhead; with T > 1 each run is 3 requests per connection)")
-    cp.set_defaults(func=cmd_bench_controlplane)
-
-    from controlplane.bench.micro.cli import add_micro_parser
-    add_micro_parser(bench)
-    from controlplane.bench.compare import add_compare_parser
-    add_compare_parser(bench)
-    from controlplane.bench.serve.cli import add_serve_parser
-    add_serve_parser(bench)
+    for register in _command_plugins():
+        register(sub)
     return parser
 
 
@@ -423,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
 # Looked up in sys.modules, so the error path imports nothing: a class whose module is not loaded
 # cannot have been raised.
 _USER_ERRORS = (
-    ("controlplane.cli", "UsageError"),
+    ("controlplane.cli_args", "UsageError"),
     ("workers.runtime.errors", "EngineError"),
     ("controlplane.settings", "SettingsError"),
     ("kvtransfer.policy", "PolicyError"),
@@ -437,10 +293,7 @@ _USER_ERRORS = (
 
 
 def _user_errors() -> tuple[type[Exception], ...]:
-    # UsageError itself too: run as `python -m controlplane.cli` this module is __main__, and the bench
-    # modules' `from controlplane.cli import ...` loads a second copy with its own class (in the table)
-    return (UsageError, *(getattr(sys.modules[module], name) for module, name in _USER_ERRORS
-                          if module in sys.modules))
+    return tuple(getattr(sys.modules[module], name) for module, name in _USER_ERRORS if module in sys.modules)
 
 
 def _one_line(exc: Exception) -> str:

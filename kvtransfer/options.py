@@ -1,7 +1,7 @@
 """gRPC options shared by both ends of a transfer (the same tuple must go to the server and channel).
 
 The bulk options were chosen by interleaved A/B runs of a raw-bytes stream (see
-kvtransfer/bench/references.py, FAST_CHANNEL_OPTIONS): a fixed HTTP/2 stream window with BDP
+bench/kv_references.py, FAST_CHANNEL_OPTIONS): a fixed HTTP/2 stream window with BDP
 probing off, and large socket reads. The window is also the flow-control bound: a receiver buffers
 at most about one window plus one message per stream, and runs at most ``max_streams`` streams
 (kvtransfer.server), so its in-flight bytes are bounded by max_streams x (window + message).

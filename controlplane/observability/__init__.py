@@ -6,7 +6,6 @@ the per-request records the dashboard reads.
   http.py       the ingress side: root span, request counters, TTFT / TPOT / ITL / E2E
   stages.py     what the dispatcher and scheduler call around each stage and worker call
   deploy.py     wiring for one process (switches, exporter) and for the control plane (gauges, dashboard)
-  otlp_sink.py  a minimal OTLP/gRPC receiver, for tests and the cost benchmark
   server_timing.py  the Server-Timing header (an answer's engine time) and its reader
 
 The workers' half of a trace (continuing the context from gRPC metadata) is ``workers/tracing.py``:

@@ -22,7 +22,7 @@ import pytest
 from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 
-from controlplane.bench.serve import DatasetConfig, ServeBenchConfig, parse_slo, run_serve_bench, write_report
+from bench.serve import DatasetConfig, ServeBenchConfig, parse_slo, run_serve_bench, write_report
 
 if TYPE_CHECKING:  # the fixtures come from tests/e2e/conftest.py
     from conftest import Stack

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from controlplane.bench.micro.results import SCHEMA, SuiteRun
+from bench.micro.results import SCHEMA, SuiteRun
 
 pytestmark = [pytest.mark.integration]
 
@@ -109,8 +109,8 @@ def _children() -> list[str]:
 
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads /proc")
 def test_redis_benchmark_in_process_leaves_no_server_behind() -> None:
-    from controlplane.bench.micro.runner import run_suite, select
-    from controlplane.bench.micro.timing import Plan
+    from bench.micro.runner import run_suite, select
+    from bench.micro.timing import Plan
 
     before = _children()
     run = run_suite(select(["redis"]), Plan(repeats=2, quick=True))

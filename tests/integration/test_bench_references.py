@@ -13,8 +13,8 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from kvtransfer.bench import references
-from kvtransfer.bench.references import Measurement, TransferCheckError
+from bench import kv_references as references
+from bench.kv_references import Measurement, TransferCheckError
 
 pytestmark = [pytest.mark.integration]
 

@@ -35,7 +35,7 @@ def _children() -> set[int]:
 def test_bench_core_runs_and_cleans_up() -> None:
     import ray
 
-    from controlplane.bench.controlplane_bench import BenchResult, format_table, measure
+    from bench.controlplane_bench import BenchResult, format_table, measure
 
     before = _children()
     res = measure(requests=10, throughput_requests=10, concurrency=4)
@@ -63,7 +63,7 @@ def test_the_observability_rounds_export_from_every_process_and_pair_their_ratio
     """--observability-cost: spans reach the OTLP receiver from the control plane and the prefill replica,
     and the figure is the median of each round's own on/off ratio. With --observability-tokens 3 the
     rounds' requests go through prefill, the KV transfer and decode, and each answers exactly 3 tokens."""
-    from controlplane.bench.controlplane_bench import format_table, measure
+    from bench.controlplane_bench import format_table, measure
 
     res = measure(requests=5, throughput_requests=16, concurrency=4, observability_rounds=2, observability_tokens=3)
     assert res.failures == []  # every response of every round: HTTP 200 with exactly its token count

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from controlplane.bench.kv_accuracy import agreement, sample_prompts
+from bench.kv_accuracy import agreement, sample_prompts
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

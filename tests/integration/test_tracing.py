@@ -32,7 +32,7 @@ from controlplane.backend import ModelInfo
 from controlplane.dispatch import Dispatcher
 from controlplane.observability import tracing
 from controlplane.observability.metrics import OBSERVABILITY
-from controlplane.observability.otlp_sink import OTLPSink
+from bench.otlp_sink import OTLPSink
 from controlplane.scheduler.policies import get_policy
 from controlplane.scheduler.scheduler import Scheduler, WorkerView
 from controlplane.settings import SchedulerSettings

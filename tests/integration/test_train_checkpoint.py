@@ -1,4 +1,4 @@
-"""``python -m controlplane.bench.train_checkpoint``: a short run writes a checkpoint folder that the
+"""``python -m bench.train_checkpoint``: a short run writes a checkpoint folder that the
 engine's own loader serves, and whose weights are not the demo's."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def train(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "controlplane.bench.train_checkpoint", *args], cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "bench.train_checkpoint", *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
 
 

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from controlplane.bench.micro.compare import Status, compare, format_verdicts, judge, regressions
-from controlplane.bench.micro.results import SCHEMA, Result, ResultsFileError, Spread, SuiteRun
-from controlplane.bench.micro.runner import NAMES, UnknownBenchmark, select
-from controlplane.bench.micro.timing import Plan, best, paired
+from bench.micro.compare import Status, compare, format_verdicts, judge, regressions
+from bench.micro.results import SCHEMA, Result, ResultsFileError, Spread, SuiteRun
+from bench.micro.runner import NAMES, UnknownBenchmark, select
+from bench.micro.timing import Plan, best, paired
 
 pytestmark = [pytest.mark.unit]
 
@@ -198,7 +198,7 @@ def test_paired_alternates_which_side_goes_first() -> None:
 
 
 def test_setup_differences_are_named() -> None:
-    from controlplane.bench.micro.compare import setup_differences
+    from bench.micro.compare import setup_differences
 
     a = SuiteRun(meta={"quick": True, "clock": "cpu", "torch_threads": 1, "model": "demo"})
     b = SuiteRun(meta={"quick": True, "clock": "wall", "torch_threads": 2, "model": "demo"})

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from controlplane.bench.micro.timing import Plan
-from controlplane.bench.micro.tracing import BATCH, run
+from bench.micro.timing import Plan
+from bench.micro.tracing import BATCH, run
 
 pytestmark = [pytest.mark.unit]
 

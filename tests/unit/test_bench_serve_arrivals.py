@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from controlplane.bench.serve.arrivals import send_offsets
+from bench.serve.arrivals import send_offsets
 
 pytestmark = [pytest.mark.unit]
 N = 40_000

@@ -11,9 +11,9 @@ import httpx
 import numpy as np
 import pytest
 
-from controlplane.bench.serve.client import send_request
-from controlplane.bench.serve.config import SLO, parse_slo
-from controlplane.bench.serve.metrics import Dist, RequestOutcome, compute_metrics
+from bench.serve.client import send_request
+from bench.serve.config import SLO, parse_slo
+from bench.serve.metrics import Dist, RequestOutcome, compute_metrics
 
 pytestmark = [pytest.mark.unit]
 

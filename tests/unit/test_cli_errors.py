@@ -25,7 +25,7 @@ def no_loading(monkeypatch):
     """Fail the test if a command gets as far as loading a model."""
     def refuse(*args, **kwargs):
         raise AssertionError("the arguments should have been refused before loading the model")
-    import controlplane.bench.engine_bench as engine_bench
+    import bench.engine_bench as engine_bench
     import workers.runtime.loader as loader
     monkeypatch.setattr(loader, "load_model", refuse)
     monkeypatch.setattr(engine_bench, "load_model", refuse)
@@ -189,8 +189,8 @@ def test_readme_lists_the_admin_commands_flags():
     (["bench", "engine", "--batches", "a,b"], "--batches takes a comma list of integers"),  # raised in a bench module
 ])
 def test_usage_errors_are_one_line_when_run_as_a_module_too(args, message):
-    """`python -m controlplane.cli` makes this module __main__: its errors and the bench modules' (which import
-    controlplane.cli again) are both one line."""
+    """`python -m controlplane.cli` makes that module __main__: its errors and the bench modules' (which raise
+    ``controlplane.cli_args.UsageError``) are both one line."""
     import subprocess
     import sys
     result = subprocess.run([sys.executable, "-m", "controlplane.cli", *args], capture_output=True, text=True,

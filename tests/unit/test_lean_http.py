@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from controlplane.bench.lean_http import Connection, LeanHTTPError, parse_head, post_bytes
+from bench.lean_http import Connection, LeanHTTPError, parse_head, post_bytes
 
 pytestmark = [pytest.mark.unit]
 

@@ -1,0 +1,167 @@
+"""``epd bench engine``: the engine's prefill and decode throughput beside HF transformers.
+
+Same checkpoint, same dtype, same thread count, same process, same run. Figures:
+  decode   aggregate tokens/s at each batch size (prefill excluded), vs transformers ``generate()``
+           at batch 1 (its prefill subtracted the same way);
+  prefill  prompt tokens/s for one prompt, vs one transformers forward over the same tokens.
+Each figure is the best of ``--repeats`` runs. Peak RSS and the KV pool's bytes against its budget
+are reported too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import resource
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from workers.runtime.engine import DTYPES, Engine, EngineConfig
+from workers.runtime.loader import LoadedModel, load_model
+from workers.runtime.sampler import SamplingParams
+
+
+@dataclass
+class Row:
+    name: str
+    epd_tok_s: float
+    ref_name: str
+    ref_tok_s: float | None
+
+    @property
+    def ratio(self) -> float | None:
+        return self.epd_tok_s / self.ref_tok_s if self.ref_tok_s else None
+
+
+def _best(fn: Callable[[], float], repeats: int) -> float:
+    return min(fn() for _ in range(repeats))
+
+
+def _prompt(length: int, vocab: int, salt: int = 0) -> list[int]:
+    # Fixed pseudo-random ids (no special tokens needed): ignore_eos keeps lengths exact.
+    g = torch.Generator().manual_seed(1234 + salt)
+    return torch.randint(10, vocab, (length,), generator=g).tolist()
+
+
+def _engine_decode_seconds(bundle: LoadedModel, cfg: EngineConfig, batch: int, tokens: int) -> float:
+    """Seconds for ``tokens - 1`` decode steps of ``batch`` sequences (prefill not timed)."""
+    engine = Engine(bundle.model, bundle.tokenizer, cfg, bundle.eos_token_ids)
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(str(i), _prompt(32, bundle.config.vocab_size, i), params)
+    while engine.stats().num_waiting or any(s.num_computed < len(s.prompt_ids) for s in engine.scheduler.running):
+        engine.step()
+    start = time.perf_counter()
+    steps = 0
+    while engine.has_unfinished():
+        engine.step()
+        steps += 1
+    elapsed = time.perf_counter() - start
+    assert steps == tokens - 1, f"expected {tokens - 1} decode steps, ran {steps}"
+    assert engine.cache.allocator.num_free == engine.cache.num_blocks
+    return elapsed
+
+
+def _engine_prefill_seconds(bundle: LoadedModel, cfg: EngineConfig, length: int) -> float:
+    engine = Engine(bundle.model, bundle.tokenizer, cfg, bundle.eos_token_ids)
+    engine.add_request("p", _prompt(length, bundle.config.vocab_size), SamplingParams(max_tokens=1, temperature=0.0))
+    start = time.perf_counter()
+    while engine.has_unfinished():
+        engine.step()
+    return time.perf_counter() - start
+
+
+def _hf_model(path: Path, dtype: torch.dtype):  # type: ignore[no-untyped-def]
+    try:
+        from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
+    except ImportError:
+        print("epd bench engine: transformers is not installed (pip install -e '.[dev]'); use --no-hf",
+              file=sys.stderr)
+        raise SystemExit(2) from None
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+
+
+@torch.inference_mode()
+def _hf_generate_seconds(hf, prompt: list[int], new_tokens: int) -> float:  # type: ignore[no-untyped-def]
+    ids = torch.tensor([prompt])
+    start = time.perf_counter()
+    hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                do_sample=False, pad_token_id=0)
+    return time.perf_counter() - start
+
+
+@torch.inference_mode()
+def _hf_forward_seconds(hf, length: int, vocab: int) -> float:  # type: ignore[no-untyped-def]
+    ids = torch.tensor([_prompt(length, vocab)])
+    start = time.perf_counter()
+    hf(ids, use_cache=False, logits_to_keep=1)
+    return time.perf_counter() - start
+
+
+def run(args: argparse.Namespace) -> int:
+    from controlplane.cli_args import check_engine_args, check_positive, int_list, model_dir
+
+    check_engine_args(args)  # every argument before any loading
+    batches = int_list(args.batches, "--batches")
+    lengths = int_list(args.prefill_lengths, "--prefill-lengths")
+    check_positive(args, "--decode-tokens", "--repeats")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    path = model_dir(args.model)
+    dtype = DTYPES[args.dtype]
+    bundle = load_model(path, dtype=dtype, device=args.device, with_vision=False)
+    cfg = EngineConfig(dtype=args.dtype, device=args.device, max_num_seqs=max(64, max(batches)))
+    tokens = args.decode_tokens
+    hf = None if args.no_hf else _hf_model(path, dtype)
+
+    # warm both up once (allocator, thread pool, lazy inits)
+    _engine_decode_seconds(bundle, cfg, 1, 4)
+    if hf is not None:
+        _hf_generate_seconds(hf, _prompt(32, bundle.config.vocab_size), 4)
+
+    rows: list[Row] = []
+    hf_decode = None
+    if hf is not None:
+        prompt = _prompt(32, bundle.config.vocab_size)
+        full = _best(lambda: _hf_generate_seconds(hf, prompt, tokens), args.repeats)
+        first = _best(lambda: _hf_generate_seconds(hf, prompt, 1), args.repeats)
+        hf_decode = (tokens - 1) / max(full - first, 1e-9)
+    for b in batches:
+        secs = _best(lambda: _engine_decode_seconds(bundle, cfg, b, tokens), args.repeats)
+        rows.append(Row(f"decode batch {b}", b * (tokens - 1) / secs, "HF generate batch 1", hf_decode))
+    for n in lengths:
+        secs = _best(lambda: _engine_prefill_seconds(bundle, cfg, n), args.repeats)
+        ref = None
+        if hf is not None:
+            ref = n / _best(lambda: _hf_forward_seconds(hf, n, bundle.config.vocab_size), args.repeats)
+        rows.append(Row(f"prefill {n} tokens", n / secs, f"HF forward {n} tokens", ref))
+
+    probe = Engine(bundle.model, None, cfg)
+    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    meta = {"model": str(path), "params": sum(p.numel() for p in bundle.model.parameters()),
+            "dtype": args.dtype, "device": args.device, "threads": torch.get_num_threads(),
+            "torch": torch.__version__, "cpu": platform.processor() or platform.machine(),
+            "decode_tokens": tokens, "repeats": args.repeats, "kv_pool_bytes": probe.cache.nbytes,
+            "kv_budget_bytes": cfg.kv_cache_bytes, "peak_rss_bytes": peak_rss}
+    print(f"model {path.name}: {meta['params'] / 1e6:.1f}M params, {args.dtype}, {meta['threads']} threads, "
+          f"torch {torch.__version__}")
+    print(f"{'figure':<22}{'epd tok/s':>12}  {'reference':<24}{'ref tok/s':>12}{'ratio':>9}")
+    for r in rows:
+        ref = f"{r.ref_tok_s:12.1f}" if r.ref_tok_s else f"{'-':>12}"
+        ratio = f"{r.ratio:8.2f}x" if r.ratio else f"{'-':>9}"
+        print(f"{r.name:<22}{r.epd_tok_s:12.1f}  {r.ref_name:<24}{ref}{ratio}")
+    print(f"KV pool {probe.cache.nbytes / 2**20:.1f} MiB of a {cfg.kv_cache_bytes / 2**20:.0f} MiB budget; "
+          f"peak RSS {peak_rss / 2**20:.0f} MiB")
+    if args.json:
+        args.json.write_text(json.dumps({"meta": meta, "rows": [asdict(r) | {"ratio": r.ratio} for r in rows]},
+                                        indent=2))
+    return 0

@@ -1,0 +1,128 @@
+"""``epd bench serve``: its flags, and the command that turns them into a ``ServeBenchConfig`` and a report.
+
+Bad input (a flag value, the URL, the dataset file, the SLO spec, an unreachable server) is printed as one
+``epd bench serve: error: ...`` line and exits 2, without a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from bench.serve.config import (BenchInputError, DatasetConfig, ServeBenchConfig, parse_float_list,
+                                            parse_image_sizes, parse_slo)
+
+DESCRIPTION = """\
+Load-test any OpenAI-compatible endpoint (ours or anyone else's) with streaming requests, and report
+TTFT, TPOT, ITL and E2E latency (mean, p50, p90, p99), request and token throughput, and SLO attainment and
+goodput, with the definitions of vLLM's benchmark_serving. Requests arrive as a Poisson process (or gamma,
+--burstiness) at --rate, or all at once bounded by --concurrency; --rate 1,2,4 sweeps rates.
+Examples:
+  epd bench serve --url http://127.0.0.1:8000 --num-prompts 200 --rate 4 --goodput ttft:500 tpot:50
+  epd bench serve --url http://127.0.0.1:8000 --rate 1,2,4,8 --result-json out.json --plot-dir plots/
+  epd bench serve --url http://127.0.0.1:8000 --dataset sharegpt --dataset-path sharegpt.json --concurrency 8
+  epd bench serve --url http://127.0.0.1:8000 --dataset multimodal --image-sizes 224x224,336x336
+See docs/benchmarking.md for what each figure means."""
+
+
+def add_serve_parser(bench: "argparse._SubParsersAction[argparse.ArgumentParser]") -> argparse.ArgumentParser:
+    """Register ``serve`` under the ``epd bench`` subcommands."""
+    p = bench.add_parser("serve", help="load-test an OpenAI-compatible endpoint: latency, throughput, goodput",
+                         description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    t = p.add_argument_group("target")
+    t.add_argument("--url", required=True, help="the server, e.g. http://127.0.0.1:8000 (a /v1 suffix is optional)")
+    t.add_argument("--model", default=None, help="model name to send (default: the first of GET /v1/models)")
+    t.add_argument("--endpoint", choices=("chat", "completions"), default=None,
+                   help="/v1/chat/completions or /v1/completions (default: chat for --dataset multimodal, "
+                        "completions otherwise)")
+    t.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
+                   help="sent as 'Authorization: Bearer KEY' (default: $OPENAI_API_KEY)")
+    t.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request (default 600)")
+
+    d = p.add_argument_group("dataset")
+    d.add_argument("--dataset", choices=("random", "sharegpt", "prefix", "multimodal"), default="random",
+                   help="random text; a ShareGPT JSON file; N shared prefixes + unique suffixes; random text "
+                        "with generated PNG images (default: random)")
+    d.add_argument("--dataset-path", type=Path, default=None, help="the ShareGPT-format JSON file")
+    d.add_argument("--num-prompts", type=int, default=100, help="requests per load point (default 100)")
+    d.add_argument("--input-len", type=int, default=256,
+                   help="prompt tokens (prefix: the unique suffix's tokens) (default 256)")
+    d.add_argument("--output-len", type=int, default=64, help="max_tokens per request (default 64)")
+    d.add_argument("--range-ratio", type=float, default=0.0,
+                   help="draw lengths uniformly from [len*(1-r), len*(1+r)] (default 0: fixed)")
+    d.add_argument("--sharegpt-output-len", type=int, default=None,
+                   help="max_tokens for ShareGPT (default: the reference answer's length)")
+    d.add_argument("--num-prefixes", type=int, default=4, help="prefix dataset: shared prefixes (default 4)")
+    d.add_argument("--prefix-len", type=int, default=256, help="prefix dataset: tokens per prefix (default 256)")
+    d.add_argument("--image-sizes", default="224x224", help="multimodal: WxH[,WxH...] cycled (default 224x224)")
+    d.add_argument("--images-per-request", type=int, default=1, help="multimodal: images per request")
+    d.add_argument("--tokenizer", type=Path, default=None,
+                   help="HF folder or tokenizer.json, for exact prompt lengths (default: one common word per "
+                        "token; the server's usage gives the real counts)")
+
+    ld = p.add_argument_group("load")
+    ld.add_argument("--rate", default="inf",
+                    help="requests/s, or a comma list to sweep (e.g. 1,2,4); inf = all at once (default inf)")
+    ld.add_argument("--burstiness", type=float, default=1.0,
+                    help="gamma shape of the inter-arrival times: 1 = Poisson, <1 burstier (default 1)")
+    ld.add_argument("--concurrency", type=int, default=None,
+                    help="at most this many requests in flight (with --rate inf: a fixed concurrency)")
+    ld.add_argument("--warmup", type=int, default=2, help="unmeasured requests sent first (default 2)")
+    ld.add_argument("--seed", type=int, default=0, help="seed for prompts and arrivals (default 0)")
+    ld.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
+    ld.add_argument("--ignore-eos", action="store_true",
+                    help="send ignore_eos (vLLM/SGLang extension) so every answer runs to max_tokens")
+
+    o = p.add_argument_group("SLOs and output")
+    o.add_argument("--goodput", nargs="+", default=None, metavar="METRIC:MS",
+                   help="SLOs for goodput and attainment: ttft, tpot and/or e2e bounds in ms, e.g. "
+                        "--goodput ttft:500 tpot:50")
+    o.add_argument("--result-json", type=Path, default=None, help="write every figure (and each request) here")
+    o.add_argument("--plot-dir", type=Path, default=None,
+                   help="write latency_cdf.png (and, with --goodput, slo_attainment.png, goodput.png) here")
+    o.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.set_defaults(func=cmd_bench_serve)
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> ServeBenchConfig:
+    """The flags as a validated ``ServeBenchConfig``. Raises BenchInputError."""
+    dataset = DatasetConfig(
+        name=args.dataset, num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len,
+        range_ratio=args.range_ratio, path=args.dataset_path, sharegpt_output_len=args.sharegpt_output_len,
+        num_prefixes=args.num_prefixes, prefix_len=args.prefix_len,
+        image_sizes=tuple(parse_image_sizes(args.image_sizes)), images_per_request=args.images_per_request,
+        tokenizer=args.tokenizer)
+    config = ServeBenchConfig(
+        url=args.url, model=args.model, endpoint=args.endpoint, api_key=args.api_key or None, dataset=dataset,
+        rates=tuple(parse_float_list(args.rate, "rate", allow_inf=True)), concurrency=args.concurrency,
+        burstiness=args.burstiness, warmup=args.warmup, seed=args.seed, temperature=args.temperature,
+        ignore_eos=args.ignore_eos, slo=parse_slo(args.goodput), request_timeout_s=args.request_timeout,
+        progress=not args.no_progress)
+    config.validate()
+    return config
+
+
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    from bench.serve.report import format_summary, write_report
+    from bench.serve.runner import run_serve_bench
+
+    try:
+        config = config_from_args(args)
+        result = run_serve_bench(config)
+    except BenchInputError as exc:
+        print(f"epd bench serve: error: {exc}", file=sys.stderr)
+        return 2
+    for note in result.notes:
+        print(f"epd bench serve: note: {note}", file=sys.stderr)
+    print(format_summary(result))
+    try:
+        written = write_report(result, args.result_json, args.plot_dir)
+    except OSError as exc:
+        print(f"epd bench serve: error: cannot write the report: {exc}", file=sys.stderr)
+        return 2
+    for path in written:
+        print(f"wrote {path}")
+    return 0

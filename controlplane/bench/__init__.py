@@ -1,1 +1,0 @@
-"""Benchmarks. Each prints its figure beside a reference measured in the same run."""

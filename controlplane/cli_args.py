@@ -1,0 +1,69 @@
+"""Argument helpers shared by ``epd``'s own commands and the ``bench`` package's (``epd bench ...``).
+
+Each check raises ``UsageError`` naming the flag, before anything is loaded, so a bad flag costs nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+class UsageError(Exception):
+    """A command-line argument that cannot work; the message names the flag."""
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """``--model``, ``--dtype``, ``--device`` and ``--threads`` of a command that runs the engine here."""
+    p.add_argument("--model", type=Path, default=None,
+                   help="HF checkpoint folder (default: the built-in demo model with random weights)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="compute dtype")
+    p.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:N or mps (default: cpu)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads, >= 1 (default: torch's choice)")
+
+
+def check_engine_args(args: argparse.Namespace) -> None:
+    """--device and --threads of a command that runs the engine here: ``UsageError`` before any loading."""
+    import torch
+
+    from controlplane.settings import parse_device
+    try:
+        device = parse_device(args.device)
+    except ValueError as exc:
+        raise UsageError(f"--device {exc}") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise UsageError(f"--device {args.device}: CUDA is not available here (this torch "
+                             f"{'sees no GPU' if torch.backends.cuda.is_built() else 'is built without CUDA'}); "
+                             f"use --device cpu")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise UsageError(f"--device {args.device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise UsageError(f"--device {args.device}: MPS is not available here; use --device cpu")
+    if args.threads is not None and args.threads < 1:
+        raise UsageError(f"--threads must be >= 1, got {args.threads} (leave it out for torch's choice)")
+
+
+def int_list(text: str, flag: str) -> list[int]:
+    """A comma list of integers >= 1 (``--batches 1,8,16``); ``UsageError`` naming ``flag`` otherwise."""
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise UsageError(f"{flag} takes a comma list of integers, e.g. 1,8,16; got {text!r}") from None
+    if not values or min(values) < 1:
+        raise UsageError(f"{flag} values must be >= 1, got {text!r}")
+    return values
+
+
+def check_positive(args: argparse.Namespace, *flags: str) -> None:
+    """Each ``--flag`` (an int) must be >= 1."""
+    for flag in flags:
+        value = getattr(args, flag.removeprefix("--").replace("-", "_"))
+        if value < 1:
+            raise UsageError(f"{flag} must be >= 1, got {value}")
+
+
+def model_dir(arg: Path | None) -> Path:
+    """``--model``'s folder, or the built-in demo model's (written on first use) when it is not given."""
+    from workers.runtime.default_model import ensure_default_checkpoint
+    return arg if arg is not None else ensure_default_checkpoint()

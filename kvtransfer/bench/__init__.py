@@ -1,1 +1,0 @@
-"""Benchmarks for KV transfer and the reference ceilings they are reported against."""

@@ -27,20 +27,17 @@ log = logging.getLogger(__name__)
 def model_info(settings: Settings, model_dir: Path) -> ModelInfo:
     """What the ingress needs about the model, read without loading any weights."""
     from workers.runtime.config import ModelConfig
-    from workers.runtime.loader import read_generation_eos
+    from workers.runtime.loader import image_input, read_generation_eos
     from workers.runtime.tokenizer import Tokenizer
-    from workers.runtime.vision import has_vision, load_vision_config
 
     cfg = ModelConfig.from_file(model_dir / "config.json")
     tokenizer = Tokenizer.from_folder(model_dir)
     limit = settings.decode.engine.max_model_len or cfg.max_position_embeddings
-    image_token_id = tokens_per_image = None
-    if has_vision(model_dir) and tokenizer.image_token is not None:
-        image_token_id = tokenizer.token_to_id(tokenizer.image_token)
-        tokens_per_image = load_vision_config(model_dir).num_image_tokens
+    images = image_input(model_dir, tokenizer)  # None: a text-only model
     name = settings.api.served_model_name or model_dir.name
-    return ModelInfo(name, tokenizer, min(limit, cfg.max_position_embeddings), image_token_id,
-                     tokens_per_image or 0, read_generation_eos(model_dir, cfg.vocab_size) or cfg.eos_token_ids)
+    return ModelInfo(name, tokenizer, min(limit, cfg.max_position_embeddings),
+                     images.image_token_id if images else None, images.tokens_per_image if images else 0,
+                     read_generation_eos(model_dir, cfg.vocab_size) or cfg.eos_token_ids)
 
 
 def rewrite_targets(conn, manager) -> None:  # type: ignore[no-untyped-def]
@@ -61,7 +58,7 @@ def validate(settings: Settings, model_dir: Path) -> None:
     from workers.runtime.config import ModelConfig
 
     t = settings.transfer
-    policy = parse_policy(t.codec_policy)
+    policy = parse_policy(settings.wire_codec_policy())
     if isinstance(policy, ExplicitPolicy):
         layers = ModelConfig.from_file(model_dir / "config.json").num_layers
         try:
@@ -157,12 +154,13 @@ def build(settings: Settings) -> Deployment:
         from controlplane.observability.deploy import instrument_control_plane, uninstrument
 
         # pool gauges for /metrics and the dashboard, over this deployment's Redis
-        routers = instrument_control_plane(lambda: pools_status(conn, registry), lambda: scheduler.waiting,
+        routers = instrument_control_plane(lambda: pools_status(conn, registry, manager), lambda: scheduler.waiting,
                                            RequestJournal(conn))
         dep.closers.append(uninstrument)
         dep.app = create_app(scheduler, keys, admin=admin_router(conn, registry, admin_token,
                                                                  on_drain=drain_over_rpc(registry, security),
-                                                                 fixed_pools=fixed), routers=routers,
+                                                                 fixed_pools=fixed, starts=manager),
+                             routers=routers,
                              ops_token=settings.api.ops_token.get_secret_value() if settings.api.ops_token else None)
     except BaseException:
         dep.close()

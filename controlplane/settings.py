@@ -29,6 +29,7 @@ from controlplane.scheduler.policies import available_policies
 from kvtransfer.policy import PolicyError, parse_policy
 
 MiB = 2**20
+LOSSLESS = "lossless"  # transfer.codec_policy: the exact codec for the cache's dtype (Settings.wire_codec_policy)
 PoolName = Literal["encode", "prefill", "decode"]
 POOLS: tuple[PoolName, ...] = ("encode", "prefill", "decode")
 
@@ -161,8 +162,10 @@ class PoolSettings(_Model):
 class TransferSettings(_Model):
     """The KV and embedding transfer between pools."""
 
-    codec_policy: str = Field("bf16", description="codec per layer: 'int8', 'int8,0=bf16,-1=bf16', 'auto', "
-                                                  "'auto:0.05'")
+    codec_policy: str = Field(
+        LOSSLESS, description="codec per layer. 'lossless' (the default): exact for the KV cache's dtype (bf16 for "
+                              "a bfloat16 cache, fp32 for a float32 one). Quantised wires are opt-in: 'int8', 'fp8', "
+                              "'int4', mixed 'int8,0=bf16,-1=bf16', calibrated 'auto' / 'auto:0.05'")
     decode_store: Literal["dequantize", "native"] = Field(
         "dequantize", description="native keeps int8/fp8 layers quantised in the decode cache")
     transport: Literal["auto", "grpc", "shm", "tcp"] = Field(
@@ -182,6 +185,8 @@ class TransferSettings(_Model):
     @field_validator("codec_policy")
     @classmethod
     def _policy(cls, v: str) -> str:
+        if v.strip() == LOSSLESS:
+            return LOSSLESS
         try:
             parse_policy(v)
         except PolicyError as exc:
@@ -314,7 +319,7 @@ class Settings(BaseSettings):
                              f"({d.block_size}) must match: KV blocks move between them as they are")
         if p.max_model_len != d.max_model_len:
             raise ValueError("prefill.engine.max_model_len and decode.engine.max_model_len must match")
-        if self.transfer.codec_policy.startswith("fp32") and "bfloat16" in (p.dtype, d.dtype):
+        if self.wire_codec_policy().strip().startswith("fp32") and "bfloat16" in (p.dtype, d.dtype):
             raise ValueError("the fp32 codec needs float32 engines; use bf16 for bfloat16 engines")
         if self.mode == "colocated":
             for name in ("encode", "prefill"):
@@ -330,6 +335,19 @@ class Settings(BaseSettings):
 
     def pool(self, name: PoolName) -> PoolSettings:
         return getattr(self, name)
+
+    def wire_codec_policy(self) -> str:
+        """``transfer.codec_policy`` as ``kvtransfer.policy.parse_policy`` reads it, with 'lossless' resolved
+        from the engines: bf16 when the values that reach the decode cache are bfloat16 anyway (a bfloat16
+        prefill cache, or a bfloat16 engine on either side, which the fp32 codec cannot serve), else fp32.
+        Prefill and decode replicas resolve it from the same settings, so their codecs always agree."""
+        policy = self.transfer.codec_policy
+        if policy != LOSSLESS:
+            return policy
+        p, d = self.prefill.engine, self.decode.engine
+        sent = p.dtype if p.kv_cache_dtype in ("auto", "int8", "fp8") else p.kv_cache_dtype  # gathered as p.dtype
+        kept = d.dtype if d.kv_cache_dtype == "auto" else d.kv_cache_dtype
+        return "bf16" if "bfloat16" in (sent, kept, p.dtype, d.dtype) else "fp32"
 
     @classmethod
     def settings_customise_sources(cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource,

@@ -50,14 +50,15 @@ CHART_MANAGED: dict[tuple[str, str], str] = {
 
 def codec_pattern(codecs: tuple[str, ...] | None = None) -> str:
     """A regex accepting what ``kvtransfer.policy.parse_policy`` accepts: a codec, optionally followed by
-    LAYER=CODEC overrides ('int8,0=bf16,-1=bf16'), or 'auto' / 'auto:<budget in (0, 1)>'. Whitespace
-    around parts and empty parts are allowed, as parse_policy allows them."""
+    LAYER=CODEC overrides ('int8,0=bf16,-1=bf16'), or 'auto' / 'auto:<budget in (0, 1)>'; plus the settings'
+    own 'lossless' (``Settings.wire_codec_policy`` resolves it). Whitespace around parts and empty parts are
+    allowed, as parse_policy allows them."""
     c = "(" + "|".join(codecs or available_codecs()) + ")"
     override = rf"[-+]?[0-9]+\s*=\s*{c}"
     explicit = rf"[\s,]*{c}(\s*,(\s*{override})?)*[\s,]*"
     budget = r"\+?(0*\.[0-9]*[1-9][0-9]*|[0-9]*\.?[0-9]+[eE]-[0-9]+)"
     auto = rf"auto(:\s*{budget})?"
-    return rf"^\s*({auto}|{explicit})\s*$"
+    return rf"^\s*(lossless|{auto}|{explicit})\s*$"
 
 
 _DROP_KEYS = {"title"}

@@ -91,7 +91,7 @@ def build_worker(pool: Pool, settings: Settings, folder: Path, security: Transfe
     bundle = load_model(folder, dtype=DTYPES[ps.engine.dtype], device=ps.engine.device,
                         with_vision=pool != "decode" or colocated)
     codecs = (None if pool == "encode" or colocated
-              else resolve_pool_codecs(settings.transfer.codec_policy, bundle, ps))
+              else resolve_pool_codecs(settings.wire_codec_policy(), bundle, ps))
     return start_worker(pool, bundle, security, config=ps.engine.engine_config(), codecs=codecs,
                         store=settings.transfer.decode_store, transport=settings.transfer.transport,
                         host=host, port=0, max_streams=settings.transfer.max_streams, colocated=colocated)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import Callable
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -34,6 +35,9 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb
 _IGNORED_PREFIXES = tuple(f"{outer}{inner}." for outer in ("", "model.")
                           for inner in ("vision_tower", "vision_model", "multi_modal_projector"))
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
+# A stored tensor name -> the decoder's HF name (``model.layers.0...``, ``lm_head.weight``), or None for a
+# tensor that belongs to another part of the checkpoint (LLaVA's vision tower). Identity when absent.
+Rename = Callable[[str], "str | None"]
 
 
 def hf_tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -60,8 +64,8 @@ def hf_tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _weight_map(folder: Path) -> dict[str, Path]:
-    """Tensor name -> the safetensors file that holds it."""
+def weight_map(folder: Path) -> dict[str, Path]:
+    """Stored tensor name -> the safetensors file that holds it."""
     index = folder / INDEX_FILE
     if index.exists():
         weight_map = read_json_object(index).get("weight_map")
@@ -127,10 +131,28 @@ def _keys(path: Path) -> list[str]:
         raise CheckpointError(f"{path}: unreadable safetensors file ({exc})") from None
 
 
-def read_hf_tensors(folder: Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """Load and check every tensor the config requires; refuse tensors it does not account for."""
+def renamed(files: dict[str, Path], rename: Rename | None) -> tuple[dict[str, Path], dict[str, str]]:
+    """``files`` under the names ``rename`` gives (dropping None), and each new name's stored name."""
+    if rename is None:
+        return files, {n: n for n in files}
+    out: dict[str, Path] = {}
+    stored: dict[str, str] = {}
+    for key, path in files.items():
+        name = rename(key)
+        if name is None:
+            continue
+        if name in out:
+            raise CheckpointError(f"tensors {stored[name]!r} ({out[name].name}) and {key!r} ({path.name}) are "
+                                  f"both {name!r}")
+        out[name], stored[name] = path, key
+    return out, stored
+
+
+def read_hf_tensors(folder: Path, cfg: ModelConfig, rename: Rename | None = None) -> dict[str, torch.Tensor]:
+    """Load and check every tensor the config requires; refuse tensors it does not account for. ``rename``
+    maps the stored names onto the decoder's HF names (a LLaVA checkpoint's ``language_model.model.*``)."""
     expected = hf_tensor_shapes(cfg)
-    files = _weight_map(folder)
+    files, stored = renamed(weight_map(folder), rename)
     missing = [n for n in expected if n not in files]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
@@ -147,13 +169,14 @@ def read_hf_tensors(folder: Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
         try:
             with safe_open(str(path), framework="pt") as f:
                 for name in names:
-                    t = f.get_tensor(name)
+                    key = stored[name]
+                    t = f.get_tensor(key)
                     if tuple(t.shape) != wanted[name]:
                         raise CheckpointError(
-                            f"{path.name}: tensor {name!r} has shape {tuple(t.shape)}, expected {wanted[name]}")
+                            f"{path.name}: tensor {key!r} has shape {tuple(t.shape)}, expected {wanted[name]}")
                     if not t.is_floating_point():
-                        raise CheckpointError(f"{path.name}: tensor {name!r} has non-float dtype {t.dtype}")
-                    check_finite(t, name, path.name)
+                        raise CheckpointError(f"{path.name}: tensor {key!r} has non-float dtype {t.dtype}")
+                    check_finite(t, key, path.name)
                     tensors[name] = t
         except SafetensorError as exc:
             raise CheckpointError(f"{path}: unreadable safetensors file ({exc})") from None

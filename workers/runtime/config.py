@@ -107,6 +107,11 @@ class ModelConfig:
     # ------------------------------------------------------------------ parsing
     @classmethod
     def from_hf_dict(cls, raw: dict[str, Any]) -> "ModelConfig":
+        """A Llama/Qwen2 config.json; for a LLaVA one, its language model's (``text_config``)."""
+        from workers.runtime.llava import is_llava, text_config_dict  # llava.py imports this module
+
+        if is_llava(raw):
+            raw = text_config_dict(raw)
         arch = _architecture(raw)
         model_type = SUPPORTED_ARCHITECTURES[arch]
         if _flag(raw, "use_sliding_window", False):

@@ -2,7 +2,10 @@
 
 A folder holds ``config.json``, ``*.safetensors`` (optionally sharded with an index),
 ``tokenizer.json`` (+ ``tokenizer_config.json``, ``chat_template.jinja``),
-``generation_config.json`` and, for multimodal models, a ``vision/`` subfolder.
+``generation_config.json`` and, for multimodal models, either a ``vision/`` subfolder (epd's own layout,
+vision.py) or, for a ``LlavaForConditionalGeneration`` folder, the CLIP tower and projector beside the
+language model in the same weights (llava.py). A folder with neither is a text-only model: it takes no
+images and needs no encode pool.
 """
 
 from __future__ import annotations
@@ -12,12 +15,66 @@ from pathlib import Path
 
 import torch
 
+from workers.runtime import llava
 from workers.runtime.checkpoint import load_into, read_hf_tensors
 from workers.runtime.config import ModelConfig, parse_token_ids, read_json_object
 from workers.runtime.errors import CheckpointError
 from workers.runtime.model import DecoderModel
 from workers.runtime.tokenizer import Tokenizer
-from workers.runtime.vision import VisionEncoder, has_vision, load_vision
+from workers.runtime.vision import VisionConfig, VisionEncoder, has_vision, load_vision, load_vision_config
+
+
+@dataclass(frozen=True)
+class ImageInput:
+    """How a multimodal model takes images: the placeholder token, the tower's shape and preprocessing."""
+
+    image_token_id: int
+    vision: VisionConfig
+
+    @property
+    def tokens_per_image(self) -> int:
+        return self.vision.num_image_tokens
+
+
+def image_input(folder: Path, tokenizer: Tokenizer | None) -> ImageInput | None:
+    """None for a text-only model; else its image placeholder and vision config, read without any weights.
+    Sets ``tokenizer.image_token`` from a LLaVA config's ``image_token_index`` where the tokenizer's files
+    name none. CheckpointError when the tokenizer and the config disagree about the placeholder."""
+    folder = Path(folder)
+    raw = read_json_object(folder / "config.json")
+    cfg = ModelConfig.from_hf_dict(raw)
+    if llava.is_llava(raw):
+        vision = llava.vision_config(folder, raw, cfg.hidden_size)
+        token_id = llava.image_token_id(raw, cfg.vocab_size)
+        if tokenizer is not None:
+            named = tokenizer.token_to_id(tokenizer.image_token) if tokenizer.image_token is not None else None
+            if tokenizer.image_token is not None and named != token_id:
+                raise CheckpointError(f"{folder}: the tokenizer's image_token {tokenizer.image_token!r} is id "
+                                      f"{named}, but config.json says image_token_index={token_id}")
+            text = tokenizer.backend.id_to_token(token_id)
+            if text is None:
+                raise CheckpointError(f"{folder}: config.json's image_token_index {token_id} is not in the tokenizer")
+            tokenizer.image_token = text
+        return ImageInput(token_id, vision)
+    if not has_vision(folder):
+        return None
+    vision = load_vision_config(folder)
+    if vision.text_hidden_size != cfg.hidden_size:
+        raise CheckpointError(f"{folder}/vision: projector outputs {vision.text_hidden_size} "
+                              f"features but the language model's hidden_size is {cfg.hidden_size}")
+    token_id = None
+    if tokenizer is not None and tokenizer.image_token is not None:
+        token_id = tokenizer.token_to_id(tokenizer.image_token)
+    if token_id is None:
+        raise CheckpointError(f"{folder}: has a vision tower but tokenizer_config.json names no image_token "
+                              "that the tokenizer knows")
+    return ImageInput(token_id, vision)
+
+
+def needs_encoder(folder: Path) -> bool:
+    """Whether the model has a vision tower (so its deployment needs an encode pool); reads config only."""
+    folder = Path(folder)
+    return has_vision(folder) or llava.is_llava(read_json_object(folder / "config.json"))
 
 
 @dataclass
@@ -52,8 +109,10 @@ def load_model(folder: Path | str, dtype: torch.dtype = torch.float32, device: s
         raise CheckpointError(f"{folder}: not a checkpoint folder (it does not exist)")
     if not folder.is_dir():
         raise CheckpointError(f"{folder}: is not a folder (a checkpoint is a folder holding config.json)")
-    cfg = ModelConfig.from_file(folder / "config.json")
-    tensors = read_hf_tensors(folder, cfg)
+    raw = read_json_object(folder / "config.json")
+    cfg = ModelConfig.from_hf_dict(raw)
+    is_llava = llava.is_llava(raw)
+    tensors = read_hf_tensors(folder, cfg, rename=llava.text_tensor_name if is_llava else None)
     model = DecoderModel(cfg, dtype=dtype, device=device)
     load_into(model, tensors)
     del tensors
@@ -66,12 +125,11 @@ def load_model(folder: Path | str, dtype: torch.dtype = torch.float32, device: s
                 f"{cfg.vocab_size}")
     eos = read_generation_eos(folder, cfg.vocab_size) or cfg.eos_token_ids
     encoder = None
-    if with_vision and has_vision(folder):
-        encoder = load_vision(folder, device=device, dtype=dtype)
-        if encoder.config.text_hidden_size != cfg.hidden_size:
-            raise CheckpointError(f"{folder}/vision: projector outputs {encoder.config.text_hidden_size} "
-                                  f"features but the language model's hidden_size is {cfg.hidden_size}")
-        if tokenizer is None or tokenizer.image_token is None or tokenizer.token_to_id(tokenizer.image_token) is None:
-            raise CheckpointError(f"{folder}: has a vision tower but tokenizer_config.json names no image_token "
-                                  "that the tokenizer knows")
+    if with_vision and needs_encoder(folder):
+        images = image_input(folder, tokenizer)
+        assert images is not None
+        encoder = (llava.load_llava_vision(folder, images.vision, device=device, dtype=dtype) if is_llava
+                   else load_vision(folder, device=device, dtype=dtype))
+    elif is_llava and tokenizer is not None:
+        image_input(folder, tokenizer)  # the tokenizer learns the image token (prompts expand it)
     return LoadedModel(folder, cfg, model, tokenizer, eos, encoder)

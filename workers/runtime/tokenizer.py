@@ -4,7 +4,12 @@ incremental detokenizer that applies stop strings.
 The chat template is rendered the way transformers renders it: a sandboxed jinja2 environment
 with ``trim_blocks``/``lstrip_blocks``, ``raise_exception`` and ``tojson``, and the special tokens
 as variables. The template comes from ``chat_template.jinja`` when present (where recent
-transformers versions write it), else from ``tokenizer_config.json``.
+transformers versions write it), else from ``tokenizer_config.json``, else from a processor's
+``chat_template.json`` (where LLaVA checkpoints on the Hub keep it).
+
+A rendered chat is tokenised as transformers tokenises it: a tokenizer's ``apply_chat_template`` adds no
+special tokens (the template writes them); a multimodal processor's (a folder with ``processor_config.json``
+or ``preprocessor_config.json``, as LLaVA's) adds them unless the text already starts with the BOS token.
 """
 
 from __future__ import annotations
@@ -34,12 +39,14 @@ def _token_str(value: Any) -> str | None:
 
 class Tokenizer:
     def __init__(self, backend: HFTokenizer, *, bos_token: str | None = None, eos_token: str | None = None,
-                 chat_template: str | None = None, image_token: str | None = None) -> None:
+                 chat_template: str | None = None, image_token: str | None = None,
+                 processor_chat: bool = False) -> None:
         self.backend = backend
         self.bos_token = bos_token
         self.eos_token = eos_token
         self.chat_template = chat_template
         self.image_token = image_token
+        self.processor_chat = processor_chat  # tokenise chats as a transformers processor does (module doc)
         self._template: jinja2.Template | None = None
 
     # ------------------------------------------------------------------ loading
@@ -60,14 +67,19 @@ class Tokenizer:
         if config_path.exists():
             config = read_json_object(config_path)
         template = None
-        jinja_path = folder / "chat_template.jinja"
+        jinja_path, processor_path = folder / "chat_template.jinja", folder / "chat_template.json"
         if jinja_path.exists():
             template, template_path = read_text(jinja_path), jinja_path
         else:
             template, template_path = _config_template(config.get("chat_template"), config_path), config_path
+        if template is None and processor_path.exists():  # a processor's template (LLaVA on the Hub)
+            template = _config_template(read_json_object(processor_path).get("chat_template"), processor_path)
+            template_path = processor_path
         tok = cls(backend, bos_token=_token_str(config.get("bos_token")),
                   eos_token=_token_str(config.get("eos_token")), chat_template=template,
-                  image_token=_token_str(config.get("image_token")))
+                  image_token=_token_str(config.get("image_token")),
+                  processor_chat=any((folder / f).exists() for f in ("processor_config.json",
+                                                                     "preprocessor_config.json")))
         if template:
             tok._template = _compile_template(template, template_path)  # at load, not at the first chat request
         return tok
@@ -100,8 +112,11 @@ class Tokenizer:
             raise InvalidRequestError(f"chat template rejected the messages: {exc}") from None
 
     def encode_chat(self, messages: list[Message], add_generation_prompt: bool = True) -> list[int]:
-        """Render and tokenise. Special tokens come from the template itself, as in transformers."""
-        return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)
+        """Render and tokenise. Special tokens come from the template itself, as in transformers; a
+        processor's chat also gets the tokenizer's (a BOS) unless the template wrote a BOS already."""
+        text = self.render_chat(messages, add_generation_prompt)
+        add = self.processor_chat and not (self.bos_token and text.startswith(self.bos_token))
+        return self.encode(text, add_special_tokens=add)
 
 
 def _raise_template_error(message: str) -> None:

@@ -12,7 +12,7 @@ import io
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Container, Sequence
+from typing import Container, Literal, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +29,7 @@ VISION_SUBDIR = "vision"
 # weight file -> the state-dict prefix it holds (CLIP tower as HF writes it; LLaVA projector)
 _FILES = (("model.safetensors", "vision_model."), ("projector.safetensors", "multi_modal_projector."))
 SUPPORTED_ACTS = ("quick_gelu", "gelu")
+SUPPORTED_RESAMPLE = {2: "bilinear", 3: "bicubic"}  # PIL's (and HF's PILImageResampling) numbering
 SUPPORTED_IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF")
 # Below Pillow's own bomb limit (89 MP), so anything Pillow would merely warn about is refused here.
 MAX_IMAGE_PIXELS = 64_000_000
@@ -55,6 +56,14 @@ class VisionConfig:
     image_mean: tuple[float, ...] = CLIP_MEAN
     image_std: tuple[float, ...] = CLIP_STD
     projector_hidden_act: str = "gelu"
+    # LLaVA's vision_feature_select_strategy: "default" drops the CLS position, "full" keeps it
+    feature_select: Literal["default", "full"] = "default"
+    projector_bias: bool = True  # LLaVA's multimodal_projector_bias
+    # The image processor's: the short side is resized to this (None: image_size), with this PIL filter,
+    # then centre-cropped to image_size, then scaled by rescale_factor and normalised by image_mean/std.
+    resize_shortest_edge: int | None = None
+    resample: int = 3
+    rescale_factor: float = 1 / 255
 
     def __post_init__(self) -> None:
         for name in ("image_size", "patch_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -89,10 +98,27 @@ class VisionConfig:
                 raise CheckpointError(f"vision config: {name} must be {self.num_channels} numbers, got {value!r}")
         if not all(s > 0 for s in self.image_std):
             raise CheckpointError(f"vision config: image_std must be positive, got {self.image_std!r}")
+        if self.feature_select not in ("default", "full"):
+            raise CheckpointError(f"vision config: vision_feature_select_strategy must be 'default' or 'full', "
+                                  f"got {self.feature_select!r}")
+        edge = self.resize_shortest_edge
+        if edge is not None and (not isinstance(edge, int) or isinstance(edge, bool) or edge < self.image_size):
+            raise CheckpointError(f"vision config: the resize target (shortest_edge {edge!r}) must be an integer "
+                                  f">= the crop size {self.image_size}")
+        if self.resample not in SUPPORTED_RESAMPLE:
+            raise CheckpointError(f"vision config: resample {self.resample!r} is not supported (supported: "
+                                  + ", ".join(f"{k} ({v})" for k, v in SUPPORTED_RESAMPLE.items()) + ")")
+        if not isinstance(self.rescale_factor, (int, float)) or not self.rescale_factor > 0:
+            raise CheckpointError(f"vision config: rescale_factor must be positive, got {self.rescale_factor!r}")
+
+    @property
+    def num_patches(self) -> int:
+        return (self.image_size // self.patch_size) ** 2
 
     @property
     def num_image_tokens(self) -> int:
-        return (self.image_size // self.patch_size) ** 2
+        """Embeddings per image: one per patch, plus the CLS position when ``feature_select`` is "full"."""
+        return self.num_patches + (1 if self.feature_select == "full" else 0)
 
     @property
     def feature_depth(self) -> int:
@@ -118,7 +144,7 @@ class _Embeddings(nn.Module):
         super().__init__()
         self.class_embedding = nn.Parameter(torch.empty(cfg.hidden_size))
         self.patch_embedding = nn.Conv2d(cfg.num_channels, cfg.hidden_size, cfg.patch_size, cfg.patch_size, bias=False)
-        self.position_embedding = nn.Embedding(cfg.num_image_tokens + 1, cfg.hidden_size)
+        self.position_embedding = nn.Embedding(cfg.num_patches + 1, cfg.hidden_size)
 
     def forward(self, pixel_values: Tensor) -> Tensor:
         patches = self.patch_embedding(pixel_values).flatten(2).transpose(1, 2)  # [B, N, H]
@@ -185,8 +211,8 @@ class _Projector(nn.Module):
     def __init__(self, cfg: VisionConfig) -> None:
         super().__init__()
         self.act = cfg.projector_hidden_act
-        self.linear_1 = nn.Linear(cfg.hidden_size, cfg.text_hidden_size)
-        self.linear_2 = nn.Linear(cfg.text_hidden_size, cfg.text_hidden_size)
+        self.linear_1 = nn.Linear(cfg.hidden_size, cfg.text_hidden_size, bias=cfg.projector_bias)
+        self.linear_2 = nn.Linear(cfg.text_hidden_size, cfg.text_hidden_size, bias=cfg.projector_bias)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.linear_2(_activation(self.act, self.linear_1(x)))
@@ -216,7 +242,7 @@ class VisionEncoder(nn.Module):
         x = vit.pre_layrnorm(vit.embeddings(pixel_values.to(device=weight.device, dtype=weight.dtype)))
         for layer in vit.encoder.layers[:cfg.feature_depth]:
             x = layer(x)
-        return self.multi_modal_projector(x[:, 1:])  # "default" strategy: drop CLS
+        return self.multi_modal_projector(x if cfg.feature_select == "full" else x[:, 1:])  # "default": drop CLS
 
 
 def build_vision_encoder(cfg: VisionConfig, seed: int = 0) -> VisionEncoder:
@@ -300,27 +326,31 @@ def _describe_undecodable(data: bytes) -> str:
 
 
 def preprocess_pil_image(image: Image.Image, cfg: VisionConfig) -> Tensor:
-    """RGB, shortest side resized to image_size (bicubic), centre crop, [0, 1] scaling, mean/std normalisation."""
+    """RGB, shortest side resized to ``resize_shortest_edge`` (default image_size) with ``resample``, centre crop
+    to image_size, scaling by ``rescale_factor``, mean/std normalisation: HF's CLIPImageProcessor, step by step."""
     if image.mode in ("RGBA", "LA", "PA") or (image.mode == "P" and "transparency" in image.info):
         # composite on white as HF's convert_rgb does; a plain convert would turn transparent pixels black
         rgba = image.convert("RGBA")
         image = Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba)
     image = image.convert("RGB")
     size = cfg.image_size
+    edge = cfg.resize_shortest_edge or size
+    resample = Image.Resampling(cfg.resample)
     w, h = image.size
-    # HF's resize target: short side = size, long side = int(size * long / short)
-    new_w, new_h = (size, int(size * h / w)) if w <= h else (int(size * w / h), size)
+    # HF's resize target: short side = edge, long side = int(edge * long / short)
+    new_w, new_h = (edge, int(edge * h / w)) if w <= h else (int(edge * w / h), edge)
     left, top = (new_w - size) // 2, (new_h - size) // 2
     if new_w * new_h <= MAX_RESIZED_PIXELS:  # exactly HF's CLIPImageProcessor: resize, then crop
-        image = image.resize((new_w, new_h), Image.Resampling.BICUBIC).crop((left, top, left + size, top + size))
+        image = image.resize((new_w, new_h), resample).crop((left, top, left + size, top + size))
     else:
         # A thin strip (1 x 60M pixels) would resize to gigapixels: resample only the kept region instead.
         # Nearly the same pixels (Pillow's fixed-point path rounds a box resize slightly differently).
         sx, sy = w / new_w, h / new_h
         box = (left * sx, top * sy, (left + size) * sx, (top + size) * sy)
-        image = image.resize((size, size), Image.Resampling.BICUBIC, box=box)
+        image = image.resize((size, size), resample, box=box)
     pixels = torch.frombuffer(bytearray(image.tobytes()), dtype=torch.uint8).view(size, size, 3)
-    x = pixels.permute(2, 0, 1).to(torch.float32) / 255.0
+    # as HF rescales: in float64, then float32 (so the pixels equal its processor's bit for bit)
+    x = (pixels.permute(2, 0, 1).to(torch.float64) * cfg.rescale_factor).to(torch.float32)
     mean = torch.tensor(cfg.image_mean, dtype=torch.float32).view(3, 1, 1)
     std = torch.tensor(cfg.image_std, dtype=torch.float32).view(3, 1, 1)
     return (x - mean) / std
@@ -347,8 +377,9 @@ def save_vision(directory: Path, encoder: VisionEncoder) -> None:
     }
     epd = {
         "text_hidden_size": cfg.text_hidden_size, "vision_feature_layer": cfg.vision_feature_layer,
-        "vision_feature_select_strategy": "default", "image_mean": list(cfg.image_mean),
+        "vision_feature_select_strategy": cfg.feature_select, "image_mean": list(cfg.image_mean),
         "image_std": list(cfg.image_std), "projector_hidden_act": cfg.projector_hidden_act,
+        "multimodal_projector_bias": cfg.projector_bias,
     }
     state = {k: v.detach().to("cpu").contiguous() for k, v in encoder.state_dict().items()}
     for name, prefix in _FILES:
@@ -364,9 +395,9 @@ def load_vision_config(directory: Path) -> VisionConfig:
     if hf.get("model_type") != "clip_vision_model":
         raise UnsupportedArchitectureError(f"{vdir / 'config.json'}: model_type {hf.get('model_type')!r} is not "
                                            f"supported (expected 'clip_vision_model')")
-    if epd.get("vision_feature_select_strategy", "default") != "default":
-        raise CheckpointError(f"{vdir / 'epd_vision.json'}: only vision_feature_select_strategy 'default' is "
-                              f"supported, got {epd['vision_feature_select_strategy']!r}")
+    if epd.get("vision_feature_select_strategy", "default") not in ("default", "full"):
+        raise CheckpointError(f"{vdir / 'epd_vision.json'}: vision_feature_select_strategy must be 'default' or "
+                              f"'full', got {epd['vision_feature_select_strategy']!r}")
     try:
         return VisionConfig(
             **{k: hf[k] for k in ("image_size", "patch_size", "hidden_size", "intermediate_size",
@@ -375,7 +406,9 @@ def load_vision_config(directory: Path) -> VisionConfig:
             hidden_act=hf.get("hidden_act", "quick_gelu"), text_hidden_size=epd["text_hidden_size"],
             vision_feature_layer=epd.get("vision_feature_layer", -2),
             image_mean=_as_tuple(epd.get("image_mean", CLIP_MEAN)), image_std=_as_tuple(epd.get("image_std", CLIP_STD)),
-            projector_hidden_act=epd.get("projector_hidden_act", "gelu"))
+            projector_hidden_act=epd.get("projector_hidden_act", "gelu"),
+            feature_select=epd.get("vision_feature_select_strategy", "default"),
+            projector_bias=epd.get("multimodal_projector_bias", True))
     except KeyError as exc:
         raise CheckpointError(f"{vdir}: key {exc.args[0]!r} is missing from config.json/epd_vision.json") from None
 

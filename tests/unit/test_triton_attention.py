@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from tests.unit.triton_env import DEVICE
-from workers.runtime.attention import DecodeItem, PrefillItem, build_step_batch, paged_attention
+from workers.runtime.attention import (DecodeItem, PrefillItem, build_step_batch, make_prefill_tiles,
+                                       paged_attention)
 from workers.runtime.kernels.cache_views import cache_tensors
-from workers.runtime.kernels.paged_attention import (make_prefill_tiles, paged_decode_attention,
-                                                     paged_prefill_attention)
+from workers.runtime.kernels.paged_attention import paged_decode_attention, paged_prefill_attention
 from workers.runtime.kv_cache import KVCacheSpec, PagedKVCache
 
 pytestmark = pytest.mark.unit

@@ -4,6 +4,11 @@ One engine step runs every scheduled token through the model as one flat batch o
 first one token per decoding sequence, then the prefill chunks back to back. ``StepBatch`` says
 where each token sits (position, cache slot) and which cached slots each query attends to. It
 is built once per step and shared by all layers.
+
+Two ways to read the cache: the torch path gathers each sequence's slots into a dense copy
+(``decode_slots`` / ``gather_slots``; the CPU implementation and the reference), and the kernel path
+(``StepBatch.kernel``) hands block tables and lengths to the Triton kernels, which read the cache in
+place. Fresh prompts take SDPA over their own k/v either way.
 """
 
 from __future__ import annotations
@@ -47,6 +52,49 @@ class PrefillSlice:
     mask: torch.Tensor | None  # [n, context_len + n] bool, True = attend
 
 
+PREFILL_BLOCK_M = 16  # query tokens per prefill tile of the kernel path
+
+
+@dataclass(frozen=True)
+class PrefillTiles:
+    """Prompt tokens cut into tiles of at most ``PREFILL_BLOCK_M`` tokens of one sequence, as int32
+    device tensors [num_tiles]: the sequence's row in the block tables, the tile's first token in the
+    flat batch, its token count, and the first token's position in the sequence."""
+
+    seq: torch.Tensor
+    start: torch.Tensor
+    count: torch.Tensor
+    pos0: torch.Tensor
+
+    @property
+    def num_tiles(self) -> int:
+        return self.seq.shape[0]
+
+
+def make_prefill_tiles(chunks: list[tuple[int, int, int, int]], device: torch.device) -> PrefillTiles:
+    """Tiles for chunks given as (block-table row, first token in the flat batch, tokens, first position)."""
+    cols: list[list[int]] = [[], [], [], []]
+    for row, start, n, pos in chunks:
+        for off in range(0, n, PREFILL_BLOCK_M):
+            for col, value in zip(cols, (row, start + off, min(PREFILL_BLOCK_M, n - off), pos + off)):
+                col.append(value)
+    t = torch.tensor(cols, dtype=torch.int32).to(device)
+    return PrefillTiles(t[0], t[1], t[2], t[3])
+
+
+@dataclass(frozen=True)
+class KernelMeta:
+    """What the paged kernels read the cache through, all on the cache's device.
+
+    block_tables: [rows, max_blocks] int32, one row per decoding sequence (first ``num_decode`` rows)
+    then one per prefill chunk with cached context; decode_lens: [num_decode] int32 tokens each decode
+    attends to (0 = a padded slot); tiles: the context chunks' query tiles, or None."""
+
+    block_tables: torch.Tensor
+    decode_lens: torch.Tensor
+    tiles: PrefillTiles | None
+
+
 @dataclass(frozen=True)
 class StepBatch:
     input_ids: torch.Tensor  # [T]
@@ -59,6 +107,7 @@ class StepBatch:
     logits_indices: torch.Tensor  # [S]: rows whose logits the step returns
     embed_indices: torch.Tensor | None  # [M]: rows whose embedding is replaced
     embeds: torch.Tensor | None  # [M, hidden]
+    kernel: KernelMeta | None = None  # set (and the gather fields None) for the kernel path
 
 
 def slot_list(block_table: list[int], start: int, end: int, block_size: int) -> list[int]:
@@ -76,7 +125,17 @@ def slot_list(block_table: list[int], start: int, end: int, block_size: int) -> 
     return out
 
 
-def build_step_batch(decodes: list[DecodeItem], prefills: list[PrefillItem], cache: PagedKVCache) -> StepBatch:
+def _block_rows(tables: list[list[int]], lengths: list[int], bs: int) -> torch.Tensor:
+    """[rows, max_blocks] int32: each table cut to the blocks its length uses, zero-padded."""
+    width = max(1, max(-(-n // bs) for n in lengths))
+    rows = [t[:width] + [0] * (width - len(t[:width])) for t in tables]
+    return torch.tensor(rows, dtype=torch.int32)
+
+
+def build_step_batch(decodes: list[DecodeItem], prefills: list[PrefillItem], cache: PagedKVCache,
+                     paged_kernels: bool = False) -> StepBatch:
+    """The step's metadata; ``paged_kernels`` builds ``kernel`` for the Triton path instead of the
+    gather indices of the torch path."""
     device = cache.device
     bs = cache.block_size
     ids: list[int] = [d.token_id for d in decodes]
@@ -85,7 +144,7 @@ def build_step_batch(decodes: list[DecodeItem], prefills: list[PrefillItem], cac
     logits_rows: list[int] = list(range(len(decodes)))
 
     decode_slots = decode_mask = None
-    if decodes:
+    if decodes and not paged_kernels:
         max_len = max(d.position for d in decodes) + 1
         max_blocks = -(-max_len // bs)
         tables = torch.tensor([d.block_table[:max_blocks] + [0] * (max_blocks - len(d.block_table[:max_blocks]))
@@ -96,6 +155,9 @@ def build_step_batch(decodes: list[DecodeItem], prefills: list[PrefillItem], cac
         decode_slots, decode_mask = decode_slots.to(device), decode_mask.to(device)
 
     slices: list[PrefillSlice] = []
+    ctx_tables: list[list[int]] = []
+    ctx_lengths: list[int] = []
+    ctx_chunks: list[tuple[int, int, int, int]] = []
     embed_rows: list[int] = []
     embed_parts: list[torch.Tensor] = []
     for p in prefills:
@@ -105,7 +167,11 @@ def build_step_batch(decodes: list[DecodeItem], prefills: list[PrefillItem], cac
         positions.extend(range(p.start, p.start + n))
         slots.extend(slot_list(p.block_table, p.start, p.start + n, bs))
         gather = mask = None
-        if p.start > 0:
+        if p.start > 0 and paged_kernels:
+            ctx_chunks.append((len(decodes) + len(ctx_tables), first, n, p.start))
+            ctx_tables.append(p.block_table)
+            ctx_lengths.append(p.start + n)
+        elif p.start > 0:
             total = p.start + n
             gather = cache.slots_for(p.block_table, 0, total)
             q_pos = torch.arange(p.start, total)[:, None]
@@ -120,12 +186,19 @@ def build_step_batch(decodes: list[DecodeItem], prefills: list[PrefillItem], cac
     def t(x: list[int]) -> torch.Tensor:
         return torch.tensor(x, dtype=torch.long, device=device)
 
+    kernel = None
+    if paged_kernels and (decodes or ctx_chunks):
+        lengths = [d.position + 1 for d in decodes]
+        tables = _block_rows([d.block_table for d in decodes] + ctx_tables, lengths + ctx_lengths, bs)
+        kernel = KernelMeta(tables.to(device), torch.tensor(lengths, dtype=torch.int32).to(device),
+                            make_prefill_tiles(ctx_chunks, device) if ctx_chunks else None)
+
     return StepBatch(
         input_ids=t(ids), positions=t(positions), slot_mapping=t(slots), num_decode=len(decodes),
         decode_slots=decode_slots, decode_mask=decode_mask, prefills=tuple(slices),
         logits_indices=t(logits_rows),
         embed_indices=t(embed_rows) if embed_rows else None,
-        embeds=torch.cat(embed_parts).to(device) if embed_parts else None,
+        embeds=torch.cat(embed_parts).to(device) if embed_parts else None, kernel=kernel,
     )
 
 

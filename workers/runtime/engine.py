@@ -21,7 +21,7 @@ import random
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Literal
+from typing import TYPE_CHECKING, Callable, Literal
 
 import torch
 
@@ -35,7 +35,11 @@ from workers.runtime.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from workers.runtime.sequence import FinishReason, MultimodalInput, Sequence
 from workers.runtime.tokenizer import IncrementalDetokenizer, Tokenizer
 
+if TYPE_CHECKING:
+    from workers.runtime.kernels.ops import TritonOps
+
 DTypeName = Literal["float32", "bfloat16"]
+KernelsMode = Literal["auto", "torch", "triton"]
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -52,6 +56,8 @@ class EngineConfig:
     prefill_chunk_size: int = 512
     max_model_len: int | None = None  # None = the model's max_position_embeddings
     seed: int = 0  # seeds unseeded sampling, so a whole run is reproducible
+    # auto = the Triton kernels on CUDA (when triton is installed and block_size >= 16), torch elsewhere
+    kernels: KernelsMode = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -62,6 +68,8 @@ class EngineConfig:
         for d in self.kv_layer_dtypes or ():
             if d not in CACHE_DTYPES:
                 raise InvalidRequestError(f"kv_layer_dtypes: unknown dtype {d!r}; one of {', '.join(CACHE_DTYPES)}")
+        if self.kernels not in ("auto", "torch", "triton"):
+            raise InvalidRequestError(f"kernels must be auto, torch or triton, got {self.kernels!r}")
         if self.kv_cache_bytes <= 0:
             raise InvalidRequestError(f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}")
 
@@ -143,6 +151,7 @@ class Engine:
         spec = KVCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, config.block_size)
         self.cache = PagedKVCache.from_budget(spec, config.kv_cache_bytes, layer_dtypes, model.device)
         self.scheduler = Scheduler(config.scheduler_config(), self.cache.allocator, config.block_size)
+        self._ops = _kernel_ops(config, self.cache.device)
         self._seqs: dict[str, Sequence] = {}
         self._rng = random.Random(config.seed)
         self._hooks: list[LayerHook] = []
@@ -297,9 +306,9 @@ class Engine:
         self._steps += 1
         decodes = [DecodeItem(s.output_ids[-1], s.num_computed, s.block_table) for s in plan.decodes]
         prefills = [self._prefill_item(c) for c in plan.prefills]
-        batch = build_step_batch(decodes, prefills, self.cache)
+        batch = build_step_batch(decodes, prefills, self.cache, paged_kernels=self._ops is not None)
         hook = self._layer_hook(plan.prefills) if self._hooks and plan.prefills else None
-        logits = self.model(batch, self.cache, hook)
+        logits = self.model(batch, self.cache, hook, self._ops)
 
         for s in plan.decodes:
             s.num_computed += 1
@@ -352,3 +361,19 @@ class Engine:
             del self._seqs[seq.request_id]
         return RequestOutput(seq.request_id, (token,), text, reason is not None, reason,
                              len(seq.prompt_ids), len(seq.output_ids), logits)
+
+
+def _kernel_ops(config: EngineConfig, device: torch.device) -> "TritonOps | None":
+    """The Triton ops when ``config.kernels`` asks for them (or auto finds CUDA), else None (torch)."""
+    from workers.runtime import kernels
+
+    if config.kernels == "torch" or (config.kernels == "auto" and (
+            device.type != "cuda" or config.block_size < 16 or not kernels.available())):
+        return None
+    if not kernels.available():
+        raise InvalidRequestError("kernels=triton needs the triton package (pip install triton)")
+    if config.block_size < 16:
+        raise InvalidRequestError(f"kernels=triton needs block_size >= 16, got {config.block_size}")
+    from workers.runtime.kernels.ops import TritonOps
+
+    return TritonOps(config.block_size)

@@ -7,7 +7,7 @@ time (fewer, larger matmuls are faster on CPU and GPU alike). Numerics follow tr
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +18,9 @@ from workers.runtime.config import ModelConfig
 from workers.runtime.fingerprint import module_fingerprint
 from workers.runtime.kv_cache import KVLayerStorage, PagedKVCache
 from workers.runtime.rope import RotaryEmbedding
+
+if TYPE_CHECKING:
+    from workers.runtime.kernels.ops import TritonOps
 
 LayerDone = Callable[[int], None]
 
@@ -54,7 +57,9 @@ class DecoderLayer(nn.Module):
         self.scale = cfg.head_dim ** -0.5
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: StepBatch,
-                storage: KVLayerStorage) -> torch.Tensor:
+                storage: KVLayerStorage, ops: TritonOps | None = None) -> torch.Tensor:
+        if ops is not None:
+            return self._forward_kernels(h, cos, sin, batch, storage, ops)
         cfg = self.cfg
         n = h.shape[0]
         qkv = self.qkv_proj(self.input_layernorm(h))
@@ -67,6 +72,22 @@ class DecoderLayer(nn.Module):
         h = h + self.o_proj(attn.view(n, cfg.q_size))
         gate, up = self.gate_up_proj(self.post_attention_layernorm(h)).chunk(2, dim=-1)
         return h + self.down_proj(F.silu(gate) * up)
+
+    def _forward_kernels(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: StepBatch,
+                         storage: KVLayerStorage, ops: TritonOps) -> torch.Tensor:
+        """The same computation with the fused kernels (RoPE in place on the qkv output)."""
+        cfg = self.cfg
+        n = h.shape[0]
+        eps = self.input_layernorm.eps
+        qkv = self.qkv_proj(ops.rmsnorm(h, self.input_layernorm.weight, eps))
+        q = ops.rope_(qkv[:, :cfg.q_size].view(n, cfg.num_heads, cfg.head_dim), cos, sin)
+        k = ops.rope_(qkv[:, cfg.q_size:cfg.q_size + cfg.kv_size].view(n, cfg.num_kv_heads, cfg.head_dim), cos, sin)
+        v = qkv[:, cfg.q_size + cfg.kv_size:].view(n, cfg.num_kv_heads, cfg.head_dim)
+        ops.write_kv(storage, batch.slot_mapping, k, v)
+        attn = ops.attention(q, k, v, batch, storage, self.scale)
+        h, x = ops.add_rmsnorm(self.o_proj(attn.view(n, cfg.q_size)), h, self.post_attention_layernorm.weight,
+                               self.post_attention_layernorm.eps)
+        return h + self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderModel(nn.Module):
@@ -94,8 +115,10 @@ class DecoderModel(nn.Module):
         return module_fingerprint(self, self.cfg.model_type, self.cfg.fingerprint_fields())
 
     @torch.inference_mode()
-    def forward(self, batch: StepBatch, cache: PagedKVCache, on_layer_done: LayerDone | None = None) -> torch.Tensor:
-        """Run one step; returns float32 logits [len(batch.logits_indices), vocab].
+    def forward(self, batch: StepBatch, cache: PagedKVCache, on_layer_done: LayerDone | None = None,
+                ops: TritonOps | None = None) -> torch.Tensor:
+        """Run one step; returns float32 logits [len(batch.logits_indices), vocab]. With ``ops`` the
+        layers run the Triton kernels (``batch`` then needs ``kernel`` for decodes and cached context).
 
         ``on_layer_done(i)`` is called after layer ``i`` has written this step's k/v to the cache,
         so a transfer can stream layer ``i`` while layer ``i + 1`` computes.
@@ -105,8 +128,9 @@ class DecoderModel(nn.Module):
             h[batch.embed_indices] = batch.embeds.to(h.dtype)
         cos, sin = self.rotary.cos_sin(batch.positions, h.dtype)
         for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, batch, cache.layers[i])
+            h = layer(h, cos, sin, batch, cache.layers[i], ops)
             if on_layer_done is not None:
                 on_layer_done(i)
-        h = self.norm(h[batch.logits_indices])
+        h = h[batch.logits_indices]
+        h = self.norm(h) if ops is None else ops.rmsnorm(h, self.norm.weight, self.norm.eps)
         return self.lm_head(h).float()

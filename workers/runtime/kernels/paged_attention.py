@@ -14,17 +14,15 @@ The cache block size must be a power of two >= 16 (the kernels' tile is one cach
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import os
 
 import torch
 import triton
 import triton.language as tl
 
+from workers.runtime.attention import PREFILL_BLOCK_M, PrefillTiles
 from workers.runtime.kernels.cache_views import CacheTensors, scale_args
 
-PREFILL_BLOCK_M = 16  # query tokens per prefill tile
 # Read when triton.jit is: the interpreter computes a bf16/fp16 tl.dot wrongly, so it dots in float32.
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -144,33 +142,6 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, t_seq_ptr, t_st
     out = tl.where(l_i[:, None] > 0, acc / tl.where(l_i > 0, l_i, 1.0)[:, None], 0.0)
     tl.store(o_ptr + rows[:, None] * stride_ot + h * stride_oh + d[None, :],
              out.to(o_ptr.dtype.element_ty), mask=mmask[:, None] & dmask[None, :])
-
-
-@dataclass(frozen=True)
-class PrefillTiles:
-    """Prompt tokens cut into tiles of at most ``PREFILL_BLOCK_M`` tokens of one sequence, as int32
-    device tensors [num_tiles]: the sequence's row in the block tables, the tile's first token in the
-    flat batch, its token count, and the first token's position in the sequence."""
-
-    seq: torch.Tensor
-    start: torch.Tensor
-    count: torch.Tensor
-    pos0: torch.Tensor
-
-    @property
-    def num_tiles(self) -> int:
-        return self.seq.shape[0]
-
-
-def make_prefill_tiles(chunks: list[tuple[int, int, int, int]], device: torch.device) -> PrefillTiles:
-    """Tiles for chunks given as (block-table row, first token in the flat batch, tokens, first position)."""
-    cols: list[list[int]] = [[], [], [], []]
-    for row, start, n, pos in chunks:
-        for off in range(0, n, PREFILL_BLOCK_M):
-            for col, value in zip(cols, (row, start + off, min(PREFILL_BLOCK_M, n - off), pos + off)):
-                col.append(value)
-    t = torch.tensor(cols, dtype=torch.int32).to(device)
-    return PrefillTiles(t[0], t[1], t[2], t[3])
 
 
 def _check(q: torch.Tensor, cache: CacheTensors, block_size: int) -> tuple[int, int, int]:

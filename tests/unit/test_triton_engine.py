@@ -1,0 +1,48 @@
+"""The engine on the kernel path (forced on CPU through Triton's interpreter) gives the torch path's
+tokens and logits: same model, same requests, chunked prefill, ragged batches, quantised layers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tests.unit.triton_env  # noqa: F401  (sets TRITON_INTERPRET before the kernels are imported)
+from engine_helpers import assert_no_leaks, run_to_completion
+from workers.runtime.engine import Engine, EngineConfig
+from workers.runtime.errors import InvalidRequestError
+from workers.runtime.loader import load_model
+from workers.runtime.sampler import SamplingParams
+
+pytestmark = [pytest.mark.unit, pytest.mark.transformers]
+
+# Tiny on purpose: the interpreter runs every kernel program in Python. With chunks of 6 the long
+# prompts prefill over cached context; the short one decodes while they do.
+PROMPTS = [[1, 17, 250, 3, 99, 41, 7, 300, 12, 56, 88, 190, 4], [5, 6, 7], [9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 11]]
+
+
+def _run(model, **config) -> dict[str, list]:
+    engine = Engine(model, None, EngineConfig(kv_cache_bytes=1 << 20, max_num_seqs=4, **config))
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, return_logits=True)
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(f"r{i}", p, params)
+    outs = run_to_completion(engine)
+    assert_no_leaks(engine)
+    return outs
+
+
+@pytest.mark.parametrize("kind,cache_dtype,chunk", [("llama-gqa", "auto", 6), ("qwen2", "int8", 512)])
+def test_kernel_path_gives_the_torch_path_tokens(tiny_hf, kind: str, cache_dtype: str, chunk: int) -> None:
+    model = load_model(tiny_hf(kind), require_tokenizer=False).model
+    want = _run(model, kernels="torch", kv_cache_dtype=cache_dtype, prefill_chunk_size=chunk)
+    got = _run(model, kernels="triton", kv_cache_dtype=cache_dtype, prefill_chunk_size=chunk)
+    assert got.keys() == want.keys()
+    for rid in want:
+        assert [o.new_token_ids for o in got[rid]] == [o.new_token_ids for o in want[rid]]
+        for a, b in zip(got[rid], want[rid]):
+            torch.testing.assert_close(a.logits, b.logits, atol=1e-4, rtol=1e-4)
+
+
+def test_kernel_path_refuses_small_blocks(tiny_hf) -> None:
+    model = load_model(tiny_hf("llama-gqa"), require_tokenizer=False).model
+    with pytest.raises(InvalidRequestError, match="block_size >= 16"):
+        Engine(model, None, EngineConfig(kernels="triton", block_size=8))

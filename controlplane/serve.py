@@ -40,6 +40,24 @@ def model_info(settings: Settings, model_dir: Path) -> ModelInfo:
                      read_generation_eos(model_dir, cfg.vocab_size) or cfg.eos_token_ids)
 
 
+def fit_pools(settings: Settings, info: ModelInfo, model_dir: Path) -> tuple[Settings, dict[str, str]]:
+    """The pools this model needs. Returns the settings the pools start from and, for each pool not needed,
+    why (the admin API refuses to scale it with that reason; status shows it). A text-only model (no vision
+    tower) runs no encode pool; asking for encode replicas for one (encode.replicas > 0 in the YAML file, an
+    EPD_ENCODE__REPLICAS variable or a flag) is a ``SettingsError`` saying why, before anything starts."""
+    if settings.mode == "colocated":
+        return settings, {p: f"colocated mode has no {p} pool; its decode workers run whole requests: scale decode"
+                          for p in ("encode", "prefill")}
+    if info.image_token_id is not None:
+        return settings, {}
+    encode = settings.encode
+    if "replicas" in encode.model_fields_set and encode.replicas > 0:
+        raise SettingsError(f"encode.replicas={encode.replicas}: the model {model_dir} is text-only (it has no vision "
+                            f"tower), so it needs no encode pool; leave encode.replicas unset or set it to 0")
+    why = f"not needed: the model {info.name} is text-only (it has no vision tower), so nothing is encoded"
+    return settings.model_copy(update={"encode": encode.model_copy(update={"replicas": 0})}), {"encode": why}
+
+
 def rewrite_targets(conn, manager) -> None:  # type: ignore[no-untyped-def]
     """After a restarted private Redis: each pool's target is what the manager runs now."""
     from controlplane.state import Pool, PoolTargets
@@ -121,6 +139,7 @@ def build(settings: Settings) -> Deployment:
         model_dir = settings.model or ensure_default_checkpoint()
         validate(settings, Path(model_dir))
         info = model_info(settings, Path(model_dir))
+        settings, not_needed = fit_pools(settings, info, Path(model_dir))
         url = settings.redis.url
         redis = None
         if url is None:
@@ -148,8 +167,7 @@ def build(settings: Settings) -> Deployment:
         scheduler = Scheduler(info, WorkerView(registry), dispatcher, get_policy(settings.scheduler.routing_policy),
                               settings.scheduler, journal, colocated=settings.mode == "colocated")
         keys = [k.get_secret_value() for k in settings.api.api_keys]
-        fixed = ({p: f"colocated mode has no {p} pool; its decode workers run whole requests: scale decode"
-                  for p in ("encode", "prefill")} if settings.mode == "colocated" else None)
+        fixed = not_needed or None
         from controlplane.admin import pools_status
         from controlplane.observability.deploy import instrument_control_plane, uninstrument
 

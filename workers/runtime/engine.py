@@ -17,6 +17,7 @@ the cache, which is what the KV transfer streams from.
 
 from __future__ import annotations
 
+import logging
 import random
 import threading
 import time
@@ -36,11 +37,14 @@ from workers.runtime.sequence import FinishReason, MultimodalInput, Sequence
 from workers.runtime.tokenizer import IncrementalDetokenizer, Tokenizer
 
 if TYPE_CHECKING:
+    from workers.runtime.cuda_graphs import DecodeGraphs
     from workers.runtime.kernels.ops import TritonOps
 
 DTypeName = Literal["float32", "bfloat16"]
 KernelsMode = Literal["auto", "torch", "triton"]
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DEFAULT_KV_CACHE_BYTES = 256 * 2**20
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -48,7 +52,8 @@ class EngineConfig:
     dtype: DTypeName = "float32"
     device: str = "cpu"
     block_size: int = 16
-    kv_cache_bytes: int = 256 * 2**20
+    # None = DEFAULT_KV_CACHE_BYTES on CPU; on CUDA, sized from free memory (gpu_memory_utilization)
+    kv_cache_bytes: int | None = None
     kv_cache_dtype: Literal["auto"] | CacheDType = "auto"  # auto = the model dtype
     kv_layer_dtypes: tuple[CacheDType, ...] | None = None  # per layer, overriding kv_cache_dtype
     max_num_seqs: int = 64
@@ -58,6 +63,8 @@ class EngineConfig:
     seed: int = 0  # seeds unseeded sampling, so a whole run is reproducible
     # auto = the Triton kernels on CUDA (when triton is installed and block_size >= 16), torch elsewhere
     kernels: KernelsMode = "auto"
+    cuda_graphs: bool = True  # decode steps replay one CUDA graph per batch bucket (CUDA + kernels only)
+    gpu_memory_utilization: float = 0.9  # of the device's total memory, when kv_cache_bytes is None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -70,8 +77,11 @@ class EngineConfig:
                 raise InvalidRequestError(f"kv_layer_dtypes: unknown dtype {d!r}; one of {', '.join(CACHE_DTYPES)}")
         if self.kernels not in ("auto", "torch", "triton"):
             raise InvalidRequestError(f"kernels must be auto, torch or triton, got {self.kernels!r}")
-        if self.kv_cache_bytes <= 0:
+        if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
             raise InvalidRequestError(f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise InvalidRequestError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
 
     def scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.prefill_chunk_size)
@@ -149,9 +159,23 @@ class Engine:
             raise InvalidRequestError(f"kv_layer_dtypes names {len(layer_dtypes)} layers; the model has "
                                       f"{cfg.num_layers}")
         spec = KVCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, config.block_size)
-        self.cache = PagedKVCache.from_budget(spec, config.kv_cache_bytes, layer_dtypes, model.device)
+        self._ops = _kernel_ops(config, model.device)
+        budget = config.kv_cache_bytes
+        if budget is None and model.device.type == "cuda":
+            from workers.runtime.gpu_memory import kv_budget_from_free_memory
+
+            budget = kv_budget_from_free_memory(model, spec, layer_dtypes, config.gpu_memory_utilization,
+                                                min(config.max_num_batched_tokens, self.max_model_len), self._ops)
+        self.cache = PagedKVCache.from_budget(spec, budget or DEFAULT_KV_CACHE_BYTES, layer_dtypes, model.device)
         self.scheduler = Scheduler(config.scheduler_config(), self.cache.allocator, config.block_size)
-        self._ops = _kernel_ops(config, self.cache.device)
+        self.graphs: DecodeGraphs | None = None
+        if self._ops is not None and config.cuda_graphs and model.device.type == "cuda":
+            from workers.runtime.cuda_graphs import DecodeGraphs
+
+            self.graphs = DecodeGraphs(model, self.cache, self._ops, config.max_num_seqs, self.max_model_len)
+            self.graphs.capture()
+            log.info("captured %d decode CUDA graphs (batch buckets up to %d) in %.2f s", len(self.graphs.buckets),
+                     self.graphs.max_batch, self.graphs.capture_seconds)
         self._seqs: dict[str, Sequence] = {}
         self._rng = random.Random(config.seed)
         self._hooks: list[LayerHook] = []
@@ -306,9 +330,14 @@ class Engine:
         self._steps += 1
         decodes = [DecodeItem(s.output_ids[-1], s.num_computed, s.block_table) for s in plan.decodes]
         prefills = [self._prefill_item(c) for c in plan.prefills]
-        batch = build_step_batch(decodes, prefills, self.cache, paged_kernels=self._ops is not None)
-        hook = self._layer_hook(plan.prefills) if self._hooks and plan.prefills else None
-        logits = self.model(batch, self.cache, hook, self._ops)
+        bucket = self.graphs.bucket_for(len(decodes)) if self.graphs is not None and not prefills else None
+        if bucket is not None:
+            assert self.graphs is not None
+            logits = self.graphs.run(decodes, bucket)
+        else:
+            batch = build_step_batch(decodes, prefills, self.cache, paged_kernels=self._ops is not None)
+            hook = self._layer_hook(plan.prefills) if self._hooks and plan.prefills else None
+            logits = self.model(batch, self.cache, hook, self._ops)
 
         for s in plan.decodes:
             s.num_computed += 1
@@ -321,7 +350,7 @@ class Engine:
         tokens = sample(logits, [s.params for s in sampled], [s.generator for s in sampled])
         tokens = [s.params.forced_tokens[len(s.output_ids)] if s.params.forced_tokens else t
                   for s, t in zip(sampled, tokens)]
-        return [self._append(s, t, logits[i] if s.params.return_logits else None)
+        return [self._append(s, t, logits[i].clone() if s.params.return_logits else None)
                 for i, (s, t) in enumerate(zip(sampled, tokens))]
 
     def _prefill_item(self, c: ScheduledChunk) -> PrefillItem:

@@ -1,0 +1,43 @@
+"""Sizing the KV pool from the GPU's free memory, as vLLM's ``gpu_memory_utilization`` does.
+
+budget = total * utilization - (memory outside torch's allocator) - (torch's peak during a profile
+forward of the largest step, less the profile's own KV blocks). The profile runs once at start-up,
+after the weights are loaded, over a temporary cache that is freed before the pool is allocated.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from workers.runtime.attention import PrefillItem, build_step_batch
+from workers.runtime.errors import CapacityError
+from workers.runtime.kv_cache import CacheDType, KVCacheSpec, PagedKVCache
+from workers.runtime.model import DecoderModel
+
+
+def kv_budget_from_free_memory(model: DecoderModel, spec: KVCacheSpec, layer_dtypes: tuple[CacheDType, ...],
+                               utilization: float, profile_tokens: int, ops: object | None) -> int:
+    """Bytes the KV pool may take on ``model.device`` (CUDA); CapacityError when not one block fits."""
+    device = model.device
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    blocks = -(-profile_tokens // spec.block_size)
+    scratch = PagedKVCache(spec, blocks, layer_dtypes, device)
+    batch = build_step_batch([], [PrefillItem([0] * profile_tokens, 0, list(range(blocks)), want_logits=True)],
+                             scratch, paged_kernels=ops is not None)
+    model(batch, scratch, None, ops)  # type: ignore[arg-type]
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - scratch.nbytes
+    del scratch, batch
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    outside_torch = total - free - torch.cuda.memory_reserved(device)
+    budget = int(total * utilization) - outside_torch - peak
+    per_block = spec.bytes_per_block(layer_dtypes)
+    if budget < per_block:
+        raise CapacityError(
+            f"no GPU memory left for the KV cache: {total * utilization / 2**30:.2f} GiB allowed "
+            f"(gpu_memory_utilization={utilization}), weights and activations peak at {peak / 2**30:.2f} GiB, "
+            f"{outside_torch / 2**30:.2f} GiB used outside torch")
+    return budget

@@ -2,7 +2,7 @@
 operator would download them: a text-only Llama / Qwen2 (``write_text_model``) and a LLaVA with a CLIP tower
 (``write_llava``, with its processor: preprocessor_config.json, processor_config.json, chat template).
 
-The weights are random but not flat: embeddings and the LM head at unit scale, so greedy output depends on
+The weights are random but not flat (unit-scale embeddings, unit-gain projections), so greedy output depends on
 the whole context (image included) and a wrong KV cache or a wrong image embedding changes the tokens.
 """
 
@@ -47,14 +47,15 @@ def _text_config(arch: str, vocab_size: int, tok):  # type: ignore[no-untyped-de
 
 
 def _spread(model: torch.nn.Module, seed: int) -> None:
-    """Unit-scale embeddings, heads and projector, and non-zero biases, from ``seed``."""
+    """Unit-scale embeddings and heads, unit-gain projections (1/sqrt(fan_in)), non-zero q/k/v and projector
+    biases, from ``seed``: HF's 0.02 init leaves the context (and the image) almost no say in the output."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
             if name.endswith(("embed_tokens.weight", "lm_head.weight")):
                 p.copy_(torch.randn(p.shape, generator=gen))
-            elif "multi_modal_projector" in name and name.endswith("weight"):
-                p.copy_(torch.randn(p.shape, generator=gen) / p.shape[1] ** 0.5)
+            elif name.endswith("weight") and p.dim() >= 2:  # every projection, at unit gain
+                p.copy_(torch.randn(p.shape, generator=gen) / p[0].numel() ** 0.5)
             elif name.endswith("bias") and ("self_attn" in name or "projector" in name):
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
 

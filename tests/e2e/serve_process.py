@@ -61,13 +61,15 @@ def descendants(pid: int) -> set[int]:
 
 
 @contextmanager
-def serve_process(settings: dict[str, Any], tmp: Path, ready_timeout_s: float = 150.0) -> Iterator[Served]:
+def serve_process(settings: dict[str, Any], tmp: Path, ready_timeout_s: float = 150.0,
+                  args: tuple[str, ...] = ()) -> Iterator[Served]:
+    """``args``: more `epd serve` flags (``--model DIR``), after ``--config``."""
     port = free_port()
     config = tmp / "epd.yaml"
     config.write_text(json.dumps({**settings, "api": {**settings.get("api", {}), "port": port}}))
     env = {**os.environ, "EPD_STATE_DIR": str(tmp / "state")}
     log = open(tmp / "serve.log", "w")  # noqa: SIM115 - closed in the finally below
-    proc = subprocess.Popen([sys.executable, "-m", "controlplane.cli", "serve", "--config", str(config)],
+    proc = subprocess.Popen([sys.executable, "-m", "controlplane.cli", "serve", "--config", str(config), *args],
                             stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     served = Served(proc, f"http://127.0.0.1:{port}", config, env, tmp)
     try:

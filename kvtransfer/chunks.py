@@ -19,6 +19,7 @@ import torch
 
 from kvtransfer.checksum import ChunkHasher, chunk_checksum
 from kvtransfer.codecs import Codec, EncodedTensor, Kind
+from kvtransfer.staging import side_stream, to_host
 from kvtransfer.wire import encode_chunk_parts, pb
 
 _NUMPY_FLOATS = {torch.float32: np.float32, torch.float16: np.float16}
@@ -56,14 +57,19 @@ def frame_chunk_parts(chunk: "pb.KVChunk", codec: Codec, key: torch.Tensor,
 
 
 def frame_chunk_into(chunk: "pb.KVChunk", codec: Codec, key: torch.Tensor, value: torch.Tensor,
-                     buf: torch.Tensor) -> tuple[list[bytes | memoryview], int]:
+                     buf: torch.Tensor, ready: object | None = None) -> tuple[list[bytes | memoryview], int]:
     """``frame_chunk_parts`` with the scales and payload encoded into ``buf`` (1-D uint8, at least
     ``chunk_nbytes`` long; a pooled buffer), for codecs that encode straight into a destination
-    (``writes_in_place``). The parts are views of ``buf``: reuse it only once they are sent."""
+    (``writes_in_place``), and for every codec when the input is on a device (encoded there, then
+    only its bytes copied into ``buf``, pinned; ``ready`` as in ``_encode_on_device``). The parts
+    are views of ``buf``: reuse it only once they are sent."""
     nbytes = chunk_nbytes(codec, tuple(key.shape))
     dest = memoryview(buf.numpy())[:nbytes]
     s_len, k_len, _ = _sizes(codec, tuple(key.shape))
-    chunk.checksum = _encode_into_parts(codec, key, value, dest[:s_len], dest[s_len:], k_len)
+    if key.device.type != "cpu":
+        chunk.checksum = _encode_on_device(codec, key, value, buf[:nbytes], dest, s_len, k_len, ready)
+    else:
+        chunk.checksum = _encode_into_parts(codec, key, value, dest[:s_len], dest[s_len:], k_len)
     return encode_chunk_parts(chunk, [dest[:s_len]], [dest[s_len:]]), nbytes
 
 
@@ -102,9 +108,13 @@ def non_finite_values(codec_name: str, scales_dtype: torch.dtype, scales: memory
 
 
 def encode_into_segment(chunk: "pb.KVChunk", codec: Codec, key: torch.Tensor, value: torch.Tensor,
-                        dest: memoryview) -> None:
+                        dest: memoryview, ready: object | None = None) -> None:
     """Encode into ``dest`` (exactly ``chunk_nbytes`` long, writable) and set ``chunk.checksum``."""
     s_len, k_len, _ = _sizes(codec, tuple(key.shape))
+    if key.device.type != "cpu":
+        host = torch.frombuffer(dest, dtype=torch.uint8)
+        chunk.checksum = _encode_on_device(codec, key, value, host, dest, s_len, k_len, ready)
+        return
     chunk.checksum = _encode_into_parts(codec, key, value, dest[:s_len], dest[s_len:], k_len)
 
 
@@ -129,6 +139,26 @@ def _encode_into_parts(codec: Codec, key: torch.Tensor, value: torch.Tensor, sca
         scales[pos:pos + m.nbytes] = m
         pos += m.nbytes
     return chunk_checksum([scales, payload])
+
+
+def _encode_on_device(codec: Codec, key: torch.Tensor, value: torch.Tensor, host: torch.Tensor, dest: memoryview,
+                      s_len: int, k_len: int, ready: object | None = None) -> int:
+    """Encode device tensors into a device buffer laid out as the wire's bulk bytes (scales and zeros,
+    then the keys' and values' payload), copy only those bytes to ``host`` (pinned for an asynchronous
+    copy; ``dest`` is its byte view) on the side stream, and return the checksum over the host bytes.
+    ``ready``: an event the side stream waits for (the snapshot's copy); None: the current stream."""
+    with side_stream(key.device, ready):
+        dev = torch.empty(host.numel(), dtype=torch.uint8, device=key.device)
+        k = codec.encode_into(key, Kind.KEY, dev[s_len:s_len + k_len])
+        v = codec.encode_into(value, Kind.VALUE, dev[s_len + k_len:])
+        pos = 0
+        for t in (k.scales, k.zeros, v.scales, v.zeros):
+            if t is not None and t.numel():
+                n = t.numel() * t.element_size()
+                dev[pos:pos + n].copy_(t.reshape(-1).view(torch.uint8))
+                pos += n
+        to_host(dev, host)
+    return chunk_checksum([dest])
 
 
 def scale_views(k: EncodedTensor, v: EncodedTensor) -> list[memoryview]:

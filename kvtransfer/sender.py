@@ -26,6 +26,7 @@ from kvtransfer.errors import TransferFailed
 from kvtransfer.layout import KVLayout
 from kvtransfer.memory import BufferPool, retain_freed_buffers
 from kvtransfer.shm import SegmentPool, reap_orphans, shm_available
+from kvtransfer.staging import PinnedPool
 from kvtransfer.stream import KVStream
 from kvtransfer.threads import single_threaded_torch
 
@@ -87,6 +88,8 @@ class KVSender:
         # most what was in flight at once, which the sender budget bounds (quantised wire bytes are
         # fewer than the input bytes the budget counts).
         self.buffers = BufferPool(max_bytes=sender_budget_bytes)
+        # A device cache's encoded chunks land in pinned buffers (kvtransfer.staging), reused the same way.
+        self.pinned = PinnedPool(max_bytes=sender_budget_bytes)
         native.load_in_background()
         if transport != "grpc":
             reap_orphans()
@@ -100,6 +103,7 @@ class KVSender:
         self.bulk.close()
         self.encoders.shutdown(wait=False, cancel_futures=True)
         self.buffers.clear()
+        self.pinned.clear()
 
     def choose_transport(self, target: str) -> str:
         if self.transport == "grpc":

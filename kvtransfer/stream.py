@@ -44,6 +44,7 @@ from kvtransfer.errors import TransferFailed
 from kvtransfer.layout import KVLayout
 from kvtransfer.reused_threads import ReusedThreads
 from kvtransfer.shm import SharedSegment, ShmError
+from kvtransfer.staging import wait_for_current
 from kvtransfer.wire import OPEN_BULK_METHOD, PROTOCOL_VERSION, PUSH_METHOD, encode_control, pb
 
 if TYPE_CHECKING:
@@ -199,6 +200,7 @@ class KVStream:
         step = max(1, chunk_bytes // per_block)
         if n:
             step = -(-n // -(-n // step))  # the same number of chunks, evenly sized (no runt last chunk)
+        ready = wait_for_current(key.device)  # device input: encoders start after the snapshot's copy
         for i in range(0, n, step):
             k, v = key[i:i + step], value[i:i + step]
             cost = k.nbytes + v.nbytes
@@ -219,10 +221,10 @@ class KVStream:
                         offset = self._reserve(segment, codec, tuple(k.shape))
                     if cost <= self.sender.inline_build_bytes:  # built by the sending thread (_messages)
                         job = functools.partial(self._build, seq, layer, first_block + i, codec, k, v, segment,
-                                                offset)
+                                                offset, ready)
                     else:
                         job = self.sender.encoders.submit(self._build, seq, layer, first_block + i, codec, k, v,
-                                                          segment, offset)
+                                                          segment, offset, ready)
                     self._submitted += 1
                     self._queue.put(("layer", job, cost))
             except BaseException:
@@ -429,37 +431,40 @@ class KVStream:
         return offset
 
     def _build(self, seq: int, layer: int, first_block: int, codec, key: torch.Tensor,  # type: ignore[no-untyped-def]
-               value: torch.Tensor, segment: SharedSegment | None, offset: int) -> _Built:
+               value: torch.Tensor, segment: SharedSegment | None, offset: int, ready: object | None = None) -> _Built:
         """Encode, checksum and frame one chunk. Runs on the sender's encoder threads, several chunks
         at once (torch, numpy, xxhash and the native kernels release the GIL), or on the sending
         thread for a small chunk; sent in ``seq`` order. A chunk that cannot be encoded (NaN in the
         cache) raises CodecError naming its layer and blocks."""
         try:
-            return self._encode_chunk(seq, layer, first_block, codec, key, value, segment, offset)
+            return self._encode_chunk(seq, layer, first_block, codec, key, value, segment, offset, ready)
         except CodecError as exc:
             raise CodecError(f"layer {layer}, blocks {first_block}..{first_block + key.shape[0] - 1}: {exc}") from None
 
     def _encode_chunk(self, seq: int, layer: int, first_block: int, codec, key: torch.Tensor,  # type: ignore[no-untyped-def]
-                      value: torch.Tensor, segment: SharedSegment | None, offset: int) -> _Built:
+                      value: torch.Tensor, segment: SharedSegment | None, offset: int,
+                      ready: object | None = None) -> _Built:
         chunk = pb.KVChunk(seq=seq, request_id=self.request_id, layer=layer, first_block=first_block,
                            num_blocks=key.shape[0], codec=int(codec.codec_id))
         logical = key.numel() * 4
         if segment is None:
-            if not writes_in_place(codec):  # bf16/fp32: the message's parts are views of the input itself
+            on_host = key.device.type == "cpu"  # device input: encoded on the device, only its bytes come over
+            if on_host and not writes_in_place(codec):  # bf16/fp32: the message's parts are views of the input
                 framed, nbytes = (frame_chunk_parts if self._bulk is not None else frame_chunk)(chunk, codec, key,
                                                                                                 value)
                 return _Built(framed, chunk.checksum, nbytes, logical)
-            buf = self.sender.buffers.take(chunk_nbytes(codec, tuple(key.shape)))
-            parts, nbytes = frame_chunk_into(chunk, codec, key, value, buf)
+            size = chunk_nbytes(codec, tuple(key.shape))
+            buf = self.sender.buffers.take(size) if on_host else self.sender.pinned.take(size)
+            parts, nbytes = frame_chunk_into(chunk, codec, key, value, buf, ready)
             if self._bulk is not None:
                 return _Built(parts, chunk.checksum, nbytes, logical, buf)  # sent from buf, then given back
             message = b"".join(parts)  # gRPC sends bytes: buf is free again once joined
             del parts
-            self.sender.buffers.give(buf)
+            (self.sender.buffers if on_host else self.sender.pinned).give(buf)
             return _Built(message, chunk.checksum, nbytes, logical)
         # Shared memory: encoded straight into the segment; the message only says where.
         nbytes = chunk_nbytes(codec, tuple(key.shape))
-        encode_into_segment(chunk, codec, key, value, segment.view(offset, nbytes))
+        encode_into_segment(chunk, codec, key, value, segment.view(offset, nbytes), ready)
         chunk.shm.offset = offset
         chunk.shm.length = nbytes
         return _Built(encode_control(pb.PushMessage(chunk=chunk)), chunk.checksum, nbytes, logical)

@@ -78,7 +78,12 @@ class Codec(abc.ABC):
         """Encode a float32/bfloat16 tensor [n_blocks, block_size, kv_heads, head_dim]."""
         kind = Kind.parse(kind)
         shape = self._check_input(x)
-        return self._encode(x.contiguous(), kind, self._layout(shape, kind))
+        layout = self._layout(shape, kind)
+        fused = self._fused(x)
+        if fused is not None:
+            payload = torch.empty(layout.payload_nbytes, dtype=torch.uint8, device=x.device)
+            return fused.encode_blocks(self, x, _all_blocks(x), kind, payload)
+        return self._encode(x.contiguous(), kind, layout)
 
     def encode_into(self, x: torch.Tensor, kind: Kind | str, payload: torch.Tensor) -> EncodedTensor:
         """Encode like `encode`, writing the payload into `payload` (1-D contiguous uint8 of the
@@ -91,6 +96,9 @@ class Codec(abc.ABC):
         shape = self._check_input(x)
         layout = self._layout(shape, kind)
         _check_payload_out(payload, layout.payload_nbytes)
+        fused = self._fused(x)
+        if fused is not None and payload.device == x.device:
+            return fused.encode_blocks(self, x, _all_blocks(x), kind, payload)
         return self._encode_into(x.contiguous(), kind, layout, payload)
 
     def _encode_into(self, x: torch.Tensor, kind: Kind, layout: WireLayout, payload: torch.Tensor) -> EncodedTensor:
@@ -114,8 +122,21 @@ class Codec(abc.ABC):
             raise CodecError(f"destination shape {tuple(out.shape)} != encoded shape {enc.shape}")
         if out.dtype not in CACHE_DTYPES:
             raise CodecError(f"destination dtype must be float32 or bfloat16, got {out.dtype}")
+        fused = self._fused(out)
+        if fused is not None and enc.payload.device == out.device:
+            fused.decode_blocks(self, enc, out, _all_blocks(out))
+            return out
         self._decode_into(enc, out)
         return out
+
+    def _fused(self, t: torch.Tensor):  # type: ignore[no-untyped-def]
+        """The fused Triton kernels (kvtransfer.codecs.fused) for a CUDA tensor of a codec that has
+        them, else None: CPU tensors keep this codec's torch (and native C) kernels."""
+        if t.device.type != "cuda":
+            return None
+        from kvtransfer.codecs import fused
+
+        return fused if self.name in fused.FUSED_CODECS and fused.usable(t.device) else None
 
     # -- receiving --------------------------------------------------------------------------
     def check(self, enc: EncodedTensor) -> None:
@@ -224,6 +245,10 @@ def _check_payload_out(payload: torch.Tensor, nbytes: int) -> None:
         raise CodecError("payload destination must be a 1-D uint8 tensor")
     if not payload.is_contiguous() or payload.numel() != nbytes:
         raise CodecError(f"payload destination must be contiguous with {nbytes} bytes, got {payload.numel()}")
+
+
+def _all_blocks(x: torch.Tensor) -> torch.Tensor:
+    return torch.arange(x.shape[0], dtype=torch.long, device=x.device)
 
 
 def raise_non_finite(codec: str) -> None:

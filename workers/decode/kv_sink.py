@@ -15,10 +15,12 @@ from typing import Literal, Sequence
 import numpy as np
 import torch
 
-from kvtransfer.codecs import Kind, get_codec
+from kvtransfer.codecs import Codec, EncodedTensor, Kind, get_codec
 from kvtransfer.codecs.encoded import CodecError
 from kvtransfer.receiver import WireParts
-from workers.runtime.kv_cache import DenseLayerStorage, PagedKVCache, QuantizedLayerStorage
+from kvtransfer.staging import side_stream, to_device
+from workers.runtime.kv_cache import (DenseLayerStorage, KVLayerStorage, PagedKVCache, QuantizedLayerStorage,
+                                      block_slots)
 
 _RAW = {("fp32", torch.float32), ("bf16", torch.bfloat16)}
 _NATIVE = {("int8", "int8"), ("fp8", "fp8")}
@@ -35,13 +37,22 @@ def decode_cache_dtypes(codecs: tuple[str, ...], compute_dtype: str, store: KVSt
 
 
 class CacheSink:
-    def __init__(self, cache: PagedKVCache) -> None:
+    """``staged``: land chunks through the device path (received bytes copied to the cache's device,
+    decoded there by block index); None picks it for any cache not on the CPU. True on a CPU cache
+    runs the same logic on CPU tensors, which is how it is tested without a GPU."""
+
+    def __init__(self, cache: PagedKVCache, staged: bool | None = None) -> None:
         self.cache = cache
         self.bs = cache.block_size
+        self.staged = cache.device.type != "cpu" if staged is None else staged
 
     def write(self, layer: int, blocks: Sequence[int], codec: str, shape: tuple[int, int, int, int],
               key: WireParts, value: WireParts) -> None:
         storage = self.cache.layers[layer]
+        if self.staged:
+            with side_stream(self.cache.device):  # done (synchronised) before the receiver counts the chunk
+                self._write_device(storage, blocks, codec, shape, key, value)
+            return
         if isinstance(storage, DenseLayerStorage) and (codec, storage.k.dtype) in _RAW:
             for dest, part in ((storage.k, key), (storage.v, value)):
                 self._copy_raw(dest, blocks, part.payload, shape)
@@ -63,9 +74,50 @@ class CacheSink:
         k, v = c.decode(k_enc, dtype), c.decode(v_enc, dtype)
         storage.write(self._slots(blocks), k.reshape(-1, *shape[2:]), v.reshape(-1, *shape[2:]))
 
+    def _write_device(self, storage: KVLayerStorage, blocks: Sequence[int], codec: str,
+                      shape: tuple[int, int, int, int], key: WireParts, value: WireParts) -> None:
+        """A device cache: only the received encoded bytes go host to device (one staged copy per
+        chunk), then the fused kernels decode straight into the reserved blocks, or the payload and
+        scales are stored as they are; every index lives on the cache's device."""
+        dev = self.cache.device
+        n, bs, h, d = shape
+        ids = torch.tensor(blocks, dtype=torch.long, device=dev)
+        kp, ks, kz, vp, vs, vz = to_device([key.payload, key.scales, key.zeros, value.payload, value.scales,
+                                            value.zeros], dev)
+        if isinstance(storage, DenseLayerStorage) and (codec, storage.k.dtype) in _RAW:
+            per_block = bs * h * d * storage.k.element_size()
+            for dest, p in ((storage.k, kp), (storage.v, vp)):
+                if p.numel() != per_block * n:
+                    raise ValueError(f"payload of {p.numel()} bytes for {n} blocks of {per_block}")
+                dest.view(torch.uint8).view(-1, per_block).index_copy_(0, ids, p.view(n, per_block))
+            return
+        if isinstance(storage, QuantizedLayerStorage) and (codec, storage.dtype_name) in _NATIVE:
+            groups = h if codec == "int8" else 1
+            for data, scale, p, sc in ((storage.k, storage.k_scale, kp, ks), (storage.v, storage.v_scale, vp, vs)):
+                if p.numel() != n * bs * h * d or sc.numel() != n * groups * 4:
+                    raise CodecError(f"payload/scales have {p.numel()}/{sc.numel()} bytes, expected "
+                                     f"{n * bs * h * d}/{n * groups * 4} for {n} {codec} blocks")
+                data.view(torch.uint8).view(-1, bs * h * d).index_copy_(0, ids, p.view(n, -1))
+                s = sc.view(torch.float32).view(n, 1, groups).expand(n, bs, h)
+                scale.view(-1, bs, h).index_copy_(0, ids, s.contiguous())
+            return
+        c = get_codec(codec)
+        k_enc = _encoded(c, Kind.KEY, shape, kp, ks, kz)
+        v_enc = _encoded(c, Kind.VALUE, shape, vp, vs, vz)
+        if isinstance(storage, DenseLayerStorage):
+            for enc, dest in ((k_enc, storage.k), (v_enc, storage.v)):
+                blocks_view = dest.view(-1, bs, h, d)
+                fused = c._fused(blocks_view)
+                if fused is not None:
+                    fused.decode_blocks(c, enc, blocks_view, ids)  # straight into the reserved blocks
+                else:
+                    blocks_view.index_copy_(0, ids, c.decode(enc, dest.dtype))
+            return
+        k, v = c.decode(k_enc, torch.float32), c.decode(v_enc, torch.float32)
+        storage.write(block_slots(list(blocks), bs, dev), k.reshape(-1, h, d), v.reshape(-1, h, d))
+
     def _slots(self, blocks: Sequence[int]) -> torch.Tensor:
-        b = torch.tensor(blocks, dtype=torch.long)
-        return (b[:, None] * self.bs + torch.arange(self.bs)).reshape(-1)
+        return block_slots(list(blocks), self.bs, self.cache.device)
 
     def _copy_raw(self, dest: torch.Tensor, blocks: Sequence[int], payload: memoryview,
                   shape: tuple[int, int, int, int]) -> None:
@@ -100,6 +152,21 @@ class CacheSink:
             for start, end, first in runs:
                 np.copyto(dst[first:first + end - start], src[start:end])
                 s_dst[first:first + end - start].copy_(s[start:end].expand(-1, bs, h))
+
+
+def _encoded(c: Codec, kind: Kind, shape: tuple[int, int, int, int], payload: torch.Tensor, scales: torch.Tensor,
+             zeros: torch.Tensor | None) -> EncodedTensor:
+    """Received parts already on the device as an EncodedTensor, every length checked against ``shape``."""
+    layout = c.layout(shape, kind)
+    for what, t, want in (("payload", payload, layout.payload_nbytes), ("scales", scales, layout.scale_nbytes),
+                          ("zeros", zeros, layout.zero_nbytes)):
+        got = 0 if t is None else t.numel()
+        if got != want:
+            raise CodecError(f"{what} has {got} bytes, expected {want} for this codec, shape and kind")
+    z = None if layout.zeros_shape is None else zeros.view(layout.scales_dtype).view(layout.zeros_shape)  # type: ignore[union-attr]
+    s = scales.view(layout.scales_dtype).view(layout.scales_shape) if scales.numel() else torch.empty(
+        layout.scales_shape, dtype=layout.scales_dtype, device=scales.device)
+    return EncodedTensor(c.codec_id, kind, shape, payload, s, z)
 
 
 def _consecutive(blocks: Sequence[int]) -> bool:

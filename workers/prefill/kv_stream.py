@@ -20,6 +20,7 @@ from kvtransfer.layout import KVLayout
 from kvtransfer.sender import KVSender
 from kvtransfer.stream import KVStream, PushResult
 from workers.runtime.engine import Engine, LayerKVReady
+from workers.runtime.kv_cache import block_slots
 
 
 def engine_layout(engine: Engine, layer_codecs: tuple[str, ...]) -> KVLayout:
@@ -82,8 +83,7 @@ class LayerStreamer:
             hi = -(-chunk.end // bs) if chunk.last else chunk.end // bs
             if hi <= lo:
                 continue
-            blocks = torch.tensor(chunk.blocks[lo:hi], dtype=torch.long)
-            slots = (blocks[:, None] * bs + torch.arange(bs)).reshape(-1)
+            slots = block_slots(chunk.blocks[lo:hi], bs, self.engine.cache.device)
             k, v = storage.gather(slots, dtype)  # a copy: the engine may reuse the blocks after this step
             shape = (hi - lo, bs, self.layout.num_kv_heads, self.layout.head_dim)
             k, v = k.view(shape), v.view(shape)

@@ -1,0 +1,185 @@
+"""The codecs' fused Triton kernels, addressed by cache block index: launch wrappers and dispatch.
+
+``encode_blocks(codec, cache, ids, kind, payload)`` encodes blocks ``ids`` of ``cache``
+[num_blocks, block_size, kv_heads, head_dim] (float32/bf16) into ``payload`` (1-D uint8 of the
+codec's layout size, same device) and returns the ``EncodedTensor`` (scales and zeros allocated on
+that device). ``decode_blocks(enc, cache, ids)`` writes the decoded blocks straight into cache
+blocks ``ids``. Both produce exactly the torch codecs' bytes and values (tests hold them to it under
+``TRITON_INTERPRET=1``) and refuse non-finite input with the same ``CodecError``.
+
+``usable(device)``: True on a CUDA device when Triton imports, or under ``TRITON_INTERPRET=1``
+(the interpreter runs them on CPU tensors: that is how they are tested without a GPU). The codecs
+call these for CUDA tensors; CPU tensors keep the torch (and native C) kernels.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from kvtransfer.codecs.base import Codec, raise_non_finite
+from kvtransfer.codecs.encoded import CodecError, EncodedTensor, Kind
+
+__all__ = ["FUSED_CODECS", "decode_blocks", "encode_blocks", "usable"]
+
+FUSED_CODECS = ("int8", "fp8", "int4", "bf16")
+
+
+@functools.cache
+def _triton_ok() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def usable(device: torch.device) -> bool:
+    if not _triton_ok():
+        return False
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return True
+    return device.type == "cuda"
+
+
+def _p2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def _tokens(bs: int, width: int) -> int:
+    """Tokens per tile: a tile holds about 4096 elements (a power of two, at most the block)."""
+    return max(1, min(_p2(bs), 4096 // width))
+
+
+def _launch(kernel, grid, *args, **meta) -> None:  # type: ignore[no-untyped-def]
+    # fp-fusion off: a multiply then add must round twice, as the torch codecs do (see triton_common)
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        meta["enable_fp_fusion"] = False
+    kernel[grid](*args, **meta)
+
+
+def _check(codec: Codec, cache: torch.Tensor, ids: torch.Tensor) -> tuple[int, int, int, int]:
+    if cache.dim() != 4 or cache.dtype not in (torch.float32, torch.bfloat16):
+        raise CodecError(f"cache must be float32/bf16 [num_blocks, block_size, kv_heads, head_dim], got "
+                         f"{cache.dtype} {tuple(cache.shape)}")
+    if ids.device != cache.device or ids.dtype != torch.long or ids.dim() != 1:
+        raise CodecError(f"block ids must be a 1-D long tensor on the cache's device {cache.device}, got "
+                         f"{ids.dtype} on {ids.device}")
+    _, bs, h, d = cache.shape
+    return codec._check_shape((ids.numel(), bs, h, d))
+
+
+def encode_blocks(codec: Codec, cache: torch.Tensor, ids: torch.Tensor, kind: Kind | str,
+                  payload: torch.Tensor) -> EncodedTensor:
+    kind = Kind.parse(kind)
+    shape = _check(codec, cache, ids)
+    layout = codec._layout(shape, kind)
+    if payload.device != cache.device or payload.dtype != torch.uint8 or payload.numel() != layout.payload_nbytes:
+        raise CodecError(f"payload must be {layout.payload_nbytes} uint8 bytes on {cache.device}")
+    n, bs, h, d = shape
+    strides = tuple(cache.stride())
+    dev = cache.device
+    scales = torch.empty(layout.scales_shape, dtype=layout.scales_dtype, device=dev)
+    zeros = None
+    name = codec.name
+    if name == "int8":
+        from kvtransfer.codecs.triton_int8_fp8 import int8_encode_kernel
+        bd = _p2(d)
+        _launch(int8_encode_kernel, (n, h), cache, ids, payload.view(torch.int8), scales, bs, h, d, *strides,
+                BT=_tokens(bs, bd), BD=bd)
+        _refuse_non_finite_scales(codec, scales)
+    elif name == "fp8":
+        from kvtransfer.codecs.triton_int8_fp8 import fp8_encode_kernel
+        be = _p2(h * d)
+        _launch(fp8_encode_kernel, (n,), cache, ids, payload, scales, bs, h, d, *strides,
+                BT=_tokens(bs, be), BE=be)
+        _refuse_non_finite_scales(codec, scales)
+    elif name == "int4":
+        from kvtransfer.codecs.int4 import key_group, value_group
+        from kvtransfer.codecs.triton_int4 import int4_key_encode_kernel, int4_value_encode_kernel
+        zeros = torch.empty(layout.zeros_shape, dtype=layout.scales_dtype, device=dev)  # type: ignore[arg-type]
+        s16, z16 = scales.view(torch.int16), zeros.view(torch.int16)
+        if kind is Kind.KEY:
+            g = key_group(bs)
+            flags = torch.empty((n, bs // g, h), dtype=torch.int32, device=dev)
+            _launch(int4_key_encode_kernel, (n, bs // g, h), cache, ids, payload, s16, z16, flags, bs, h, d, g,
+                    *strides, BG=_p2(g), BJ=_p2(d // 2))
+        else:
+            g = value_group(d)
+            flags = torch.empty((n, bs, h), dtype=torch.int32, device=dev)
+            _launch(int4_value_encode_kernel, (n, bs, h), cache, ids, payload, s16, z16, flags, bs, h, d, g,
+                    *strides, BN=_p2(d // g), BH=_p2(g // 2))
+        _refuse_int4(codec, flags)
+    elif name == "bf16":
+        from kvtransfer.codecs.triton_bf16 import bf16_encode_kernel
+        flags = torch.empty(n, dtype=torch.int32, device=dev)
+        in_bf16 = cache.dtype == torch.bfloat16
+        be = _p2(h * d)
+        _launch(bf16_encode_kernel, (n,), cache.view(torch.int16) if in_bf16 else cache, ids,
+                payload.view(torch.int16), flags, bs, h, d, *strides, BT=_tokens(bs, be), BE=be, IN_BF16=in_bf16)
+        if bool(flags.any()):
+            raise_non_finite(name)
+    else:
+        raise CodecError(f"codec {name!r} has no fused kernels (fused: {', '.join(FUSED_CODECS)})")
+    return EncodedTensor(codec.codec_id, kind, shape, payload, scales, zeros)
+
+
+def decode_blocks(codec: Codec, enc: EncodedTensor, cache: torch.Tensor, ids: torch.Tensor) -> None:
+    codec.check(enc)
+    shape = _check(codec, cache, ids)
+    if shape != enc.shape:
+        raise CodecError(f"{ids.numel()} block ids for an encoded tensor of shape {enc.shape}")
+    for part in (enc.payload, enc.scales, enc.zeros):
+        if part is not None and part.device != cache.device:
+            raise CodecError(f"encoded parts must be on the cache's device {cache.device}, got {part.device}")
+    n, bs, h, d = shape
+    strides = tuple(cache.stride())
+    name = codec.name
+    out_bf16 = cache.dtype == torch.bfloat16
+    cache = cache.view(torch.int16) if out_bf16 else cache  # bf16 is stored as rounded bits (triton_common)
+    if name == "int8":
+        from kvtransfer.codecs.triton_int8_fp8 import int8_decode_kernel
+        bd = _p2(d)
+        _launch(int8_decode_kernel, (n, h), enc.payload.view(torch.int8), enc.scales, cache, ids, bs, h, d, *strides,
+                BT=_tokens(bs, bd), BD=bd, OUT_BF16=out_bf16)
+    elif name == "fp8":
+        from kvtransfer.codecs.triton_int8_fp8 import fp8_decode_kernel
+        be = _p2(h * d)
+        _launch(fp8_decode_kernel, (n,), enc.payload, enc.scales, cache, ids, bs, h, d, *strides,
+                BT=_tokens(bs, be), BE=be, OUT_BF16=out_bf16)
+    elif name == "int4":
+        from kvtransfer.codecs.int4 import key_group, value_group
+        from kvtransfer.codecs.triton_int4 import int4_decode_kernel
+        is_key = enc.kind is Kind.KEY
+        g = key_group(bs) if is_key else value_group(d)
+        assert enc.zeros is not None
+        bj = _p2(d // 2)
+        _launch(int4_decode_kernel, (n, h), enc.payload, enc.scales, enc.zeros, cache, ids, bs,
+                h, d, g, is_key, *strides, BT=_tokens(bs, bj), BJ=bj, OUT_BF16=out_bf16)
+    elif name == "bf16":
+        from kvtransfer.codecs.triton_bf16 import bf16_decode_kernel
+        be = _p2(h * d)
+        _launch(bf16_decode_kernel, (n,), enc.payload.view(torch.int16), cache, ids, bs, h, d, *strides,
+                BT=_tokens(bs, be), BE=be, OUT_BF16=out_bf16)
+    else:
+        raise CodecError(f"codec {name!r} has no fused kernels (fused: {', '.join(FUSED_CODECS)})")
+
+
+def _refuse_non_finite_scales(codec: Codec, scales: torch.Tensor) -> None:
+    if not bool(torch.isfinite(scales).all()):
+        raise_non_finite(codec.name)
+
+
+def _refuse_int4(codec: Codec, flags: torch.Tensor) -> None:
+    """The torch int4 codec's refusals, in its order: non-finite, then the minimum, then the scale."""
+    from kvtransfer.codecs.int4 import _F16_MAX
+
+    bits = [bool((flags & bit).any()) for bit in (1, 2, 4)]
+    if bits[0]:
+        raise_non_finite(codec.name)
+    if bits[1]:
+        raise CodecError(f"int4: a group's minimum is beyond float16's range (|min| must be <= {_F16_MAX:g})")
+    if bits[2]:
+        raise CodecError(f"int4: a group's range / 15 is beyond float16's range ({_F16_MAX:g})")

@@ -1,0 +1,143 @@
+"""Moving encoded KV bytes between a device and host memory, for transports that leave the device.
+
+Contracts:
+- Only encoded bytes cross (payload, scales, zeros): never a raw cache tensor, never a Python
+  ``bytes`` built from a device tensor.
+- Device to host (sender): the copy runs on a side stream that first waits for what the caller's
+  stream had queued, into a pinned buffer from ``PinnedPool`` (reused across chunks and requests),
+  so it overlaps the next layer's compute; ``to_host`` returns once the bytes are on the host.
+- Host to device (receiver): received bytes are copied once into a pinned buffer, then to the
+  device on a side stream; ``to_device`` returns once the device tensor holds them, so the pinned
+  buffer can be reused at once.
+- For a CPU device everything here is a plain copy (no pinning, no streams): the CPU path's buffers
+  are the ones it had before.
+"""
+
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+from typing import Iterator
+
+import numpy as np
+import torch
+
+__all__ = ["PinnedPool", "side_stream", "to_device", "to_host", "wait_for_current"]
+
+_streams: dict[torch.device, object] = {}
+_streams_lock = threading.Lock()
+
+
+def _side(device: torch.device):  # type: ignore[no-untyped-def]
+    with _streams_lock:
+        stream = _streams.get(device)
+        if stream is None:
+            stream = torch.cuda.Stream(device=device)
+            _streams[device] = stream
+        return stream
+
+
+@contextmanager
+def side_stream(device: torch.device, after: object | None = None) -> Iterator[None]:
+    """Run the block's device work on this device's side stream; on exit, wait until it is done.
+
+    ``after``: a ``torch.cuda.Event`` the side stream waits for first (recorded where the inputs were
+    produced); None waits for everything the current stream had queued. A CPU device runs as is."""
+    if device.type != "cuda":
+        yield
+        return
+    stream = _side(device)
+    if after is None:
+        stream.wait_stream(torch.cuda.current_stream(device))
+    else:
+        stream.wait_event(after)
+    with torch.cuda.stream(stream):
+        yield
+    stream.synchronize()
+
+
+def wait_for_current(device: torch.device) -> object | None:
+    """An event marking what the current stream has queued so far (None on CPU): hand it to
+    ``side_stream(after=...)`` on another thread so the side stream starts after that work."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event
+
+
+class PinnedPool:
+    """Reusable page-locked host buffers (1-D uint8). ``take`` returns a free buffer of at least
+    ``nbytes`` and at most twice that, or a new one; ``give`` files it again, keeping at most
+    ``max_bytes`` idle. Without CUDA the buffers are ordinary host memory."""
+
+    def __init__(self, max_bytes: int = 256 * 2**20) -> None:
+        self.max_bytes = max_bytes
+        self._free: list[torch.Tensor] = []
+        self._idle = 0
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        with self._lock:
+            fits = [i for i, b in enumerate(self._free) if nbytes <= b.numel() <= 2 * nbytes]
+            if fits:
+                buf = self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
+                self._idle -= buf.numel()
+                return buf
+        return torch.empty(max(1, nbytes), dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+
+    def give(self, buf: torch.Tensor) -> None:
+        with self._lock:
+            if self._idle + buf.numel() <= self.max_bytes:
+                self._free.append(buf)
+                self._idle += buf.numel()
+
+    @property
+    def idle_bytes(self) -> int:
+        with self._lock:
+            return self._idle
+
+    def clear(self) -> None:
+        with self._lock:
+            self._free.clear()
+            self._idle = 0
+
+
+_RECEIVE_POOL = PinnedPool(64 * 2**20)
+
+
+def to_host(src: torch.Tensor, dest: torch.Tensor) -> None:
+    """Copy the 1-D uint8 device tensor ``src`` into the host tensor ``dest`` (same size; pinned for
+    an asynchronous copy). Call inside ``side_stream`` (it synchronises at its end) or on CPU."""
+    if dest.device.type != "cpu" or src.numel() != dest.numel():
+        raise ValueError(f"to_host needs a host destination of {src.numel()} bytes, got {dest.device} "
+                         f"{dest.numel()}")
+    dest.copy_(src, non_blocking=dest.is_pinned())
+
+
+def to_device(parts: list[memoryview | None], device: torch.device) -> list[torch.Tensor | None]:
+    """Received byte buffers as 1-D uint8 tensors on ``device`` (None stays None). On CPU the writable
+    bytes are copied into one host buffer; on CUDA into one pinned buffer, then moved with one
+    transfer, done before this returns. Each part starts 16-byte aligned (viewable as float32)."""
+    sizes = [0 if p is None else p.nbytes for p in parts]
+    starts = []
+    total = 0
+    for n in sizes:  # each part 16-byte aligned, so it can be viewed as float32/float16
+        starts.append(total)
+        total += -(-n // 16) * 16
+    host = _RECEIVE_POOL.take(total) if device.type == "cuda" else torch.empty(total, dtype=torch.uint8)
+    try:
+        view = host.numpy()
+        for p, n, pos in zip(parts, sizes, starts):
+            if n:
+                view[pos:pos + n] = np.frombuffer(p, dtype=np.uint8)  # type: ignore[arg-type]
+        if device.type == "cuda":
+            with side_stream(device):
+                flat = torch.empty(total, dtype=torch.uint8, device=device)
+                flat.copy_(host[:total], non_blocking=True)
+        else:
+            flat = host[:total]
+    finally:
+        if device.type == "cuda":
+            _RECEIVE_POOL.give(host)
+    return [None if p is None else flat[pos:pos + n] for p, n, pos in zip(parts, sizes, starts)]

@@ -1,0 +1,135 @@
+"""The fused Triton codec kernels (kvtransfer.codecs.fused) against the torch codecs, byte for byte.
+
+Without CUDA the kernels run on CPU through Triton's interpreter (tests.unit.triton_env); with CUDA
+the same tests run the compiled kernels. Sizes stay tiny: the interpreter runs each program in Python.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.unit.triton_env import DEVICE
+from kvtransfer.codecs import CodecError, Kind, get_codec
+from kvtransfer.codecs.fused import decode_blocks, encode_blocks
+
+pytestmark = pytest.mark.unit
+
+# (num_blocks in the cache, block_size, kv_heads, head_dim): odd sizes exercise the masks, 3 heads a
+# head count that is not a power of two, block 64 the token loops and int4's two key groups per block.
+SHAPES = [(6, 4, 2, 8), (4, 2, 3, 64), (2, 64, 1, 4), (5, 3, 1, 6)]
+IDS = [2, 0, 3]  # out of order, with gaps: blocks are addressed by index
+CODECS = ["int8", "fp8", "int4", "bf16"]
+
+
+def _cache(shape: tuple[int, int, int, int], dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Random blocks at very different magnitudes (tiny, normal, large), so scales differ per block."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=gen)
+    mags = torch.tensor([1e-3, 1.0, 300.0, 2.0**-30, 7.0, 1e4])[: shape[0]].view(-1, 1, 1, 1)
+    return (x * mags).to(dtype).to(DEVICE)
+
+
+def _ids(n_blocks: int) -> torch.Tensor:
+    return torch.tensor([i for i in IDS if i < n_blocks], dtype=torch.long, device=DEVICE)
+
+
+def _bits(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.contiguous().view(torch.uint8).cpu()
+
+
+def _assert_same_bytes(codec: str, cache: torch.Tensor, ids: torch.Tensor, kind: Kind) -> None:
+    c = get_codec(codec)
+    ref = c.encode(cache.index_select(0, ids).cpu(), kind)  # the torch codec on CPU: the reference
+    payload = torch.empty(ref.payload.numel(), dtype=torch.uint8, device=DEVICE)
+    enc = encode_blocks(c, cache, ids, kind, payload)
+    assert enc.payload.device == cache.device and enc.scales.device == cache.device
+    assert torch.equal(_bits(enc.payload), ref.payload)
+    assert torch.equal(_bits(enc.scales), _bits(ref.scales))
+    assert (enc.zeros is None) == (ref.zeros is None)
+    if ref.zeros is not None:
+        assert torch.equal(_bits(enc.zeros), _bits(ref.zeros))
+    # decode straight into those blocks of a cache; the other blocks stay untouched
+    for out_dtype in (torch.float32, torch.bfloat16):
+        dest = torch.full(cache.shape, 5.0, dtype=out_dtype, device=DEVICE)
+        decode_blocks(c, enc, dest, ids)
+        want = c.decode(ref, out_dtype)
+        assert torch.equal(_bits(dest.index_select(0, ids)), _bits(want)), (codec, kind, out_dtype)
+        others = [b for b in range(cache.shape[0]) if b not in ids.tolist()]
+        assert bool((dest[others] == 5.0).all())
+
+
+@pytest.mark.parametrize("codec", CODECS)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_bytes_equal_the_torch_codec(codec: str, shape: tuple[int, int, int, int]) -> None:
+    for dtype, kind, seed in ((torch.float32, Kind.KEY, 1), (torch.bfloat16, Kind.VALUE, 2)):
+        _assert_same_bytes(codec, _cache(shape, dtype, seed), _ids(shape[0]), kind)
+
+
+def test_round_half_to_even_and_subnormals() -> None:
+    """Exact ties for int8 (scale 1), fp8 midpoints between neighbouring codes and fp8 subnormals."""
+    int8_block = torch.tensor([127.0, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 126.5] * 4).view(1, 4, 1, 8)
+    codes = torch.arange(0, 126, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    mids = (codes[:-1] + codes[1:]) / 2  # exactly between two codes: ties to the even one
+    fp8_vals = torch.cat([torch.tensor([448.0]), codes, -mids, 2.0**-9 * torch.arange(0, 7) + 2.0**-11])
+    fp8_block = torch.zeros(64)
+    fp8_block[: min(64, fp8_vals.numel())] = fp8_vals[:64]
+    fp8_block2 = torch.zeros(64)
+    rest = fp8_vals[64:128]
+    fp8_block2[: rest.numel()] = rest
+    fp8_block2[-1] = 448.0
+    cases = [("int8", int8_block), ("fp8", torch.stack([fp8_block, fp8_block2]).view(2, 4, 2, 8))]
+    for codec, x in cases:
+        x = x.to(DEVICE)
+        _assert_same_bytes(codec, x, torch.arange(x.shape[0], device=DEVICE), Kind.KEY)
+
+
+@pytest.mark.parametrize("codec", CODECS)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_input_is_refused_like_the_torch_codec(codec: str, bad: float) -> None:
+    cache = _cache((4, 4, 2, 8), torch.float32, 5)
+    cache[3, 1, 1, 5] = bad
+    c = get_codec(codec)
+    ids = torch.tensor([1, 3], dtype=torch.long, device=DEVICE)
+    with pytest.raises(CodecError) as ref:
+        c.encode(cache.index_select(0, ids).cpu(), Kind.VALUE)
+    payload = torch.empty(c.payload_nbytes((2, 4, 2, 8), Kind.VALUE), dtype=torch.uint8, device=DEVICE)
+    with pytest.raises(CodecError) as got:
+        encode_blocks(c, cache, ids, Kind.VALUE, payload)
+    assert str(got.value) == str(ref.value)
+    # the same blocks without the bad one encode fine
+    encode_blocks(c, cache, torch.tensor([0, 1], dtype=torch.long, device=DEVICE), Kind.VALUE, payload)
+
+
+def test_float32_overflow_to_bf16_is_refused() -> None:
+    cache = torch.zeros(2, 2, 1, 4, device=DEVICE)
+    cache[1, 0, 0, 0] = 3.4e38  # finite in float32, inf once rounded to bf16
+    c = get_codec("bf16")
+    payload = torch.empty(c.payload_nbytes((2, 2, 1, 4), Kind.KEY), dtype=torch.uint8, device=DEVICE)
+    with pytest.raises(CodecError, match="NaN or inf"):
+        encode_blocks(c, cache, torch.arange(2, device=DEVICE), Kind.KEY, payload)
+
+
+@pytest.mark.parametrize("lo, hi, message", [(-7e4, 0.0, "minimum is beyond float16"),
+                                             (-6e4, 1e6, r"range / 15 is beyond float16")])
+def test_int4_range_refusals_match(lo: float, hi: float, message: str) -> None:
+    cache = torch.zeros(1, 4, 1, 8, device=DEVICE)
+    cache[0, 0, 0, 0], cache[0, 1, 0, 0] = lo, hi  # one key channel's token group spans [lo, hi]
+    c = get_codec("int4")
+    with pytest.raises(CodecError, match=message):
+        c.encode(cache.cpu(), Kind.KEY)
+    payload = torch.empty(c.payload_nbytes((1, 4, 1, 8), Kind.KEY), dtype=torch.uint8, device=DEVICE)
+    with pytest.raises(CodecError, match=message):
+        encode_blocks(c, cache, torch.arange(1, device=DEVICE), Kind.KEY, payload)
+
+
+def test_bad_arguments_are_refused_by_name() -> None:
+    c = get_codec("int8")
+    cache = torch.zeros(2, 4, 1, 8, device=DEVICE)
+    payload = torch.empty(c.payload_nbytes((1, 4, 1, 8), Kind.KEY), dtype=torch.uint8, device=DEVICE)
+    with pytest.raises(CodecError, match="block ids must be a 1-D long tensor"):
+        encode_blocks(c, cache, torch.tensor([0], dtype=torch.int32, device=DEVICE), Kind.KEY, payload)
+    with pytest.raises(CodecError, match="payload must be 64 uint8 bytes"):
+        encode_blocks(c, cache, torch.tensor([0, 1], device=DEVICE), Kind.KEY, payload)
+    with pytest.raises(CodecError, match="cache must be float32/bf16"):
+        encode_blocks(c, cache.half(), torch.tensor([0], device=DEVICE), Kind.KEY, payload)

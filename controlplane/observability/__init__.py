@@ -2,7 +2,8 @@
 the per-request records the dashboard reads.
 
   metrics.py    every metric, the on/off switches, the per-request records, pool gauges at scrape time
-  tracing.py    exporters from the standard OTEL_* variables; spans with explicit parents; propagation
+  tracing.py    the OpenTelemetry SDK's provider, batch processor, OTLP exporter and sampler from the
+                standard OTEL_* variables; spans with explicit parents; W3C propagation
   http.py       the ingress side: root span, request counters, TTFT / TPOT / ITL / E2E
   stages.py     what the dispatcher and scheduler call around each stage and worker call
   deploy.py     wiring for one process (switches, exporter) and for the control plane (gauges, dashboard)

@@ -1,28 +1,38 @@
 """One trace per request, across the ingress, the scheduler and three worker gRPC servers.
 
-The workers run in this process, but nothing hands them the caller's Python context: their server
-spans are parented only on the ``traceparent`` in the call's gRPC metadata (a test below calls a
-worker with a hand-written one). Spans land in an in-memory exporter; the OTLP path is checked
-against a real OTLP/gRPC receiver on loopback.
+The stack's workers run in this process, but nothing hands them the caller's Python context: their
+server spans are parented only on the ``traceparent`` in the call's gRPC metadata (a test below calls a
+worker with a hand-written one). Those spans land in an in-memory exporter. The OTLP path is checked
+against a real OTLP/gRPC receiver on loopback, with a worker in a process of its own exporting to it
+from the standard OTEL_* variables, as a pool replica does.
+
+``test_tracing_sdk_range.py`` runs this module again against the oldest opentelemetry-sdk that
+pyproject.toml allows.
 """
 
 from __future__ import annotations
 
 import base64
 import io
+import os
 import secrets
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 import httpx
 import pytest
+from opentelemetry import trace
+from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from opentelemetry.trace import SpanKind
+from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, TraceFlags
 from PIL import Image
 
 from http_helpers import serve_app
@@ -218,18 +228,17 @@ def test_worker_continues_a_hand_written_traceparent_from_grpc_metadata(stack: S
         assert status.parent.span_id == parent and status.parent.is_remote and status.kind == SpanKind.SERVER
         untraced_before = len(stack.exporter.get_finished_spans())
         stub.Status(wpb.StatusRequest(), metadata=SECURITY.call_metadata(), timeout=10)  # no traceparent
-    tracing.force_flush()  # worker spans are built off the request path: whatever is pending arrives now
+    tracing.force_flush()
     assert len(stack.exporter.get_finished_spans()) == untraced_before  # an untraced call makes no span
 
 
-@pytest.mark.parametrize("path", ["deferred", "sdk"])
-def test_a_refused_call_ends_its_server_span_with_the_error(stack: Stack, path: str):
-    """Both ways a worker makes its server span: recorded off the request path, and the SDK's own (taken
-    for a traceparent with a tracestate, which the SDK parses and passes on)."""
+@pytest.mark.parametrize("tracestate", [None, "epd=test"])
+def test_a_refused_call_ends_its_server_span_with_the_error(stack: Stack, tracestate: str | None):
+    """And a caller's ``tracestate`` is kept on the server span."""
     trace_id = secrets.randbits(128)
     md = SECURITY.call_metadata() + (("traceparent", f"00-{trace_id:032x}-{secrets.randbits(64):016x}-01"),)
-    if path == "sdk":
-        md += (("tracestate", "epd=test"),)
+    if tracestate is not None:
+        md += (("tracestate", tracestate),)
     with SECURITY.open_channel(stack.workers["decode"].address) as ch:
         with pytest.raises(grpc.RpcError) as err:
             wgrpc.DecodeWorkerStub(ch).Generate(wpb.GenerateRequest(request_id="nobody-reserved-this"), metadata=md,
@@ -240,7 +249,24 @@ def test_a_refused_call_ends_its_server_span_with_the_error(stack: Stack, path: 
     assert not gen.status.is_ok and "no reservation" in (gen.status.description or "")
     assert gen.attributes["rpc.grpc.status_code"] == grpc.StatusCode.NOT_FOUND.value[0]
     assert gen.attributes["epd.messages"] == 0
-    assert gen.context.trace_state.get("epd") == ("test" if path == "sdk" else None)
+    assert gen.context.trace_state.get("epd") == ("test" if tracestate else None)
+
+
+def test_a_trace_its_client_did_not_sample_records_no_span_anywhere(stack: Stack):
+    """Parent-based sampling (the default samplers): the client's unsampled flag holds at the ingress,
+    the scheduler's stages and every worker the request reached."""
+    trace_id = secrets.randbits(128)
+    r = httpx.post(f"{stack.base}/v1/completions", timeout=60,
+                   headers={"traceparent": f"00-{trace_id:032x}-{secrets.randbits(64):016x}-00"},
+                   json={"model": DEFAULT_MODEL_NAME, "prompt": "Hello", "max_tokens": 3, "temperature": 0})
+    assert r.status_code == 200
+    marker = secrets.randbits(128)  # a sampled call after it: once its span is here, the request's would be too
+    md = SECURITY.call_metadata() + (("traceparent", f"00-{marker:032x}-{secrets.randbits(64):016x}-01"),)
+    with SECURITY.open_channel(stack.workers["decode"].address) as ch:
+        wgrpc.DecodeWorkerStub(ch).Status(wpb.StatusRequest(), metadata=md, timeout=10)
+    assert _spans_of(stack.exporter, marker, {"DecodeWorker/Status"})
+    tracing.force_flush()
+    assert [s.name for s in stack.exporter.get_finished_spans() if s.context.trace_id == trace_id] == []
 
 
 def test_a_kv_transfer_failure_is_counted_once_and_marks_its_spans(stack: Stack, default_bundle):
@@ -327,3 +353,116 @@ def test_stop_exporting_sends_what_was_recorded_and_nothing_after():
     tracing.tracer().start_span("after").end()
     tracing.force_flush()
     assert [s.name for s in exporter.get_finished_spans()] == ["before"]
+
+
+# ---------------------------------------------------------------- samplers from OTEL_* variables
+def _sampled(provider: TracerProvider, parent_flags: int | None, n: int) -> int:
+    """How many of ``n`` spans ``provider`` records: roots (``parent_flags`` None) or children of a remote
+    parent with those trace flags."""
+    tracer = provider.get_tracer("test")
+    count = 0
+    for _ in range(n):
+        ctx = None
+        if parent_flags is not None:
+            parent = SpanContext(secrets.randbits(128), secrets.randbits(64), is_remote=True,
+                                 trace_flags=TraceFlags(parent_flags))
+            ctx = trace.set_span_in_context(NonRecordingSpan(parent))
+        span = tracer.start_span("s", context=ctx)
+        count += span.is_recording()
+        span.end()
+    return count
+
+
+def test_the_default_sampler_follows_the_parent_and_traces_a_tenth_of_new_requests(monkeypatch):
+    for key in ("OTEL_TRACES_SAMPLER", "OTEL_TRACES_SAMPLER_ARG"):
+        monkeypatch.delenv(key, raising=False)
+    assert tracing.DEFAULT_SAMPLER == "parentbased_traceidratio" and tracing.DEFAULT_SAMPLER_RATIO == 0.1
+    provider = TracerProvider(sampler=tracing.sampler_from_env(), shutdown_on_exit=False)
+    assert _sampled(provider, 0x01, 200) == 200  # a caller that sampled its trace
+    assert _sampled(provider, 0x00, 200) == 0  # one that did not
+    roots = _sampled(provider, None, 4000)  # binomial(4000, 0.1): mean 400, sd 19
+    assert 300 < roots < 500, roots
+
+
+@pytest.mark.parametrize(("env", "roots", "unsampled_parent"), [
+    ({"OTEL_TRACES_SAMPLER": "always_on"}, 300, 300),
+    ({"OTEL_TRACES_SAMPLER": "parentbased_always_on"}, 300, 0),
+    ({"OTEL_TRACES_SAMPLER": "parentbased_traceidratio", "OTEL_TRACES_SAMPLER_ARG": "0"}, 0, 0),
+    ({"OTEL_TRACES_SAMPLER": "ALWAYS_OFF"}, 0, 0),
+])
+def test_a_sampler_named_in_the_environment_is_the_sdks_own(monkeypatch, env, roots, unsampled_parent):
+    for key in ("OTEL_TRACES_SAMPLER", "OTEL_TRACES_SAMPLER_ARG"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert tracing.sampler_from_env() is None  # the SDK's TracerProvider reads the variables itself
+    provider = TracerProvider(sampler=tracing.sampler_from_env(), shutdown_on_exit=False)
+    assert _sampled(provider, None, 300) == roots
+    assert _sampled(provider, 0x00, 300) == unsampled_parent
+
+
+@pytest.mark.parametrize(("env", "message"), [
+    ({"OTEL_TRACES_SAMPLER": "jaeger_remote"}, "OTEL_TRACES_SAMPLER='jaeger_remote': unsupported sampler"),
+    ({"OTEL_TRACES_SAMPLER": "traceidratio", "OTEL_TRACES_SAMPLER_ARG": "1.5"},
+     "OTEL_TRACES_SAMPLER_ARG='1.5': traceidratio takes a probability from 0 to 1"),
+    ({"OTEL_TRACES_SAMPLER": "parentbased_traceidratio", "OTEL_TRACES_SAMPLER_ARG": "ten percent"},
+     "OTEL_TRACES_SAMPLER_ARG='ten percent'"),
+    ({"OTEL_TRACES_SAMPLER_ARG": "0.5"}, "OTEL_TRACES_SAMPLER_ARG='0.5' is set but OTEL_TRACES_SAMPLER is not"),
+])
+def test_a_sampler_the_sdk_would_ignore_is_refused_by_name(env, message):
+    with pytest.raises(tracing.TracingConfigError, match=message.replace("(", r"\(")):
+        tracing.sampler_from_env(env)
+    with pytest.raises(tracing.TracingConfigError):  # before any exporter is made
+        tracing.setup_tracing("epd-test", exporter=InMemorySpanExporter(), env=env)
+
+
+# ---------------------------------------------------------------- across processes, to a real collector
+def test_a_worker_in_its_own_process_exports_its_span_under_the_callers_trace(default_ckpt: Path):
+    """Configured only by OTEL_EXPORTER_OTLP_ENDPOINT (so with the default sampler), a worker process
+    sends its server span to the collector as the child of this process's client span, in one trace; a
+    call whose caller did not sample its trace leaves nothing there."""
+    sink = OTLPSink().start()
+    token = secrets.token_urlsafe(24)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    env.update(OTEL_EXPORTER_OTLP_ENDPOINT=sink.endpoint, EPD_TEST_WORKER_TOKEN=token)
+    proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("traced_worker_process.py")),
+                             str(default_ckpt)], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdin is not None
+        line = proc.stdout.readline()
+        assert line.startswith("ADDRESS "), f"the worker process did not start: {line!r}"
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+        provider = TracerProvider(resource=Resource.create({"service.name": "epd-test-caller"}), shutdown_on_exit=False)
+        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=sink.endpoint)))
+        security = TransferSecurity(token=token)
+        unsampled = NonRecordingSpan(SpanContext(secrets.randbits(128), secrets.randbits(64), is_remote=False,
+                                                 trace_flags=TraceFlags(0)))
+        with security.open_channel(line.split()[1]) as ch:
+            stub = wgrpc.DecodeWorkerStub(ch)
+            with provider.get_tracer("test").start_as_current_span("status-call", kind=SpanKind.CLIENT) as call:
+                stub.Status(wpb.StatusRequest(), metadata=tracing.grpc_metadata(security.call_metadata(), call),
+                            timeout=10)
+            stub.Status(wpb.StatusRequest(), metadata=tracing.grpc_metadata(security.call_metadata(), unsampled),
+                        timeout=10)
+        assert provider.force_flush(10_000)
+        provider.shutdown()
+        proc.stdin.close()  # the worker stops and flushes its spans
+        assert proc.wait(60) == 0
+        trace_id = f"{call.get_span_context().trace_id:032x}"
+        spans = {s.name: s for s in sink.spans if s.trace_id == trace_id}
+        assert set(spans) == {"status-call", "DecodeWorker/Status"}, sink.spans
+        client, server = spans["status-call"], spans["DecodeWorker/Status"]
+        assert (client.service, server.service) == ("epd-test-caller", "epd-test-worker")
+        assert server.parent_span_id == client.span_id and client.parent_span_id == ""
+        unsampled_id = f"{unsampled.get_span_context().trace_id:032x}"
+        assert [s for s in sink.spans if s.trace_id == unsampled_id] == []
+        assert sink.received == 2
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        for pipe in (proc.stdin, proc.stdout):
+            if pipe is not None:
+                pipe.close()
+        sink.stop()

@@ -15,12 +15,17 @@ Calls in flight to one worker are capped (``max_calls_per_worker``, the worker s
 RESOURCE_EXHAUSTED, before any call, and the scheduler retries it from its bounded queue (then 429).
 Without the cap, a burst past the server's HTTP/2 stream limit came back as RST_STREAM REFUSED_STREAM:
 a 502 for requests that never ran.
+
+A worker is *lost* to a request when its call broke under it (UNAVAILABLE or UNKNOWN without the
+worker's own KV-transfer mark: a killed process, a reset or closed socket, a missed keepalive ping) or
+when its token stream stayed silent past the idle limit (``controlplane.dispatch_watch``). A failure
+names its lost workers' addresses in ``DispatchError.lost``; the scheduler moves the request.
 """
 
 from __future__ import annotations
 
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Iterator
@@ -29,8 +34,11 @@ import grpc
 
 from epd.worker.v1 import worker_pb2 as wpb
 from epd.worker.v1 import worker_pb2_grpc as wgrpc
+from controlplane.dispatch_watch import StreamWatch, keepalive_options
 from controlplane.observability.stages import RequestObserver
-from kvtransfer.auth import ChannelCache, TransferSecurity
+from kvtransfer.auth import TransferSecurity
+from kvtransfer.options import CHANNEL_OPTIONS
+from workers.tracing import FAILURE_KEY, KV_TRANSFER_FAILURE
 from workers.runtime.sampler import SamplingParams
 from workers.service_base import sampling_to_proto
 
@@ -59,16 +67,68 @@ class WorkerRequest:
 
 
 class DispatchError(Exception):
-    def __init__(self, stage: str, code: grpc.StatusCode, message: str) -> None:
+    """A stage failed with ``code``. ``lost``: addresses of the workers that died or hung under it."""
+
+    def __init__(self, stage: str, code: grpc.StatusCode, message: str, lost: tuple[str, ...] = ()) -> None:
         super().__init__(f"{stage}: {message}")
-        self.stage, self.code, self.message = stage, code, message
+        self.stage, self.code, self.message, self.lost = stage, code, message, lost
+
+
+_BROKEN = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN)
+
+
+def _broke(exc: grpc.RpcError) -> bool:
+    """The call broke under the worker (rather than the worker refusing it): a transport-level status,
+    without the mark a worker sets on a KV transfer that failed on the other end."""
+    if exc.code() not in _BROKEN:
+        return False
+    try:
+        trailers = exc.trailing_metadata() or ()  # type: ignore[attr-defined]
+    except Exception:  # no trailers on a call that never reached a server
+        trailers = ()
+    return not any(k == FAILURE_KEY and v == KV_TRANSFER_FAILURE for k, v in trailers)
+
+
+def _error(stage: str, exc: grpc.RpcError, target: str | None) -> DispatchError:
+    lost = (target,) if target is not None and _broke(exc) else ()
+    return DispatchError(stage, exc.code(), exc.details() or exc.code().name, lost)
+
+
+class _Channels:
+    """One keepalive channel per worker, reused (never one per call)."""
+
+    def __init__(self, security: TransferSecurity, keepalive_s: float) -> None:
+        self.security = security
+        self.options = CHANNEL_OPTIONS + keepalive_options(keepalive_s)
+        self._channels: dict[str, grpc.Channel] = {}
+        self._lock = threading.Lock()
+
+    def get(self, target: str) -> grpc.Channel:
+        with self._lock:
+            ch = self._channels.get(target)
+            if ch is None:
+                ch = self._channels[target] = self.security.open_channel(target, self.options)
+            return ch
+
+    def close(self) -> None:
+        with self._lock:
+            channels, self._channels = list(self._channels.values()), {}
+        for ch in channels:
+            ch.close()
 
 
 class Dispatcher:
-    def __init__(self, security: TransferSecurity, max_parallel: int = 64, max_calls_per_worker: int = 64) -> None:
+    def __init__(self, security: TransferSecurity, max_parallel: int = 64, max_calls_per_worker: int = 64, *,
+                 keepalive_s: float = 2.0, token_idle_timeout_s: float = 5.0,
+                 first_token_timeout_s: float = 60.0) -> None:
+        """``token_idle_timeout_s``: a token stream silent this long (``first_token_timeout_s`` before its
+        first token) is cancelled and its worker counted lost; ``keepalive_s``: the worker channels' ping."""
         self.security = security
         self.max_calls_per_worker = max_calls_per_worker
-        self._channels = ChannelCache(security)
+        self.token_idle_timeout_s = token_idle_timeout_s
+        self.first_token_timeout_s = first_token_timeout_s
+        self._watch = StreamWatch()
+        self._channels = _Channels(security, keepalive_s)
         self._pool = ThreadPoolExecutor(max_workers=max_parallel, thread_name_prefix="dispatch")
         self._slots: dict[str, threading.BoundedSemaphore] = {}
         self._slots_lock = threading.Lock()
@@ -90,6 +150,7 @@ class Dispatcher:
         return slot
 
     def close(self) -> None:
+        self._watch.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._channels.close()
 
@@ -122,12 +183,12 @@ class Dispatcher:
             metadata=st.metadata(md), timeout=req.timeout_s)
         done = False
         try:
-            for chunk in stream:
+            for chunk in self._watched(stream, "complete", target):
                 done = chunk.finished
                 yield chunk
         except grpc.RpcError as exc:
             st.end(exc)
-            raise DispatchError("complete", exc.code(), exc.details()) from None
+            raise _error("complete", exc, target) from None
         finally:
             st.end(None if done else "cancelled")
             if not done:
@@ -162,15 +223,14 @@ class Dispatcher:
         except grpc.RpcError as exc:
             pst.end(exc)
             if encoded is not None and encoded.done() and encoded.exception() is not None:
-                err = encoded.exception()
-                raise DispatchError("encode", err.code(), err.details()) from None  # type: ignore[union-attr]
-            raise DispatchError("prefill", exc.code(), exc.details()) from None
+                raise _error("encode", encoded.exception(), route.encode) from None  # type: ignore[arg-type]
+            raise _error("prefill", exc, route.prefill) from None
         pst.end()
         if encoded is not None:
             try:
                 encoded.result()
             except grpc.RpcError as exc:
-                raise DispatchError("encode", exc.code(), exc.details()) from None
+                raise _error("encode", exc, route.encode) from None
         yield wpb.TokenChunk(token_ids=[reply.first_token], text=reply.text, finished=True,
                              finish_reason=reply.finish_reason, prompt_tokens=len(req.prompt_ids), completion_tokens=1,
                              engine_seconds=reply.engine_seconds)
@@ -192,7 +252,7 @@ class Dispatcher:
                                    metadata=st.metadata(md), timeout=req.timeout_s)
         except grpc.RpcError as exc:
             st.end(exc)
-            raise DispatchError("reserve", exc.code(), exc.details()) from None
+            raise _error("reserve", exc, route.decode) from None
         st.end()
         futures: list[tuple[str, Future]] = []
         if req.images:
@@ -221,27 +281,49 @@ class Dispatcher:
             fut.add_done_callback(lambda f: self._abort(req.request_id, route) if f.exception() else None)
             if slots is not None and stage in slots:
                 fut.add_done_callback(lambda _f, slot=slots[stage]: slot.release())
+        targets = {"encode": route.encode, "prefill": route.prefill}
         done = False
         try:
-            for chunk in stream:
+            for chunk in self._watched(stream, "decode", route.decode):
                 done = chunk.finished
                 yield chunk
             for stage, fut in futures:  # surface an encode/prefill failure with its own message
                 fut.result()
         except grpc.RpcError as exc:
+            if not _broke(exc):  # the decode worker saw its KV fail: wait for the stage that broke it
+                wait([f for _, f in futures], timeout=2.0)
             failed = [(s, f) for s, f in futures if f.done() and f.exception() is not None]
+            decode_error = _error("decode", exc, route.decode)
             if failed:
                 stage, fut = failed[0]
                 err = fut.exception()
                 dst.end(err)
-                raise DispatchError(stage, err.code(), err.details()) from None  # type: ignore[union-attr]
+                error = _error(stage, err, targets[stage])  # type: ignore[arg-type]
+                error.lost = tuple(dict.fromkeys(error.lost + decode_error.lost))
+                raise error from None
             dst.end(exc)
-            raise DispatchError("decode", exc.code(), exc.details()) from None
+            raise decode_error from None
         finally:
             dst.end(None if done else "cancelled")
             if not done:
                 stream.cancel()
                 self._abort(req.request_id, route)
+
+    def _watched(self, stream: Iterator["wpb.TokenChunk"], stage: str, target: str) -> Iterator["wpb.TokenChunk"]:
+        """``stream``'s chunks; a stream silent past the idle limits ends in DispatchError(UNAVAILABLE)
+        that names ``target`` lost (the watch cancelled the call, which frees its request there)."""
+        key, w = self._watch.watch(stream, self.first_token_timeout_s, self.token_idle_timeout_s)  # type: ignore[arg-type]
+        try:
+            for chunk in stream:
+                w.touch()
+                yield chunk
+        except grpc.RpcError:
+            if w.expired:
+                raise DispatchError(stage, grpc.StatusCode.UNAVAILABLE,
+                                    f"worker {target} sent nothing for {w.limit_s:g} s (hung?)", (target,)) from None
+            raise
+        finally:
+            self._watch.unwatch(key)
 
     def _abort(self, rid: str, route: Route) -> None:
         self._abort_at(rid, [(wgrpc.DecodeWorkerStub, route.decode), (wgrpc.PrefillWorkerStub, route.prefill)])

@@ -11,11 +11,15 @@ from controlplane.dispatch import DispatchError
 
 _RETRY_AT_RESERVE = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE)
 _CLIENT_FAULT = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE)
+# statuses of a path that broke, not of a request that cannot be served: another route may serve it
+_BROKEN_PATH = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.DATA_LOSS,
+                grpc.StatusCode.ABORTED)
 
 
 class Verdict(enum.Enum):
     REFUSED = "refused"  # the decode replica refused the reservation (full, draining): try the next one
     BUSY = "busy"  # a chosen worker is at its call cap: wait, as for room
+    LOST = "lost"  # a worker died or hung (or a transfer between two broke): move the request elsewhere
     FAILED = "failed"  # the request itself failed: end it with its error
 
 
@@ -25,6 +29,8 @@ def verdict(exc: DispatchError, started: bool) -> Verdict:
         return Verdict.REFUSED
     if not started and exc.stage == "busy":
         return Verdict.BUSY
+    if exc.lost or exc.code in _BROKEN_PATH:
+        return Verdict.LOST
     return Verdict.FAILED
 
 

@@ -7,8 +7,12 @@ A request's life here, one named stage each:
   3. RESERVED   one attempt (``attempt``): the decode replica holds blocks for the prompt. A full or
                 draining replica is skipped and the next tried; when none has room the request waits
                 (backing off) up to ``queue_timeout_s``, then gets 429 with Retry-After.
-  4. STREAMING  the relay: encode, prefill and decode run over the worker services (controlplane.dispatch);
-                chunks go back to the ingress as they come.
+  4. STREAMING  the relay (``relay``): encode, prefill and decode run over the worker services
+                (controlplane.dispatch); chunks go back to the ingress as they come.
+  4b. MIGRATING a worker the attempt used died or hung (``Verdict.LOST``): it is suspect to routing,
+                the attempt gives back what it held, and a new attempt on other workers re-prefills
+                the prompt plus the tokens sent so far; the client's stream carries on. After
+                ``migration_limit`` moves the request ends with a retriable 503 naming the cause.
   5. FINISHED / FAILED / ABORTED  recorded in the journal with the time; counters move.
 """
 
@@ -27,12 +31,21 @@ from controlplane.scheduler.attempt import Attempt
 from controlplane.scheduler.failures import Verdict, backend_error, verdict
 from controlplane.scheduler.health import WorkerHealth
 from controlplane.scheduler.policies import RoutingPolicy
-from controlplane.scheduler.selection import RETRY_AFTER_S, RouteSelector
+from controlplane.scheduler.relay import Progress
+from controlplane.scheduler.selection import RETRY_AFTER_S, RouteSelector, Selection
 from controlplane.scheduler.worker_view import WorkerView
 from controlplane.settings import SchedulerSettings
 from controlplane.state.journal import BackgroundJournal, RequestJournal, RequestState
 
 __all__ = ["Scheduler", "WorkerView"]
+
+
+class _Lost(Exception):
+    """An attempt lost a worker (``error.lost``, on ``selection``): the request moves."""
+
+    def __init__(self, error: DispatchError, selection: Selection) -> None:
+        super().__init__(str(error))
+        self.error, self.selection = error, selection
 
 
 class Scheduler:
@@ -75,27 +88,54 @@ class Scheduler:
         parent, admitted_ns = current_parent(), time.time_ns()  # the "queue" span: admission -> routed
         with self.admission.admit() as ticket:
             self._record(rid, RequestState.QUEUED)
-            admitted = time.monotonic()
+            admitted = wait_from = time.monotonic()
+            progress = Progress(request, self.model.tokenizer)
+            lost: set[str] = set()  # workers this request lost: never tried again for it
             try:
-                attempt = self._route(request, ticket, admitted, parent, admitted_ns)
-                with attempt:
-                    self._record(rid, RequestState.DECODING, attempt.selection.describe())
-                    yield from self._relay(rid, attempt)
-                self._record(rid, RequestState.FINISHED)
+                while True:
+                    try:
+                        progress.begin_attempt()
+                        attempt = self._route(progress.continuation(), ticket, admitted, wait_from, lost,
+                                              parent, admitted_ns)
+                        with attempt:
+                            self._record(rid, RequestState.DECODING, attempt.selection.describe())
+                            yield from self._relay(rid, attempt, progress)
+                            for c in attempt.selection.workers:
+                                self.health.success(c.worker_id)
+                        self._record(rid, RequestState.FINISHED)
+                        return
+                    except _Lost as exc:
+                        self._moved(rid, exc, progress, lost)
+                        wait_from = time.monotonic()
             except BackendError as exc:  # refused before streaming (no replica, Redis away): say so in the journal
                 if exc.status == 503:
                     self._record(rid, RequestState.FAILED, str(exc))
                 raise
 
-    def _route(self, request: WorkerRequest, ticket: Ticket, admitted: float, parent: object,
-               admitted_ns: int) -> Attempt:
-        """An opened attempt, waiting (backing off) for decode room up to ``queue_timeout_s``."""
+    def _moved(self, rid: str, lost_exc: _Lost, progress: Progress, lost: set[str]) -> None:
+        """Mark the lost workers suspect and count the move; past ``migration_limit``, the retriable 503."""
+        error, selection = lost_exc.error, lost_exc.selection
+        names = [selection.worker_at(a) or a for a in error.lost]
+        for worker_id in names:
+            lost.add(worker_id)
+            self.health.failure(worker_id, f"{error.stage}: {error.message}", lost=True)
+        cause = f"{error.stage} worker {', '.join(names) or '(unknown)'} lost: {error.message}"
+        if progress.seams >= self.settings.migration_limit:
+            raise BackendError(f"the request lost {progress.seams + 1} workers, more than the migration limit "
+                               f"({self.settings.migration_limit}); retry it. Last: {cause}", 503,
+                               retry_after_s=RETRY_AFTER_S)
+        self._record(rid, RequestState.MIGRATING, f"after {len(progress.token_ids)} tokens; {cause}")
+
+    def _route(self, request: WorkerRequest, ticket: Ticket, admitted: float, wait_from: float, lost: set[str],
+               parent: object, admitted_ns: int) -> Attempt:
+        """An opened attempt, waiting (backing off) for decode room up to ``queue_timeout_s`` after
+        ``wait_from``; _Lost when it lost a worker before its first chunk."""
         rid = request.request_id
-        deadline = admitted + self.settings.queue_timeout_s
+        deadline = wait_from + self.settings.queue_timeout_s
         backoff = 0.01
         while True:
             refused: set[str] = set()
-            while (selection := self.selector.select(request, refused)) is not None:
+            while (selection := self.selector.select(request, refused, lost)) is not None:
                 attempt_ns = time.time_ns()
                 # the request's deadline (scheduler.request_timeout_s) counts from admission
                 left = max(0.001, self.settings.request_timeout_s - (time.monotonic() - admitted))
@@ -105,9 +145,14 @@ class Scheduler:
                     v = verdict(exc, started=False)
                     if v is Verdict.REFUSED:
                         refused.add(selection.decode.worker_id)
+                        for address in exc.lost:  # refused because it is gone, not full
+                            lost.add(selection.worker_at(address) or address)
+                            self.health.failure(selection.worker_at(address) or address, exc.message, lost=True)
                         continue
                     if v is Verdict.BUSY:
                         break
+                    if v is Verdict.LOST:
+                        raise _Lost(exc, selection) from None
                     self._record(rid, RequestState.FAILED, f"{exc.stage}: {exc.message}")
                     raise backend_error(exc) from None
                 except BaseException as exc:  # a bug or an interrupt: the attempt gave its counts back
@@ -116,7 +161,8 @@ class Scheduler:
                 if ticket.routed():
                     queued_stage(rid, parent, admitted_ns, attempt_ns)
                 return attempt
-            if not self.selector.candidates("decode"):
+            if not [c for c in self.selector.candidates("decode")
+                    if c.worker_id not in lost and self.health.routable(c.worker_id)]:
                 raise BackendError("no live decode replica to serve the request", 503, retry_after_s=RETRY_AFTER_S)
             if time.monotonic() + backoff > deadline:
                 self._record(rid, RequestState.FAILED, "no decode room in time")
@@ -127,11 +173,18 @@ class Scheduler:
             backoff = min(backoff * 2, 0.2)
             self.view.invalidate()
 
-    def _relay(self, rid: str, attempt: Attempt) -> Iterator[Chunk]:
+    def _relay(self, rid: str, attempt: Attempt, progress: Progress) -> Iterator[Chunk]:
+        """The attempt's chunks as the client's, until the request finished; _Lost when a worker was lost."""
         try:
-            for chunk in attempt.chunks():
-                yield Chunk.from_wire(chunk)
+            for wire in attempt.chunks():
+                chunk = progress.accept(wire)
+                if chunk is not None:
+                    yield chunk
+                if progress.finished:  # a stop string the relay found ends it; closing the attempt aborts it
+                    return
         except DispatchError as exc:
+            if verdict(exc, started=True) is Verdict.LOST:
+                raise _Lost(exc, attempt.selection) from None
             self._record(rid, RequestState.FAILED, f"{exc.stage}: {exc.message}")
             raise backend_error(exc) from None
         except GeneratorExit:  # the ingress closed the stream: the client went away

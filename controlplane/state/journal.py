@@ -8,6 +8,7 @@ A request's life, as recorded (text-only requests skip ENCODING):
 4. PREFILLING  a prefill worker computes its KV
 5. TRANSFERRING  the KV streams to the decode worker
 6. DECODING    tokens stream to the client
+   MIGRATING   a worker it ran on died or hung; it moves to another (then DECODING again)
 7. FINISHED | FAILED | ABORTED
 
 Each request's entries are a stream (insertion order, capped at ``max_entries``) that expires
@@ -42,6 +43,7 @@ class RequestState(enum.StrEnum):
     PREFILLING = "prefilling"
     TRANSFERRING = "transferring"
     DECODING = "decoding"
+    MIGRATING = "migrating"
     FINISHED = "finished"
     FAILED = "failed"
     ABORTED = "aborted"

@@ -1,0 +1,281 @@
+"""Nothing lost when a worker dies: real worker processes are killed (SIGKILL) or stopped (SIGSTOP)
+under requests in flight. Every request ends with exactly the reference tokens (greedy and seeded),
+and every surviving worker ends with all its KV blocks free. Past the migration limit, and with every
+candidate down, the request ends in a retriable 503 that names the cause."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from controlplane.backend import BackendError, ModelInfo
+from controlplane.dispatch import Dispatcher, WorkerRequest
+from controlplane.scheduler.policies import get_policy
+from controlplane.scheduler.scheduler import Scheduler, WorkerView
+from controlplane.settings import SchedulerSettings
+from controlplane.state.journal import RequestJournal, RequestState
+from controlplane.state.registry import WorkerInfo, WorkerLoad, WorkerRegistry
+from dispatch_helpers import on_threads, png
+from epd.worker.v1 import worker_pb2 as wpb
+from epd.worker.v1 import worker_pb2_grpc as wgrpc
+from kvtransfer.auth import TransferSecurity
+from redis_fixture import redis_server, state_conn  # noqa: F401 - fixtures
+from workers.runtime.generate import GenerateRequest, build_prompt, generate
+from workers.runtime.sampler import SamplingParams
+
+pytestmark = [pytest.mark.integration]
+
+TOKEN = secrets.token_urlsafe(24)
+SECURITY = TransferSecurity(token=TOKEN)
+SCRIPT = Path(__file__).with_name("worker_process.py")
+
+
+@dataclass
+class Proc:
+    pool: str
+    worker_id: str
+    address: str
+    popen: subprocess.Popen[str]
+
+    def kill(self) -> None:
+        self.popen.send_signal(signal.SIGKILL)
+        self.popen.wait(10)
+        if self.popen.stdout is not None:
+            self.popen.stdout.close()
+
+    def status(self) -> "wpb.WorkerStatus":
+        stub = wgrpc.PrefillWorkerStub if self.pool == "prefill" else (
+            wgrpc.EncodeWorkerStub if self.pool == "encode" else wgrpc.DecodeWorkerStub)
+        channel = SECURITY.open_channel(self.address)
+        try:
+            return stub(channel).Status(wpb.StatusRequest(), metadata=SECURITY.call_metadata(), timeout=10)
+        finally:
+            channel.close()
+
+
+def _spawn(ckpt: Path, pools: list[str], colocated: bool = False) -> list[Proc]:
+    """Start the workers at once (each loads the model in its own process)."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])}
+    popens = [subprocess.Popen([sys.executable, str(SCRIPT), pool, str(ckpt), TOKEN] + (["colocated"] if colocated else []),
+                               stdout=subprocess.PIPE, text=True, env=env) for pool in pools]
+    procs = []
+    for i, (pool, p) in enumerate(zip(pools, popens)):
+        assert p.stdout is not None
+        address = p.stdout.readline().strip()
+        assert address, f"worker {pool} did not start"
+        procs.append(Proc(pool, f"{pool}-{i}-{secrets.token_hex(3)}", address, p))
+    return procs
+
+
+@pytest.fixture
+def cluster(default_ckpt, state_conn) -> Iterator[tuple[WorkerRegistry, list[Proc]]]:  # noqa: F811
+    registry = WorkerRegistry(state_conn, ttl=60)
+    procs: list[Proc] = []
+
+    def start(pools: list[str], colocated: bool = False) -> list[Proc]:
+        new = _spawn(default_ckpt, pools, colocated)
+        procs.extend(new)
+        for p in new:
+            registry.register(WorkerInfo(p.worker_id, p.pool, p.address,  # type: ignore[arg-type]
+                                         load=WorkerLoad(free_kv_blocks=100, total_kv_blocks=100)))
+        return new
+
+    yield registry, start  # type: ignore[misc]
+    for p in procs:
+        if p.popen.poll() is None:
+            os.kill(p.popen.pid, signal.SIGCONT)
+        p.kill()
+        registry.deregister(p.worker_id, p.pool)  # type: ignore[arg-type]
+    for key in state_conn.redis.scan_iter(match=state_conn.keys.pattern):
+        state_conn.redis.delete(key)
+
+
+def _scheduler(bundle, registry, conn, colocated=False, **settings) -> Scheduler:  # type: ignore[no-untyped-def]
+    s = SchedulerSettings(**{"token_idle_timeout_s": 1.5, "first_token_timeout_s": 20.0, **settings})
+    dispatcher = Dispatcher(SECURITY, keepalive_s=1.0, token_idle_timeout_s=s.token_idle_timeout_s,
+                            first_token_timeout_s=s.first_token_timeout_s)
+    model = ModelInfo("demo", bundle.tokenizer, 8192, bundle.image_token_id, 64, bundle.eos_token_ids)
+    return Scheduler(model, WorkerView(registry, refresh_s=0.05), dispatcher, get_policy("least_loaded"), s,
+                     RequestJournal(conn), colocated=colocated)
+
+
+def _requests(bundle, n: int, max_tokens: int = 48, images: bool = False) -> tuple[list[WorkerRequest], list[list[int]]]:  # type: ignore[no-untyped-def]
+    """Half greedy, half seeded sampling, with their reference tokens from generate()."""
+    reqs, refs = [], []
+    for i in range(n):
+        params = (SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True) if i % 2 == 0 else
+                  SamplingParams(max_tokens=max_tokens, temperature=0.9, top_k=50, seed=1000 + i, ignore_eos=True))
+        content: list = [{"type": "text", "text": f"Request {i}: tell me about serving systems."}]
+        imgs: tuple[bytes, ...] = ()
+        if images:
+            imgs = (png((40 * i % 255, 90, 30)),)
+            content = [{"type": "image"}] + content
+        greq = GenerateRequest(messages=[{"role": "user", "content": content}], images=imgs, params=params)
+        ids, mm = build_prompt(bundle, greq)
+        refs.append(generate(bundle, [greq])[0].token_ids)
+        reqs.append(WorkerRequest(f"mig-{secrets.token_hex(4)}-{i}", ids, params, imgs,
+                                  mm.positions if mm is not None else ()))
+    return reqs, refs
+
+
+class Streams:
+    """Requests run on threads; ``progress[i]`` counts the tokens request i received so far."""
+
+    def __init__(self, scheduler: Scheduler, reqs: list[WorkerRequest]) -> None:
+        self.progress = [0] * len(reqs)
+        self.result: tuple[list, list[BaseException]] | None = None
+
+        def one(i: int) -> list[int]:
+            out: list[int] = []
+            for chunk in scheduler.generate(reqs[i]):
+                out.extend(chunk.token_ids)
+                self.progress[i] = len(out)
+            return out
+
+        self._thread = threading.Thread(target=lambda: setattr(self, "result", on_threads(one, len(reqs))))
+        self._thread.start()
+
+    def wait_until(self, cond, timeout_s: float = 60) -> None:  # type: ignore[no-untyped-def]
+        end = time.monotonic() + timeout_s
+        while not cond(self.progress):
+            assert time.monotonic() < end, f"no progress: {self.progress}"
+            time.sleep(0.005)
+
+    def join(self, timeout_s: float = 120) -> tuple[list, list[BaseException]]:
+        self._thread.join(timeout_s)
+        assert self.result is not None, "requests still running past their deadline"
+        return self.result
+
+
+def _all_free(procs: list[Proc]) -> None:
+    """Every live worker's blocks are all free and it holds no reservation (within a few seconds)."""
+    for p in procs:
+        if p.popen.poll() is not None:
+            continue
+        end = time.monotonic() + 10
+        while True:
+            s = p.status()
+            if s.kv_blocks_free == s.kv_blocks_total and s.reservations == 0 and s.running == 0:
+                break
+            assert time.monotonic() < end, f"{p.pool} {p.worker_id} holds blocks: {s}"
+            time.sleep(0.1)
+
+
+def _migrated(conn, reqs: list[WorkerRequest]) -> int:  # type: ignore[no-untyped-def]
+    journal = RequestJournal(conn)
+    return sum(any(e.state is RequestState.MIGRATING for e in journal.history(r.request_id)) for r in reqs)
+
+
+def test_decode_worker_killed_mid_stream(default_bundle, cluster, state_conn):  # noqa: F811
+    registry, start = cluster
+    procs = start(["prefill", "decode", "decode"])
+    scheduler = _scheduler(default_bundle, registry, state_conn)
+    reqs, refs = _requests(default_bundle, 6)
+    streams = Streams(scheduler, reqs)
+    streams.wait_until(lambda p: all(n >= 2 for n in p))
+    victim = procs[1]
+    os.kill(victim.popen.pid, signal.SIGSTOP)  # freeze it mid-stream, then kill it: its streams die mid-way
+    victim.kill()
+    out, errors = streams.join()
+    assert not errors and out == refs
+    assert _migrated(state_conn, reqs) >= 1
+    _all_free(procs)
+
+
+def test_decode_worker_hung_by_sigstop(default_bundle, cluster, state_conn):  # noqa: F811
+    registry, start = cluster
+    procs = start(["prefill", "decode", "decode"])
+    scheduler = _scheduler(default_bundle, registry, state_conn)
+    reqs, refs = _requests(default_bundle, 4)
+    streams = Streams(scheduler, reqs)
+    streams.wait_until(lambda p: all(n >= 2 for n in p))
+    hung = procs[1]
+    os.kill(hung.popen.pid, signal.SIGSTOP)
+    began = time.monotonic()
+    out, errors = streams.join()
+    assert not errors and out == refs
+    assert time.monotonic() - began < 30  # detected by the idle limit (1.5 s here), not a request deadline
+    assert _migrated(state_conn, reqs) >= 1
+    assert hung.worker_id in [s.worker_id for s in scheduler.health.suspects()]
+    os.kill(hung.popen.pid, signal.SIGCONT)  # back: the requests that left it are aborted there too
+    _all_free(procs)
+
+
+def test_prefill_worker_killed_mid_prefill(default_bundle, cluster, state_conn):  # noqa: F811
+    registry, start = cluster
+    procs = start(["prefill", "prefill", "decode"])
+    scheduler = _scheduler(default_bundle, registry, state_conn)
+    victim = procs[0]
+    os.kill(victim.popen.pid, signal.SIGSTOP)  # the requests routed to it wait inside Prefill ...
+    reqs, refs = _requests(default_bundle, 4)
+    streams = Streams(scheduler, reqs)
+    time.sleep(0.5)
+    victim.kill()  # ... and lose it there
+    out, errors = streams.join()
+    assert not errors and out == refs
+    assert _migrated(state_conn, reqs) >= 1
+    _all_free(procs)
+
+
+def test_encode_worker_killed(default_bundle, cluster, state_conn):  # noqa: F811
+    registry, start = cluster
+    procs = start(["encode", "encode", "prefill", "decode"])
+    scheduler = _scheduler(default_bundle, registry, state_conn)
+    victim = procs[0]
+    os.kill(victim.popen.pid, signal.SIGSTOP)
+    reqs, refs = _requests(default_bundle, 4, max_tokens=16, images=True)
+    streams = Streams(scheduler, reqs)
+    time.sleep(0.5)
+    victim.kill()
+    out, errors = streams.join()
+    assert not errors and out == refs
+    assert _migrated(state_conn, reqs) >= 1
+    _all_free(procs)
+
+
+def test_colocated_worker_killed_mid_stream(default_bundle, cluster, state_conn):  # noqa: F811
+    registry, start = cluster
+    procs = start(["decode", "decode"], colocated=True)
+    scheduler = _scheduler(default_bundle, registry, state_conn, colocated=True)
+    reqs, refs = _requests(default_bundle, 4)
+    streams = Streams(scheduler, reqs)
+    streams.wait_until(lambda p: all(n >= 2 for n in p))
+    os.kill(procs[0].popen.pid, signal.SIGSTOP)
+    procs[0].kill()
+    out, errors = streams.join()
+    assert not errors and out == refs
+    assert _migrated(state_conn, reqs) >= 1
+    _all_free(procs)
+
+
+def test_past_the_migration_limit_a_retriable_error_names_the_cause(default_bundle, cluster, state_conn):  # noqa: F811
+    registry, start = cluster
+    procs = start(["prefill", "decode", "decode"])
+    scheduler = _scheduler(default_bundle, registry, state_conn, migration_limit=0)
+    reqs, _ = _requests(default_bundle, 2)
+    streams = Streams(scheduler, reqs)
+    streams.wait_until(lambda p: all(n >= 2 for n in p))
+    os.kill(procs[1].popen.pid, signal.SIGSTOP)
+    procs[1].kill()
+    out, errors = streams.join()
+    assert errors, "a request on the killed worker must fail past a limit of 0"
+    for err in errors:
+        assert isinstance(err, BackendError) and err.status == 503 and err.retry_after_s
+        assert "migration limit" in str(err) and procs[1].worker_id in str(err)
+    _all_free(procs)
+    # every decode candidate down: 503 with Retry-After at once, not a wait for room
+    procs[2].kill()
+    began = time.monotonic()
+    with pytest.raises(BackendError) as err:
+        list(scheduler.generate(WorkerRequest("all-down", reqs[0].prompt_ids, reqs[0].params)))
+    assert err.value.status == 503 and err.value.retry_after_s and time.monotonic() - began < 10

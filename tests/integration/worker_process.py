@@ -1,0 +1,27 @@
+"""One real worker in its own process, for the fault tests (they kill and stop it):
+``python worker_process.py POOL CHECKPOINT TOKEN [colocated]``. Prints its address, then serves until killed."""
+
+from __future__ import annotations
+
+import sys
+import threading
+from pathlib import Path
+
+from kvtransfer.auth import TransferSecurity
+from workers.run import start_worker
+from workers.runtime.engine import EngineConfig
+from workers.runtime.loader import load_model
+
+
+def main() -> None:
+    pool, ckpt, token = sys.argv[1:4]
+    colocated = sys.argv[4:] == ["colocated"]
+    bundle = load_model(Path(ckpt))
+    worker = start_worker(pool, bundle, TransferSecurity(token=token), codecs=("fp32",) * bundle.config.num_layers,  # type: ignore[arg-type]
+                          config=EngineConfig(kv_cache_bytes=64 * 2**20), colocated=colocated)
+    print(worker.address, flush=True)
+    threading.Event().wait()
+
+
+if __name__ == "__main__":
+    main()

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import hmac
 from dataclasses import asdict, dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable, Protocol
 
 import anyio.to_thread
 from fastapi import APIRouter, Header, HTTPException, Request
@@ -24,6 +24,9 @@ from controlplane.state.client import StateConnection
 from controlplane.state.keys import Pool
 from controlplane.state.pools import MAX_REPLICAS, PoolTargets
 from controlplane.state.registry import WorkerRegistry
+
+if TYPE_CHECKING:
+    from controlplane.pools.status import PendingReplica
 
 
 @dataclass(frozen=True)
@@ -39,13 +42,27 @@ class WorkerSummary:
 
 @dataclass(frozen=True)
 class PoolView:
+    """A pool as /admin/pools, ``epd status`` and the dashboard show it. ``pending``: replicas asked for and
+    not serving yet, each with its reason (``controlplane.pools.status.PendingReplica``). ``problem``: why
+    the pool is not at its target when no pending replica says it (the last failed start), else None."""
+
     pool: str
     target: int | None
     ready: int
     workers: list[WorkerSummary]
+    pending: tuple["PendingReplica", ...] = ()
+    problem: str | None = None
 
 
-def pools_status(conn: StateConnection, registry: WorkerRegistry) -> list[PoolView]:
+class PoolStarts(Protocol):
+    """What the pool manager of this process says about replicas it is starting (``PoolManager``)."""
+
+    def pending(self, pool: str) -> tuple["PendingReplica", ...]: ...
+
+    def problem(self, pool: str) -> str | None: ...
+
+
+def pools_status(conn: StateConnection, registry: WorkerRegistry, starts: PoolStarts | None = None) -> list[PoolView]:
     targets = PoolTargets(conn).all_targets()
     out = []
     for pool in Pool:
@@ -53,7 +70,10 @@ def pools_status(conn: StateConnection, registry: WorkerRegistry) -> list[PoolVi
         workers = [WorkerSummary(r.info.worker_id, r.info.address, r.info.draining, r.info.load.running,
                               r.info.load.queued_tokens, r.info.load.free_kv_blocks, r.info.load.total_kv_blocks)
                    for r in live]
-        out.append(PoolView(pool.value, targets.get(pool), sum(not w.draining for w in workers), workers))
+        pending = starts.pending(pool.value) if starts is not None else ()
+        problem = starts.problem(pool.value) if starts is not None else None
+        out.append(PoolView(pool.value, targets.get(pool), sum(not w.draining for w in workers), workers,
+                            pending, problem))
     return out
 
 
@@ -99,8 +119,9 @@ def _scale_body(raw: bytes) -> ScaleBody:
 def admin_router(conn: StateConnection, registry: WorkerRegistry, admin_token: str,
                  on_scale: Callable[[str, int], None] | None = None,
                  on_drain: Callable[[str], bool] | None = None,
-                 fixed_pools: dict[str, str] | None = None) -> APIRouter:
-    """``fixed_pools``: pool -> why it cannot be scaled in this deployment (409 with that reason)."""
+                 fixed_pools: dict[str, str] | None = None, starts: PoolStarts | None = None) -> APIRouter:
+    """``fixed_pools``: pool -> why it cannot be scaled in this deployment (409 with that reason).
+    ``starts``: the pool manager, for replicas not serving yet and why (None: none shown)."""
     fixed = dict(fixed_pools or {})
     router = APIRouter(prefix="/admin")
     expected = f"Bearer {admin_token}".encode()
@@ -113,7 +134,7 @@ def admin_router(conn: StateConnection, registry: WorkerRegistry, admin_token: s
     @router.get("/pools")
     def get_pools(authorization: str | None = Header(None)) -> dict:
         check(authorization)
-        return {"pools": [asdict(p) for p in pools_status(conn, registry)]}
+        return {"pools": [asdict(p) for p in pools_status(conn, registry, starts)]}
 
     @router.put("/pools/{pool}", openapi_extra={"requestBody": {"content": {"application/json": {
         "schema": ScaleBody.model_json_schema()}}, "required": True}})

@@ -138,4 +138,8 @@ def format_status(data: dict) -> str:
                 "total_kv_blocks"] else ""
             lines.append(f"{'':<16}  {w['worker_id']} {w['address']} {state} running={w['running']} "
                          f"queued_tokens={w['queued_tokens']} {kv}".rstrip())
+        for r in p.get("pending", ()):  # an API from before pending replicas were shown has none
+            lines.append(f"{'':<16}  {r['name']} pending {r['waiting_s']:.0f} s: {r['reason']}")
+        if p.get("problem"):
+            lines.append(f"{'':<16}  {p['problem']}")
     return "\n".join(lines)

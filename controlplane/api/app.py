@@ -26,11 +26,13 @@ from controlplane.api.limits import MAX_BODY_BYTES, BodyLimit
 from controlplane.api.models import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, StreamOptions
 from controlplane.api.prompts import check_model, prepare_chat, prepare_completion
 from controlplane.api.relay import Relay, ThreadLanes
+from controlplane.api.tokenize import tokenize_router
 from controlplane.api.streaming import ChatShape, CompletionShape, EventStream, Shape, collect, sse_events
 from controlplane.backend import Backend
 from controlplane.dispatch import WorkerRequest
 from controlplane.observability import server_timing
 from controlplane.observability.http import T0_KEY, ObservabilityMiddleware, fastapi_kwargs, watch
+from controlplane.observability.metrics import bind_model
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +50,7 @@ def create_app(backend: Backend, api_keys: Sequence[str] = (), admin: APIRouter 
     app = FastAPI(title="epd", summary="OpenAI-compatible API over disaggregated encode/prefill/decode",
                   docs_url=None, redoc_url=None, **fastapi_kwargs())
     install_error_handlers(app)
+    bind_model(backend.model.name)  # the model_name label of every epd: series
     lanes = ThreadLanes(relay_threads)
     started = int(time.time())
 
@@ -110,6 +113,7 @@ def create_app(backend: Backend, api_keys: Sequence[str] = (), admin: APIRouter 
         return response
 
     app.include_router(v1)
+    app.include_router(tokenize_router(backend.model))  # vLLM's /tokenize and /detokenize, beside /v1
 
     @app.get("/metrics", include_in_schema=False)
     async def prometheus_metrics() -> Response:

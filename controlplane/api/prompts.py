@@ -13,11 +13,11 @@ import base64
 import binascii
 import re
 import uuid
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 from controlplane.api.errors import APIError
 from controlplane.api.limits import MAX_IMAGE_BYTES, MAX_IMAGES_BYTES, MiB
-from controlplane.api.models import ChatCompletionRequest, CompletionRequest, ImagePart, TextPart
+from controlplane.api.models import ChatCompletionRequest, ChatMessage, CompletionRequest, ImagePart, TextPart
 from controlplane.backend import ModelInfo
 from controlplane.dispatch import WorkerRequest
 from workers.runtime.errors import InvalidRequestError
@@ -44,7 +44,7 @@ def prepare_chat(body: ChatCompletionRequest, model: ModelInfo) -> WorkerRequest
         raise APIError(400, "response_format must be {\"type\": \"text\"}; structured output is not supported.",
                        param="response_format")
     messages, images = _template_messages(body, model)
-    ids = _tokenise(lambda: model.tokenizer.encode_chat(messages))
+    ids = tokenise(lambda: model.tokenizer.encode_chat(messages))
     ids, positions = _expand_images(ids, model, len(images), "messages")
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
@@ -52,7 +52,22 @@ def prepare_chat(body: ChatCompletionRequest, model: ModelInfo) -> WorkerRequest
     return WorkerRequest(str(uuid.uuid4()), ids, params, tuple(images), positions)
 
 
-def _template_messages(body: ChatCompletionRequest, model: ModelInfo) -> tuple[list[dict[str, Any]], list[bytes]]:
+class HasMessages(Protocol):
+    """A request that carries chat messages (a chat completion, a /tokenize of a chat)."""
+
+    @property
+    def messages(self) -> list[ChatMessage]: ...
+
+
+def chat_ids(body: HasMessages, model: ModelInfo, add_generation_prompt: bool = True) -> list[int]:
+    """The prompt ids the chat request ``body``'s messages become: template, tokens, each image's
+    placeholder repeated to its token count (what ``prepare_chat`` sends, for /tokenize)."""
+    messages, images = _template_messages(body, model)
+    ids = tokenise(lambda: model.tokenizer.encode_chat(messages, add_generation_prompt))
+    return _expand_images(ids, model, len(images), "messages")[0]
+
+
+def _template_messages(body: HasMessages, model: ModelInfo) -> tuple[list[dict[str, Any]], list[bytes]]:
     """The messages as the chat template sees them, and the decoded images in prompt order."""
     messages: list[dict[str, Any]] = []
     images: list[bytes] = []
@@ -132,7 +147,7 @@ def prepare_completion(body: CompletionRequest, model: ModelInfo) -> WorkerReque
         prompt = prompt[0]  # type: ignore[assignment]
     if isinstance(prompt, str):
         text = prompt
-        ids = _tokenise(lambda: model.tokenizer.encode(text))
+        ids = tokenise(lambda: model.tokenizer.encode(text))
     else:
         ids = list(prompt)  # type: ignore[arg-type]
         vocab = model.tokenizer.vocab_size
@@ -157,7 +172,7 @@ def _refuse_unsupported(n: int | None, presence: float | None, frequency: float 
         raise APIError(400, "logit_bias is not supported by this server.", param="logit_bias")
 
 
-def _tokenise(run: Callable[[], list[int]]) -> list[int]:
+def tokenise(run: Callable[[], list[int]]) -> list[int]:
     try:
         return list(run())
     except InvalidRequestError as exc:  # the chat template refused the messages

@@ -34,16 +34,14 @@ def configure_process(settings: "ObservabilitySettings", service_name: str) -> b
 
 def instrument_control_plane(pools: Callable[[], list["PoolView"]], waiting: Callable[[], int],
                              journal: "RequestJournal | None") -> "list[APIRouter]":
-    """Pool gauges over ``pools``, the scheduler's queue gauge over ``waiting``; returns the routers to
+    """Pool gauges over ``pools``, the scheduler's queue gauges over ``waiting``; returns the routers to
     mount (the dashboard). ``configure_process`` has set the switches and exporter already."""
     from controlplane.api.dashboard import dashboard_router
 
-    metrics.bind_cluster(metrics.PoolsSource(pools))
-    metrics.SCHEDULER_QUEUE.set_function(waiting)
+    metrics.bind_cluster(metrics.PoolsSource(pools), waiting)
     return [dashboard_router(pools, journal)]
 
 
 def uninstrument() -> None:
     """Forget the deployment's sources (its Redis is about to close)."""
     metrics.bind_cluster(None)
-    metrics.SCHEDULER_QUEUE.set_function(lambda: 0)

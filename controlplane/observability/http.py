@@ -28,7 +28,7 @@ from controlplane.observability.metrics import OBSERVABILITY, REQUEST_LOG
 from controlplane.observability.tracing import context_from_headers, current_parent, end_span, start_span, tracer
 
 GENERATION_ROUTES = ("/v1/chat/completions", "/v1/completions")
-KNOWN_ROUTES = GENERATION_ROUTES + ("/v1/models",)
+KNOWN_ROUTES = GENERATION_ROUTES + ("/v1/models", "/tokenize", "/detokenize")
 T0_KEY = "epd_t0"  # request.state key: perf_counter() at arrival
 _TRACE_HEADERS = (b"traceparent", b"tracestate", b"baggage")  # what the W3C propagators read
 
@@ -74,7 +74,7 @@ class ObservabilityMiddleware:
             await self.app(scope, receive, tracking_send)
         finally:
             if OBSERVABILITY.metrics:
-                metrics.REQUESTS.labels(route, str(status[0])).inc()
+                metrics.REQUESTS.labels(metrics.MODEL.value, route, str(status[0])).inc()
             if span is not None:
                 span.set_attribute("http.response.status_code", status[0])
                 if status[0] >= 500:
@@ -105,6 +105,7 @@ async def watch(chunks: AsyncGenerator[Chunk, None], request_id: str, route: str
 async def _timed(chunks: AsyncGenerator[Chunk, None], request_id: str, route: str,
                  t0: float | None) -> AsyncGenerator[Chunk, None]:
     on = OBSERVABILITY.metrics
+    model = metrics.MODEL.value
     if not (on or OBSERVABILITY.tracing):
         async for chunk in chunks:
             yield chunk
@@ -126,13 +127,14 @@ async def _timed(chunks: AsyncGenerator[Chunk, None], request_id: str, route: st
                         stream_span = start_span("stream", parent, attributes={"epd.request_id": request_id,
                                                                               "epd.stage": "stream"})
                     if on:
-                        metrics.TTFT.observe(now - t0)
+                        metrics.TTFT.labels(model).observe(now - t0)
                         for _ in range(n - 1):  # tokens that came with the first: no wait of their own
-                            metrics.ITL.observe(0.0)
+                            metrics.ITL.labels(model).observe(0.0)
                 elif on:
                     gap = (now - last_at) / n  # type: ignore[operator]
+                    itl = metrics.ITL.labels(model)
                     for _ in range(n):
-                        metrics.ITL.observe(gap)
+                        itl.observe(gap)
                 last_at = now
             if chunk.finished:
                 _finished(chunk, t0, now, first_at, record, on)
@@ -140,7 +142,7 @@ async def _timed(chunks: AsyncGenerator[Chunk, None], request_id: str, route: st
     except BaseException as exc:
         status = _status_of(exc) if isinstance(exc, Exception) else 499
         if on and first_at is not None:
-            metrics.CUT_SHORT.labels(route, str(status)).inc()
+            metrics.CUT_SHORT.labels(model, route, str(status)).inc()
         end_span(stream_span, exc)
         stream_span = None
         raise
@@ -159,13 +161,14 @@ def _finished(last: Chunk, t0: float, now: float, first_at: float | None, record
     if not on:
         return
     e2e = now - t0
-    metrics.E2E.observe(e2e)
-    metrics.PROMPT_TOKENS.inc(last.prompt_tokens)
-    metrics.GENERATION_TOKENS.inc(last.completion_tokens)
+    model = metrics.MODEL.value
+    metrics.E2E.labels(model).observe(e2e)
+    metrics.PROMPT_TOKENS.labels(model).inc(last.prompt_tokens)
+    metrics.GENERATION_TOKENS.labels(model).inc(last.completion_tokens)
     tpot = None
     if first_at is not None and last.completion_tokens > 1:
         tpot = (now - first_at) / (last.completion_tokens - 1)
-        metrics.TPOT.observe(tpot)
+        metrics.TPOT.labels(model).observe(tpot)
     if record is not None:
         record.e2e_s = e2e
         record.ttft_s = None if first_at is None else first_at - t0

@@ -1,8 +1,10 @@
 """Every Prometheus metric epd exports, defined here and nowhere else, under the ``epd:`` prefix.
 
-Names follow vLLM (``vllm:time_to_first_token_seconds``, ``vllm:e2e_request_latency_seconds``) and
-Dynamo: seconds and bytes in the name, ``_total`` on counters (prometheus_client adds it), one label
-per dimension. All of them live in the control-plane process and are served by its ``/metrics``:
+Names and meanings follow vLLM's (``vllm:time_to_first_token_seconds`` is ``epd:time_to_first_token_seconds``,
+``vllm:kv_cache_usage_perc`` is ``epd:kv_cache_usage_perc``): seconds and bytes in the name, ``_total`` on
+counters (prometheus_client adds it), one label per dimension, and every ``epd:`` series carries
+``model_name`` (the served model's id, as in /v1/models; ``bind_model`` sets it). All of them live in the
+control-plane process and are served by its ``/metrics``:
 
   recorded as requests flow   the ingress (TTFT, TPOT, ITL, E2E, requests by route and status),
                               the scheduler (queue time, admission rejections) and the dispatcher
@@ -54,6 +56,16 @@ class Switches:
 
 OBSERVABILITY = Switches()
 
+
+class _ModelName:
+    """The served model's id, the ``model_name`` label of every epd: series (one model per control plane)."""
+
+    value = "unknown"
+
+
+MODEL = _ModelName()
+MODEL_LABEL = "model_name"
+
 REGISTRY = CollectorRegistry(auto_describe=True)
 ProcessCollector(registry=REGISTRY)
 PlatformCollector(registry=REGISTRY)
@@ -66,48 +78,56 @@ _E2E = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.
         240.0, 480.0)
 
 # ---------------------------------------------------------------- histograms
-TTFT = Histogram(f"{PREFIX}time_to_first_token_seconds", "Request arrival to its first token, seconds.",
+_M = [MODEL_LABEL]
+TTFT = Histogram(f"{PREFIX}time_to_first_token_seconds", "Request arrival to its first token, seconds.", _M,
                  buckets=_LATENCY, registry=REGISTRY)
 TPOT = Histogram(f"{PREFIX}time_per_output_token_seconds",
-                 "Per request: (last token - first token) / (output tokens - 1), seconds.",
+                 "Per request: (last token - first token) / (output tokens - 1), seconds.", _M,
                  buckets=_PER_TOKEN, registry=REGISTRY)
 ITL = Histogram(f"{PREFIX}inter_token_latency_seconds", "Between consecutive output tokens of a request, seconds.",
-                buckets=_PER_TOKEN, registry=REGISTRY)
-E2E = Histogram(f"{PREFIX}e2e_request_latency_seconds", "Request arrival to its last token, seconds.",
+                _M, buckets=_PER_TOKEN, registry=REGISTRY)
+E2E = Histogram(f"{PREFIX}e2e_request_latency_seconds", "Request arrival to its last token, seconds.", _M,
                 buckets=_E2E, registry=REGISTRY)
 STAGE = Histogram(f"{PREFIX}request_stage_seconds",
                   "Time a request spent in one stage (queue, reserve, encode, prefill, kv_transfer, decode, "
-                  "stream), seconds.", ["stage"], buckets=_LATENCY, registry=REGISTRY)
+                  "stream), seconds.", [*_M, "stage"], buckets=_LATENCY, registry=REGISTRY)
 KV_SECONDS = Histogram(f"{PREFIX}kv_transfer_seconds", "One request's KV push prefill -> decode, seconds.",
-                       ["codec"], buckets=_LATENCY, registry=REGISTRY)
+                       [*_M, "codec"], buckets=_LATENCY, registry=REGISTRY)
 
 # ---------------------------------------------------------------- counters
-REQUESTS = Counter(f"{PREFIX}requests", "HTTP requests answered, by route and status code.", ["route", "status"],
-                   registry=REGISTRY)
+REQUESTS = Counter(f"{PREFIX}requests", "HTTP requests answered, by route and status code.",
+                   [*_M, "route", "status"], registry=REGISTRY)
 CUT_SHORT = Counter(f"{PREFIX}requests_cut_short", "Requests that ended after their first token without their last: "
                     "a worker failed (the status that failure maps to) or the client left (499). A streamed "
                     "answer's status line, counted as 200 in epd:requests, was sent by then.",
-                    ["route", "status"], registry=REGISTRY)
-PROMPT_TOKENS = Counter(f"{PREFIX}prompt_tokens", "Prompt tokens of finished requests.", registry=REGISTRY)
-GENERATION_TOKENS = Counter(f"{PREFIX}generation_tokens", "Output tokens of finished requests.", registry=REGISTRY)
+                    [*_M, "route", "status"], registry=REGISTRY)
+PROMPT_TOKENS = Counter(f"{PREFIX}prompt_tokens", "Prompt tokens of finished requests.", _M, registry=REGISTRY)
+GENERATION_TOKENS = Counter(f"{PREFIX}generation_tokens", "Output tokens of finished requests.", _M,
+                            registry=REGISTRY)
 KV_LOGICAL_BYTES = Counter(f"{PREFIX}kv_transfer_logical_bytes",
-                           "KV moved prefill -> decode, counted as the same blocks in bf16, bytes.", ["codec"],
+                           "KV moved prefill -> decode, counted as the same blocks in bf16, bytes.", [*_M, "codec"],
                            registry=REGISTRY)
 KV_WIRE_BYTES = Counter(f"{PREFIX}kv_transfer_wire_bytes", "KV moved prefill -> decode as sent (payload + scales), "
-                        "bytes.", ["codec"], registry=REGISTRY)
+                        "bytes.", [*_M, "codec"], registry=REGISTRY)
 KV_FAILURES = Counter(f"{PREFIX}kv_transfer_failures", "Requests whose KV transfer failed, by gRPC status.",
-                      ["code"], registry=REGISTRY)
+                      [*_M, "code"], registry=REGISTRY)
 ADMISSION_REJECTIONS = Counter(f"{PREFIX}admission_rejections", "Requests refused with 429, by reason.",
-                               ["reason"], registry=REGISTRY)
-ENCODER_IMAGES = Counter(f"{PREFIX}encoder_images", "Images sent to the encode pool.", registry=REGISTRY)
-ENCODER_CACHE_HITS = Counter(f"{PREFIX}encoder_cache_hits", "Images the encode pool served from its cache.",
+                               [*_M, "reason"], registry=REGISTRY)
+ENCODER_IMAGES = Counter(f"{PREFIX}encoder_images", "Images sent to the encode pool.", _M, registry=REGISTRY)
+ENCODER_CACHE_HITS = Counter(f"{PREFIX}encoder_cache_hits", "Images the encode pool served from its cache.", _M,
                              registry=REGISTRY)
 
 # ---------------------------------------------------------------- gauges kept here
 QUEUE_DEPTH = Gauge(f"{PREFIX}queue_depth", "Requests handed to a pool's stage and not back yet (waiting or "
-                    "running in its workers), as this control plane counts them.", ["pool"], registry=REGISTRY)
-SCHEDULER_QUEUE = Gauge(f"{PREFIX}scheduler_queue_depth", "Admitted requests waiting for decode room.",
-                        registry=REGISTRY)
+                    "running in its workers), as this control plane counts them.", [*_M, "pool"], registry=REGISTRY)
+
+
+def bind_model(name: str) -> None:
+    """Label every epd: series recorded from now on with ``model_name=name``. The series with no other
+    label start at zero now (as vLLM's do), so a dashboard shows 0 rather than nothing before traffic."""
+    MODEL.value = name
+    for family in (TTFT, TPOT, ITL, E2E, PROMPT_TOKENS, GENERATION_TOKENS, ENCODER_IMAGES, ENCODER_CACHE_HITS):
+        family.labels(name)
 
 
 # ---------------------------------------------------------------- gauges read at scrape time
@@ -118,6 +138,9 @@ class PoolSnapshot:
     ready: int
     running: int  # requests, summed over the pool's live workers
     queued_tokens: int
+    kv_used_blocks: int = 0  # summed over the pool's live workers
+    kv_total_blocks: int = 0
+    pending: int = 0  # replicas asked for and not placed yet (waiting for resources)
 
 
 @dataclass(frozen=True)
@@ -143,6 +166,7 @@ class _ClusterCollector(Collector):
 
     def __init__(self) -> None:
         self.source: ClusterSource | None = None
+        self.waiting: Callable[[], int] = lambda: 0  # the scheduler's queue (no Redis involved)
         self._cached: tuple[float, ClusterSnapshot | None] = (0.0, None)
         self._lock = threading.Lock()
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pool-gauges")
@@ -178,39 +202,63 @@ class _ClusterCollector(Collector):
             return None
 
     def collect(self) -> Iterator[Metric]:
+        waiting = self.waiting()
+        yield _gauge("scheduler_queue_depth", "Admitted requests waiting for decode room.", [], [([], waiting)])
+        # vLLM's vllm:num_requests_waiting: requests accepted and not yet running (here: the scheduler's queue)
+        yield _gauge("num_requests_waiting", "Requests admitted and waiting to be scheduled onto the pools.",
+                     [], [([], waiting)])
         snap = self.current()
         if snap is None:
             return
-        desired = GaugeMetricFamily(f"{PREFIX}replicas_desired", "Target replicas of the pool.", labels=["pool"])
-        ready = GaugeMetricFamily(f"{PREFIX}replicas_ready", "Live, non-draining replicas of the pool.",
-                                  labels=["pool"])
-        running = GaugeMetricFamily(f"{PREFIX}pool_running_requests", "Requests running in the pool's engines "
-                                    "(worker heartbeats).", labels=["pool"])
-        queued = GaugeMetricFamily(f"{PREFIX}pool_queued_tokens", "Prompt tokens waiting in the pool's engines "
-                                   "(worker heartbeats).", labels=["pool"])
-        for p in snap.pools:
-            if p.desired is not None:
-                desired.add_metric([p.pool], p.desired)
-            ready.add_metric([p.pool], p.ready)
-            running.add_metric([p.pool], p.running)
-            queued.add_metric([p.pool], p.queued_tokens)
-        used = GaugeMetricFamily(f"{PREFIX}kv_blocks_used", "KV blocks in use on a decode worker.",
-                                 labels=["worker_id"])
-        free = GaugeMetricFamily(f"{PREFIX}kv_blocks_free", "KV blocks free on a decode worker.", labels=["worker_id"])
-        for kv in snap.decode_kv:
-            used.add_metric([kv.worker_id], kv.used_blocks)
-            free.add_metric([kv.worker_id], kv.free_blocks)
-        yield from (desired, ready, running, queued, used, free)
+        per_pool = ("pool",)
+        yield _gauge("replicas_desired", "Target replicas of the pool.", per_pool,
+                     [([p.pool], p.desired) for p in snap.pools if p.desired is not None])
+        yield _gauge("replicas_ready", "Live, non-draining replicas of the pool.", per_pool,
+                     [([p.pool], p.ready) for p in snap.pools])
+        yield _gauge("replicas_pending", "Replicas the pool manager asked Ray for that are not placed yet "
+                     "(waiting for the resources they need; epd status says which).", per_pool,
+                     [([p.pool], p.pending) for p in snap.pools])
+        yield _gauge("pool_running_requests", "Requests running in the pool's engines (worker heartbeats).", per_pool,
+                     [([p.pool], p.running) for p in snap.pools])
+        yield _gauge("pool_queued_tokens", "Prompt tokens waiting in the pool's engines (worker heartbeats).",
+                     per_pool, [([p.pool], p.queued_tokens) for p in snap.pools])
+        # vLLM's vllm:num_requests_running: requests in the engines' batches (prefill and decode engines)
+        yield _gauge("num_requests_running", "Requests running in the prefill and decode engines (worker "
+                     "heartbeats).", [], [([], sum(p.running for p in snap.pools if p.pool != "encode"))])
+        # vLLM's vllm:kv_cache_usage_perc: a fraction, 1 = every KV block in use
+        yield _gauge("kv_cache_usage_perc", "KV-cache usage of the pool's workers, as a fraction (1 = 100%).",
+                     per_pool, [([p.pool], p.kv_used_blocks / p.kv_total_blocks)
+                                for p in snap.pools if p.kv_total_blocks > 0])
+        yield _gauge("kv_blocks_used", "KV blocks in use on a decode worker.", ("worker_id",),
+                     [([kv.worker_id], kv.used_blocks) for kv in snap.decode_kv])
+        yield _gauge("kv_blocks_free", "KV blocks free on a decode worker.", ("worker_id",),
+                     [([kv.worker_id], kv.free_blocks) for kv in snap.decode_kv])
+
+
+def _gauge(name: str, doc: str, labels: Iterable[str], values: Iterable[tuple[list[str], float]]) -> Metric:
+    family = GaugeMetricFamily(f"{PREFIX}{name}", doc, labels=[MODEL_LABEL, *labels])
+    model = MODEL.value
+    for label_values, value in values:
+        family.add_metric([model, *label_values], value)
+    return family
 
 
 CLUSTER = _ClusterCollector()
 REGISTRY.register(CLUSTER)
 
 
-def bind_cluster(source: ClusterSource | None) -> None:
-    """Serve pool gauges from ``source`` (None: none). One control plane per process binds one."""
+def bind_cluster(source: ClusterSource | None, waiting: Callable[[], int] | None = None) -> None:
+    """Serve pool gauges from ``source`` (None: none) and the scheduler's queue gauges from ``waiting``
+    (None: 0). One control plane per process binds one."""
     CLUSTER.source = source
+    CLUSTER.waiting = waiting or (lambda: 0)
     CLUSTER._cached = (0.0, None)
+
+
+def queue_depth(pool: str, delta: int) -> None:
+    """``delta`` requests handed to (+1) or back from (-1) ``pool``'s stage (counted even with metrics off,
+    so a switch in between never leaves the gauge off by one)."""
+    QUEUE_DEPTH.labels(MODEL.value, pool).inc(delta)
 
 
 def exposition() -> bytes:
@@ -278,7 +326,7 @@ def stage(request_id: str, name: str, seconds: float) -> None:
     decode, stream (complete in colocated mode)."""
     if not OBSERVABILITY.metrics:
         return
-    STAGE.labels(name).observe(seconds)
+    STAGE.labels(MODEL.value, name).observe(seconds)
     rec = REQUEST_LOG.get(request_id)
     if rec is not None:
         rec.stages[name] = rec.stages.get(name, 0.0) + seconds
@@ -290,11 +338,12 @@ def kv_transfer(request_id: str, seconds: float, per_codec: Iterable[tuple[str, 
         return
     per_codec = list(per_codec)
     label = "+".join(sorted(c for c, _, _ in per_codec)) or "none"
-    KV_SECONDS.labels(label).observe(seconds)
+    model = MODEL.value
+    KV_SECONDS.labels(model, label).observe(seconds)
     wire = logical = 0
     for codec, w, lg in per_codec:
-        KV_WIRE_BYTES.labels(codec).inc(w)
-        KV_LOGICAL_BYTES.labels(codec).inc(lg)
+        KV_WIRE_BYTES.labels(model, codec).inc(w)
+        KV_LOGICAL_BYTES.labels(model, codec).inc(lg)
         wire += w
         logical += lg
     rec = REQUEST_LOG.get(request_id)
@@ -302,23 +351,23 @@ def kv_transfer(request_id: str, seconds: float, per_codec: Iterable[tuple[str, 
         rec.stages["kv_transfer"] = seconds
         rec.kv_wire_bytes += wire
         rec.kv_logical_bytes += logical
-    STAGE.labels("kv_transfer").observe(seconds)
+    STAGE.labels(model, "kv_transfer").observe(seconds)
 
 
 def kv_failure(code: str) -> None:
     if OBSERVABILITY.metrics:
-        KV_FAILURES.labels(code).inc()
+        KV_FAILURES.labels(MODEL.value, code).inc()
 
 
 def encoder(images: int, hits: int) -> None:
     if OBSERVABILITY.metrics:
-        ENCODER_IMAGES.inc(images)
-        ENCODER_CACHE_HITS.inc(hits)
+        ENCODER_IMAGES.labels(MODEL.value).inc(images)
+        ENCODER_CACHE_HITS.labels(MODEL.value).inc(hits)
 
 
 def rejected(reason: str) -> None:
     if OBSERVABILITY.metrics:
-        ADMISSION_REJECTIONS.labels(reason).inc()
+        ADMISSION_REJECTIONS.labels(MODEL.value, reason).inc()
 
 
 def snapshot_from_pools(views: Iterable["PoolView"]) -> ClusterSnapshot:
@@ -327,7 +376,9 @@ def snapshot_from_pools(views: Iterable["PoolView"]) -> ClusterSnapshot:
     for v in views:
         workers = list(v.workers)
         pools.append(PoolSnapshot(v.pool, v.target, v.ready, sum(w.running for w in workers),
-                                  sum(w.queued_tokens for w in workers)))
+                                  sum(w.queued_tokens for w in workers),
+                                  sum(w.total_kv_blocks - w.free_kv_blocks for w in workers),
+                                  sum(w.total_kv_blocks for w in workers), len(v.pending)))
         if v.pool == "decode":
             kv.extend(DecodeKV(w.worker_id, w.total_kv_blocks - w.free_kv_blocks, w.free_kv_blocks) for w in workers)
     return ClusterSnapshot(tuple(pools), tuple(kv))

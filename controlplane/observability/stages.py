@@ -63,7 +63,7 @@ class Stage:
             {"epd.request_id": obs.request_id, "epd.stage": name, **{f"epd.{k}": v for k, v in attributes.items()}})
         self.counted = pool is not None and OBSERVABILITY.metrics
         if self.counted:
-            metrics.QUEUE_DEPTH.labels(pool).inc()
+            metrics.queue_depth(pool, 1)
 
     def metadata(self, base: tuple[tuple[str, str], ...]) -> tuple[tuple[str, str], ...]:
         return grpc_metadata(base, self.span)
@@ -74,7 +74,7 @@ class Stage:
         self.ended = True
         seconds = time.perf_counter() - self.t0
         if self.counted:
-            metrics.QUEUE_DEPTH.labels(self.pool).dec()  # even if metrics were switched off since
+            metrics.queue_depth(self.pool, -1)  # even if metrics were switched off since
         if error is None:
             metrics.stage(self.obs.request_id, self.name, seconds)
             if reply is not None:

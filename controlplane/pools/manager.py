@@ -33,8 +33,9 @@ import ray
 from ray.actor import ActorHandle
 
 from controlplane.pools.actor import WorkerActor
+from controlplane.pools.pending import explain
 from controlplane.pools.ray_runtime import RayRuntime
-from controlplane.pools.status import PoolStatus, ReplicaStatus, WorkerStartError
+from controlplane.pools.status import PendingReplica, PoolStatus, ReplicaStatus, WorkerStartError
 from controlplane.settings import Settings
 from controlplane.state import Pool, PoolTargets, StateConnection, StateError, WorkerRegistry, connect
 from controlplane.state.pools import validate_replicas
@@ -95,6 +96,8 @@ class PoolManager:
         self._loop: threading.Thread | None = None
         self._conn: StateConnection | None = None
         self._remote_cls: Any = None  # ray.remote(WorkerActor), made once Ray is up
+        self._starting: dict[Pool, dict[str, float]] = {p: {} for p in Pool}  # actor name -> monotonic asked at
+        self._problem: dict[Pool, str | None] = {p: None for p in Pool}  # the last failed start, until one works
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> "PoolManager":
@@ -162,6 +165,33 @@ class PoolManager:
                          for rec in self.registry.live_workers(pool))
             out.append(PoolStatus(pool, self.targets.get_target(pool), len(mine), live))
         return out
+
+    def needs(self, pool: Pool | str) -> dict[str, float]:
+        """The Ray resources one replica of ``pool`` asks for (name -> amount; zero amounts left out)."""
+        ps = self.settings.pool(Pool(pool).value)
+        asked = {"CPU": ps.num_cpus, "GPU": ps.num_gpus, **ps.ray_resources}
+        return {k: float(v) for k, v in asked.items() if v > 0}
+
+    def pending(self, pool: Pool | str) -> tuple[PendingReplica, ...]:
+        """Replicas of ``pool`` asked of Ray and not serving yet, oldest first, each with its reason
+        (``pending.explain``). Without Ray (stopped) nothing is pending."""
+        pool = Pool(pool)
+        starting = list(self._starting[pool].items())
+        if not starting or not ray.is_initialized():
+            return ()
+        try:
+            total, free = ray.cluster_resources(), ray.available_resources()
+        except Exception:  # Ray going away under us: say nothing rather than fail a status call
+            return ()
+        held: dict[str, float] = {}
+        for p in Pool:
+            for k, v in self.needs(p).items():
+                held[k] = held.get(k, 0.0) + v * len(self._replicas[p])
+        return explain(starting, self.needs(pool), held, total, free, time.monotonic())
+
+    def problem(self, pool: Pool | str) -> str | None:
+        """The last failed start of ``pool``'s replicas (first line), until a start succeeds."""
+        return self._problem[Pool(pool)]
 
     # ------------------------------------------------------------------ reconciling
     def reconcile(self, pool: Pool | str) -> None:
@@ -252,22 +282,53 @@ class PoolManager:
             ).remote(pool.value, self._model_dir, self._settings_json, self._token, self.redis_url,
                      self.prefix, index, host)
             pending.append((name, actor, actor.info.remote()))
+            self._starting[pool][name] = time.monotonic()
         deadline = time.monotonic() + self.start_timeout_s
         errors = []
-        for name, actor, info_ref in pending:
-            try:
-                info = ray.get(info_ref, timeout=max(0.1, deadline - time.monotonic()))
-                self._await_lease(pool, info["worker_id"], deadline)
-            except Exception as exc:
-                errors.append(f"{name}: {_describe(exc, ps.num_cpus, ps.num_gpus, self.start_timeout_s)}")
-                _kill_quietly(actor)
-                continue
-            self._replicas[pool].append(Replica(pool, name, info["worker_id"], info["address"], actor,
-                                                time.monotonic(), actor.watch.remote()))
-            log.info("%s replica %s serving at %s", pool.value, name, info["address"])
+        try:
+            for i, (name, actor, info_ref) in enumerate(pending):
+                try:
+                    info = self._await_start(pool, info_ref, deadline, len(pending) - i)
+                    self._await_lease(pool, info["worker_id"], deadline)
+                except _Cancelled as why:
+                    log.info("%s replica %s: start cancelled (%s)", pool.value, name, why)
+                    _kill_quietly(actor)
+                    continue
+                except Exception as exc:
+                    errors.append(f"{name}: {_describe(exc, ps.num_cpus, ps.num_gpus, self.start_timeout_s)}")
+                    _kill_quietly(actor)
+                    continue
+                finally:
+                    self._starting[pool].pop(name, None)
+                self._replicas[pool].append(Replica(pool, name, info["worker_id"], info["address"], actor,
+                                                    time.monotonic(), actor.watch.remote()))
+                log.info("%s replica %s serving at %s", pool.value, name, info["address"])
+        finally:
+            for name, _, _ in pending:
+                self._starting[pool].pop(name, None)
         if errors:
+            self._problem[pool] = (f"{len(errors)} of {n} replicas failed to start; last: "
+                                   f"{errors[-1].splitlines()[0]}")
             raise WorkerStartError(f"{len(errors)} of {n} {pool.value} replicas failed to start:\n"
                                    + "\n".join(errors))
+        self._problem[pool] = None
+
+    def _await_start(self, pool: Pool, info_ref: ray.ObjectRef, deadline: float, unfinished: int) -> dict:
+        """The replica's ``info`` once it serves. Gives up (``_Cancelled``) as soon as the manager stops or the
+        pool's target drops to what serves already plus fewer than ``unfinished`` starts, so a replica that
+        cannot be placed never holds up a stop or a scale-down until its deadline."""
+        while True:
+            ready, _ = ray.wait([info_ref], timeout=max(0.0, min(1.0, deadline - time.monotonic())))
+            if ready or time.monotonic() >= deadline:
+                return ray.get(info_ref, timeout=0.1)  # the answer, the actor's error, or GetTimeoutError
+            if self._stop.is_set():
+                raise _Cancelled("the pool manager is stopping")
+            try:
+                target = self.targets.get_target(pool)
+            except StateError:
+                continue  # Redis away: keep waiting for the start
+            if target is not None and target < len(self._replicas[pool]) + unfinished:
+                raise _Cancelled(f"the target dropped to {target}")
 
     def _await_lease(self, pool: Pool, worker_id: str, deadline: float) -> None:
         while self.registry.get(worker_id, pool) is None:
@@ -303,6 +364,10 @@ class PoolManager:
             self.registry.deregister(r.worker_id, r.pool)  # a crashed actor could not do it itself
         except StateError as exc:
             log.warning("could not deregister %s: %s", r.worker_id, exc)
+
+
+class _Cancelled(Exception):
+    """A replica's start given up on purpose (the manager stops, or the target dropped)."""
 
 
 def _kill_quietly(actor: ActorHandle) -> None:

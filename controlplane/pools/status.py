@@ -47,3 +47,16 @@ class PoolStatus:
     def ready(self) -> int:
         """Live replicas that take new work."""
         return sum(1 for r in self.replicas if not r.draining)
+
+
+@dataclass(frozen=True)
+class PendingReplica:
+    """A replica asked of Ray that is not serving yet, and why. ``waiting_s``: seconds since it was asked for.
+    ``needs``: the Ray resources it asked for (name -> amount). ``placed``: False while Ray cannot place it
+    (``reason`` then names the resources it waits for), True once it is (loading its model)."""
+
+    name: str
+    waiting_s: float
+    needs: dict[str, float]
+    placed: bool
+    reason: str

@@ -48,7 +48,10 @@ def _scrape(base: str) -> tuple[Samples, dict[str, str]]:
 
 
 def _v(samples: Samples, name: str, **labels: str) -> float:
-    return samples.get((name, frozenset(labels.items())), 0.0)
+    """The sample ``name`` with exactly ``labels`` besides ``model_name`` (which every epd: series has),
+    summed over the model names this test process has served."""
+    return sum(value for (n, have), value in samples.items()
+               if n == name and {k: v for k, v in have if k != "model_name"} == labels)
 
 
 def _png() -> bytes:
@@ -116,7 +119,8 @@ def test_counters_and_histogram_counts_equal_the_workload(e2e_stack: Stack) -> N
     assert delta("epd:kv_transfer_failures_total", code="UNAVAILABLE") == 0
     # a histogram's +Inf bucket is its count, and the buckets never decrease
     for name in ("epd:time_to_first_token_seconds", "epd:e2e_request_latency_seconds"):
-        buckets = sorted(((float(dict(k[1])["le"]), v) for k, v in after.items() if k[0] == f"{name}_bucket"))
+        les = {dict(k[1])["le"] for k in after if k[0] == f"{name}_bucket"}
+        buckets = sorted((float(le), _v(after, f"{name}_bucket", le=le)) for le in les)
         assert buckets[-1] == (float("inf"), _v(after, f"{name}_count"))
         assert all(a[1] <= b[1] for a, b in zip(buckets, buckets[1:]))
     for pool in ("encode", "prefill", "decode"):  # nothing left in flight

@@ -8,6 +8,7 @@ from __future__ import annotations
 import ipaddress
 import re
 import subprocess
+import time
 
 import httpx
 import pytest
@@ -80,3 +81,93 @@ def test_metrics_and_dashboard_need_the_ops_token(served):
     assert httpx.get(f"{base}/dashboard/api/state", headers={"Authorization": f"Bearer {OPS_TOKEN}"}).status_code == 200
     assert httpx.get(f"{base}/dashboard/dashboard.js").status_code == 200  # code, no data
     assert httpx.get(f"{base}/health").status_code == 200  # probes stay open
+
+
+# ---------------------------------------------------------------------------------------------- vLLM's face
+def _ops(served, path: str) -> httpx.Response:
+    return httpx.get(f"{served.base}{path}", headers={"Authorization": f"Bearer {OPS_TOKEN}"}, timeout=10)
+
+
+def _traffic(served) -> str:
+    """A few answers of each kind, one refusal: the workload the board's panels are read over."""
+    from openai import NotFoundError, OpenAI
+
+    client = OpenAI(base_url=f"{served.base}/v1", api_key="unused", max_retries=0)
+    model = client.models.list().data[0].id
+    client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
+    client.completions.create(model=model, prompt="Once upon", max_tokens=4)
+    with pytest.raises(NotFoundError):
+        client.completions.create(model="no-such-model", prompt="x", max_tokens=2)
+    return model
+
+
+def test_tokenize_and_detokenize_answer_as_vllm_does(served):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{served.base}/v1", api_key="unused", max_retries=0)
+    model = client.models.list().data[0].id
+    out = httpx.post(f"{served.base}/tokenize", json={"model": model, "prompt": "The cache holds blocks."}).json()
+    assert out["count"] == len(out["tokens"]) > 3 and out["max_model_len"] > 0 and out["token_strs"] is None
+    back = httpx.post(f"{served.base}/detokenize", json={"model": model, "tokens": out["tokens"]}).json()
+    assert back["prompt"].endswith("The cache holds blocks.")
+    # the ids /tokenize gives are the prompt the model sees: usage.prompt_tokens of the same prompt
+    done = client.completions.create(model=model, prompt="The cache holds blocks.", max_tokens=2)
+    assert done.usage.prompt_tokens == out["count"]
+    chat = httpx.post(f"{served.base}/tokenize", json={"messages": [{"role": "user", "content": "Hi"}]}).json()
+    reply = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
+    assert reply.usage.prompt_tokens == chat["count"]
+    assert httpx.post(f"{served.base}/tokenize", json={"model": "other", "prompt": "x"}).status_code == 404
+    bad = httpx.post(f"{served.base}/detokenize", json={"tokens": [-1]})
+    assert bad.status_code == 400 and "token ids" in bad.json()["error"]["message"]
+
+
+def test_every_series_carries_model_name_and_vllm_gauges_exist(served):
+    from promql_subset import parse_exposition
+
+    model = _traffic(served)
+    series = [s for s in parse_exposition(_ops(served, "/metrics").text) if s.name.startswith("epd:")]
+    assert series and all(s.labels.get("model_name") == model for s in series), \
+        sorted({s.name for s in series if s.labels.get("model_name") != model})
+    names = {s.name for s in series}
+    assert {"epd:kv_cache_usage_perc", "epd:num_requests_running", "epd:num_requests_waiting"} <= names
+    usage = [s for s in series if s.name == "epd:kv_cache_usage_perc"]
+    assert {s.labels["pool"] for s in usage} >= {"decode"}
+
+
+def test_every_grafana_panel_query_finds_series_in_a_live_scrape(served):
+    import json
+    from pathlib import Path
+
+    from promql_subset import Evaluator, parse_exposition
+
+    model = _traffic(served)
+    time.sleep(2)  # the pool gauges are cached for a second
+    evaluator = Evaluator(parse_exposition(_ops(served, "/metrics").text))
+    board = json.loads((Path(__file__).resolve().parents[2] / "helm/epd/dashboards/epd.json").read_text())
+    variables = {v["name"]: v for v in board["templating"]["list"]}
+    assert {"datasource", "namespace", "instance", "model_name"} <= set(variables)
+    escaped = re.escape(model).replace("\\", "\\\\")  # a regex inside a PromQL string, as Grafana writes it
+    values = {"$namespace": ".*", "$instance": ".*", "$model_name": escaped, "$__rate_interval": "1m"}
+
+    def render(expr: str) -> str:
+        for name, value in values.items():
+            expr = expr.replace(name, value)
+        assert "$" not in expr, expr
+        return expr
+
+    titles = {p["title"] for p in board["panels"]}
+    assert {"Request rate", "Error rate", "Queue depth"} <= titles
+    empty = []
+    for panel in board["panels"]:
+        for target in panel.get("targets", []):
+            assert target["datasource"]["uid"] == "${datasource}"
+            if not evaluator.evaluate(render(target["expr"])):
+                empty.append((panel["title"], target["expr"]))
+            for var in ("$namespace", "$instance", "$model_name"):
+                assert var in target["expr"], (panel["title"], target["expr"], var)
+    assert not empty, empty
+    # the model variable lists the served model
+    query = variables["model_name"]["query"]["query"]
+    selector = render(re.fullmatch(r"label_values\((.*), model_name\)", query).group(1))
+    assert {dict(s)["model_name"] for s in evaluator.evaluate(selector)} == {model}
+    assert len(evaluator.names_used) >= 20

@@ -47,8 +47,9 @@ def test_a_scrape_waits_at_most_a_second_for_the_pool_gauges_then_goes_on_withou
     assert slow.reads == 1
     slow.release.set()
     deadline = time.monotonic() + 5
-    while 'epd:replicas_desired{pool="decode"} 2.0' not in body and time.monotonic() < deadline:
+    model = metrics.MODEL.value
+    while f'epd:replicas_desired{{model_name="{model}",pool="decode"}} 2.0' not in body and time.monotonic() < deadline:
         time.sleep(0.05)
         body = metrics.exposition().decode()
-    assert 'epd:replicas_desired{pool="decode"} 2.0' in body
-    assert 'epd:kv_blocks_free{worker_id="decode-1"} 5.0' in body
+    assert f'epd:replicas_desired{{model_name="{model}",pool="decode"}} 2.0' in body
+    assert f'epd:kv_blocks_free{{model_name="{model}",worker_id="decode-1"}} 5.0' in body

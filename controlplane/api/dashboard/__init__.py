@@ -76,7 +76,12 @@ def _pool(view: "PoolView") -> dict[str, Any]:
     workers = [{"worker_id": w.worker_id, "draining": w.draining, "running": w.running,
                 "queued_tokens": w.queued_tokens, "kv_used": w.total_kv_blocks - w.free_kv_blocks,
                 "kv_total": w.total_kv_blocks} for w in view.workers]
-    return {"pool": view.pool, "target": view.target, "ready": view.ready, "workers": workers}
+    pending = [{"name": r.name, "waiting_s": r.waiting_s, "placed": r.placed, "reason": r.reason}
+               for r in view.pending]
+    kv_total = sum(w.total_kv_blocks for w in view.workers)
+    kv_used = sum(w.total_kv_blocks - w.free_kv_blocks for w in view.workers)
+    return {"pool": view.pool, "target": view.target, "ready": view.ready, "workers": workers, "pending": pending,
+            "problem": view.problem, "kv_usage": kv_used / kv_total if kv_total else None}
 
 
 def _request(r: RequestRecord, journal: "RequestJournal | None") -> dict[str, Any]:

@@ -1,0 +1,83 @@
+"""vLLM's ``POST /tokenize`` and ``POST /detokenize``: the served model's tokenizer over HTTP.
+
+  /tokenize    {"prompt": str, "add_special_tokens": true}            the ids a completion prompt becomes
+               {"messages": [...], "add_generation_prompt": true}      the ids a chat request becomes (chat
+                                                                       template applied, each image expanded to
+                                                                       its tokens), exactly as /v1 would send
+               -> {"count", "max_model_len", "tokens", "token_strs"}  (token_strs only if return_token_strs)
+  /detokenize  {"tokens": [int]} -> {"prompt": str}                   special tokens kept, as vLLM does
+
+``model`` is optional; when given it must be the served model's id (404 otherwise). Like vLLM, these sit
+beside /v1, so the API keys that guard /v1 do not apply; they run no model.
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+from pydantic import BaseModel, Field
+from starlette.responses import Response
+
+from controlplane.api.errors import APIError
+from controlplane.api.models import ChatMessage, Text, _Request
+from controlplane.api.prompts import chat_ids, check_model, tokenise
+from controlplane.backend import ModelInfo
+
+
+class TokenizeCompletion(_Request):
+    model: Text | None = None
+    prompt: Text
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChat(_Request):
+    model: Text | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class Detokenize(_Request):
+    model: Text | None = None
+    tokens: list[int]
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+def tokenize_router(model: ModelInfo) -> APIRouter:
+    router = APIRouter()
+
+    @router.post("/tokenize")
+    async def tokenize(body: TokenizeChat | TokenizeCompletion) -> Response:
+        if body.model is not None:
+            check_model(body.model, model)
+        if isinstance(body, TokenizeChat):
+            ids = chat_ids(body, model, body.add_generation_prompt)
+        else:
+            text, add = body.prompt, body.add_special_tokens
+            ids = tokenise(lambda: model.tokenizer.encode(text, add_special_tokens=add))
+        strs = [model.tokenizer.backend.id_to_token(i) or "" for i in ids] if body.return_token_strs else None
+        out = TokenizeResponse(count=len(ids), max_model_len=model.max_model_len, tokens=ids, token_strs=strs)
+        return Response(out.model_dump_json(), media_type="application/json")
+
+    @router.post("/detokenize")
+    async def detokenize(body: Detokenize) -> Response:
+        if body.model is not None:
+            check_model(body.model, model)
+        vocab = model.tokenizer.vocab_size
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
+        if bad:
+            raise APIError(400, f"token ids must be in [0, {vocab}); got {bad[:5]}", param="tokens")
+        text = model.tokenizer.decode(body.tokens, skip_special_tokens=False)
+        return Response(DetokenizeResponse(prompt=text).model_dump_json(), media_type="application/json")
+
+    return router

@@ -84,7 +84,7 @@ class PinnedPool:
                 buf = self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
                 self._idle -= buf.numel()
                 return buf
-        return torch.empty(max(1, nbytes), dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+        return torch.empty(max(1, nbytes), dtype=torch.uint8, device="cpu", pin_memory=torch.cuda.is_available())
 
     def give(self, buf: torch.Tensor) -> None:
         with self._lock:
@@ -125,7 +125,7 @@ def to_device(parts: list[memoryview | None], device: torch.device) -> list[torc
     for n in sizes:  # each part 16-byte aligned, so it can be viewed as float32/float16
         starts.append(total)
         total += -(-n // 16) * 16
-    host = _RECEIVE_POOL.take(total) if device.type == "cuda" else torch.empty(total, dtype=torch.uint8)
+    host = _RECEIVE_POOL.take(total) if device.type == "cuda" else torch.empty(total, dtype=torch.uint8, device="cpu")
     try:
         view = host.numpy()
         for p, n, pos in zip(parts, sizes, starts):

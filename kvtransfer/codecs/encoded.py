@@ -140,7 +140,7 @@ def tensor_from_buffer(buf: object, dtype: torch.dtype, nbytes: int, what: str) 
     hold read-only memory without warning. None stands for an empty part.
     """
     if buf is None and nbytes == 0:
-        return torch.empty(0, dtype=dtype)
+        return torch.empty(0, dtype=dtype, device="cpu")
     try:
         mv = memoryview(buf)  # type: ignore[arg-type]
     except TypeError:
@@ -150,7 +150,7 @@ def tensor_from_buffer(buf: object, dtype: torch.dtype, nbytes: int, what: str) 
     if mv.nbytes != nbytes:
         raise CodecError(f"{what} has {mv.nbytes} bytes, expected {nbytes} for this codec, shape and kind")
     if nbytes == 0:
-        return torch.empty(0, dtype=dtype)
+        return torch.empty(0, dtype=dtype, device="cpu")
     mv = mv.cast("B")
     source: object = bytearray(mv) if mv.readonly else mv
     return torch.frombuffer(source, dtype=dtype)  # type: ignore[arg-type]

@@ -53,7 +53,7 @@ class Int8Codec(BlockwiseCodec):
         if lib is None:
             return super()._encode_into(x, kind, layout, payload)
         n, b, h, d = x.shape
-        scales = torch.empty(layout.scales_shape, dtype=torch.float32)
+        scales = torch.empty(layout.scales_shape, dtype=torch.float32, device=x.device)
         rc = lib.kv_int8_encode(x.data_ptr(), int(x.dtype == torch.bfloat16), n, b, h, d, payload.data_ptr(),
                                 scales.data_ptr())
         if rc:

@@ -1,0 +1,168 @@
+"""Device placement of the KV path, checked on CPU: every index, slot, scale and staging tensor that the
+device path (``CacheSink(staged=True)``, ``kvtransfer.staging``, the device chunk encoder, the layer
+hook's slots) creates is given its device explicitly, and no operation mixes devices.
+
+``DeviceAudit`` records, for code under kvtransfer/ and the workers' KV files, every tensor factory
+called without ``device=`` (the bug behind "index is on cpu, different from other tensors on cuda:0")
+and every torch call whose tensor arguments sit on more than one device. On CPU only the first can
+fire; with CUDA (tests.unit.triton_env.DEVICE) both do, so these tests run on a GPU unchanged."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
+
+from tests.unit.triton_env import DEVICE
+from kvtransfer.chunks import _encode_on_device, _sizes, chunk_nbytes, frame_chunk_into
+from kvtransfer.codecs import Kind, get_codec
+from kvtransfer.receiver import WireParts
+from kvtransfer.staging import PinnedPool, side_stream, to_device, to_host
+from kvtransfer.wire import pb
+from workers.decode.kv_sink import CacheSink
+from workers.runtime.kv_cache import KVCacheSpec, PagedKVCache, block_slots
+
+pytestmark = pytest.mark.unit
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_AUDITED = (os.path.join(_ROOT, "kvtransfer") + os.sep, os.path.join(_ROOT, "workers", "decode", "kv_sink.py"),
+            os.path.join(_ROOT, "workers", "prefill", "kv_stream.py"))
+_FACTORIES = {torch.tensor, torch.arange, torch.empty, torch.zeros, torch.ones, torch.full, torch.randn}
+
+
+class DeviceAudit(TorchFunctionMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.no_device: list[str] = []
+        self.mixed: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        where = _caller()
+        if where is not None:
+            if func in _FACTORIES and "device" not in kwargs:
+                self.no_device.append(f"{where}: {getattr(func, '__name__', func)} without device=")
+            devices = {t.device for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+            if len(devices) > 1:
+                self.mixed.append(f"{where}: {getattr(func, '__name__', func)} on {sorted(map(str, devices))}")
+        return func(*args, **kwargs)
+
+
+def _caller() -> str | None:
+    """file:line of the audited frame that made the torch call, or None when the caller is elsewhere."""
+    frame = sys._getframe(2)
+    while frame is not None and os.sep + "torch" + os.sep in frame.f_code.co_filename:
+        frame = frame.f_back
+    if frame is None or not frame.f_code.co_filename.startswith(_AUDITED):
+        return None
+    return f"{os.path.relpath(frame.f_code.co_filename, _ROOT)}:{frame.f_lineno}"
+
+
+SPEC = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=16, block_size=4)
+BLOCKS = [5, 6, 2, 9]  # a run of consecutive ids and lone ones, out of order
+
+
+def _wire(codec: str, x: torch.Tensor, kind: Kind) -> WireParts:
+    enc = get_codec(codec).encode(x, kind)
+    part = lambda t: None if t is None else memoryview(t.contiguous().view(torch.uint8).numpy().tobytes())
+    return WireParts(part(enc.payload), part(enc.scales), part(enc.zeros))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("codec, layer_dtypes", [
+    ("fp32", ("float32", "float32")), ("bf16", ("bfloat16", "float32")), ("int8", ("float32", "float32")),
+    ("int8", ("int8", "float32")), ("fp8", ("fp8", "float32")), ("int4", ("bfloat16", "float32")),
+    ("fp8", ("int8", "float32")),
+])
+def test_staged_sink_lands_what_the_host_sink_lands_with_every_tensor_on_the_cache_device(
+        codec: str, layer_dtypes: tuple[str, str]) -> None:
+    gen = torch.Generator().manual_seed(3)
+    shape = (len(BLOCKS), SPEC.block_size, SPEC.num_kv_heads, SPEC.head_dim)
+    dtype = torch.bfloat16 if codec == "bf16" else torch.float32
+    k, v = (torch.randn(shape, generator=gen).to(dtype) for _ in range(2))
+    kw, vw = _wire(codec, k, Kind.KEY), _wire(codec, v, Kind.VALUE)
+    host = PagedKVCache(SPEC, 12, layer_dtypes)  # type: ignore[arg-type]
+    CacheSink(host).write(0, BLOCKS, codec, shape, kw, vw)
+    dev = PagedKVCache(SPEC, 12, layer_dtypes, DEVICE)  # type: ignore[arg-type]
+    sink = CacheSink(dev, staged=True)
+    assert sink.staged
+    with DeviceAudit() as audit:
+        sink.write(0, BLOCKS, codec, shape, kw, vw)
+    assert audit.no_device == [] and audit.mixed == []
+    for name in ("k", "v", "k_scale", "v_scale"):
+        a, b = getattr(host.layers[0], name, None), getattr(dev.layers[0], name, None)
+        if a is not None:
+            assert b.device == dev.device
+            assert torch.equal(a.view(torch.uint8), b.cpu().view(torch.uint8)), name
+
+
+def test_staged_sink_refuses_short_parts_and_writes_nothing() -> None:
+    shape = (2, SPEC.block_size, SPEC.num_kv_heads, SPEC.head_dim)
+    k = torch.randn(shape)
+    kw, vw = _wire("int8", k, Kind.KEY), _wire("int8", k, Kind.VALUE)
+    for layer_dtypes in (("float32", "float32"), ("int8", "float32")):
+        cache = PagedKVCache(SPEC, 12, layer_dtypes, DEVICE)  # type: ignore[arg-type]
+        sink = CacheSink(cache, staged=True)
+        with pytest.raises(ValueError, match="payload"):
+            sink.write(0, [1, 2], "int8", shape, WireParts(kw.payload[:-1], kw.scales, None), vw)
+        assert not cache.layers[0].k.float().any()
+
+
+def test_block_slots_and_slots_for_live_on_the_cache_device() -> None:
+    with DeviceAudit() as audit:
+        slots = block_slots([3, 1], 4, DEVICE)
+    assert slots.device == DEVICE and slots.tolist() == [12, 13, 14, 15, 4, 5, 6, 7]
+    assert audit.no_device == []
+    cache = PagedKVCache(SPEC, 8, ("float32", "float32"), DEVICE)
+    assert cache.slots_for([3, 1], 2, 6).device == DEVICE
+
+
+@pytest.mark.parametrize("codec", ["int8", "fp8", "int4", "bf16", "fp32"])
+def test_device_chunk_encoder_sends_the_host_encoders_bytes(codec: str) -> None:
+    """``_encode_on_device`` (encode where the tensors are, stage only the encoded bytes) frames exactly
+    the bytes, and checksum, that the host path frames."""
+    gen = torch.Generator().manual_seed(4)
+    shape = (3, 32, 2, 64)
+    k, v = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+    c = get_codec(codec)
+    n = chunk_nbytes(c, shape)
+    want = torch.empty(n, dtype=torch.uint8)
+    chunk = pb.KVChunk()
+    frame_chunk_into(chunk, c, k, v, want)
+    host = PinnedPool().take(n)[:n]
+    s_len, k_len, _ = _sizes(c, shape)
+    with DeviceAudit() as audit:
+        checksum = _encode_on_device(c, k.to(DEVICE), v.to(DEVICE), host, memoryview(host.numpy()), s_len, k_len)
+    assert audit.no_device == [] and audit.mixed == []
+    assert checksum == chunk.checksum
+    assert torch.equal(host, want)
+
+
+def test_to_device_aligns_each_part_and_keeps_none() -> None:
+    parts = [memoryview(b"abc"), None, memoryview(bytes(range(8))), memoryview(b"")]
+    with DeviceAudit() as audit:
+        out = to_device(parts, DEVICE)
+    assert audit.no_device == []
+    assert out[1] is None and out[3] is not None and out[3].numel() == 0
+    assert bytes(out[0].cpu().numpy()) == b"abc" and bytes(out[2].cpu().numpy()) == bytes(range(8))
+    assert out[2].view(torch.float32).numel() == 2  # 16-byte aligned: viewable as float32
+    assert all(t.device == DEVICE for t in out if t is not None)
+
+
+def test_pinned_pool_reuses_buffers_and_to_host_checks_sizes() -> None:
+    pool = PinnedPool(max_bytes=1 << 20)
+    a = pool.take(1000)
+    pool.give(a)
+    assert pool.idle_bytes == a.numel()
+    assert pool.take(900).data_ptr() == a.data_ptr()  # reused, not reallocated
+    assert pool.take(100).data_ptr() != a.data_ptr()  # too big to hand out for 100 bytes
+    src = torch.arange(16, dtype=torch.uint8, device=DEVICE)
+    with side_stream(DEVICE):
+        dest = torch.empty(16, dtype=torch.uint8, device="cpu")
+        to_host(src, dest)
+    assert dest.tolist() == list(range(16))
+    with pytest.raises(ValueError, match="host destination of 16 bytes"):
+        to_host(src, torch.empty(8, dtype=torch.uint8, device="cpu"))

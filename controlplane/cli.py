@@ -3,6 +3,7 @@
   epd serve               start Redis, Ray, the three pools and the OpenAI-compatible API
   epd status|scale|drain  operate a running deployment through its admin API
   epd model init DIR      write the built-in demo model (random weights) as an HF checkpoint folder
+                          (``--preset 1b``: a 1.1B Llama shape with random weights, for benchmarks)
   epd generate ...        generate from a prompt with the single-process engine (the reference path)
   epd config show|schema  the effective settings (secrets masked) / their JSON schema
   epd bench ...           benchmarks and the load-test harness: the ``bench`` package's own subcommands
@@ -34,11 +35,16 @@ def cmd_model_init(args: argparse.Namespace) -> int:
         if folder.exists() and any(folder.iterdir()) and not args.force:
             print(f"epd: {folder} exists and is not empty; pass --force to overwrite", file=sys.stderr)
             return 2
-        write_default_checkpoint(folder, seed=args.seed, with_vision=not args.no_vision)
+        if args.preset is not None:
+            from workers.runtime.presets import write_preset_checkpoint
+            write_preset_checkpoint(folder, args.preset, seed=args.seed)
+        else:
+            write_default_checkpoint(folder, seed=args.seed, with_vision=not args.no_vision)
     except OSError as exc:
         where = f" ({exc.filename})" if exc.filename and str(exc.filename) != str(folder) else ""
         raise UsageError(f"cannot write the model to {folder}{where}: {exc.strerror or exc}") from None
-    print(f"wrote the demo model (random weights, seed {args.seed}) to {folder}")
+    what = f"preset {args.preset}" if args.preset is not None else "the demo model"
+    print(f"wrote {what} (random weights, seed {args.seed}) to {folder}")
     return 0
 
 
@@ -187,6 +193,9 @@ def build_parser() -> argparse.ArgumentParser:
     init.add_argument("dir", type=Path, help="folder to write")
     init.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
     init.add_argument("--no-vision", action="store_true", help="omit the vision encoder")
+    init.add_argument("--preset", choices=("1b", "tiny"), default=None,
+                      help="write a size preset instead (random bf16 weights, no vision): 1b = TinyLlama-1.1B's "
+                           "shape, tiny = the same proportions, small")
     init.add_argument("--force", action="store_true", help="write into a non-empty folder")
     init.set_defaults(func=cmd_model_init)
 

@@ -95,7 +95,13 @@ class EngineSettings(_Model):
     device: str = Field("cpu", description="torch device: cpu, cuda, cuda:1, ...")
     threads: int | None = Field(None, ge=1, description="torch CPU threads per worker (default: torch's choice)")
     block_size: int = Field(16, ge=1, le=1024, description="tokens per KV block (a power of two)")
-    kv_cache_bytes: int = Field(256 * MiB, ge=MiB, description="the KV pool's memory budget in bytes")
+    kv_cache_bytes: int | None = Field(
+        None, ge=MiB, description="the KV pool's memory budget in bytes (default: 256 MiB on CPU; on CUDA, sized "
+                                  "from free memory by gpu_memory_utilization)")
+    gpu_memory_utilization: float = Field(
+        0.9, gt=0.0, le=1.0, description="CUDA: share of the device's memory the engine may use, weights and KV "
+                                         "pool together, when kv_cache_bytes is not given (as vLLM's)")
+    cuda_graphs: bool = Field(True, description="CUDA: replay decode steps as CUDA graphs, one per batch bucket")
     kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16", "int8", "fp8"] = "auto"
     max_num_seqs: int = Field(64, ge=1, description="sequences decoded together at most")
     max_num_batched_tokens: int = Field(2048, ge=1, description="tokens computed per engine step at most")
@@ -122,11 +128,18 @@ class EngineSettings(_Model):
                              f"({self.max_num_seqs}) so every running sequence can decode each step")
         return self
 
+    def _kv_cache_bytes(self) -> int | None:
+        """The budget given, or the CPU default; None on CUDA means: size the pool from free memory."""
+        if self.kv_cache_bytes is not None or parse_device(self.device).type == "cuda":
+            return self.kv_cache_bytes
+        return 256 * MiB
+
     def engine_config(self, kv_layer_dtypes: tuple[str, ...] | None = None):  # type: ignore[no-untyped-def]
         from workers.runtime.engine import EngineConfig
 
         return EngineConfig(dtype=self.dtype, device=self.device, block_size=self.block_size,
-                            kv_cache_bytes=self.kv_cache_bytes, kv_cache_dtype=self.kv_cache_dtype,
+                            kv_cache_bytes=self._kv_cache_bytes(), kv_cache_dtype=self.kv_cache_dtype,
+                            gpu_memory_utilization=self.gpu_memory_utilization, cuda_graphs=self.cuda_graphs,
                             kv_layer_dtypes=kv_layer_dtypes, max_num_seqs=self.max_num_seqs,
                             max_num_batched_tokens=self.max_num_batched_tokens,
                             prefill_chunk_size=self.prefill_chunk_size, max_model_len=self.max_model_len)

@@ -32,3 +32,24 @@ def test_cpu_engine_keeps_the_torch_path_and_default_budget(default_bundle) -> N
     assert engine._ops is None and engine.graphs is None
     assert engine.cache.nbytes <= DEFAULT_KV_CACHE_BYTES < engine.cache.nbytes + engine.cache.spec.bytes_per_block(
         engine.cache.layer_dtypes)
+
+
+@pytest.mark.parametrize("value", ["0", "1.5", "-1"])
+def test_settings_refuse_gpu_memory_utilization_outside_0_1_in_one_line(no_epd_env, monkeypatch, capsys,
+                                                                        value: str) -> None:
+    from controlplane.cli import main
+
+    monkeypatch.setenv("EPD_DECODE__ENGINE__GPU_MEMORY_UTILIZATION", value)
+    assert main(["config", "show"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "gpu_memory_utilization" in err, err
+
+
+def test_settings_pass_the_gpu_fields_and_keep_the_cpu_budget(no_epd_env) -> None:
+    from controlplane.settings import EngineSettings
+
+    cpu = EngineSettings().engine_config()
+    assert cpu.kv_cache_bytes == DEFAULT_KV_CACHE_BYTES and cpu.cuda_graphs and cpu.gpu_memory_utilization == 0.9
+    gpu = EngineSettings(device="cuda", gpu_memory_utilization=0.5, cuda_graphs=False).engine_config()
+    assert gpu.kv_cache_bytes is None and gpu.gpu_memory_utilization == 0.5 and not gpu.cuda_graphs
+    assert EngineSettings(device="cuda", kv_cache_bytes=2**30).engine_config().kv_cache_bytes == 2**30

@@ -4,8 +4,8 @@ Everything runs on loopback in one run:
   our stack      ``controlplane.serve.build`` (a private redis-server, a private Ray with the three pools as
                  actors, the scheduler, the FastAPI app) served by uvicorn in a thread of this process;
                  the load comes from a separate client process (so the client's own Python does not share
-                 this process's GIL with the server) speaking minimal HTTP/1.1 (``lean_http``: ~0.1 ms of
-                 CPU per request, where httpx took 2-3 ms of the same 2 cores).
+                 this process's GIL with the server) speaking minimal HTTP/1.1 (``lean_http``, so the
+                 client's own CPU per request stays small beside the stack's on the same cores).
   compute        the same 1-token request through a local ``workers.runtime`` Engine, one at a time, in
                  this process, in slices alternating with the stack's sequential requests (so drift in the
                  machine's speed moves both sides of the difference alike); the same dtype as the
@@ -56,8 +56,8 @@ ADDED_LATENCY_TARGET_MS = 3.0
 THROUGHPUT_TARGET_RPS = 300.0
 OBSERVABILITY_TARGET_RATIO = 0.95
 # --observability-cost: each off or on run is this many requests (or --throughput-requests, if fewer).
-# Short runs, many pairs: the machine's speed drifts by 20-40% over seconds here, and a pair's two runs
-# must see the same machine. 640-request runs (~1.5 s) left single pairs' ratios spread 0.6-1.1.
+# Short runs, many pairs: a shared machine's speed drifts over seconds, and a pair's two runs must see
+# the same machine; longer runs let the drift into single pairs' ratios.
 OBS_RUN_REQUESTS = 160
 # --observability-tokens T > 1: each run is this many requests per connection (a T-token request takes
 # T decode steps, so fewer requests fill a run of about the same length).
@@ -65,8 +65,8 @@ OBS_RUN_PER_CONNECTION = 3
 READY_TIMEOUT_S = 180.0
 LATENCY_SLICES = 5  # compute / end-to-end alternations for the added-latency figure
 THROUGHPUT_ROUNDS = 3  # the throughput figure is the median round's
-# Serving runs weights in bfloat16; on this CPU (avx512_bf16) its matmuls are 2.5-4x float32's, so the
-# compute leaves the control plane more of the 2 cores. --dtype float32 measures the float32 engine.
+# Serving runs weights in bfloat16; on a CPU with avx512_bf16 its matmuls are faster than float32's, so
+# the compute leaves the control plane more of the cores. --dtype float32 measures the float32 engine.
 DEFAULT_DTYPE = "bfloat16"
 
 
@@ -142,8 +142,8 @@ def _check(resp: Any, max_tokens: int = 1) -> str | None:
 
 
 # ---------------------------------------------------------------- the client process
-# The load comes from bench.lean_http (a minimal keep-alive HTTP/1.1 client): httpx spent 2-3 ms
-# of CPU per request here, which on 2 cores is taken from the stack under test.
+# The load comes from bench.lean_http (a minimal keep-alive HTTP/1.1 client): a heavier client's CPU per
+# request would be taken from the stack under test when both share the cores.
 def _endpoint(url: str) -> tuple[str, int]:
     host, _, port = url.split("//", 1)[1].rstrip("/").rpartition(":")
     return host, int(port)
@@ -496,7 +496,7 @@ def _observability_cost(res: BenchResult, url: str, model: str, n: int, concurre
                         say: Any, tokens: int = 1) -> None:
     """Throughput runs on the running stack, off and on in ABBA order. The figure is the median of the
     rounds' own on/off ratios: each round's two runs are back to back, so the machine's speed, which
-    drifts by 20-40% over minutes here, moves both alike (a ratio of medians over all rounds mixed the
+    drifts over minutes, moves both alike (a ratio of medians over all rounds mixed the
     drift in)."""
     from controlplane.observability import tracing
     from controlplane.observability.metrics import OBSERVABILITY

@@ -15,7 +15,7 @@ cache) and this process as the sender. Figures:
                right after (or before) it: over tcp (kept, and into a bf16 cache) with a TCP socket
                transfer, over shared memory (kept) with a memcpy. The median of the pairs' ratios,
                which the machine's drift between minutes moves far less than a best-of against a
-               best-of (the memcpy reference alone spread 17-31 GB/s across runs here);
+               best-of;
   TTFT         a 2k-token prompt: prefill alone, and prefill streaming its KV layer by layer until
                the decode side holds all of it (what decode waits for before its first step).
 """

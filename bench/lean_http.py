@@ -1,9 +1,9 @@
 """A minimal HTTP/1.1 keep-alive client for load generation: one pre-encoded POST, replies with a
 Content-Length body, nothing else.
 
-Why not httpx: on this 2-core machine httpx spent 2-3 ms of CPU per request (measured with getrusage in
-the client process), while the stack under test spends ~5; a load generator that takes 40% of the cores
-measures itself. This client spends ~0.1 ms per request, as wrk or oha would. It speaks only what the
+Why not httpx: its CPU per request is a large share of what the stack under test spends, and a load
+generator that shares the cores with the stack measures itself. This client does as little per request
+as wrk or oha would. It speaks only what the
 control-plane benchmark sends and receives: a JSON POST on a persistent connection and a reply framed by
 Content-Length (anything else, chunked or unframed, is refused with a message saying so).
 """

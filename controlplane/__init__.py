@@ -1,1 +1,1 @@
-"""epd control plane: settings, scheduler, Redis state, ingress and admin APIs, CLI, benchmarks."""
+"""epd control plane: settings, scheduler, Redis state, ingress and admin APIs, CLI."""

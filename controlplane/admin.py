@@ -12,6 +12,7 @@ never touches another.
 from __future__ import annotations
 
 import hmac
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Callable, Protocol
 
@@ -44,7 +45,8 @@ class WorkerSummary:
 class PoolView:
     """A pool as /admin/pools, ``epd status`` and the dashboard show it. ``pending``: replicas asked for and
     not serving yet, each with its reason (``controlplane.pools.status.PendingReplica``). ``problem``: why
-    the pool is not at its target when no pending replica says it (the last failed start), else None."""
+    the pool is not at its target when no pending replica says it (the last failed start), else None.
+    ``not_needed``: why this deployment runs no such pool (a text-only model's encode pool), else None."""
 
     pool: str
     target: int | None
@@ -52,6 +54,7 @@ class PoolView:
     workers: list[WorkerSummary]
     pending: tuple["PendingReplica", ...] = ()
     problem: str | None = None
+    not_needed: str | None = None
 
 
 class PoolStarts(Protocol):
@@ -62,7 +65,9 @@ class PoolStarts(Protocol):
     def problem(self, pool: str) -> str | None: ...
 
 
-def pools_status(conn: StateConnection, registry: WorkerRegistry, starts: PoolStarts | None = None) -> list[PoolView]:
+def pools_status(conn: StateConnection, registry: WorkerRegistry, starts: PoolStarts | None = None,
+                 not_needed: Mapping[str, str] | None = None) -> list[PoolView]:
+    """``not_needed``: pool -> why this deployment runs none (``serve.fit_pools``)."""
     targets = PoolTargets(conn).all_targets()
     out = []
     for pool in Pool:
@@ -73,7 +78,7 @@ def pools_status(conn: StateConnection, registry: WorkerRegistry, starts: PoolSt
         pending = starts.pending(pool.value) if starts is not None else ()
         problem = starts.problem(pool.value) if starts is not None else None
         out.append(PoolView(pool.value, targets.get(pool), sum(not w.draining for w in workers), workers,
-                            pending, problem))
+                            pending, problem, (not_needed or {}).get(pool.value)))
     return out
 
 
@@ -134,7 +139,7 @@ def admin_router(conn: StateConnection, registry: WorkerRegistry, admin_token: s
     @router.get("/pools")
     def get_pools(authorization: str | None = Header(None)) -> dict:
         check(authorization)
-        return {"pools": [asdict(p) for p in pools_status(conn, registry, starts)]}
+        return {"pools": [asdict(p) for p in pools_status(conn, registry, starts, fixed)]}
 
     @router.put("/pools/{pool}", openapi_extra={"requestBody": {"content": {"application/json": {
         "schema": ScaleBody.model_json_schema()}}, "required": True}})

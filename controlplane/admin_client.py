@@ -131,6 +131,9 @@ def format_status(data: dict) -> str:
     lines = [f"{'pool':<9}{'target':>7}{'ready':>7}  workers"]
     for p in data["pools"]:
         target = "-" if p["target"] is None else str(p["target"])
+        if p.get("not_needed"):  # e.g. a text-only model's encode pool (an older API never says)
+            lines.append(f"{p['pool']:<9}{'-':>7}{'-':>7}  {p['not_needed']}")
+            continue
         lines.append(f"{p['pool']:<9}{target:>7}{p['ready']:>7}")
         for w in p["workers"]:
             state = "draining" if w["draining"] else "ready"

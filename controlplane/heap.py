@@ -1,13 +1,11 @@
 """Keep the cyclic garbage collector off what a process loaded at start-up.
 
-A control-plane or worker process holds ~300k long-lived Python objects once its imports (Ray, grpc,
-torch, FastAPI, pydantic) and its model are loaded. CPython's full (generation 2) collection walks all of
-them: ~150 ms of CPU with the GIL held, stalling every request thread of the process. It runs whenever
-the objects that survived younger collections pass a quarter of the long-lived total, so any per-request
-allocation that lives a moment (a span queued for export, a journal record) brings it on more often.
-Measured in ``epd bench controlplane`` (1-token requests, concurrency 32): full collections took
-0.12 ms of the ingress's CPU per request with tracing off and 0.47 ms with every span exported; frozen,
-under 0.01 ms either way.
+A control-plane or worker process holds hundreds of thousands of long-lived Python objects once its
+imports (Ray, grpc, torch, FastAPI, pydantic) and its model are loaded. CPython's full (generation 2)
+collection walks all of them with the GIL held, stalling every request thread of the process. It runs
+whenever the objects that survived younger collections pass a quarter of the long-lived total, so any
+per-request allocation that lives a moment (a span queued for export, a journal record) brings it on
+more often. Frozen, those start-up objects are never walked again.
 
 ``freeze_startup_heap`` collects once, then moves every object alive into the permanent generation
 (``gc.freeze``), which later collections skip. Objects created afterwards are collected as before. The

@@ -172,7 +172,7 @@ def build(settings: Settings) -> Deployment:
         from controlplane.observability.deploy import instrument_control_plane, uninstrument
 
         # pool gauges for /metrics and the dashboard, over this deployment's Redis
-        routers = instrument_control_plane(lambda: pools_status(conn, registry, manager), lambda: scheduler.waiting,
+        routers = instrument_control_plane(lambda: pools_status(conn, registry, manager, fixed), lambda: scheduler.waiting,
                                            RequestJournal(conn))
         dep.closers.append(uninstrument)
         dep.app = create_app(scheduler, keys, admin=admin_router(conn, registry, admin_token,

@@ -196,7 +196,7 @@ class EngineLoop:
 
         A one-token request on an idle worker then costs no thread hand-off: the handler that submitted
         it admits it, steps it and finds its output on its queue, instead of waking the loop thread and
-        being woken by it (two wake-ups, ~0.1-0.2 ms each on a busy 2-core machine). Anything else that
+        being woken by it (two thread wake-ups saved). Anything else that
         arrives meanwhile joins the same steps (it is admitted from the same inbox). When the loop is busy
         (a step running) this returns at once and the loop thread serves the request as usual; when this
         returns with work left, the loop thread is woken to carry on."""

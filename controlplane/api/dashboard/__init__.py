@@ -81,7 +81,8 @@ def _pool(view: "PoolView") -> dict[str, Any]:
     kv_total = sum(w.total_kv_blocks for w in view.workers)
     kv_used = sum(w.total_kv_blocks - w.free_kv_blocks for w in view.workers)
     return {"pool": view.pool, "target": view.target, "ready": view.ready, "workers": workers, "pending": pending,
-            "problem": view.problem, "kv_usage": kv_used / kv_total if kv_total else None}
+            "problem": view.problem, "kv_usage": kv_used / kv_total if kv_total else None,
+            "not_needed": view.not_needed}
 
 
 def _request(r: RequestRecord, journal: "RequestJournal | None") -> dict[str, Any]:

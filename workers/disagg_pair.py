@@ -14,6 +14,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+import torch
+
 from kvtransfer.auth import TransferSecurity
 from kvtransfer.receiver import KVReceiver, TransferOutcome
 from kvtransfer.sender import KVSender, TransportChoice
@@ -23,6 +25,7 @@ from workers.decode.kv_sink import CacheSink, KVStore, decode_cache_dtypes
 from workers.prefill.kv_stream import LayerStreamer, engine_layout
 from workers.runtime.engine import Engine, EngineConfig
 from workers.runtime.loader import LoadedModel
+from workers.runtime.model import DecoderModel
 from workers.runtime.sampler import SamplingParams
 
 
@@ -37,17 +40,24 @@ class PairResult:
 class DisaggPair:
     def __init__(self, bundle: LoadedModel, codecs: tuple[str, ...], *, prefill: EngineConfig = EngineConfig(),
                  decode: EngineConfig = EngineConfig(), store: KVStore = "dequantize",
-                 transport: TransportChoice = "grpc", timeout_s: float = 30.0) -> None:
+                 transport: TransportChoice = "grpc", timeout_s: float = 30.0,
+                 staged_sink: bool | None = None) -> None:
+        """Each side runs on its config's ``device`` (the bundle's model, or a copy of it moved there
+        when the two sides differ, e.g. a CUDA prefill feeding a CPU decode). ``staged_sink``: see
+        ``CacheSink`` (None: the device path for a cache off the CPU)."""
         self.bundle = bundle
         self.timeout_s = timeout_s
         self.security = TransferSecurity(token=secrets.token_urlsafe(24))
-        self.prefill = Engine(bundle.model, bundle.tokenizer, prefill, bundle.eos_token_ids)
+        self.prefill = Engine(model_on_device(bundle.model, prefill.device), bundle.tokenizer, prefill,
+                              bundle.eos_token_ids)
         layer_dtypes = decode_cache_dtypes(codecs, decode.dtype, store)
-        self.decode = Engine(bundle.model, bundle.tokenizer,
+        self.decode = Engine(model_on_device(bundle.model, decode.device), bundle.tokenizer,
                              EngineConfig(**{**decode.__dict__, "kv_layer_dtypes": layer_dtypes}),
                              bundle.eos_token_ids)
-        self.receiver = KVReceiver(engine_layout(self.decode, codecs), CacheSink(self.decode.cache))
+        self.receiver = KVReceiver(engine_layout(self.decode, codecs), CacheSink(self.decode.cache, staged_sink))
         self.receiver.start_janitor()
+        if transport != "grpc":  # tcp pushes, and shm pushes' control messages, use the bulk connection
+            self.receiver.enable_bulk("127.0.0.1")
         self.server, port = start_server([kv_transfer_handler(self.receiver)], "127.0.0.1:0", self.security)
         self.target = f"127.0.0.1:{port}"
         self.sender = KVSender(self.security, transport=transport)
@@ -113,3 +123,14 @@ class DisaggPair:
                 logits[out.request_id].append(out.logits)
         return [PairResult(tokens[f"req-{i}"], logits[f"req-{i}"], pushes[f"req-{i}"], ttft[f"req-{i}"])
                 for i in range(len(prompts))]
+
+
+def model_on_device(model: DecoderModel, device: str) -> DecoderModel:
+    """``model`` itself when it is on ``device``, else a copy moved there (the original stays put, so
+    the other side keeps its weights where they are)."""
+    target = torch.device(device)
+    if model.device.type == target.type and (target.index is None or model.device == target):
+        return model
+    moved = DecoderModel(model.cfg, model.dtype, target)
+    moved.load_state_dict(model.state_dict())
+    return moved

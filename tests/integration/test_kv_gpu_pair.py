@@ -1,0 +1,116 @@
+"""DisaggPair (a prefill engine and a decode engine joined by a real KV transfer) on every device pairing.
+
+On CPU: the decode side lands chunks through the device path (``CacheSink(staged=True)``: received
+bytes staged, decoded by block index), and the tokens still equal ``generate()``. The ``cuda`` tests
+(skipped without a GPU; ``make gpu-check`` runs them) put either side or both on the GPU, for every
+codec and transport."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.integration.kv_helpers import tiny_model
+from workers.disagg_pair import DisaggPair, model_on_device
+from workers.runtime.engine import Engine, EngineConfig
+from workers.runtime.loader import LoadedModel
+from workers.runtime.sampler import SamplingParams
+
+pytestmark = pytest.mark.integration
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+PROMPTS = [[5, 9, 17, 33, 2 + i, 40, 41, 42, 7, 8, 11][: 7 + i] for i in range(3)]  # 7..9 tokens, block 4
+MAX_TOKENS = 6
+
+
+def _bundle() -> LoadedModel:
+    model = tiny_model()
+    return LoadedModel(Path("."), model.cfg, model, None, (0,))
+
+
+def _reference(bundle: LoadedModel, device: str = "cpu", dtype: str = "float32",
+               forced: list[list[int]] | None = None) -> list[tuple[list[int], list[torch.Tensor]]]:
+    """Tokens and per-step logits of one engine running the whole request (``generate()``'s path)."""
+    cfg = EngineConfig(dtype=dtype, device=device, block_size=4)
+    model = bundle.model if device == "cpu" else model_on_device(bundle.model, device)
+    engine = Engine(model, None, cfg, (0,))
+    for i, prompt in enumerate(PROMPTS):
+        params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, return_logits=True,
+                                forced_tokens=None if forced is None else forced[i])
+        engine.add_request(f"r{i}", prompt, params)
+    out: dict[str, tuple[list[int], list[torch.Tensor]]] = {f"r{i}": ([], []) for i in range(len(PROMPTS))}
+    while engine.has_unfinished():
+        for o in engine.step():
+            out[o.request_id][0].extend(o.new_token_ids)
+            out[o.request_id][1].append(o.logits)
+    return [out[f"r{i}"] for i in range(len(PROMPTS))]
+
+
+def _pair_tokens(bundle: LoadedModel, codecs: tuple[str, ...], transport: str, *, prefill: str = "cpu",
+                 decode: str = "cpu", dtype: str = "float32", staged: bool | None = None,
+                 forced: list[list[int]] | None = None):  # type: ignore[no-untyped-def]
+    with DisaggPair(bundle, codecs, prefill=EngineConfig(dtype=dtype, device=prefill, block_size=4),
+                    decode=EngineConfig(dtype=dtype, device=decode, block_size=4), transport=transport,  # type: ignore[arg-type]
+                    staged_sink=staged) as pair:
+        params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, return_logits=True,
+                                 forced_tokens=None if forced is None else forced[i]) for i in range(len(PROMPTS))]
+        results = pair.run(PROMPTS, params)
+        assert pair.decode.stats().blocks_free == pair.decode.stats().blocks_total  # nothing leaked
+        return results
+
+
+@pytest.mark.parametrize("transport", ["grpc", "tcp", "shm"])
+def test_cpu_pair_through_the_staged_sink_equals_generate(transport: str) -> None:
+    bundle = _bundle()
+    ref = _reference(bundle)
+    got = _pair_tokens(bundle, ("fp32", "fp32"), transport, staged=True)
+    assert [r.token_ids for r in got] == [tokens for tokens, _ in ref]
+
+
+# ---------------------------------------------------------------------------------------------- CUDA
+LOSSLESS = {"bfloat16": "bf16", "float32": "fp32"}
+
+
+@CUDA
+@pytest.mark.cuda
+@pytest.mark.parametrize("transport", ["grpc", "tcp", "shm", "auto"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_cuda_pair_with_a_lossless_codec_equals_generate(transport: str, dtype: str) -> None:
+    bundle = _bundle()
+    ref = _reference(bundle, "cuda", dtype)
+    codec = LOSSLESS[dtype]
+    got = _pair_tokens(bundle, (codec, codec), transport, prefill="cuda", decode="cuda", dtype=dtype)
+    assert [r.token_ids for r in got] == [tokens for tokens, _ in ref]
+
+
+@CUDA
+@pytest.mark.cuda
+@pytest.mark.parametrize("transport", ["grpc", "tcp", "shm", "auto"])
+@pytest.mark.parametrize("codec", ["int8", "fp8", "int4", "bf16"])
+def test_cuda_pair_runs_every_codec(transport: str, codec: str) -> None:
+    """Quantising codecs change the cache by design: the run must complete, release every block, and
+    its teacher-forced decisions stay close to the lossless run's."""
+    bundle = _bundle()
+    ref = _reference(bundle, "cuda", "bfloat16")
+    forced = [tokens for tokens, _ in ref]
+    got = _pair_tokens(bundle, (codec, "int8"), transport, prefill="cuda", decode="cuda", dtype="bfloat16",
+                       forced=forced)
+    agree = sum(int(lg.argmax()) == t for r, f in zip(got, forced) for lg, t in zip(r.logits[1:], f[1:]))
+    assert agree >= 0.8 * sum(len(f) - 1 for f in forced)
+
+
+@CUDA
+@pytest.mark.cuda
+@pytest.mark.parametrize("prefill, decode", [("cuda", "cpu"), ("cpu", "cuda")])
+@pytest.mark.parametrize("transport", ["grpc", "tcp", "shm"])
+def test_cross_device_pair_matches_one_engine(prefill: str, decode: str, transport: str) -> None:
+    """A CUDA prefill feeding a CPU decode, and the reverse, float32 and lossless: every decode step's
+    logits (teacher-forced to the CPU reference's tokens) match one CPU engine's within float32 noise."""
+    bundle = _bundle()
+    ref = _reference(bundle)
+    forced = [tokens for tokens, _ in ref]
+    got = _pair_tokens(bundle, ("fp32", "fp32"), transport, prefill=prefill, decode=decode, forced=forced)
+    for r, (_, logits) in zip(got, ref):
+        for a, b in zip(r.logits[1:], logits[1:]):
+            assert torch.allclose(a.cpu(), b.cpu(), atol=1e-3, rtol=1e-3)

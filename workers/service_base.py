@@ -90,6 +90,16 @@ def status_code_for(exc: EngineError) -> grpc.StatusCode:
     return grpc.StatusCode.INVALID_ARGUMENT
 
 
+# The control plane pings worker channels every second or two to find a hung worker (SIGSTOPped: its
+# kernel still acknowledges TCP). grpc's server default treats pings more often than every 5 minutes,
+# while it sends nothing (a long prefill), as abuse and closes the connection with every call on it.
+KEEPALIVE_SERVER_OPTIONS: tuple[tuple[str, int], ...] = (
+    ("grpc.http2.min_ping_interval_without_data_ms", 500),
+    ("grpc.http2.max_ping_strikes", 0),
+    ("grpc.keepalive_permit_without_calls", 1),
+)
+
+
 def start_worker_server(register: list, generic_handlers: list[grpc.GenericRpcHandler], address: str,
                         security: TransferSecurity, max_streams: int = 64,
                         identity: WorkerIdentity | None = None) -> tuple[grpc.Server, int]:
@@ -101,7 +111,8 @@ def start_worker_server(register: list, generic_handlers: list[grpc.GenericRpcHa
     tracing = TracingInterceptor(pool, (lambda: identity.worker_id) if identity is not None else "")
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_streams + 16, thread_name_prefix="worker"),
                          interceptors=[*security.interceptors(), tracing],
-                         options=CHANNEL_OPTIONS + (("grpc.max_concurrent_streams", max_streams + 8),))
+                         options=CHANNEL_OPTIONS + (("grpc.max_concurrent_streams", max_streams + 8),
+                                                    *KEEPALIVE_SERVER_OPTIONS))
     for add, servicer in register:
         add(servicer, server)
     server.add_generic_rpc_handlers(tuple(generic_handlers))

@@ -30,7 +30,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import redis
 from redis import exceptions as redis_errors
-from redis.backoff import ExponentialWithJitterBackoff
+from redis.backoff import ExponentialWithJitterBackoff, NoBackoff
 from redis.retry import Retry
 
 from controlplane.state.errors import RedisServerNotFound, StateUnavailable
@@ -75,6 +75,16 @@ class StateConnection:
     def close(self) -> None:
         """Close the client's connections. Idempotent."""
         self.redis.close()
+
+    def with_budget(self, budget_s: float) -> "StateConnection":
+        """A second client to the same Redis for the request path: each command gets one try of at most
+        ``budget_s`` seconds (connecting included), so a stalled or restarting Redis costs a caller that
+        long, not the retries' seconds. Close it on its own."""
+        pool = self.redis.connection_pool
+        kwargs = {**pool.connection_kwargs, "socket_timeout": budget_s, "socket_connect_timeout": budget_s,
+                  "retry": Retry(NoBackoff(), 0), "health_check_interval": 0}
+        client = redis.Redis(connection_pool=redis.ConnectionPool(connection_class=pool.connection_class, **kwargs))
+        return StateConnection(redis=client, keys=self.keys, url=self.url)
 
 
 def connect(url: str, prefix: str = DEFAULT_PREFIX, *, socket_timeout: float = 2.0,

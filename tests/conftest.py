@@ -72,6 +72,12 @@ def default_bundle(default_ckpt: Path) -> LoadedModel:
     return load_model(default_ckpt)
 
 
+@pytest.fixture(scope="module")
+def tiny_bundle(tiny_hf: Callable[[str], Path]) -> LoadedModel:
+    """The tiny GQA Llama (``tiny_hf("llama-gqa")``) loaded without a tokenizer: the engine tests' model."""
+    return load_model(tiny_hf("llama-gqa"), require_tokenizer=False)
+
+
 @pytest.fixture
 def no_epd_env(monkeypatch: pytest.MonkeyPatch) -> None:
     """Run with no EPD_* variable set, so settings come from the test alone (the suite may run inside an

@@ -10,7 +10,6 @@ import pytest
 from engine_helpers import assert_no_leaks, run_to_completion
 from workers.runtime.engine import Engine, EngineConfig
 from workers.runtime.kv_cache import KVCacheSpec
-from workers.runtime.loader import load_model
 from workers.runtime.sampler import SamplingParams
 
 pytestmark = [pytest.mark.unit]
@@ -25,16 +24,11 @@ def _greedy(n: int, **kw) -> SamplingParams:
 
 
 @pytest.fixture(scope="module")
-def bundle(tiny_hf):
-    return load_model(tiny_hf("llama-gqa"), require_tokenizer=False)
-
-
-@pytest.fixture(scope="module")
-def solo_outputs(bundle):
+def solo_outputs(tiny_bundle):
     """Each prompt run alone, block size 16, no chunking: the reference."""
     result = []
     for prompt, n in zip(PROMPTS, MAX_TOKENS):
-        engine = Engine(bundle.model, None, EngineConfig(kv_cache_bytes=1 << 22, prefill_chunk_size=4096))
+        engine = Engine(tiny_bundle.model, None, EngineConfig(kv_cache_bytes=1 << 22, prefill_chunk_size=4096))
         engine.add_request("solo", prompt, _greedy(n))
         result.append([o.new_token_ids[0] for o in run_to_completion(engine)["solo"]])
         assert_no_leaks(engine)
@@ -43,8 +37,8 @@ def solo_outputs(bundle):
 
 @pytest.mark.parametrize("block_size", [8, 16, 32])
 @pytest.mark.parametrize("chunk", [4096, 7])
-def test_joins_and_leaves_do_not_change_outputs(bundle, solo_outputs, block_size, chunk):
-    engine = Engine(bundle.model, None, EngineConfig(kv_cache_bytes=1 << 22, block_size=block_size,
+def test_joins_and_leaves_do_not_change_outputs(tiny_bundle, solo_outputs, block_size, chunk):
+    engine = Engine(tiny_bundle.model, None, EngineConfig(kv_cache_bytes=1 << 22, block_size=block_size,
                                                      prefill_chunk_size=chunk, max_num_batched_tokens=64))
     # arrivals: step -> request indices; request 5 is aborted mid-way and must not disturb the others
     arrivals = {0: [0, 1], 3: [2, 3], 9: [4], 11: [5]}
@@ -67,12 +61,12 @@ def test_joins_and_leaves_do_not_change_outputs(bundle, solo_outputs, block_size
     assert_no_leaks(engine)
 
 
-def test_preempted_sequences_recompute_to_the_same_output(bundle, solo_outputs):
+def test_preempted_sequences_recompute_to_the_same_output(tiny_bundle, solo_outputs):
     """A pool too small for all sequences at once: the newest are preempted, recomputed, and still match."""
-    cfg = bundle.config
+    cfg = tiny_bundle.config
     per_block = KVCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 8).bytes_per_block(
         ("float32",) * cfg.num_layers)
-    engine = Engine(bundle.model, None, EngineConfig(kv_cache_bytes=12 * per_block, block_size=8))
+    engine = Engine(tiny_bundle.model, None, EngineConfig(kv_cache_bytes=12 * per_block, block_size=8))
     assert engine.cache.num_blocks == 12
     for i in (1, 3, 4):  # 38+10, 61+16, 22+20 tokens: 7 + 10 + 6 blocks at the end > 12
         engine.add_request(str(i), PROMPTS[i], _greedy(MAX_TOKENS[i]))
@@ -83,12 +77,12 @@ def test_preempted_sequences_recompute_to_the_same_output(bundle, solo_outputs):
     assert_no_leaks(engine)
 
 
-def test_seeded_sampling_is_batch_invariant(bundle):
+def test_seeded_sampling_is_batch_invariant(tiny_bundle):
     params = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, top_k=50, seed=1234, ignore_eos=True)
-    alone = Engine(bundle.model, None, EngineConfig(kv_cache_bytes=1 << 22))
+    alone = Engine(tiny_bundle.model, None, EngineConfig(kv_cache_bytes=1 << 22))
     alone.add_request("s", PROMPTS[2], params)
     ref = [o.new_token_ids[0] for o in run_to_completion(alone)["s"]]
-    batched = Engine(bundle.model, None, EngineConfig(kv_cache_bytes=1 << 22, seed=99))
+    batched = Engine(tiny_bundle.model, None, EngineConfig(kv_cache_bytes=1 << 22, seed=99))
     for i in (0, 1, 3):
         batched.add_request(f"other{i}", PROMPTS[i], SamplingParams(max_tokens=8, temperature=1.0))
     batched.add_request("s", PROMPTS[2], params)

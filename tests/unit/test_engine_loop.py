@@ -12,7 +12,6 @@ from workers.engine_loop import EngineLoop, LoopFailure, drain_outputs
 from workers.runtime.engine import Engine, EngineConfig
 from workers.runtime.errors import DuplicateRequestError, InvalidRequestError
 from workers.runtime.generate import GenerateRequest, generate
-from workers.runtime.loader import load_model
 from workers.runtime.sampler import SamplingParams
 from workers.runtime.sequence import FinishReason
 
@@ -20,15 +19,10 @@ pytestmark = [pytest.mark.unit]
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def bundle(tiny_hf):
-    return load_model(tiny_hf("llama-gqa"), require_tokenizer=False)
-
-
 @pytest.fixture
-def gated(bundle):
+def gated(tiny_bundle):
     """A loop whose engine steps only when the test opens the gate, and records each step's batch."""
-    engine = Engine(bundle.model, None, EngineConfig(kv_cache_bytes=1 << 22))
+    engine = Engine(tiny_bundle.model, None, EngineConfig(kv_cache_bytes=1 << 22))
     gate = threading.Semaphore(0)
     entered = threading.Event()
     batches: list[int] = []
@@ -48,7 +42,7 @@ def gated(bundle):
     loop.stop()
 
 
-def test_requests_posted_during_a_step_join_the_next_step_together(bundle, gated):
+def test_requests_posted_during_a_step_join_the_next_step_together(tiny_bundle, gated):
     engine, loop, gate, batches, entered = gated
     first = loop.submit("a", [5, 6, 7], GREEDY)
     assert entered.wait(10)  # the loop is inside step 1 with "a" alone; these arrive while it runs
@@ -58,7 +52,7 @@ def test_requests_posted_during_a_step_join_the_next_step_together(bundle, gated
     outs = {rid: drain_outputs(q, 30) for rid, q in [("a", first)] + [(f"b{i}", q) for i, q in enumerate(queues)]}
     assert all(o[-1].finished and o[-1].num_output_tokens == 4 for o in outs.values())
     assert batches[:2] == [1, 6], batches  # "a" alone, then the five late requests joined it in one step
-    refs = generate(bundle, [GenerateRequest(prompt_ids=[8 + i, 9, 10], params=GREEDY) for i in range(5)])
+    refs = generate(tiny_bundle, [GenerateRequest(prompt_ids=[8 + i, 9, 10], params=GREEDY) for i in range(5)])
     assert [[t for o in outs[f"b{i}"] for t in o.new_token_ids] for i in range(5)] == [r.token_ids for r in refs]
     assert_no_leaks(engine)
 
@@ -86,8 +80,8 @@ def test_a_duplicate_id_is_refused_and_the_first_request_goes_on(gated):
     assert_no_leaks(engine)
 
 
-def test_a_refused_adoption_arrives_as_a_failure_and_releases_the_reservation(bundle):
-    engine = Engine(bundle.model, None, EngineConfig(kv_cache_bytes=1 << 22))
+def test_a_refused_adoption_arrives_as_a_failure_and_releases_the_reservation(tiny_bundle):
+    engine = Engine(tiny_bundle.model, None, EngineConfig(kv_cache_bytes=1 << 22))
     loop = EngineLoop(engine)
     try:
         res = engine.reserve("r", 3)
@@ -119,10 +113,10 @@ def test_a_finished_output_carries_its_engine_time_and_nothing_is_left_behind(ga
     assert_no_leaks(engine)
 
 
-def test_an_idle_loop_lets_the_caller_step_its_own_request(bundle):
+def test_an_idle_loop_lets_the_caller_step_its_own_request(tiny_bundle):
     """run_here on an idle loop: the request is admitted and stepped on the calling thread, its output is
     waiting when run_here returns, and the result equals the single-process reference."""
-    engine = Engine(bundle.model, None, EngineConfig(kv_cache_bytes=1 << 22))
+    engine = Engine(tiny_bundle.model, None, EngineConfig(kv_cache_bytes=1 << 22))
     stepped_on: list[int] = []
     step = engine.step
 
@@ -138,7 +132,7 @@ def test_an_idle_loop_lets_the_caller_step_its_own_request(bundle):
         assert q.qsize() >= 1 and set(stepped_on) == {threading.get_ident()}
         outs = drain_outputs(q, 5)
         assert outs[-1].finished and outs[-1].engine_seconds > 0
-        ref = generate(bundle, [GenerateRequest(prompt_ids=[5, 6, 7], params=GREEDY)])[0]
+        ref = generate(tiny_bundle, [GenerateRequest(prompt_ids=[5, 6, 7], params=GREEDY)])[0]
         assert [t for o in outs for t in o.new_token_ids] == ref.token_ids
         assert_no_leaks(engine)
     finally:

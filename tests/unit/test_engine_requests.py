@@ -11,34 +11,28 @@ from workers.runtime.engine import Engine, EngineConfig, LayerKVReady
 from workers.runtime.errors import (DuplicateRequestError, InvalidRequestError, PromptTooLongError,
                                     RequestTooLargeError)
 from workers.runtime.kv_cache import KVCacheSpec
-from workers.runtime.loader import load_model
 from workers.runtime.sampler import SamplingParams
 from workers.runtime.sequence import FinishReason, MultimodalInput
 
 pytestmark = [pytest.mark.unit]
 
 
-@pytest.fixture(scope="module")
-def bundle(tiny_hf):
-    return load_model(tiny_hf("llama-gqa"), require_tokenizer=False)
-
-
-def _engine(bundle, blocks: int | None = None, **kw) -> Engine:
-    cfg = bundle.config
+def _engine(tiny_bundle, blocks: int | None = None, **kw) -> Engine:
+    cfg = tiny_bundle.config
     block_size = kw.pop("block_size", 16)
     budget = 1 << 22
     if blocks is not None:
         budget = blocks * KVCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size).bytes_per_block(
             ("float32",) * cfg.num_layers)
-    return Engine(bundle.model, None, EngineConfig(kv_cache_bytes=budget, block_size=block_size, **kw))
+    return Engine(tiny_bundle.model, None, EngineConfig(kv_cache_bytes=budget, block_size=block_size, **kw))
 
 
 def _greedy(n: int) -> SamplingParams:
     return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
 
 
-def test_prompt_longer_than_context_is_refused_before_allocation(bundle):
-    engine = _engine(bundle, max_model_len=64)
+def test_prompt_longer_than_context_is_refused_before_allocation(tiny_bundle):
+    engine = _engine(tiny_bundle, max_model_len=64)
     with pytest.raises(PromptTooLongError, match="context is 64 tokens; the request needs 80"):
         engine.add_request("long", [5] * 70, _greedy(10))
     assert engine.stats().blocks_free == engine.stats().blocks_total
@@ -48,8 +42,8 @@ def test_prompt_longer_than_context_is_refused_before_allocation(bundle):
     assert_no_leaks(engine)
 
 
-def test_request_bigger_than_the_pool_is_refused(bundle):
-    engine = _engine(bundle, blocks=4)  # 64 tokens
+def test_request_bigger_than_the_pool_is_refused(tiny_bundle):
+    engine = _engine(tiny_bundle, blocks=4)  # 64 tokens
     with pytest.raises(RequestTooLargeError, match="needs 5 KV blocks .* the pool holds 4"):
         engine.add_request("big", [5] * 60, _greedy(10))
     assert_no_leaks(engine)
@@ -60,15 +54,15 @@ def test_request_bigger_than_the_pool_is_refused(bundle):
     ([1, 2, 10_000], _greedy(4), r"token ids must be in \[0, 320\)"),
     ([1, -1], _greedy(4), r"token ids must be in \[0, 320\)"),
 ])
-def test_malformed_requests_are_refused(bundle, ids, params, message):
-    engine = _engine(bundle)
+def test_malformed_requests_are_refused(tiny_bundle, ids, params, message):
+    engine = _engine(tiny_bundle)
     with pytest.raises(InvalidRequestError, match=message):
         engine.add_request("bad", ids, params)
     assert_no_leaks(engine)
 
 
-def test_duplicate_request_id_is_refused_and_the_first_survives(bundle):
-    engine = _engine(bundle)
+def test_duplicate_request_id_is_refused_and_the_first_survives(tiny_bundle):
+    engine = _engine(tiny_bundle)
     engine.add_request("same", [1, 2, 3], _greedy(3))
     with pytest.raises(DuplicateRequestError):
         engine.add_request("same", [1, 2, 3, 4], _greedy(3))
@@ -76,9 +70,9 @@ def test_duplicate_request_id_is_refused_and_the_first_survives(bundle):
     assert_no_leaks(engine)
 
 
-def test_bad_multimodal_input_is_refused(bundle):
-    engine = _engine(bundle)
-    hidden = bundle.config.hidden_size
+def test_bad_multimodal_input_is_refused(tiny_bundle):
+    engine = _engine(tiny_bundle)
+    hidden = tiny_bundle.config.hidden_size
     with pytest.raises(InvalidRequestError, match="embeddings for"):
         engine.add_request("mm", [1, 5, 5, 6], _greedy(2), MultimodalInput(torch.zeros(3, hidden), (1, 2)))
     with pytest.raises(InvalidRequestError, match=f"must be \\[n, {hidden}\\]"):
@@ -88,16 +82,16 @@ def test_bad_multimodal_input_is_refused(bundle):
     assert_no_leaks(engine)
 
 
-def test_full_pool_queues_requests_and_serves_them_all(bundle):
+def test_full_pool_queues_requests_and_serves_them_all(tiny_bundle):
     """Six requests that each end up needing 3 of the pool's 6 blocks: the rest wait, all finish, and each
     produces what it produces alone in a large pool."""
     prompts = {str(i): [1] + [10 + i] * 30 for i in range(6)}
-    big = _engine(bundle)
+    big = _engine(tiny_bundle)
     for rid, prompt in prompts.items():
         big.add_request(rid, prompt, _greedy(12))
     expected = {rid: [o.new_token_ids[0] for o in outs] for rid, outs in run_to_completion(big).items()}
 
-    engine = _engine(bundle, blocks=6)
+    engine = _engine(tiny_bundle, blocks=6)
     for rid, prompt in prompts.items():
         engine.add_request(rid, prompt, _greedy(12))
     peak_running = 0
@@ -112,8 +106,8 @@ def test_full_pool_queues_requests_and_serves_them_all(bundle):
     assert_no_leaks(engine)
 
 
-def test_abort_frees_blocks_of_running_and_waiting_requests(bundle):
-    engine = _engine(bundle, blocks=4)
+def test_abort_frees_blocks_of_running_and_waiting_requests(tiny_bundle):
+    engine = _engine(tiny_bundle, blocks=4)
     engine.add_request("running", [1] * 40, _greedy(20))
     engine.add_request("waiting", [1] * 40, _greedy(20))
     engine.step()
@@ -126,8 +120,8 @@ def test_abort_frees_blocks_of_running_and_waiting_requests(bundle):
     assert_no_leaks(engine)
 
 
-def test_stop_token_ids_eos_and_max_tokens(bundle):
-    engine = Engine(bundle.model, None, EngineConfig(kv_cache_bytes=1 << 22), eos_token_ids=())
+def test_stop_token_ids_eos_and_max_tokens(tiny_bundle):
+    engine = Engine(tiny_bundle.model, None, EngineConfig(kv_cache_bytes=1 << 22), eos_token_ids=())
     engine.add_request("free", [1, 2, 3, 4], _greedy(12))
     free_tokens = [o.new_token_ids[0] for o in run_to_completion(engine)["free"]]
     stop_at = free_tokens[5]
@@ -139,7 +133,7 @@ def test_stop_token_ids_eos_and_max_tokens(bundle):
     assert [o.new_token_ids[0] for o in outs] == free_tokens[:first + 1]
     assert outs[-1].finished and outs[-1].finish_reason is FinishReason.STOP
 
-    eos_engine = Engine(bundle.model, None, EngineConfig(kv_cache_bytes=1 << 22), eos_token_ids=(stop_at,))
+    eos_engine = Engine(tiny_bundle.model, None, EngineConfig(kv_cache_bytes=1 << 22), eos_token_ids=(stop_at,))
     eos_engine.add_request("eos", [1, 2, 3, 4], SamplingParams(max_tokens=12, temperature=0.0))
     assert len(run_to_completion(eos_engine)["eos"]) == first + 1
     eos_engine.add_request("ign", [1, 2, 3, 4], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
@@ -163,8 +157,8 @@ def test_stop_string_cuts_text_and_finishes(default_bundle):
     assert_no_leaks(engine)
 
 
-def test_layer_hook_sees_each_layer_in_order_with_its_final_kv(bundle):
-    engine = _engine(bundle, block_size=8, prefill_chunk_size=16)
+def test_layer_hook_sees_each_layer_in_order_with_its_final_kv(tiny_bundle):
+    engine = _engine(tiny_bundle, block_size=8, prefill_chunk_size=16)
     events: list[LayerKVReady] = []
     snapshots: dict[tuple[int, str, int], torch.Tensor] = {}
 
@@ -181,10 +175,10 @@ def test_layer_hook_sees_each_layer_in_order_with_its_final_kv(bundle):
         outs = engine.step()
         seq = engine._seqs.get("a")
         if seq is not None and seq.num_computed == 40 and not final_k:
-            for layer in range(bundle.config.num_layers):
+            for layer in range(tiny_bundle.config.num_layers):
                 final_k[layer] = engine.cache.read_tokens(layer, seq.block_table, 40, torch.float32)[0].clone()
         del outs
-    layers = bundle.config.num_layers
+    layers = tiny_bundle.config.num_layers
     assert [e.layer for e in events] == list(range(layers)) * 3  # decode steps do not fire the hook
     assert [(c.start, c.end, c.last) for e in events[::layers] for c in e.chunks] == [
         (0, 16, False), (16, 32, False), (32, 40, True)]

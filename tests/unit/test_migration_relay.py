@@ -1,0 +1,103 @@
+"""The pieces of request migration that are pure logic: the relay across a seam (tokens, text, stop
+strings, usage, seeded draws) and the per-worker circuit breaker."""
+
+from __future__ import annotations
+
+import pytest
+
+from controlplane.dispatch import WorkerRequest
+from controlplane.scheduler.health import BreakerState, WorkerHealth
+from controlplane.scheduler.relay import Progress, shifted_seed
+from epd.worker.v1 import worker_pb2 as wpb
+from workers.runtime.sampler import SamplingParams, draw_seed
+
+pytestmark = [pytest.mark.unit]
+
+
+def _chunk(tokens, text="", finished=False, reason="", completion=0):  # type: ignore[no-untyped-def]
+    return wpb.TokenChunk(token_ids=tokens, text=text, finished=finished, finish_reason=reason,
+                          completion_tokens=completion)
+
+
+def test_a_shifted_seed_draws_what_the_original_draws_later():
+    for seed in (0, 7, 2**62 + 5):
+        for k in (1, 2, 17):
+            assert draw_seed(shifted_seed(seed, k), 0) == draw_seed(seed, k)
+            assert draw_seed(shifted_seed(seed, k), 3) == draw_seed(seed, k + 3)
+
+
+def test_the_continuation_re_prefills_the_tokens_sent_and_asks_for_the_rest(default_bundle):
+    tok = default_bundle.tokenizer
+    req = WorkerRequest("r", [1, 2, 3], SamplingParams(max_tokens=10, temperature=0.0, stop=("zz",)))
+    p = Progress(req, tok)
+    assert p.continuation() is req  # nothing sent yet: the same request again
+    ids = tok.encode(" hello world", add_special_tokens=False)
+    p.accept(_chunk(ids, tok.decode(ids)))
+    nxt = p.continuation()
+    assert nxt.prompt_ids == [1, 2, 3] + ids and nxt.params.max_tokens == 10 - len(ids)
+    assert nxt.params.stop == ()  # the relay applies them across the seam
+
+
+def test_a_stop_string_that_spans_the_seam_ends_the_stream_there(default_bundle):
+    tok = default_bundle.tokenizer
+    first = tok.encode(" the cat sat", add_special_tokens=False)
+    rest = tok.encode(" on the mat today", add_special_tokens=False)
+    req = WorkerRequest("r", [1], SamplingParams(max_tokens=50, temperature=0.0, stop=("sat on",)))
+    p = Progress(req, tok)
+    # the worker held back " sat" (it may start the stop string) and sent the rest
+    full = tok.decode(first)
+    held = len(full) - len("sat on") + 1
+    p.accept(_chunk(first, full[:held]))
+    p.begin_attempt()  # the worker was lost; the next one sends the rest without stop strings
+    out = p.accept(_chunk(rest, tok.decode(rest)))
+    assert out is not None and out.finished and out.finish_reason == "stop"
+    whole = tok.decode(first + rest)
+    assert full[:held] + out.text == whole[:whole.index("sat on")]
+    assert out.completion_tokens == len(p.token_ids) and out.prompt_tokens == 1
+
+
+def test_across_a_seam_the_text_is_the_whole_output_decoded_once(default_bundle):
+    tok = default_bundle.tokenizer
+    ids = tok.encode(" serving systems split every request into stages", add_special_tokens=False)
+    req = WorkerRequest("r", [1], SamplingParams(max_tokens=len(ids), temperature=0.0))
+    p = Progress(req, tok)
+    text = ""
+    c = p.accept(_chunk(ids[:3], tok.decode(ids[:3])))
+    text += c.text  # type: ignore[union-attr]
+    p.begin_attempt()
+    c = p.accept(_chunk(ids[3:], "whatever the worker says", finished=True, reason="length"))
+    assert c is not None and c.finished and c.finish_reason == "length"
+    assert text + c.text == tok.decode(ids) and c.completion_tokens == len(ids)
+
+
+def test_a_seeded_seam_moves_back_to_a_token_whose_shifted_seed_fits():
+    seed = 2**63 - 1  # seed + k * GOLDEN overflows 2^63 for some k
+    req = WorkerRequest("r", [1], SamplingParams(max_tokens=20, temperature=1.0, seed=seed))
+    p = Progress(req, tokenizer=None)  # type: ignore[arg-type]
+    p.token_ids = list(range(5))
+    seam = p.seam()
+    assert seam.at + seam.replay == 5 and shifted_seed(seed, seam.at) < 2**63
+    cont = p.continuation()
+    assert cont.prompt_ids == [1] + list(range(seam.at)) and cont.params.max_tokens == 20 - seam.at
+
+
+def test_the_breaker_opens_on_a_lost_worker_and_lets_one_probe_through_after_a_while():
+    now = [0.0]
+    h = WorkerHealth(failures=3, open_s=5.0, clock=lambda: now[0])
+    h.failure("w", "call failed")
+    h.failure("w", "call failed")
+    assert h.routable("w")  # two failures: still closed
+    h.failure("w", "call failed")
+    assert not h.routable("w") and h.state("w") is BreakerState.OPEN
+    now[0] = 6.0
+    assert h.state("w") is BreakerState.HALF_OPEN and h.routable("w")
+    h.begin("w")  # the probe
+    assert not h.routable("w")  # one at a time
+    h.failure("w", "still failing")
+    assert h.state("w") is BreakerState.OPEN
+    now[0] = 12.0
+    h.begin("w")
+    h.success("w")
+    assert h.state("w") is BreakerState.CLOSED and h.suspects() == []
+    h.failure("x", "stream broke", lost=True)
+    assert [s.worker_id for s in h.suspects()] == ["x"]

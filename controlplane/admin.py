@@ -1,7 +1,8 @@
 """The admin API: pool status and scaling, behind the admin token.
 
   GET  /admin/pools                    every pool: target replicas, ready replicas, each worker's load
-  PUT  /admin/pools/{pool}             {"replicas": N}: set the target; the pool manager reconciles
+  PUT  /admin/pools/{pool}             {"replicas": N}: set the target; the pool manager reconciles. 0 for a
+                                       pool the model needs is refused (409) unless {"force": true}
   POST /admin/workers/{worker_id}/drain  stop routing to a worker; its in-flight requests finish
 
 Targets live in Redis, so ``epd scale`` from any machine that reaches the API takes effect, and the
@@ -108,6 +109,7 @@ def drain_over_rpc(registry: WorkerRegistry, security) -> Callable[[str], bool]:
 class ScaleBody(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)  # "2" or 2.0 is a 400, as on /v1
     replicas: int = Field(ge=0, le=MAX_REPLICAS)
+    force: bool = False  # scale to 0 a pool the model needs
 
 
 def _scale_body(raw: bytes) -> ScaleBody:
@@ -152,6 +154,10 @@ def admin_router(conn: StateConnection, registry: WorkerRegistry, admin_token: s
             raise HTTPException(404, f"unknown pool {pool!r}; pools are encode, prefill and decode") from None
         if parsed.value in fixed:
             raise HTTPException(409, fixed[parsed.value])
+        if body.replicas == 0 and not body.force:
+            raise HTTPException(409, f"the model needs the {parsed.value} pool: with 0 replicas every request "
+                                     f"that needs it fails (503) until it is scaled up again. To do it anyway: "
+                                     f"epd scale {parsed.value} 0 --force (API: {{\"replicas\": 0, \"force\": true}})")
 
         def scale() -> None:  # Redis and the pool manager: off the event loop
             PoolTargets(conn).set_target(parsed, body.replicas)

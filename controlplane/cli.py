@@ -159,7 +159,8 @@ def cmd_status(args: argparse.Namespace) -> int:
 def cmd_scale(args: argparse.Namespace) -> int:
     from controlplane.admin_client import AdminError, api_url, call
     settings = _settings(args)
-    reply = call(settings, "PUT", f"/admin/pools/{args.pool}", {"replicas": args.replicas}, url=args.url)
+    body = {"replicas": args.replicas, **({"force": True} if args.force else {})}
+    reply = call(settings, "PUT", f"/admin/pools/{args.pool}", body, url=args.url)
     if "pool" not in reply or "target" not in reply:
         raise AdminError(f"the reply of {api_url(settings, args.url)}/admin/pools/{args.pool} lacks the pool "
                          f"and its target; is it an epd API of this version?")
@@ -249,6 +250,8 @@ def build_parser() -> argparse.ArgumentParser:
         elif name == "scale":
             p.add_argument("pool", choices=("encode", "prefill", "decode"), help="the pool to scale")
             p.add_argument("replicas", type=int, help="its new replica count (0 or more)")
+            p.add_argument("--force", action="store_true",
+                           help="scale to 0 a pool the model needs (every request then fails until it is scaled up)")
             p.set_defaults(func=cmd_scale)
         else:
             p.add_argument("worker", help="worker id, as `epd status` shows it")

@@ -65,5 +65,12 @@ def check_positive(args: argparse.Namespace, *flags: str) -> None:
 
 def model_dir(arg: Path | None) -> Path:
     """``--model``'s folder, or the built-in demo model's (written on first use) when it is not given."""
+    from controlplane.model_folder import model_folder_problem
     from workers.runtime.default_model import ensure_default_checkpoint
-    return arg if arg is not None else ensure_default_checkpoint()
+
+    if arg is None:
+        return ensure_default_checkpoint()
+    problem = model_folder_problem(arg)
+    if problem is not None:
+        raise UsageError(f"--model {problem}")
+    return arg

@@ -14,6 +14,8 @@ from __future__ import annotations
 import logging
 import secrets
 import signal
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -58,6 +60,15 @@ def fit_pools(settings: Settings, info: ModelInfo, model_dir: Path) -> tuple[Set
     return settings.model_copy(update={"encode": encode.model_copy(update={"replicas": 0})}), {"encode": why}
 
 
+def pools_line(manager, not_needed: dict[str, str]) -> str:  # type: ignore[no-untyped-def]
+    """The pools' sizes as the manager runs them now: ``encode 1, prefill 2, decode 2`` (a pool this
+    deployment does not need: ``encode not needed``)."""
+    from controlplane.state import Pool
+
+    return ", ".join(f"{p.value} not needed" if p.value in not_needed else f"{p.value} {len(manager.replicas(p))}"
+                     for p in Pool)
+
+
 def rewrite_targets(conn, manager) -> None:  # type: ignore[no-untyped-def]
     """After a restarted private Redis: each pool's target is what the manager runs now."""
     from controlplane.state import Pool, PoolTargets
@@ -73,8 +84,12 @@ def validate(settings: Settings, model_dir: Path) -> None:
     URLs and cross-field rules are the settings' own validators.)"""
     from kvtransfer.auth import SecurityConfigError, TransferSecurity
     from kvtransfer.policy import ExplicitPolicy, PolicyError, parse_policy
+    from controlplane.model_folder import model_folder_problem
     from workers.runtime.config import ModelConfig
 
+    problem = model_folder_problem(model_dir)
+    if problem is not None:
+        raise SettingsError(f"model: {problem}")
     t = settings.transfer
     policy = parse_policy(settings.wire_codec_policy())
     if isinstance(policy, ExplicitPolicy):
@@ -101,16 +116,34 @@ def validate(settings: Settings, model_dir: Path) -> None:
 
 @dataclass
 class Deployment:
+    """What ``build`` started, and how to stop it: ``closers`` run last-added first, each named by what it
+    waits for (a string, or a callable that says it at that moment). ``ready_line`` names the model, the
+    mode and the pools' sizes once everything is up."""
+
     settings: Settings
     app: Any
-    closers: list = field(default_factory=list)
+    closers: list[tuple[str | Callable[[], str], Callable[[], None]]] = field(default_factory=list)
+    ready_line: str = ""
 
-    def close(self) -> None:
-        for close in reversed(self.closers):
+    def add(self, what: str | Callable[[], str], close: Callable[[], None]) -> None:
+        self.closers.append((what, close))
+
+    def replace(self, close: Callable[[], None], by: Callable[[], None]) -> None:
+        self.closers = [(what, by if c == close else c) for what, c in self.closers]
+
+    def close(self, say: Callable[[str], None] | None = None) -> None:
+        """Run every closer (a failing one is logged and the rest still run). ``say`` hears what each step
+        waits for before it starts, and how long the whole stop took."""
+        started = time.monotonic()
+        for what, close in reversed(self.closers):
+            if say is not None:
+                say(f"epd: stopping: {what() if callable(what) else what}")
             try:
                 close()
             except Exception:  # keep closing the rest
                 log.exception("shutdown step failed")
+        if say is not None and self.closers:
+            say(f"epd: stopped in {time.monotonic() - started:.1f} s")
         self.closers.clear()
 
 
@@ -135,7 +168,7 @@ def build(settings: Settings) -> Deployment:
         from controlplane.observability.deploy import configure_process
         from controlplane.observability.tracing import stop_exporting
         if configure_process(settings.observability, "epd-controlplane"):  # bad OTEL_* fail here, before Ray
-            dep.closers.append(stop_exporting)  # closed last: the spans of the shutdown itself go out too
+            dep.add("the trace exporter (sending the spans it holds)", stop_exporting)  # last: the shutdown's spans too
         model_dir = settings.model or ensure_default_checkpoint()
         validate(settings, Path(model_dir))
         info = model_info(settings, Path(model_dir))
@@ -146,24 +179,26 @@ def build(settings: Settings) -> Deployment:
             redis = LocalRedis().start()
             url = redis.url
             log.info("started a private redis-server at %s", url)
-            dep.closers.append(redis.close)
+            dep.add("the private redis-server", redis.close)
         conn = connect(url, settings.redis.prefix)
-        dep.closers.append(conn.close)
+        dep.add("the Redis connection", conn.close)
         token = settings.transfer.token.get_secret_value() if settings.transfer.token else secrets.token_urlsafe(32)
         admin_token = ensure_admin_token(settings)
         manager = PoolManager(settings, url, settings.redis.prefix, token).start()
-        dep.closers.append(manager.stop)
+        dep.add(lambda: f"the pools ({pools_line(manager, not_needed)}; each replica gets up to 5 s to finish the "
+                        f"RPCs it is serving){', then the local Ray' if manager.runtime.owns_connection else ''}",
+                manager.stop)
         if redis is not None:  # restarted on its port if it dies; still closed last, after the manager's goodbyes
             watchdog = PrivateRedisWatchdog(redis, lambda: rewrite_targets(conn, manager)).start()
-            dep.closers[dep.closers.index(redis.close)] = watchdog.close
+            dep.replace(redis.close, watchdog.close)
         registry = WorkerRegistry(conn, ttl=settings.redis.heartbeat_ttl_s)
         t = settings.transfer
         security = TransferSecurity(token=token, tls_ca=t.tls_ca, tls_cert=t.tls_cert, tls_key=t.tls_key)
         dispatcher = Dispatcher(security, max_calls_per_worker=t.max_streams)  # the workers' stream budget
-        dep.closers.append(dispatcher.close)
+        dep.add("the connections to the workers", dispatcher.close)
         from controlplane.state.journal import BackgroundJournal
         journal = BackgroundJournal(RequestJournal(conn))  # journal writes stay off the request path
-        dep.closers.append(journal.close)
+        dep.add("the request journal (writing what it still holds to Redis)", journal.close)
         scheduler = Scheduler(info, WorkerView(registry), dispatcher, get_policy(settings.scheduler.routing_policy),
                               settings.scheduler, journal, colocated=settings.mode == "colocated")
         keys = [k.get_secret_value() for k in settings.api.api_keys]
@@ -174,12 +209,13 @@ def build(settings: Settings) -> Deployment:
         # pool gauges for /metrics and the dashboard, over this deployment's Redis
         routers = instrument_control_plane(lambda: pools_status(conn, registry, manager, fixed), lambda: scheduler.waiting,
                                            RequestJournal(conn))
-        dep.closers.append(uninstrument)
+        dep.add("the metrics' sources", uninstrument)
         dep.app = create_app(scheduler, keys, admin=admin_router(conn, registry, admin_token,
                                                                  on_drain=drain_over_rpc(registry, security),
                                                                  fixed_pools=fixed, starts=manager),
                              routers=routers,
                              ops_token=settings.api.ops_token.get_secret_value() if settings.api.ops_token else None)
+        dep.ready_line = f"{info.name} ({settings.mode}: {pools_line(manager, not_needed)})"
     except BaseException:
         dep.close()
         raise
@@ -198,9 +234,9 @@ def serve(settings: Settings) -> int:
     server = uvicorn.Server(config)
     signal.signal(signal.SIGTERM, lambda *_: setattr(server, "should_exit", True))
     try:
-        print(f"epd: serving {dep.app.title} on http://{settings.api.host}:{settings.api.port} "
-              f"(Ctrl-C to stop)", flush=True)
+        print(f"epd: serving {dep.ready_line} on http://{settings.api.host}:{settings.api.port} (Ctrl-C to stop)",
+              flush=True)
         server.run()
     finally:
-        dep.close()
+        dep.close(say=lambda line: print(line, flush=True))
     return 0

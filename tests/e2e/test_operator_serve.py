@@ -1,6 +1,7 @@
 """`epd serve` as an operator first meets it: what it binds, what it says, what its ops endpoints ask for.
 
 One real deployment (Redis, a private Ray, the pools, the HTTP API) in a subprocess, with an ops token.
+The tests run in file order on it; the last one stops it with Ctrl-C.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ def served(tmp_path_factory, default_ckpt):
         "model": str(default_ckpt), "api": {"ops_token": OPS_TOKEN},
         "encode": {"num_cpus": 0.25, "engine": {"kv_cache_bytes": 32 * 2**20}},
         "prefill": {"num_cpus": 0.25, "engine": {"kv_cache_bytes": 32 * 2**20}},
-        "decode": {"num_cpus": 0.25, "engine": {"kv_cache_bytes": 32 * 2**20}},
+        # one CPU each: Ray (2 CPUs here) can place one decode replica beside the others, not two
+        "decode": {"num_cpus": 1.0, "engine": {"kv_cache_bytes": 32 * 2**20}},
     }
     with serve_process(settings, tmp_path_factory.mktemp("operator")) as served:
         yield served
@@ -171,3 +173,64 @@ def test_every_grafana_panel_query_finds_series_in_a_live_scrape(served):
     selector = render(re.fullmatch(r"label_values\((.*), model_name\)", query).group(1))
     assert {dict(s)["model_name"] for s in evaluator.evaluate(selector)} == {model}
     assert len(evaluator.names_used) >= 20
+
+
+# ---------------------------------------------------------------------------------------------- say what happens
+def test_the_ready_line_names_the_model_the_mode_and_the_pool_sizes(served):
+    model = httpx.get(f"{served.base}/v1/models").json()["data"][0]["id"]
+    line = next(ln for ln in (served.tmp / "serve.log").read_text().splitlines() if ln.startswith("epd: serving"))
+    assert line.startswith(f"epd: serving {model} (disaggregated: encode 1, prefill 1, decode 1) on {served.base}"), line
+
+
+def test_an_unplaceable_replica_shows_what_it_waits_for_within_seconds(served):
+    import json
+
+    scaled = served.cli("scale", "decode", "2")
+    assert scaled.returncode == 0, scaled.stderr
+    deadline = time.monotonic() + 10
+    while True:
+        decode = next(p for p in served.status()["pools"] if p["pool"] == "decode")
+        if decode["pending"]:
+            break
+        assert time.monotonic() < deadline, decode
+        time.sleep(0.3)
+    (pending,) = decode["pending"]
+    assert not pending["placed"] and pending["needs"] == {"CPU": 1.0}, pending
+    assert pending["reason"].startswith("waiting for Ray resources: needs CPU 1, the cluster has 2"), pending
+    assert decode["target"] == 2 and decode["ready"] == 1
+    table = served.cli("status").stdout
+    assert "pending" in table and "waiting for Ray resources: needs CPU 1" in table, table
+    state = _ops(served, "/dashboard/api/state").json()
+    shown = next(p for p in state["pools"] if p["pool"] == "decode")
+    assert shown["pending"] and shown["pending"][0]["reason"] == pending["reason"]
+    gauges = _ops(served, "/metrics").text
+    assert re.search(r'epd:replicas_pending\{model_name="[^"]+",pool="decode"\} 1\.0', gauges), gauges[-2000:]
+    # scaling back gives the start up at once: nothing pending, nothing started
+    assert served.cli("scale", "decode", "1").returncode == 0
+    deadline = time.monotonic() + 10
+    while next(p for p in served.status()["pools"] if p["pool"] == "decode")["pending"]:
+        assert time.monotonic() < deadline
+        time.sleep(0.3)
+    assert json.dumps(served.status()).count('"ready": 1') >= 3
+
+
+def test_scaling_a_needed_pool_to_zero_asks_for_force(served):
+    refused = served.cli("scale", "decode", "0")
+    assert refused.returncode != 0
+    assert "every request" in refused.stderr and "--force" in refused.stderr, refused.stderr
+    assert next(p for p in served.status()["pools"] if p["pool"] == "decode")["target"] == 1
+    forced = served.cli("scale", "encode", "0", "--force")
+    assert forced.returncode == 0, forced.stderr
+    assert next(p for p in served.status()["pools"] if p["pool"] == "encode")["target"] == 0
+
+
+def test_ctrl_c_says_what_shutdown_waits_for(served):
+    import signal
+
+    served.proc.send_signal(signal.SIGINT)
+    served.proc.wait(90)
+    lines = [ln for ln in (served.tmp / "serve.log").read_text().splitlines() if ln.startswith("epd: stop")]
+    assert any(ln.startswith("epd: stopping: the pools (encode 0, prefill 1, decode 1;") and "then the local Ray" in ln
+               for ln in lines), lines
+    assert any("private redis-server" in ln for ln in lines), lines
+    assert lines[-1].startswith("epd: stopped in "), lines

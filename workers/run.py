@@ -49,7 +49,8 @@ def start_worker(pool: Pool, bundle: LoadedModel, security: TransferSecurity, *,
     elif pool == "encode":
         from workers.encode.service import EncodeService
         if bundle.vision is None:
-            raise ValueError("an encode worker needs a model with a vision/ encoder")
+            raise ValueError(f"an encode worker needs a model with a vision tower (a LLaVA checkpoint or a "
+                             f"vision/ folder); {bundle.path} is text-only and needs no encode pool")
         service = EncodeService(bundle.vision, security, identity)
     elif pool == "prefill":
         from workers.prefill.service import PrefillService

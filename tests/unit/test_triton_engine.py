@@ -9,7 +9,6 @@ import torch
 import tests.unit.triton_env  # noqa: F401  (sets TRITON_INTERPRET before the kernels are imported)
 from engine_helpers import assert_no_leaks, run_to_completion
 from workers.runtime.engine import Engine, EngineConfig
-from workers.runtime.errors import InvalidRequestError
 from workers.runtime.loader import load_model
 from workers.runtime.sampler import SamplingParams
 
@@ -40,9 +39,3 @@ def test_kernel_path_gives_the_torch_path_tokens(tiny_hf, kind: str, cache_dtype
         assert [o.new_token_ids for o in got[rid]] == [o.new_token_ids for o in want[rid]]
         for a, b in zip(got[rid], want[rid]):
             torch.testing.assert_close(a.logits, b.logits, atol=1e-4, rtol=1e-4)
-
-
-def test_kernel_path_refuses_small_blocks(tiny_hf) -> None:
-    model = load_model(tiny_hf("llama-gqa"), require_tokenizer=False).model
-    with pytest.raises(InvalidRequestError, match="block_size >= 16"):
-        Engine(model, None, EngineConfig(kernels="triton", block_size=8))

@@ -68,6 +68,7 @@ class DecodeGraphs:
         self._rows = torch.arange(self.buckets[-1], device=cache.device)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.capture_seconds = 0.0
+        self.replays = 0  # decode steps served by a graph
 
     @property
     def max_batch(self) -> int:
@@ -130,4 +131,5 @@ class DecodeGraphs:
             getattr(self._dev, name)[:bucket].copy_(getattr(self._host, name)[:bucket], non_blocking=True)
         graph, logits = self._graphs[bucket]
         graph.replay()
+        self.replays += 1
         return logits[:n]

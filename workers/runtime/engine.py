@@ -61,9 +61,10 @@ class EngineConfig:
     prefill_chunk_size: int = 512
     max_model_len: int | None = None  # None = the model's max_position_embeddings
     seed: int = 0  # seeds unseeded sampling, so a whole run is reproducible
-    # auto = the Triton kernels on CUDA (when triton is installed and block_size >= 16), torch elsewhere
+    # auto = the Triton kernels on CUDA (when triton is installed), the torch path elsewhere
     kernels: KernelsMode = "auto"
     cuda_graphs: bool = True  # decode steps replay one CUDA graph per batch bucket (CUDA + kernels only)
+    cuda_graph_max_batch: int | None = None  # the largest bucket (None = max_num_seqs); larger steps run eager
     gpu_memory_utilization: float = 0.9  # of the device's total memory, when kv_cache_bytes is None
 
     def __post_init__(self) -> None:
@@ -79,6 +80,8 @@ class EngineConfig:
             raise InvalidRequestError(f"kernels must be auto, torch or triton, got {self.kernels!r}")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
             raise InvalidRequestError(f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}")
+        if self.cuda_graph_max_batch is not None and self.cuda_graph_max_batch < 1:
+            raise InvalidRequestError(f"cuda_graph_max_batch must be >= 1, got {self.cuda_graph_max_batch}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise InvalidRequestError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
@@ -172,7 +175,8 @@ class Engine:
         if self._ops is not None and config.cuda_graphs and model.device.type == "cuda":
             from workers.runtime.cuda_graphs import DecodeGraphs
 
-            self.graphs = DecodeGraphs(model, self.cache, self._ops, config.max_num_seqs, self.max_model_len)
+            max_batch = min(config.cuda_graph_max_batch or config.max_num_seqs, config.max_num_seqs)
+            self.graphs = DecodeGraphs(model, self.cache, self._ops, max_batch, self.max_model_len)
             self.graphs.capture()
             log.info("captured %d decode CUDA graphs (batch buckets up to %d) in %.2f s", len(self.graphs.buckets),
                      self.graphs.max_batch, self.graphs.capture_seconds)
@@ -396,13 +400,10 @@ def _kernel_ops(config: EngineConfig, device: torch.device) -> "TritonOps | None
     """The Triton ops when ``config.kernels`` asks for them (or auto finds CUDA), else None (torch)."""
     from workers.runtime import kernels
 
-    if config.kernels == "torch" or (config.kernels == "auto" and (
-            device.type != "cuda" or config.block_size < 16 or not kernels.available())):
+    if config.kernels == "torch" or (config.kernels == "auto" and (device.type != "cuda" or not kernels.available())):
         return None
     if not kernels.available():
         raise InvalidRequestError("kernels=triton needs the triton package (pip install triton)")
-    if config.block_size < 16:
-        raise InvalidRequestError(f"kernels=triton needs block_size >= 16, got {config.block_size}")
     from workers.runtime.kernels.ops import TritonOps
 
     return TritonOps(config.block_size)

@@ -57,9 +57,7 @@ class DecoderLayer(nn.Module):
         self.scale = cfg.head_dim ** -0.5
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: StepBatch,
-                storage: KVLayerStorage, ops: TritonOps | None = None) -> torch.Tensor:
-        if ops is not None:
-            return self._forward_kernels(h, cos, sin, batch, storage, ops)
+                storage: KVLayerStorage) -> torch.Tensor:
         cfg = self.cfg
         n = h.shape[0]
         qkv = self.qkv_proj(self.input_layernorm(h))
@@ -73,21 +71,29 @@ class DecoderLayer(nn.Module):
         gate, up = self.gate_up_proj(self.post_attention_layernorm(h)).chunk(2, dim=-1)
         return h + self.down_proj(F.silu(gate) * up)
 
-    def _forward_kernels(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: StepBatch,
-                         storage: KVLayerStorage, ops: TritonOps) -> torch.Tensor:
-        """The same computation with the fused kernels (RoPE in place on the qkv output)."""
+    def forward_kernels(self, h: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
+                        sin: torch.Tensor, batch: StepBatch, storage: KVLayerStorage,
+                        ops: TritonOps) -> tuple[torch.Tensor, torch.Tensor]:
+        """The same computation with the fused kernels. The residual stream is carried apart and each
+        add is fused into the next RMSNorm: returns (this layer's MLP output, the residual before it),
+        whose sum is what ``forward`` returns. RoPE runs in place on the qkv output."""
         cfg = self.cfg
         n = h.shape[0]
-        eps = self.input_layernorm.eps
-        qkv = self.qkv_proj(ops.rmsnorm(h, self.input_layernorm.weight, eps))
-        q = ops.rope_(qkv[:, :cfg.q_size].view(n, cfg.num_heads, cfg.head_dim), cos, sin)
-        k = ops.rope_(qkv[:, cfg.q_size:cfg.q_size + cfg.kv_size].view(n, cfg.num_kv_heads, cfg.head_dim), cos, sin)
+        ln = self.input_layernorm
+        if residual is None:
+            residual, x = h, ops.rmsnorm(h, ln.weight, ln.eps)
+        else:
+            residual, x = ops.add_rmsnorm(h, residual, ln.weight, ln.eps)
+        qkv = self.qkv_proj(x)
+        qk = ops.rope_(qkv[:, :cfg.q_size + cfg.kv_size].view(n, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim),
+                       cos, sin)
+        q, k = qk[:, :cfg.num_heads], qk[:, cfg.num_heads:]
         v = qkv[:, cfg.q_size + cfg.kv_size:].view(n, cfg.num_kv_heads, cfg.head_dim)
         ops.write_kv(storage, batch.slot_mapping, k, v)
         attn = ops.attention(q, k, v, batch, storage, self.scale)
-        h, x = ops.add_rmsnorm(self.o_proj(attn.view(n, cfg.q_size)), h, self.post_attention_layernorm.weight,
-                               self.post_attention_layernorm.eps)
-        return h + self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
+        ln = self.post_attention_layernorm
+        residual, x = ops.add_rmsnorm(self.o_proj(attn.view(n, cfg.q_size)), residual, ln.weight, ln.eps)
+        return self.down_proj(ops.silu_mul(self.gate_up_proj(x))), residual
 
 
 class DecoderModel(nn.Module):
@@ -127,10 +133,22 @@ class DecoderModel(nn.Module):
         if batch.embed_indices is not None:
             h[batch.embed_indices] = batch.embeds.to(h.dtype)
         cos, sin = self.rotary.cos_sin(batch.positions, h.dtype)
+        if ops is not None:
+            return self._forward_kernels(h, cos, sin, batch, cache, on_layer_done, ops)
         for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, batch, cache.layers[i], ops)
+            h = layer(h, cos, sin, batch, cache.layers[i])
             if on_layer_done is not None:
                 on_layer_done(i)
-        h = h[batch.logits_indices]
-        h = self.norm(h) if ops is None else ops.rmsnorm(h, self.norm.weight, self.norm.eps)
-        return self.lm_head(h).float()
+        return self.lm_head(self.norm(h[batch.logits_indices])).float()
+
+    def _forward_kernels(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: StepBatch,
+                         cache: PagedKVCache, on_layer_done: LayerDone | None, ops: TritonOps) -> torch.Tensor:
+        residual: torch.Tensor | None = None
+        for i, layer in enumerate(self.layers):
+            h, residual = layer.forward_kernels(h, residual, cos, sin, batch, cache.layers[i], ops)
+            if on_layer_done is not None:
+                on_layer_done(i)
+        assert residual is not None
+        idx = batch.logits_indices
+        _, x = ops.add_rmsnorm(h[idx], residual[idx], self.norm.weight, self.norm.eps)
+        return self.lm_head(x).float()

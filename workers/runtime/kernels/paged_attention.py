@@ -9,7 +9,8 @@ Contracts shared by both kernels:
   * nothing is gathered into a dense copy and nothing is read back to the host, so a decode step
     can be captured in a CUDA graph;
   * a row of length 0 (a padded slot) reads nothing and outputs zeros, never NaN.
-The cache block size must be a power of two >= 16 (the kernels' tile is one cache block).
+The cache block size must be a power of two; a loop iteration reads ``KEYS_PER_TILE`` keys (or one
+block, when blocks are larger), looking each key's block up in the table.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import triton.language as tl
 from workers.runtime.attention import PREFILL_BLOCK_M, PrefillTiles
 from workers.runtime.kernels.cache_views import CacheTensors, scale_args
 
+KEYS_PER_TILE = 64  # keys per loop iteration of both kernels (a multiple of the block size)
 # Read when triton.jit is: the interpreter computes a bf16/fp16 tl.dot wrongly, so it dots in float32.
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -40,6 +42,13 @@ def _load_kv(ptr, s_ptr, slots, kh, d, valid, dmask, stride_s, stride_h, sstride
         sc = tl.load(s_ptr + slots * sstride_s + kh, mask=valid, other=0.0)
         x = x * sc[:, None]
     return x.to(OUT)
+
+
+@triton.jit
+def _slots(table_ptr, kpos, valid, BLOCK_SIZE: tl.constexpr):
+    """Cache slots of positions ``kpos`` of the sequence whose block table row starts at table_ptr."""
+    block = tl.load(table_ptr + kpos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+    return block * BLOCK_SIZE + kpos % BLOCK_SIZE
 
 
 @triton.jit
@@ -70,7 +79,7 @@ def _attend_block(q, k, v, s_mask, m_i, l_i, acc, scale, IEEE: tl.constexpr):
 def _decode_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, lens_ptr, o_ptr, scale,
                    stride_qt, stride_qh, stride_ks, stride_kh, stride_ss, stride_bt, stride_ot, stride_oh,
                    G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                   BLOCK_SIZE: tl.constexpr, KIND: tl.constexpr, IEEE: tl.constexpr):
+                   BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, KIND: tl.constexpr, IEEE: tl.constexpr):
     # One program per (sequence, kv head): the G query heads sharing that kv head are the tile's rows.
     b = tl.program_id(0)
     kh = tl.program_id(1)
@@ -85,12 +94,11 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, lens_ptr, o_ptr,
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    offs = tl.arange(0, BLOCK_SIZE)
-    for j in range(0, tl.cdiv(length, BLOCK_SIZE)):
-        block = tl.load(bt_ptr + b * stride_bt + j).to(tl.int64)
-        kpos = j * BLOCK_SIZE + offs
+    offs = tl.arange(0, BLOCK_N)
+    for j in range(0, tl.cdiv(length, BLOCK_N)):
+        kpos = j * BLOCK_N + offs
         valid = kpos < length
-        slots = block * BLOCK_SIZE + offs
+        slots = _slots(bt_ptr + b * stride_bt, kpos, valid, BLOCK_SIZE)
         k = _load_kv(k_ptr, ks_ptr, slots, kh, d, valid, dmask, stride_ks, stride_kh, stride_ss,
                      KIND, q_ptr.dtype.element_ty)
         v = _load_kv(v_ptr, vs_ptr, slots, kh, d, valid, dmask, stride_ks, stride_kh, stride_ss,
@@ -106,7 +114,7 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, t_seq_ptr, t_st
                     t_pos_ptr, o_ptr, scale,
                     stride_qt, stride_qh, stride_ks, stride_kh, stride_ss, stride_bt, stride_ot, stride_oh,
                     G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_SIZE: tl.constexpr, KIND: tl.constexpr, IEEE: tl.constexpr):
+                    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, KIND: tl.constexpr, IEEE: tl.constexpr):
     # One program per (tile of up to BLOCK_M consecutive prompt tokens of one sequence, query head).
     tile = tl.program_id(0)
     h = tl.program_id(1)
@@ -127,12 +135,11 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, t_seq_ptr, t_st
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    offs = tl.arange(0, BLOCK_SIZE)
-    for j in range(0, tl.cdiv(kv_len, BLOCK_SIZE)):
-        block = tl.load(bt_ptr + seq * stride_bt + j).to(tl.int64)
-        kpos = j * BLOCK_SIZE + offs
+    offs = tl.arange(0, BLOCK_N)
+    for j in range(0, tl.cdiv(kv_len, BLOCK_N)):
+        kpos = j * BLOCK_N + offs
         valid = kpos < kv_len
-        slots = block * BLOCK_SIZE + offs
+        slots = _slots(bt_ptr + seq * stride_bt, kpos, valid, BLOCK_SIZE)
         k = _load_kv(k_ptr, ks_ptr, slots, kh, d, valid, dmask, stride_ks, stride_kh, stride_ss,
                      KIND, q_ptr.dtype.element_ty)
         v = _load_kv(v_ptr, vs_ptr, slots, kh, d, valid, dmask, stride_ks, stride_kh, stride_ss,
@@ -144,12 +151,17 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, t_seq_ptr, t_st
              out.to(o_ptr.dtype.element_ty), mask=mmask[:, None] & dmask[None, :])
 
 
+def _tile(block_size: int) -> int:
+    """Keys per loop iteration: several cache blocks at once (fewer dependent iterations per program)."""
+    return max(KEYS_PER_TILE, block_size)
+
+
 def _check(q: torch.Tensor, cache: CacheTensors, block_size: int) -> tuple[int, int, int]:
     heads, head_dim = q.shape[1], q.shape[2]
     kv_heads = cache.k.shape[1]
-    if heads % kv_heads or q.stride(2) != 1 or block_size < 16 or block_size & (block_size - 1):
+    if heads % kv_heads or q.stride(2) != 1 or block_size < 1 or block_size & (block_size - 1):
         raise ValueError(f"paged attention needs heads ({heads}) a multiple of kv heads ({kv_heads}), "
-                         f"unit stride on head_dim and a power-of-two block size >= 16 (got {block_size})")
+                         f"unit stride on head_dim and a power-of-two block size (got {block_size})")
     return heads // kv_heads, head_dim, triton.next_power_of_2(head_dim)
 
 
@@ -165,7 +177,8 @@ def paged_decode_attention(q: torch.Tensor, cache: CacheTensors, block_tables: t
         q.stride(0), q.stride(1), cache.k.stride(0), cache.k.stride(1), ks.stride(0), block_tables.stride(0),
         out.stride(0), out.stride(1),
         G=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=head_dim, BLOCK_D=block_d,
-        BLOCK_SIZE=block_size, KIND=cache.kind, IEEE=_INTERPRETED or q.dtype == torch.float32)
+        BLOCK_SIZE=block_size, BLOCK_N=_tile(block_size), KIND=cache.kind,
+        IEEE=_INTERPRETED or q.dtype == torch.float32)
 
 
 def paged_prefill_attention(q: torch.Tensor, cache: CacheTensors, block_tables: torch.Tensor,
@@ -182,4 +195,4 @@ def paged_prefill_attention(q: torch.Tensor, cache: CacheTensors, block_tables: 
         q.stride(0), q.stride(1), cache.k.stride(0), cache.k.stride(1), ks.stride(0), block_tables.stride(0),
         out.stride(0), out.stride(1),
         G=group, D=head_dim, BLOCK_D=block_d, BLOCK_M=PREFILL_BLOCK_M, BLOCK_SIZE=block_size,
-        KIND=cache.kind, IEEE=_INTERPRETED or q.dtype == torch.float32)
+        BLOCK_N=_tile(block_size), KIND=cache.kind, IEEE=_INTERPRETED or q.dtype == torch.float32)

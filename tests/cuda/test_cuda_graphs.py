@@ -1,0 +1,109 @@
+"""CUDA graphs keep a sequence's tokens what they are alone: in a padded bucket, with sequences joining
+and leaving, and past the largest bucket (eager, said in a debug log). The KV pool follows
+gpu_memory_utilization."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from engine_helpers import assert_no_leaks, run_to_completion
+from tests.cuda.helpers import CUDA
+from workers.runtime.engine import Engine, EngineConfig
+from workers.runtime.loader import load_model
+from workers.runtime.sampler import SamplingParams
+
+pytestmark = [*CUDA, pytest.mark.transformers]
+
+PROMPTS = [[1, 17, 250, 3, 99, 41, 7], [5, 6, 7], [9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 11, 12, 13, 14, 15, 16, 17, 18],
+           [100, 200, 300], [42] * 25]
+MAX_TOKENS = [12, 20, 8, 16, 10]
+
+
+@pytest.fixture(scope="module")
+def model(tiny_hf):
+    return load_model(tiny_hf("llama-gqa"), device="cuda", require_tokenizer=False).model
+
+
+def _engine(model, **config) -> Engine:
+    return Engine(model, None, EngineConfig(device="cuda", kv_cache_bytes=1 << 26, max_num_seqs=8, **config))
+
+
+def _params(i: int) -> SamplingParams:
+    return SamplingParams(max_tokens=MAX_TOKENS[i], temperature=0.0, ignore_eos=True)
+
+
+def _tokens(outs: dict[str, list]) -> dict[str, list[int]]:
+    return {rid: [t for o in seq for t in o.new_token_ids] for rid, seq in outs.items()}
+
+
+@pytest.fixture(scope="module")
+def solo(model) -> dict[str, list[int]]:
+    want = {}
+    for i, p in enumerate(PROMPTS):
+        engine = _engine(model, cuda_graphs=False)
+        engine.add_request(str(i), p, _params(i))
+        want.update(_tokens(run_to_completion(engine)))
+    return want
+
+
+def test_padded_bucket_gives_the_solo_tokens(model, solo) -> None:
+    engine = _engine(model)
+    for i in range(3):  # three sequences decode in the bucket of 4: one padded row
+        engine.add_request(str(i), PROMPTS[i], _params(i))
+    got = _tokens(run_to_completion(engine))
+    assert engine.graphs is not None and engine.graphs.replays > 0
+    assert got == {str(i): solo[str(i)] for i in range(3)}
+    assert_no_leaks(engine)
+
+
+def test_joining_and_leaving_give_the_solo_tokens(model, solo) -> None:
+    engine = _engine(model)
+    got: dict[str, list[int]] = {}
+    pending = list(range(len(PROMPTS)))
+    step = 0
+    while pending or engine.has_unfinished():
+        if pending and step % 3 == 0:  # a newcomer every third step, while others finish at their lengths
+            i = pending.pop(0)
+            engine.add_request(str(i), PROMPTS[i], _params(i))
+        for out in engine.step():
+            got.setdefault(out.request_id, []).extend(out.new_token_ids)
+        step += 1
+    assert engine.graphs is not None and engine.graphs.replays > 0
+    assert got == solo
+    assert_no_leaks(engine)
+
+
+def test_past_the_largest_bucket_runs_eager_and_says_so(model, solo, caplog) -> None:
+    engine = _engine(model, cuda_graph_max_batch=2)
+    assert engine.graphs is not None and engine.graphs.buckets == (1, 2)
+    for i in range(4):
+        engine.add_request(str(i), PROMPTS[i], _params(i))
+    with caplog.at_level(logging.DEBUG, logger="workers.runtime.cuda_graphs"):
+        got = _tokens(run_to_completion(engine))
+    assert got == {str(i): solo[str(i)] for i in range(4)}
+    assert any("past the largest CUDA graph bucket (2): running eager" in r.message for r in caplog.records)
+    assert engine.graphs.replays > 0  # once two of them finished, the rest replays the graphs again
+
+
+def test_int8_cache_layers_run_in_the_graphs(model) -> None:
+    want = _engine(model, cuda_graphs=False, kv_cache_dtype="int8")
+    got = _engine(model, kv_cache_dtype="int8")
+    for engine in (want, got):
+        for i in range(3):
+            engine.add_request(str(i), PROMPTS[i], _params(i))
+    assert _tokens(run_to_completion(got)) == _tokens(run_to_completion(want))
+
+
+def test_kv_pool_is_sized_from_free_memory(model) -> None:
+    sizes = {}
+    for util in (0.3, 0.6):
+        torch.cuda.empty_cache()
+        engine = Engine(model, None, EngineConfig(device="cuda", gpu_memory_utilization=util, max_num_seqs=4))
+        free, total = torch.cuda.mem_get_info()
+        sizes[util] = engine.cache.nbytes
+        assert total - free <= util * total + 512 * 2**20, "the engine took more than gpu_memory_utilization"
+        del engine
+    assert sizes[0.6] > sizes[0.3] + 0.25 * torch.cuda.mem_get_info()[1]

@@ -28,7 +28,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterator
+from typing import Iterator
 
 import grpc
 import torch
@@ -45,10 +45,8 @@ from kvtransfer.layout import KVLayout
 from kvtransfer.reused_threads import ReusedThreads
 from kvtransfer.shm import SharedSegment, ShmError
 from kvtransfer.staging import wait_for_current
+from kvtransfer.stream_context import StreamContext
 from kvtransfer.wire import OPEN_BULK_METHOD, PROTOCOL_VERSION, PUSH_METHOD, encode_control, pb
-
-if TYPE_CHECKING:
-    from kvtransfer.sender import KVSender
 
 _BULK_WRITERS = ReusedThreads("kv-bulk-write")  # one per bulk TCP stream while it sends
 
@@ -76,9 +74,9 @@ class PushResult:
 
 
 class KVStream:
-    def __init__(self, sender: KVSender, target: str, request_id: str, layout: KVLayout, num_tokens: int,
+    def __init__(self, ctx: StreamContext, target: str, request_id: str, layout: KVLayout, num_tokens: int,
                  timeout_s: float, transport: str) -> None:
-        self.sender = sender
+        self.ctx = ctx
         self.request_id = request_id
         self.layout = layout
         self.num_tokens = num_tokens
@@ -90,7 +88,7 @@ class KVStream:
         self._failed = threading.Event()
         self._error: TransferFailed | None = None
         self._finished = False
-        self._budget = ByteBudget(sender.stream_budget_bytes)
+        self._budget = ByteBudget(ctx.sizes.stream_budget)
         self._seq = 0  # chunks handed to gRPC
         self._submitted = 0  # chunks numbered (their seq) and queued, in queue order
         self._order = threading.Lock()
@@ -104,10 +102,10 @@ class KVStream:
         self._written: threading.Event | None = None  # under TLS: set when the writer is done (BulkCall reads after)
         self.target = target
         hs = pb.PushHandshake(protocol_version=PROTOCOL_VERSION, request_id=request_id, layout=layout.to_proto(),
-                              num_tokens=num_tokens, transport=pb.TRANSPORT_GRPC, sender_host=sender.host)
+                              num_tokens=num_tokens, transport=pb.TRANSPORT_GRPC, sender_host=ctx.host)
         if transport == "shm":
             try:
-                self._segment = sender.segments.take(self._segment_size())
+                self._segment = ctx.segments.take(self._segment_size())
             except ShmError as exc:
                 raise TransferFailed(f"cannot use shared memory: {exc}") from None
             hs.transport = pb.TRANSPORT_SHARED_MEMORY
@@ -135,25 +133,25 @@ class KVStream:
             self._future.add_done_callback(self._on_done)
             _BULK_WRITERS.submit(self._write_bulk)
         else:
-            call = sender.channel(target).stream_unary(PUSH_METHOD, request_serializer=None,
+            call = ctx.channel(target).stream_unary(PUSH_METHOD, request_serializer=None,
                                                        response_deserializer=pb.PushAck.FromString)
             self._future = call.future(self._messages(), timeout=timeout_s,
-                                       metadata=sender.security.call_metadata())
+                                       metadata=ctx.security.call_metadata())
             self._future.add_done_callback(self._on_done)
 
     def _open_bulk(self, target: str, timeout_s: float) -> BulkConnection:
-        channel = self.sender.channel(target)
+        channel = self.ctx.channel(target)
 
         def ticket(timeout: float) -> "pb.BulkTicket":
             call = channel.unary_unary(OPEN_BULK_METHOD, request_serializer=None,
                                        response_deserializer=pb.BulkTicket.FromString)
             try:
-                return call(b"", timeout=timeout, metadata=self.sender.security.call_metadata())
+                return call(b"", timeout=timeout, metadata=self.ctx.security.call_metadata())
             except grpc.RpcError as exc:
                 raise self._as_failure(exc) from None
 
         try:
-            return self.sender.bulk.take(target, ticket, min(timeout_s, 10.0))
+            return self.ctx.bulk.take(target, ticket, min(timeout_s, 10.0))
         except BulkError as exc:
             code = grpc.StatusCode.DEADLINE_EXCEEDED if exc.kind == "timeout" else grpc.StatusCode.UNAVAILABLE
             raise TransferFailed(f"cannot open the bulk TCP connection to {target}: {exc}", code) from None
@@ -161,12 +159,12 @@ class KVStream:
     def _control_connection(self, target: str, timeout_s: float) -> BulkConnection | None:
         """A shm push's bulk connection for its control messages, or None to send them on gRPC (the
         receiver has no bulk listener, or could not give a connection lately)."""
-        if not self.sender.bulk_control_usable(target):
+        if not self.ctx.bulk_control.usable(target):
             return None
         try:
             return self._open_bulk(target, timeout_s)
         except TransferFailed as exc:
-            self.sender.bulk_control_failed(target, exc)
+            self.ctx.bulk_control.failed(target, exc)
             return None
 
     def _segment_size(self) -> int:
@@ -195,8 +193,8 @@ class KVStream:
         one = self.layout.block_shape(1)  # chunks are sized by what goes on the wire, not the input dtype
         per_block = max(1, chunk_nbytes(codec, one))
         segment = self._segment
-        chunk_bytes = (self.sender.shm_chunk_bytes if segment is not None else
-                       self.sender.bulk_chunk_bytes if self._bulk is not None else self.sender.max_chunk_bytes)
+        chunk_bytes = (self.ctx.sizes.shm if segment is not None else
+                       self.ctx.sizes.bulk if self._bulk is not None else self.ctx.sizes.grpc)
         step = max(1, chunk_bytes // per_block)
         if n:
             step = -(-n // -(-n // step))  # the same number of chunks, evenly sized (no runt last chunk)
@@ -206,7 +204,7 @@ class KVStream:
             cost = k.nbytes + v.nbytes
             self._budget.acquire(cost, self.deadline, self._failed)
             try:
-                self.sender._budget.acquire(cost, self.deadline, self._failed)
+                self.ctx.budget.acquire(cost, self.deadline, self._failed)
             except TransferFailed:
                 self._budget.release(cost)
                 raise
@@ -219,17 +217,17 @@ class KVStream:
                     offset = -1
                     if segment is not None:
                         offset = self._reserve(segment, codec, tuple(k.shape))
-                    if cost <= self.sender.inline_build_bytes:  # built by the sending thread (_messages)
+                    if cost <= self.ctx.sizes.inline_build:  # built by the sending thread (_messages)
                         job = functools.partial(self._build, seq, layer, first_block + i, codec, k, v, segment,
                                                 offset, ready)
                     else:
-                        job = self.sender.encoders.submit(self._build, seq, layer, first_block + i, codec, k, v,
+                        job = self.ctx.encoders.submit(self._build, seq, layer, first_block + i, codec, k, v,
                                                           segment, offset, ready)
                     self._submitted += 1
                     self._queue.put(("layer", job, cost))
             except BaseException:
                 self._budget.release(cost)
-                self.sender._budget.release(cost)
+                self.ctx.budget.release(cost)
                 raise
 
     def finish(self, first_token: int) -> PushResult:
@@ -268,6 +266,11 @@ class KVStream:
     def failed(self) -> bool:
         return self._failed.is_set()
 
+    @property
+    def error(self) -> TransferFailed | None:
+        """Why the stream failed, once it has (None while it has not)."""
+        return self._error if self._failed.is_set() else None
+
     def _raise_if_failed(self) -> None:
         if self._failed.is_set():
             raise self._error or TransferFailed("transfer failed")
@@ -294,7 +297,7 @@ class KVStream:
         if self._segment is not None:
             # Reuse only after a clean ack: after a failure the receiver may still be reading it.
             if err is None:
-                self.sender.segments.give(self._segment)
+                self.ctx.segments.give(self._segment)
             else:
                 self._segment.close()
             self._segment = None
@@ -314,7 +317,7 @@ class KVStream:
                 if item.done() and not item.cancelled() and item.exception() is None:
                     self._give_back(item.result())
             self._budget.release(cost)
-            self.sender._budget.release(cost)
+            self.ctx.budget.release(cost)
 
     def _settle_bulk(self, acked: bool) -> None:
         """Hand the bulk connection back once (reused only after a clean ack: after a failure it may
@@ -325,7 +328,7 @@ class KVStream:
                 return
             self._bulk_settled = True
             if acked:
-                self.sender.bulk.give(self.target, bulk)
+                self.ctx.bulk.give(self.target, bulk)
             else:
                 bulk.interrupt(self)
 
@@ -393,7 +396,7 @@ class KVStream:
                 yield message
             finally:
                 self._budget.release(cost)
-                self.sender._budget.release(cost)
+                self.ctx.budget.release(cost)
 
     def _fail_encoding(self, exc: Exception) -> None:
         if self._error is None:
@@ -404,7 +407,7 @@ class KVStream:
 
     def _give_back(self, built: _Built) -> None:
         if built.buffer is not None:
-            self.sender.buffers.give(built.buffer)
+            self.ctx.buffers.give(built.buffer)
 
     def _send_bulk(self, kind: int, parts: list) -> None:
         """Write one message to the bulk connection (on the stream's writer thread, which this keeps busy,
@@ -454,13 +457,13 @@ class KVStream:
                                                                                                 value)
                 return _Built(framed, chunk.checksum, nbytes, logical)
             size = chunk_nbytes(codec, tuple(key.shape))
-            buf = self.sender.buffers.take(size) if on_host else self.sender.pinned.take(size)
+            buf = self.ctx.buffers.take(size) if on_host else self.ctx.pinned.take(size)
             parts, nbytes = frame_chunk_into(chunk, codec, key, value, buf, ready)
             if self._bulk is not None:
                 return _Built(parts, chunk.checksum, nbytes, logical, buf)  # sent from buf, then given back
             message = b"".join(parts)  # gRPC sends bytes: buf is free again once joined
             del parts
-            (self.sender.buffers if on_host else self.sender.pinned).give(buf)
+            (self.ctx.buffers if on_host else self.ctx.pinned).give(buf)
             return _Built(message, chunk.checksum, nbytes, logical)
         # Shared memory: encoded straight into the segment; the message only says where.
         nbytes = chunk_nbytes(codec, tuple(key.shape))

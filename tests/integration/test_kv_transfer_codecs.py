@@ -203,8 +203,8 @@ def test_a_refused_push_gives_back_all_the_senders_budget(rig, transport: str,  
                     stream.send_layer(layer, 0, keys, keys)  # dozens of chunks queued behind the handshake
                 stream.finish(0)
             deadline = time.monotonic() + 5
-            while sender._budget.used and time.monotonic() < deadline:
+            while sender.budget.used and time.monotonic() < deadline:
                 time.sleep(0.01)
-            assert sender._budget.used == 0, f"{sender._budget.used} bytes of the sender budget never came back"
+            assert sender.budget.used == 0, f"{sender.budget.used} bytes of the sender budget never came back"
     finally:
         sender.close()

@@ -55,7 +55,7 @@ class LayerStreamer:
 
     def failed(self, request_id: str) -> TransferFailed | None:
         act = self._active.get(request_id)
-        return None if act is None else act.error or (act.stream._error if act.stream.failed else None)
+        return None if act is None else act.error or act.stream.error
 
     def finish(self, request_id: str, first_token: int) -> PushResult:
         with self._lock:

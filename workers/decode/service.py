@@ -2,7 +2,8 @@
 
 A request's life here:
   1. Reserve   the prompt is checked and blocks are held; the KV receiver expects exactly one push
-               into them before the deadline. Refused with RESOURCE_EXHAUSTED when the pool is full now,
+               into them before the deadline. ``Holds`` tells a prefill worker, before it computes,
+               whether that reservation exists. Refused with RESOURCE_EXHAUSTED when the pool is full now,
                INVALID_ARGUMENT when the request could never fit in it.
   2. (push)    a prefill worker streams the KV into the blocks (kvtransfer.receiver).
   3. Generate  waits for the push, joins the sequence to the running batch with prefill's first
@@ -127,6 +128,14 @@ class DecodeService(wgrpc.DecodeWorkerServicer):
         except EngineError as exc:
             context.abort(status_code_for(exc), str(exc))
         yield from stream_tokens(self.loop, rid, q, len(pending.prompt), context)
+
+    def Holds(self, request: "wpb.HoldsRequest", context: grpc.ServicerContext) -> "wpb.HoldsReply":
+        """Whether a reservation here still waits for the request's KV, and its blocks."""
+        with self._lock:
+            pending = self._pending.get(request.request_id)
+        if pending is None or pending.outcome is not None or pending.deadline <= time.monotonic():
+            return wpb.HoldsReply(held=False)
+        return wpb.HoldsReply(held=True, num_blocks=len(pending.reservation.blocks))
 
     def Abort(self, request: "wpb.AbortRequest", context: grpc.ServicerContext) -> "wpb.AbortReply":
         rid = request.request_id

@@ -2,7 +2,8 @@
 
 A request's life here:
   1. Prefill   (with images) waits for the encode worker's embeddings, pushed to this worker's
-               PushEmbeddings service; then opens the KV stream to the decode worker named in the
+               PushEmbeddings service; asks the decode worker named in the request whether it holds
+               the reservation (``Holds``: refused before any compute when not); then opens the KV stream to the decode worker named in the
                request, queues the prompt, and streams each layer's blocks as prefill computes them.
   2. reply     the first token, once the decode worker acknowledged every block.
   A refused or broken transfer, a timeout or a client that goes away aborts the prompt and the
@@ -109,6 +110,7 @@ class PrefillService(wgrpc.PrefillWorkerServicer):
         kv_error: str | None = "did not finish"
         from_loop = False  # a LoopFailure is the engine's, not the transfer's
         try:
+            self._check_reservation(rid, request.kv_target, len(prompt), timeout)
             self.streamer.start(rid, request.kv_target, len(prompt), timeout)
             q = self.loop.submit(rid, prompt, first_params, mm)
             item = q.get(timeout=timeout)
@@ -152,6 +154,24 @@ class PrefillService(wgrpc.PrefillWorkerServicer):
                                 kv_logical_bytes=push.logical_bytes, transport=push.transport,
                                 kv_seconds=push.seconds, kv_layers=self.streamer.layout.num_layers,
                                 kv_codecs=kv_codec_stats(self.streamer.layout, len(prompt), push))
+
+    def _check_reservation(self, rid: str, target: str, num_tokens: int, timeout: float) -> None:
+        """The KV handshake first: TransferFailed before any compute when ``target`` holds no reservation
+        for ``rid`` (or cannot be asked)."""
+        stub = wgrpc.DecodeWorkerStub(self.sender.channel(target))
+        try:
+            reply = stub.Holds(wpb.HoldsRequest(request_id=rid, num_tokens=num_tokens),
+                               metadata=self.sender.security.call_metadata(), timeout=min(timeout, 10.0))
+        except grpc.RpcError as exc:
+            raise TransferFailed(f"cannot ask decode worker {target} for the reservation of {rid!r}: "
+                                 f"{exc.details() or exc.code().name}", exc.code()) from None
+        if not reply.held:
+            raise TransferFailed(f"decode worker {target} holds no reservation for {rid!r}; nothing was computed",
+                                 grpc.StatusCode.NOT_FOUND)
+        need = self.streamer.layout.blocks_for(num_tokens)
+        if reply.num_blocks != need:
+            raise TransferFailed(f"{num_tokens} tokens need {need} blocks; {reply.num_blocks} are reserved for "
+                                 f"{rid!r} on {target}; nothing was computed", grpc.StatusCode.OUT_OF_RANGE)
 
     def _complete(self, rid: str, prompt: list[int], params: SamplingParams, mm: MultimodalInput | None,
                   timeout: float, context: grpc.ServicerContext) -> "wpb.PrefillReply":

@@ -194,12 +194,19 @@ def build(settings: Settings) -> Deployment:
         registry = WorkerRegistry(conn, ttl=settings.redis.heartbeat_ttl_s)
         t = settings.transfer
         security = TransferSecurity(token=token, tls_ca=t.tls_ca, tls_cert=t.tls_cert, tls_key=t.tls_key)
-        dispatcher = Dispatcher(security, max_calls_per_worker=t.max_streams)  # the workers' stream budget
+        sch = settings.scheduler
+        dispatcher = Dispatcher(security, max_calls_per_worker=t.max_streams,  # the workers' stream budget
+                                keepalive_s=sch.keepalive_s, token_idle_timeout_s=sch.token_idle_timeout_s,
+                                first_token_timeout_s=sch.first_token_timeout_s)
         dep.add("the connections to the workers", dispatcher.close)
         from controlplane.state.journal import BackgroundJournal
         journal = BackgroundJournal(RequestJournal(conn))  # journal writes stay off the request path
         dep.add("the request journal (writing what it still holds to Redis)", journal.close)
-        scheduler = Scheduler(info, WorkerView(registry), dispatcher, get_policy(settings.scheduler.routing_policy),
+        # routing reads Redis with one bounded try per command; past it, its last good snapshot
+        route_conn = conn.with_budget(settings.redis.command_budget_s)
+        dep.add("the routing connection to Redis", route_conn.close)
+        route_view = WorkerView(WorkerRegistry(route_conn, ttl=settings.redis.heartbeat_ttl_s))
+        scheduler = Scheduler(info, route_view, dispatcher, get_policy(settings.scheduler.routing_policy),
                               settings.scheduler, journal, colocated=settings.mode == "colocated")
         keys = [k.get_secret_value() for k in settings.api.api_keys]
         fixed = not_needed or None

@@ -76,3 +76,8 @@ class Backend(Protocol):
     def ready(self) -> bool:
         """True when every pool has a ready replica."""
         ...
+
+    def degraded(self) -> str | None:
+        """Why the backend serves in a degraded way now (Redis stalled: routing on its last good snapshot;
+        workers routing avoids), or None."""
+        ...

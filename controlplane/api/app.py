@@ -65,7 +65,11 @@ def create_app(backend: Backend, api_keys: Sequence[str] = (), admin: APIRouter 
         except Exception:
             log.exception("backend.ready() failed")
             ok = False
-        return JSONResponse({"status": "ready" if ok else "not ready"}, status_code=200 if ok else 503)
+        body = {"status": "ready" if ok else "not ready"}
+        degraded = backend.degraded()
+        if degraded is not None:  # still serving (200 when ready), but an operator should know why it is odd
+            body["degraded"] = degraded
+        return JSONResponse(body, status_code=200 if ok else 503)
 
     v1 = APIRouter(prefix="/v1")
 

@@ -72,6 +72,19 @@ class Scheduler:
         except Exception:  # Redis unreachable and no snapshot yet: not ready
             return False
 
+    def degraded(self) -> str | None:
+        """Redis stalled (routing on its last good snapshot) and the workers routing avoids, or None."""
+        notes = []
+        d = self.view.degraded
+        if d is not None:
+            notes.append(f"Redis is degraded: routing on its last good snapshot for {self.view.clock() - d.since:.0f} s "
+                         f"({d.reason})")
+        suspects = self.health.suspects()
+        if suspects:
+            notes.append("suspect workers, not routed until a probe succeeds: " + ", ".join(
+                f"{s.worker_id} ({s.state.value}: {s.reason})" for s in suspects))
+        return "; ".join(notes) or None
+
     @property
     def waiting(self) -> int:
         return self.admission.waiting

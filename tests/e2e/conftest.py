@@ -47,6 +47,9 @@ class DispatchBackend:
     def ready(self) -> bool:
         return True
 
+    def degraded(self) -> str | None:
+        return None
+
     def generate(self, request: WorkerRequest) -> Iterator[Chunk]:
         tokens = self.tokens.setdefault(request.request_id, [])
         finished = False

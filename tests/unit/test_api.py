@@ -54,6 +54,7 @@ class FakeBackend:
         self.token_delay_s = 0.0
         self.gate: threading.Event | None = None  # the first chunk waits for it
         self.is_ready: bool | Exception = True
+        self.degraded_reason: str | None = None
         self.end_early = False  # stop without a finished chunk (a broken backend)
         self.produced = 0
         self.closed: list[str] = []  # request ids whose iterator was closed before it ended
@@ -62,6 +63,9 @@ class FakeBackend:
         if isinstance(self.is_ready, Exception):
             raise self.is_ready
         return self.is_ready
+
+    def degraded(self) -> str | None:
+        return self.degraded_reason
 
     def generate(self, request: WorkerRequest) -> Iterator[Chunk]:
         self.requests.append(request)
@@ -146,6 +150,9 @@ def test_health_ready_and_models(client: TestClient, backend: FakeBackend) -> No
     assert client.get("/ready").status_code == 503
     backend.is_ready = RuntimeError("redis is gone")
     assert client.get("/ready").status_code == 503
+    backend.is_ready, backend.degraded_reason = True, "Redis is degraded: routing on its last good snapshot"
+    ready = client.get("/ready")
+    assert ready.status_code == 200 and ready.json() == {"status": "ready", "degraded": backend.degraded_reason}
     models = client.get("/v1/models").json()
     assert models["object"] == "list" and [m["id"] for m in models["data"]] == [NAME]
     assert models["data"][0]["object"] == "model"

@@ -50,6 +50,7 @@ def parse_slo(items: list[str] | str | None) -> SLO:
     for token in tokens:
         name, sep, raw = token.partition(":")
         name = name.strip().lower()
+        name = "e2e" if name == "e2el" else name  # vLLM's spelling of end-to-end latency
         if not sep or name not in SLO_METRICS:
             raise BenchInputError(f"bad SLO {token!r}: expected METRIC:MS with METRIC one of "
                                   f"{', '.join(SLO_METRICS)} (e.g. ttft:200 tpot:50)")
@@ -167,6 +168,8 @@ class ServeBenchConfig:
     slo: SLO = field(default_factory=SLO)
     request_timeout_s: float = 600.0
     progress: bool = True
+    percentile_metrics: tuple[str, ...] = ("ttft", "tpot", "itl")  # vLLM's flat keys: which metrics
+    metric_percentiles: tuple[float, ...] = (99.0,)  # ... and which percentiles (p99_ttft_ms)
 
     def resolved_endpoint(self) -> Endpoint:
         if self.endpoint is not None:
@@ -189,5 +192,11 @@ class ServeBenchConfig:
             raise BenchInputError("--warmup must be >= 0")
         if self.request_timeout_s <= 0:
             raise BenchInputError("--request-timeout must be positive")
+        bad = [m for m in self.percentile_metrics if m not in ("ttft", "tpot", "itl", "e2el")]
+        if bad or not self.percentile_metrics:
+            raise BenchInputError(f"--percentile-metrics takes a comma list of ttft, tpot, itl, e2el (got "
+                                  f"{','.join(self.percentile_metrics) or 'nothing'})")
+        if not self.metric_percentiles or not all(0 < p < 100 for p in self.metric_percentiles):
+            raise BenchInputError("--metric-percentiles takes a comma list of numbers in (0, 100), e.g. 50,90,99")
         if self.dataset.name == "multimodal" and self.resolved_endpoint() != "chat":
             raise BenchInputError("--dataset multimodal sends images, which only --endpoint chat can carry")

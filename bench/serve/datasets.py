@@ -1,9 +1,11 @@
 """The prompts a benchmark sends: random, ShareGPT, prefix repetition, multimodal random.
 
 Each dataset yields ``BenchRequest``s, built up front from the seed so a rerun sends the same prompts.
-Lengths are in tokens. With ``--tokenizer`` (an HF folder or a ``tokenizer.json``) random prompts are random
+Lengths are in tokens. By default the server's own tokenizer counts them (``server_tokens.ServerTokens``
+over its /tokenize): a random prompt is then exactly ``--input-len`` tokens as the server counts it. With
+``--tokenizer`` (an HF folder or a ``tokenizer.json``) random prompts are random
 token ids decoded to text, re-encoded and trimmed, so their length is exact for that tokenizer (as vLLM
-does). Without one, a prompt of N "tokens" is N common English words, one token each in most BPE
+does). With neither (a server without /tokenize), a prompt of N "tokens" is N common English words, one token each in most BPE
 vocabularies; the server's ``usage.prompt_tokens`` then gives the real count, which the metrics use.
 """
 
@@ -203,8 +205,11 @@ _BUILDERS = {"random": random_requests, "prefix": prefix_requests, "multimodal":
              "sharegpt": sharegpt_requests}
 
 
-def build_requests(cfg: DatasetConfig, seed: int) -> list[BenchRequest]:
-    """``cfg.num_prompts`` requests, deterministic in ``seed``. Raises BenchInputError on bad input."""
+def build_requests(cfg: DatasetConfig, seed: int, src: TextSource | None = None) -> list[BenchRequest]:
+    """``cfg.num_prompts`` requests, deterministic in ``seed`` (and the source's tokenizer). ``src``: where
+    prompt text and lengths come from (default: ``--tokenizer``'s, else common words). Raises BenchInputError
+    on bad input."""
     cfg.validate()
-    src: TextSource = TokenizerSource(cfg.tokenizer) if cfg.tokenizer is not None else WordSource()
+    if src is None:
+        src = TokenizerSource(cfg.tokenizer) if cfg.tokenizer is not None else WordSource()
     return _BUILDERS[cfg.name](cfg, src, np.random.default_rng(seed))

@@ -1,6 +1,7 @@
 """Runs a benchmark: probe the server, warm it up, then drive each load point of the sweep.
 
 1. ``GET /v1/models``: the server is reachable, the key accepted, and (without ``--model``) the model named.
+   The prompts are built then, their lengths counted by the server's /tokenize (``server_tokens.py``).
 2. Warm-up: ``warmup`` requests (the dataset's first ones), not measured. If every one fails the run stops
    with the first reason (a wrong model name, key or endpoint fails every request the same way).
 3. Each rate of the sweep: send the dataset's requests at their arrival offsets (``arrivals.py``), at most
@@ -25,6 +26,8 @@ from bench.serve.client import build_body, headers_for, list_models, send_reques
 from bench.serve.config import BenchInputError, Endpoint, ServeBenchConfig, normalize_url
 from bench.serve.datasets import BenchRequest, build_requests
 from bench.serve.metrics import LoadPointMetrics, RequestOutcome, compute_metrics
+from bench.serve.server_tokens import ServerTokens, TokenizeUnavailable
+from bench.serve.vllm_keys import flat_keys
 
 
 RESULT_FORMAT = "epd-bench-serve/1"  # bumped when the JSON's shape changes
@@ -60,11 +63,16 @@ class BenchResult:
         out: dict[str, Any] = {"format": RESULT_FORMAT, "base_url": self.base_url, "model": self.model,
                                "endpoint": self.endpoint, "dataset": self.config.dataset.name,
                                "started_at": self.started_at, "config": cfg, "notes": self.notes, "points": []}
+        started = datetime.fromisoformat(self.started_at)
         for p in self.points:
-            entry = p.metrics.to_json()
+            flat = flat_keys(p.metrics, p.outcomes, self.config, self.model, self.endpoint, started)
+            entry = {**flat, **p.metrics.to_json()}  # vLLM's flat keys beside ours (same names, same values)
             if include_requests:
                 entry["requests"] = [_request_json(o) for o in p.outcomes]
             out["points"].append(entry)
+        if len(self.points) == 1:  # one load point: vLLM's keys at the top too, where its tools read them
+            out = {**flat_keys(self.points[0].metrics, self.points[0].outcomes, self.config, self.model,
+                               self.endpoint, started), **out}
         return out
 
 
@@ -133,7 +141,6 @@ async def arun_serve_bench(config: ServeBenchConfig) -> BenchResult:
     config.validate()
     base = normalize_url(config.url)
     endpoint = config.resolved_endpoint()
-    requests: list[BenchRequest] = build_requests(config.dataset, config.seed)
     headers = headers_for(config.api_key)
     timeout = httpx.Timeout(config.request_timeout_s, connect=min(10.0, config.request_timeout_s))
     # no pool cap: a request queued inside the client would have its wait counted as server latency
@@ -145,6 +152,7 @@ async def arun_serve_bench(config: ServeBenchConfig) -> BenchResult:
                              datetime.now(timezone.utc).isoformat(timespec="seconds"))
         if config.model is not None and models and config.model not in models:
             result.notes.append(f"model {config.model!r} is not among the server's models {models}")
+        requests = await asyncio.to_thread(_requests, config, base, model, headers, endpoint, result.notes)
         url = f"{base}/chat/completions" if endpoint == "chat" else f"{base}/completions"
         bodies = [(build_body(r, model, endpoint, temperature=config.temperature, ignore_eos=config.ignore_eos),
                    r.prompt_len) for r in requests]
@@ -174,6 +182,27 @@ async def arun_serve_bench(config: ServeBenchConfig) -> BenchResult:
                                       max_concurrency=config.concurrency, burstiness=config.burstiness)
             result.points.append(LoadPoint(metrics, outcomes))
     return result
+
+
+def _requests(config: ServeBenchConfig, base: str, model: str, headers: dict[str, str], endpoint: Endpoint,
+              notes: list[str]) -> list[BenchRequest]:
+    """The prompts, their lengths counted by the server's tokenizer (its /tokenize) unless ``--tokenizer``
+    is given; a server without /tokenize gets word prompts of approximate length, and a note says so."""
+    if config.dataset.tokenizer is not None:
+        return build_requests(config.dataset, config.seed)
+    try:
+        whole = config.dataset.name in ("random", "sharegpt")  # a whole prompt is one text: count it whole
+        src = ServerTokens(base.removesuffix("/v1"), model, headers, endpoint, config.request_timeout_s, whole)
+    except TokenizeUnavailable as exc:
+        notes.append(f"exact prompt lengths need the server's /tokenize or --tokenizer ({exc}); prompts are "
+                     f"common words, about one token each")
+        return build_requests(config.dataset, config.seed)
+    try:
+        return build_requests(config.dataset, config.seed, src)
+    except TokenizeUnavailable as exc:
+        raise BenchInputError(f"the server's /tokenize failed while building prompts: {exc}") from None
+    finally:
+        src.close()
 
 
 def run_serve_bench(config: ServeBenchConfig) -> BenchResult:

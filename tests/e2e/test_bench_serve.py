@@ -43,7 +43,7 @@ def _counters(base_url: str) -> dict[str, float]:
         if family.type == "counter":
             for s in family.samples:
                 if s.name.endswith("_total"):
-                    labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
+                    labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "model_name")
                     out[f"{s.name}{{{labels}}}"] = s.value
     return out
 
@@ -162,6 +162,9 @@ async def _handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, po
             body = json.dumps({"object": "list", "data": [{"id": "flaky", "object": "model"}]}).encode()
             writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nConnection: close\r\n"
                          b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            return
+        if not path.startswith("/v1/"):  # /tokenize: this server has none (the bench falls back to word prompts)
+            writer.write(b"HTTP/1.1 404 Not Found\r\nConnection: close\r\nContent-Length: 0\r\n\r\n")
             return
         kind = len(posts) % 4
         posts.append(kind)

@@ -9,13 +9,14 @@ TORCH_SPEC := torch==2.13.0
 STAMP := $(VENV)/.epd-installed
 PYTEST_ARGS ?=
 
-.PHONY: serve demo test test-unit test-integration test-e2e bench setup test-setup redis chromium clean help
+.PHONY: serve demo test test-unit test-integration test-e2e bench gpu-check gpu-deps setup test-setup redis chromium clean help
 
 help:
 	@echo "make serve   set up, then run epd serve (Redis, Ray, three pools, API on 127.0.0.1:8000)"
 	@echo "make demo    set up, then generate from PROMPT with the engine alone"
 	@echo "make test    set up, then run the whole test suite"
 	@echo "make bench   set up, then run the engine benchmark (epd bench engine)"
+	@echo "make gpu-check  on a CUDA machine, offline: the CUDA tests, HF parity and the GPU benchmark"
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -92,6 +93,14 @@ test-unit: setup
 
 bench: setup
 	$(VENV)/bin/epd bench engine
+
+# On a GPU machine with no package registry: the system python (GPU_CHECK_PYTHON), never the .venv or
+# pip; see scripts/gpu_check.sh. `make gpu-deps` (where a registry is reachable) fetches what it lacks.
+gpu-check:
+	bash scripts/gpu_check.sh
+
+gpu-deps: | $(PY)
+	PIP=$(VENV)/bin/pip bash scripts/gpu_deps.sh
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -22,7 +22,7 @@ from typing import Callable
 
 import torch
 
-from workers.runtime.engine import DTYPES, Engine, EngineConfig
+from workers.runtime.engine import DEFAULT_KV_CACHE_BYTES, DTYPES, Engine, EngineConfig
 from workers.runtime.loader import LoadedModel, load_model
 from workers.runtime.sampler import SamplingParams
 
@@ -114,6 +114,9 @@ def run(args: argparse.Namespace) -> int:
     batches = int_list(args.batches, "--batches")
     lengths = int_list(args.prefill_lengths, "--prefill-lengths")
     check_positive(args, "--decode-tokens", "--repeats")
+    if torch.device(args.device).type == "cuda":
+        from bench.gpu_engine_bench import run_cuda
+        return run_cuda(args, batches, lengths)
     if args.threads:
         torch.set_num_threads(args.threads)
     path = model_dir(args.model)
@@ -146,12 +149,13 @@ def run(args: argparse.Namespace) -> int:
         rows.append(Row(f"prefill {n} tokens", n / secs, f"HF forward {n} tokens", ref))
 
     probe = Engine(bundle.model, None, cfg)
+    budget = cfg.kv_cache_bytes or DEFAULT_KV_CACHE_BYTES
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     meta = {"model": str(path), "params": sum(p.numel() for p in bundle.model.parameters()),
             "dtype": args.dtype, "device": args.device, "threads": torch.get_num_threads(),
             "torch": torch.__version__, "cpu": platform.processor() or platform.machine(),
             "decode_tokens": tokens, "repeats": args.repeats, "kv_pool_bytes": probe.cache.nbytes,
-            "kv_budget_bytes": cfg.kv_cache_bytes, "peak_rss_bytes": peak_rss}
+            "kv_budget_bytes": budget, "peak_rss_bytes": peak_rss}
     print(f"model {path.name}: {meta['params'] / 1e6:.1f}M params, {args.dtype}, {meta['threads']} threads, "
           f"torch {torch.__version__}")
     print(f"{'figure':<22}{'epd tok/s':>12}  {'reference':<24}{'ref tok/s':>12}{'ratio':>9}")
@@ -159,7 +163,7 @@ def run(args: argparse.Namespace) -> int:
         ref = f"{r.ref_tok_s:12.1f}" if r.ref_tok_s else f"{'-':>12}"
         ratio = f"{r.ratio:8.2f}x" if r.ratio else f"{'-':>9}"
         print(f"{r.name:<22}{r.epd_tok_s:12.1f}  {r.ref_name:<24}{ref}{ratio}")
-    print(f"KV pool {probe.cache.nbytes / 2**20:.1f} MiB of a {cfg.kv_cache_bytes / 2**20:.0f} MiB budget; "
+    print(f"KV pool {probe.cache.nbytes / 2**20:.1f} MiB of a {budget / 2**20:.0f} MiB budget; "
           f"peak RSS {peak_rss / 2**20:.0f} MiB")
     if args.json:
         args.json.write_text(json.dumps({"meta": meta, "rows": [asdict(r) | {"ratio": r.ratio} for r in rows]},

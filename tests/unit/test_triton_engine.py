@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import tests.unit.triton_env  # noqa: F401  (sets TRITON_INTERPRET before the kernels are imported)
+from tests.unit.triton_env import DEVICE  # first: sets TRITON_INTERPRET before the kernels are imported
 from engine_helpers import assert_no_leaks, run_to_completion
 from workers.runtime.engine import Engine, EngineConfig
 from workers.runtime.loader import load_model
@@ -20,7 +20,7 @@ PROMPTS = [[1, 17, 250, 3, 99, 41, 7, 300, 12, 56, 88, 190, 4], [5, 6, 7], [9, 8
 
 
 def _run(model, **config) -> dict[str, list]:
-    engine = Engine(model, None, EngineConfig(kv_cache_bytes=1 << 20, max_num_seqs=4, **config))
+    engine = Engine(model, None, EngineConfig(device=str(DEVICE), kv_cache_bytes=1 << 20, max_num_seqs=4, **config))
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, return_logits=True)
     for i, p in enumerate(PROMPTS):
         engine.add_request(f"r{i}", p, params)
@@ -31,7 +31,7 @@ def _run(model, **config) -> dict[str, list]:
 
 @pytest.mark.parametrize("kind,cache_dtype,chunk", [("llama-gqa", "auto", 6), ("qwen2", "int8", 512)])
 def test_kernel_path_gives_the_torch_path_tokens(tiny_hf, kind: str, cache_dtype: str, chunk: int) -> None:
-    model = load_model(tiny_hf(kind), require_tokenizer=False).model
+    model = load_model(tiny_hf(kind), device=str(DEVICE), require_tokenizer=False).model
     want = _run(model, kernels="torch", kv_cache_dtype=cache_dtype, prefill_chunk_size=chunk)
     got = _run(model, kernels="triton", kv_cache_dtype=cache_dtype, prefill_chunk_size=chunk)
     assert got.keys() == want.keys()

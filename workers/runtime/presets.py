@@ -28,7 +28,7 @@ class SizePreset:
     num_kv_heads: int
     intermediate_size: int
     vocab_size: int = 32000
-    max_position_embeddings: int = 2048
+    max_position_embeddings: int = 4096  # TinyLlama has 2048; 4096 lets a 2,048-token prompt decode too
 
     def config(self, bos_token_id: int, eos_token_ids: tuple[int, ...]) -> ModelConfig:
         return ModelConfig(

@@ -1,0 +1,193 @@
+"""``epd bench engine --device cuda``: the engine on a GPU beside transformers on the same GPU.
+
+Same checkpoint, dtype and GPU, same run; every timer is bracketed by ``torch.cuda.synchronize``.
+Figures (each the best of ``--repeats``):
+  roofline  weight bytes a decode step reads (every parameter but the embedding table, which is only
+            gathered from) over the device's copy rate measured here (a device-to-device copy moves
+            each byte twice, read and write: that bus rate is the one a weight read runs at);
+  decode    aggregate tokens/s at each ``--batches`` size (prefill excluded), vs transformers
+            ``generate()`` at the same batch (its one-token run subtracted the same way); batch 1
+            is also shown as a share of the roofline;
+  prefill   prompt tokens/s of one ``--prefill-lengths`` prompt, vs one transformers forward;
+and the KV pool's size, peak GPU memory and the CUDA graphs' capture time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable
+
+import torch
+
+from workers.runtime.engine import DTYPES, Engine, EngineConfig
+from workers.runtime.loader import load_model
+from workers.runtime.sampler import SamplingParams
+
+PROMPT_TOKENS = 32
+
+
+@dataclass
+class GpuRow:
+    name: str
+    epd_tok_s: float
+    ref_name: str
+    ref_tok_s: float | None
+
+    @property
+    def ratio(self) -> float | None:
+        return self.epd_tok_s / self.ref_tok_s if self.ref_tok_s else None
+
+
+def _timed(fn: Callable[[], object]) -> float:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def _best(fn: Callable[[], float], repeats: int) -> float:
+    return min(fn() for _ in range(repeats))
+
+
+def copy_rate(device: torch.device, nbytes: int = 2**30, repeats: int = 10) -> float:
+    """Bytes/s a device-to-device copy of ``nbytes`` moves one way (the bus carries twice this)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    secs = _best(lambda: _timed(lambda: dst.copy_(src)), repeats)
+    del src, dst
+    torch.cuda.empty_cache()
+    return nbytes / secs
+
+
+def decode_weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the parameters one decode step reads: all of them, once, but the embedding table
+    (unless tied to the LM head, which reads it whole)."""
+    embed = model.embed_tokens.weight  # type: ignore[union-attr]
+    lm_head = model.lm_head.weight  # type: ignore[union-attr]
+    seen: set[int] = set()
+    total = 0
+    for p in model.parameters():
+        if id(p) in seen or (p is embed and p is not lm_head):
+            continue
+        seen.add(id(p))
+        total += p.numel() * p.element_size()
+    return total
+
+
+def _prompt(length: int, vocab: int, salt: int = 0) -> list[int]:
+    g = torch.Generator().manual_seed(1234 + salt)
+    return torch.randint(10, min(vocab, 2000), (length,), generator=g).tolist()
+
+
+def _engine_decode_seconds(engine: Engine, vocab: int, batch: int, tokens: int) -> float:
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(f"d{i}", _prompt(PROMPT_TOKENS, vocab, i), params)
+    while engine.stats().num_waiting or any(s.num_computed < len(s.prompt_ids) for s in engine.scheduler.running):
+        engine.step()
+    steps = 0
+
+    def decode() -> None:
+        nonlocal steps
+        while engine.has_unfinished():
+            engine.step()
+            steps += 1
+    secs = _timed(decode)
+    assert steps == tokens - 1, f"expected {tokens - 1} decode steps, ran {steps}"
+    return secs
+
+
+def _engine_prefill_seconds(engine: Engine, vocab: int, length: int) -> float:
+    engine.add_request("p", _prompt(length, vocab), SamplingParams(max_tokens=1, temperature=0.0))
+
+    def prefill() -> None:
+        while engine.has_unfinished():
+            engine.step()
+    return _timed(prefill)
+
+
+@torch.inference_mode()
+def _hf_generate_seconds(hf, batch: int, new_tokens: int, vocab: int) -> float:  # type: ignore[no-untyped-def]
+    ids = torch.tensor([_prompt(PROMPT_TOKENS, vocab, i) for i in range(batch)], device="cuda")
+    return _timed(lambda: hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                                      min_new_tokens=new_tokens, do_sample=False, pad_token_id=0))
+
+
+@torch.inference_mode()
+def _hf_forward_seconds(hf, length: int, vocab: int) -> float:  # type: ignore[no-untyped-def]
+    ids = torch.tensor([_prompt(length, vocab)], device="cuda")
+    return _timed(lambda: hf(ids, use_cache=False, logits_to_keep=1))
+
+
+def run_cuda(args: argparse.Namespace, batches: list[int], lengths: list[int]) -> int:
+    """The GPU benchmark; arguments already checked by ``engine_bench.run``."""
+    from bench.engine_bench import _hf_model
+    from controlplane.cli_args import model_dir
+
+    device = torch.device(args.device)
+    torch.cuda.set_device(device)
+    path = model_dir(args.model)
+    dtype = DTYPES[args.dtype]
+    tokens, repeats = args.decode_tokens, args.repeats
+    rate = copy_rate(device)
+    bundle = load_model(path, dtype=dtype, device=args.device, with_vision=False)
+    vocab = bundle.config.vocab_size
+    weights = decode_weight_bytes(bundle.model)
+    roofline = 2 * rate / weights
+    hf = None if args.no_hf else _hf_model(path, dtype).to(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    cfg = EngineConfig(dtype=args.dtype, device=args.device, max_num_seqs=max(batches),
+                       max_num_batched_tokens=max(max(lengths), max(batches)), prefill_chunk_size=max(lengths),
+                       gpu_memory_utilization=0.8)
+    engine = Engine(bundle.model, None, cfg, bundle.eos_token_ids)
+    capture = engine.graphs.capture_seconds if engine.graphs is not None else 0.0
+    _engine_decode_seconds(engine, vocab, 1, 4)  # warm-up: allocator, lazy inits
+    _engine_prefill_seconds(engine, vocab, min(lengths))
+    if hf is not None:
+        _hf_generate_seconds(hf, 1, 4, vocab)
+
+    rows: list[GpuRow] = []
+    for b in batches:
+        secs = _best(lambda: _engine_decode_seconds(engine, vocab, b, tokens), repeats)
+        ref = None
+        if hf is not None:
+            full = _best(lambda: _hf_generate_seconds(hf, b, tokens, vocab), repeats)
+            first = _best(lambda: _hf_generate_seconds(hf, b, 1, vocab), repeats)
+            ref = b * (tokens - 1) / max(full - first, 1e-9)
+        rows.append(GpuRow(f"decode batch {b}", b * (tokens - 1) / secs, f"HF generate batch {b}", ref))
+    for n in lengths:
+        secs = _best(lambda: _engine_prefill_seconds(engine, vocab, n), repeats)
+        ref = n / _best(lambda: _hf_forward_seconds(hf, n, vocab), repeats) if hf is not None else None
+        rows.append(GpuRow(f"prefill {n} tokens", n / secs, f"HF forward {n} tokens", ref))
+    peak = torch.cuda.max_memory_allocated(device)
+
+    print(f"model {path.name}: {sum(p.numel() for p in bundle.model.parameters()) / 1e6:.1f}M params, "
+          f"{args.dtype}, {torch.cuda.get_device_name(device)}, torch {torch.__version__}")
+    print(f"device copy {rate / 1e9:.0f} GB/s one way ({2 * rate / 1e9:.0f} GB/s read+write); decode reads "
+          f"{weights / 1e9:.2f} GB of weights a step: roofline {roofline:.0f} tok/s at batch 1")
+    print(f"{'figure':<22}{'epd tok/s':>12}  {'reference':<24}{'ref tok/s':>12}{'ratio':>9}")
+    for r in rows:
+        ref_s = f"{r.ref_tok_s:12.1f}" if r.ref_tok_s else f"{'-':>12}"
+        ratio = f"{r.ratio:8.2f}x" if r.ratio else f"{'-':>9}"
+        print(f"{r.name:<22}{r.epd_tok_s:12.1f}  {r.ref_name:<24}{ref_s}{ratio}")
+    shares = {r.name: r.epd_tok_s / roofline for r in rows if r.name == "decode batch 1"}
+    hf1 = next((r.ref_tok_s for r in rows if r.name == "decode batch 1" and r.ref_tok_s), None)
+    if shares:
+        hf_share = f"; transformers {hf1 / roofline:.1%}" if hf1 else ""
+        print(f"decode batch 1 at {shares['decode batch 1']:.1%} of the roofline{hf_share}")
+    print(f"KV pool {engine.cache.nbytes / 2**30:.2f} GiB ({engine.cache.num_blocks} blocks of "
+          f"{engine.cache.block_size} tokens); peak GPU memory {peak / 2**30:.2f} GiB; CUDA graphs "
+          f"{len(engine.graphs.buckets) if engine.graphs else 0} buckets captured in {capture:.2f} s")
+    if args.json:
+        meta = {"model": str(path), "dtype": args.dtype, "device": torch.cuda.get_device_name(device),
+                "torch": torch.__version__, "copy_bytes_per_s": rate, "decode_weight_bytes": weights,
+                "roofline_tok_s": roofline, "kv_pool_bytes": engine.cache.nbytes, "peak_gpu_bytes": peak,
+                "graph_capture_s": capture, "decode_tokens": tokens, "repeats": repeats}
+        args.json.write_text(json.dumps({"meta": meta, "rows": [asdict(r) | {"ratio": r.ratio} for r in rows]},
+                                        indent=2))
+    return 0

@@ -109,8 +109,9 @@ def add_bench_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]")
     cp.add_argument("--observability-cost", type=int, default=0, metavar="ROUNDS",
                     help="also price metrics + tracing: ROUNDS pairs of 160-request throughput runs on the "
                          "same stack, switched off and on (16 pairs take ~30 s and give a steadier median "
-                         "than fewer; every span exported over OTLP to a local receiver; with "
-                         "OTEL_TRACES_EXPORTER=none not exported; OTEL_TRACES_SAMPLER* apply), and print the "
+                         "than fewer; spans exported over OTLP to a local receiver, sampled as OTEL_TRACES_SAMPLER* "
+                         "say: unset, one new request in ten; always_on: every span; with "
+                         "OTEL_TRACES_EXPORTER=none not exported), and print the "
                          "on/off requests/s and CPU-per-request ratios (target >= 0.95); 0 = skip (default)")
     cp.add_argument("--observability-tokens", type=int, default=1, metavar="T",
                     help="completion tokens per request in the --observability-cost rounds (default %(default)s: "

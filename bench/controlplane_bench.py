@@ -20,8 +20,9 @@ request is computed whole by one engine), median and p90 (target: median <= 3 ms
 is printed beside the worker's: the worker's engine runs the same code, colder (its weights leave the
 caches between requests while other processes run), so the local figure is the smaller.
 
-``--observability-cost N``: the stack exports every span over OTLP to a receiver in a child process
-(control plane and workers alike; with OTEL_TRACES_EXPORTER=none, nowhere, as a default ``epd serve``),
+``--observability-cost N``: the stack exports spans over OTLP to a receiver in a child process (control
+plane and workers alike), sampled as the OTEL_TRACES_SAMPLER* variables say (unset: epd's default, one new
+request in ten; ``always_on``: every span); with OTEL_TRACES_EXPORTER=none, nowhere, as a default ``epd serve``;
 and after the figures above runs N pairs of short throughput runs (``OBS_RUN_REQUESTS`` requests each),
 metrics + tracing switched off then on (the switches live in this process; workers trace only calls that carry a trace
 context, so they follow); the figure is the median of the rounds' own on/off ratios (target >= 0.95: at most

@@ -59,11 +59,16 @@ def test_bench_core_runs_and_cleans_up() -> None:
     assert not left, f"processes started by the benchmark still running: {sorted(left)}"
 
 
-def test_the_observability_rounds_export_from_every_process_and_pair_their_ratios() -> None:
+def test_the_observability_rounds_export_from_every_process_and_pair_their_ratios(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """--observability-cost: spans reach the OTLP receiver from the control plane and the prefill replica,
     and the figure is the median of each round's own on/off ratio. With --observability-tokens 3 the
     rounds' requests go through prefill, the KV transfer and decode, and each answers exactly 3 tokens."""
     from bench.controlplane_bench import format_table, measure
+
+    # every request traced (the default samples one in ten: a handful of requests might export nothing);
+    # Ray, started inside, hands the variable to the replicas
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER", "always_on")
 
     res = measure(requests=5, throughput_requests=16, concurrency=4, observability_rounds=2, observability_tokens=3)
     assert res.failures == []  # every response of every round: HTTP 200 with exactly its token count

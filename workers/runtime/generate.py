@@ -44,6 +44,8 @@ def build_prompt(bundle: LoadedModel, req: GenerateRequest) -> tuple[list[int], 
     given = [x is not None for x in (req.prompt, req.messages, req.prompt_ids)]
     if sum(given) != 1:
         raise InvalidRequestError("give exactly one of prompt, messages or prompt_ids")
+    if req.images and (bundle.vision is None or bundle.image_token_id is None):
+        raise InvalidRequestError("this model does not accept images (it has no vision tower)")
     if req.prompt_ids is not None:
         ids = list(req.prompt_ids)
     else:
@@ -53,8 +55,7 @@ def build_prompt(bundle: LoadedModel, req: GenerateRequest) -> tuple[list[int], 
                else bundle.tokenizer.encode(req.prompt))
     if not req.images:
         return ids, None
-    if bundle.vision is None or bundle.image_token_id is None:
-        raise InvalidRequestError("this model does not accept images")
+    assert bundle.vision is not None and bundle.image_token_id is not None
     cfg = bundle.vision.config
     pixels = list(preprocess_images(req.images, cfg).values())
     embeds = encode_images(bundle.vision, pixels)

@@ -206,8 +206,10 @@ def build(settings: Settings) -> Deployment:
         route_conn = conn.with_budget(settings.redis.command_budget_s)
         dep.add("the routing connection to Redis", route_conn.close)
         route_view = WorkerView(WorkerRegistry(route_conn, ttl=settings.redis.heartbeat_ttl_s))
+        from controlplane.scheduler.health import WorkerHealth
+        health = WorkerHealth(sch.breaker_failures, sch.breaker_open_s, on_lost=manager.suspect)
         scheduler = Scheduler(info, route_view, dispatcher, get_policy(settings.scheduler.routing_policy),
-                              settings.scheduler, journal, colocated=settings.mode == "colocated")
+                              settings.scheduler, journal, colocated=settings.mode == "colocated", health=health)
         keys = [k.get_secret_value() for k in settings.api.api_keys]
         fixed = not_needed or None
         from controlplane.admin import pools_status

@@ -98,6 +98,8 @@ class PoolManager:
         self._remote_cls: Any = None  # ray.remote(WorkerActor), made once Ray is up
         self._starting: dict[Pool, dict[str, float]] = {p: {} for p in Pool}  # actor name -> monotonic asked at
         self._problem: dict[Pool, str | None] = {p: None for p in Pool}  # the last failed start, until one works
+        self._suspects: set[str] = set()  # worker ids routing lost a request on, probed at the next reconcile
+        self._suspects_lock = threading.Lock()
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> "PoolManager":
@@ -239,6 +241,19 @@ class PoolManager:
                 finally:
                     self._locks[pool].release()
 
+    def suspect(self, worker_id: str) -> None:
+        """Routing lost a request on this worker (its stream broke, or it went silent): the next reconcile
+        probes it at once, instead of after its lease runs out, and replaces it if it does not answer."""
+        with self._suspects_lock:
+            self._suspects.add(worker_id)
+
+    def _probe_fails(self, r: Replica) -> bool:
+        try:
+            ray.get(r.actor.status.remote(), timeout=PROBE_TIMEOUT_S)
+        except Exception:
+            return True
+        return False
+
     def _remove_dead(self, pool: Pool) -> None:
         replicas = self._replicas[pool]
         if not replicas:
@@ -246,7 +261,11 @@ class PoolManager:
         exited, _ = ray.wait([r.watch for r in replicas], num_returns=len(replicas), timeout=0)
         exited_refs = set(exited)
         live = {rec.info.worker_id for rec in self.registry.live_workers(pool)}
+        with self._suspects_lock:
+            suspects = {r.worker_id for r in replicas} & self._suspects
+            self._suspects -= suspects
         dead = [r for r in replicas if r.watch in exited_refs
+                or (r.worker_id in suspects and self._probe_fails(r))
                 or (r.worker_id not in live and not self._answers(r))]
         for r in dead:
             log.warning("%s replica %s (%s) died; replacing it", pool.value, r.name, r.worker_id)

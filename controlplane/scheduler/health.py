@@ -6,6 +6,7 @@
   HALF_OPEN  after that, one request at a time may try it (the probe). A success closes the breaker;
              a failure opens it again for another ``open_s``.
 A worker the registry no longer lists is forgotten with ``forget``. Time comes from an injected clock.
+``on_lost`` hears of each lost worker (the pool manager probes it at once and replaces it if it hangs).
 """
 
 from __future__ import annotations
@@ -41,8 +42,10 @@ class Suspect:
 
 
 class WorkerHealth:
-    def __init__(self, failures: int = 3, open_s: float = 5.0, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, failures: int = 3, open_s: float = 5.0, clock: Callable[[], float] = time.monotonic,
+                 on_lost: Callable[[str], None] | None = None) -> None:
         self.failures = failures
+        self.on_lost = on_lost
         self.open_s = open_s
         self.clock = clock
         self._breakers: dict[str, _Breaker] = {}
@@ -90,6 +93,11 @@ class WorkerHealth:
             if lost or half_open or b.failures >= self.failures:
                 b.opened_at = self.clock()
                 b.probing = False
+        if lost and self.on_lost is not None:
+            try:
+                self.on_lost(worker_id)
+            except Exception:  # a listener's trouble never fails the request that noticed the loss
+                pass
 
     def forget(self, worker_id: str) -> None:
         with self._lock:

@@ -129,3 +129,16 @@ def test_a_text_only_folder_chats_as_transformers_does(folders, kind):
                           pad_token_id=0)
     assert [o.new_token_ids[0] for o in outs] == ref.sequences[0, len(ids):].tolist()
     assert max((o.logits - l[0]).abs().max().item() for o, l in zip(outs, ref.logits)) <= 1e-4
+
+
+def test_a_template_written_for_string_content_takes_openai_text_parts(folders):
+    """As vLLM does: text-only parts are joined into the string such a template expects; an image part for a
+    text-only template is a clear InvalidRequestError, not a TypeError from inside jinja."""
+    from workers.runtime.errors import InvalidRequestError
+
+    tok = load_model(folders["llama"]).tokenizer
+    as_string = tok.render_chat([{"role": "user", "content": "one\ntwo"}])
+    parts = [{"type": "text", "text": "one"}, {"type": "text", "text": "two"}]
+    assert tok.render_chat([{"role": "user", "content": parts}]) == as_string
+    with pytest.raises(InvalidRequestError, match="chat template rejected the messages: TypeError"):
+        tok.render_chat([{"role": "user", "content": [{"type": "image"}, *parts]}])

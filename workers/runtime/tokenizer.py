@@ -106,10 +106,20 @@ class Tokenizer:
         if self._template is None:
             self._template = _compile_template(self.chat_template, None)
         try:
-            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         bos_token=self.bos_token or "", eos_token=self.eos_token or "", **extra)
-        except jinja2.TemplateError as exc:
-            raise InvalidRequestError(f"chat template rejected the messages: {exc}") from None
+            return self._render(messages, add_generation_prompt, extra)
+        except (jinja2.TemplateError, TypeError, ValueError, KeyError, AttributeError) as exc:
+            flat = _flatten_text_parts(messages)
+            if flat is not None:  # a template written for string content, given OpenAI text parts (as vLLM does)
+                try:
+                    return self._render(flat, add_generation_prompt, extra)
+                except (jinja2.TemplateError, TypeError, ValueError, KeyError, AttributeError):
+                    pass
+            raise InvalidRequestError(f"chat template rejected the messages: {type(exc).__name__}: {exc}") from None
+
+    def _render(self, messages: list[Message], add_generation_prompt: bool, extra: dict[str, Any]) -> str:
+        assert self._template is not None
+        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                     bos_token=self.bos_token or "", eos_token=self.eos_token or "", **extra)
 
     def encode_chat(self, messages: list[Message], add_generation_prompt: bool = True) -> list[int]:
         """Render and tokenise. Special tokens come from the template itself, as in transformers; a
@@ -117,6 +127,21 @@ class Tokenizer:
         text = self.render_chat(messages, add_generation_prompt)
         add = self.processor_chat and not (self.bos_token and text.startswith(self.bos_token))
         return self.encode(text, add_special_tokens=add)
+
+
+def _flatten_text_parts(messages: list[Message]) -> list[Message] | None:
+    """The messages with each list of text-only parts joined into one string ("\n" between parts, as vLLM
+    joins them); None when there is nothing to flatten or a part is not text (an image)."""
+    out, changed = [], False
+    for m in messages:
+        content = m.get("content")
+        if isinstance(content, list):
+            if not all(isinstance(part, dict) and part.get("type") == "text" for part in content):
+                return None
+            m = {**m, "content": "\n".join(str(part.get("text", "")) for part in content)}
+            changed = True
+        out.append(m)
+    return out if changed else None
 
 
 def _raise_template_error(message: str) -> None:

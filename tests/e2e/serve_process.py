@@ -1,7 +1,8 @@
 """Run `epd serve` as a user does: a real subprocess (Redis, Ray, pools, HTTP API) in its own session.
 
 ``serve_process(settings, tmp)`` writes ``settings`` as the YAML config, starts `epd serve`, waits
-for /ready and yields a ``Served``; on exit the whole process group is killed.
+for /ready and yields a ``Served``; on exit the whole process group is killed. ``in_threads`` runs a
+client's calls concurrently against it, ``chat_concurrently`` a batch of chat completions.
 """
 
 from __future__ import annotations
@@ -12,11 +13,12 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, TypeVar
 
 import httpx
 
@@ -41,6 +43,48 @@ class Served:
 
     def log_tail(self, chars: int = 3000) -> str:
         return (self.tmp / "serve.log").read_text()[-chars:]
+
+
+T = TypeVar("T")
+
+
+@contextmanager
+def in_threads(call: Callable[[int], T], n: int, join_s: float) -> Iterator[list[T]]:
+    """Run ``call(0) .. call(n - 1)`` on n threads while the block runs (an operator's action under load,
+    or nothing). On leaving, wait up to ``join_s`` for each and fail on the first error; the yielded list
+    then holds the n results in order."""
+    results: list[Any] = [None] * n
+    errors: list[BaseException] = []
+
+    def one(i: int) -> None:
+        try:
+            results[i] = call(i)
+        except BaseException as exc:  # noqa: BLE001 - reported below, on the test's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(n)]
+    for t in threads:
+        t.start()
+    try:
+        yield results
+    finally:
+        for t in threads:
+            t.join(join_s)
+    assert not any(t.is_alive() for t in threads), f"calls still running after {join_s} s"
+    assert not errors, errors[:3]
+
+
+def chat_concurrently(client: Any, model: str, prompts: list[str], max_tokens: int, join_s: float) -> list[str]:
+    """Each prompt as one greedy chat completion through the openai ``client``, all at once; the answers'
+    texts in prompt order."""
+    def one(i: int) -> str:
+        out = client.chat.completions.create(model=model, messages=[{"role": "user", "content": prompts[i]}],
+                                             max_tokens=max_tokens, temperature=0)
+        return out.choices[0].message.content
+
+    with in_threads(one, len(prompts), join_s) as texts:
+        pass
+    return texts
 
 
 def free_port() -> int:

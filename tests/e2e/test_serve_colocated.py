@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import base64
 import io
-import threading
 
 import httpx
 import pytest
 from PIL import Image
-from serve_process import serve_process
+from serve_process import chat_concurrently, serve_process
 
 from workers.runtime.generate import GenerateRequest, generate
 from workers.runtime.sampler import SamplingParams
@@ -45,24 +44,9 @@ def test_text_and_image_requests_match_the_reference(served, default_bundle):
     greedy = SamplingParams(max_tokens=12, temperature=0.0)
     refs = generate(default_bundle, [GenerateRequest(messages=[{"role": "user", "content": p}], params=greedy)
                                      for p in prompts])
-    got: dict[int, str] = {}
-    errors: list[BaseException] = []
 
-    def one(i: int) -> None:
-        try:
-            out = client.chat.completions.create(model=model, messages=[{"role": "user", "content": prompts[i]}],
-                                                 max_tokens=12, temperature=0)
-            got[i] = out.choices[0].message.content
-        except BaseException as exc:  # noqa: BLE001
-            errors.append(exc)
-
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert not errors, errors[:3]
-    assert [got[i] for i in range(8)] == [r.text for r in refs]
+    got = chat_concurrently(client, model, prompts, max_tokens=12, join_s=120)
+    assert got == [r.text for r in refs]
 
     url = _png((10, 200, 40))
     raw = base64.b64decode(url.split(",", 1)[1])

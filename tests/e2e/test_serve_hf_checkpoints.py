@@ -20,10 +20,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from hf_checkpoints import write_llava, write_text_model
 from PIL import Image
 from serve_process import serve_process
-
-from hf_checkpoints import write_llava, write_text_model
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.transformers]
 

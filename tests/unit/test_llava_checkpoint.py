@@ -11,11 +11,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from engine_helpers import assert_no_leaks, run_to_completion
+from hf_checkpoints import write_llava, write_text_model
 from PIL import Image
 from safetensors.torch import load_file, save_file
 
-from engine_helpers import assert_no_leaks, run_to_completion
-from hf_checkpoints import write_llava, write_text_model
 from workers.runtime.engine import Engine, EngineConfig
 from workers.runtime.errors import CheckpointError, UnsupportedArchitectureError
 from workers.runtime.loader import image_input, load_model, needs_encoder

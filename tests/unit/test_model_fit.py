@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from engine_helpers import run_to_completion
+from hf_checkpoints import write_llava, write_text_model
 
 from controlplane.serve import fit_pools, model_info, validate
 from controlplane.settings import LOSSLESS, Settings, SettingsError
-from engine_helpers import run_to_completion
-from hf_checkpoints import write_llava, write_text_model
 from workers.runtime.engine import Engine, EngineConfig
 from workers.runtime.loader import load_model
 from workers.runtime.sampler import SamplingParams

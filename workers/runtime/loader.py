@@ -21,7 +21,13 @@ from workers.runtime.config import ModelConfig, parse_token_ids, read_json_objec
 from workers.runtime.errors import CheckpointError
 from workers.runtime.model import DecoderModel
 from workers.runtime.tokenizer import Tokenizer
-from workers.runtime.vision import VisionConfig, VisionEncoder, has_vision, load_vision, load_vision_config
+from workers.runtime.vision import (
+    VisionConfig,
+    VisionEncoder,
+    has_vision,
+    load_vision,
+    load_vision_config,
+)
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""CLIP ViT encoder plus LLaVA projector: the encode stage's engine (image bytes -> prompt embeddings).
+"""CLIP ViT encoder plus LLaVA projector: the encode stage's engine (pixels -> prompt embeddings; images.py
+makes the pixels from image bytes).
 
 Parameter names match HF ``CLIPVisionModel`` / ``LlavaForConditionalGeneration``, so a CLIP checkpoint
 loads as is. Checkpoint layout, under the LM folder: ``vision/config.json`` + ``vision/model.safetensors``
@@ -8,32 +9,26 @@ loads as is. Checkpoint layout, under the LM folder: ``vision/config.json`` + ``
 from __future__ import annotations
 
 import dataclasses
-import io
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Container, Literal, Sequence
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
-from PIL import Image, UnidentifiedImageError
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from workers.runtime.checkpoint import check_finite
 from workers.runtime.fingerprint import module_fingerprint
-from workers.runtime.errors import CheckpointError, InvalidImageError, UnsupportedArchitectureError
+from workers.runtime.errors import CheckpointError, UnsupportedArchitectureError
 
 VISION_SUBDIR = "vision"
 # weight file -> the state-dict prefix it holds (CLIP tower as HF writes it; LLaVA projector)
 _FILES = (("model.safetensors", "vision_model."), ("projector.safetensors", "multi_modal_projector."))
 SUPPORTED_ACTS = ("quick_gelu", "gelu")
 SUPPORTED_RESAMPLE = {2: "bilinear", 3: "bicubic"}  # PIL's (and HF's PILImageResampling) numbering
-SUPPORTED_IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF")
-# Below Pillow's own bomb limit (89 MP), so anything Pillow would merely warn about is refused here.
-MAX_IMAGE_PIXELS = 64_000_000
-MAX_RESIZED_PIXELS = 16_000_000  # bound on the intermediate of resize-then-crop
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
@@ -276,86 +271,6 @@ def encode_images(encoder: VisionEncoder, images: list[Tensor]) -> list[Tensor]:
     return list(encoder(torch.stack(images)).unbind(0))
 
 
-# ---------------------------------------------------------------- preprocessing
-
-def preprocess_image(data: bytes, cfg: VisionConfig) -> Tensor:
-    """Decode image bytes and preprocess them as CLIP does; bad input raises InvalidImageError."""
-    if not data:
-        raise InvalidImageError("image is empty (0 bytes)")
-    try:
-        image = Image.open(io.BytesIO(data), formats=SUPPORTED_IMAGE_FORMATS)
-    except UnidentifiedImageError:
-        raise InvalidImageError(_describe_undecodable(data)) from None
-    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
-        raise InvalidImageError(f"image is too large: {exc}; the limit is {MAX_IMAGE_PIXELS} pixels") from None
-    width, height = image.size
-    if width <= 0 or height <= 0:
-        raise InvalidImageError(f"image has zero size ({width}x{height})")
-    if width * height > MAX_IMAGE_PIXELS:
-        raise InvalidImageError(f"image is too large: {width}x{height} pixels, the limit is {MAX_IMAGE_PIXELS}")
-    try:
-        image.load()  # the header parsed; decoding the pixels can still fail on truncated/corrupt data
-    except (OSError, ValueError, SyntaxError, EOFError) as exc:
-        raise InvalidImageError(f"{image.format} image is corrupt or truncated: {exc}") from None
-    return preprocess_pil_image(image, cfg)
-
-
-def preprocess_images(images: Sequence[bytes], cfg: VisionConfig, skip: Container[int] = ()) -> dict[int, Tensor]:
-    """``preprocess_image`` over a request's images, by index, leaving out the indices in ``skip`` (cached);
-    a bad image's InvalidImageError says which one it is ("image 2 of 3: ...", in prompt order)."""
-    out: dict[int, Tensor] = {}
-    for i, data in enumerate(images):
-        if i in skip:
-            continue
-        try:
-            out[i] = preprocess_image(data, cfg)
-        except InvalidImageError as exc:
-            raise InvalidImageError(f"image {i + 1} of {len(images)}: {exc}") from None
-    return out
-
-
-def _describe_undecodable(data: bytes) -> str:
-    try:  # header-only probe, to tell "unsupported format" apart from "not an image at all"
-        fmt = Image.open(io.BytesIO(data)).format
-    except Exception:  # any failure here just means "not an image"
-        fmt = None
-    supported = ", ".join(SUPPORTED_IMAGE_FORMATS)
-    if fmt:
-        return f"unsupported image format {fmt}; supported: {supported}"
-    return f"image data ({len(data)} bytes, starting {data[:8]!r}) is not a decodable image; supported: {supported}"
-
-
-def preprocess_pil_image(image: Image.Image, cfg: VisionConfig) -> Tensor:
-    """RGB, shortest side resized to ``resize_shortest_edge`` (default image_size) with ``resample``, centre crop
-    to image_size, scaling by ``rescale_factor``, mean/std normalisation: HF's CLIPImageProcessor, step by step."""
-    if image.mode in ("RGBA", "LA", "PA") or (image.mode == "P" and "transparency" in image.info):
-        # composite on white as HF's convert_rgb does; a plain convert would turn transparent pixels black
-        rgba = image.convert("RGBA")
-        image = Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba)
-    image = image.convert("RGB")
-    size = cfg.image_size
-    edge = cfg.resize_shortest_edge or size
-    resample = Image.Resampling(cfg.resample)
-    w, h = image.size
-    # HF's resize target: short side = edge, long side = int(edge * long / short)
-    new_w, new_h = (edge, int(edge * h / w)) if w <= h else (int(edge * w / h), edge)
-    left, top = (new_w - size) // 2, (new_h - size) // 2
-    if new_w * new_h <= MAX_RESIZED_PIXELS:  # exactly HF's CLIPImageProcessor: resize, then crop
-        image = image.resize((new_w, new_h), resample).crop((left, top, left + size, top + size))
-    else:
-        # A thin strip (1 x 60M pixels) would resize to gigapixels: resample only the kept region instead.
-        # Nearly the same pixels (Pillow's fixed-point path rounds a box resize slightly differently).
-        sx, sy = w / new_w, h / new_h
-        box = (left * sx, top * sy, (left + size) * sx, (top + size) * sy)
-        image = image.resize((size, size), resample, box=box)
-    pixels = torch.frombuffer(bytearray(image.tobytes()), dtype=torch.uint8).view(size, size, 3)
-    # as HF rescales: in float64, then float32 (so the pixels equal its processor's bit for bit)
-    x = (pixels.permute(2, 0, 1).to(torch.float64) * cfg.rescale_factor).to(torch.float32)
-    mean = torch.tensor(cfg.image_mean, dtype=torch.float32).view(3, 1, 1)
-    std = torch.tensor(cfg.image_std, dtype=torch.float32).view(3, 1, 1)
-    return (x - mean) / std
-
-
 # ---------------------------------------------------------------- checkpoint I/O
 
 def has_vision(directory: Path) -> bool:
@@ -465,3 +380,7 @@ def _read_json(path: Path) -> dict:
 
 def _as_tuple(value: object) -> object:
     return tuple(value) if isinstance(value, list) else value  # JSON lists; anything else fails validation
+
+
+# Preprocessing lives in images.py; these names stay importable from here, where callers have found them.
+from workers.runtime.images import preprocess_image, preprocess_images, preprocess_pil_image  # noqa: F401

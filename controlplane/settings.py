@@ -181,9 +181,11 @@ class TransferSettings(_Model):
                               "'int4', mixed 'int8,0=bf16,-1=bf16', calibrated 'auto' / 'auto:0.05'")
     decode_store: Literal["dequantize", "native"] = Field(
         "dequantize", description="native keeps int8/fp8 layers quantised in the decode cache")
-    transport: Literal["auto", "grpc", "shm", "tcp"] = Field(
-        "auto", description="auto: shared memory on one host, else gRPC bytes; tcp: each push over a bulk TCP "
-                            "connection opened through gRPC (fastest across hosts; TLS when mTLS is configured)")
+    transport: Literal["auto", "grpc", "shm", "tcp", "cuda_ipc"] = Field(
+        "auto", description="auto: CUDA IPC when both caches are on GPUs of one host, else shared memory on one "
+                            "host, else gRPC bytes; tcp: each push over a bulk TCP connection opened through gRPC "
+                            "(fastest across hosts; TLS when mTLS is configured); cuda_ipc: device to device on "
+                            "one host (both engines on cuda)")
     token: SecretStr | None = Field(None, description="shared bearer token for KV/embedding RPCs "
                                                       "(generated for a local serve when unset)")
     tls_ca: Path | None = None

@@ -54,7 +54,8 @@ def start_worker(pool: Pool, bundle: LoadedModel, security: TransferSecurity, *,
         service = EncodeService(bundle.vision, security, identity)
     elif pool == "prefill":
         from workers.prefill.service import PrefillService
-        service = PrefillService(bundle, config, codecs, KVSender(security, transport=transport), identity)
+        sender = KVSender(security, transport=transport, device=bundle.model.device)
+        service = PrefillService(bundle, config, codecs, sender, identity)
     elif pool == "decode":
         from workers.decode.service import DecodeService
         service = DecodeService(bundle, config, codecs, store, identity, max_streams=max_streams)
@@ -66,4 +67,7 @@ def start_worker(pool: Pool, bundle: LoadedModel, security: TransferSecurity, *,
     if pool == "decode" and not colocated:
         # the bulk TCP transport's listener, on the gRPC server's host; TLS with the same certificates under mTLS
         service.receiver.enable_bulk(host, ssl_context=security.ssl_context(server_side=True))  # type: ignore[attr-defined]
+        cache_device = service.engine.cache.device  # type: ignore[attr-defined]
+        if cache_device.type == "cuda" and transport in ("auto", "cuda_ipc"):  # same-host GPU pushes, device to device
+            service.receiver.enable_cuda_ipc(cache_device)  # type: ignore[attr-defined]
     return RunningWorker(pool, identity, server, service)

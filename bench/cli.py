@@ -9,6 +9,7 @@ package registers ``add_bench_parser`` under the ``epd.commands`` entry-point gr
   epd bench micro         one microbenchmark per hot path, each a ratio to an in-run reference (--compare)
   epd bench compare       one workload against disaggregated and colocated serving: the goodput ratio
   epd bench serve --url U  load-test an OpenAI-compatible endpoint: TTFT/TPOT/ITL/E2E, throughput, SLO goodput
+  epd bench chaos         faults under load (kill/stop replicas, restart Redis): nothing lost, latency bounded
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from bench.chaos.cli import add_chaos_parser
 from bench.compare import add_compare_parser
 from bench.micro.cli import add_micro_parser
 from bench.serve.cli import add_serve_parser
@@ -121,3 +123,4 @@ def add_bench_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]")
     add_micro_parser(bench)
     add_compare_parser(bench)
     add_serve_parser(bench)
+    add_chaos_parser(bench)

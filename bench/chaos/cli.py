@@ -1,0 +1,64 @@
+"""``epd bench chaos``'s parser (the run imports its modules only when it starts)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+DESCRIPTION = ("Drive a steady greedy load through a live `epd serve` (2+ replicas per pool) while Redis is "
+               "restarted, one replica of each pool is killed (kill -9) and one decode replica is stopped "
+               "(SIGSTOP) for a while. Reports completed, failed and migrated requests, agreement with "
+               "generate(), KV blocks left held, time to replace each replica and p50/p99 latency before, "
+               "during and after each fault. --soak MINUTES instead runs a steady 70%% load and reports RSS "
+               "and block drift. Linux only (it finds worker processes through /proc).")
+
+
+def _positive(kind: type) -> object:
+    def parse(text: str) -> object:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+        return value
+    return parse
+
+
+def add_chaos_parser(bench: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+    p = bench.add_parser("chaos", help="faults under load: kill/stop replicas, restart Redis; nothing may be lost",
+                         description=DESCRIPTION)
+    p.add_argument("--model", type=Path, default=None, help="checkpoint folder (default: the demo model)")
+    p.add_argument("--requests", type=_positive(int), default=300, help="requests to send at least (default 300)")
+    p.add_argument("--concurrency", type=_positive(int), default=8, help="requests in flight (default 8)")
+    p.add_argument("--max-tokens", type=_positive(int), default=32, help="tokens per answer (default 32)")
+    p.add_argument("--replicas", type=_positive(int), default=2, help="replicas per pool (default 2)")
+    p.add_argument("--baseline-s", type=_positive(float), default=20.0, help="fault-free load first (default 20)")
+    p.add_argument("--settle-s", type=_positive(float), default=10.0,
+                   help="quiet load after each fault, and the before/after windows (default 10)")
+    p.add_argument("--stop-s", type=_positive(float), default=10.0, help="how long SIGSTOP lasts (default 10)")
+    p.add_argument("--soak", type=_positive(float), default=None, metavar="MINUTES",
+                   help="instead: a steady 70%% load for MINUTES, reporting RSS and block drift")
+    p.add_argument("--json", type=Path, default=None, help="also write the report as JSON here")
+    p.set_defaults(func=cmd_bench_chaos)
+
+
+def cmd_bench_chaos(args: argparse.Namespace) -> int:
+    from bench.chaos.report import format_report, format_soak
+    from bench.chaos.run import ChaosConfig, chaos, soak
+
+    cfg = ChaosConfig(model=args.model, requests=args.requests, concurrency=args.concurrency,
+                      max_tokens=args.max_tokens, replicas=args.replicas, baseline_s=args.baseline_s,
+                      settle_s=args.settle_s, stop_s=args.stop_s, soak_minutes=args.soak)
+    if cfg.soak_minutes is not None:
+        s = soak(cfg)
+        print(format_soak(s))
+        data, ok = s.as_dict(), s.failed == 0 and s.blocks_end <= s.blocks_baseline
+    else:
+        r = chaos(cfg)
+        print(format_report(r))
+        data, ok = r.as_dict(), r.failed == 0 and r.matched == r.completed and r.blocks_leaked == 0
+    if args.json is not None:
+        args.json.write_text(json.dumps(data, indent=2, default=str))
+    return 0 if ok else 1

@@ -1,0 +1,84 @@
+"""Finding a deployment's processes from outside it (Linux ``/proc``): the process listening on a
+worker's port, the private redis-server among ``epd serve``'s descendants, resident memory."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+PROC = Path("/proc")
+
+
+def _listening_inodes(port: int) -> set[str]:
+    inodes = set()
+    for table in ("tcp", "tcp6"):
+        try:
+            lines = (PROC / "net" / table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            local, state, inode = fields[1], fields[3], fields[9]
+            if state == "0A" and int(local.rsplit(":", 1)[1], 16) == port:  # 0A: LISTEN
+                inodes.add(inode)
+    return inodes
+
+
+def _pids() -> list[int]:
+    return [int(p.name) for p in PROC.iterdir() if p.name.isdigit()]
+
+
+def listening_pid(port: int) -> int | None:
+    """The process that listens on TCP ``port`` (None when none is found or it is not ours to see)."""
+    wanted = {f"socket:[{i}]" for i in _listening_inodes(port)}
+    if not wanted:
+        return None
+    for pid in _pids():
+        try:
+            for fd in (PROC / str(pid) / "fd").iterdir():
+                if os.readlink(fd) in wanted:
+                    return pid
+        except OSError:
+            continue
+    return None
+
+
+def descendants(pid: int) -> set[int]:
+    parents: dict[int, int] = {}
+    for p in _pids():
+        try:
+            stat = (PROC / str(p) / "stat").read_text()
+        except OSError:
+            continue
+        parents[p] = int(stat.rsplit(")", 1)[1].split()[1])
+    found, frontier = set(), {pid}
+    while frontier:
+        frontier = {p for p, parent in parents.items() if parent in frontier} - found
+        found |= frontier
+    return found
+
+
+def cmdline(pid: int) -> list[str]:
+    try:
+        return (PROC / str(pid) / "cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return []
+
+
+def private_redis(serve_pid: int) -> tuple[int, int] | None:
+    """(pid, port) of the redis-server ``epd serve`` started, or None."""
+    for pid in sorted(descendants(serve_pid)):
+        args = cmdline(pid)
+        if args and Path(args[0]).name.startswith("redis-server") and "--port" in args:
+            return pid, int(args[args.index("--port") + 1])
+    return None
+
+
+def rss_bytes(pid: int) -> int | None:
+    try:
+        for line in (PROC / str(pid) / "status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None

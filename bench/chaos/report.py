@@ -1,0 +1,130 @@
+"""The chaos run's figures: counts, agreement with ``generate()``, blocks left, replacement times,
+latency percentiles before, during and after each fault; and the soak's drift."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from bench.chaos.faults import FaultResult
+from bench.chaos.load import Outcome
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """Nearest-rank percentile (q in [0, 100]); None for no values."""
+    if not values:
+        return None
+    s = sorted(values)
+    return s[max(0, math.ceil(q / 100 * len(s)) - 1)]
+
+
+@dataclass(frozen=True)
+class Window:
+    requests: int
+    p50_s: float | None
+    p99_s: float | None
+
+    @classmethod
+    def of(cls, outcomes: list[Outcome]) -> "Window":
+        lat = [o.latency for o in outcomes if o.ok]
+        return cls(len(outcomes), percentile(lat, 50), percentile(lat, 99))
+
+
+@dataclass(frozen=True)
+class FaultFigures:
+    fault: str
+    target: str
+    recovery_s: float
+    replaced: bool
+    detection_s: float  # the bound's allowance: how long the control plane may take to notice this fault
+    before: Window
+    during: Window
+    after: Window
+    p99_bound_s: float | None  # 2 x the fault-free p99 + detection
+    within_bound: bool | None
+
+
+@dataclass(frozen=True)
+class ChaosReport:
+    requests: int
+    completed: int
+    failed: int
+    migrated: int
+    matched: int
+    blocks_leaked: int
+    fault_free: Window
+    faults: list[FaultFigures]
+    errors: list[str] = field(default_factory=list)  # the first few failures' messages
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def fault_figures(res: FaultResult, outcomes: list[Outcome], fault_free: Window, detection_s: float,
+                  window_s: float) -> FaultFigures:
+    before = [o for o in outcomes if res.at - window_s <= o.end < res.at]
+    during = [o for o in outcomes if o.start < res.recovered_at and o.end > res.at]
+    after = [o for o in outcomes if res.recovered_at <= o.start < res.recovered_at + window_s]
+    d = Window.of(during)
+    bound = None if fault_free.p99_s is None else 2 * fault_free.p99_s + detection_s
+    within = None if bound is None or d.p99_s is None else d.p99_s <= bound
+    return FaultFigures(res.spec.describe(), res.target, round(res.recovery_s, 2), res.replaced, detection_s,
+                        Window.of(before), d, Window.of(after), bound, within)
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v * 1e3:.0f}"
+
+
+def format_report(r: ChaosReport) -> str:
+    pct = 100.0 * r.matched / r.completed if r.completed else 0.0
+    lines = [f"requests {r.requests}: completed {r.completed}, failed {r.failed}, migrated {r.migrated}",
+             f"equal to generate(): {r.matched}/{r.completed} ({pct:.1f}%)",
+             f"KV blocks still held at the end: {r.blocks_leaked}",
+             f"fault-free: {r.fault_free.requests} requests, p50 {_ms(r.fault_free.p50_s)} ms, "
+             f"p99 {_ms(r.fault_free.p99_s)} ms", "",
+             f"{'fault':<16}{'recovered':>10}{'replaced':>9}  {'p50/p99 ms before':>18}{'during':>12}{'after':>12}"
+             f"{'bound':>8}  ok"]
+    for f in r.faults:
+        lines.append(f"{f.fault:<16}{f.recovery_s:>9.1f}s{'yes' if f.replaced else 'no':>9}  "
+                     f"{_ms(f.before.p50_s) + '/' + _ms(f.before.p99_s):>18}"
+                     f"{_ms(f.during.p50_s) + '/' + _ms(f.during.p99_s):>12}"
+                     f"{_ms(f.after.p50_s) + '/' + _ms(f.after.p99_s):>12}{_ms(f.p99_bound_s):>8}  "
+                     f"{'-' if f.within_bound is None else ('yes' if f.within_bound else 'NO')}")
+    for e in r.errors:
+        lines.append(f"failure: {e}")
+    return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class SoakSample:
+    at_s: float
+    rss: dict[str, int]  # process label -> bytes
+    blocks_used: int
+
+
+@dataclass(frozen=True)
+class SoakReport:
+    minutes: float
+    capacity_rps: float
+    rate_rps: float
+    requests: int
+    failed: int
+    matched: int
+    rss_growth_pct: dict[str, float]  # per process, last sample over the first after warm-up
+    blocks_baseline: int
+    blocks_end: int
+    samples: list[SoakSample]
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def format_soak(s: SoakReport) -> str:
+    lines = [f"soak {s.minutes:g} min at {s.rate_rps:.2f} req/s (70% of {s.capacity_rps:.2f} measured): "
+             f"{s.requests} requests, {s.failed} failed, {s.matched} equal to generate()",
+             f"KV blocks used: baseline {s.blocks_baseline}, end {s.blocks_end}", "RSS growth after warm-up:"]
+    for name, g in sorted(s.rss_growth_pct.items()):
+        lines.append(f"  {name:<40}{g:+.1f}%")
+    return "\n".join(lines)

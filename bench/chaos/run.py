@@ -1,0 +1,169 @@
+"""``epd bench chaos``: a steady greedy load through a live ``epd serve`` (``replicas`` per pool) while,
+in turn, Redis is restarted, one replica of each pool is killed (SIGKILL) and one decode replica is
+stopped (SIGSTOP for ``stop_s``, then SIGCONT). Each answer is compared with the single-process
+``generate()`` of the same prompt; at the end the workers' KV blocks must all be free again.
+
+  1. start     ``epd serve`` as a user starts it; references from ``generate()`` meanwhile.
+  2. baseline  ``baseline_s`` of fault-free load (its p99 is the bound's base).
+  3. faults    ``PLAN`` in order, each followed by ``settle_s`` of quiet load.
+  4. drain     the load runs on until ``requests`` were sent, then stops; blocks are read until free.
+  5. report    completed / failed / migrated (from the request journal), agreement, blocks left,
+               recovery time per fault, p50/p99 before, during and after each.
+With ``soak_minutes``: capacity is measured (closed loop), then a steady 70% of it runs for that long
+while each process's RSS and the blocks in use are sampled; growth after warm-up is reported.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from bench.chaos.deployment import Deployment
+from bench.chaos.faults import PLAN, FaultKind, FaultResult, inject
+from bench.chaos.load import LoadDriver, Outcome
+from bench.chaos.procs import cmdline, descendants, private_redis, rss_bytes
+from bench.chaos.report import ChaosReport, SoakReport, SoakSample, Window, fault_figures
+from controlplane.settings import RedisSettings, SchedulerSettings
+
+
+@dataclass(frozen=True)
+class ChaosConfig:
+    model: Path | None = None
+    requests: int = 300
+    concurrency: int = 8
+    max_tokens: int = 32
+    prompts: int = 16
+    replicas: int = 2
+    baseline_s: float = 20.0
+    settle_s: float = 10.0
+    stop_s: float = 10.0
+    soak_minutes: float | None = None
+
+
+def _references(model: Path | None, n: int, max_tokens: int) -> tuple[list[list[int]], list[str], Path]:
+    from workers.runtime.default_model import ensure_default_checkpoint
+    from workers.runtime.generate import GenerateRequest, generate
+    from workers.runtime.loader import load_model
+    from workers.runtime.sampler import SamplingParams
+
+    folder = model or ensure_default_checkpoint()
+    bundle = load_model(folder)
+    assert bundle.tokenizer is not None
+    prompts = [bundle.tokenizer.encode(f"Chaos prompt {i}: what does a serving system keep when a worker dies?")
+               for i in range(n)]
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    refs = generate(bundle, [GenerateRequest(prompt_ids=p, params=params) for p in prompts])
+    return prompts, [r.text for r in refs], folder
+
+
+def _detection_s(kind: FaultKind) -> float:
+    s = SchedulerSettings()
+    return {FaultKind.KILL: 0.0, FaultKind.STOP: s.token_idle_timeout_s,
+            FaultKind.REDIS: RedisSettings().command_budget_s}[kind]
+
+
+def _blocks_used(dep: Deployment) -> int:
+    return sum(w.total_kv_blocks - w.free_kv_blocks for pool in ("prefill", "decode") for w in dep.workers(pool))
+
+
+def _wait_blocks_free(dep: Deployment, timeout_s: float = 30.0) -> int:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        used = _blocks_used(dep)
+        if used == 0 or time.monotonic() > deadline:
+            return used
+        time.sleep(0.5)
+
+
+def _migrated(dep: Deployment, outcomes: list[Outcome]) -> int:
+    from controlplane.state import connect
+    from controlplane.state.journal import RequestJournal, RequestState
+
+    assert dep.proc is not None
+    found = private_redis(dep.proc.pid)
+    if found is None:
+        return -1
+    conn = connect(f"redis://127.0.0.1:{found[1]}", RedisSettings().prefix)
+    try:
+        journal = RequestJournal(conn)
+        return sum(any(e.state is RequestState.MIGRATING for e in journal.history(o.request_id))
+                   for o in outcomes if o.request_id)
+    finally:
+        conn.close()
+
+
+def chaos(cfg: ChaosConfig, say: Callable[[str], None] = print) -> ChaosReport:
+    with tempfile.TemporaryDirectory(prefix="epd-chaos-") as tmp:
+        dep = Deployment(cfg.model, cfg.replicas, Path(tmp))
+        say(f"starting epd serve ({cfg.replicas} replicas per pool) ...")
+        dep.start()
+        try:
+            prompts, refs, _ = _references(cfg.model, cfg.prompts, cfg.max_tokens)
+            driver = LoadDriver(dep.base, dep.model_name(), prompts, refs, cfg.max_tokens, cfg.concurrency).start()
+            time.sleep(cfg.baseline_s)
+            results: list[FaultResult] = []
+            for spec in PLAN:
+                say(f"fault: {spec.describe()}")
+                results.append(inject(dep, spec, cfg.stop_s))
+                say(f"  whole again after {results[-1].recovery_s:.1f} s")
+                time.sleep(cfg.settle_s)
+            while driver.count < cfg.requests:
+                time.sleep(0.5)
+            driver.stop()
+            outcomes = list(driver.outcomes)
+            leaked = _wait_blocks_free(dep)
+            migrated = _migrated(dep, outcomes)
+        finally:
+            dep.stop()
+    first = results[0].at if results else float("inf")
+    fault_free = Window.of([o for o in outcomes if o.end < first])
+    figures = [fault_figures(r, outcomes, fault_free, _detection_s(r.spec.kind), cfg.settle_s) for r in results]
+    ok = [o for o in outcomes if o.ok]
+    errors = [o.error or f"HTTP {o.status}" for o in outcomes if not o.ok][:5]
+    return ChaosReport(len(outcomes), len(ok), len(outcomes) - len(ok), migrated, sum(o.match for o in ok), leaked,
+                       fault_free, figures, errors)
+
+
+def _label(pid: int) -> str:
+    args = cmdline(pid)
+    return f"{pid} {' '.join(a for a in args[:4] if a)[:48]}"
+
+
+def soak(cfg: ChaosConfig, say: Callable[[str], None] = print, sample_s: float = 15.0) -> SoakReport:
+    assert cfg.soak_minutes is not None
+    with tempfile.TemporaryDirectory(prefix="epd-soak-") as tmp:
+        dep = Deployment(cfg.model, cfg.replicas, Path(tmp))
+        say(f"starting epd serve ({cfg.replicas} replicas per pool) ...")
+        dep.start()
+        try:
+            prompts, refs, _ = _references(cfg.model, cfg.prompts, cfg.max_tokens)
+            model = dep.model_name()
+            probe = LoadDriver(dep.base, model, prompts, refs, cfg.max_tokens, cfg.concurrency).start()
+            time.sleep(20.0)
+            probe.stop()
+            capacity = len(probe.outcomes) / max(1e-9, probe.outcomes[-1].end - probe.outcomes[0].start)
+            rate = 0.7 * capacity
+            baseline = _wait_blocks_free(dep)
+            say(f"capacity {capacity:.2f} req/s; soaking at {rate:.2f} req/s for {cfg.soak_minutes:g} min")
+            assert dep.proc is not None
+            pids = [dep.proc.pid, *sorted(descendants(dep.proc.pid))]
+            driver = LoadDriver(dep.base, model, prompts, refs, cfg.max_tokens, cfg.concurrency * 2, rate).start()
+            began = time.monotonic()
+            samples: list[SoakSample] = []
+            while time.monotonic() - began < cfg.soak_minutes * 60:
+                rss = {_label(p): b for p in pids if (b := rss_bytes(p)) is not None}
+                samples.append(SoakSample(round(time.monotonic() - began, 1), rss, _blocks_used(dep)))
+                time.sleep(sample_s)
+            driver.stop()
+            end_blocks = _wait_blocks_free(dep)
+        finally:
+            dep.stop()
+    warm = next((s for s in samples if s.at_s >= min(120.0, cfg.soak_minutes * 60 / 5)), samples[0])
+    last = samples[-1]
+    growth = {k: 100.0 * (last.rss[k] - v) / v for k, v in warm.rss.items() if k in last.rss and v}
+    outs = driver.outcomes
+    return SoakReport(cfg.soak_minutes, round(capacity, 3), round(rate, 3), len(outs), sum(not o.ok for o in outs),
+                      sum(o.match for o in outs), growth, baseline, end_blocks, samples)

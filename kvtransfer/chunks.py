@@ -19,6 +19,7 @@ import torch
 
 from kvtransfer.checksum import ChunkHasher, chunk_checksum
 from kvtransfer.codecs import Codec, EncodedTensor, Kind
+from kvtransfer.cuda_ipc import device_checksum
 from kvtransfer.staging import side_stream, to_host
 from kvtransfer.wire import encode_chunk_parts, pb
 
@@ -149,16 +150,40 @@ def _encode_on_device(codec: Codec, key: torch.Tensor, value: torch.Tensor, host
     ``ready``: an event the side stream waits for (the snapshot's copy); None: the current stream."""
     with side_stream(key.device, ready):
         dev = torch.empty(host.numel(), dtype=torch.uint8, device=key.device)
-        k = codec.encode_into(key, Kind.KEY, dev[s_len:s_len + k_len])
-        v = codec.encode_into(value, Kind.VALUE, dev[s_len + k_len:])
-        pos = 0
-        for t in (k.scales, k.zeros, v.scales, v.zeros):
-            if t is not None and t.numel():
-                n = t.numel() * t.element_size()
-                dev[pos:pos + n].copy_(t.reshape(-1).view(torch.uint8))
-                pos += n
+        _encode_parts_to(codec, key, value, dev, s_len, k_len)
         to_host(dev, host)
     return chunk_checksum([dest])
+
+
+def encode_into_device_segment(chunk: "pb.KVChunk", codec: Codec, key: torch.Tensor, value: torch.Tensor,
+                               dest: torch.Tensor, ready: object | None = None) -> None:
+    """TRANSPORT_CUDA_IPC: encode into ``dest`` (1-D uint8 of ``chunk_nbytes``, in the receiver's device
+    memory, mapped here) and set ``chunk.checksum`` to its ``device_checksum``. Returns once the bytes
+    are in place (the receiver reads them when the chunk's control message arrives)."""
+    s_len, k_len, _ = _sizes(codec, tuple(key.shape))
+    work = key.device if key.device.type == "cuda" else dest.device
+    with side_stream(work, ready):
+        if key.device == dest.device:
+            _encode_parts_to(codec, key, value, dest, s_len, k_len)
+        else:  # another device (or the host): encode where the input is, then one copy
+            local = torch.empty(dest.numel(), dtype=torch.uint8, device=key.device)
+            _encode_parts_to(codec, key, value, local, s_len, k_len)
+            dest.copy_(local)
+        chunk.checksum = device_checksum(dest)
+
+
+def _encode_parts_to(codec: Codec, key: torch.Tensor, value: torch.Tensor, dev: torch.Tensor, s_len: int,
+                     k_len: int) -> None:
+    """Encode into ``dev`` (1-D uint8 on the input's device) in the wire's order: scales and zeros, then
+    the keys' and values' payload."""
+    k = codec.encode_into(key, Kind.KEY, dev[s_len:s_len + k_len])
+    v = codec.encode_into(value, Kind.VALUE, dev[s_len + k_len:])
+    pos = 0
+    for t in (k.scales, k.zeros, v.scales, v.zeros):
+        if t is not None and t.numel():
+            n = t.numel() * t.element_size()
+            dev[pos:pos + n].copy_(t.reshape(-1).view(torch.uint8))
+            pos += n
 
 
 def scale_views(k: EncodedTensor, v: EncodedTensor) -> list[memoryview]:

@@ -50,6 +50,11 @@ class Expectations(Generic[O]):
     def __len__(self) -> int:
         return len(self._items)
 
+    def __contains__(self, request_id: object) -> bool:
+        """Whether ``request_id`` is expected or streaming (not yet done)."""
+        with self._lock:
+            return request_id in self._items
+
     def add(self, request_id: str, target: Any, on_done: Callable[[O], None], timeout_s: float) -> None:
         with self._lock:
             if request_id in self._items:

@@ -26,10 +26,12 @@ from dataclasses import dataclass
 from typing import Callable, Iterator, Protocol, Sequence
 
 import grpc
+import torch
 
 from kvtransfer.bulk import CONTROL_BYTES, KIND_CHUNK, KIND_HANDSHAKE, KIND_RESULT, BulkConnection, BulkError
 from kvtransfer.bulk_listener import BulkListener
 from kvtransfer.checksum import StreamChecksum, chunk_checksum
+from kvtransfer.cuda_ipc import DeviceParts, IpcError, IpcPool, device_checksum, non_finite_device
 from kvtransfer.chunks import non_finite_values
 from kvtransfer.codecs import CodecError, Kind, get_codec
 from kvtransfer.errors import TransferRefused
@@ -67,6 +69,10 @@ class KVSink(Protocol):
     def write(self, layer: int, blocks: Sequence[int], codec: str, shape: tuple[int, int, int, int],
               key: WireParts, value: WireParts) -> None: ...
 
+    def write_device(self, layer: int, blocks: Sequence[int], codec: str, shape: tuple[int, int, int, int],
+                     key: DeviceParts, value: DeviceParts) -> None:
+        """``write`` for parts already in the cache's device memory (TRANSPORT_CUDA_IPC)."""
+
 
 @dataclass(frozen=True)
 class TransferOutcome:
@@ -92,6 +98,7 @@ class KVReceiver:
         self._streams = threading.BoundedSemaphore(max_streams)
         self.segments = SegmentCache()
         self.bulk: BulkListener | None = None
+        self.ipc: IpcPool | None = None
         self.orphan_reap_s = ORPHAN_REAP_S
         self._clock = clock
         self._next_reap = clock()
@@ -103,6 +110,28 @@ class KVReceiver:
         if self.bulk is None:
             self.bulk = BulkListener(host, self.serve_bulk, port, ssl_context=ssl_context)
         return self.bulk.port
+
+    def enable_cuda_ipc(self, device: "torch.device", segment_bytes: int = 256 * 2**20, num_segments: int = 4) -> None:
+        """Accept TRANSPORT_CUDA_IPC pushes into ``num_segments`` device segments on ``device`` (the cache's);
+        without this, OpenCudaIpc is refused and senders use another transport."""
+        if self.ipc is None:
+            self.ipc = IpcPool(device, segment_bytes, num_segments)
+
+    def open_cuda_ipc(self, request: bytes, context: grpc.ServicerContext) -> bytes:
+        """Handler for KVTransfer.OpenCudaIpc: lease a device segment to an expected request's push."""
+        if self.ipc is None:
+            context.abort(Code.FAILED_PRECONDITION, "this receiver has no CUDA IPC pool; use another transport")
+        try:
+            req = pb.CudaIpcLeaseRequest.FromString(request)
+        except Exception:  # protobuf's DecodeError
+            context.abort(Code.INVALID_ARGUMENT, "malformed CudaIpcLeaseRequest")
+        if req.request_id not in self.expectations:
+            context.abort(Code.NOT_FOUND, f"no reservation for request {req.request_id!r}")
+        try:
+            return self.ipc.lease(req.request_id, req.min_bytes).SerializeToString()
+        except IpcError as exc:
+            context.abort(Code.RESOURCE_EXHAUSTED, str(exc))
+        raise AssertionError("unreachable: context.abort raises")
 
     # ------------------------------------------------------------------ control (decode worker side)
     def expect(self, request_id: str, blocks: Sequence[int], on_done: Callable[[TransferOutcome], None],
@@ -136,6 +165,8 @@ class KVReceiver:
                 if removed:
                     log.info("removed %d shared-memory segment(s) of dead KV senders", len(removed))
         self.segments.prune()
+        if self.ipc is not None:
+            self.ipc.release_stale(self.expectations.__contains__)
 
     def stop(self) -> None:
         self.expectations.stop()
@@ -291,6 +322,16 @@ class KVReceiver:
             raise TransferRefused(Code.OUT_OF_RANGE, f"{hs.num_tokens} tokens need {nblocks} blocks; "
                                                      f"{len(exp.target)} are reserved for {hs.request_id!r}")
         segment = None
+        if hs.transport == pb.TRANSPORT_CUDA_IPC:
+            if self.ipc is None:
+                raise TransferRefused(Code.FAILED_PRECONDITION, "this receiver has no CUDA IPC pool")
+            try:
+                device_segment = self.ipc.check(hs.request_id, hs.ipc_epoch, hs.ipc_segment)
+            except IpcError as exc:
+                self.ipc.release(hs.request_id)
+                raise TransferRefused(Code.FAILED_PRECONDITION, str(exc)) from None
+            return _Session(sender, hs.num_tokens, nblocks, None, self.segments, device_segment,
+                            lambda: self.ipc.release(hs.request_id))  # type: ignore[union-attr]
         if hs.transport == pb.TRANSPORT_SHARED_MEMORY:
             try:
                 segment = self.segments.attach(hs.shm_name, hs.shm_size)
@@ -327,6 +368,9 @@ class KVReceiver:
         if want_scales + want_payload > self.max_chunk_bytes:
             raise TransferRefused(Code.INVALID_ARGUMENT, f"{where} is {want_scales + want_payload} bytes, over "
                                                          f"this receiver's limit of {self.max_chunk_bytes}")
+        if s.device_segment is not None:
+            self._device_chunk(exp, s, c, where, codec_name, shape, k_lay, v_lay, want_scales, want_payload)
+            return
         scales, payload = s.bulk(c, frame, want_scales)
         if scales.nbytes != want_scales or payload.nbytes != want_payload:
             raise TransferRefused(Code.INVALID_ARGUMENT,
@@ -354,6 +398,41 @@ class KVReceiver:
         s.num_bytes += scales.nbytes + payload.nbytes
         s.checksum.add(c.checksum)
 
+    def _device_chunk(self, exp: Expected, s: "_Session", c: "pb.KVChunk", where: str, codec_name: str,
+                      shape: tuple[int, int, int, int], k_lay, v_lay, want_scales: int,  # type: ignore[no-untyped-def]
+                      want_payload: int) -> None:
+        """A TRANSPORT_CUDA_IPC chunk: checked (range, device checksum, finite scales) where it lies, in the
+        leased device segment, then decoded from there into the reserved blocks."""
+        seg = s.device_segment
+        assert seg is not None
+        if c.shm.length != want_scales + want_payload or c.shm.offset + c.shm.length > seg.numel():
+            raise TransferRefused(Code.OUT_OF_RANGE, f"{where}: bytes {c.shm.offset}+{c.shm.length} do not fit the "
+                                                     f"{seg.numel()}-byte IPC segment or the codec's "
+                                                     f"{want_scales}+{want_payload} bytes")
+        data = seg[c.shm.offset:c.shm.offset + c.shm.length]
+        if device_checksum(data) != c.checksum:
+            raise TransferRefused(Code.DATA_LOSS, f"{where}: checksum mismatch, the data was corrupted")
+        scales, payload = data[:want_scales], data[want_scales:]
+        problem = non_finite_device(codec_name, k_lay.scales_dtype, scales, payload)
+        if problem is not None:
+            raise TransferRefused(Code.INVALID_ARGUMENT, f"{where}: {problem}; refusing to land a corrupt KV cache")
+        covered = s.coverage[c.layer]
+        if any(covered[c.first_block:c.first_block + c.num_blocks]):
+            raise TransferRefused(Code.INVALID_ARGUMENT, f"{where} overlaps blocks already received")
+        key, value = _split_device(k_lay, v_lay, scales, payload)
+        blocks = exp.target[c.first_block:c.first_block + c.num_blocks]
+        with exp.lock:
+            if exp.state is not State.STREAMING:
+                raise exp.failure or TransferRefused(Code.CANCELLED, "transfer cancelled")
+            try:
+                self.sink.write_device(c.layer, blocks, codec_name, shape, key, value)
+            except (CodecError, ValueError) as exc:
+                raise TransferRefused(Code.INVALID_ARGUMENT, f"{where}: {exc}") from None
+        covered[c.first_block:c.first_block + c.num_blocks] = b"\x01" * c.num_blocks
+        s.next_seq += 1
+        s.num_bytes += c.shm.length
+        s.checksum.add(c.checksum)
+
     def _finish(self, exp: Expected, s: "_Session", f: "pb.PushFinish") -> "pb.PushAck":
         if f.num_chunks != s.next_seq or f.num_bytes != s.num_bytes or f.checksum != s.checksum.value:
             raise TransferRefused(Code.DATA_LOSS, f"finish totals disagree: sender sent {f.num_chunks} chunks / "
@@ -373,7 +452,10 @@ class _Session:
     """Per-stream progress: what has arrived, in which order, and through which transport."""
 
     def __init__(self, layout: KVLayout, num_tokens: int, num_blocks: int, segment: SharedSegment | None,
-                 cache: SegmentCache | None = None) -> None:
+                 cache: SegmentCache | None = None, device_segment: "torch.Tensor | None" = None,
+                 on_close: Callable[[], None] | None = None) -> None:
+        self.device_segment = device_segment  # TRANSPORT_CUDA_IPC: the leased device segment
+        self._on_close = on_close
         self.cache = cache
         self.layout = layout
         self.num_tokens = num_tokens
@@ -398,6 +480,9 @@ class _Session:
         return view[:scales_nbytes], view[scales_nbytes:]
 
     def close(self) -> None:
+        if self._on_close is not None:
+            self._on_close()  # the IPC lease ends with the push
+            self._on_close = None
         if self.segment is not None and self.cache is not None:
             self.cache.release(self.segment)  # the mapping stays cached for the next stream
         self.segment = None
@@ -422,3 +507,17 @@ def _split(k_lay, v_lay, scales: memoryview, payload: memoryview) -> tuple[WireP
         parts.append((s, z))
     kp, vp = payload[:k_lay.payload_nbytes], payload[k_lay.payload_nbytes:]
     return WireParts(kp, parts[0][0], parts[0][1]), WireParts(vp, parts[1][0], parts[1][1])
+
+
+def _split_device(k_lay, v_lay, scales: "torch.Tensor", payload: "torch.Tensor") -> tuple[DeviceParts, DeviceParts]:  # type: ignore[no-untyped-def]
+    """``_split`` for a chunk in device memory."""
+    o = 0
+    parts = []
+    for lay in (k_lay, v_lay):
+        s = scales[o:o + lay.scale_nbytes]
+        o += lay.scale_nbytes
+        z = scales[o:o + lay.zero_nbytes] if lay.zero_nbytes else None
+        o += lay.zero_nbytes
+        parts.append((s, z))
+    kp, vp = payload[:k_lay.payload_nbytes], payload[k_lay.payload_nbytes:]
+    return DeviceParts(kp, parts[0][0], parts[0][1]), DeviceParts(vp, parts[1][0], parts[1][1])

@@ -16,11 +16,14 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Literal
 
 import grpc
+import torch
 
 from kvtransfer.auth import ChannelCache, TransferSecurity
 from kvtransfer.budget import ByteBudget
 from kvtransfer.bulk import BulkConnector
 from kvtransfer.codecs import native
+from kvtransfer.cuda_ipc import IpcMappings
+from kvtransfer.errors import TransferFailed
 from kvtransfer.layout import KVLayout
 from kvtransfer.memory import BufferPool, retain_freed_buffers
 from kvtransfer.shm import SegmentPool, reap_orphans, shm_available
@@ -29,7 +32,9 @@ from kvtransfer.stream import KVStream
 from kvtransfer.stream_context import BulkControl, ChunkSizes, StreamContext
 from kvtransfer.threads import single_threaded_torch
 
-TransportChoice = Literal["auto", "grpc", "shm", "tcp"]
+# OpenCudaIpc refusals after which ``auto`` falls back: no pool there, none free, or not mappable here.
+_NO_IPC = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNIMPLEMENTED)
+TransportChoice = Literal["auto", "grpc", "shm", "tcp", "cuda_ipc"]
 
 
 def is_local_target(target: str) -> bool:
@@ -52,9 +57,16 @@ class KVSender:
                  sender_budget_bytes: int = 512 * 2**20, max_chunk_bytes: int = 4 * 2**20,
                  shm_chunk_bytes: int = 16 * 2**20,
                  transport: TransportChoice = "auto", encode_threads: int = 2,
-                 bulk_chunk_bytes: int = 8 * 2**20, inline_build_bytes: int = 512 * 2**10) -> None:
+                 bulk_chunk_bytes: int = 8 * 2**20, inline_build_bytes: int = 512 * 2**10,
+                 device: torch.device | str = "cpu") -> None:
+        """``device``: where the KV cache it sends from lives; ``auto`` picks cuda_ipc for a CUDA cache
+        and a receiver on this host that leases a CUDA IPC segment (else shm, else gRPC)."""
         self.security = security
         self.transport = transport
+        self.device = torch.device(device)
+        # Receivers that leased no CUDA IPC segment (no pool, all in use, another GPU): skipped a while.
+        self.ipc_control = BulkControl(what="leased no CUDA IPC segment",
+                                       then="its pushes use shared memory or gRPC")
         # The bulk TCP connection carries tcp pushes, and the control messages of shm pushes (auto picks shm
         # on the same host); TLS under mTLS.
         self.bulk = BulkConnector(ssl_context=security.ssl_context(server_side=False) if transport != "grpc" else None,
@@ -82,7 +94,8 @@ class KVSender:
         self.sizes = ChunkSizes(stream_budget=stream_budget_bytes, grpc=max_chunk_bytes, shm=shm_chunk_bytes,
                                 bulk=bulk_chunk_bytes, inline_build=inline_build_bytes)
         self.context = StreamContext(security, self.host, self.sizes, self.budget, self._channels.get, self.bulk,
-                                     self.bulk_control, self.segments, self.encoders, self.buffers, self.pinned)
+                                     self.bulk_control, self.segments, self.encoders, self.buffers, self.pinned,
+                                     IpcMappings())
         native.load_in_background()
         if transport != "grpc":
             reap_orphans()
@@ -97,13 +110,15 @@ class KVSender:
         self.encoders.shutdown(wait=False, cancel_futures=True)
         self.buffers.clear()
         self.pinned.clear()
+        self.context.ipc.close()
 
     def choose_transport(self, target: str) -> str:
-        if self.transport == "grpc":
-            return "grpc"
-        if self.transport in ("shm", "tcp"):
+        if self.transport in ("grpc", "shm", "tcp", "cuda_ipc"):
             return self.transport
-        return "shm" if is_local_target(target) and shm_available() else "grpc"
+        local = is_local_target(target)
+        if local and self.device.type == "cuda" and self.ipc_control.usable(target):
+            return "cuda_ipc"
+        return "shm" if local and shm_available() else "grpc"
 
     def bulk_control_usable(self, target: str) -> bool:
         """Whether a shm push to ``target`` should ask for a bulk connection for its control messages."""
@@ -111,4 +126,11 @@ class KVSender:
 
     def open_stream(self, target: str, request_id: str, layout: KVLayout, num_tokens: int,
                     timeout_s: float = 30.0) -> KVStream:
+        transport = self.choose_transport(target)
+        try:
+            return KVStream(self.context, target, request_id, layout, num_tokens, timeout_s, transport)
+        except TransferFailed as exc:
+            if self.transport != "auto" or transport != "cuda_ipc" or exc.code not in _NO_IPC:
+                raise
+            self.ipc_control.failed(target, exc)  # auto: fall back for this push and for a while
         return KVStream(self.context, target, request_id, layout, num_tokens, timeout_s, self.choose_transport(target))

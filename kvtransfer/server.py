@@ -19,6 +19,7 @@ def kv_transfer_handler(receiver: KVReceiver) -> grpc.GenericRpcHandler:
     return grpc.method_handlers_generic_handler(SERVICE, {
         "Push": grpc.stream_unary_rpc_method_handler(receiver.push),
         "OpenBulk": grpc.unary_unary_rpc_method_handler(receiver.open_bulk),
+        "OpenCudaIpc": grpc.unary_unary_rpc_method_handler(receiver.open_cuda_ipc),
     })
 
 

@@ -37,8 +37,9 @@ from kvtransfer.bulk import KIND_CHUNK, KIND_FINISH, KIND_HANDSHAKE, BulkConnect
 from kvtransfer.bulk_call import BulkCall
 from kvtransfer.budget import ByteBudget
 from kvtransfer.checksum import StreamChecksum
-from kvtransfer.chunks import (chunk_nbytes, encode_into_segment, frame_chunk, frame_chunk_into, frame_chunk_parts,
-                               writes_in_place)
+from kvtransfer.chunks import (chunk_nbytes, encode_into_device_segment, encode_into_segment, frame_chunk,
+                               frame_chunk_into, frame_chunk_parts, writes_in_place)
+from kvtransfer.cuda_ipc import IpcError, MappedSegment, lease_request
 from kvtransfer.codecs import CodecError, get_codec
 from kvtransfer.errors import TransferFailed
 from kvtransfer.layout import KVLayout
@@ -46,7 +47,7 @@ from kvtransfer.reused_threads import ReusedThreads
 from kvtransfer.shm import SharedSegment, ShmError
 from kvtransfer.staging import wait_for_current
 from kvtransfer.stream_context import StreamContext
-from kvtransfer.wire import OPEN_BULK_METHOD, PROTOCOL_VERSION, PUSH_METHOD, encode_control, pb
+from kvtransfer.wire import OPEN_BULK_METHOD, OPEN_CUDA_IPC_METHOD, PROTOCOL_VERSION, PUSH_METHOD, encode_control, pb
 
 _BULK_WRITERS = ReusedThreads("kv-bulk-write")  # one per bulk TCP stream while it sends
 
@@ -95,7 +96,7 @@ class KVStream:
         self._bytes = 0
         self._logical = 0
         self._checksum = StreamChecksum()
-        self._segment: SharedSegment | None = None
+        self._segment: SharedSegment | MappedSegment | None = None
         self._shm_offset = 0
         self._bulk: BulkConnection | None = None
         self._bulk_settled = False
@@ -118,6 +119,11 @@ class KVStream:
         elif transport == "tcp":
             self._bulk = self._open_bulk(target, timeout_s)
             hs.transport = pb.TRANSPORT_TCP
+        elif transport == "cuda_ipc":  # control on Push; the chunks' bytes go device to device
+            self._segment = self._lease_ipc(target, timeout_s)
+            hs.transport = pb.TRANSPORT_CUDA_IPC
+            hs.ipc_epoch = self._segment.epoch
+            hs.ipc_segment = self._segment.index
         if self._bulk is not None:
             self._bulk.bind(self, timeout_s)  # a write blocked longer than the whole deadline fails
         if self._bulk is not None:
@@ -156,6 +162,22 @@ class KVStream:
             code = grpc.StatusCode.DEADLINE_EXCEEDED if exc.kind == "timeout" else grpc.StatusCode.UNAVAILABLE
             raise TransferFailed(f"cannot open the bulk TCP connection to {target}: {exc}", code) from None
 
+    def _lease_ipc(self, target: str, timeout_s: float) -> MappedSegment:
+        """Lease a device segment of the receiver (OpenCudaIpc) and map it (once per receiver epoch)."""
+        call = self.ctx.channel(target).unary_unary(OPEN_CUDA_IPC_METHOD, request_serializer=None,
+                                                    response_deserializer=pb.CudaIpcLease.FromString)
+        try:
+            lease = call(lease_request(self.request_id, self._segment_size()), timeout=min(timeout_s, 10.0),
+                         metadata=self.ctx.security.call_metadata())
+        except grpc.RpcError as exc:
+            raise self._as_failure(exc) from None
+        try:
+            tensor = self.ctx.ipc.open(target, lease)
+        except (IpcError, RuntimeError) as exc:
+            raise TransferFailed(f"cannot map the receiver's CUDA IPC segment: {exc}",
+                                 grpc.StatusCode.FAILED_PRECONDITION) from None
+        return MappedSegment(tensor, lease.pool_epoch, lease.segment)
+
     def _control_connection(self, target: str, timeout_s: float) -> BulkConnection | None:
         """A shm push's bulk connection for its control messages, or None to send them on gRPC (the
         receiver has no bulk listener, or could not give a connection lately)."""
@@ -173,8 +195,9 @@ class KVStream:
             codec = get_codec(name)
             shape = self.layout.block_shape(self.num_blocks)
             total += chunk_nbytes(codec, shape)
-        # chunks split at block boundaries; per-chunk scale rounding cannot exceed the whole's size
-        return total + 4096
+        # chunks split at block boundaries; per-chunk scale rounding cannot exceed the whole's size;
+        # device segments start each chunk 16-byte aligned (at most one chunk per block and layer)
+        return total + 4096 + 16 * self.num_blocks * self.layout.num_layers
 
     # ------------------------------------------------------------------ producer side (prefill)
     def send_layer(self, layer: int, first_block: int, key: torch.Tensor, value: torch.Tensor) -> None:
@@ -294,6 +317,8 @@ class KVStream:
                 self._failed.set()
             self._drain()
         self._queue.put(("stop", None, 0))
+        if isinstance(self._segment, MappedSegment):  # the receiver ends the lease with the push
+            self._segment = None
         if self._segment is not None:
             # Reuse only after a clean ack: after a failure the receiver may still be reading it.
             if err is None:
@@ -423,14 +448,16 @@ class KVStream:
                 self._failed.set()
                 self._future.cancel()
 
-    def _reserve(self, segment: SharedSegment, codec, shape: tuple[int, ...]) -> int:  # type: ignore[no-untyped-def]
+    def _reserve(self, segment: SharedSegment | MappedSegment, codec, shape: tuple[int, ...]) -> int:  # type: ignore[no-untyped-def]
         """The segment offset of the next chunk (under ``_order``); chunks lie back to back."""
         nbytes = chunk_nbytes(codec, shape)
         offset = self._shm_offset
+        if isinstance(segment, MappedSegment):  # aligned, so the receiver views scales as float32 in place
+            offset = -(-offset // 16) * 16
         if offset + nbytes > segment.size:
             raise TransferFailed(f"chunk of {nbytes} bytes does not fit the {segment.size}-byte shared "
                                  f"segment at offset {offset} (more blocks sent than the stream announced?)")
-        self._shm_offset += nbytes
+        self._shm_offset = offset + nbytes
         return offset
 
     def _build(self, seq: int, layer: int, first_block: int, codec, key: torch.Tensor,  # type: ignore[no-untyped-def]
@@ -465,9 +492,12 @@ class KVStream:
             del parts
             (self.ctx.buffers if on_host else self.ctx.pinned).give(buf)
             return _Built(message, chunk.checksum, nbytes, logical)
-        # Shared memory: encoded straight into the segment; the message only says where.
+        # Shared memory or a CUDA IPC segment: encoded straight into it; the message only says where.
         nbytes = chunk_nbytes(codec, tuple(key.shape))
-        encode_into_segment(chunk, codec, key, value, segment.view(offset, nbytes), ready)
+        if isinstance(segment, MappedSegment):
+            encode_into_device_segment(chunk, codec, key, value, segment.tensor[offset:offset + nbytes], ready)
+        else:
+            encode_into_segment(chunk, codec, key, value, segment.view(offset, nbytes), ready)
         chunk.shm.offset = offset
         chunk.shm.length = nbytes
         return _Built(encode_control(pb.PushMessage(chunk=chunk)), chunk.checksum, nbytes, logical)

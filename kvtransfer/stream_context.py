@@ -20,6 +20,7 @@ import grpc
 from kvtransfer.auth import TransferSecurity
 from kvtransfer.budget import ByteBudget
 from kvtransfer.bulk import BulkConnector
+from kvtransfer.cuda_ipc import IpcMappings
 from kvtransfer.errors import TransferFailed
 from kvtransfer.memory import BufferPool
 from kvtransfer.shm import SegmentPool
@@ -43,13 +44,17 @@ class ChunkSizes:
 
 
 class BulkControl:
-    """Which receivers give a shm push a bulk connection for its control messages; one that did not is
-    skipped for ``BULK_RETRY_S`` (its shm pushes then carry their control on gRPC). Thread-safe."""
+    """Which receivers give a push an optional path (a bulk connection for a shm push's control
+    messages; a CUDA IPC segment); one that did not is skipped for ``BULK_RETRY_S`` (the push then
+    takes the plain path). Thread-safe."""
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic,
+                 what: str = "gave no bulk TCP connection", then: str = "shared-memory pushes to it carry their "
+                 "control on gRPC (slower per push)") -> None:
         self._no_bulk: dict[str, float] = {}  # target -> when to ask it again
         self._clock = clock
         self._lock = threading.Lock()
+        self._what, self._then = what, then
 
     def usable(self, target: str) -> bool:
         if target.startswith(("unix:", "unix-abstract:")):
@@ -63,9 +68,8 @@ class BulkControl:
             first = target not in self._no_bulk
             self._no_bulk[target] = self._clock() + BULK_RETRY_S
         if first:
-            log.warning("KV receiver %s gave no bulk TCP connection (%s); shared-memory pushes to it carry "
-                        "their control on gRPC (slower per push) and ask again in %.0f s", target, error.message,
-                        BULK_RETRY_S)
+            log.warning("KV receiver %s %s (%s); %s, and ask again in %.0f s", target, self._what, error.message,
+                        self._then, BULK_RETRY_S)
 
 
 @dataclass(frozen=True)
@@ -83,3 +87,4 @@ class StreamContext:
     encoders: Executor
     buffers: BufferPool  # host chunk buffers
     pinned: PinnedPool  # pinned chunk buffers for device input
+    ipc: IpcMappings  # mapped CUDA IPC segments of receivers

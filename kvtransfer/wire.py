@@ -24,6 +24,7 @@ SERVICE = "epd.kvtransfer.v1.KVTransfer"
 PUSH_METHOD = f"/{SERVICE}/Push"
 PUSH_EMBEDDINGS_METHOD = f"/{SERVICE}/PushEmbeddings"
 OPEN_BULK_METHOD = f"/{SERVICE}/OpenBulk"
+OPEN_CUDA_IPC_METHOD = f"/{SERVICE}/OpenCudaIpc"
 PROTOCOL_VERSION = 1
 
 _HANDSHAKE, _CHUNK, _FINISH = 1, 2, 3  # oneof field numbers, the same in PushMessage and EmbeddingMessage

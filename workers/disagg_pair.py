@@ -58,9 +58,11 @@ class DisaggPair:
         self.receiver.start_janitor()
         if transport != "grpc":  # tcp pushes, and shm pushes' control messages, use the bulk connection
             self.receiver.enable_bulk("127.0.0.1")
+        if transport in ("auto", "cuda_ipc") and self.decode.cache.device.type == "cuda":
+            self.receiver.enable_cuda_ipc(self.decode.cache.device)
         self.server, port = start_server([kv_transfer_handler(self.receiver)], "127.0.0.1:0", self.security)
         self.target = f"127.0.0.1:{port}"
-        self.sender = KVSender(self.security, transport=transport)
+        self.sender = KVSender(self.security, transport=transport, device=self.prefill.cache.device)
         self.streamer = LayerStreamer(self.prefill, self.sender, codecs)
 
     def close(self) -> None:

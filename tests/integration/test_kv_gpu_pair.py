@@ -74,7 +74,7 @@ LOSSLESS = {"bfloat16": "bf16", "float32": "fp32"}
 
 @CUDA
 @pytest.mark.cuda
-@pytest.mark.parametrize("transport", ["grpc", "tcp", "shm", "auto"])
+@pytest.mark.parametrize("transport", ["grpc", "tcp", "shm", "cuda_ipc", "auto"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_cuda_pair_with_a_lossless_codec_equals_generate(transport: str, dtype: str) -> None:
     bundle = _bundle()
@@ -86,7 +86,7 @@ def test_cuda_pair_with_a_lossless_codec_equals_generate(transport: str, dtype: 
 
 @CUDA
 @pytest.mark.cuda
-@pytest.mark.parametrize("transport", ["grpc", "tcp", "shm", "auto"])
+@pytest.mark.parametrize("transport", ["grpc", "tcp", "shm", "cuda_ipc", "auto"])
 @pytest.mark.parametrize("codec", ["int8", "fp8", "int4", "bf16"])
 def test_cuda_pair_runs_every_codec(transport: str, codec: str) -> None:
     """Quantising codecs change the cache by design: the run must complete, release every block, and

@@ -17,6 +17,7 @@ import torch
 
 from kvtransfer.codecs import Codec, EncodedTensor, Kind, get_codec
 from kvtransfer.codecs.encoded import CodecError
+from kvtransfer.cuda_ipc import DeviceParts
 from kvtransfer.receiver import WireParts
 from kvtransfer.staging import side_stream, to_device
 from workers.runtime.kv_cache import (DenseLayerStorage, KVLayerStorage, PagedKVCache, QuantizedLayerStorage,
@@ -74,16 +75,32 @@ class CacheSink:
         k, v = c.decode(k_enc, dtype), c.decode(v_enc, dtype)
         storage.write(self._slots(blocks), k.reshape(-1, *shape[2:]), v.reshape(-1, *shape[2:]))
 
+    def write_device(self, layer: int, blocks: Sequence[int], codec: str, shape: tuple[int, int, int, int],
+                     key: DeviceParts, value: DeviceParts) -> None:
+        """Parts already in the cache's device memory (a CUDA IPC segment): decoded from there."""
+        dev = self.cache.device
+        parts = (key.payload, key.scales, key.zeros, value.payload, value.scales, value.zeros)
+        if any(p is not None and p.device != dev for p in parts):
+            raise ValueError(f"received parts must be on the cache's device {dev}")
+        with side_stream(dev):
+            self._land_device(self.cache.layers[layer], blocks, codec, shape, parts)
+
     def _write_device(self, storage: KVLayerStorage, blocks: Sequence[int], codec: str,
                       shape: tuple[int, int, int, int], key: WireParts, value: WireParts) -> None:
         """A device cache: only the received encoded bytes go host to device (one staged copy per
-        chunk), then the fused kernels decode straight into the reserved blocks, or the payload and
-        scales are stored as they are; every index lives on the cache's device."""
+        chunk), then they land as in ``_land_device``."""
+        parts = to_device([key.payload, key.scales, key.zeros, value.payload, value.scales, value.zeros],
+                          self.cache.device)
+        self._land_device(storage, blocks, codec, shape, tuple(parts))  # type: ignore[arg-type]
+
+    def _land_device(self, storage: KVLayerStorage, blocks: Sequence[int], codec: str,
+                     shape: tuple[int, int, int, int], parts: tuple) -> None:  # type: ignore[type-arg]
+        """Encoded parts on the cache's device: the fused kernels decode straight into the reserved
+        blocks, or the payload and scales are stored as they are; every index lives on that device."""
         dev = self.cache.device
         n, bs, h, d = shape
         ids = torch.tensor(blocks, dtype=torch.long, device=dev)
-        kp, ks, kz, vp, vs, vz = to_device([key.payload, key.scales, key.zeros, value.payload, value.scales,
-                                            value.zeros], dev)
+        kp, ks, kz, vp, vs, vz = parts
         if isinstance(storage, DenseLayerStorage) and (codec, storage.k.dtype) in _RAW:
             per_block = bs * h * d * storage.k.element_size()
             for dest, p in ((storage.k, kp), (storage.v, vp)):

@@ -1,0 +1,220 @@
+"""The CUDA IPC transport: KV chunks written device to device into the receiver's GPU memory.
+
+Receiver (decode worker): ``IpcPool`` holds a few device segments and a random ``epoch``. A push leases
+one segment for its request id (``OpenCudaIpc``, on the authenticated gRPC channel), its handshake
+names the epoch and the segment, its chunks name offsets into it (``KVChunk.shm``) and a
+``device_checksum``; the receiver checks each chunk there, on the GPU, and decodes it by block index
+into the reserved blocks. The lease ends with the push (``release``). A restarted decode worker has a
+new epoch: a handshake with another epoch is refused, and the sender drops its old mappings.
+
+Sender (prefill worker): ``IpcMappings`` opens each exported handle once per (receiver, epoch,
+segment) and reuses the mapping; a lease with a new epoch for a receiver closes the old ones.
+
+Handles travel as ``CudaIpcHandle`` protobuf fields (torch.multiprocessing.reductions' public
+reduce/rebuild functions), never pickled.
+"""
+
+from __future__ import annotations
+
+import secrets
+import socket
+import threading
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from kvtransfer.wire import pb
+
+__all__ = ["IpcError", "IpcMappings", "IpcPool", "device_checksum", "device_uuid"]
+
+_MASK64 = (1 << 64) - 1
+
+
+class IpcError(ValueError):
+    """A lease that cannot be given or used; the message names why."""
+
+
+def device_uuid(device: torch.device) -> str:
+    """The GPU's UUID (stable across processes, unlike its index under CUDA_VISIBLE_DEVICES); "" on CPU."""
+    if device.type != "cuda":
+        return ""
+    return str(torch.cuda.get_device_properties(device).uuid)
+
+
+def device_checksum(data: torch.Tensor) -> int:
+    """A 64-bit checksum of a 1-D uint8 tensor computed where it lies (GPU or CPU), equal on both.
+
+    sum over 32-bit little-endian words w_i of w_i * (2 * (i * 0x9E3779B1 mod 2**32) + 1), mod 2**64,
+    mixed with the length: integer sums are exact in any order, so every device gets the same value,
+    and any change of one word changes it (the factors are odd)."""
+    n = data.numel()
+    pad = (-n) % 4
+    if pad:
+        data = torch.cat([data, torch.zeros(pad, dtype=torch.uint8, device=data.device)])
+    words = data.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    idx = torch.arange(words.numel(), dtype=torch.int64, device=data.device)
+    factors = ((idx * 0x9E3779B1) & 0xFFFFFFFF) * 2 + 1
+    total = int((words * factors).sum()) & _MASK64
+    return (total ^ (n * 0xC2B2AE3D27D4EB4F)) & _MASK64
+
+
+@dataclass
+class _Lease:
+    segment: int
+    request_id: str
+
+
+class IpcPool:
+    """Device segments leased one per push. ``epoch`` is random per pool: a new process, a new epoch."""
+
+    def __init__(self, device: torch.device, segment_bytes: int, num_segments: int = 4) -> None:
+        if segment_bytes <= 0 or num_segments <= 0:
+            raise IpcError(f"an IPC pool needs positive sizes, got {num_segments} x {segment_bytes} bytes")
+        self.device = device
+        self.epoch = secrets.randbits(63) | 1
+        self.host = socket.gethostname()
+        self.uuid = device_uuid(device)
+        self.segment_bytes = segment_bytes
+        self.segments = [torch.empty(segment_bytes, dtype=torch.uint8, device=device) for _ in range(num_segments)]
+        self._free = list(range(num_segments - 1, -1, -1))
+        self._leases: dict[str, _Lease] = {}
+        self._lock = threading.Lock()
+
+    def lease(self, request_id: str, min_bytes: int) -> "pb.CudaIpcLease":
+        """Lease a free segment to ``request_id``'s push; IpcError when none is free or it is too small."""
+        if min_bytes > self.segment_bytes:
+            raise IpcError(f"the push needs {min_bytes} bytes; this receiver's IPC segments hold {self.segment_bytes}")
+        with self._lock:
+            if request_id in self._leases:
+                raise IpcError(f"request {request_id!r} already holds an IPC segment")
+            if not self._free:
+                raise IpcError(f"all {len(self.segments)} IPC segments are in use; retry or use another transport")
+            seg = self._free.pop()
+            self._leases[request_id] = _Lease(seg, request_id)
+        return pb.CudaIpcLease(pool_epoch=self.epoch, host=self.host, device_uuid=self.uuid, segment=seg,
+                               segment_bytes=self.segment_bytes, handle=export_handle(self.segments[seg]))
+
+    def check(self, request_id: str, epoch: int, segment: int) -> torch.Tensor:
+        """The segment a handshake names, after checking it is this pool's epoch and that request's lease."""
+        if epoch != self.epoch:
+            raise IpcError(f"stale CUDA IPC mapping: the handshake names pool epoch {epoch:#x}, this receiver's "
+                           f"is {self.epoch:#x} (it restarted); lease a segment again")
+        with self._lock:
+            lease = self._leases.get(request_id)
+        if lease is None or lease.segment != segment:
+            raise IpcError(f"request {request_id!r} holds no lease on IPC segment {segment}")
+        return self.segments[segment]
+
+    def release(self, request_id: str) -> None:
+        with self._lock:
+            lease = self._leases.pop(request_id, None)
+            if lease is not None:
+                self._free.append(lease.segment)
+
+    def release_stale(self, alive: Callable[[str], bool]) -> None:
+        """Release the leases of requests no longer alive (refused before their push began, expired)."""
+        with self._lock:
+            stale = [rid for rid in self._leases if not alive(rid)]
+        for rid in stale:
+            self.release(rid)
+
+    @property
+    def leased(self) -> int:
+        with self._lock:
+            return len(self._leases)
+
+
+def export_handle(t: torch.Tensor) -> "pb.CudaIpcHandle":
+    """The IPC handle of a CUDA tensor's storage (empty on CPU: such a pool is only for tests)."""
+    if t.device.type != "cuda":
+        return pb.CudaIpcHandle()
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    _, args = reduce_tensor(t)
+    (_, _, _, _, _, _, _, handle, size_bytes, offset_bytes, _, ref_handle, ref_offset, event, event_sync) = args
+    return pb.CudaIpcHandle(handle=handle, storage_bytes=size_bytes, offset_bytes=offset_bytes,
+                            ref_counter_handle=ref_handle, ref_counter_offset=ref_offset, event_handle=event or b"",
+                            event_sync_required=bool(event_sync))
+
+
+class IpcMappings:
+    """The sender's open mappings, per (target, epoch, segment)."""
+
+    def __init__(self) -> None:
+        self._maps: dict[tuple[str, int, int], torch.Tensor] = {}
+        self._lock = threading.Lock()
+
+    def open(self, target: str, lease: "pb.CudaIpcLease") -> torch.Tensor:
+        """The leased segment as a 1-D uint8 tensor on this process's view of the receiver's GPU."""
+        key = (target, lease.pool_epoch, lease.segment)
+        with self._lock:
+            seg = self._maps.get(key)
+            if seg is not None:
+                return seg
+            for old in [k for k in self._maps if k[0] == target and k[1] != lease.pool_epoch]:
+                del self._maps[old]  # that receiver restarted: its old memory is gone
+        device = _local_device(lease.device_uuid)
+        seg = _rebuild(lease, device)
+        with self._lock:
+            self._maps[key] = seg
+        return seg
+
+    def close(self) -> None:
+        with self._lock:
+            self._maps.clear()
+
+
+def _local_device(uuid: str) -> torch.device:
+    if not torch.cuda.is_available():
+        raise IpcError("CUDA IPC needs CUDA on the sender")
+    for i in range(torch.cuda.device_count()):
+        if str(torch.cuda.get_device_properties(i).uuid) == uuid:
+            return torch.device("cuda", i)
+    raise IpcError(f"the receiver's GPU {uuid} is not visible to this process")
+
+
+def _rebuild(lease: "pb.CudaIpcLease", device: torch.device) -> torch.Tensor:
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    h = lease.handle
+    return rebuild_cuda_tensor(torch.Tensor, (lease.segment_bytes,), (1,), 0, torch.storage.TypedStorage, torch.uint8,
+                               device.index, h.handle, h.storage_bytes, h.offset_bytes, False,
+                               h.ref_counter_handle, h.ref_counter_offset, h.event_handle or None,
+                               h.event_sync_required)
+
+
+@dataclass(frozen=True)
+class DeviceParts:
+    """One tensor's encoded parts as they lie in device memory (1-D uint8 slices), for the sink."""
+
+    payload: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor | None
+
+
+def non_finite_device(codec_name: str, scales_dtype: torch.dtype, scales: torch.Tensor,
+                      payload: torch.Tensor) -> str | None:
+    """``chunks.non_finite_values`` for bytes in device memory, computed there."""
+    if scales.numel() and not bool(torch.isfinite(scales.view(scales_dtype)).all()):
+        return "its scales hold NaN or inf"
+    if codec_name == "fp8" and payload.numel() and bool(((payload & 0x7F) == 0x7F).any()):
+        return "its fp8 payload holds NaN"
+    return None
+
+
+@dataclass(frozen=True)
+class MappedSegment:
+    """A leased receiver segment as the sending stream holds it."""
+
+    tensor: torch.Tensor  # 1-D uint8, the receiver's device memory mapped into this process
+    epoch: int
+    index: int
+
+    @property
+    def size(self) -> int:
+        return self.tensor.numel()
+
+
+def lease_request(request_id: str, min_bytes: int) -> bytes:
+    return pb.CudaIpcLeaseRequest(request_id=request_id, min_bytes=min_bytes).SerializeToString()

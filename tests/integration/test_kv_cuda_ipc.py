@@ -1,0 +1,253 @@
+"""The CUDA IPC transport's receiving end, through a real gRPC server: leases, the pool epoch (a restarted
+receiver refuses a stale mapping), offsets, the device checksum, and landing by block index.
+
+On CPU the receiver's pool lives in host memory and the test writes the chunk bytes into the leased
+segment itself, as a mapped sender would; the ``cuda`` tests map a real IPC handle from a pool on the
+GPU and push through ``KVSender`` (skipped without a GPU)."""
+
+from __future__ import annotations
+
+import secrets
+
+import grpc
+import pytest
+import torch
+
+from kvtransfer.auth import TransferSecurity
+from kvtransfer.checksum import StreamChecksum
+from kvtransfer.chunks import chunk_nbytes
+from kvtransfer.codecs import Kind, get_codec
+from kvtransfer.cuda_ipc import IpcError, IpcMappings, IpcPool, device_checksum
+from kvtransfer.options import CHANNEL_OPTIONS
+from kvtransfer.receiver import KVReceiver, TransferOutcome
+from kvtransfer.sender import KVSender
+from kvtransfer.server import kv_transfer_handler, start_server
+from kvtransfer.wire import OPEN_CUDA_IPC_METHOD, PROTOCOL_VERSION, PUSH_METHOD, encode_control, pb
+from tests.integration.kv_helpers import tiny_model
+from workers.decode.kv_sink import CacheSink
+from workers.prefill.kv_stream import engine_layout
+from workers.runtime.engine import Engine, EngineConfig
+
+pytestmark = pytest.mark.integration
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+CODECS = ("int8", "fp32")
+NUM_TOKENS = 10  # 3 blocks of 4
+
+
+class Decode:
+    """A decode side on ``device`` with a CUDA IPC pool (on CPU: host memory, for the logic alone)."""
+
+    def __init__(self, device: str = "cpu") -> None:
+        self.security = TransferSecurity(token=secrets.token_urlsafe(24))
+        model = tiny_model()
+        if device != "cpu":
+            from workers.disagg_pair import model_on_device
+            model = model_on_device(model, device)
+        self.engine = Engine(model, None, EngineConfig(block_size=4, kv_cache_bytes=48 * 2048, device=device))
+        self.layout = engine_layout(self.engine, CODECS)
+        self.receiver = KVReceiver(self.layout, CacheSink(self.engine.cache, staged=True))
+        self.receiver.enable_cuda_ipc(self.engine.cache.device, segment_bytes=1 << 20, num_segments=2)
+        self.server, port = start_server([kv_transfer_handler(self.receiver)], "127.0.0.1:0", self.security)
+        self.target = f"127.0.0.1:{port}"
+        self.channel = grpc.insecure_channel(self.target, options=CHANNEL_OPTIONS)
+        self.auth = self.security.call_metadata()
+        self.outcomes: dict[str, TransferOutcome] = {}
+
+    def reserve(self, rid: str):  # type: ignore[no-untyped-def]
+        res = self.engine.reserve(rid, NUM_TOKENS)
+
+        def done(o: TransferOutcome) -> None:
+            self.outcomes[rid] = o
+            if not o.ok:
+                self.engine.release(res)
+        self.receiver.expect(rid, res.blocks, done, 20.0)
+        return res
+
+    def lease(self, rid: str, min_bytes: int = 1000) -> "pb.CudaIpcLease":
+        call = self.channel.unary_unary(OPEN_CUDA_IPC_METHOD, request_serializer=None,
+                                        response_deserializer=pb.CudaIpcLease.FromString)
+        return call(pb.CudaIpcLeaseRequest(request_id=rid, min_bytes=min_bytes).SerializeToString(),
+                    metadata=self.auth, timeout=5)
+
+    def push(self, frames: list[bytes]) -> "pb.PushAck":
+        call = self.channel.stream_unary(PUSH_METHOD, request_serializer=None,
+                                         response_deserializer=pb.PushAck.FromString)
+        return call(iter(frames), metadata=self.auth, timeout=10)
+
+    def close(self) -> None:
+        self.channel.close()
+        self.server.stop(0).wait(5)
+        self.receiver.stop()
+
+
+@pytest.fixture
+def decode():  # type: ignore[no-untyped-def]
+    d = Decode()
+    yield d
+    d.close()
+    assert d.receiver.ipc is not None and d.receiver.ipc.leased == 0, "an IPC lease outlived its push"
+
+
+def _handshake(rid: str, layout, lease: "pb.CudaIpcLease", epoch: int | None = None) -> bytes:  # type: ignore[no-untyped-def]
+    hs = pb.PushHandshake(protocol_version=PROTOCOL_VERSION, request_id=rid, layout=layout.to_proto(),
+                          num_tokens=NUM_TOKENS, transport=pb.TRANSPORT_CUDA_IPC, sender_host="test",
+                          ipc_epoch=lease.pool_epoch if epoch is None else epoch, ipc_segment=lease.segment)
+    return encode_control(pb.PushMessage(handshake=hs))
+
+
+def _write_chunks(d: Decode, rid: str, segment: torch.Tensor, corrupt: bool = False):  # type: ignore[no-untyped-def]
+    """Encode every layer's 3 blocks into the segment, as a mapped sender does; the control frames and the
+    sent tensors."""
+    frames, sent, stream = [], [], StreamChecksum()
+    offset, total = 0, 0
+    gen = torch.Generator().manual_seed(7)
+    for layer, name in enumerate(CODECS):
+        c = get_codec(name)
+        shape = d.layout.block_shape(3)
+        k, v = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+        ek, ev = c.encode(k, Kind.KEY), c.encode(v, Kind.VALUE)
+        parts = [t.contiguous().view(torch.uint8).reshape(-1) for t in (ek.scales, ek.zeros, ev.scales, ev.zeros,
+                                                                         ek.payload, ev.payload) if t is not None]
+        data = torch.cat(parts)
+        assert data.numel() == chunk_nbytes(c, shape)
+        segment[offset:offset + data.numel()].copy_(data)
+        checksum = device_checksum(segment[offset:offset + data.numel()])
+        if corrupt:
+            segment[offset + data.numel() - 1] ^= 1  # flipped after the sender's checksum
+        chunk = pb.KVChunk(seq=layer, request_id=rid, layer=layer, first_block=0, num_blocks=3, codec=int(c.codec_id),
+                           checksum=checksum, shm=pb.ShmRef(offset=offset, length=data.numel()))
+        frames.append(encode_control(pb.PushMessage(chunk=chunk)))
+        stream.add(checksum)
+        sent.append((name, k, v))
+        total += data.numel()
+        offset = -(-(offset + data.numel()) // 16) * 16
+    finish = pb.PushFinish(num_chunks=len(CODECS), num_bytes=total, checksum=stream.value, first_token=3)
+    return frames + [encode_control(pb.PushMessage(finish=finish))], sent
+
+
+def test_a_leased_segment_lands_by_block_index_and_the_lease_ends_with_the_push(decode: Decode) -> None:
+    res = decode.reserve("a")
+    lease = decode.lease("a")
+    assert lease.pool_epoch == decode.receiver.ipc.epoch and decode.receiver.ipc.leased == 1  # type: ignore[union-attr]
+    segment = decode.receiver.ipc.segments[lease.segment]  # type: ignore[union-attr]
+    frames, sent = _write_chunks(decode, "a", segment)
+    ack = decode.push([_handshake("a", decode.layout, lease)] + frames)
+    assert ack.num_chunks == 2 and decode.outcomes["a"].ok and decode.outcomes["a"].first_token == 3
+    for layer, (name, k, v) in enumerate(sent):
+        c = get_codec(name)
+        got_k, got_v = decode.engine.cache.read_tokens(layer, res.blocks, 12, torch.float32)
+        assert torch.equal(got_k.view(k.shape), c.decode(c.encode(k, Kind.KEY), torch.float32))
+        assert torch.equal(got_v.view(v.shape), c.decode(c.encode(v, Kind.VALUE), torch.float32))
+    assert decode.receiver.ipc.leased == 0  # type: ignore[union-attr]
+    decode.engine.release(res)
+
+
+def test_a_stale_epoch_is_refused_as_after_a_restart(decode: Decode) -> None:
+    decode.reserve("b")
+    lease = decode.lease("b")
+    with pytest.raises(grpc.RpcError) as err:
+        decode.push([_handshake("b", decode.layout, lease, epoch=lease.pool_epoch ^ 0x10)])
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "stale CUDA IPC mapping" in err.value.details()
+    assert not decode.outcomes["b"].ok
+
+
+def test_a_corrupted_segment_is_refused_by_its_checksum(decode: Decode) -> None:
+    decode.reserve("c")
+    lease = decode.lease("c")
+    frames, _ = _write_chunks(decode, "c", decode.receiver.ipc.segments[lease.segment], corrupt=True)  # type: ignore[union-attr]
+    with pytest.raises(grpc.RpcError) as err:
+        decode.push([_handshake("c", decode.layout, lease)] + frames)
+    assert err.value.code() == grpc.StatusCode.DATA_LOSS and "checksum" in err.value.details()
+
+
+def test_leases_need_a_reservation_and_a_free_segment(decode: Decode) -> None:
+    with pytest.raises(grpc.RpcError) as err:
+        decode.lease("nobody")
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    for rid in ("d1", "d2", "d3"):
+        decode.reserve(rid)
+    decode.lease("d1")
+    decode.lease("d2")
+    with pytest.raises(grpc.RpcError) as err:
+        decode.lease("d3")  # two segments, both leased
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "in use" in err.value.details()
+    with pytest.raises(grpc.RpcError) as err:
+        decode.lease("d3", min_bytes=2 << 20)
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "hold 1048576" in err.value.details()
+    for rid in ("d1", "d2", "d3"):
+        decode.receiver.cancel(rid)
+    decode.receiver.ipc.release_stale(decode.receiver.expectations.__contains__)  # type: ignore[union-attr]
+
+
+def test_a_receiver_without_a_pool_refuses_and_auto_senders_fall_back() -> None:
+    security = TransferSecurity(token=secrets.token_urlsafe(24))
+    engine = Engine(tiny_model(), None, EngineConfig(block_size=4, kv_cache_bytes=48 * 2048))
+    receiver = KVReceiver(engine_layout(engine, CODECS), CacheSink(engine.cache))
+    server, port = start_server([kv_transfer_handler(receiver)], "127.0.0.1:0", security)
+    sender = KVSender(security, transport="cuda_ipc")
+    try:
+        res = engine.reserve("e", NUM_TOKENS)
+        receiver.expect("e", res.blocks, lambda o: None, 10.0)
+        with pytest.raises(Exception) as err:
+            sender.open_stream(f"127.0.0.1:{port}", "e", engine_layout(engine, CODECS), NUM_TOKENS)
+        assert "no CUDA IPC pool" in str(err.value)
+    finally:
+        sender.close()
+        server.stop(0).wait(5)
+        receiver.stop()
+
+
+def test_device_checksum_is_exact_and_sees_every_word() -> None:
+    data = torch.randint(0, 256, (1003,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    padded = data.tolist() + [0] * ((-len(data)) % 4)
+    words = [int.from_bytes(bytes(padded[i:i + 4]), "little") for i in range(0, len(padded), 4)]
+    want = sum(w * (2 * ((i * 0x9E3779B1) & 0xFFFFFFFF) + 1) for i, w in enumerate(words)) % 2**64
+    assert device_checksum(data) == want ^ ((1003 * 0xC2B2AE3D27D4EB4F) % 2**64)
+    for i in (0, 500, 1002):
+        bad = data.clone()
+        bad[i] ^= 0x40
+        assert device_checksum(bad) != device_checksum(data)
+
+
+def test_pool_epochs_differ_and_mappings_need_cuda() -> None:
+    a, b = IpcPool(torch.device("cpu"), 64, 1), IpcPool(torch.device("cpu"), 64, 1)
+    assert a.epoch != b.epoch
+    lease = a.lease("x", 10)
+    with pytest.raises(IpcError, match="stale"):
+        b.check("x", lease.pool_epoch, 0)
+    if not torch.cuda.is_available():
+        with pytest.raises(IpcError, match="needs CUDA"):
+            IpcMappings().open("t", lease)
+
+
+# ---------------------------------------------------------------------------------------------- CUDA
+@CUDA
+@pytest.mark.cuda
+def test_cuda_sender_maps_the_segment_and_a_restarted_receiver_is_mapped_afresh() -> None:
+    first = Decode("cuda")
+    sender = KVSender(first.security, transport="cuda_ipc", device="cuda")
+    try:
+        res = first.reserve("g1")
+        stream = sender.open_stream(first.target, "g1", first.layout, NUM_TOKENS)
+        gen = torch.Generator().manual_seed(3)
+        for layer in range(first.layout.num_layers):
+            k, v = (torch.randn(first.layout.block_shape(3), generator=gen).cuda() for _ in range(2))
+            stream.send_layer(layer, 0, k, v)
+        assert stream.finish(5).num_chunks >= 2 and first.outcomes["g1"].ok
+        first.engine.release(res)
+        old_epoch = first.receiver.ipc.epoch  # type: ignore[union-attr]
+        # "restart": a new receiver (new pool, new epoch); a handshake with the old epoch is refused
+        second = Decode("cuda")
+        try:
+            second.reserve("g2")
+            lease = second.lease("g2")
+            assert lease.pool_epoch != old_epoch
+            with pytest.raises(grpc.RpcError) as err:
+                second.push([_handshake("g2", second.layout, lease, epoch=old_epoch)])
+            assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        finally:
+            second.close()
+    finally:
+        sender.close()
+        first.close()

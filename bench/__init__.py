@@ -6,12 +6,13 @@ benchmark prints its figure beside a reference measured in the same run. What on
 the ``bench`` extra (``pip install -e '.[bench]'``).
 
   cli.py                 the ``epd bench`` subcommands
-  engine_bench.py        engine prefill/decode throughput beside HF transformers
+  engine_bench.py        engine prefill/decode throughput beside HF transformers (gpu_engine_bench.py on CUDA)
   kv_bench.py            KV-transfer throughput and TTFT beside memcpy, TCP and raw gRPC (kv_references.py)
   kv_accuracy.py         token agreement of quantised KV transfer against the bf16 path
   controlplane_bench.py  control-plane added latency and requests/s beside a Ray Serve handle chain
   codec_bench.py         codec encode/decode GB/s beside memcpy (``python -m bench.codec_bench``)
   compare.py             one workload against disaggregated and colocated serving
+  chaos/                 faults under load through a live deployment (``epd bench chaos``)
   micro/                 one microbenchmark per hot path, each a ratio to an in-run reference
   serve/                 the load tester of any OpenAI-compatible endpoint (``epd bench serve``)
   lean_http.py           the minimal keep-alive HTTP/1.1 client the load generators use

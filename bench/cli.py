@@ -46,8 +46,8 @@ def cmd_bench_kv_accuracy(args: argparse.Namespace) -> int:
 
 def add_bench_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
     """Register ``bench`` and its suites under ``epd``'s subcommands."""
-    bench = sub.add_parser("bench", help="benchmarks and the load-test harness").add_subparsers(dest="bench_command", required=True,
-                                                                     metavar="SUITE")
+    bench = sub.add_parser("bench", help="benchmarks and the load-test harness").add_subparsers(
+        dest="bench_command", required=True, metavar="SUITE")
     eng = bench.add_parser("engine", help="engine prefill/decode throughput vs HF transformers",
                            description="Decode tokens/s at batch 1/8/16/32 and prefill tokens/s at 128/1k/4k "
                                        "tokens, beside HF transformers generate() and forward on the same "

@@ -76,7 +76,7 @@ def write_text_model(folder: Path, arch: str = "llama", seed: int = 0) -> Path:
 
 
 def write_llava(folder: Path, text_arch: str = "llama", seed: int = 0, strategy: str = "default",
-                vision_feature_layer: int = -2) -> Path:
+                vision_feature_layer: int | list[int] = -2) -> Path:
     """A ``LlavaForConditionalGeneration`` folder: CLIP tower, projector, Llama/Qwen2 language model,
     tokenizer and LlavaProcessor (CLIP image processor, chat template), as transformers saves them."""
     import transformers

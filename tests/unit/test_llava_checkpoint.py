@@ -42,7 +42,8 @@ def _png(width: int, height: int, seed: int, mode: str = "RGB") -> bytes:
 def llava_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("llava")
     return {"llama": write_llava(root / "llama"), "qwen2": write_llava(root / "qwen2", text_arch="qwen2", seed=1),
-            "full": write_llava(root / "full", strategy="full", vision_feature_layer=-1, seed=2)}
+            "full": write_llava(root / "full", strategy="full", vision_feature_layer=-1, seed=2),
+            "layers": write_llava(root / "layers", vision_feature_layer=[0, -2, -1], seed=3)}
 
 
 def _hf(folder: Path):  # type: ignore[no-untyped-def]
@@ -82,7 +83,7 @@ def _ours(folder: Path, images: list[bytes], text: str) -> tuple[list[int], list
     return ids, outs
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "full"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "full", "layers"])
 def test_logits_and_greedy_tokens_match_transformers_llava_with_an_image(llava_dirs, kind):
     folder = llava_dirs[kind]
     hf, processor = _hf(folder)
@@ -204,7 +205,8 @@ def _edit(folder: Path, name: str, edit) -> None:  # type: ignore[no-untyped-def
 
 
 @pytest.mark.parametrize("edit, error, pattern", [
-    (lambda c: c.update(vision_feature_layer=[-2, -1]), UnsupportedArchitectureError, "several layers concatenated"),
+    (lambda c: c.update(vision_feature_layer=[-2, 4]), CheckpointError,
+     r"vision_feature_layer must be an integer in \[-4, 3\] \(or a list of them\) for 3 layers, got \(-2, 4\)"),
     (lambda c: c["vision_config"].update(model_type="siglip_vision_model"), UnsupportedArchitectureError,
      "only a CLIP vision tower"),
     (lambda c: c["text_config"].update(model_type="mistral"), UnsupportedArchitectureError,

@@ -101,10 +101,7 @@ def vision_config(folder: Path, raw: dict[str, Any], text_hidden_size: int) -> V
             f"vision tower, 'clip_vision_model')")
     v = {**_CLIP_VISION_DEFAULTS, **{k: val for k, val in vision.items() if val is not None}}
     layer = raw.get("vision_feature_layer", -2)
-    if isinstance(layer, list):
-        raise UnsupportedArchitectureError(
-            f"config.json: vision_feature_layer={layer!r} (several layers concatenated) is not supported; "
-            f"one layer index is")
+    layer = tuple(layer) if isinstance(layer, list) else layer  # several layers: their features concatenated
     strategy = raw.get("vision_feature_select_strategy", "default")
     bias = raw.get("multimodal_projector_bias", True)
     if not isinstance(bias, bool):

@@ -47,7 +47,9 @@ class VisionConfig:
     num_channels: int = 3
     layer_norm_eps: float = 1e-5
     hidden_act: str = "quick_gelu"
-    vision_feature_layer: int = -2
+    # hidden_states index of the features (0 = embeddings, i = after layer i; negative from the end), or
+    # several, whose features are concatenated (LLaVA's list form)
+    vision_feature_layer: int | tuple[int, ...] = -2
     image_mean: tuple[float, ...] = CLIP_MEAN
     image_std: tuple[float, ...] = CLIP_STD
     projector_hidden_act: str = "gelu"
@@ -81,11 +83,13 @@ class VisionConfig:
                 raise CheckpointError(f"vision config: {name}={getattr(self, name)!r} is not supported "
                                       f"(supported: {', '.join(SUPPORTED_ACTS)})")
         n = self.num_hidden_layers
-        layer = self.vision_feature_layer
-        # hidden_states has n + 1 entries (embeddings, then one per layer); the index must name one of them
-        if not isinstance(layer, int) or isinstance(layer, bool) or not -(n + 1) <= layer <= n:
+        layers = self.vision_feature_layer if isinstance(self.vision_feature_layer, tuple) else (
+            self.vision_feature_layer,)
+        # hidden_states has n + 1 entries (embeddings, then one per layer); each index must name one of them
+        if not layers or not all(isinstance(x, int) and not isinstance(x, bool) and -(n + 1) <= x <= n
+                                 for x in layers):
             raise CheckpointError(f"vision config: vision_feature_layer must be an integer in [{-(n + 1)}, {n}] "
-                                  f"for {n} layers, got {layer!r}")
+                                  f"(or a list of them) for {n} layers, got {self.vision_feature_layer!r}")
         for name in ("image_mean", "image_std"):
             value = getattr(self, name)
             if (not isinstance(value, tuple) or len(value) != self.num_channels
@@ -116,10 +120,16 @@ class VisionConfig:
         return self.num_patches + (1 if self.feature_select == "full" else 0)
 
     @property
+    def feature_layers(self) -> tuple[int, ...]:
+        """The hidden_states indices whose features are used, in order, each in [0, num_hidden_layers]."""
+        layers = self.vision_feature_layer if isinstance(self.vision_feature_layer, tuple) else (
+            self.vision_feature_layer,)
+        return tuple(x if x >= 0 else self.num_hidden_layers + 1 + x for x in layers)
+
+    @property
     def feature_depth(self) -> int:
         """How many encoder layers run: later ones do not contribute to the selected features."""
-        layer = self.vision_feature_layer
-        return layer if layer >= 0 else self.num_hidden_layers + 1 + layer
+        return max(self.feature_layers)
 
 
 def default_vision_config(text_hidden_size: int) -> VisionConfig:
@@ -206,7 +216,8 @@ class _Projector(nn.Module):
     def __init__(self, cfg: VisionConfig) -> None:
         super().__init__()
         self.act = cfg.projector_hidden_act
-        self.linear_1 = nn.Linear(cfg.hidden_size, cfg.text_hidden_size, bias=cfg.projector_bias)
+        features = cfg.hidden_size * len(cfg.feature_layers)  # several feature layers are concatenated
+        self.linear_1 = nn.Linear(features, cfg.text_hidden_size, bias=cfg.projector_bias)
         self.linear_2 = nn.Linear(cfg.text_hidden_size, cfg.text_hidden_size, bias=cfg.projector_bias)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -235,8 +246,10 @@ class VisionEncoder(nn.Module):
         vit = self.vision_model
         weight = vit.embeddings.patch_embedding.weight
         x = vit.pre_layrnorm(vit.embeddings(pixel_values.to(device=weight.device, dtype=weight.dtype)))
+        states = [x]  # hidden_states as HF counts them: the embeddings, then each layer's output
         for layer in vit.encoder.layers[:cfg.feature_depth]:
-            x = layer(x)
+            states.append(layer(states[-1]))
+        x = torch.cat([states[i] for i in cfg.feature_layers], dim=-1) if len(cfg.feature_layers) > 1 else states[-1]
         return self.multi_modal_projector(x if cfg.feature_select == "full" else x[:, 1:])  # "default": drop CLS
 
 
@@ -319,7 +332,7 @@ def load_vision_config(directory: Path) -> VisionConfig:
                                   "num_hidden_layers", "num_attention_heads")},
             num_channels=hf.get("num_channels", 3), layer_norm_eps=hf.get("layer_norm_eps", 1e-5),
             hidden_act=hf.get("hidden_act", "quick_gelu"), text_hidden_size=epd["text_hidden_size"],
-            vision_feature_layer=epd.get("vision_feature_layer", -2),
+            vision_feature_layer=_as_tuple(epd.get("vision_feature_layer", -2)),
             image_mean=_as_tuple(epd.get("image_mean", CLIP_MEAN)), image_std=_as_tuple(epd.get("image_std", CLIP_STD)),
             projector_hidden_act=epd.get("projector_hidden_act", "gelu"),
             feature_select=epd.get("vision_feature_select_strategy", "default"),

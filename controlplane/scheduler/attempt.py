@@ -69,6 +69,7 @@ class Attempt:
                 self._held = False
                 for c in self.selection.workers:
                     self.view.end(c.worker_id, self.tokens)
+                    self.health.end(c.worker_id)
 
     def __enter__(self) -> "Attempt":
         return self

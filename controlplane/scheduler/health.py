@@ -77,6 +77,14 @@ class WorkerHealth:
             if self._state(b) is BreakerState.HALF_OPEN:
                 b.probing = True
 
+    def end(self, worker_id: str) -> None:
+        """A request sent to the worker ended without a verdict on it (refused for room, the client gone):
+        a half-open breaker lets the next probe through."""
+        b = self._breakers.get(worker_id)
+        if b is not None and b.probing:
+            with self._lock:
+                b.probing = False
+
     def success(self, worker_id: str) -> None:
         if worker_id not in self._breakers:
             return

@@ -104,6 +104,7 @@ class Scheduler:
             admitted = wait_from = time.monotonic()
             progress = Progress(request, self.model.tokenizer)
             lost: set[str] = set()  # workers this request lost: never tried again for it
+            moves = 0
             try:
                 while True:
                     try:
@@ -118,23 +119,25 @@ class Scheduler:
                         self._record(rid, RequestState.FINISHED)
                         return
                     except _Lost as exc:
-                        self._moved(rid, exc, progress, lost)
+                        self._moved(rid, exc, progress, lost, moves)
+                        moves += 1
                         wait_from = time.monotonic()
             except BackendError as exc:  # refused before streaming (no replica, Redis away): say so in the journal
                 if exc.status == 503:
                     self._record(rid, RequestState.FAILED, str(exc))
                 raise
 
-    def _moved(self, rid: str, lost_exc: _Lost, progress: Progress, lost: set[str]) -> None:
-        """Mark the lost workers suspect and count the move; past ``migration_limit``, the retriable 503."""
+    def _moved(self, rid: str, lost_exc: _Lost, progress: Progress, lost: set[str], moves: int) -> None:
+        """Mark the lost workers suspect; past ``migration_limit`` moves (``moves`` made so far), the
+        retriable 503 naming the cause."""
         error, selection = lost_exc.error, lost_exc.selection
         names = [selection.worker_at(a) or a for a in error.lost]
         for worker_id in names:
             lost.add(worker_id)
             self.health.failure(worker_id, f"{error.stage}: {error.message}", lost=True)
         cause = f"{error.stage} worker {', '.join(names) or '(unknown)'} lost: {error.message}"
-        if progress.seams >= self.settings.migration_limit:
-            raise BackendError(f"the request lost {progress.seams + 1} workers, more than the migration limit "
+        if moves >= self.settings.migration_limit:
+            raise BackendError(f"the request lost {moves + 1} workers, more than the migration limit "
                                f"({self.settings.migration_limit}); retry it. Last: {cause}", 503,
                                retry_after_s=RETRY_AFTER_S)
         self._record(rid, RequestState.MIGRATING, f"after {len(progress.token_ids)} tokens; {cause}")

@@ -30,6 +30,9 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_kv(args: argparse.Namespace) -> int:
+    if args.device == "cuda":
+        from bench.kv_gpu_bench import run as run_gpu
+        return run_gpu(args)
     from bench.kv_bench import run
     return run(args)
 
@@ -81,6 +84,10 @@ def add_bench_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]")
     kv.add_argument("--paired-only", action="store_true",
                     help="run only the paired pushes (--paired N of them, default 8), nothing else first")
     kv.add_argument("--json", type=Path, default=None, help="also write the results as JSON here")
+    kv.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="cuda: the GPU KV path instead (fused codec kernels and a cuda_ipc push vs a device copy, "
+                         "int8 over tcp from GPU memory vs a TCP socket, a 4,096-token TTFT on the 1b preset per "
+                         "transport); needs a CUDA device")
     kv.set_defaults(func=cmd_bench_kv)
 
     acc = bench.add_parser("kv-accuracy", help="token agreement of quantised KV transfer vs the bf16 path",

@@ -1,0 +1,276 @@
+"""``epd bench kv --device cuda``: the KV path on one GPU, each figure beside a reference from the same run.
+
+Figures (bf16 cache on the GPU):
+  codec kernels  each fused codec's encode (blocks read from a paged cache by index) and decode (written
+                 into blocks by index), logical bf16 GB/s, against a device copy of the same bytes;
+  cuda_ipc       a 256 MiB cache pushed device to device into a receiver process's cache, against the
+                 device copy;
+  int8 over tcp  the same cache from GPU memory, int8 on the wire, into the receiver's GPU cache, logical
+                 GB/s against a raw TCP socket moving the logical bytes on loopback;
+  TTFT           a 4,096-token prompt on the 1b preset (random bf16 weights) with layer-wise streaming
+                 until the decode side holds the whole cache, per transport, against prefill alone.
+The receiver is a second process (CUDA IPC handles open only in another process).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import secrets
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from bench import kv_references as references
+from bench.gpu_engine_bench import copy_rate
+from kvtransfer.auth import TransferSecurity
+from kvtransfer.layout import KVLayout
+from kvtransfer.sender import KVSender
+
+MiB = 2**20
+
+
+@dataclass
+class GpuFigure:
+    name: str
+    value: float
+    unit: str
+    reference: str
+    ref_value: float
+    higher_is_better: bool = True
+
+    @property
+    def ratio(self) -> float:
+        return self.value / self.ref_value if self.ref_value else float("nan")
+
+
+def _receiver_main(conn, token: str) -> None:  # type: ignore[no-untyped-def]
+    from kvtransfer.receiver import KVReceiver
+    from kvtransfer.server import kv_transfer_handler, start_server
+    from workers.decode.kv_sink import CacheSink
+    from workers.runtime.kv_cache import KVCacheSpec, PagedKVCache
+
+    security = TransferSecurity(token=token)
+    server = receiver = None
+    done: dict[str, object] = {}
+    event = threading.Event()
+    try:
+        while True:
+            cmd, *args = conn.recv()
+            if cmd == "setup":
+                layout, blocks, ipc_bytes = args
+                if server is not None:
+                    server.stop(0).wait(10)
+                    receiver.stop()
+                spec = KVCacheSpec(layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.block_size)
+                cache = PagedKVCache(spec, blocks, ("bfloat16",) * layout.num_layers, "cuda")
+                receiver = KVReceiver(layout, CacheSink(cache), max_chunk_bytes=256 * MiB)
+                server, port = start_server([kv_transfer_handler(receiver)], "127.0.0.1:0", security)
+                receiver.enable_bulk("127.0.0.1")
+                receiver.enable_cuda_ipc(cache.device, segment_bytes=ipc_bytes, num_segments=2)
+                conn.send(port)
+            elif cmd == "expect":
+                rid, nblocks = args
+                event.clear()
+                receiver.expect(rid, list(range(nblocks)), lambda o: (done.__setitem__("o", o), event.set()), 120)
+                conn.send("ok")
+            elif cmd == "wait":
+                event.wait(120)
+                o = done["o"]
+                conn.send((o.ok, o.error))
+            elif cmd == "stop":
+                break
+    finally:
+        if server is not None:
+            server.stop(0).wait(10)
+            receiver.stop()
+
+
+class GpuReceiver:
+    def __init__(self, token: str) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_receiver_main, args=(child, token), daemon=True)
+        self.proc.start()
+
+    def call(self, *msg):  # type: ignore[no-untyped-def]
+        self.conn.send(msg)
+        if not self.conn.poll(180):
+            raise RuntimeError(f"receiver did not answer {msg[0]}")
+        return self.conn.recv()
+
+    def close(self) -> None:
+        try:
+            self.conn.send(("stop",))
+        except OSError:
+            pass
+        self.proc.join(10)
+        if self.proc.is_alive():
+            self.proc.kill()
+
+
+def _timed(fn) -> float:  # type: ignore[no-untyped-def]
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def codec_figures(device: torch.device, nbytes: int, repeats: int, copy_gbps: float) -> list[GpuFigure]:
+    """Each fused codec's encode and decode of ``nbytes`` of bf16 cache, by block index."""
+    from kvtransfer.codecs import Kind, get_codec
+    from kvtransfer.codecs.fused import decode_blocks, encode_blocks
+
+    bs, h, d = 16, 8, 128
+    n = nbytes // (bs * h * d * 2)
+    cache = torch.randn(n, bs, h, d, device=device).to(torch.bfloat16)
+    dest = torch.empty_like(cache)
+    ids = torch.randperm(n, device=device)  # scattered blocks, as a request's are
+    out = []
+    for name in ("int8", "fp8", "int4", "bf16"):
+        c = get_codec(name)
+        payload = torch.empty(c.payload_nbytes((n, bs, h, d), Kind.VALUE), dtype=torch.uint8, device=device)
+        enc = encode_blocks(c, cache, ids, Kind.VALUE, payload)
+        decode_blocks(c, enc, dest, ids)
+        t_enc = min(_timed(lambda: encode_blocks(c, cache, ids, Kind.VALUE, payload)) for _ in range(repeats))
+        t_dec = min(_timed(lambda: decode_blocks(c, enc, dest, ids)) for _ in range(repeats))
+        out.append(GpuFigure(f"{name} encode (by block index)", nbytes / t_enc / 1e9, "GB/s logical",
+                             "device copy", copy_gbps))
+        out.append(GpuFigure(f"{name} decode (into blocks)", nbytes / t_dec / 1e9, "GB/s logical",
+                             "device copy", copy_gbps))
+    return out
+
+
+def _push(sender: KVSender, target: str, layout: KVLayout, tokens: int, keys, values, rx: GpuReceiver,  # type: ignore[no-untyped-def]
+          rid: str) -> float:
+    blocks = layout.blocks_for(tokens)
+    assert rx.call("expect", rid, blocks) == "ok"
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    stream = sender.open_stream(target, rid, layout, tokens, timeout_s=120)
+    for layer in range(layout.num_layers):
+        stream.send_layer(layer, 0, keys[layer], values[layer])
+    stream.finish(0)
+    elapsed = time.perf_counter() - start
+    ok, error = rx.call("wait")
+    if not ok:
+        raise RuntimeError(f"push failed: {error}")
+    return elapsed
+
+
+def push_figures(rx: GpuReceiver, token: str, repeats: int, copy_gbps: float) -> list[GpuFigure]:
+    """A 256 MiB cache (16 layers, 8 kv heads of 128, 4,096 tokens) from GPU memory: bf16 over cuda_ipc
+    against the device copy; int8 over tcp against a raw TCP socket."""
+    layers, h, d, tokens, bs = 16, 8, 128, 4096, 16
+    blocks = tokens // bs
+    logical = layers * blocks * bs * h * d * 2 * 2
+    g = torch.Generator(device="cuda").manual_seed(0)
+    keys = [torch.randn(blocks, bs, h, d, device="cuda", generator=g).to(torch.bfloat16) for _ in range(layers)]
+    values = [torch.randn(blocks, bs, h, d, device="cuda", generator=g).to(torch.bfloat16) for _ in range(layers)]
+    socket = references.tcp_socket(logical, repeats=repeats).gbps
+    out = []
+    for codec, transport, ref, ref_gbps in (("bf16", "cuda_ipc", "device copy", copy_gbps),
+                                            ("int8", "tcp", "tcp socket (logical bytes)", socket)):
+        layout = KVLayout(layers, h, d, bs, (codec,) * layers, "bench", "bfloat16")
+        port = rx.call("setup", layout, blocks, logical + 64 * MiB)
+        sender = KVSender(TransferSecurity(token=token), transport=transport, device="cuda",  # type: ignore[arg-type]
+                          stream_budget_bytes=256 * MiB, sender_budget_bytes=1024 * MiB)
+        try:
+            target = f"127.0.0.1:{port}"
+            _push(sender, target, layout, tokens, keys, values, rx, "warm")
+            best = min(_push(sender, target, layout, tokens, keys, values, rx, f"r{i}") for i in range(repeats))
+        finally:
+            sender.close()
+        out.append(GpuFigure(f"256 MiB cache, {codec} over {transport}", logical / best / 1e9, "GB/s logical",
+                             ref, ref_gbps))
+    return out
+
+
+def ttft_figures(rx: GpuReceiver, token: str, tokens: int, repeats: int, codec: str) -> list[GpuFigure]:
+    from workers.prefill.kv_stream import LayerStreamer
+    from workers.runtime.engine import Engine, EngineConfig
+    from workers.runtime.model import DecoderModel
+    from workers.runtime.presets import PRESETS
+    from workers.runtime.sampler import SamplingParams
+
+    cfg = PRESETS["1b"].config(1, (2,))
+    torch.manual_seed(0)
+    model = DecoderModel(cfg, torch.bfloat16, "cuda")
+    engine = Engine(model, None, EngineConfig(dtype="bfloat16", device="cuda", prefill_chunk_size=tokens,
+                                              max_num_batched_tokens=tokens, gpu_memory_utilization=0.5))
+    prompt = torch.randint(10, cfg.vocab_size, (tokens,), generator=torch.Generator().manual_seed(1)).tolist()
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+
+    def prefill_alone() -> float:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        engine.add_request("alone", prompt, params)
+        while engine.has_unfinished():
+            engine.step()
+        return time.perf_counter() - start
+
+    prefill_alone()
+    alone = min(prefill_alone() for _ in range(repeats))
+    out = []
+    for transport in ("grpc", "tcp", "shm", "cuda_ipc"):
+        sender = KVSender(TransferSecurity(token=token), transport=transport, device="cuda")  # type: ignore[arg-type]
+        streamer = LayerStreamer(engine, sender, (codec,) * cfg.num_layers)
+        blocks = engine.cache.blocks_for(tokens)
+        port = rx.call("setup", streamer.layout, blocks, 512 * MiB)
+        target = f"127.0.0.1:{port}"
+
+        def streamed(i: int) -> float:
+            rid = f"ttft-{transport}-{i}"
+            assert rx.call("expect", rid, blocks) == "ok"
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            streamer.start(rid, target, tokens, timeout_s=120)
+            engine.add_request(rid, prompt, params)
+            first = 0
+            while engine.has_unfinished():
+                for o in engine.step():
+                    first = o.new_token_ids[0]
+            streamer.finish(rid, first)
+            elapsed = time.perf_counter() - start
+            ok, error = rx.call("wait")
+            if not ok:
+                raise RuntimeError(error)
+            return elapsed
+
+        streamed(-1)
+        with_kv = min(streamed(i) for i in range(repeats))
+        sender.close()
+        out.append(GpuFigure(f"TTFT {tokens}-token prompt (1b), {codec} over {transport}", with_kv * 1e3, "ms",
+                             "prefill alone", alone * 1e3, higher_is_better=False))
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    if not torch.cuda.is_available():
+        raise SystemExit("epd bench kv --device cuda: no CUDA device is visible here")
+    device = torch.device("cuda")
+    repeats = max(1, args.repeats)
+    token = secrets.token_urlsafe(24)
+    copy_gbps = copy_rate(device, 256 * MiB) / 1e9
+    print(f"device copy: {copy_gbps:.0f} GB/s one way", flush=True)
+    figures = codec_figures(device, 128 * MiB, repeats, copy_gbps)
+    rx = GpuReceiver(token)
+    try:
+        figures += push_figures(rx, token, repeats, copy_gbps)
+        figures += ttft_figures(rx, token, 4096, repeats, args.ttft_codec)
+    finally:
+        rx.close()
+    print()
+    print(f"{'figure':<52}{'value':>10}  {'reference':<28}{'ref':>9}{'ratio':>8}")
+    for f in figures:
+        print(f"{f.name:<52}{f.value:9.1f} {f.unit.split()[0]:<3} {f.reference:<28}{f.ref_value:9.1f}{f.ratio:7.3f}x")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"device_copy_gbps": copy_gbps,
+                                               "figures": [asdict(f) | {"ratio": f.ratio} for f in figures]},
+                                              indent=2))
+    return 0

@@ -6,9 +6,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.unit.triton_env import DEVICE
+from tests.unit.triton_env import DEVICE  # first: sets TRITON_INTERPRET before any kernel is defined
+
+import triton  # noqa: E402  (after triton_env)
+import triton.language as tl  # noqa: E402
 from workers.runtime.config import RopeConfig
 from workers.runtime.kernels.cache_views import cache_tensors
+from workers.runtime.kernels.fp8 import e4m3_to_f32, f32_to_e4m3
 from workers.runtime.kernels.fused import add_rmsnorm, rmsnorm, rope_, silu_mul
 from workers.runtime.kernels.kv_write import write_kv
 from workers.runtime.kv_cache import KVCacheSpec, PagedKVCache
@@ -86,3 +90,28 @@ def test_silu_mul(dtype: torch.dtype) -> None:
     gate, up = gate_up.chunk(2, dim=-1)
     tol = {"atol": 1e-6, "rtol": 1e-6} if dtype == torch.float32 else {"atol": 1e-2, "rtol": 1e-2}
     torch.testing.assert_close(silu_mul(gate_up), F.silu(gate) * up, **tol)
+
+
+@triton.jit
+def _fp8_roundtrip(bytes_ptr, decoded_ptr, x_ptr, encoded_ptr, n, BLOCK: tl.constexpr):
+    i = tl.arange(0, BLOCK)
+    mask = i < n
+    tl.store(decoded_ptr + i, e4m3_to_f32(tl.load(bytes_ptr + i, mask=mask, other=0)), mask=mask)
+    tl.store(encoded_ptr + i, f32_to_e4m3(tl.load(x_ptr + i, mask=mask, other=0.0)), mask=mask)
+
+
+def test_fp8_conversions_match_torch_bit_for_bit() -> None:
+    patterns = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8)  # all but NaN
+    exact = patterns.view(torch.float8_e4m3fn).float()
+    mids = (exact.sort().values[1:] + exact.sort().values[:-1]) / 2  # every tie between neighbours
+    gen = torch.Generator().manual_seed(4)
+    x = torch.cat([exact, mids, torch.randn(600, generator=gen) * 60, torch.randn(200, generator=gen) * 0.01,
+                   torch.tensor([-0.0, 448.0, -448.0, 1e-30])]).clamp(-448, 448)
+    n = max(len(patterns), len(x))
+    pad = torch.zeros(n - len(patterns), dtype=torch.uint8)
+    bytes_in = torch.cat([patterns, pad]).to(DEVICE)
+    decoded = torch.empty(n, device=DEVICE)
+    encoded = torch.empty(len(x), dtype=torch.uint8, device=DEVICE)
+    _fp8_roundtrip[(1,)](bytes_in, decoded, x.to(DEVICE), encoded, n, BLOCK=triton.next_power_of_2(n))
+    assert torch.equal(decoded[:len(patterns)].cpu(), exact)
+    assert torch.equal(encoded.cpu(), x.to(torch.float8_e4m3fn).view(torch.uint8))

@@ -13,24 +13,7 @@ import triton
 import triton.language as tl
 
 from workers.runtime.kernels.cache_views import DENSE, CacheTensors, scale_args
-
-
-@triton.jit
-def _rint(x):
-    # Round half to even, as torch.round does; floor-based so the interpreter and every backend agree.
-    r = tl.floor(x + 0.5)
-    tie = (r - x) == 0.5
-    odd = (r - 2.0 * tl.floor(r * 0.5)) != 0.0
-    return tl.where(tie & odd, r - 1.0, r)
-
-
-@triton.jit
-def _round_e4m3(x):
-    # Round to the nearest e4m3 value (ties to even) in float32 arithmetic, so that the cast below is
-    # exact: Triton's interpreter rounds a carry into the exponent wrongly (7.83 -> 4, not 8).
-    e = ((x.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
-    quantum = ((tl.maximum(e, -6) - 3 + 127) << 23).to(tl.float32, bitcast=True)
-    return _rint(x / quantum) * quantum
+from workers.runtime.kernels.fp8 import f32_to_e4m3, rint
 
 
 @triton.jit
@@ -47,9 +30,9 @@ def _write_one(x_ptr, c_ptr, s_ptr, t, slot, stride_xt, stride_xh, stride_cs, st
         scale = tl.math.div_rn(tl.maximum(amax, 1e-12), qmax)
         q = tl.math.div_rn(x, scale[:, None])
         if KIND == 1:
-            q = tl.minimum(tl.maximum(_rint(q), -qmax), qmax).to(tl.int8)
+            q = tl.minimum(tl.maximum(rint(q), -qmax), qmax).to(tl.int8)
         else:
-            q = _round_e4m3(q).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+            q = f32_to_e4m3(q)
         tl.store(dst, q, mask=mask)
         tl.store(s_ptr + slot * stride_ss + h, scale, mask=hmask)
 

@@ -23,6 +23,7 @@ import triton.language as tl
 
 from workers.runtime.attention import PREFILL_BLOCK_M, PrefillTiles
 from workers.runtime.kernels.cache_views import CacheTensors, scale_args
+from workers.runtime.kernels.fp8 import e4m3_to_f32
 
 KEYS_PER_TILE = 64  # keys per loop iteration of both kernels (a multiple of the block size)
 # Read when triton.jit is: the interpreter computes a bf16/fp16 tl.dot wrongly, so it dots in float32.
@@ -36,7 +37,7 @@ def _load_kv(ptr, s_ptr, slots, kh, d, valid, dmask, stride_s, stride_h, sstride
     x = tl.load(ptr + slots[:, None] * stride_s + kh * stride_h + d[None, :],
                 mask=valid[:, None] & dmask[None, :], other=0)
     if KIND == 2:
-        x = x.to(tl.float8e4nv, bitcast=True)
+        x = e4m3_to_f32(x)
     x = x.to(tl.float32)
     if KIND != 0:
         sc = tl.load(s_ptr + slots * sstride_s + kh, mask=valid, other=0.0)
@@ -162,7 +163,7 @@ def _check(q: torch.Tensor, cache: CacheTensors, block_size: int) -> tuple[int, 
     if heads % kv_heads or q.stride(2) != 1 or block_size < 1 or block_size & (block_size - 1):
         raise ValueError(f"paged attention needs heads ({heads}) a multiple of kv heads ({kv_heads}), "
                          f"unit stride on head_dim and a power-of-two block size (got {block_size})")
-    return heads // kv_heads, head_dim, triton.next_power_of_2(head_dim)
+    return heads // kv_heads, head_dim, max(16, triton.next_power_of_2(head_dim))  # tl.dot needs >= 16
 
 
 def paged_decode_attention(q: torch.Tensor, cache: CacheTensors, block_tables: torch.Tensor,

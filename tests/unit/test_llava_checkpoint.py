@@ -165,6 +165,25 @@ def test_image_processor_settings_are_read_from_preprocessor_config(llava_dirs, 
     assert torch.equal(preprocess_image(data, cfg), ref)
 
 
+@pytest.mark.parametrize("size", [(90, 50), (40, 120), (64, 64)])
+def test_llava_image_processor_pads_to_a_square_as_transformers_does(llava_dirs, tmp_path, size):
+    """LlavaImageProcessor with do_pad: the image centred on a square of int(mean * 255) first."""
+    import shutil
+
+    import transformers
+
+    folder = tmp_path / "padded"
+    shutil.copytree(llava_dirs["llama"], folder)
+    processor = transformers.LlavaImageProcessor(do_pad=True, size={"shortest_edge": 56},
+                                                 crop_size={"height": 56, "width": 56}, image_mean=[0.2, 0.5, 0.9])
+    processor.save_pretrained(folder)
+    cfg = image_input(folder, None).vision  # type: ignore[union-attr]
+    assert cfg.pad_color == (51, 127, 229)
+    data = _png(*size, seed=size[0])
+    ref = processor(images=[Image.open(io.BytesIO(data))], return_tensors="pt")["pixel_values"][0]
+    assert torch.equal(preprocess_image(data, cfg), ref)
+
+
 def test_a_llava_folder_needs_an_encoder_and_a_text_only_one_does_not(llava_dirs, tmp_path):
     text = write_text_model(tmp_path / "text")
     assert needs_encoder(llava_dirs["llama"]) and not needs_encoder(text)
@@ -226,7 +245,6 @@ def test_config_it_cannot_run_is_refused_by_name(llava_dirs, tmp_path, edit, err
 
 
 @pytest.mark.parametrize("edit, pattern", [
-    (lambda p: p["image_processor"].update(do_pad=True), "do_pad=true"),
     (lambda p: p["image_processor"].update(crop_size={"height": 64, "width": 64}), "centre-crop to the vision tower"),
     (lambda p: p["image_processor"].update(size={"height": 56, "width": 56}), "only {'shortest_edge': N}"),
     (lambda p: p["image_processor"].update(resample=1), "resample 1 is not supported"),
@@ -265,3 +283,14 @@ def test_an_extra_vision_layer_is_refused(llava_dirs, tmp_path):
     _edit(folder, "config.json", lambda c: c["vision_config"].update(num_hidden_layers=2))
     with pytest.raises(CheckpointError, match="vision tensors that config.json does not account for"):
         load_model(folder)
+
+
+def test_padding_a_thin_strip_stays_within_the_memory_bound(llava_dirs, tmp_path):
+    """A 1 x 30000 strip would pad to a 900-megapixel square; it is shrunk to the budget first instead."""
+    import dataclasses
+
+    cfg = dataclasses.replace(image_input(llava_dirs["llama"], None).vision, pad_color=(0, 0, 0))  # type: ignore[union-attr]
+    buf = io.BytesIO()
+    Image.new("RGB", (1, 30000), (200, 10, 10)).save(buf, "PNG")
+    out = preprocess_image(buf.getvalue(), cfg)
+    assert out.shape == (3, 56, 56) and torch.isfinite(out).all()

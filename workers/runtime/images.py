@@ -72,14 +72,30 @@ def _describe_undecodable(data: bytes) -> str:
     return f"image data ({len(data)} bytes, starting {data[:8]!r}) is not a decodable image; supported: {supported}"
 
 
+def _pad_to_square(image: Image.Image, color: tuple[int, int, int]) -> Image.Image:
+    """LlavaImageProcessor's ``pad_to_square``: the image centred on a square of its longer side. A square past
+    MAX_RESIZED_PIXELS (a thin strip) is built already shrunk to that budget: nearly the same pixels."""
+    w, h = image.size
+    side = max(w, h)
+    scale = min(1.0, (MAX_RESIZED_PIXELS / side**2) ** 0.5)
+    if scale < 1.0:
+        w, h, side = max(1, round(w * scale)), max(1, round(h * scale)), max(1, round(side * scale))
+        image = image.resize((w, h), Image.Resampling.BICUBIC)
+    canvas = Image.new("RGB", (side, side), color)
+    canvas.paste(image, ((side - w) // 2, (side - h) // 2))
+    return canvas
+
+
 def preprocess_pil_image(image: Image.Image, cfg: VisionConfig) -> Tensor:
-    """RGB, shortest side resized to ``resize_shortest_edge`` (default image_size) with ``resample``, centre crop
+    """RGB, padded to a square when ``pad_color`` is set, shortest side resized to ``resize_shortest_edge`` (default image_size) with ``resample``, centre crop
     to image_size, scaling by ``rescale_factor``, mean/std normalisation: HF's CLIPImageProcessor, step by step."""
     if image.mode in ("RGBA", "LA", "PA") or (image.mode == "P" and "transparency" in image.info):
         # composite on white as HF's convert_rgb does; a plain convert would turn transparent pixels black
         rgba = image.convert("RGBA")
         image = Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba)
     image = image.convert("RGB")
+    if cfg.pad_color is not None and image.size[0] != image.size[1]:
+        image = _pad_to_square(image, cfg.pad_color)
     size = cfg.image_size
     edge = cfg.resize_shortest_edge or size
     resample = Image.Resampling(cfg.resample)

@@ -138,8 +138,9 @@ def image_processor(folder: Path, image_size: int) -> dict[str, Any]:
 
     if p.get("do_resize", True) is not True:
         raise refuse("do_resize=false")
-    if p.get("do_pad", False):
-        raise refuse("do_pad=true (padding images to a square)")
+    # LlavaImageProcessor pads to a square first; CLIPImageProcessor's do_pad only pads a batch to its largest
+    # image, which after the centre crop changes nothing
+    pads = bool(p.get("do_pad", False)) and str(p.get("image_processor_type", "")).startswith("LlavaImageProcessor")
     size = p.get("size", {"shortest_edge": image_size})
     edge = size if isinstance(size, int) else size.get("shortest_edge") if isinstance(size, dict) else None
     if isinstance(size, dict) and (set(size) - {"shortest_edge"} or size.get("longest_edge")):
@@ -154,6 +155,9 @@ def image_processor(folder: Path, image_size: int) -> dict[str, Any]:
                               f"{image_size}x{image_size}; it has do_center_crop={p.get('do_center_crop', True)!r}, "
                               f"crop_size={crop!r}")
     out: dict[str, Any] = {"resize_shortest_edge": edge, "resample": p.get("resample", 3)}
+    if pads:
+        mean = _triple(p.get("image_mean", CLIP_MEAN), "image_mean", path)
+        out["pad_color"] = tuple(int(m * 255) for m in mean)
     out["rescale_factor"] = p.get("rescale_factor", 1 / 255) if p.get("do_rescale", True) else 1.0
     if p.get("do_normalize", True):
         out["image_mean"] = _triple(p.get("image_mean", CLIP_MEAN), "image_mean", path)

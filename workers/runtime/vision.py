@@ -61,6 +61,8 @@ class VisionConfig:
     resize_shortest_edge: int | None = None
     resample: int = 3
     rescale_factor: float = 1 / 255
+    # LlavaImageProcessor's do_pad: first pad to a square of this RGB colour (int(image_mean * 255)); None: no pad
+    pad_color: tuple[int, int, int] | None = None
 
     def __post_init__(self) -> None:
         for name in ("image_size", "patch_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -107,6 +109,10 @@ class VisionConfig:
         if self.resample not in SUPPORTED_RESAMPLE:
             raise CheckpointError(f"vision config: resample {self.resample!r} is not supported (supported: "
                                   + ", ".join(f"{k} ({v})" for k, v in SUPPORTED_RESAMPLE.items()) + ")")
+        color = self.pad_color
+        if color is not None and (not isinstance(color, tuple) or len(color) != 3
+                                  or not all(isinstance(c, int) and 0 <= c <= 255 for c in color)):
+            raise CheckpointError(f"vision config: pad_color must be 3 integers in [0, 255], got {color!r}")
         if not isinstance(self.rescale_factor, (int, float)) or not self.rescale_factor > 0:
             raise CheckpointError(f"vision config: rescale_factor must be positive, got {self.rescale_factor!r}")
 

@@ -4,6 +4,7 @@ worker's port, the private redis-server among ``epd serve``'s descendants, resid
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 PROC = Path("/proc")
@@ -69,8 +70,13 @@ def private_redis(serve_pid: int) -> tuple[int, int] | None:
     """(pid, port) of the redis-server ``epd serve`` started, or None."""
     for pid in sorted(descendants(serve_pid)):
         args = cmdline(pid)
-        if args and Path(args[0]).name.startswith("redis-server") and "--port" in args:
+        if not args or not Path(args[0].split()[0]).name.startswith("redis-server"):
+            continue
+        if "--port" in args:
             return pid, int(args[args.index("--port") + 1])
+        found = re.search(r":(\d+)\b", " ".join(args))  # redis-server retitles itself "redis-server HOST:PORT"
+        if found:
+            return pid, int(found.group(1))
     return None
 
 

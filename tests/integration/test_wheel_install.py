@@ -110,7 +110,8 @@ def test_a_fresh_venv_with_the_wheel_serves_a_request(wheel: Path, tmp_path: Pat
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(30)
         log.close()
-    assert proc.returncode == 0, (tmp_path / "serve.log").read_text()[-3000:]
+    stopped = (tmp_path / "serve.log").read_text()
+    assert proc.returncode in (0, 130) and "epd: stopped in" in stopped, stopped[-3000:]  # 130: Ctrl-C's status
 
 
 def _free_port() -> int:

@@ -15,7 +15,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-TINY = 1.1754943508222875e-38  # float32's smallest normal: the scales' floor
+# Globals a kernel reads must be constexpr (Triton refuses plain globals inside @jit functions).
+TINY = tl.constexpr(1.1754943508222875e-38)  # float32's smallest normal: the scales' floor
 
 
 @triton.jit
@@ -51,8 +52,8 @@ def _from_e4m3(c):
     normal = ((sign << 31) | ((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
     mag = m.to(tl.float32) * 0.001953125
     sub = tl.where(sign == 1, -mag, mag)
-    val = tl.where(e == 0, sub, normal)
-    return tl.where((c & 0x7F) == 0x7F, float("nan"), val)
+    bits = tl.where(e == 0, sub, normal).to(tl.int32, bitcast=True)
+    return tl.where((c & 0x7F) == 0x7F, 0x7FC00000, bits).to(tl.float32, bitcast=True)
 
 
 @triton.jit

@@ -14,8 +14,8 @@ import triton.language as tl
 
 from kvtransfer.codecs.triton_common import _f16_value, _rne, _round_down_f16, _round_up_f16, _store_out
 
-F16_MAX = 65504.0
-INF = float("inf")
+F16_MAX = tl.constexpr(65504.0)
+INF = tl.constexpr(float("inf"))
 
 
 @triton.jit

@@ -1,0 +1,74 @@
+"""The fused codec kernels compile for a Hopper GPU (sm_90) without one, and their PTX rounds as the torch
+codecs do: no fused multiply-add (``enable_fp_fusion`` off, as ``fused._launch`` passes it) and no
+approximate division. Triton compiles ahead of time with its bundled ptxas; a subprocess runs it, since
+the interpreter tests in the same session switch ``triton.jit`` to interpreted functions."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("triton")
+pytestmark = pytest.mark.unit
+
+_SCRIPT = r'''
+import json
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kvtransfer.codecs import triton_bf16 as kb, triton_int4 as k4, triton_int8_fp8 as k8
+
+rows = {"bs": "i32", "H": "i32", "D": "i32"}
+strides = {"sb": "i64", "st": "i64", "sh": "i64", "sd": "i64"}
+g = {"G": "i32"}
+cases = [
+    (k8.int8_encode_kernel, {"src": "*bf16", "ids": "*i64", "payload": "*i8", "scales": "*fp32", **rows, **strides,
+                             "BT": "constexpr", "BD": "constexpr"}, {"BT": 32, "BD": 128}),
+    (k8.int8_decode_kernel, {"payload": "*i8", "scales": "*fp32", "dst": "*i16", "ids": "*i64", **rows, **strides,
+                             "BT": "constexpr", "BD": "constexpr", "OUT_BF16": "constexpr"},
+     {"BT": 32, "BD": 128, "OUT_BF16": True}),
+    (k8.fp8_encode_kernel, {"src": "*fp32", "ids": "*i64", "payload": "*u8", "scales": "*fp32", **rows, **strides,
+                            "BT": "constexpr", "BE": "constexpr"}, {"BT": 4, "BE": 1024}),
+    (k8.fp8_decode_kernel, {"payload": "*u8", "scales": "*fp32", "dst": "*fp32", "ids": "*i64", **rows, **strides,
+                            "BT": "constexpr", "BE": "constexpr", "OUT_BF16": "constexpr"},
+     {"BT": 4, "BE": 1024, "OUT_BF16": False}),
+    (k4.int4_key_encode_kernel, {"src": "*bf16", "ids": "*i64", "payload": "*u8", "scales": "*i16", "zeros": "*i16",
+                                 "flags": "*i32", **rows, **g, **strides, "BG": "constexpr", "BJ": "constexpr"},
+     {"BG": 16, "BJ": 64}),
+    (k4.int4_value_encode_kernel, {"src": "*bf16", "ids": "*i64", "payload": "*u8", "scales": "*i16",
+                                   "zeros": "*i16", "flags": "*i32", **rows, **g, **strides, "BN": "constexpr",
+                                   "BH": "constexpr"}, {"BN": 4, "BH": 16}),
+    (k4.int4_decode_kernel, {"payload": "*u8", "scales": "*fp16", "zeros": "*fp16", "dst": "*fp32", "ids": "*i64",
+                             **rows, **g, "IS_KEY": "constexpr", **strides, "BT": "constexpr", "BJ": "constexpr",
+                             "OUT_BF16": "constexpr"}, {"IS_KEY": False, "BT": 8, "BJ": 64, "OUT_BF16": False}),
+    (kb.bf16_encode_kernel, {"src": "*fp32", "ids": "*i64", "payload": "*i16", "flags": "*i32", **rows, **strides,
+                             "BT": "constexpr", "BE": "constexpr", "IN_BF16": "constexpr"},
+     {"BT": 4, "BE": 1024, "IN_BF16": False}),
+    (kb.bf16_decode_kernel, {"payload": "*i16", "dst": "*fp32", "ids": "*i64", **rows, **strides, "BT": "constexpr",
+                             "BE": "constexpr", "OUT_BF16": "constexpr"}, {"BT": 4, "BE": 1024, "OUT_BF16": False}),
+]
+out = {}
+for fn, sig, const in cases:
+    ptx = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=GPUTarget("cuda", 90, 32),
+                         options={"enable_fp_fusion": False}).asm["ptx"]
+    out[fn.__name__] = {k: ptx.count(k) for k in ("fma.", "div.full", "div.approx", "div.rn")}
+print(json.dumps(out))
+'''
+
+
+def test_kernels_compile_for_sm90_with_exact_rounding() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True, timeout=300, env=env,
+                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    counts = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(counts) == 9
+    for name, c in counts.items():
+        assert c["fma."] == 0, f"{name}: a fused multiply-add rounds differently from the torch codec"
+        assert c["div.full"] == 0 and c["div.approx"] == 0, f"{name}: approximate division"
+    for name in ("int8_encode_kernel", "fp8_encode_kernel", "int4_key_encode_kernel"):
+        assert counts[name]["div.rn"] > 0, f"{name}: scales must be divided with round-to-nearest"

@@ -9,12 +9,13 @@ TORCH_SPEC := torch==2.13.0
 STAMP := $(VENV)/.epd-installed
 PYTEST_ARGS ?=
 
-.PHONY: serve demo test test-unit test-integration test-e2e bench gpu-check gpu-deps setup test-setup redis chromium clean help
+.PHONY: serve demo test test-unit test-integration test-e2e lint bench gpu-check gpu-deps setup test-setup redis chromium clean help
 
 help:
 	@echo "make serve   set up, then run epd serve (Redis, Ray, three pools, API on 127.0.0.1:8000)"
 	@echo "make demo    set up, then generate from PROMPT with the engine alone"
 	@echo "make test    set up, then run the whole test suite"
+	@echo "make lint    set up, then run ruff and mypy (configured in pyproject.toml)"
 	@echo "make bench   set up, then run the engine benchmark (epd bench engine)"
 	@echo "make gpu-check  on a CUDA machine, offline: the CUDA tests, HF parity and the GPU benchmark"
 
@@ -90,6 +91,12 @@ test: test-setup
 
 test-unit: setup
 	$(PY) -m pytest -q -p no:cacheprovider -m unit tests
+
+# ruff and mypy, configured in pyproject.toml; fails on any finding.
+LINT_PATHS := controlplane workers kvtransfer bench tests
+lint: setup
+	$(PY) -m ruff check $(LINT_PATHS)
+	$(PY) -m mypy $(LINT_PATHS)
 
 bench: setup
 	$(VENV)/bin/epd bench engine

@@ -294,3 +294,27 @@ def test_padding_a_thin_strip_stays_within_the_memory_bound(llava_dirs, tmp_path
     Image.new("RGB", (1, 30000), (200, 10, 10)).save(buf, "PNG")
     out = preprocess_image(buf.getvalue(), cfg)
     assert out.shape == (3, 56, 56) and torch.isfinite(out).all()
+
+
+def test_a_config_listing_only_what_differs_from_transformers_defaults_loads_the_same(llava_dirs, tmp_path):
+    """The Hub's LLaVA 1.5 configs list a sub-config's non-default keys only; the rest are transformers'."""
+    import shutil
+
+    import transformers
+
+    folder = tmp_path / "sparse"
+    shutil.copytree(llava_dirs["llama"], folder)
+    dropped: list[str] = []
+
+    def sparse(raw: dict) -> None:
+        for sub, defaults in (("text_config", transformers.LlamaConfig().to_dict()),
+                              ("vision_config", transformers.CLIPVisionConfig().to_dict())):
+            keep = {k: v for k, v in raw[sub].items() if k == "model_type" or defaults.get(k, object()) != v}
+            dropped.extend(f"{sub}.{k}" for k in raw[sub] if k not in keep)
+            raw[sub] = keep
+    _edit(folder, "config.json", sparse)
+    assert {"text_config.rms_norm_eps", "text_config.hidden_act", "vision_config.layer_norm_eps",
+            "vision_config.hidden_act"} <= set(dropped)
+    full, hub = load_model(llava_dirs["llama"]), load_model(folder)
+    assert hub.config == full.config and hub.vision.config == full.vision.config
+    assert hub.model.fingerprint() == full.model.fingerprint() and hub.vision.fingerprint() == full.vision.fingerprint()

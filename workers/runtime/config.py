@@ -294,7 +294,8 @@ def _architecture(raw: dict[str, Any]) -> str:
     if arch is None:
         named = ", ".join(archs) or f"model_type={raw.get('model_type')!r}"
         raise UnsupportedArchitectureError(
-            f"config.json: unsupported architecture {named}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+            f"config.json: unsupported architecture {named}; supported: {', '.join(SUPPORTED_ARCHITECTURES)} "
+            f"and LlavaForConditionalGeneration over either")
     return arch
 
 

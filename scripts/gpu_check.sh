@@ -47,5 +47,18 @@ run bench engine --device cuda --dtype bfloat16 --model "$MODEL" --batches 1,128
   --decode-tokens 64 --repeats 3 --json "$OUT/bench.json"
 bench_rc=$?
 
-echo "== done in $((SECONDS - start)) s: tests rc=$tests_rc, benchmark rc=$bench_rc (report: $OUT/report.txt)"
-[ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]
+# KV on the GPU (issue 20): the cuda-marked KV tests, the codec kernels and device placement on cuda, and
+# `epd bench kv --device cuda`. They need grpcio and protobuf (the KV transfer's wire).
+echo "== KV on the GPU ($((SECONDS - start)) s so far)"
+if $PY -c 'import grpc, google.protobuf' 2>/dev/null; then
+  run pytest -q -p no:cacheprovider -m cuda tests/integration/test_kv_gpu_pair.py tests/integration/test_kv_cuda_ipc.py
+  kv_rc=$?
+  run pytest -q -p no:cacheprovider tests/unit/test_triton_codecs.py tests/unit/test_kv_devices.py || kv_rc=1
+  run bench kv --device cuda --repeats 2 --json "$OUT/bench-kv.json" || kv_rc=1
+else
+  echo "gpu-check: grpcio/protobuf missing here, the KV checks cannot run (make gpu-deps)"
+  kv_rc=2
+fi
+
+echo "== done in $((SECONDS - start)) s: tests rc=$tests_rc, benchmark rc=$bench_rc, KV rc=$kv_rc (report: $OUT/report.txt)"
+[ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ] && [ "$kv_rc" -eq 0 ]

@@ -247,7 +247,8 @@ def test_config_it_cannot_run_is_refused_by_name(llava_dirs, tmp_path, edit, err
 @pytest.mark.parametrize("edit, pattern", [
     (lambda p: p["image_processor"].update(crop_size={"height": 64, "width": 64}), "centre-crop to the vision tower"),
     (lambda p: p["image_processor"].update(size={"height": 56, "width": 56}), "only {'shortest_edge': N}"),
-    (lambda p: p["image_processor"].update(resample=1), "resample 1 is not supported"),
+    (lambda p: p["image_processor"].update(resample=1), r"processor_config.json: resample=1 \(supported: 2 "),
+    (lambda p: p["image_processor"].update(image_mean=["a", 0, 0]), "image_mean must be a number or a list of 3"),
 ])
 def test_image_processor_it_cannot_match_is_refused_by_name(llava_dirs, tmp_path, edit, pattern):
     import shutil

@@ -26,7 +26,7 @@ from safetensors import SafetensorError, safe_open
 from workers.runtime.checkpoint import check_finite, renamed, weight_map
 from workers.runtime.config import read_json_object
 from workers.runtime.errors import CheckpointError, UnsupportedArchitectureError
-from workers.runtime.vision import CLIP_MEAN, CLIP_STD, VisionConfig, VisionEncoder
+from workers.runtime.vision import CLIP_MEAN, CLIP_STD, SUPPORTED_RESAMPLE, VisionConfig, VisionEncoder
 
 LLAVA_ARCHITECTURES = ("LlavaForConditionalGeneration",)
 TEXT_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
@@ -154,7 +154,11 @@ def image_processor(folder: Path, image_size: int) -> dict[str, Any]:
         raise CheckpointError(f"{path}: the processor must centre-crop to the vision tower's image_size "
                               f"{image_size}x{image_size}; it has do_center_crop={p.get('do_center_crop', True)!r}, "
                               f"crop_size={crop!r}")
-    out: dict[str, Any] = {"resize_shortest_edge": edge, "resample": p.get("resample", 3)}
+    resample = p.get("resample", 3)
+    if resample not in SUPPORTED_RESAMPLE:
+        raise refuse(f"resample={resample!r} (supported: "
+                     + ", ".join(f"{k} ({v})" for k, v in SUPPORTED_RESAMPLE.items()) + ")")
+    out: dict[str, Any] = {"resize_shortest_edge": edge, "resample": resample}
     if pads:
         mean = _triple(p.get("image_mean", CLIP_MEAN), "image_mean", path)
         out["pad_color"] = tuple(int(m * 255) for m in mean)
@@ -170,8 +174,9 @@ def image_processor(folder: Path, image_size: int) -> dict[str, Any]:
 def _triple(value: Any, key: str, path: Path) -> tuple[float, ...]:
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return (float(value),) * 3
-    if isinstance(value, list):
-        return tuple(value)
+    if isinstance(value, list) and len(value) == 3 and all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
+        return tuple(float(v) for v in value)
     raise CheckpointError(f"{path}: {key} must be a number or a list of 3 numbers, got {value!r}")
 
 

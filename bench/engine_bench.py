@@ -14,14 +14,13 @@ import argparse
 import json
 import platform
 import resource
-import sys
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Callable
 
 import torch
 
+from bench.hf_reference import load_hf_model
 from workers.runtime.engine import DEFAULT_KV_CACHE_BYTES, DTYPES, Engine, EngineConfig
 from workers.runtime.loader import LoadedModel, load_model
 from workers.runtime.sampler import SamplingParams
@@ -77,19 +76,6 @@ def _engine_prefill_seconds(bundle: LoadedModel, cfg: EngineConfig, length: int)
     return time.perf_counter() - start
 
 
-def _hf_model(path: Path, dtype: torch.dtype):  # type: ignore[no-untyped-def]
-    try:
-        from transformers import AutoModelForCausalLM
-        from transformers.utils import logging as hf_logging
-    except ImportError:
-        print("epd bench engine: transformers is not installed (pip install -e '.[dev]'); use --no-hf",
-              file=sys.stderr)
-        raise SystemExit(2) from None
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
-
-
 @torch.inference_mode()
 def _hf_generate_seconds(hf, prompt: list[int], new_tokens: int) -> float:  # type: ignore[no-untyped-def]
     ids = torch.tensor([prompt])
@@ -124,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
     bundle = load_model(path, dtype=dtype, device=args.device, with_vision=False)
     cfg = EngineConfig(dtype=args.dtype, device=args.device, max_num_seqs=max(64, max(batches)))
     tokens = args.decode_tokens
-    hf = None if args.no_hf else _hf_model(path, dtype)
+    hf = None if args.no_hf else load_hf_model(path, dtype)
 
     # warm both up once (allocator, thread pool, lazy inits)
     _engine_decode_seconds(bundle, cfg, 1, 4)

@@ -126,7 +126,7 @@ def _hf_forward_seconds(hf, length: int, vocab: int) -> float:  # type: ignore[n
 
 def run_cuda(args: argparse.Namespace, batches: list[int], lengths: list[int]) -> int:
     """The GPU benchmark; arguments already checked by ``engine_bench.run``."""
-    from bench.engine_bench import _hf_model
+    from bench.hf_reference import load_hf_model
     from controlplane.cli_args import model_dir
 
     device = torch.device(args.device)
@@ -139,7 +139,7 @@ def run_cuda(args: argparse.Namespace, batches: list[int], lengths: list[int]) -
     vocab = bundle.config.vocab_size
     weights = decode_weight_bytes(bundle.model)
     roofline = 2 * rate / weights
-    hf = None if args.no_hf else _hf_model(path, dtype).to(device)
+    hf = None if args.no_hf else load_hf_model(path, dtype).to(device)
     torch.cuda.reset_peak_memory_stats(device)
     cfg = EngineConfig(dtype=args.dtype, device=args.device, max_num_seqs=max(batches),
                        max_num_batched_tokens=max(max(lengths), max(batches)), prefill_chunk_size=max(lengths),

@@ -14,7 +14,7 @@ from workers.runtime.config import RopeConfig
 from workers.runtime.kernels.cache_views import cache_tensors
 from workers.runtime.kernels.fp8 import e4m3_to_f32, f32_to_e4m3
 from workers.runtime.kernels.fused import add_rmsnorm, rmsnorm, rope_, silu_mul
-from workers.runtime.kernels.kv_write import write_kv
+from workers.runtime.kernels.kv_write import rope_write_kv, write_kv
 from workers.runtime.kv_cache import KVCacheSpec, PagedKVCache
 from workers.runtime.model import RMSNorm
 from workers.runtime.rope import RotaryEmbedding
@@ -115,3 +115,28 @@ def test_fp8_conversions_match_torch_bit_for_bit() -> None:
     _fp8_roundtrip[(1,)](bytes_in, decoded, x.to(DEVICE), encoded, n, BLOCK=triton.next_power_of_2(n))
     assert torch.equal(decoded[:len(patterns)].cpu(), exact)
     assert torch.equal(encoded.cpu(), x.to(torch.float8_e4m3fn).view(torch.uint8))
+
+
+@pytest.mark.parametrize("cache_dtype,dtype", [("float32", torch.float32), ("bfloat16", torch.bfloat16),
+                                               ("int8", torch.float32), ("int8", torch.bfloat16),
+                                               ("fp8", torch.bfloat16)])
+def test_rope_write_kv_is_rope_then_the_storage_write(cache_dtype: str, dtype: torch.dtype) -> None:
+    """The fused kernel the decoder runs: q and k rotated in place, k and v stored; slot -1 skipped."""
+    rotary = RotaryEmbedding(RopeConfig(), 16, DEVICE)
+    positions = torch.tensor([0, 3, 9, 100, 7], device=DEVICE)
+    cos, sin = rotary.cos_sin(positions, dtype)
+    qkv = (torch.randn(5, (4 + 2 * 3) * 16, generator=torch.Generator().manual_seed(5)) * 3).to(DEVICE, dtype)
+    slots = torch.tensor([5, 17, -1, 63, 40], device=DEVICE)
+    q, k, v = qkv[:, :64].view(5, 4, 16), qkv[:, 64:112].view(5, 3, 16), qkv[:, 112:].view(5, 3, 16)
+    want_q, want_k = RotaryEmbedding.apply(q, cos, sin), RotaryEmbedding.apply(k, cos, sin)
+    got, want = _pool(cache_dtype), _pool(cache_dtype)
+    rope_write_kv(cache_tensors(got.layers[0]), slots, qkv[:, :112].view(5, 7, 16), v, cos, sin, 4)
+    # bf16: the interpreter truncates each of RoPE's three roundings (a GPU rounds to nearest, as torch):
+    # up to about one ulp of the inputs (|x| < 16 here: 0.0625) when the two products cancel.
+    tol = {"atol": 1e-6, "rtol": 1e-6} if dtype == torch.float32 else {"atol": 0.07, "rtol": 2 ** -7}
+    torch.testing.assert_close(q, want_q, **tol)
+    torch.testing.assert_close(k, want_k, **tol)
+    keep = slots >= 0  # the cache holds exactly what the storage's own write stores for the rotated k
+    want.layers[0].write(slots[keep], k[keep], v[keep])
+    for a, b in zip(_state(got), _state(want)):
+        assert torch.equal(a, b)

@@ -76,7 +76,7 @@ class DecoderLayer(nn.Module):
                         ops: TritonOps) -> tuple[torch.Tensor, torch.Tensor]:
         """The same computation with the fused kernels. The residual stream is carried apart and each
         add is fused into the next RMSNorm: returns (this layer's MLP output, the residual before it),
-        whose sum is what ``forward`` returns. RoPE runs in place on the qkv output."""
+        whose sum is what ``forward`` returns. RoPE runs in place on the qkv output, fused with the KV write."""
         cfg = self.cfg
         n = h.shape[0]
         ln = self.input_layernorm
@@ -85,11 +85,10 @@ class DecoderLayer(nn.Module):
         else:
             residual, x = ops.add_rmsnorm(h, residual, ln.weight, ln.eps)
         qkv = self.qkv_proj(x)
-        qk = ops.rope_(qkv[:, :cfg.q_size + cfg.kv_size].view(n, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim),
-                       cos, sin)
-        q, k = qk[:, :cfg.num_heads], qk[:, cfg.num_heads:]
+        qk = qkv[:, :cfg.q_size + cfg.kv_size].view(n, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
         v = qkv[:, cfg.q_size + cfg.kv_size:].view(n, cfg.num_kv_heads, cfg.head_dim)
-        ops.write_kv(storage, batch.slot_mapping, k, v)
+        ops.rope_write_kv(storage, batch.slot_mapping, qk, v, cos, sin, cfg.num_heads)  # RoPE in place
+        q, k = qk[:, :cfg.num_heads], qk[:, cfg.num_heads:]
         attn = ops.attention(q, k, v, batch, storage, self.scale)
         ln = self.post_attention_layernorm
         residual, x = ops.add_rmsnorm(self.o_proj(attn.view(n, cfg.q_size)), residual, ln.weight, ln.eps)

@@ -53,6 +53,17 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
 
 
 @triton.jit
+def rotate(x1, x2, c1, c2, s1, s2, dt: tl.constexpr):
+    """RoPE of one head's halves (x1, x2) with float32 cos/sin halves, each product and the sum rounded
+    to ``dt`` as the torch path's ``x * cos + rotated * sin`` in ``dt`` is."""
+    a1 = (x1.to(tl.float32) * c1).to(dt).to(tl.float32)
+    a2 = (x2.to(tl.float32) * c2).to(dt).to(tl.float32)
+    b1 = (-x2.to(tl.float32) * s1).to(dt).to(tl.float32)
+    b2 = (x1.to(tl.float32) * s2).to(dt).to(tl.float32)
+    return (a1 + b1).to(dt), (a2 + b2).to(dt)
+
+
+@triton.jit
 def _rope_kernel(x_ptr, cos_ptr, sin_ptr, stride_xt, stride_xh, stride_ct,
                  HALF: tl.constexpr, BLOCK: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
@@ -66,13 +77,9 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, stride_xt, stride_xh, stride_ct,
     c2 = tl.load(cos_ptr + t * stride_ct + HALF + i, mask=mask, other=0.0).to(tl.float32)
     s1 = tl.load(sin_ptr + t * stride_ct + i, mask=mask, other=0.0).to(tl.float32)
     s2 = tl.load(sin_ptr + t * stride_ct + HALF + i, mask=mask, other=0.0).to(tl.float32)
-    dt = x_ptr.dtype.element_ty
-    a1 = (x1.to(tl.float32) * c1).to(dt).to(tl.float32)
-    a2 = (x2.to(tl.float32) * c2).to(dt).to(tl.float32)
-    b1 = (-x2.to(tl.float32) * s1).to(dt).to(tl.float32)
-    b2 = (x1.to(tl.float32) * s2).to(dt).to(tl.float32)
-    tl.store(base + i, (a1 + b1).to(dt), mask=mask)
-    tl.store(base + HALF + i, (a2 + b2).to(dt), mask=mask)
+    lo, hi = rotate(x1, x2, c1, c2, s1, s2, x_ptr.dtype.element_ty)
+    tl.store(base + i, lo, mask=mask)
+    tl.store(base + HALF + i, hi, mask=mask)
 
 
 def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

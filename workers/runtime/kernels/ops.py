@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from workers.runtime.attention import StepBatch
 from workers.runtime.kernels import fused
 from workers.runtime.kernels.cache_views import CacheTensors, cache_tensors
-from workers.runtime.kernels.kv_write import write_kv
+from workers.runtime.kernels.kv_write import rope_write_kv, write_kv
 from workers.runtime.kernels.paged_attention import paged_decode_attention, paged_prefill_attention
 from workers.runtime.kv_cache import KVLayerStorage
 
@@ -36,6 +36,10 @@ class TritonOps:
 
     def write_kv(self, storage: KVLayerStorage, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         write_kv(self.views(storage), slots, k, v)
+
+    def rope_write_kv(self, storage: KVLayerStorage, slots: torch.Tensor, qk: torch.Tensor, v: torch.Tensor,
+                      cos: torch.Tensor, sin: torch.Tensor, num_heads: int) -> None:
+        rope_write_kv(self.views(storage), slots, qk, v, cos, sin, num_heads)
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: StepBatch,
                   storage: KVLayerStorage, scale: float) -> torch.Tensor:

@@ -28,7 +28,7 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import ExitStack
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Generator, Iterator
 
 import grpc
 
@@ -83,7 +83,7 @@ def _broke(exc: grpc.RpcError) -> bool:
     if exc.code() not in _BROKEN:
         return False
     try:
-        trailers = exc.trailing_metadata() or ()  # type: ignore[attr-defined]
+        trailers = exc.trailing_metadata() or ()
     except Exception:  # no trailers on a call that never reached a server
         trailers = ()
     return not any(k == FAILURE_KEY and v == KV_TRANSFER_FAILURE for k, v in trailers)
@@ -157,7 +157,7 @@ class Dispatcher:
     def _channel(self, target: str) -> grpc.Channel:
         return self._channels.get(target)
 
-    def run(self, req: WorkerRequest, route: Route) -> Iterator["wpb.TokenChunk"]:
+    def run(self, req: WorkerRequest, route: Route) -> Generator["wpb.TokenChunk", None, None]:
         """The request's chunks. The workers' call slots are taken on the first ``next()`` (a busy worker
         fails it at once) and held until the generator ends or is closed."""
         with ExitStack() as slots:
@@ -223,7 +223,7 @@ class Dispatcher:
         except grpc.RpcError as exc:
             pst.end(exc)
             if encoded is not None and encoded.done() and encoded.exception() is not None:
-                raise _error("encode", encoded.exception(), route.encode) from None  # type: ignore[arg-type]
+                raise _error("encode", encoded.exception(), route.encode) from None
             raise _error("prefill", exc, route.prefill) from None
         pst.end()
         if encoded is not None:
@@ -298,7 +298,7 @@ class Dispatcher:
                 stage, fut = failed[0]
                 err = fut.exception()
                 dst.end(err)
-                error = _error(stage, err, targets[stage])  # type: ignore[arg-type]
+                error = _error(stage, err, targets[stage])
                 error.lost = tuple(dict.fromkeys(error.lost + decode_error.lost))
                 raise error from None
             dst.end(exc)

@@ -16,7 +16,8 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from typing import Callable, Protocol
+from collections.abc import Callable
+from typing import Protocol
 
 
 class Cancellable(Protocol):

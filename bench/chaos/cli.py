@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 DESCRIPTION = ("Drive a steady greedy load through a live `epd serve` (2+ replicas per pool) while Redis is "
@@ -14,8 +15,8 @@ DESCRIPTION = ("Drive a steady greedy load through a live `epd serve` (2+ replic
                "and block drift. Linux only (it finds worker processes through /proc).")
 
 
-def _positive(kind: type) -> object:
-    def parse(text: str) -> object:
+def _positive(kind: Callable[[str], float]) -> Callable[[str], float]:
+    def parse(text: str) -> float:
         try:
             value = kind(text)
         except ValueError:
@@ -26,7 +27,7 @@ def _positive(kind: type) -> object:
     return parse
 
 
-def add_chaos_parser(bench: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+def add_chaos_parser(bench: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = bench.add_parser("chaos", help="faults under load: kill/stop replicas, restart Redis; nothing may be lost",
                          description=DESCRIPTION)
     p.add_argument("--model", type=Path, default=None, help="checkpoint folder (default: the demo model)")

@@ -94,7 +94,8 @@ def _restart_redis(dep: Deployment, recover_s: float) -> FaultResult:
     while time.monotonic() < deadline:
         now = private_redis(dep.proc.pid)
         body = dep.ready_body()
-        if now is not None and now[0] != pid and body.get("status") == "ready" and "Redis" not in body.get("degraded", ""):
+        clean = body.get("status") == "ready" and "Redis" not in body.get("degraded", "")
+        if now is not None and now[0] != pid and clean:
             return FaultResult(FaultSpec(FaultKind.REDIS), f"redis-server {pid}", at, time.monotonic(), False)
         time.sleep(0.25)
     raise FaultError(f"Redis not back {recover_s:.0f} s after it was killed")

@@ -51,7 +51,7 @@ class LoadDriver:
         self._next = itertools.count()
         self._threads: list[threading.Thread] = []
 
-    def start(self) -> "LoadDriver":
+    def start(self) -> LoadDriver:
         target = self._open_loop if self.rate else self._closed_loop
         self._threads = [threading.Thread(target=target, args=(i,), daemon=True) for i in range(self.concurrency)]
         for t in self._threads:

@@ -52,7 +52,8 @@ def descendants(pid: int) -> set[int]:
         except OSError:
             continue
         parents[p] = int(stat.rsplit(")", 1)[1].split()[1])
-    found, frontier = set(), {pid}
+    found: set[int] = set()
+    frontier = {pid}
     while frontier:
         frontier = {p for p, parent in parents.items() if parent in frontier} - found
         found |= frontier

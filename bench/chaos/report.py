@@ -26,7 +26,7 @@ class Window:
     p99_s: float | None
 
     @classmethod
-    def of(cls, outcomes: list[Outcome]) -> "Window":
+    def of(cls, outcomes: list[Outcome]) -> Window:
         lat = [o.latency for o in outcomes if o.ok]
         return cls(len(outcomes), percentile(lat, 50), percentile(lat, 99))
 

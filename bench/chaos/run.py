@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from bench.chaos.deployment import Deployment
 from bench.chaos.faults import PLAN, FaultKind, FaultResult, inject

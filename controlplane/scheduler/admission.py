@@ -16,7 +16,7 @@ from controlplane.observability import metrics
 class Ticket:
     """One admitted request's place in the queue; a context manager that gives it back on exit."""
 
-    def __init__(self, admission: "Admission") -> None:
+    def __init__(self, admission: Admission) -> None:
         self._admission = admission
         self._held = True
         self._lock = threading.Lock()
@@ -33,7 +33,7 @@ class Ticket:
             self._admission._leave()
         return held
 
-    def __enter__(self) -> "Ticket":
+    def __enter__(self) -> Ticket:
         return self
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:

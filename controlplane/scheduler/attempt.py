@@ -10,14 +10,14 @@ An ``open`` that raises has already given everything back.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from types import TracebackType
 
-from epd.worker.v1 import worker_pb2 as wpb
 from controlplane.dispatch import Dispatcher, WorkerRequest
 from controlplane.scheduler.health import WorkerHealth
 from controlplane.scheduler.selection import Selection
 from controlplane.scheduler.worker_view import WorkerView
+from epd.worker.v1 import worker_pb2 as wpb
 
 
 class Attempt:
@@ -26,13 +26,13 @@ class Attempt:
         self.health = health
         self.selection = selection
         self.tokens = tokens  # prompt tokens, as counted in the view
-        self._stream: Iterator["wpb.TokenChunk"] | None = None
-        self._first: "wpb.TokenChunk | None" = None
+        self._stream: Generator[wpb.TokenChunk, None, None] | None = None
+        self._first: wpb.TokenChunk | None = None
         self._held = False
 
     @classmethod
     def open(cls, view: WorkerView, health: WorkerHealth, dispatcher: Dispatcher, selection: Selection,
-             request: WorkerRequest, timeout_s: float) -> "Attempt":
+             request: WorkerRequest, timeout_s: float) -> Attempt:
         """Start ``request`` on ``selection`` with ``timeout_s`` as every call's deadline; DispatchError
         (everything given back) when it fails before its first chunk."""
         attempt = cls(view, health, selection, len(request.prompt_ids))
@@ -51,7 +51,7 @@ class Attempt:
             self.health.begin(c.worker_id)
         self._held = True
 
-    def chunks(self) -> Iterator["wpb.TokenChunk"]:
+    def chunks(self) -> Iterator[wpb.TokenChunk]:
         """The attempt's chunks from the first; DispatchError when a stage fails."""
         assert self._stream is not None and self._first is not None
         first, self._first = self._first, None
@@ -71,7 +71,7 @@ class Attempt:
                     self.view.end(c.worker_id, self.tokens)
                     self.health.end(c.worker_id)
 
-    def __enter__(self) -> "Attempt":
+    def __enter__(self) -> Attempt:
         return self
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:

@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from epd.worker.v1 import worker_pb2 as wpb
 from controlplane.backend import Chunk
 from controlplane.dispatch import WorkerRequest
+from epd.worker.v1 import worker_pb2 as wpb
 from workers.runtime.tokenizer import IncrementalDetokenizer, Tokenizer
 
 _GOLDEN = 0x9E3779B97F4A7C15  # workers.runtime.sampler.draw_seed's increment per token index
@@ -85,7 +85,7 @@ class Progress:
             self._detok.ids = list(self.token_ids)
             self._detok.emitted = self.text_chars
 
-    def accept(self, c: "wpb.TokenChunk") -> Chunk | None:
+    def accept(self, c: wpb.TokenChunk) -> Chunk | None:
         """The client's chunk for worker chunk ``c``; None when it carries nothing new."""
         ids = list(c.token_ids)
         if self._skip:
@@ -99,7 +99,7 @@ class Progress:
                          len(self.token_ids), c.engine_seconds)
         return self._across_seam(ids, c)
 
-    def _across_seam(self, ids: list[int], c: "wpb.TokenChunk") -> Chunk | None:
+    def _across_seam(self, ids: list[int], c: wpb.TokenChunk) -> Chunk | None:
         assert self._detok is not None
         text, taken, reason = "", [], c.finish_reason or None
         for token in ids:

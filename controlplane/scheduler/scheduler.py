@@ -22,7 +22,7 @@ import time
 from collections.abc import Iterator
 
 from controlplane.backend import BackendError, Chunk, ModelInfo, Overloaded
-from controlplane.dispatch import DispatchError, Dispatcher, WorkerRequest
+from controlplane.dispatch import Dispatcher, DispatchError, WorkerRequest
 from controlplane.observability import metrics
 from controlplane.observability.stages import queued as queued_stage
 from controlplane.observability.tracing import current_parent
@@ -77,7 +77,8 @@ class Scheduler:
         notes = []
         d = self.view.degraded
         if d is not None:
-            notes.append(f"Redis is degraded: routing on its last good snapshot for {self.view.clock() - d.since:.0f} s "
+            age = self.view.clock() - d.since
+            notes.append(f"Redis is degraded: routing on its last good snapshot for {age:.0f} s "
                          f"({d.reason})")
         suspects = self.health.suspects()
         if suspects:

@@ -64,7 +64,8 @@ class RouteSelector:
                                retry_after_s=RETRY_AFTER_S) from None
 
     def pick(self, pool: str, request: WorkerRequest, exclude: Set[str]) -> Candidate | None:
-        routable = [c for c in self.candidates(pool) if c.worker_id not in exclude and self.health.routable(c.worker_id)]
+        routable = [c for c in self.candidates(pool)
+                    if c.worker_id not in exclude and self.health.routable(c.worker_id)]
         if not routable:
             return None
         return self.policy.pick(pool, routable, len(request.prompt_ids), prompt_ids=request.prompt_ids)

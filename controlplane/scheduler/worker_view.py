@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from controlplane.scheduler.policies import Candidate
 from controlplane.state.errors import StateError

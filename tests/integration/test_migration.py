@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from dispatch_helpers import on_threads, png
+from redis_fixture import redis_server, state_conn  # noqa: F401 - fixtures
 
 from controlplane.backend import BackendError, ModelInfo
 from controlplane.dispatch import Dispatcher, WorkerRequest
@@ -25,11 +27,9 @@ from controlplane.scheduler.scheduler import Scheduler, WorkerView
 from controlplane.settings import SchedulerSettings
 from controlplane.state.journal import RequestJournal, RequestState
 from controlplane.state.registry import WorkerInfo, WorkerLoad, WorkerRegistry
-from dispatch_helpers import on_threads, png
 from epd.worker.v1 import worker_pb2 as wpb
 from epd.worker.v1 import worker_pb2_grpc as wgrpc
 from kvtransfer.auth import TransferSecurity
-from redis_fixture import redis_server, state_conn  # noqa: F401 - fixtures
 from workers.runtime.generate import GenerateRequest, build_prompt, generate
 from workers.runtime.sampler import SamplingParams
 
@@ -53,7 +53,7 @@ class Proc:
         if self.popen.stdout is not None:
             self.popen.stdout.close()
 
-    def status(self) -> "wpb.WorkerStatus":
+    def status(self) -> wpb.WorkerStatus:
         stub = wgrpc.PrefillWorkerStub if self.pool == "prefill" else (
             wgrpc.EncodeWorkerStub if self.pool == "encode" else wgrpc.DecodeWorkerStub)
         channel = SECURITY.open_channel(self.address)
@@ -66,7 +66,8 @@ class Proc:
 def _spawn(ckpt: Path, pools: list[str], colocated: bool = False) -> list[Proc]:
     """Start the workers at once (each loads the model in its own process)."""
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])}
-    popens = [subprocess.Popen([sys.executable, str(SCRIPT), pool, str(ckpt), TOKEN] + (["colocated"] if colocated else []),
+    extra = ["colocated"] if colocated else []
+    popens = [subprocess.Popen([sys.executable, str(SCRIPT), pool, str(ckpt), TOKEN, *extra],
                                stdout=subprocess.PIPE, text=True, env=env) for pool in pools]
     procs = []
     for i, (pool, p) in enumerate(zip(pools, popens)):
@@ -95,12 +96,12 @@ def cluster(default_ckpt, state_conn) -> Iterator[tuple[WorkerRegistry, list[Pro
         if p.popen.poll() is None:
             os.kill(p.popen.pid, signal.SIGCONT)
         p.kill()
-        registry.deregister(p.worker_id, p.pool)  # type: ignore[arg-type]
+        registry.deregister(p.worker_id, p.pool)
     for key in state_conn.redis.scan_iter(match=state_conn.keys.pattern):
         state_conn.redis.delete(key)
 
 
-def _scheduler(bundle, registry, conn, colocated=False, **settings) -> Scheduler:  # type: ignore[no-untyped-def]
+def _scheduler(bundle, registry, conn, colocated=False, **settings) -> Scheduler:
     s = SchedulerSettings(**{"token_idle_timeout_s": 1.5, "first_token_timeout_s": 20.0, **settings})
     dispatcher = Dispatcher(SECURITY, keepalive_s=1.0, token_idle_timeout_s=s.token_idle_timeout_s,
                             first_token_timeout_s=s.first_token_timeout_s)
@@ -109,7 +110,8 @@ def _scheduler(bundle, registry, conn, colocated=False, **settings) -> Scheduler
                      RequestJournal(conn), colocated=colocated)
 
 
-def _requests(bundle, n: int, max_tokens: int = 48, images: bool = False) -> tuple[list[WorkerRequest], list[list[int]]]:  # type: ignore[no-untyped-def]
+def _requests(bundle, n: int, max_tokens: int = 48,
+              images: bool = False) -> tuple[list[WorkerRequest], list[list[int]]]:
     """Half greedy, half seeded sampling, with their reference tokens from generate()."""
     reqs, refs = [], []
     for i in range(n):
@@ -145,7 +147,7 @@ class Streams:
         self._thread = threading.Thread(target=lambda: setattr(self, "result", on_threads(one, len(reqs))))
         self._thread.start()
 
-    def wait_until(self, cond, timeout_s: float = 60) -> None:  # type: ignore[no-untyped-def]
+    def wait_until(self, cond, timeout_s: float = 60) -> None:
         end = time.monotonic() + timeout_s
         while not cond(self.progress):
             assert time.monotonic() < end, f"no progress: {self.progress}"
@@ -171,7 +173,7 @@ def _all_free(procs: list[Proc]) -> None:
             time.sleep(0.1)
 
 
-def _migrated(conn, reqs: list[WorkerRequest]) -> int:  # type: ignore[no-untyped-def]
+def _migrated(conn, reqs: list[WorkerRequest]) -> int:
     journal = RequestJournal(conn)
     return sum(any(e.state is RequestState.MIGRATING for e in journal.history(r.request_id)) for r in reqs)
 
@@ -276,6 +278,6 @@ def test_past_the_migration_limit_a_retriable_error_names_the_cause(default_bund
     # every decode candidate down: 503 with Retry-After at once, not a wait for room
     procs[2].kill()
     began = time.monotonic()
-    with pytest.raises(BackendError) as err:
+    with pytest.raises(BackendError) as down:
         list(scheduler.generate(WorkerRequest("all-down", reqs[0].prompt_ids, reqs[0].params)))
-    assert err.value.status == 503 and err.value.retry_after_s and time.monotonic() - began < 10
+    assert down.value.status == 503 and down.value.retry_after_s and time.monotonic() - began < 10

@@ -12,8 +12,8 @@ from epd.worker.v1 import worker_pb2 as wpb
 from epd.worker.v1 import worker_pb2_grpc as wgrpc
 from kvtransfer.auth import TransferSecurity
 from workers.run import start_worker
-from workers.service_base import sampling_to_proto
 from workers.runtime.sampler import SamplingParams
+from workers.service_base import sampling_to_proto
 from workers.tracing import FAILURE_KEY, KV_TRANSFER_FAILURE
 
 pytestmark = [pytest.mark.integration]

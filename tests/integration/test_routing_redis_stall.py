@@ -11,7 +11,7 @@ import uuid
 import pytest
 
 from controlplane.scheduler.worker_view import WorkerView
-from controlplane.state import LocalRedis, connect
+from controlplane.state import LocalRedis, Pool, connect
 from controlplane.state.registry import WorkerInfo, WorkerLoad, WorkerRegistry
 
 pytestmark = [pytest.mark.integration]
@@ -23,7 +23,7 @@ def test_a_stalled_redis_costs_one_bounded_read_then_routing_uses_its_last_snaps
         fast = conn.with_budget(0.2)
         now = [0.0]
         view = WorkerView(WorkerRegistry(fast, ttl=60), refresh_s=0.2, clock=lambda: now[0], degraded_retry_s=1.0)
-        WorkerRegistry(conn, ttl=60).register(WorkerInfo("d-0", "decode", "127.0.0.1:9", load=WorkerLoad()))
+        WorkerRegistry(conn, ttl=60).register(WorkerInfo("d-0", Pool.DECODE, "127.0.0.1:9", load=WorkerLoad()))
         assert [c.worker_id for c in view.candidates("decode")] == ["d-0"] and view.degraded is None
         os.kill(server.pid, signal.SIGSTOP)
         try:

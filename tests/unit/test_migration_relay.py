@@ -14,7 +14,7 @@ from workers.runtime.sampler import SamplingParams, draw_seed
 pytestmark = [pytest.mark.unit]
 
 
-def _chunk(tokens, text="", finished=False, reason="", completion=0):  # type: ignore[no-untyped-def]
+def _chunk(tokens, text="", finished=False, reason="", completion=0):
     return wpb.TokenChunk(token_ids=tokens, text=text, finished=finished, finish_reason=reason,
                           completion_tokens=completion)
 
@@ -63,7 +63,8 @@ def test_across_a_seam_the_text_is_the_whole_output_decoded_once(default_bundle)
     p = Progress(req, tok)
     text = ""
     c = p.accept(_chunk(ids[:3], tok.decode(ids[:3])))
-    text += c.text  # type: ignore[union-attr]
+    assert c is not None
+    text += c.text
     p.begin_attempt()
     c = p.accept(_chunk(ids[3:], "whatever the worker says", finished=True, reason="length"))
     assert c is not None and c.finished and c.finish_reason == "length"

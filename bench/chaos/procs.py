@@ -71,7 +71,7 @@ def private_redis(serve_pid: int) -> tuple[int, int] | None:
     """(pid, port) of the redis-server ``epd serve`` started, or None."""
     for pid in sorted(descendants(serve_pid)):
         args = cmdline(pid)
-        if not args or not Path(args[0].split()[0]).name.startswith("redis-server"):
+        if not args or not args[0].strip() or not Path(args[0].split()[0]).name.startswith("redis-server"):
             continue
         if "--port" in args:
             return pid, int(args[args.index("--port") + 1])

@@ -175,9 +175,32 @@ def cmd_drain(args: argparse.Namespace) -> int:
     return 0
 
 
-def _command_plugins() -> list[Callable[[argparse._SubParsersAction], None]]:  # type: ignore[type-arg]
-    """The subparser builders installed packages register under ``epd.commands``, by entry name."""
-    return [ep.load() for ep in sorted(entry_points(group=COMMAND_PLUGINS), key=lambda ep: ep.name)]
+Register = Callable[["argparse._SubParsersAction[argparse.ArgumentParser]"], None]
+
+
+def _command_plugins() -> list[Register]:
+    """The subparser builders installed packages register under ``epd.commands``, by entry name. One that
+    cannot be imported becomes a command that says so when run: epd's own commands never depend on it."""
+    plugins = []
+    for ep in sorted(entry_points(group=COMMAND_PLUGINS), key=lambda ep: ep.name):
+        try:
+            plugins.append(ep.load())
+        except ImportError as exc:
+            plugins.append(_unavailable(ep.name, exc))
+    return plugins
+
+
+def _unavailable(name: str, exc: ImportError) -> Register:
+    def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+        p = sub.add_parser(name, help=f"(unavailable here: {exc})", add_help=False)
+        p.add_argument("rest", nargs=argparse.REMAINDER)
+        p.set_defaults(func=lambda args: _refuse(f"epd {name} cannot be imported here ({exc}); install it with "
+                                                 f"pip install -e '.[{name}]'"))
+    return register
+
+
+def _refuse(message: str) -> int:
+    raise UsageError(message)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -198,3 +198,20 @@ def test_usage_errors_are_one_line_when_run_as_a_module_too(args, message):
                             env={"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/tmp")})
     assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
     assert message in result.stderr
+
+
+def test_a_command_package_that_cannot_be_imported_leaves_epd_working(capsys, monkeypatch):
+    """`bench` (or any package registered under epd.commands) that fails to import costs only its own
+    command: it says why in one line; every other command still parses."""
+    import controlplane.cli as cli
+
+    class Broken:
+        name = "bench"
+
+        def load(self):
+            raise ImportError("No module named 'bench'")
+
+    monkeypatch.setattr(cli, "entry_points", lambda group: [Broken()])
+    assert build_parser().parse_args(["status", "--json"]).json is True
+    err = one_line_error(capsys, ["bench", "engine", "--batches", "1"])
+    assert "epd bench cannot be imported here (No module named 'bench')" in err

@@ -13,9 +13,9 @@ never touches another.
 from __future__ import annotations
 
 import hmac
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Callable, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import anyio.to_thread
 from fastapi import APIRouter, Header, HTTPException, Request
@@ -53,7 +53,7 @@ class PoolView:
     target: int | None
     ready: int
     workers: list[WorkerSummary]
-    pending: tuple["PendingReplica", ...] = ()
+    pending: tuple[PendingReplica, ...] = ()
     problem: str | None = None
     not_needed: str | None = None
 
@@ -61,7 +61,7 @@ class PoolView:
 class PoolStarts(Protocol):
     """What the pool manager of this process says about replicas it is starting (``PoolManager``)."""
 
-    def pending(self, pool: str) -> tuple["PendingReplica", ...]: ...
+    def pending(self, pool: str) -> tuple[PendingReplica, ...]: ...
 
     def problem(self, pool: str) -> str | None: ...
 

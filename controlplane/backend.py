@@ -7,8 +7,9 @@ services) is the real backend; tests of the ingress alone can pass any object wi
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Iterator, Protocol
+from typing import Any, Protocol
 
 from controlplane.dispatch import WorkerRequest
 from workers.runtime.tokenizer import Tokenizer
@@ -29,7 +30,7 @@ class Chunk:
     engine_seconds: float = 0.0
 
     @classmethod
-    def from_wire(cls, c: Any) -> "Chunk":
+    def from_wire(cls, c: Any) -> Chunk:
         """From a worker's ``TokenChunk`` (epd.worker.v1)."""
         return cls(tuple(c.token_ids), c.text, c.finished, c.finish_reason or None, c.prompt_tokens,
                    c.completion_tokens, c.engine_seconds)

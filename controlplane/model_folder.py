@@ -18,7 +18,8 @@ def model_folder_problem(path: Path) -> str | None:
     if path.is_dir():
         if (path / "config.json").is_file():
             return None
-        return f"{text}: not a checkpoint folder (no config.json; a Hugging Face folder holds config.json, weights, tokenizer)"
+        return (f"{text}: not a checkpoint folder (no config.json; a Hugging Face folder holds config.json, weights, "
+                "tokenizer)")
     if path.exists():
         return f"{text}: not a checkpoint folder (it is a file)"
     if HUB_ID.fullmatch(text):

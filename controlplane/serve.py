@@ -82,9 +82,9 @@ def validate(settings: Settings, model_dir: Path) -> None:
     """What the settings cannot check alone, checked before anything starts: the codec policy against the
     model's layers and the mTLS files. Raises ``SettingsError`` naming the setting. (Device spellings,
     URLs and cross-field rules are the settings' own validators.)"""
+    from controlplane.model_folder import model_folder_problem
     from kvtransfer.auth import SecurityConfigError, TransferSecurity
     from kvtransfer.policy import ExplicitPolicy, PolicyError, parse_policy
-    from controlplane.model_folder import model_folder_problem
     from workers.runtime.config import ModelConfig
 
     problem = model_folder_problem(model_dir)
@@ -216,8 +216,8 @@ def build(settings: Settings) -> Deployment:
         from controlplane.observability.deploy import instrument_control_plane, uninstrument
 
         # pool gauges for /metrics and the dashboard, over this deployment's Redis
-        routers = instrument_control_plane(lambda: pools_status(conn, registry, manager, fixed), lambda: scheduler.waiting,
-                                           RequestJournal(conn))
+        routers = instrument_control_plane(lambda: pools_status(conn, registry, manager, fixed),
+                                           lambda: scheduler.waiting, RequestJournal(conn))
         dep.add("the metrics' sources", uninstrument)
         dep.app = create_app(scheduler, keys, admin=admin_router(conn, registry, admin_token,
                                                                  on_drain=drain_over_rpc(registry, security),

@@ -21,8 +21,7 @@ from urllib.parse import parse_qsl, urlencode, urlsplit
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
-from pydantic_settings import (BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict,
-                               YamlConfigSettingsSource)
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, YamlConfigSettingsSource
 from pydantic_settings import SettingsError as _SourceError
 
 from controlplane.scheduler.policies import available_policies
@@ -122,7 +121,7 @@ class EngineSettings(_Model):
         return v
 
     @model_validator(mode="after")
-    def _budget(self) -> "EngineSettings":
+    def _budget(self) -> EngineSettings:
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
                              f"({self.max_num_seqs}) so every running sequence can decode each step")
@@ -147,7 +146,8 @@ class EngineSettings(_Model):
 
 class PoolSettings(_Model):
     replicas: int = Field(1, ge=0, le=1000)
-    num_cpus: float = Field(0.25, ge=0, description="Ray CPUs reserved per replica (0 = none); 0.25 lets 8 replicas share 2 cores")
+    num_cpus: float = Field(0.25, ge=0,
+                            description="Ray CPUs reserved per replica (0 = none); 0.25 lets 8 replicas share 2 cores")
     num_gpus: float = Field(0.0, ge=0, description="Ray GPUs per replica")
     cpu_affinity: list[int] = Field(default_factory=list, description="pin replica i to core cpu_affinity[i % n] "
                                                                      "(Linux; empty = no pinning)")
@@ -216,7 +216,7 @@ class TransferSettings(_Model):
         return v
 
     @model_validator(mode="after")
-    def _tls_all_or_none(self) -> "TransferSettings":
+    def _tls_all_or_none(self) -> TransferSettings:
         tls = (self.tls_ca, self.tls_cert, self.tls_key)
         if any(tls) and not all(tls):
             raise ValueError("mTLS needs all three of tls_ca, tls_cert and tls_key")
@@ -327,7 +327,7 @@ class Settings(BaseSettings):
     observability: ObservabilitySettings = ObservabilitySettings()
 
     @model_validator(mode="after")
-    def _cross_field(self) -> "Settings":
+    def _cross_field(self) -> Settings:
         p, d = self.prefill.engine, self.decode.engine
         if p.block_size != d.block_size:
             raise ValueError(f"prefill.engine.block_size ({p.block_size}) and decode.engine.block_size "
@@ -377,7 +377,7 @@ class Settings(BaseSettings):
         return tuple(sources)
 
     @classmethod
-    def load(cls, config: Path | None = None, overrides: dict[str, Any] | None = None) -> "Settings":
+    def load(cls, config: Path | None = None, overrides: dict[str, Any] | None = None) -> Settings:
         """Defaults < ``config`` YAML < EPD_* environment < ``overrides`` (CLI flags, nested dicts)."""
         if config is not None:
             _check_yaml(config)

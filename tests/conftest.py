@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
 
-from engine_helpers import write_tiny_hf
 from workers.runtime.default_model import write_default_checkpoint
 from workers.runtime.loader import LoadedModel, load_model
+
+from engine_helpers import write_tiny_hf
 
 TinyCheckpointFactory = Callable[..., Path]
 

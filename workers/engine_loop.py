@@ -23,7 +23,6 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Union
 
 from workers.runtime.engine import Engine, KVReservation, RequestOutput
 from workers.runtime.errors import DuplicateRequestError, EngineError
@@ -57,7 +56,7 @@ class _Adopt:
     params: SamplingParams
 
 
-_Work = Union[_Add, _Adopt]
+_Work = _Add | _Adopt
 
 
 class EngineLoop:

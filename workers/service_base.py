@@ -8,17 +8,24 @@ import queue
 import socket
 import threading
 import uuid
+from collections.abc import Iterator
 from concurrent import futures
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING
 
 import grpc
 
 from epd.worker.v1 import worker_pb2 as wpb
 from kvtransfer.auth import TransferSecurity
 from kvtransfer.options import CHANNEL_OPTIONS
-from workers.runtime.errors import (CapacityError, DuplicateRequestError, EngineError, InvalidImageError,
-                                    InvalidRequestError, PromptTooLongError)
+from workers.runtime.errors import (
+    CapacityError,
+    DuplicateRequestError,
+    EngineError,
+    InvalidImageError,
+    InvalidRequestError,
+    PromptTooLongError,
+)
 from workers.runtime.sampler import SamplingParams
 
 if TYPE_CHECKING:
@@ -64,7 +71,7 @@ def timeout_of(request) -> float:  # type: ignore[no-untyped-def]
     return t
 
 
-def sampling_from_proto(p: "wpb.SamplingParams") -> SamplingParams:
+def sampling_from_proto(p: wpb.SamplingParams) -> SamplingParams:
     """Raises InvalidRequestError (an EngineError) for out-of-range values, max_tokens 0 (unset) included:
     a caller that forgot it used to get 16 tokens silently. top_p 0 (unset) is 1 (off)."""
     return SamplingParams(max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p or 1.0,
@@ -72,7 +79,7 @@ def sampling_from_proto(p: "wpb.SamplingParams") -> SamplingParams:
                           stop_token_ids=tuple(p.stop_token_ids), ignore_eos=p.ignore_eos)
 
 
-def sampling_to_proto(s: SamplingParams) -> "wpb.SamplingParams":
+def sampling_to_proto(s: SamplingParams) -> wpb.SamplingParams:
     msg = wpb.SamplingParams(max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
                              stop=list(s.stop), stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos)
     if s.seed is not None:
@@ -121,8 +128,8 @@ def start_worker_server(register: list, generic_handlers: list[grpc.GenericRpcHa
     return server, port
 
 
-def stream_tokens(loop: "EngineLoop", request_id: str, q: "queue.Queue", prompt_tokens: int,
-                  context: grpc.ServicerContext, whole: bool = False) -> Iterator["wpb.TokenChunk"]:
+def stream_tokens(loop: EngineLoop, request_id: str, q: queue.Queue, prompt_tokens: int,
+                  context: grpc.ServicerContext, whole: bool = False) -> Iterator[wpb.TokenChunk]:
     """Relay a request's outputs from its engine-loop queue as TokenChunks until it finishes. A caller that
     goes away aborts the request (freeing its blocks); an engine failure ends the call with its status.
     ``whole``: this engine ran the whole request, so the finished chunk carries its engine time."""

@@ -12,7 +12,8 @@ does it from the standard ``OTEL_*`` variables); without one, spans are no-ops.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 import grpc
 from opentelemetry import context as otel_context

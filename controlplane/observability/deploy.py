@@ -4,7 +4,8 @@ plus, in the control plane, the pool gauges and the dashboard over the deploymen
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from controlplane.observability import metrics
 from controlplane.observability.tracing import setup_tracing
@@ -19,7 +20,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def configure_process(settings: "ObservabilitySettings", service_name: str) -> bool:
+def configure_process(settings: ObservabilitySettings, service_name: str) -> bool:
     """Set this process's switches; with tracing on, export spans where OTEL_* says. Returns whether
     spans are exported."""
     metrics.OBSERVABILITY.metrics = settings.metrics
@@ -32,8 +33,8 @@ def configure_process(settings: "ObservabilitySettings", service_name: str) -> b
     return exported
 
 
-def instrument_control_plane(pools: Callable[[], list["PoolView"]], waiting: Callable[[], int],
-                             journal: "RequestJournal | None") -> "list[APIRouter]":
+def instrument_control_plane(pools: Callable[[], list[PoolView]], waiting: Callable[[], int],
+                             journal: RequestJournal | None) -> list[APIRouter]:
     """Pool gauges over ``pools``, the scheduler's queue gauges over ``waiting``; returns the routers to
     mount (the dashboard). ``configure_process`` has set the switches and exporter already."""
     from controlplane.api.dashboard import dashboard_router

@@ -14,8 +14,8 @@ metrics of each answer.
 from __future__ import annotations
 
 import time
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
-from typing import AsyncGenerator
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
@@ -75,6 +75,7 @@ class ObservabilityMiddleware:
         finally:
             if OBSERVABILITY.metrics:
                 metrics.REQUESTS.labels(metrics.MODEL.value, route, str(status[0])).inc()
+                metrics.TIMELINE.answered(status[0])
             if span is not None:
                 span.set_attribute("http.response.status_code", status[0])
                 if status[0] >= 500:

@@ -32,7 +32,7 @@ class RequestObserver:
         self.parent = current_parent()
         self.kv_failed = False
 
-    def begin(self, stage: str, pool: str | None = None, *, traced: bool = True, **attributes: Any) -> "Stage":
+    def begin(self, stage: str, pool: str | None = None, *, traced: bool = True, **attributes: Any) -> Stage:
         """``traced=False``: time and count the stage, but make no span (and pass no trace context)."""
         return Stage(self, stage, pool, attributes, traced)
 

@@ -38,7 +38,7 @@ import atexit
 import logging
 import os
 import threading
-from typing import Mapping
+from collections.abc import Mapping
 
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace

@@ -76,7 +76,7 @@ class StateConnection:
         """Close the client's connections. Idempotent."""
         self.redis.close()
 
-    def with_budget(self, budget_s: float) -> "StateConnection":
+    def with_budget(self, budget_s: float) -> StateConnection:
         """A second client to the same Redis for the request path: each command gets one try of at most
         ``budget_s`` seconds (connecting included), so a stalled or restarting Redis costs a caller that
         long, not the retries' seconds. Close it on its own."""

@@ -9,18 +9,16 @@ from __future__ import annotations
 
 import secrets
 import time
+from collections.abc import Iterator
 from contextlib import closing
 from dataclasses import dataclass
-from typing import Iterator
 
 import grpc
 import pytest
 
-from http_helpers import serve_app
-
 from controlplane.api import create_app
 from controlplane.backend import BackendError, Chunk, ModelInfo, Overloaded
-from controlplane.dispatch import DispatchError, Dispatcher, Route, WorkerRequest
+from controlplane.dispatch import Dispatcher, DispatchError, Route, WorkerRequest
 from epd.worker.v1 import worker_pb2 as wpb
 from epd.worker.v1 import worker_pb2_grpc as wgrpc
 from kvtransfer.auth import TransferSecurity
@@ -28,6 +26,8 @@ from workers.run import RunningWorker, start_worker
 from workers.runtime.default_model import DEFAULT_MODEL_NAME
 from workers.runtime.engine import EngineConfig
 from workers.runtime.loader import LoadedModel
+
+from http_helpers import serve_app
 
 API_KEY = "sk-e2e-" + secrets.token_hex(8)
 _CLIENT_FAULTS = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE)
@@ -93,7 +93,7 @@ class Stack:
                 raise AssertionError(f"workers still busy: {states}")
             time.sleep(0.05)
 
-    def _status(self, pool: str, stub_cls: type) -> "wpb.WorkerStatus":
+    def _status(self, pool: str, stub_cls: type) -> wpb.WorkerStatus:
         with self.security.open_channel(self.workers[pool].address) as ch:
             return stub_cls(ch).Status(wpb.StatusRequest(), metadata=self.security.call_metadata(), timeout=5)
 

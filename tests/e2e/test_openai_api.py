@@ -211,7 +211,8 @@ def test_bad_input_gets_4xx_and_the_workers_keep_serving(e2e_stack: Stack, clien
     model = _model(e2e_stack)
     url, headers = f"{e2e_stack.base_url}/chat/completions", {"Authorization": f"Bearer {e2e_stack.api_key}"}
     # invalid JSON and wrong types, straight over HTTP
-    resp = httpx.post(url, content=b'{"model": "x", "messages": [', headers={**headers, "Content-Type": "application/json"})
+    resp = httpx.post(url, content=b'{"model": "x", "messages": [',
+                      headers={**headers, "Content-Type": "application/json"})
     assert resp.status_code == 400 and "could not parse the JSON body" in resp.json()["error"]["message"]
     resp = httpx.post(url, json={"model": model, "messages": "hello"}, headers=headers)
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "messages"

@@ -13,6 +13,7 @@ import time
 
 import httpx
 import pytest
+
 from serve_process import descendants, serve_process
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -179,7 +180,8 @@ def test_every_grafana_panel_query_finds_series_in_a_live_scrape(served):
 def test_the_ready_line_names_the_model_the_mode_and_the_pool_sizes(served):
     model = httpx.get(f"{served.base}/v1/models").json()["data"][0]["id"]
     line = next(ln for ln in (served.tmp / "serve.log").read_text().splitlines() if ln.startswith("epd: serving"))
-    assert line.startswith(f"epd: serving {model} (disaggregated: encode 1, prefill 1, decode 1) on {served.base}"), line
+    want = f"epd: serving {model} (disaggregated: encode 1, prefill 1, decode 1) on {served.base}"
+    assert line.startswith(want), line
 
 
 def test_an_unplaceable_replica_shows_what_it_waits_for_within_seconds(served):

@@ -13,10 +13,11 @@ import io
 import httpx
 import pytest
 from PIL import Image
-from serve_process import chat_concurrently, serve_process
 
 from workers.runtime.generate import GenerateRequest, generate
 from workers.runtime.sampler import SamplingParams
+
+from serve_process import chat_concurrently, serve_process
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -53,8 +54,9 @@ def test_text_and_image_requests_match_the_reference(served, default_bundle):
     ref = generate(default_bundle, [GenerateRequest(
         messages=[{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour?"}]}],
         images=(raw,), params=greedy)])[0]
-    out = client.chat.completions.create(model=model, max_tokens=12, temperature=0, messages=[{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "What colour?"}]}])
+    content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "What colour?"}]
+    out = client.chat.completions.create(model=model, max_tokens=12, temperature=0,
+                                         messages=[{"role": "user", "content": content}])
     assert out.choices[0].message.content == ref.text
 
     # one engine ran each request whole: the response says how long it took (Server-Timing)

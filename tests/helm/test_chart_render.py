@@ -9,8 +9,21 @@ from pathlib import Path
 
 import pytest
 
-from chart_tools import (CHART, CPU_VALUES, EXTERNAL_REDIS, OPTIONAL, control_plane_env, default_objects, defaults,
-                         find, helm, render, settings_from_env, validate_objects, worker_groups)
+from chart_tools import (
+    CHART,
+    CPU_VALUES,
+    EXTERNAL_REDIS,
+    OPTIONAL,
+    control_plane_env,
+    default_objects,
+    defaults,
+    find,
+    helm,
+    render,
+    settings_from_env,
+    validate_objects,
+    worker_groups,
+)
 
 pytestmark = pytest.mark.integration
 

@@ -13,9 +13,21 @@ from typing import Any
 import pytest
 import yaml
 
-from chart_tools import (CHART, CPU_VALUES, OPTIONAL, POOLS, control_plane_env, defaults, find, group_env, render,
-                         settings_from_env, worker_groups)
 from controlplane.settings import Settings
+
+from chart_tools import (
+    CHART,
+    CPU_VALUES,
+    OPTIONAL,
+    POOLS,
+    control_plane_env,
+    defaults,
+    find,
+    group_env,
+    render,
+    settings_from_env,
+    worker_groups,
+)
 
 pytestmark = pytest.mark.integration
 

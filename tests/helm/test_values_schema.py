@@ -10,9 +10,10 @@ from types import ModuleType
 
 import pytest
 
-from chart_tools import CHART, ROOT
 from controlplane.settings import Settings
 from kvtransfer.policy import PolicyError, parse_policy
+
+from chart_tools import CHART, ROOT
 
 
 def _generator() -> ModuleType:

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import io
 import threading
-from typing import Callable, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
 from PIL import Image
 

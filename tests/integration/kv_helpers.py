@@ -8,9 +8,9 @@ import ipaddress
 import queue
 import threading
 import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, Sequence
 
 import grpc
 import pytest
@@ -23,8 +23,8 @@ from kvtransfer.layout import KVLayout
 from kvtransfer.options import CHANNEL_OPTIONS
 from kvtransfer.receiver import KVReceiver, TransferOutcome, WireParts
 from kvtransfer.sender import KVSender
-from kvtransfer.stream import PushResult
 from kvtransfer.server import kv_transfer_handler, start_server
+from kvtransfer.stream import PushResult
 from kvtransfer.wire import PROTOCOL_VERSION, PUSH_METHOD, encode_chunk, encode_control, pb
 from workers.decode.kv_sink import CacheSink
 from workers.prefill.kv_stream import engine_layout
@@ -314,7 +314,7 @@ def make_pki(folder: Path, name: str) -> Pki:
     from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
     folder.mkdir(parents=True, exist_ok=True)
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
 
     def write_key(key: ec.EllipticCurvePrivateKey, path: Path) -> Path:
         path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,

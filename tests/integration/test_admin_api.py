@@ -10,6 +10,7 @@ from controlplane.admin import admin_router
 from controlplane.api.errors import install_error_handlers
 from controlplane.state import PoolTargets, WorkerRegistry
 from controlplane.state.registry import WorkerInfo, WorkerLoad
+
 from redis_fixture import redis_server, state_conn  # noqa: F401 - fixtures
 
 pytestmark = [pytest.mark.integration]

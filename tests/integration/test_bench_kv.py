@@ -29,7 +29,8 @@ def test_quick_run_reports_every_figure_and_the_pairs(tmp_path: Path) -> None:
     raw = json.loads(out.read_text())
     names = [f["name"] for f in raw["figures"]]
     for want in ("bf16 over grpc", "int8 over grpc", "fp8 over grpc", "int4 over grpc", "bf16 over tcp",
-                 "int8 over tcp", "int8 over tcp, kept int8", "bf16 over shm", "int8 over shm", "int8 over shm, kept int8"):
+                 "int8 over tcp", "int8 over tcp, kept int8", "bf16 over shm", "int8 over shm",
+                 "int8 over shm, kept int8"):
         assert f"demo 4k-token cache: {want}" in names, names
     assert any(n.startswith("TTFT 256-token prompt") for n in names)
     assert all(f["value"] > 0 and f["ref_value"] > 0 for f in raw["figures"])

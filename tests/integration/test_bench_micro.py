@@ -134,7 +134,8 @@ def test_whole_suite_smoke_run(tmp_path: Path) -> None:
     names = {r["name"] for r in raw["results"]}
     for codec in ("bf16", "fp8", "int8", "int4.key", "int4.value", "fp32"):
         assert {f"codec.{codec}.encode", f"codec.{codec}.decode"} <= names
-    assert {"kv-grpc.bf16", "kv-grpc.bf16.vs-tcp", "kv-grpc.int8", "kv-tcp.int8", "kv-tcp.int8-kept", "kv-tcp.bf16", "kv-shm.bf16",
+    assert {"kv-grpc.bf16", "kv-grpc.bf16.vs-tcp", "kv-grpc.int8", "kv-tcp.int8", "kv-tcp.int8-kept", "kv-tcp.bf16",
+            "kv-shm.bf16",
             "engine.prefill",
             "engine.decode.b1", "engine.decode.b8", "engine.decode.b32", "engine-loop.handoff",
             "engine-loop.run_here", "tracing.span", "tracing.encode"} <= names

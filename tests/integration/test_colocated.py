@@ -14,9 +14,7 @@ import time
 import grpc
 import pytest
 
-from dispatch_helpers import png, run_request
-
-from controlplane.dispatch import DispatchError, Dispatcher, Route, WorkerRequest
+from controlplane.dispatch import Dispatcher, DispatchError, Route, WorkerRequest
 from epd.worker.v1 import worker_pb2 as wpb
 from epd.worker.v1 import worker_pb2_grpc as wgrpc
 from kvtransfer.auth import TransferSecurity
@@ -24,6 +22,8 @@ from workers.run import start_worker
 from workers.runtime.engine import EngineConfig
 from workers.runtime.generate import GenerateRequest, build_prompt, generate
 from workers.runtime.sampler import SamplingParams
+
+from dispatch_helpers import png, run_request
 
 pytestmark = [pytest.mark.integration]
 
@@ -41,7 +41,7 @@ def colocated(default_bundle):
     worker.stop()
 
 
-def _status(address: str) -> "wpb.WorkerStatus":
+def _status(address: str) -> wpb.WorkerStatus:
     with SECURITY.open_channel(address) as ch:
         return wgrpc.DecodeWorkerStub(ch).Status(wpb.StatusRequest(), metadata=SECURITY.call_metadata(), timeout=5)
 

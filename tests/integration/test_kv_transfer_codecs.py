@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -28,6 +29,14 @@ TOKEN = "codec-test-token-0123456789"
 
 
 BUILT_BY = ["encoder threads", "sending thread"]
+
+
+def _collect(done: list[TransferOutcome], landed: threading.Event) -> Callable[[TransferOutcome], None]:
+    """A receiver callback that keeps the outcome and says it landed."""
+    def on_done(outcome: TransferOutcome) -> None:
+        done.append(outcome)
+        landed.set()
+    return on_done
 
 
 def inline_bytes(built_by: str) -> int:
@@ -66,7 +75,7 @@ def test_each_codec_lands_what_it_decodes(rig, transport: str, codec: str, block
     done: list[TransferOutcome] = []
     landed = threading.Event()
     rid = f"{codec}-{transport}-{blocks}-{built_by}"
-    receiver.expect(rid, ids, lambda o: (done.append(o), landed.set()), timeout_s=30)
+    receiver.expect(rid, ids, _collect(done, landed), timeout_s=30)
     # small chunks: each layer goes in several, unevenly divisible, chunks (encoded as inline_bytes says)
     sender = KVSender(security, transport=transport, max_chunk_bytes=40_000, shm_chunk_bytes=20_000,  # type: ignore[arg-type]
                       bulk_chunk_bytes=30_000, inline_build_bytes=inline_bytes(built_by))
@@ -113,7 +122,7 @@ def test_pooled_chunk_buffers_are_reused_across_streams_without_mixing_their_dat
                 done: list[TransferOutcome] = []
                 landed = threading.Event()
                 rid = f"pool-{transport}-{worker}-{rnd}"
-                receiver.expect(rid, ids, lambda o: (done.append(o), landed.set()), timeout_s=30)
+                receiver.expect(rid, ids, _collect(done, landed), timeout_s=30)
                 stream = sender.open_stream(target, rid, layout, nblocks * BS, timeout_s=30)
                 for layer in range(LAYERS):
                     stream.send_layer(layer, 0, keys[layer], values[layer])
@@ -161,7 +170,7 @@ def test_a_non_finite_cache_fails_the_push_by_name_and_frees_the_reservation(rig
             done: list[TransferOutcome] = []
             landed = threading.Event()
             rid = f"nan-{transport}-{built_by}-{rnd}"
-            receiver.expect(rid, list(range(60, 60 + nblocks)), lambda o: (done.append(o), landed.set()),
+            receiver.expect(rid, list(range(60, 60 + nblocks)), _collect(done, landed),
                             timeout_s=2 if poisoned else 30)
             stream = sender.open_stream(target, rid, layout, nblocks * BS, timeout_s=30)
             for layer in range(LAYERS):

@@ -13,16 +13,13 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import grpc
 import pytest
 import torch
 
-from kv_helpers import (AUTH, BLOCK_SIZE, CHILD_SENDER, NUM_TOKENS, SECURITY, TOKEN, FakeClock, Frames, OpenPush,
-                        Pending, Rig, make_pki, refused, wait_until)
-from kv_helpers import clock, make_rig, model  # noqa: F401  (fixtures)
 from kvtransfer.auth import TransferSecurity
 from kvtransfer.errors import TransferFailed
 from kvtransfer.sender import KVSender
@@ -32,6 +29,26 @@ from workers.prefill.kv_stream import LayerStreamer
 from workers.runtime.engine import Engine, EngineConfig
 from workers.runtime.model import DecoderModel
 from workers.runtime.sampler import SamplingParams
+
+from kv_helpers import (  # noqa: F401  (fixtures)
+    AUTH,
+    BLOCK_SIZE,
+    CHILD_SENDER,
+    NUM_TOKENS,
+    SECURITY,
+    TOKEN,
+    FakeClock,
+    Frames,
+    OpenPush,
+    Pending,
+    Rig,
+    clock,
+    make_pki,
+    make_rig,
+    model,
+    refused,
+    wait_until,
+)
 
 pytestmark = [pytest.mark.integration]
 

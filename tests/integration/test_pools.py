@@ -16,8 +16,8 @@ import signal
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import pytest
 import ray
@@ -28,9 +28,10 @@ from controlplane.pools import PoolManager, PoolStatus, WorkerStartError
 from controlplane.settings import MiB, Settings
 from controlplane.state import LocalRedis, Pool, PoolTargets, WorkerRegistry, connect
 from kvtransfer.auth import TransferSecurity
-from redis_fixture import keys_under, process_gone, redis_server  # noqa: F401  (fixture)
 from workers.runtime.generate import GenerateRequest, build_prompt, generate
 from workers.runtime.sampler import SamplingParams
+
+from redis_fixture import keys_under, process_gone, redis_server  # noqa: F401  (fixture)
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

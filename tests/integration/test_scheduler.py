@@ -17,12 +17,13 @@ from controlplane.settings import SchedulerSettings
 from controlplane.state.journal import RequestJournal, RequestState
 from controlplane.state.registry import WorkerInfo, WorkerLoad, WorkerRegistry
 from kvtransfer.auth import TransferSecurity
-from dispatch_helpers import on_threads
-from redis_fixture import redis_server, state_conn  # noqa: F401 - fixtures
 from workers.run import start_worker
 from workers.runtime.engine import EngineConfig
 from workers.runtime.generate import GenerateRequest, generate
 from workers.runtime.sampler import SamplingParams
+
+from dispatch_helpers import on_threads
+from redis_fixture import redis_server, state_conn  # noqa: F401 - fixtures
 
 pytestmark = [pytest.mark.integration]
 

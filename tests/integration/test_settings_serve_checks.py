@@ -13,6 +13,7 @@ import pytest
 
 from controlplane.serve import validate
 from controlplane.settings import Settings, SettingsError
+
 from kv_helpers import make_pki
 
 pytestmark = [pytest.mark.integration]

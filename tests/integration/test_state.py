@@ -14,13 +14,31 @@ import time
 import pytest
 import redis
 
-from controlplane.state import (Counters, InvalidKeyPart, JournalEntry, KeySpace, LocalRedis, ManualClock, Pool,
-                                PoolTargets, RedisServerNotFound, RequestJournal, RequestState, StateConnection,
-                                StateUnavailable, SystemClock, WorkerInfo, WorkerLoad, WorkerNotRegistered,
-                                WorkerRegistry, connect)
-from controlplane.state import StateError
+from controlplane.state import (
+    Counters,
+    InvalidKeyPart,
+    JournalEntry,
+    KeySpace,
+    LocalRedis,
+    ManualClock,
+    Pool,
+    PoolTargets,
+    RedisServerNotFound,
+    RequestJournal,
+    RequestState,
+    StateConnection,
+    StateError,
+    StateUnavailable,
+    SystemClock,
+    WorkerInfo,
+    WorkerLoad,
+    WorkerNotRegistered,
+    WorkerRegistry,
+    connect,
+)
 from controlplane.state.journal import BackgroundJournal
 from controlplane.state.keys import KEY_LAYOUT
+
 from redis_fixture import keys_under, process_gone, redis_server, state_conn  # noqa: F401  (fixtures)
 
 pytestmark = [pytest.mark.integration]

@@ -35,14 +35,12 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, TraceFlags
 from PIL import Image
 
-from http_helpers import serve_app
-
+from bench.otlp_sink import OTLPSink
 from controlplane.api import create_app
 from controlplane.backend import ModelInfo
 from controlplane.dispatch import Dispatcher
 from controlplane.observability import tracing
 from controlplane.observability.metrics import OBSERVABILITY
-from bench.otlp_sink import OTLPSink
 from controlplane.scheduler.policies import get_policy
 from controlplane.scheduler.scheduler import Scheduler, WorkerView
 from controlplane.settings import SchedulerSettings
@@ -51,10 +49,12 @@ from controlplane.state.registry import WorkerInfo, WorkerLoad, WorkerRegistry
 from epd.worker.v1 import worker_pb2 as wpb
 from epd.worker.v1 import worker_pb2_grpc as wgrpc
 from kvtransfer.auth import TransferSecurity
-from redis_fixture import redis_server  # noqa: F401 - fixture
 from workers.run import RunningWorker, start_worker
 from workers.runtime.default_model import DEFAULT_MODEL_NAME
 from workers.runtime.engine import EngineConfig
+
+from http_helpers import serve_app
+from redis_fixture import redis_server  # noqa: F401 - fixture
 
 pytestmark = [pytest.mark.integration]
 
@@ -424,7 +424,7 @@ def test_a_worker_in_its_own_process_exports_its_span_under_the_callers_trace(de
     sink = OTLPSink().start()
     token = secrets.token_urlsafe(24)
     env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
-    env.update(OTEL_EXPORTER_OTLP_ENDPOINT=sink.endpoint, EPD_TEST_WORKER_TOKEN=token)
+    env.update(OTEL_EXPORTER_OTLP_ENDPOINT=sink.endpoint, TRACED_WORKER_TOKEN=token)
     proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("traced_worker_process.py")),
                              str(default_ckpt)], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:

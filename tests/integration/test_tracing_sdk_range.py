@@ -89,5 +89,6 @@ def test_tracing_passes_on_the_oldest_allowed_sdk():
              "sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', 'tests/integration/test_tracing.py']))\n")
     run = subprocess.run([sys.executable, "-c", check], cwd=ROOT, env=_child_env(path), capture_output=True,
                          text=True, timeout=600)
-    assert run.returncode == 0, f"test_tracing.py on opentelemetry-sdk {OLDEST}:\n{run.stdout[-4000:]}\n{run.stderr[-4000:]}"
+    assert run.returncode == 0, (f"test_tracing.py on opentelemetry-sdk {OLDEST}:\n"
+                                 f"{run.stdout[-4000:]}\n{run.stderr[-4000:]}")
     assert " passed" in run.stdout and " failed" not in run.stdout, run.stdout[-2000:]

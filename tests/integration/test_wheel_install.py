@@ -78,7 +78,8 @@ def test_a_fresh_venv_with_the_wheel_serves_a_request(wheel: Path, tmp_path: Pat
     port = _free_port()
     config = tmp_path / "epd.yaml"
     config.write_text(json.dumps({"mode": "colocated", "api": {"port": port},
-                                  "decode": {"replicas": 1, "num_cpus": 0.25, "engine": {"kv_cache_bytes": 32 * 2**20}}}))
+                                  "decode": {"replicas": 1, "num_cpus": 0.25,
+                                             "engine": {"kv_cache_bytes": 32 * 2**20}}}))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("EPD_", "PYTHONPATH"))}
     env["EPD_STATE_DIR"] = str(tmp_path / "state")
     log = open(tmp_path / "serve.log", "w")  # noqa: SIM115 - closed below

@@ -12,13 +12,13 @@ import time
 import grpc
 import pytest
 
-from dispatch_helpers import png
-
 from epd.worker.v1 import worker_pb2 as wpb
 from epd.worker.v1 import worker_pb2_grpc as wgrpc
 from kvtransfer.auth import TransferSecurity
 from workers.run import start_worker
 from workers.runtime.engine import EngineConfig
+
+from dispatch_helpers import png
 
 pytestmark = [pytest.mark.integration]
 

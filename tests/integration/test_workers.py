@@ -11,9 +11,7 @@ import secrets
 import grpc
 import pytest
 
-from dispatch_helpers import on_threads, png, run_request
-
-from controlplane.dispatch import DispatchError, Dispatcher, Route, WorkerRequest
+from controlplane.dispatch import Dispatcher, DispatchError, Route, WorkerRequest
 from epd.worker.v1 import worker_pb2 as wpb
 from epd.worker.v1 import worker_pb2_grpc as wgrpc
 from kvtransfer.auth import TransferSecurity
@@ -21,6 +19,8 @@ from workers.run import start_worker
 from workers.runtime.engine import EngineConfig
 from workers.runtime.generate import GenerateRequest, build_prompt, generate
 from workers.runtime.sampler import SamplingParams
+
+from dispatch_helpers import on_threads, png, run_request
 
 pytestmark = [pytest.mark.integration]
 
@@ -42,7 +42,7 @@ def stack(default_bundle):
         w.stop()
 
 
-def _status(address: str, stub_cls) -> "wpb.WorkerStatus":  # type: ignore[no-untyped-def]
+def _status(address: str, stub_cls) -> wpb.WorkerStatus:  # type: ignore[no-untyped-def]
     with SECURITY.open_channel(address) as ch:
         return stub_cls(ch).Status(wpb.StatusRequest(), metadata=SECURITY.call_metadata(), timeout=5)
 
@@ -120,7 +120,8 @@ def test_concurrent_requests_all_match(stack):
 
 def _one_token(bundle, dispatcher, route, i, greq, params):  # type: ignore[no-untyped-def]
     ids, mm = build_prompt(bundle, greq)
-    return run_request(dispatcher, route, WorkerRequest(f"one-{i}", ids, params, greq.images, mm.positions if mm else ()))
+    return run_request(dispatcher, route,
+                       WorkerRequest(f"one-{i}", ids, params, greq.images, mm.positions if mm else ()))
 
 
 def test_one_token_requests_finish_on_prefill_without_touching_decode(stack):

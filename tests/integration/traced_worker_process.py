@@ -2,7 +2,7 @@
 standard OTEL_* variables in its environment. For the cross-process tracing tests.
 
     python tests/integration/traced_worker_process.py CHECKPOINT_DIR
-Reads the worker's token from EPD_TEST_WORKER_TOKEN, prints ``ADDRESS host:port`` once serving, and
+Reads the worker's token from TRACED_WORKER_TOKEN, prints ``ADDRESS host:port`` once serving, and
 stops (flushing its spans) when its stdin closes.
 """
 
@@ -22,7 +22,7 @@ def main() -> None:
 
     configure_process(ObservabilitySettings(metrics=False, tracing=True), "epd-test-worker")
     bundle = load_model(sys.argv[1])
-    worker = start_worker("decode", bundle, TransferSecurity(token=os.environ["EPD_TEST_WORKER_TOKEN"]),
+    worker = start_worker("decode", bundle, TransferSecurity(token=os.environ["TRACED_WORKER_TOKEN"]),
                           codecs=("fp32",) * bundle.config.num_layers)
     print(f"ADDRESS {worker.address}", flush=True)
     sys.stdin.read()  # until the parent closes our stdin

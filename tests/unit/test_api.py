@@ -12,7 +12,8 @@ import logging
 import threading
 import time
 import uuid
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import anyio
 import httpx
@@ -205,7 +206,8 @@ def test_defaults_and_max_completion_tokens(client: TestClient, backend: FakeBac
 
 def test_chat_with_images(client: TestClient, backend: FakeBackend, tokenizer: Tokenizer) -> None:
     image = base64.b64decode(PNG)
-    content = [{"type": "text", "text": "Compare"}, {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{PNG}"}},
+    content = [{"type": "text", "text": "Compare"},
+               {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{PNG}"}},
                {"type": "text", "text": "with"},
                {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{PNG}", "detail": "low"}}]
     resp = client.post("/v1/chat/completions", json={"model": NAME, "max_tokens": 4,
@@ -287,7 +289,8 @@ def test_a_text_only_model_refuses_images(tokenizer: Tokenizer) -> None:
     backend = FakeBackend(model_info(tokenizer, images=False))
     with TestClient(create_app(backend)) as client:
         content = [{"type": "image_url", "image_url": {"url": f"data:image/png;base64,{PNG}"}}]
-        resp = client.post("/v1/chat/completions", json={"model": NAME, "messages": [{"role": "user", "content": content}]})
+        resp = client.post("/v1/chat/completions",
+                           json={"model": NAME, "messages": [{"role": "user", "content": content}]})
         assert_error(resp, 400, f"The model `{NAME}` does not accept images.", param="messages[0].content[0].image_url")
         assert chat(client).status_code == 200  # text still works
 
@@ -316,7 +319,8 @@ def test_completions(client: TestClient, backend: FakeBackend, tokenizer: Tokeni
                              "total_tokens": len(req.prompt_ids) + 5}
     ids = [5, 6, 7, 8]
     for prompt in (ids, [ids], ["The scheduler"]):
-        assert client.post("/v1/completions", json={"model": NAME, "prompt": prompt, "max_tokens": 2}).status_code == 200
+        resp = client.post("/v1/completions", json={"model": NAME, "prompt": prompt, "max_tokens": 2})
+        assert resp.status_code == 200
     assert [r.prompt_ids for r in backend.requests[-3:]] == [ids, ids, tokenizer.encode("The scheduler")]
     assert backend.requests[-3].params.max_tokens == 2
 

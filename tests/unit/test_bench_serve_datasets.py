@@ -12,8 +12,15 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from bench.serve.config import (BenchInputError, DatasetConfig, ServeBenchConfig, normalize_url,
-                                            parse_float_list, parse_image_sizes, parse_slo)
+from bench.serve.config import (
+    BenchInputError,
+    DatasetConfig,
+    ServeBenchConfig,
+    normalize_url,
+    parse_float_list,
+    parse_image_sizes,
+    parse_slo,
+)
 from bench.serve.datasets import build_requests, load_sharegpt
 from workers.runtime.default_model import build_tokenizer
 

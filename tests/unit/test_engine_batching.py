@@ -7,10 +7,11 @@ import random
 
 import pytest
 
-from engine_helpers import assert_no_leaks, run_to_completion
 from workers.runtime.engine import Engine, EngineConfig
 from workers.runtime.kv_cache import KVCacheSpec
 from workers.runtime.sampler import SamplingParams
+
+from engine_helpers import assert_no_leaks, run_to_completion
 
 pytestmark = [pytest.mark.unit]
 

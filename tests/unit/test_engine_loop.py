@@ -7,13 +7,14 @@ import threading
 
 import pytest
 
-from engine_helpers import assert_no_leaks
 from workers.engine_loop import EngineLoop, LoopFailure, drain_outputs
 from workers.runtime.engine import Engine, EngineConfig
 from workers.runtime.errors import DuplicateRequestError, InvalidRequestError
 from workers.runtime.generate import GenerateRequest, generate
 from workers.runtime.sampler import SamplingParams
 from workers.runtime.sequence import FinishReason
+
+from engine_helpers import assert_no_leaks
 
 pytestmark = [pytest.mark.unit]
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)

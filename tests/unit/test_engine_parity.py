@@ -8,12 +8,13 @@ import dataclasses
 import pytest
 import torch
 
-from engine_helpers import TINY_KINDS, assert_no_leaks, run_to_completion
 from workers.runtime.attention import PrefillItem, build_step_batch
 from workers.runtime.engine import Engine, EngineConfig
 from workers.runtime.loader import load_model
 from workers.runtime.sampler import SamplingParams
 from workers.runtime.sequence import MultimodalInput
+
+from engine_helpers import TINY_KINDS, assert_no_leaks, run_to_completion
 
 pytestmark = [pytest.mark.unit, pytest.mark.transformers]
 
@@ -66,7 +67,7 @@ def test_greedy_decode_matches_hf_for_32_steps(tiny_hf, kind, chunk):
     ref_tokens = ref.sequences[0, len(PROMPT):].tolist()
     assert [o.new_token_ids[0] for o in outs] == ref_tokens
     assert len(outs) == 32 and len(ref.logits) == 32
-    worst = max((o.logits - l[0].float()).abs().max().item() for o, l in zip(outs, ref.logits))
+    worst = max((o.logits - ref_logits[0].float()).abs().max().item() for o, ref_logits in zip(outs, ref.logits))
     assert worst <= TOL, f"max |logit diff| over 32 steps = {worst}"
     assert_no_leaks(engine)
 
@@ -89,7 +90,7 @@ def test_image_embeddings_match_hf_inputs_embeds(tiny_hf):
         inputs[0, list(positions)] = embeds
     ref = _hf_greedy(hf, 8, inputs_embeds=inputs)
     assert [o.new_token_ids[0] for o in outs] == ref.sequences[0, -8:].tolist()
-    assert max((o.logits - l[0]).abs().max().item() for o, l in zip(outs, ref.logits)) <= TOL
+    assert max((o.logits - ref_logits[0]).abs().max().item() for o, ref_logits in zip(outs, ref.logits)) <= TOL
     assert_no_leaks(engine)
 
 
@@ -117,5 +118,5 @@ def test_default_model_matches_hf(default_ckpt, default_bundle):
     outs = run_to_completion(engine)["d"]
     ref = _hf_greedy(_hf(default_ckpt), 8, prompt)
     assert [o.new_token_ids[0] for o in outs] == ref.sequences[0, len(prompt):].tolist()
-    assert max((o.logits - l[0]).abs().max().item() for o, l in zip(outs, ref.logits)) <= TOL
+    assert max((o.logits - ref_logits[0]).abs().max().item() for o, ref_logits in zip(outs, ref.logits)) <= TOL
     assert_no_leaks(engine)

@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine_helpers import assert_no_leaks, run_to_completion
 from workers.runtime.engine import Engine, EngineConfig, LayerKVReady
-from workers.runtime.errors import (DuplicateRequestError, InvalidRequestError, PromptTooLongError,
-                                    RequestTooLargeError)
+from workers.runtime.errors import DuplicateRequestError, InvalidRequestError, PromptTooLongError, RequestTooLargeError
 from workers.runtime.kv_cache import KVCacheSpec
 from workers.runtime.sampler import SamplingParams
 from workers.runtime.sequence import FinishReason, MultimodalInput
+
+from engine_helpers import assert_no_leaks, run_to_completion
 
 pytestmark = [pytest.mark.unit]
 

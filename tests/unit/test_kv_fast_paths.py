@@ -17,7 +17,8 @@ pytestmark = pytest.mark.unit
 
 
 @pytest.mark.parametrize("path", ["native", "numpy"])
-def test_bf16_finite_check_agrees_with_isfinite_on_every_bit_pattern(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_bf16_finite_check_agrees_with_isfinite_on_every_bit_pattern(path: str,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     if path == "native":
         if native.load() is None:
             pytest.skip("no C compiler: the native kernels are not built here")

@@ -20,7 +20,8 @@ BLOCKS = [5, 6, 2, 9, 10]  # two runs of consecutive ids and a lone block, out o
 def _wire(codec: str, x: torch.Tensor, kind: Kind) -> tuple[WireParts, torch.Tensor]:
     enc = get_codec(codec).encode(x, kind)
     scales = memoryview(enc.scales.contiguous().view(torch.uint8).numpy().tobytes())
-    return WireParts(memoryview(enc.payload.numpy().tobytes()), scales, None), get_codec(codec).decode(enc, torch.float32)
+    parts = WireParts(memoryview(enc.payload.numpy().tobytes()), scales, None)
+    return parts, get_codec(codec).decode(enc, torch.float32)
 
 
 def _kv(seed: int) -> tuple[torch.Tensor, torch.Tensor]:

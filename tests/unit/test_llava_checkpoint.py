@@ -11,8 +11,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from engine_helpers import assert_no_leaks, run_to_completion
-from hf_checkpoints import write_llava, write_text_model
 from PIL import Image
 from safetensors.torch import load_file, save_file
 
@@ -23,6 +21,9 @@ from workers.runtime.multimodal import expand_image_tokens
 from workers.runtime.sampler import SamplingParams
 from workers.runtime.sequence import MultimodalInput
 from workers.runtime.vision import encode_images, preprocess_image
+
+from engine_helpers import assert_no_leaks, run_to_completion
+from hf_checkpoints import write_llava, write_text_model
 
 pytestmark = [pytest.mark.unit, pytest.mark.transformers]
 
@@ -95,7 +96,7 @@ def test_logits_and_greedy_tokens_match_transformers_llava_with_an_image(llava_d
         ref = hf.generate(**inputs, max_new_tokens=STEPS, do_sample=False, output_logits=True,
                           return_dict_in_generate=True, pad_token_id=0)
     assert [o.new_token_ids[0] for o in outs] == ref.sequences[0, len(ids):].tolist()
-    worst = max((o.logits - l[0].float()).abs().max().item() for o, l in zip(outs, ref.logits))
+    worst = max((o.logits - ref_logits[0].float()).abs().max().item() for o, ref_logits in zip(outs, ref.logits))
     assert worst <= TOL, f"max |logit diff| over {STEPS} steps = {worst}"
 
 

@@ -8,14 +8,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_helpers import run_to_completion
-from hf_checkpoints import write_llava, write_text_model
 
 from controlplane.serve import fit_pools, model_info, validate
 from controlplane.settings import LOSSLESS, Settings, SettingsError
 from workers.runtime.engine import Engine, EngineConfig
 from workers.runtime.loader import load_model
 from workers.runtime.sampler import SamplingParams
+
+from engine_helpers import run_to_completion
+from hf_checkpoints import write_llava, write_text_model
 
 pytestmark = [pytest.mark.unit]
 
@@ -128,7 +129,7 @@ def test_a_text_only_folder_chats_as_transformers_does(folders, kind):
                           max_new_tokens=16, do_sample=False, output_logits=True, return_dict_in_generate=True,
                           pad_token_id=0)
     assert [o.new_token_ids[0] for o in outs] == ref.sequences[0, len(ids):].tolist()
-    assert max((o.logits - l[0]).abs().max().item() for o, l in zip(outs, ref.logits)) <= 1e-4
+    assert max((o.logits - ref_logits[0]).abs().max().item() for o, ref_logits in zip(outs, ref.logits)) <= 1e-4
 
 
 def test_a_template_written_for_string_content_takes_openai_text_parts(folders):

@@ -6,8 +6,16 @@ import pytest
 import torch
 
 from kvtransfer.codecs import Kind
-from kvtransfer.policy import (AUTO_CANDIDATES, CALIBRATION_MARGIN, AutoPolicy, ExplicitPolicy, PolicyError,
-                               calibrate, parse_policy, relative_error)
+from kvtransfer.policy import (
+    AUTO_CANDIDATES,
+    CALIBRATION_MARGIN,
+    AutoPolicy,
+    ExplicitPolicy,
+    PolicyError,
+    calibrate,
+    parse_policy,
+    relative_error,
+)
 from workers.prefill.calibrate import resolve_codecs
 from workers.runtime.engine import Engine, EngineConfig
 

@@ -112,12 +112,12 @@ def test_seeded_row_is_batch_invariant(target: SamplingParams) -> None:
     logits = [_logits(5, seed=100 + s) for s in range(steps)]
     # alone
     gen = _gen(target.seed)
-    alone = [sample(l[2:3], [target], [gen])[0] for l in logits]
+    alone = [sample(row[2:3], [target], [gen])[0] for row in logits]
     # in the middle of a batch, with neighbours that do and do not filter
     gens = [_gen(1000 + i) for i in range(5)]
     gens[2] = _gen(target.seed)
     params = neighbours[:2] + [target] + neighbours[2:]
-    batched = [sample(l, params, gens)[2] for l in logits]
+    batched = [sample(row, params, gens)[2] for row in logits]
     assert batched == alone
     assert len(set(alone)) > 3  # really sampling, not stuck on one token
 

@@ -261,8 +261,8 @@ def test_engine_devices_are_not_required_to_exist_where_the_settings_load(device
     assert Settings.load(None, {"prefill": {"engine": {"device": device}}}).prefill.engine.device == device
 
 
-@pytest.mark.parametrize("name, value", [("EPD_TRANSFER__TIMEOUT_S", "inf"), ("EPD_SCHEDULER__REQUEST_TIMEOUT_S", "nan"),
-                                         ("EPD_DECODE__NUM_CPUS", "inf")])
+@pytest.mark.parametrize("name, value", [("EPD_TRANSFER__TIMEOUT_S", "inf"),
+                                         ("EPD_SCHEDULER__REQUEST_TIMEOUT_S", "nan"), ("EPD_DECODE__NUM_CPUS", "inf")])
 def test_numbers_must_be_finite(monkeypatch, name, value):
     """An infinite or NaN deadline never passes: whatever it bounds would be held for good."""
     monkeypatch.setenv(name, value)

@@ -11,8 +11,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvtransfer.codecs import Kind, get_codec
-from kvtransfer.wire import (PAYLOAD_FIELD, SCALES_FIELD, Frame, WireError, decode_frame, encode_chunk,
-                             encode_control, pb)
+from kvtransfer.wire import (
+    PAYLOAD_FIELD,
+    SCALES_FIELD,
+    Frame,
+    WireError,
+    decode_frame,
+    encode_chunk,
+    encode_control,
+    pb,
+)
 
 pytestmark = [pytest.mark.unit]
 

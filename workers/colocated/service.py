@@ -17,7 +17,7 @@ worker may push into a colocated worker's cache.
 from __future__ import annotations
 
 import threading
-from typing import Iterator
+from collections.abc import Iterator
 
 import grpc
 import torch
@@ -30,8 +30,14 @@ from workers.runtime.errors import EngineError, InvalidRequestError
 from workers.runtime.loader import LoadedModel
 from workers.runtime.sequence import MultimodalInput
 from workers.runtime.vision import encode_images, preprocess_images
-from workers.service_base import (WorkerIdentity, request_id_of, sampling_from_proto, status_code_for, stream_tokens,
-                                  timeout_of)
+from workers.service_base import (
+    WorkerIdentity,
+    request_id_of,
+    sampling_from_proto,
+    status_code_for,
+    stream_tokens,
+    timeout_of,
+)
 
 
 class ColocatedService(wgrpc.DecodeWorkerServicer):
@@ -49,7 +55,7 @@ class ColocatedService(wgrpc.DecodeWorkerServicer):
         self.loop.stop()
 
     # ------------------------------------------------------------------ RPCs
-    def Complete(self, request: "wpb.CompleteRequest", context: grpc.ServicerContext) -> Iterator["wpb.TokenChunk"]:
+    def Complete(self, request: wpb.CompleteRequest, context: grpc.ServicerContext) -> Iterator[wpb.TokenChunk]:
         if self.identity.draining:
             context.abort(grpc.StatusCode.UNAVAILABLE, f"worker {self.identity.worker_id} is draining")
         prompt = list(request.prompt_token_ids)
@@ -82,24 +88,24 @@ class ColocatedService(wgrpc.DecodeWorkerServicer):
             embeds = encode_images(vision, pixels)
         return MultimodalInput(torch.cat(embeds).to(torch.float32), positions)
 
-    def Reserve(self, request: "wpb.ReserveRequest", context: grpc.ServicerContext) -> "wpb.ReserveReply":
+    def Reserve(self, request: wpb.ReserveRequest, context: grpc.ServicerContext) -> wpb.ReserveReply:
         context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                       "this is a colocated worker: it takes whole requests (Complete), not KV pushes")
 
-    def Generate(self, request: "wpb.GenerateRequest", context: grpc.ServicerContext) -> Iterator["wpb.TokenChunk"]:
+    def Generate(self, request: wpb.GenerateRequest, context: grpc.ServicerContext) -> Iterator[wpb.TokenChunk]:
         context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                       "this is a colocated worker: it takes whole requests (Complete), not KV pushes")
 
-    def Abort(self, request: "wpb.AbortRequest", context: grpc.ServicerContext) -> "wpb.AbortReply":
+    def Abort(self, request: wpb.AbortRequest, context: grpc.ServicerContext) -> wpb.AbortReply:
         return wpb.AbortReply(found=self.loop.abort(request.request_id))
 
-    def Status(self, request: "wpb.StatusRequest", context: grpc.ServicerContext) -> "wpb.WorkerStatus":
+    def Status(self, request: wpb.StatusRequest, context: grpc.ServicerContext) -> wpb.WorkerStatus:
         s = self.engine.stats()
         return wpb.WorkerStatus(worker_id=self.identity.worker_id, pool="decode", address=self.identity.address,
                                 draining=self.identity.draining, running=s.num_running, waiting=s.num_waiting,
                                 kv_blocks_total=s.blocks_total, kv_blocks_free=s.blocks_free,
                                 reservations=s.num_reservations, model_fingerprint=self.engine.model.fingerprint())
 
-    def Drain(self, request: "wpb.DrainRequest", context: grpc.ServicerContext) -> "wpb.WorkerStatus":
+    def Drain(self, request: wpb.DrainRequest, context: grpc.ServicerContext) -> wpb.WorkerStatus:
         self.identity.draining = True
         return self.Status(wpb.StatusRequest(), context)

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Iterator
 
 import grpc
 
@@ -32,8 +32,14 @@ from workers.runtime.engine import Engine, EngineConfig, KVReservation
 from workers.runtime.errors import EngineError
 from workers.runtime.loader import LoadedModel
 from workers.runtime.sampler import SamplingParams
-from workers.service_base import (WorkerIdentity, request_id_of, sampling_from_proto, status_code_for, stream_tokens,
-                                  timeout_of)
+from workers.service_base import (
+    WorkerIdentity,
+    request_id_of,
+    sampling_from_proto,
+    status_code_for,
+    stream_tokens,
+    timeout_of,
+)
 from workers.tracing import mark_kv_failure
 
 
@@ -49,12 +55,12 @@ class _Pending:
 
 
 class DecodeService(wgrpc.DecodeWorkerServicer):
-    def __init__(self, bundle: LoadedModel, config: EngineConfig, codecs: tuple[str, ...], store: KVStore = "dequantize",
-                 identity: WorkerIdentity | None = None, max_streams: int = 64) -> None:
+    def __init__(self, bundle: LoadedModel, config: EngineConfig, codecs: tuple[str, ...],
+                 store: KVStore = "dequantize", identity: WorkerIdentity | None = None, max_streams: int = 64) -> None:
         self.identity = identity or WorkerIdentity("decode")
         dtypes = decode_cache_dtypes(codecs, config.dtype, store)
-        self.engine = Engine(bundle.model, bundle.tokenizer, EngineConfig(**{**config.__dict__, "kv_layer_dtypes": dtypes}),
-                             bundle.eos_token_ids)
+        self.engine = Engine(bundle.model, bundle.tokenizer,
+                             EngineConfig(**{**config.__dict__, "kv_layer_dtypes": dtypes}), bundle.eos_token_ids)
         self.loop = EngineLoop(self.engine, name="decode-loop")
         self.receiver = KVReceiver(engine_layout(self.engine, codecs), CacheSink(self.engine.cache),
                                    max_streams=max_streams)
@@ -74,7 +80,7 @@ class DecodeService(wgrpc.DecodeWorkerServicer):
         self.loop.stop()
 
     # ------------------------------------------------------------------ RPCs
-    def Reserve(self, request: "wpb.ReserveRequest", context: grpc.ServicerContext) -> "wpb.ReserveReply":
+    def Reserve(self, request: wpb.ReserveRequest, context: grpc.ServicerContext) -> wpb.ReserveReply:
         if self.identity.draining:
             context.abort(grpc.StatusCode.UNAVAILABLE, f"decode worker {self.identity.worker_id} is draining")
         prompt = list(request.prompt_token_ids)
@@ -101,7 +107,7 @@ class DecodeService(wgrpc.DecodeWorkerServicer):
         pending.outcome = outcome
         pending.done.set()
 
-    def Generate(self, request: "wpb.GenerateRequest", context: grpc.ServicerContext) -> Iterator["wpb.TokenChunk"]:
+    def Generate(self, request: wpb.GenerateRequest, context: grpc.ServicerContext) -> Iterator[wpb.TokenChunk]:
         rid = request.request_id
         with self._lock:
             pending = self._pending.get(rid)
@@ -129,7 +135,7 @@ class DecodeService(wgrpc.DecodeWorkerServicer):
             context.abort(status_code_for(exc), str(exc))
         yield from stream_tokens(self.loop, rid, q, len(pending.prompt), context)
 
-    def Holds(self, request: "wpb.HoldsRequest", context: grpc.ServicerContext) -> "wpb.HoldsReply":
+    def Holds(self, request: wpb.HoldsRequest, context: grpc.ServicerContext) -> wpb.HoldsReply:
         """Whether a reservation here still waits for the request's KV, and its blocks."""
         with self._lock:
             pending = self._pending.get(request.request_id)
@@ -137,13 +143,13 @@ class DecodeService(wgrpc.DecodeWorkerServicer):
             return wpb.HoldsReply(held=False)
         return wpb.HoldsReply(held=True, num_blocks=len(pending.reservation.blocks))
 
-    def Abort(self, request: "wpb.AbortRequest", context: grpc.ServicerContext) -> "wpb.AbortReply":
+    def Abort(self, request: wpb.AbortRequest, context: grpc.ServicerContext) -> wpb.AbortReply:
         rid = request.request_id
         found = self._drop(rid)
         found = self.loop.abort(rid) or found
         return wpb.AbortReply(found=found)
 
-    def Status(self, request: "wpb.StatusRequest", context: grpc.ServicerContext) -> "wpb.WorkerStatus":
+    def Status(self, request: wpb.StatusRequest, context: grpc.ServicerContext) -> wpb.WorkerStatus:
         s = self.engine.stats()
         return wpb.WorkerStatus(worker_id=self.identity.worker_id, pool="decode", address=self.identity.address,
                                 draining=self.identity.draining, running=s.num_running, waiting=s.num_waiting,
@@ -151,7 +157,7 @@ class DecodeService(wgrpc.DecodeWorkerServicer):
                                 reservations=s.num_reservations,
                                 model_fingerprint=self.engine.model.fingerprint())
 
-    def Drain(self, request: "wpb.DrainRequest", context: grpc.ServicerContext) -> "wpb.WorkerStatus":
+    def Drain(self, request: wpb.DrainRequest, context: grpc.ServicerContext) -> wpb.WorkerStatus:
         self.identity.draining = True
         return self.Status(wpb.StatusRequest(), context)
 

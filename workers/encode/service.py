@@ -63,7 +63,7 @@ class EncodeService(wgrpc.EncodeWorkerServicer):
                     self._cache.popitem(last=False)
         return torch.cat([cached[k] for k in keys]), len(images) - len(todo)
 
-    def Encode(self, request: "wpb.EncodeRequest", context: grpc.ServicerContext) -> "wpb.EncodeReply":
+    def Encode(self, request: wpb.EncodeRequest, context: grpc.ServicerContext) -> wpb.EncodeReply:
         if self.identity.draining:
             context.abort(grpc.StatusCode.UNAVAILABLE, f"encode worker {self.identity.worker_id} is draining")
         if not request.images:
@@ -94,10 +94,10 @@ class EncodeService(wgrpc.EncodeWorkerServicer):
         span.set_attribute("epd.embeddings", int(embeds.shape[0]))
         return wpb.EncodeReply(num_embeddings=embeds.shape[0], cache_hits=hits)
 
-    def Status(self, request: "wpb.StatusRequest", context: grpc.ServicerContext) -> "wpb.WorkerStatus":
+    def Status(self, request: wpb.StatusRequest, context: grpc.ServicerContext) -> wpb.WorkerStatus:
         return wpb.WorkerStatus(worker_id=self.identity.worker_id, pool="encode", address=self.identity.address,
                                 draining=self.identity.draining, model_fingerprint=self.encoder.fingerprint())
 
-    def Drain(self, request: "wpb.DrainRequest", context: grpc.ServicerContext) -> "wpb.WorkerStatus":
+    def Drain(self, request: wpb.DrainRequest, context: grpc.ServicerContext) -> wpb.WorkerStatus:
         self.identity.draining = True
         return self.Status(wpb.StatusRequest(), context)

@@ -3,8 +3,9 @@
 A request's life here:
   1. Prefill   (with images) waits for the encode worker's embeddings, pushed to this worker's
                PushEmbeddings service; asks the decode worker named in the request whether it holds
-               the reservation (``Holds``: refused before any compute when not); then opens the KV stream to the decode worker named in the
-               request, queues the prompt, and streams each layer's blocks as prefill computes them.
+               the reservation (``Holds``: refused before any compute when not); then opens the KV stream
+               to the decode worker named in the request, queues the prompt, and streams each layer's
+               blocks as prefill computes them.
   2. reply     the first token, once the decode worker acknowledged every block.
   A refused or broken transfer, a timeout or a client that goes away aborts the prompt and the
   stream; the decode worker then releases its reservation.
@@ -20,9 +21,9 @@ import grpc
 
 from epd.worker.v1 import worker_pb2 as wpb
 from epd.worker.v1 import worker_pb2_grpc as wgrpc
+from kvtransfer.codecs import Kind, get_codec
 from kvtransfer.embeddings import EmbeddingOutcome, EmbeddingReceiver, embedding_handler
 from kvtransfer.errors import TransferFailed
-from kvtransfer.codecs import Kind, get_codec
 from kvtransfer.layout import KVLayout
 from kvtransfer.sender import KVSender
 from kvtransfer.stream import PushResult
@@ -59,7 +60,7 @@ class PrefillService(wgrpc.PrefillWorkerServicer):
         self.loop.stop()
         self.sender.close()
 
-    def Prefill(self, request: "wpb.PrefillRequest", context: grpc.ServicerContext) -> "wpb.PrefillReply":
+    def Prefill(self, request: wpb.PrefillRequest, context: grpc.ServicerContext) -> wpb.PrefillReply:
         if self.identity.draining:
             context.abort(grpc.StatusCode.UNAVAILABLE, f"prefill worker {self.identity.worker_id} is draining")
         prompt = list(request.prompt_token_ids)
@@ -69,9 +70,10 @@ class PrefillService(wgrpc.PrefillWorkerServicer):
             # prefill samples only the first token; the rest of the rules apply on the decode worker
             first_params = dataclasses.replace(params, max_tokens=1, stop=(), stop_token_ids=(), ignore_eos=True)
             self.engine.check_request(prompt, first_params)
-            if request.num_image_embeddings != len(request.image_positions) or len(request.image_positions) > len(prompt):
-                raise InvalidRequestError(f"num_image_embeddings ({request.num_image_embeddings}) must equal the number "
-                                          f"of image_positions ({len(request.image_positions)}), at most one per "
+            positions = len(request.image_positions)
+            if request.num_image_embeddings != positions or positions > len(prompt):
+                raise InvalidRequestError(f"num_image_embeddings ({request.num_image_embeddings}) must equal the "
+                                          f"number of image_positions ({positions}), at most one per "
                                           f"prompt token ({len(prompt)})")
             if not request.complete and not request.kv_target:
                 raise InvalidRequestError("kv_target (the decode worker that reserved the KV) is required")
@@ -94,7 +96,7 @@ class PrefillService(wgrpc.PrefillWorkerServicer):
                 self._inflight.discard(rid)
 
     def _prefill(self, rid: str, prompt: list[int], params: SamplingParams, first_params: SamplingParams,
-                 timeout: float, request: "wpb.PrefillRequest", context: grpc.ServicerContext) -> "wpb.PrefillReply":
+                 timeout: float, request: wpb.PrefillRequest, context: grpc.ServicerContext) -> wpb.PrefillReply:
         mm = None
         if request.num_image_embeddings:
             waited = child_span("wait-embeddings", {"epd.image_embeddings": request.num_image_embeddings})
@@ -174,7 +176,7 @@ class PrefillService(wgrpc.PrefillWorkerServicer):
                                  f"{rid!r} on {target}; nothing was computed", grpc.StatusCode.OUT_OF_RANGE)
 
     def _complete(self, rid: str, prompt: list[int], params: SamplingParams, mm: MultimodalInput | None,
-                  timeout: float, context: grpc.ServicerContext) -> "wpb.PrefillReply":
+                  timeout: float, context: grpc.ServicerContext) -> wpb.PrefillReply:
         """A one-token request served here whole: no KV leaves this worker."""
         if params.max_tokens != 1:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
@@ -196,7 +198,7 @@ class PrefillService(wgrpc.PrefillWorkerServicer):
                                 finish_reason=item.finish_reason.value if item.finish_reason else "length",
                                 engine_seconds=item.engine_seconds)
 
-    def _await_embeddings(self, rid: str, request: "wpb.PrefillRequest", timeout: float,
+    def _await_embeddings(self, rid: str, request: wpb.PrefillRequest, timeout: float,
                           context: grpc.ServicerContext) -> MultimodalInput:
         done = threading.Event()
         box: list[EmbeddingOutcome] = []
@@ -218,25 +220,25 @@ class PrefillService(wgrpc.PrefillWorkerServicer):
         self.streamer.cancel(rid, reason)
         self.embeddings.cancel(rid, reason)
 
-    def Abort(self, request: "wpb.AbortRequest", context: grpc.ServicerContext) -> "wpb.AbortReply":
+    def Abort(self, request: wpb.AbortRequest, context: grpc.ServicerContext) -> wpb.AbortReply:
         found = self.loop.abort(request.request_id)
         self.streamer.cancel(request.request_id, "aborted")
         found = self.embeddings.cancel(request.request_id, "aborted") or found
         return wpb.AbortReply(found=found)
 
-    def Status(self, request: "wpb.StatusRequest", context: grpc.ServicerContext) -> "wpb.WorkerStatus":
+    def Status(self, request: wpb.StatusRequest, context: grpc.ServicerContext) -> wpb.WorkerStatus:
         s = self.engine.stats()
         return wpb.WorkerStatus(worker_id=self.identity.worker_id, pool="prefill", address=self.identity.address,
                                 draining=self.identity.draining, running=s.num_running, waiting=s.num_waiting,
                                 kv_blocks_total=s.blocks_total, kv_blocks_free=s.blocks_free,
                                 model_fingerprint=self.engine.model.fingerprint())
 
-    def Drain(self, request: "wpb.DrainRequest", context: grpc.ServicerContext) -> "wpb.WorkerStatus":
+    def Drain(self, request: wpb.DrainRequest, context: grpc.ServicerContext) -> wpb.WorkerStatus:
         self.identity.draining = True
         return self.Status(wpb.StatusRequest(), context)
 
 
-def kv_codec_stats(layout: KVLayout, num_tokens: int, push: PushResult) -> list["wpb.KVCodecStats"]:
+def kv_codec_stats(layout: KVLayout, num_tokens: int, push: PushResult) -> list[wpb.KVCodecStats]:
     """``push`` split by codec. Wire bytes split in proportion to each codec's encoded size of the
     request's blocks, logical bytes by layer count; the parts add up to exactly the push's totals."""
     shape = layout.block_shape(layout.blocks_for(num_tokens))

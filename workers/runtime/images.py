@@ -87,8 +87,9 @@ def _pad_to_square(image: Image.Image, color: tuple[int, int, int]) -> Image.Ima
 
 
 def preprocess_pil_image(image: Image.Image, cfg: VisionConfig) -> Tensor:
-    """RGB, padded to a square when ``pad_color`` is set, shortest side resized to ``resize_shortest_edge`` (default image_size) with ``resample``, centre crop
-    to image_size, scaling by ``rescale_factor``, mean/std normalisation: HF's CLIPImageProcessor, step by step."""
+    """RGB, padded to a square when ``pad_color`` is set, shortest side resized to ``resize_shortest_edge``
+    (default image_size) with ``resample``, centre crop to image_size, scaling by ``rescale_factor``, mean/std
+    normalisation: HF's CLIPImageProcessor, step by step."""
     if image.mode in ("RGBA", "LA", "PA") or (image.mode == "P" and "transparency" in image.info):
         # composite on white as HF's convert_rgb does; a plain convert would turn transparent pixels black
         rgba = image.convert("RGBA")

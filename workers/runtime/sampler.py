@@ -16,7 +16,6 @@ import torch
 
 from workers.runtime.errors import InvalidRequestError
 
-
 # Temperatures below this are greedy (vLLM's _SAMPLING_EPS): dividing logits by 1e-38 overflows them to
 # inf, and softmax then gives NaN.
 GREEDY_BELOW = 1e-5

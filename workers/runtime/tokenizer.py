@@ -51,7 +51,7 @@ class Tokenizer:
 
     # ------------------------------------------------------------------ loading
     @classmethod
-    def from_folder(cls, folder: Path) -> "Tokenizer":
+    def from_folder(cls, folder: Path) -> Tokenizer:
         """Read the tokenizer files and compile the chat template; any problem names its file."""
         if not folder.is_dir():
             raise CheckpointError(f"{folder}: is not a folder")

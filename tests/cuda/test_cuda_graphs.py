@@ -107,3 +107,19 @@ def test_kv_pool_is_sized_from_free_memory(model) -> None:
         assert total - free <= util * total + 512 * 2**20, "the engine took more than gpu_memory_utilization"
         del engine
     assert sizes[0.6] > sizes[0.3] + 0.25 * torch.cuda.mem_get_info()[1]
+
+
+def test_seeded_sampling_on_cuda_is_batch_invariant(model) -> None:
+    """Sampled rows are drawn on the host with the request's own generator, so a seeded request gives
+    the same tokens alone and in a batch, graphs or not."""
+    def params(i: int) -> SamplingParams:
+        return SamplingParams(max_tokens=8, temperature=0.8, top_p=0.9, top_k=50, seed=100 + i, ignore_eos=True)
+    alone = {}
+    for i in range(3):
+        engine = _engine(model, cuda_graphs=False)
+        engine.add_request(str(i), PROMPTS[i], params(i))
+        alone.update(_tokens(run_to_completion(engine)))
+    engine = _engine(model)
+    for i in range(3):
+        engine.add_request(str(i), PROMPTS[i], params(i))
+    assert _tokens(run_to_completion(engine)) == alone

@@ -83,8 +83,10 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if not rows:
         return out
-    idx = torch.tensor(rows)
-    x = logits[idx] / torch.tensor([params[i].temperature for i in rows], dtype=logits.dtype)[:, None]
+    # The sampled rows move to the host (a no-op on CPU): the per-request generators are CPU ones, so a
+    # seeded request draws the same token from the same logits on any device.
+    x = logits[torch.tensor(rows, device=logits.device)].cpu()
+    x = x / torch.tensor([params[i].temperature for i in rows], dtype=x.dtype)[:, None]
     if any(params[i].top_k or params[i].top_p < 1.0 for i in rows):
         x = _apply_top_k_top_p(x, [params[i].top_k for i in rows], [params[i].top_p for i in rows])
     probs = torch.softmax(x, dim=-1)

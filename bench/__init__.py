@@ -7,6 +7,7 @@ the ``bench`` extra (``pip install -e '.[bench]'``).
 
   cli.py                 the ``epd bench`` subcommands
   engine_bench.py        engine prefill/decode throughput beside HF transformers (gpu_engine_bench.py on CUDA)
+  hf_reference.py        the HF transformers model those figures are measured against
   kv_bench.py            KV-transfer throughput and TTFT beside memcpy, TCP and raw gRPC (kv_references.py)
   kv_accuracy.py         token agreement of quantised KV transfer against the bf16 path
   controlplane_bench.py  control-plane added latency and requests/s beside a Ray Serve handle chain

@@ -2,8 +2,8 @@
 
 ``1b`` is TinyLlama-1.1B's shape (hidden 2048, 22 layers, 32 heads, 4 KV heads, intermediate 5632,
 vocab 32000). Nothing is downloaded: the weights are drawn from a seed on the machine that runs it
-(embeddings and LM head normal(0, 1), projections normal(0, 0.02), norms at 1, as the demo model),
-stored in bfloat16, with the demo model's tokenizer (its ids are a subset of the preset's vocab).
+as transformers initialises a Llama (every matrix normal(0, 0.02), norms at 1), stored in bfloat16,
+with the demo model's tokenizer (its ids are a subset of the preset's vocab).
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ from workers.runtime.checkpoint import save_hf_weights
 from workers.runtime.config import ModelConfig, RopeConfig
 from workers.runtime.errors import InvalidRequestError
 from workers.runtime.model import DecoderModel
+
+INIT_STD = 0.02  # transformers' LlamaConfig.initializer_range
 
 
 @dataclass(frozen=True)
@@ -68,8 +70,7 @@ def write_preset_checkpoint(folder: Path | str, preset: str, seed: int = 0) -> P
             if name.endswith("layernorm.weight") or name == "norm.weight":
                 param.fill_(1.0)
             else:
-                std = 1.0 if name in ("embed_tokens.weight", "lm_head.weight") else 0.02
-                param.copy_(torch.randn(param.shape, generator=gen) * std)
+                param.copy_(torch.randn(param.shape, generator=gen) * INIT_STD)
     folder.mkdir(parents=True, exist_ok=True)
     save_hf_weights(model, folder)
     hf = cfg.to_hf_dict() | {"torch_dtype": "bfloat16"}

@@ -338,7 +338,7 @@ class Settings(BaseSettings):
             raise ValueError("the fp32 codec needs float32 engines; use bf16 for bfloat16 engines")
         if self.mode == "colocated":
             for name in ("encode", "prefill"):
-                pool = self.pool(name)  # type: ignore[arg-type]
+                pool = self.pool(name)
                 if "replicas" in pool.model_fields_set and pool.replicas > 0:
                     raise ValueError(f"colocated mode has no {name} pool (its decode workers encode, prefill and "
                                      f"decode whole requests): leave {name}.replicas unset or 0, and size the "

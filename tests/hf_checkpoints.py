@@ -29,7 +29,7 @@ VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_att
               patch_size=14, hidden_act="quick_gelu")
 
 
-def hf_tokenizer():  # type: ignore[no-untyped-def]
+def hf_tokenizer():
     """The demo model's BPE tokenizer as a transformers tokenizer (special tokens named)."""
     from transformers import PreTrainedTokenizerFast
 
@@ -37,7 +37,7 @@ def hf_tokenizer():  # type: ignore[no-untyped-def]
                                    pad_token=PAD, unk_token=None)
 
 
-def _text_config(arch: str, vocab_size: int, tok):  # type: ignore[no-untyped-def]
+def _text_config(arch: str, vocab_size: int, tok):
     import transformers
 
     cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}[arch]

@@ -41,7 +41,7 @@ class RequestObserver:
         if self.kv_failed or not isinstance(exc, grpc.RpcError):
             return
         try:
-            trailing = exc.trailing_metadata() or ()  # type: ignore[attr-defined]
+            trailing = exc.trailing_metadata() or ()
         except Exception:  # not a call error (e.g. a local failure)
             return
         if any(k == FAILURE_KEY and v == KV_TRANSFER_FAILURE for k, v in trailing):

@@ -79,7 +79,7 @@ def _check(stack: Stack, ref: GenerateResult, response_id: str, text: str, usage
 
 def _stream_chat(client: OpenAI, model: str, messages: list[dict[str, Any]]) -> tuple[str, str, Any, str]:
     """(id, text, usage, finish_reason) of a streamed chat answer, checking OpenAI's chunk order."""
-    stream = client.chat.completions.create(model=model, messages=messages,  # type: ignore[arg-type]
+    stream = client.chat.completions.create(model=model, messages=messages,
                                             max_tokens=MAX_TOKENS, temperature=0, stream=True,
                                             stream_options={"include_usage": True})
     chunks = list(stream)
@@ -218,7 +218,7 @@ def test_bad_input_gets_4xx_and_the_workers_keep_serving(e2e_stack: Stack, clien
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "messages"
     # and through the client
     with pytest.raises(openai.BadRequestError) as err:
-        client.chat.completions.create(model=model, messages=TEXT, max_tokens="many")  # type: ignore[arg-type]
+        client.chat.completions.create(model=model, messages=TEXT, max_tokens="many")
     assert _assert_openai_error(err.value, 400, "valid integer")["param"] == "max_tokens"
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(model=model, messages=TEXT, max_tokens=-1)  # type: ignore[arg-type]
@@ -230,11 +230,11 @@ def test_bad_input_gets_4xx_and_the_workers_keep_serving(e2e_stack: Stack, clien
     for image_url, fragment in ((not_an_image, "image"), ("data:image/png;base64,@@@", "not valid base64"),
                                 ("https://example.com/cat.png", "remote image URLs are not supported")):
         with pytest.raises(openai.BadRequestError) as err:
-            client.chat.completions.create(model=model, messages=[{"role": "user", "content": [  # type: ignore[arg-type]
+            client.chat.completions.create(model=model, messages=[{"role": "user", "content": [
                 {"type": "image_url", "image_url": {"url": image_url}}, {"type": "text", "text": "What is it?"}]}])
         _assert_openai_error(err.value, 400, fragment)
     with pytest.raises(openai.BadRequestError) as err:  # the same undecodable image, streaming: still a 400
-        client.chat.completions.create(model=model, stream=True, messages=[{"role": "user", "content": [  # type: ignore[arg-type]
+        client.chat.completions.create(model=model, stream=True, messages=[{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": not_an_image}}]}])
     _assert_openai_error(err.value, 400, "image")
     long_prompt = [{"role": "user", "content": "the cache moves between workers " * 3000}]

@@ -13,10 +13,11 @@ from pathlib import Path
 
 import httpx
 import pytest
-from serve_process import chat_concurrently, descendants, in_threads, serve_process
 
 from workers.runtime.generate import GenerateRequest, generate
 from workers.runtime.sampler import SamplingParams
+
+from serve_process import chat_concurrently, descendants, in_threads, serve_process
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

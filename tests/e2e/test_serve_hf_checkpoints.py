@@ -20,8 +20,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from hf_checkpoints import write_llava, write_text_model
 from PIL import Image
+
+from hf_checkpoints import write_llava, write_text_model
 from serve_process import serve_process
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.transformers]
@@ -40,13 +41,13 @@ def llava_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_llava(tmp_path_factory.mktemp("hf") / "tiny-llava")
 
 
-def _client(base: str):  # type: ignore[no-untyped-def]
+def _client(base: str):
     from openai import OpenAI
 
     return OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
 
 
-def _hf_answer(model, ids: torch.Tensor, decode, **extra) -> tuple[str, str]:  # type: ignore[no-untyped-def]
+def _hf_answer(model, ids: torch.Tensor, decode, **extra) -> tuple[str, str]:
     """transformers' greedy answer (text, finish reason) for prompt ``ids`` [1, n]."""
     with torch.no_grad():
         out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS,

@@ -13,7 +13,7 @@ from PIL import Image
 from controlplane.dispatch import Dispatcher, Route, WorkerRequest
 
 
-def run_request(dispatcher: Dispatcher, route: Route, req: WorkerRequest):  # type: ignore[no-untyped-def]
+def run_request(dispatcher: Dispatcher, route: Route, req: WorkerRequest):
     """(every token id, the whole text, the last chunk) of one request."""
     tokens, text, last = [], "", None
     for chunk in dispatcher.run(req, route):

@@ -236,7 +236,7 @@ class Frames:
             payload = edit_payload(payload)
         self.seq += 1
         self.nbytes += len(scales) + len(payload)
-        self.checksum.add(int(fields["checksum"]))  # type: ignore[arg-type]
+        self.checksum.add(int(fields["checksum"]))
         return encode_chunk(pb.KVChunk(**fields), [memoryview(scales)], [memoryview(payload)])
 
     def finish(self, first_token: int = 7, **fields: object) -> bytes:
@@ -283,7 +283,7 @@ class OpenPush:
     def error(self, timeout: float = 5.0) -> grpc.RpcError:
         exc = self.future.exception(timeout=timeout)
         assert exc is not None, f"the push was accepted: {self.future.result()}"
-        return exc  # type: ignore[return-value]
+        return exc
 
     def result(self, timeout: float = 5.0) -> pb.PushAck:
         return self.future.result(timeout=timeout)

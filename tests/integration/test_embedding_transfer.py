@@ -45,7 +45,7 @@ def _png(color: tuple[int, int, int]) -> bytes:
     return buf.getvalue()
 
 
-def _expect(receiver: EmbeddingReceiver, rid: str, rows: int):  # type: ignore[no-untyped-def]
+def _expect(receiver: EmbeddingReceiver, rid: str, rows: int):
     done = threading.Event()
     box = {}
     receiver.expect(rid, rows, lambda o: (box.setdefault("o", o), done.set()), timeout_s=10)

@@ -46,7 +46,7 @@ def inline_bytes(built_by: str) -> int:
 
 
 @pytest.fixture(scope="module")
-def rig():  # type: ignore[no-untyped-def]
+def rig():
     spec = KVCacheSpec(LAYERS, HEADS, DIM, BS)
     cache = PagedKVCache(spec, 96, ("bfloat16",) * LAYERS)
     security = TransferSecurity(token=TOKEN)
@@ -63,7 +63,7 @@ def rig():  # type: ignore[no-untyped-def]
 @pytest.mark.parametrize("codec", ["bf16", "int8", "fp8", "int4", "fp32"])
 @pytest.mark.parametrize("blocks", ["consecutive", "scattered"])
 @pytest.mark.parametrize("built_by", BUILT_BY)
-def test_each_codec_lands_what_it_decodes(rig, transport: str, codec: str, blocks: str,  # type: ignore[no-untyped-def]
+def test_each_codec_lands_what_it_decodes(rig, transport: str, codec: str, blocks: str,
                                           built_by: str) -> None:
     cache, security, target, receiver = rig
     nblocks = -(-TOKENS // BS)
@@ -100,7 +100,7 @@ def test_each_codec_lands_what_it_decodes(rig, transport: str, codec: str, block
 
 
 @pytest.mark.parametrize("transport", ["tcp", "grpc", "shm"])
-def test_pooled_chunk_buffers_are_reused_across_streams_without_mixing_their_data(rig, transport: str) -> None:  # type: ignore[no-untyped-def]
+def test_pooled_chunk_buffers_are_reused_across_streams_without_mixing_their_data(rig, transport: str) -> None:
     """Quantised chunks are encoded into the sender's pooled buffers (over shared memory: into pooled
     segments), handed back once sent: with streams pushing at once from one sender, every stream still
     lands exactly its own data."""
@@ -155,7 +155,7 @@ def test_pooled_chunk_buffers_are_reused_across_streams_without_mixing_their_dat
 
 @pytest.mark.parametrize("transport", ["grpc", "shm", "tcp"])
 @pytest.mark.parametrize("built_by", BUILT_BY)
-def test_a_non_finite_cache_fails_the_push_by_name_and_frees_the_reservation(rig, transport: str,  # type: ignore[no-untyped-def]
+def test_a_non_finite_cache_fails_the_push_by_name_and_frees_the_reservation(rig, transport: str,
                                                                               built_by: str) -> None:
     cache, security, target, receiver = rig
     nblocks = 4
@@ -194,7 +194,7 @@ def test_a_non_finite_cache_fails_the_push_by_name_and_frees_the_reservation(rig
 
 @pytest.mark.parametrize("transport", ["grpc", "shm", "tcp"])
 @pytest.mark.parametrize("built_by", BUILT_BY)
-def test_a_refused_push_gives_back_all_the_senders_budget(rig, transport: str,  # type: ignore[no-untyped-def]
+def test_a_refused_push_gives_back_all_the_senders_budget(rig, transport: str,
                                                            built_by: str) -> None:
     """Chunks still queued when the receiver refuses the stream are dropped with their bytes returned
     to the sender-wide budget: a refusal must not leave later pushes waiting for room that never frees."""

@@ -105,7 +105,7 @@ def _layout_proto(rig: Rig, **changes: object) -> pb.KVLayout:
     for name, value in changes.items():
         if name == "layer_codecs":
             del proto.layer_codecs[:]
-            proto.layer_codecs.extend(value)  # type: ignore[arg-type]
+            proto.layer_codecs.extend(value)
         else:
             setattr(proto, name, value)
     return proto

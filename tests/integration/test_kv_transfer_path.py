@@ -100,7 +100,7 @@ class Peer:
             raise RuntimeError("decode peer did not start")
         self.target = f"127.0.0.1:{self.conn.recv()}"
 
-    def call(self, *msg):  # type: ignore[no-untyped-def]
+    def call(self, *msg):
         self.conn.send(msg)
         if not self.conn.poll(60):
             raise RuntimeError(f"decode peer did not answer {msg[0]}")

@@ -54,7 +54,7 @@ def cluster(default_bundle, state_conn):  # noqa: F811
         state_conn.redis.delete(key)
 
 
-def _scheduler(cluster, **settings) -> Scheduler:  # type: ignore[no-untyped-def]
+def _scheduler(cluster, **settings) -> Scheduler:
     bundle, workers, registry, dispatcher, model, conn = cluster
     return Scheduler(model, WorkerView(registry, refresh_s=0.05), dispatcher, get_policy("least_loaded"),
                      SchedulerSettings(**settings), RequestJournal(conn))
@@ -154,7 +154,7 @@ def test_a_request_past_the_request_timeout_is_cut_off_with_504_and_frees_its_bl
     assert scheduler.view._inflight == {}  # the routing counts dropped too
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:  # the workers abort it and free its blocks
-        stats = [w.service.engine.stats() for w in workers]  # type: ignore[attr-defined]
+        stats = [w.service.engine.stats() for w in workers]
         if all(s.blocks_free == s.blocks_total and s.num_reservations == 0 for s in stats):
             break
         time.sleep(0.05)
@@ -187,7 +187,7 @@ def test_an_unexpected_error_in_dispatch_fails_the_request_and_drops_the_routing
     bundle, workers, registry, _, model, conn = cluster
 
     class Broken(Dispatcher):
-        def run(self, req, route):  # type: ignore[no-untyped-def, override]
+        def run(self, req, route):
             raise UnicodeEncodeError("utf-8", "\ud800", 0, 1, "surrogates not allowed")
 
     broken = Broken(SECURITY)
@@ -242,12 +242,12 @@ def test_a_worker_at_its_call_cap_makes_requests_wait_not_fail(cluster):
 class _CountingRegistry(WorkerRegistry):
     """The real registry, counting (and slowing) its pool reads, so concurrent rereads would overlap."""
 
-    def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.reads = 0
         self.fail = False  # the read fails as a lost Redis connection would
 
-    def live_workers(self, pool):  # type: ignore[no-untyped-def]
+    def live_workers(self, pool):
         self.reads += 1
         time.sleep(0.05)
         if self.fail:

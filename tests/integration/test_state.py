@@ -208,7 +208,7 @@ def test_pool_targets_and_validation(state_conn: StateConnection):
         with pytest.raises(ValueError, match="replicas must be"):
             targets.set_target(Pool.DECODE, bad)  # type: ignore[arg-type]
     with pytest.raises(InvalidKeyPart, match="unknown pool"):
-        targets.set_target("gpu", 1)  # type: ignore[arg-type]
+        targets.set_target("gpu", 1)
     assert targets.get_target(Pool.DECODE) == 2  # a refused write changes nothing
     assert keys_under(state_conn) == sorted(state_conn.keys.pool_target(p) for p in Pool)
     assert [targets.clear_target(p) for p in Pool] == [True, True, True]
@@ -279,7 +279,7 @@ def test_background_journal_writes_off_the_request_path_in_order(state_conn: Sta
 
 def test_background_journal_drops_the_oldest_beyond_its_bound_and_survives_redis_errors(state_conn):
     class Broken(RequestJournal):
-        def record_many(self, entries):  # type: ignore[no-untyped-def]
+        def record_many(self, entries):
             raise StateError("redis is away")
 
     journal = BackgroundJournal(Broken(state_conn), max_queued=3)

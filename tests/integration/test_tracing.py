@@ -69,7 +69,7 @@ class _Gate(SpanProcessor):
         self.inner = SimpleSpanProcessor(exporter)
         self.open = True
 
-    def on_start(self, span, parent_context=None) -> None:  # type: ignore[no-untyped-def]
+    def on_start(self, span, parent_context=None) -> None:
         pass
 
     def on_end(self, span: ReadableSpan) -> None:

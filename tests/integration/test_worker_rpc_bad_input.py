@@ -48,7 +48,7 @@ def workers(default_bundle):
         w.stop()
 
 
-def _refused(call, *args, code=grpc.StatusCode.INVALID_ARGUMENT, timeout=10) -> str:  # type: ignore[no-untyped-def]
+def _refused(call, *args, code=grpc.StatusCode.INVALID_ARGUMENT, timeout=10) -> str:
     with pytest.raises(grpc.RpcError) as err:
         reply = call(*args, metadata=MD, timeout=timeout)
         if not isinstance(reply, wpb.PrefillReply | wpb.ReserveReply | wpb.EncodeReply):
@@ -57,7 +57,7 @@ def _refused(call, *args, code=grpc.StatusCode.INVALID_ARGUMENT, timeout=10) -> 
     return err.value.details()
 
 
-def _assert_idle(workers_, default_bundle) -> None:  # type: ignore[no-untyped-def]
+def _assert_idle(workers_, default_bundle) -> None:
     """Nothing held on any worker: blocks free, no reservation, no expectation, no in-flight prefill."""
     _, started, stubs = workers_
     deadline = time.monotonic() + 5
@@ -75,7 +75,7 @@ def _assert_idle(workers_, default_bundle) -> None:  # type: ignore[no-untyped-d
     assert idle, (statuses, prefill.embeddings.pending, prefill._inflight)
 
 
-def _good_complete(stubs, prompt: list[int]) -> list[int]:  # type: ignore[no-untyped-def]
+def _good_complete(stubs, prompt: list[int]) -> list[int]:
     reply = stubs["prefill"].Prefill(wpb.PrefillRequest(request_id=f"good-{secrets.token_hex(4)}",
                                                         prompt_token_ids=prompt,
                                                         params=wpb.SamplingParams(max_tokens=1), complete=True),

@@ -42,12 +42,12 @@ def stack(default_bundle):
         w.stop()
 
 
-def _status(address: str, stub_cls) -> wpb.WorkerStatus:  # type: ignore[no-untyped-def]
+def _status(address: str, stub_cls) -> wpb.WorkerStatus:
     with SECURITY.open_channel(address) as ch:
         return stub_cls(ch).Status(wpb.StatusRequest(), metadata=SECURITY.call_metadata(), timeout=5)
 
 
-def _assert_clean(workers) -> None:  # type: ignore[no-untyped-def]
+def _assert_clean(workers) -> None:
     for pool, stub in (("decode", wgrpc.DecodeWorkerStub), ("prefill", wgrpc.PrefillWorkerStub)):
         s = _status(workers[pool].address, stub)
         assert (s.kv_blocks_free, s.reservations, s.running, s.waiting) == (s.kv_blocks_total, 0, 0, 0), (pool, s)
@@ -118,7 +118,7 @@ def test_concurrent_requests_all_match(stack):
     _assert_clean(workers)
 
 
-def _one_token(bundle, dispatcher, route, i, greq, params):  # type: ignore[no-untyped-def]
+def _one_token(bundle, dispatcher, route, i, greq, params):
     ids, mm = build_prompt(bundle, greq)
     return run_request(dispatcher, route,
                        WorkerRequest(f"one-{i}", ids, params, greq.images, mm.positions if mm else ()))

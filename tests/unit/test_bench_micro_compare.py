@@ -186,7 +186,7 @@ def test_best_takes_the_minimum_of_at_least_tries_calls() -> None:
 def test_paired_alternates_which_side_goes_first() -> None:
     order: list[str] = []
 
-    def side(name: str, cost: float):  # type: ignore[no-untyped-def]
+    def side(name: str, cost: float):
         def fn() -> float:
             order.append(name)
             return cost

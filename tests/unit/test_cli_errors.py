@@ -144,7 +144,7 @@ def test_bugs_still_raise(monkeypatch):
 def _help(*command: str) -> str:
     parser = build_parser()
     for name in command:
-        parser = next(a for a in parser._subparsers._group_actions if a.choices).choices[name]  # type: ignore
+        parser = next(a for a in parser._subparsers._group_actions if a.choices).choices[name]
     return parser.format_help()
 
 

@@ -242,7 +242,7 @@ def test_unsupported_input_dtypes_are_refused(dtype: torch.dtype) -> None:
 
 def test_unknown_kind_is_refused() -> None:
     with pytest.raises(CodecError, match="unknown kind 'query'"):
-        get_codec("int8").encode(torch.zeros(1, 16, 1, 32), "query")  # type: ignore[arg-type]
+        get_codec("int8").encode(torch.zeros(1, 16, 1, 32), "query")
 
 
 # -- the wire ------------------------------------------------------------------------------

@@ -29,7 +29,7 @@ def gated(tiny_bundle):
     batches: list[int] = []
     step = engine.step
 
-    def gated_step():  # type: ignore[no-untyped-def]
+    def gated_step():
         entered.set()
         gate.acquire()
         batches.append(len(engine.scheduler.waiting) + len(engine.scheduler.running))
@@ -121,7 +121,7 @@ def test_an_idle_loop_lets_the_caller_step_its_own_request(tiny_bundle):
     stepped_on: list[int] = []
     step = engine.step
 
-    def recording_step():  # type: ignore[no-untyped-def]
+    def recording_step():
         stepped_on.append(threading.get_ident())
         return step()
 

@@ -108,7 +108,7 @@ def test_retain_freed_buffers_is_applied_once_and_reports_it() -> None:
 
 
 # -- the native int8 kernels ---------------------------------------------------------------------
-def _native_or_skip():  # type: ignore[no-untyped-def]
+def _native_or_skip():
     from kvtransfer.codecs import native
 
     lib = native.load()
@@ -117,7 +117,7 @@ def _native_or_skip():  # type: ignore[no-untyped-def]
     return lib
 
 
-def _eager_encode(x: torch.Tensor, kind: Kind):  # type: ignore[no-untyped-def]
+def _eager_encode(x: torch.Tensor, kind: Kind):
     from kvtransfer.codecs.blockwise import BlockwiseCodec
 
     codec = get_codec("int8")

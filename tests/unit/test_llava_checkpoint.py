@@ -47,7 +47,7 @@ def llava_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
             "layers": write_llava(root / "layers", vision_feature_layer=[0, -2, -1], seed=3)}
 
 
-def _hf(folder: Path):  # type: ignore[no-untyped-def]
+def _hf(folder: Path):
     import transformers
 
     model = transformers.LlavaForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
@@ -59,7 +59,7 @@ def _messages(n_images: int, text: str) -> list[dict]:
     return [{"role": "user", "content": [{"type": "image"}] * n_images + [{"type": "text", "text": text}]}]
 
 
-def _hf_inputs(processor, images: list[bytes], text: str) -> dict:  # type: ignore[no-untyped-def]
+def _hf_inputs(processor, images: list[bytes], text: str) -> dict:
     prompt = processor.apply_chat_template(_messages(len(images), text), add_generation_prompt=True)
     pil = [Image.open(io.BytesIO(b)) for b in images] or None
     return dict(processor(images=pil, text=prompt, return_tensors="pt"))
@@ -142,7 +142,7 @@ def test_pixels_equal_the_hf_image_processor(llava_dirs, size):
     folder = llava_dirs["llama"]
     processor = transformers.AutoProcessor.from_pretrained(folder).image_processor
     data = _png(*size, seed=sum(size))
-    cfg = image_input(folder, None).vision  # type: ignore[union-attr]
+    cfg = image_input(folder, None).vision
     ref = processor(images=[Image.open(io.BytesIO(data))], return_tensors="pt")["pixel_values"][0]
     assert torch.equal(preprocess_image(data, cfg), ref)
 
@@ -159,7 +159,7 @@ def test_image_processor_settings_are_read_from_preprocessor_config(llava_dirs, 
                                                 image_mean=[0.5, 0.4, 0.3], image_std=[0.2, 0.3, 0.4], resample=2)
     processor.save_pretrained(folder)
     assert (folder / "preprocessor_config.json").exists()
-    cfg = image_input(folder, None).vision  # type: ignore[union-attr]
+    cfg = image_input(folder, None).vision
     assert (cfg.resize_shortest_edge, cfg.resample, cfg.image_mean) == (64, 2, (0.5, 0.4, 0.3))
     data = _png(81, 67, seed=8)
     ref = processor(images=[Image.open(io.BytesIO(data))], return_tensors="pt")["pixel_values"][0]
@@ -178,7 +178,7 @@ def test_llava_image_processor_pads_to_a_square_as_transformers_does(llava_dirs,
     processor = transformers.LlavaImageProcessor(do_pad=True, size={"shortest_edge": 56},
                                                  crop_size={"height": 56, "width": 56}, image_mean=[0.2, 0.5, 0.9])
     processor.save_pretrained(folder)
-    cfg = image_input(folder, None).vision  # type: ignore[union-attr]
+    cfg = image_input(folder, None).vision
     assert cfg.pad_color == (51, 127, 229)
     data = _png(*size, seed=size[0])
     ref = processor(images=[Image.open(io.BytesIO(data))], return_tensors="pt")["pixel_values"][0]
@@ -217,7 +217,7 @@ def test_other_tensor_namings_load_the_same_model(llava_dirs, tmp_path, naming):
     assert a.model.fingerprint() == b.model.fingerprint() and a.vision.fingerprint() == b.vision.fingerprint()
 
 
-def _edit(folder: Path, name: str, edit) -> None:  # type: ignore[no-untyped-def]
+def _edit(folder: Path, name: str, edit) -> None:
     path = folder / name
     raw = json.loads(path.read_text())
     edit(raw)
@@ -291,7 +291,7 @@ def test_padding_a_thin_strip_stays_within_the_memory_bound(llava_dirs, tmp_path
     """A 1 x 30000 strip would pad to a 900-megapixel square; it is shrunk to the budget first instead."""
     import dataclasses
 
-    cfg = dataclasses.replace(image_input(llava_dirs["llama"], None).vision, pad_color=(0, 0, 0))  # type: ignore[union-attr]
+    cfg = dataclasses.replace(image_input(llava_dirs["llama"], None).vision, pad_color=(0, 0, 0))
     buf = io.BytesIO()
     Image.new("RGB", (1, 30000), (200, 10, 10)).save(buf, "PNG")
     out = preprocess_image(buf.getvalue(), cfg)

@@ -36,10 +36,11 @@ import torch
 from kvtransfer.bulk import KIND_CHUNK, KIND_FINISH, KIND_HANDSHAKE, BulkConnection, BulkError
 from kvtransfer.bulk_call import BulkCall
 from kvtransfer.budget import ByteBudget
-from kvtransfer.checksum import StreamChecksum
+from kvtransfer.checksum import StreamChecksum, chunk_checksum
 from kvtransfer.chunks import (chunk_nbytes, encode_into_device_segment, encode_into_segment, frame_chunk,
                                frame_chunk_into, frame_chunk_parts, writes_in_place)
-from kvtransfer.cuda_ipc import IpcError, MappedSegment, lease_request
+from kvtransfer.cuda_ipc import IpcError, MappedSegment, device_checksum, lease_request
+from kvtransfer.device_chunks import DeviceChunk, encode_from_cache, to_device_checked, to_host_checked
 from kvtransfer.codecs import CodecError, get_codec
 from kvtransfer.errors import TransferFailed
 from kvtransfer.layout import KVLayout
@@ -47,7 +48,8 @@ from kvtransfer.reused_threads import ReusedThreads
 from kvtransfer.shm import SharedSegment, ShmError
 from kvtransfer.staging import wait_for_current
 from kvtransfer.stream_context import StreamContext
-from kvtransfer.wire import OPEN_BULK_METHOD, OPEN_CUDA_IPC_METHOD, PROTOCOL_VERSION, PUSH_METHOD, encode_control, pb
+from kvtransfer.wire import (OPEN_BULK_METHOD, OPEN_CUDA_IPC_METHOD, PROTOCOL_VERSION, PUSH_METHOD, encode_chunk_parts,
+                             encode_control, pb)
 
 _BULK_WRITERS = ReusedThreads("kv-bulk-write")  # one per bulk TCP stream while it sends
 
@@ -213,18 +215,58 @@ class KVStream:
         if first_block < 0 or first_block + n > self.num_blocks:
             raise ValueError(f"blocks {first_block}..{first_block + n - 1} outside the request's {self.num_blocks}")
         codec = get_codec(self.layout.layer_codecs[layer])
+        ready = wait_for_current(key.device)  # device input: encoders start after the snapshot's copy
+        per_block = key[0].nbytes + value[0].nbytes if n else 0
+
+        def make(i: int, m: int):  # type: ignore[no-untyped-def]
+            return functools.partial(self._build_at, layer, first_block + i, codec, key[i:i + m], value[i:i + m],
+                                     ready)
+        self._queue_chunks(codec, n, per_block, make)
+
+    def send_blocks(self, layer: int, first_block: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    ids: torch.Tensor) -> None:
+        """Queue blocks [first_block, first_block + n) of ``layer`` read straight from the paged cache:
+        ``k_cache``/``v_cache`` are the layer's [num_blocks, block, heads, dim] tensors and ``ids`` (long, on
+        their device) the n physical blocks, in order. Each chunk is encoded now on the caller's stream
+        (kvtransfer.device_chunks: launch only, no wait), so the engine may overwrite the blocks in later
+        work on that stream; only the encoded bytes are kept. Returns once queued (may wait for budget)."""
+        self._raise_if_failed()
+        if self._finished:
+            raise TransferFailed("send_blocks after finish")
+        n = ids.numel()
+        if k_cache.shape != v_cache.shape or tuple(k_cache.shape[1:]) != self.layout.block_shape(1)[1:]:
+            raise ValueError(f"caches must be [num_blocks, {self.layout.block_size}, {self.layout.num_kv_heads}, "
+                             f"{self.layout.head_dim}], got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+        if ids.device != k_cache.device or first_block < 0 or first_block + n > self.num_blocks:
+            raise ValueError(f"blocks {first_block}..{first_block + n - 1} (ids on {ids.device}) do not fit the "
+                             f"request's {self.num_blocks} blocks on {k_cache.device}")
+        codec = get_codec(self.layout.layer_codecs[layer])
+        per_block = k_cache[0].nbytes + v_cache[0].nbytes
+
+        def make(i: int, m: int):  # type: ignore[no-untyped-def]
+            try:
+                staged = encode_from_cache(codec, k_cache, v_cache, ids[i:i + m])
+            except CodecError as exc:  # an eagerly encoding codec refuses now: fail the stream by name
+                self._fail_encoding(CodecError(f"layer {layer}, blocks {first_block + i}..{first_block + i + m - 1}: "
+                                               f"{exc}"))
+                raise self._error or TransferFailed(str(exc)) from None
+            return functools.partial(self._build_staged, layer, first_block + i, staged)
+        self._queue_chunks(codec, n, per_block, make)
+
+    def _queue_chunks(self, codec, n: int, per_block: int, make) -> None:  # type: ignore[no-untyped-def]
+        """Number and queue a layer's n blocks as chunks sized for the transport; ``make(i, m)`` gives the
+        builder of blocks [i, i + m), called with (seq, segment, offset) by an encoder or the sending thread."""
         one = self.layout.block_shape(1)  # chunks are sized by what goes on the wire, not the input dtype
-        per_block = max(1, chunk_nbytes(codec, one))
+        wire_per_block = max(1, chunk_nbytes(codec, one))
         segment = self._segment
         chunk_bytes = (self.ctx.sizes.shm if segment is not None else
                        self.ctx.sizes.bulk if self._bulk is not None else self.ctx.sizes.grpc)
-        step = max(1, chunk_bytes // per_block)
+        step = max(1, chunk_bytes // wire_per_block)
         if n:
             step = -(-n // -(-n // step))  # the same number of chunks, evenly sized (no runt last chunk)
-        ready = wait_for_current(key.device)  # device input: encoders start after the snapshot's copy
         for i in range(0, n, step):
-            k, v = key[i:i + step], value[i:i + step]
-            cost = k.nbytes + v.nbytes
+            m = min(step, n - i)
+            cost = per_block * m
             self._budget.acquire(cost, self.deadline, self._failed)
             try:
                 self.ctx.budget.acquire(cost, self.deadline, self._failed)
@@ -232,6 +274,7 @@ class KVStream:
                 self._budget.release(cost)
                 raise
             try:
+                build = make(i, m)  # outside the lock: a refusal there cancels the stream, which takes it
                 # Numbering (and the segment range) is fixed here, in queue order, so the encoder
                 # threads can frame whole chunks in parallel; gRPC's thread only sends them in order.
                 with self._order:  # the failure check too: _on_done drains the queue under this lock
@@ -239,13 +282,11 @@ class KVStream:
                     seq = self._submitted
                     offset = -1
                     if segment is not None:
-                        offset = self._reserve(segment, codec, tuple(k.shape))
+                        offset = self._reserve(segment, codec, self.layout.block_shape(m))
                     if cost <= self.ctx.sizes.inline_build:  # built by the sending thread (_messages)
-                        job = functools.partial(self._build, seq, layer, first_block + i, codec, k, v, segment,
-                                                offset, ready)
+                        job = functools.partial(build, seq, segment, offset)
                     else:
-                        job = self.ctx.encoders.submit(self._build, seq, layer, first_block + i, codec, k, v,
-                                                          segment, offset, ready)
+                        job = self.ctx.encoders.submit(build, seq, segment, offset)
                     self._submitted += 1
                     self._queue.put(("layer", job, cost))
             except BaseException:
@@ -431,8 +472,8 @@ class KVStream:
         self.cancel()
 
     def _give_back(self, built: _Built) -> None:
-        if built.buffer is not None:
-            self.ctx.buffers.give(built.buffer)
+        if built.buffer is not None:  # to the pool it came from: device chunks use pinned buffers
+            (self.ctx.pinned if built.buffer.is_pinned() else self.ctx.buffers).give(built.buffer)
 
     def _send_bulk(self, kind: int, parts: list) -> None:
         """Write one message to the bulk connection (on the stream's writer thread, which this keeps busy,
@@ -459,6 +500,52 @@ class KVStream:
                                  f"segment at offset {offset} (more blocks sent than the stream announced?)")
         self._shm_offset = offset + nbytes
         return offset
+
+    def _build_at(self, layer: int, first_block: int, codec, key: torch.Tensor, value: torch.Tensor,  # type: ignore[no-untyped-def]
+                  ready: object | None, seq: int, segment: SharedSegment | MappedSegment | None,
+                  offset: int) -> _Built:
+        return self._build(seq, layer, first_block, codec, key, value, segment, offset, ready)
+
+    def _build_staged(self, layer: int, first_block: int, staged: DeviceChunk, seq: int,
+                      segment: SharedSegment | MappedSegment | None, offset: int) -> _Built:
+        """A chunk encoded on the device by ``send_blocks``: its bytes copied out, checked and framed."""
+        try:
+            return self._frame_staged(seq, layer, first_block, staged, segment, offset)
+        except CodecError as exc:
+            last = first_block + staged.num_blocks - 1
+            raise CodecError(f"layer {layer}, blocks {first_block}..{last}: {exc}") from None
+
+    def _frame_staged(self, seq: int, layer: int, first_block: int, staged: DeviceChunk,
+                      segment: SharedSegment | MappedSegment | None, offset: int) -> _Built:
+        chunk = pb.KVChunk(seq=seq, request_id=self.request_id, layer=layer, first_block=first_block,
+                           num_blocks=staged.num_blocks, codec=int(staged.codec.codec_id))
+        nbytes = staged.data.numel()
+        logical = staged.num_blocks * self.layout.block_size * self.layout.num_kv_heads * self.layout.head_dim * 4
+        if segment is None:
+            on_device = staged.data.device.type != "cpu"
+            buf = self.ctx.pinned.take(nbytes) if on_device else self.ctx.buffers.take(nbytes)
+            to_host_checked(staged, buf[:nbytes])
+            dest = memoryview(buf.numpy())[:nbytes]
+            chunk.checksum = chunk_checksum([dest])
+            s_len = staged.scales_nbytes
+            parts = encode_chunk_parts(chunk, [dest[:s_len]], [dest[s_len:]])
+            if self._bulk is not None:
+                return _Built(parts, chunk.checksum, nbytes, logical, buf)  # sent from buf, then given back
+            message = b"".join(parts)
+            del parts, dest
+            (self.ctx.pinned if on_device else self.ctx.buffers).give(buf)
+            return _Built(message, chunk.checksum, nbytes, logical)
+        if isinstance(segment, MappedSegment):
+            dest_t = segment.tensor[offset:offset + nbytes]
+            to_device_checked(staged, dest_t)
+            chunk.checksum = device_checksum(dest_t)
+        else:
+            view = segment.view(offset, nbytes)
+            to_host_checked(staged, torch.frombuffer(view, dtype=torch.uint8))
+            chunk.checksum = chunk_checksum([view])
+        chunk.shm.offset = offset
+        chunk.shm.length = nbytes
+        return _Built(encode_control(pb.PushMessage(chunk=chunk)), chunk.checksum, nbytes, logical)
 
     def _build(self, seq: int, layer: int, first_block: int, codec, key: torch.Tensor,  # type: ignore[no-untyped-def]
                value: torch.Tensor, segment: SharedSegment | None, offset: int, ready: object | None = None) -> _Built:

@@ -41,10 +41,11 @@ class DisaggPair:
     def __init__(self, bundle: LoadedModel, codecs: tuple[str, ...], *, prefill: EngineConfig = EngineConfig(),
                  decode: EngineConfig = EngineConfig(), store: KVStore = "dequantize",
                  transport: TransportChoice = "grpc", timeout_s: float = 30.0,
-                 staged_sink: bool | None = None) -> None:
+                 device_path: bool | None = None) -> None:
         """Each side runs on its config's ``device`` (the bundle's model, or a copy of it moved there
-        when the two sides differ, e.g. a CUDA prefill feeding a CPU decode). ``staged_sink``: see
-        ``CacheSink`` (None: the device path for a cache off the CPU)."""
+        when the two sides differ, e.g. a CUDA prefill feeding a CPU decode). ``device_path``: each side's
+        device path (``LayerStreamer(from_cache=...)``, ``CacheSink(staged=...)``); None takes it for a
+        cache off the CPU, True on CPU caches too (tests)."""
         self.bundle = bundle
         self.timeout_s = timeout_s
         self.security = TransferSecurity(token=secrets.token_urlsafe(24))
@@ -54,7 +55,7 @@ class DisaggPair:
         self.decode = Engine(model_on_device(bundle.model, decode.device), bundle.tokenizer,
                              EngineConfig(**{**decode.__dict__, "kv_layer_dtypes": layer_dtypes}),
                              bundle.eos_token_ids)
-        self.receiver = KVReceiver(engine_layout(self.decode, codecs), CacheSink(self.decode.cache, staged_sink))
+        self.receiver = KVReceiver(engine_layout(self.decode, codecs), CacheSink(self.decode.cache, device_path))
         self.receiver.start_janitor()
         if transport != "grpc":  # tcp pushes, and shm pushes' control messages, use the bulk connection
             self.receiver.enable_bulk("127.0.0.1")
@@ -63,7 +64,7 @@ class DisaggPair:
         self.server, port = start_server([kv_transfer_handler(self.receiver)], "127.0.0.1:0", self.security)
         self.target = f"127.0.0.1:{port}"
         self.sender = KVSender(self.security, transport=transport, device=self.prefill.cache.device)
-        self.streamer = LayerStreamer(self.prefill, self.sender, codecs)
+        self.streamer = LayerStreamer(self.prefill, self.sender, codecs, from_cache=device_path)
 
     def close(self) -> None:
         self.sender.close()  # channels first, so the server's shutdown does not GOAWAY live connections

@@ -22,7 +22,7 @@ import torch
 from kvtransfer.codecs.base import Codec, raise_non_finite
 from kvtransfer.codecs.encoded import CodecError, EncodedTensor, Kind
 
-__all__ = ["FUSED_CODECS", "decode_blocks", "encode_blocks", "usable"]
+__all__ = ["FUSED_CODECS", "decode_blocks", "encode_blocks", "encode_blocks_unchecked", "refuse", "usable"]
 
 FUSED_CODECS = ("int8", "fp8", "int4", "bf16")
 
@@ -73,6 +73,30 @@ def _check(codec: Codec, cache: torch.Tensor, ids: torch.Tensor) -> tuple[int, i
 
 def encode_blocks(codec: Codec, cache: torch.Tensor, ids: torch.Tensor, kind: Kind | str,
                   payload: torch.Tensor) -> EncodedTensor:
+    enc, flags = encode_blocks_unchecked(codec, cache, ids, kind, payload)
+    refuse(codec, enc.scales, flags)
+    return enc
+
+
+def refuse(codec: Codec, scales: torch.Tensor, flags: torch.Tensor | None) -> None:
+    """Raise the torch codec's CodecError when an encode's outputs say its input was refused: int8/fp8 by a
+    non-finite scale, int4/bf16 by their per-program ``flags``. On device tensors this waits for the encode;
+    a caller that must not wait copies them to the host first (they are small)."""
+    if codec.name in ("int8", "fp8"):
+        _refuse_non_finite_scales(codec, scales)
+    elif codec.name == "int4":
+        assert flags is not None
+        _refuse_int4(codec, flags)
+    elif codec.name == "bf16":
+        assert flags is not None
+        if bool(flags.any()):
+            raise_non_finite(codec.name)
+
+
+def encode_blocks_unchecked(codec: Codec, cache: torch.Tensor, ids: torch.Tensor, kind: Kind | str,
+                            payload: torch.Tensor) -> tuple[EncodedTensor, torch.Tensor | None]:
+    """``encode_blocks`` without waiting for the kernels: the encoded tensor, and the int4/bf16 refusal
+    flags (None for int8/fp8); hand both to ``refuse`` once they are ready. Launch-only: no host sync."""
     kind = Kind.parse(kind)
     shape = _check(codec, cache, ids)
     layout = codec._layout(shape, kind)
@@ -83,19 +107,18 @@ def encode_blocks(codec: Codec, cache: torch.Tensor, ids: torch.Tensor, kind: Ki
     dev = cache.device
     scales = torch.empty(layout.scales_shape, dtype=layout.scales_dtype, device=dev)
     zeros = None
+    flags = None
     name = codec.name
     if name == "int8":
         from kvtransfer.codecs.triton_int8_fp8 import int8_encode_kernel
         bd = _p2(d)
         _launch(int8_encode_kernel, (n, h), cache, ids, payload.view(torch.int8), scales, bs, h, d, *strides,
                 BT=_tokens(bs, bd), BD=bd)
-        _refuse_non_finite_scales(codec, scales)
     elif name == "fp8":
         from kvtransfer.codecs.triton_int8_fp8 import fp8_encode_kernel
         be = _p2(h * d)
         _launch(fp8_encode_kernel, (n,), cache, ids, payload, scales, bs, h, d, *strides,
                 BT=_tokens(bs, be), BE=be)
-        _refuse_non_finite_scales(codec, scales)
     elif name == "int4":
         from kvtransfer.codecs.int4 import key_group, value_group
         from kvtransfer.codecs.triton_int4 import int4_key_encode_kernel, int4_value_encode_kernel
@@ -111,7 +134,6 @@ def encode_blocks(codec: Codec, cache: torch.Tensor, ids: torch.Tensor, kind: Ki
             flags = torch.empty((n, bs, h), dtype=torch.int32, device=dev)
             _launch(int4_value_encode_kernel, (n, bs, h), cache, ids, payload, s16, z16, flags, bs, h, d, g,
                     *strides, BN=_p2(d // g), BH=_p2(g // 2))
-        _refuse_int4(codec, flags)
     elif name == "bf16":
         from kvtransfer.codecs.triton_bf16 import bf16_encode_kernel
         flags = torch.empty(n, dtype=torch.int32, device=dev)
@@ -119,11 +141,9 @@ def encode_blocks(codec: Codec, cache: torch.Tensor, ids: torch.Tensor, kind: Ki
         be = _p2(h * d)
         _launch(bf16_encode_kernel, (n,), cache.view(torch.int16) if in_bf16 else cache, ids,
                 payload.view(torch.int16), flags, bs, h, d, *strides, BT=_tokens(bs, be), BE=be, IN_BF16=in_bf16)
-        if bool(flags.any()):
-            raise_non_finite(name)
     else:
         raise CodecError(f"codec {name!r} has no fused kernels (fused: {', '.join(FUSED_CODECS)})")
-    return EncodedTensor(codec.codec_id, kind, shape, payload, scales, zeros)
+    return EncodedTensor(codec.codec_id, kind, shape, payload, scales, zeros), flags
 
 
 def decode_blocks(codec: Codec, enc: EncodedTensor, cache: torch.Tensor, ids: torch.Tensor) -> None:

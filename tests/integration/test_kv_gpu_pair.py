@@ -1,7 +1,8 @@
 """DisaggPair (a prefill engine and a decode engine joined by a real KV transfer) on every device pairing.
 
-On CPU: the decode side lands chunks through the device path (``CacheSink(staged=True)``: received
-bytes staged, decoded by block index), and the tokens still equal ``generate()``. The ``cuda`` tests
+On CPU, both sides take their device paths (``device_path=True``: the prefill side encodes each layer's
+blocks straight from its paged cache by index, the decode side stages the received bytes and decodes them
+by block index), and the tokens still equal ``generate()``, and equal the host path's for lossy codecs. The ``cuda`` tests
 (skipped without a GPU; ``make gpu-check`` runs them) put either side or both on the GPU, for every
 codec and transport."""
 
@@ -52,7 +53,7 @@ def _pair_tokens(bundle: LoadedModel, codecs: tuple[str, ...], transport: str, *
                  forced: list[list[int]] | None = None):  # type: ignore[no-untyped-def]
     with DisaggPair(bundle, codecs, prefill=EngineConfig(dtype=dtype, device=prefill, block_size=4),
                     decode=EngineConfig(dtype=dtype, device=decode, block_size=4), transport=transport,  # type: ignore[arg-type]
-                    staged_sink=staged) as pair:
+                    device_path=staged) as pair:
         params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, return_logits=True,
                                  forced_tokens=None if forced is None else forced[i]) for i in range(len(PROMPTS))]
         results = pair.run(PROMPTS, params)
@@ -66,6 +67,18 @@ def test_cpu_pair_through_the_staged_sink_equals_generate(transport: str) -> Non
     ref = _reference(bundle)
     got = _pair_tokens(bundle, ("fp32", "fp32"), transport, staged=True)
     assert [r.token_ids for r in got] == [tokens for tokens, _ in ref]
+
+
+@pytest.mark.parametrize("codecs, transport", [(("int8", "int4"), "grpc"), (("fp8", "bf16"), "shm")])
+def test_cpu_pair_device_paths_land_what_the_host_paths_land(codecs: tuple[str, str], transport: str) -> None:
+    """Lossy codecs: the device paths' decode cache equals the host paths' bit for bit, so greedy tokens and
+    every step's logits are the same."""
+    bundle = _bundle()
+    host = _pair_tokens(bundle, codecs, transport, staged=False)
+    device = _pair_tokens(bundle, codecs, transport, staged=True)
+    assert [r.token_ids for r in device] == [r.token_ids for r in host]
+    for a, b in zip(device, host):
+        assert all(torch.equal(x, y) for x, y in zip(a.logits[1:], b.logits[1:]))
 
 
 # ---------------------------------------------------------------------------------------------- CUDA

@@ -20,7 +20,7 @@ from kvtransfer.layout import KVLayout
 from kvtransfer.sender import KVSender
 from kvtransfer.stream import KVStream, PushResult
 from workers.runtime.engine import Engine, LayerKVReady
-from workers.runtime.kv_cache import block_slots
+from workers.runtime.kv_cache import DenseLayerStorage, block_slots
 
 
 def engine_layout(engine: Engine, layer_codecs: tuple[str, ...]) -> KVLayout:
@@ -39,10 +39,16 @@ class _Active:
 
 
 class LayerStreamer:
-    def __init__(self, engine: Engine, sender: KVSender, layer_codecs: tuple[str, ...]) -> None:
+    """``from_cache``: hand each layer's new blocks to the stream as block indices into the paged cache
+    (``KVStream.send_blocks``: encoded there by the fused kernels, no gathered copy); None picks it for a
+    float cache off the CPU. True on a CPU cache runs the same path with the torch codecs (tests)."""
+
+    def __init__(self, engine: Engine, sender: KVSender, layer_codecs: tuple[str, ...],
+                 from_cache: bool | None = None) -> None:
         self.engine = engine
         self.sender = sender
         self.layout = engine_layout(engine, layer_codecs)
+        self.from_cache = engine.cache.device.type != "cpu" if from_cache is None else from_cache
         self._active: dict[str, _Active] = {}
         self._lock = threading.Lock()
         engine.add_layer_hook(self._on_layer)
@@ -83,6 +89,9 @@ class LayerStreamer:
             hi = -(-chunk.end // bs) if chunk.last else chunk.end // bs
             if hi <= lo:
                 continue
+            if self.from_cache and isinstance(storage, DenseLayerStorage):
+                self._send_from_cache(act, event.layer, storage, chunk, lo, hi)
+                continue
             slots = block_slots(chunk.blocks[lo:hi], bs, self.engine.cache.device)
             k, v = storage.gather(slots, dtype)  # a copy: the engine may reuse the blocks after this step
             shape = (hi - lo, bs, self.layout.num_kv_heads, self.layout.head_dim)
@@ -97,3 +106,21 @@ class LayerStreamer:
                 act.error = exc
                 continue
             act.sent[event.layer] = hi
+
+    def _send_from_cache(self, act: _Active, layer: int, storage: DenseLayerStorage, chunk, lo: int,  # type: ignore[no-untyped-def]
+                         hi: int) -> None:
+        """Blocks [lo, hi) of ``chunk``'s request, encoded straight from the layer's cache by index."""
+        bs, h, d = self.layout.block_size, self.layout.num_kv_heads, self.layout.head_dim
+        k_cache, v_cache = storage.k.view(-1, bs, h, d), storage.v.view(-1, bs, h, d)
+        tail = chunk.end - (hi - 1) * bs
+        if tail < bs:  # the prompt's last block is partly empty: zero its unused slots (this request's own,
+            last = chunk.blocks[hi - 1]  # never written before its next token) so no stale KV is shipped
+            k_cache[last, tail:] = 0
+            v_cache[last, tail:] = 0
+        ids = torch.tensor(chunk.blocks[lo:hi], dtype=torch.long, device=k_cache.device)
+        try:
+            act.stream.send_blocks(layer, lo, k_cache, v_cache, ids)
+        except TransferFailed as exc:
+            act.error = exc
+            return
+        act.sent[layer] = hi

@@ -20,6 +20,8 @@ ARG TORCH_INDEX_cpu=https://download.pytorch.org/whl/cpu
 ARG TORCH_INDEX_cuda=https://pypi.org/simple
 # optional: a folder of wheels to prefer (e.g. `podman build -v /opt/wheels:/opt/wheels --build-arg PIP_FIND_LINKS=/opt/wheels`)
 ARG PIP_FIND_LINKS
+# optional: a CA bundle for pip behind a TLS-intercepting proxy (mounted at build time like the wheels)
+ARG PIP_CERT
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 RUN python3.11 -m venv /opt/epd
 ENV PATH=/opt/epd/bin:$PATH

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 
 import torch
 
@@ -33,22 +32,58 @@ def bucket_ladder(max_batch: int) -> tuple[int, ...]:
     return tuple(sorted(set(sizes)))
 
 
-@dataclass
-class _Buffers:
-    """Static device buffers and their pinned host mirrors, [max_batch] or [max_batch, width]."""
+_FIELDS = ("ids", "positions", "slots", "lens", "tables")
 
-    ids: torch.Tensor
-    positions: torch.Tensor
-    slots: torch.Tensor
-    lens: torch.Tensor
-    tables: torch.Tensor
 
-    @classmethod
-    def make(cls, max_batch: int, width: int, device: torch.device, pin: bool) -> "_Buffers":
-        def z(*shape: int, dtype: torch.dtype) -> torch.Tensor:
-            return torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin)
-        return cls(z(max_batch, dtype=torch.long), z(max_batch, dtype=torch.long), z(max_batch, dtype=torch.long).fill_(-1),
-                   z(max_batch, dtype=torch.int32), z(max_batch, width, dtype=torch.int32))
+class DecodeBuffers:
+    """The static inputs of a decode bucket: device buffers, [max_batch] or [max_batch, width], and host
+    mirrors (pinned on CUDA) that are filled through numpy views, so a step allocates no tensor."""
+
+    def __init__(self, max_batch: int, width: int, block_size: int, device: torch.device) -> None:
+        self.block_size = block_size
+        self.device = device
+        pin = device.type == "cuda"
+
+        def pair(*shape: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+            return (torch.zeros(shape, dtype=dtype, device=device),
+                    torch.zeros(shape, dtype=dtype, pin_memory=pin))
+        long, i32 = torch.long, torch.int32
+        made = [pair(max_batch, dtype=long), pair(max_batch, dtype=long), pair(max_batch, dtype=long),
+                pair(max_batch, dtype=i32), pair(max_batch, width, dtype=i32)]
+        self.dev = dict(zip(_FIELDS, (d for d, _ in made)))
+        self.host = dict(zip(_FIELDS, (h for _, h in made)))
+        self.dev["slots"].fill_(-1)  # what capture runs over: padding only
+        self._np = {name: t.numpy() for name, t in self.host.items()}
+        self._rows = torch.arange(max_batch, device=device)
+
+    def batch(self, b: int) -> StepBatch:
+        """The step metadata over the first ``b`` rows of the device buffers."""
+        d = self.dev
+        return StepBatch(input_ids=d["ids"][:b], positions=d["positions"][:b], slot_mapping=d["slots"][:b],
+                         num_decode=b, decode_slots=None, decode_mask=None, prefills=(),
+                         logits_indices=self._rows[:b], embed_indices=None, embeds=None,
+                         kernel=KernelMeta(d["tables"][:b], d["lens"][:b], None))
+
+    def stage(self, decodes: list[DecodeItem], bucket: int) -> None:
+        """Fill rows [0, len(decodes)) from ``decodes`` and rows up to ``bucket`` with padding (token 0,
+        slot -1, length 0), then copy the bucket's rows to the device (``non_blocking``)."""
+        n = len(decodes)
+        bs = self.block_size
+        ids, pos, slots, lens, tables = (self._np[k] for k in _FIELDS)
+        width = tables.shape[1]
+        for i, d in enumerate(decodes):
+            ids[i] = d.token_id
+            pos[i] = d.position
+            slots[i] = d.block_table[d.position // bs] * bs + d.position % bs
+            lens[i] = d.position + 1
+            used = min(len(d.block_table), width)
+            tables[i, :used] = d.block_table[:used]
+        ids[n:bucket] = 0
+        pos[n:bucket] = 0
+        slots[n:bucket] = -1
+        lens[n:bucket] = 0
+        for name in _FIELDS:
+            self.dev[name][:bucket].copy_(self.host[name][:bucket], non_blocking=True)
 
 
 class DecodeGraphs:
@@ -60,12 +95,8 @@ class DecodeGraphs:
             raise ValueError("CUDA graphs need the cache on a CUDA device")
         self.model, self.cache, self.ops = model, cache, ops
         self.buckets = bucket_ladder(max_batch)
-        width = cache.blocks_for(max_model_len)
-        self._dev = _Buffers.make(self.buckets[-1], width, cache.device, pin=False)
-        self._host = _Buffers.make(self.buckets[-1], width, torch.device("cpu"), pin=True)
-        # numpy views of the pinned buffers: filling them allocates no tensor
-        self._np = {name: getattr(self._host, name).numpy() for name in ("ids", "positions", "slots", "lens", "tables")}
-        self._rows = torch.arange(self.buckets[-1], device=cache.device)
+        self.buffers = DecodeBuffers(self.buckets[-1], cache.blocks_for(max_model_len), cache.block_size,
+                                     cache.device)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.capture_seconds = 0.0
         self.replays = 0  # decode steps served by a graph
@@ -73,12 +104,6 @@ class DecodeGraphs:
     @property
     def max_batch(self) -> int:
         return self.buckets[-1]
-
-    def _batch(self, b: int) -> StepBatch:
-        d = self._dev
-        return StepBatch(input_ids=d.ids[:b], positions=d.positions[:b], slot_mapping=d.slots[:b], num_decode=b,
-                         decode_slots=None, decode_mask=None, prefills=(), logits_indices=self._rows[:b],
-                         embed_indices=None, embeds=None, kernel=KernelMeta(d.tables[:b], d.lens[:b], None))
 
     def capture(self) -> None:
         """Capture every bucket, largest first so the smaller ones reuse its memory pool. The static
@@ -89,12 +114,12 @@ class DecodeGraphs:
         stream.wait_stream(torch.cuda.current_stream(self.cache.device))
         with torch.cuda.stream(stream):  # warm-up: compiles the Triton kernels outside any capture
             for b in self.buckets:
-                self.model(self._batch(b), self.cache, None, self.ops)
+                self.model(self.buffers.batch(b), self.cache, None, self.ops)
         torch.cuda.current_stream(self.cache.device).wait_stream(stream)
         for b in reversed(self.buckets):
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                logits = self.model(self._batch(b), self.cache, None, self.ops)
+                logits = self.model(self.buffers.batch(b), self.cache, None, self.ops)
             self._graphs[b] = (graph, logits)
         torch.cuda.synchronize(self.cache.device)
         self.capture_seconds = time.perf_counter() - start
@@ -112,24 +137,8 @@ class DecodeGraphs:
         The result is a view of the graph's output: valid until the next replay. The caller must
         have synchronised with the previous step (sampling reads its logits back), since this
         overwrites the pinned buffers the previous step's copies read from."""
-        n = len(decodes)
-        bs = self.cache.block_size
-        ids, pos, slots, lens, tables = (self._np[k] for k in ("ids", "positions", "slots", "lens", "tables"))
-        width = tables.shape[1]
-        for i, d in enumerate(decodes):
-            ids[i] = d.token_id
-            pos[i] = d.position
-            slots[i] = d.block_table[d.position // bs] * bs + d.position % bs
-            lens[i] = d.position + 1
-            used = min(len(d.block_table), width)
-            tables[i, :used] = d.block_table[:used]
-        ids[n:bucket] = 0
-        pos[n:bucket] = 0
-        slots[n:bucket] = -1
-        lens[n:bucket] = 0
-        for name in ("ids", "positions", "slots", "lens", "tables"):
-            getattr(self._dev, name)[:bucket].copy_(getattr(self._host, name)[:bucket], non_blocking=True)
+        self.buffers.stage(decodes, bucket)
         graph, logits = self._graphs[bucket]
         graph.replay()
         self.replays += 1
-        return logits[:n]
+        return logits[:len(decodes)]

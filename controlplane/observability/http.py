@@ -75,7 +75,8 @@ class ObservabilityMiddleware:
         finally:
             if OBSERVABILITY.metrics:
                 metrics.REQUESTS.labels(metrics.MODEL.value, route, str(status[0])).inc()
-                metrics.TIMELINE.answered(status[0])
+                if route in GENERATION_ROUTES:  # the dashboard's request and error rates: completions only
+                    metrics.TIMELINE.answered(status[0])
             if span is not None:
                 span.set_attribute("http.response.status_code", status[0])
                 if status[0] >= 500:

@@ -33,6 +33,8 @@ from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, Pla
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from controlplane.observability.timeline import Timeline
+
 if TYPE_CHECKING:
     from controlplane.admin import PoolView
 
@@ -300,6 +302,8 @@ class RequestLog:
             self._open[request_id] = rec
             while len(self._open) > self._max_open:  # a caller that never closes cannot grow this
                 self._open.popitem(last=False)
+            in_flight = len(self._open)
+        TIMELINE.depth(CLUSTER.waiting(), in_flight)
         return rec
 
     def get(self, request_id: str) -> RequestRecord | None:
@@ -311,12 +315,20 @@ class RequestLog:
             rec = self._open.pop(request_id, None)
             if rec is not None:
                 self.finished.append(rec)
+            in_flight = len(self._open)
+        TIMELINE.depth(CLUSTER.waiting(), in_flight)
+        if rec is not None and rec.e2e_s is not None:  # answered whole: its latencies join the history
+            latencies = [(m, v) for m, v in (("ttft", rec.ttft_s), ("tpot", rec.tpot_s), ("e2e", rec.e2e_s))
+                         if v is not None]
+            latencies += [(f"stage:{k}", v) for k, v in rec.stages.items()]
+            TIMELINE.finished(latencies, rec.kv_logical_bytes, rec.kv_wire_bytes)
 
     def recent(self, since: float = 0.0) -> list[RequestRecord]:
         with self._lock:
             return [r for r in self.finished if r.started_at >= since]
 
 
+TIMELINE = Timeline()  # the dashboard's six hours of history
 REQUEST_LOG = RequestLog()
 
 

@@ -81,7 +81,8 @@ def served(tmp_path_factory, default_ckpt) -> Iterator[Served]:
     small = {"kv_cache_bytes": 32 * 2**20}
     with serve_process({"model": str(default_ckpt), "transfer": {"codec_policy": "fp32"},
                         "api": {"admin_token": ADMIN_TOKEN},
-                        "encode": {"num_cpus": 0.25, "engine": small}, "prefill": {"num_cpus": 0.25, "engine": small},
+                        # prefill takes 1 of Ray's 2 CPUs: a second prefill replica cannot be placed (pending)
+                        "encode": {"num_cpus": 0.25, "engine": small}, "prefill": {"num_cpus": 1.0, "engine": small},
                         "decode": {"replicas": 1, "num_cpus": 0.25, "engine": small}}, tmp) as s:
         yield s
 
@@ -152,7 +153,8 @@ def test_dashboard_shows_live_pools_and_charts_and_scales_a_pool(served: Served,
     page.wait_for("Number(document.getElementById('ttft-chart').dataset.points) > 0")
     charts = page.eval("""(() => {
         const out = {};
-        for (const id of ['ttft-chart', 'tpot-chart', 'kv-chart', 'kvutil-chart']) {
+        for (const id of ['ttft-chart', 'tpot-chart', 'kv-chart', 'kvutil-chart', 'rate-chart', 'queue-chart',
+                          'stage-chart', 'prefill-kv-chart']) {
             const c = document.getElementById(id), ctx = c.getContext('2d');
             const px = ctx.getImageData(0, 0, c.width, c.height).data;
             let inked = 0; for (let i = 3; i < px.length; i += 4) if (px[i] > 0) inked++;
@@ -164,7 +166,14 @@ def test_dashboard_shows_live_pools_and_charts_and_scales_a_pool(served: Served,
     assert charts["ttft-chart"]["points"] > 0 and charts["ttft-chart"]["max"] > 0
     assert charts["tpot-chart"]["points"] > 0 and charts["kv-chart"]["max"] > 0
     assert charts["kvutil-chart"]["points"] == 1  # one decode worker
-    assert all(charts[c]["inked"] > 500 for c in ("ttft-chart", "tpot-chart", "kv-chart", "kvutil-chart")), charts
+    assert all(charts[c]["inked"] > 500 for c in ("ttft-chart", "tpot-chart", "kv-chart", "kvutil-chart", "rate-chart",
+                                                  "queue-chart", "stage-chart", "prefill-kv-chart")), charts
+    assert charts["rate-chart"]["max"] > 0 and charts["stage-chart"]["points"] > 0
+    assert charts["prefill-kv-chart"]["points"] == 1  # prefill KV use: one prefill worker
+    assert set(charts["state"]["stages"]) >= {"queue", "prefill", "decode"}, charts["state"]["stages"].keys()
+    # worker ids and figures drawn whole: the bars' columns are measured, the chips wrap
+    assert page.eval("document.getElementById('kvutil-chart').dataset.labelsFit") == "true"
+    assert page.eval("[...document.querySelectorAll('.worker')].every(w => w.textContent.includes(w.title))")
     ttft_p50 = max(v for v in charts["state"]["ttft_p50_ms"] if v is not None)
     assert 0 < ttft_p50 < 60_000 and "ms" in charts["ttftLegend"]
     # the recent requests, each with its journal timeline (journal writes may land a moment later)
@@ -190,13 +199,35 @@ def test_dashboard_shows_live_pools_and_charts_and_scales_a_pool(served: Served,
     page.wait_for("document.querySelector('#pools tr[data-pool=decode] .ready').textContent === '2' && "
                   "document.querySelectorAll('#pools tr[data-pool=decode] .worker').length === 2", within_s=20)
     metrics = httpx.get(f"{served.base}/metrics", timeout=10).text
-    assert 'epd:replicas_desired{pool="decode"} 2.0' in metrics and 'epd:replicas_ready{pool="decode"} 2.0' in metrics
+    model = httpx.get(f"{served.base}/v1/models").json()["data"][0]["id"]
+    assert f'epd:replicas_desired{{model_name="{model}",pool="decode"}} 2.0' in metrics
+    assert f'epd:replicas_ready{{model_name="{model}",pool="decode"}} 2.0' in metrics
     decode_ids = {w["worker_id"] for w in _admin_pools(served)["decode"]["workers"]}
     for wid in decode_ids:  # KV blocks per decode worker, from the registry the workers heartbeat into
         for gauge in ("epd:kv_blocks_free", "epd:kv_blocks_used"):
-            assert f'{gauge}{{worker_id="{wid}"}}' in metrics, gauge
+            assert f'{gauge}{{model_name="{model}",worker_id="{wid}"}}' in metrics, gauge
     _grafana_reads_only_exported_metrics(metrics)
     page.wait_for("Number(document.getElementById('kvutil-chart').dataset.points) === 2", within_s=20)
+
+    # a replica Ray cannot place shows on the page with what it waits for, within seconds
+    scaled = httpx.put(f"{served.base}/admin/pools/prefill", json={"replicas": 2},
+                       headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=10)
+    assert scaled.status_code == 200
+    pending = page.wait_for("(() => { const p = document.querySelector('#pools tr[data-pool=prefill] .pending.waiting');"
+                            " return p && p.textContent; })()", within_s=10)
+    assert "waiting for Ray resources: needs CPU 1, the cluster has 2" in pending, pending
+
+    # the windows: 1 h and 6 h redraw the charts over their span
+    for window, label in ((3600, "1 h"), (21600, "6 h")):
+        page.click(f"#window button[data-window='{window}']")
+        page.wait_for(f"window.epdDashboard.state.window_s === {window} && "
+                      f"Number(document.getElementById('ttft-chart').dataset.points) > 0")
+        assert label in page.eval("document.getElementById('totals').textContent")
+    ARTIFACTS.mkdir(exist_ok=True)
+    shot6h = base64.b64decode(page.call("Page.captureScreenshot", format="png", captureBeyondViewport=True)["data"])
+    (ARTIFACTS / "dashboard-6h.png").write_bytes(shot6h)
+    page.click("#window button[data-window='300']")
+    page.wait_for("window.epdDashboard.state.window_s === 300")
 
     # offline: everything the page loaded came from the control plane
     urls = [e["params"]["request"]["url"] for e in page.events if e.get("method") == "Network.requestWillBeSent"]

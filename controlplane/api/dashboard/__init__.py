@@ -2,19 +2,22 @@
 works offline) and one JSON endpoint it polls every two seconds.
 
   GET /dashboard             the page (index.html, dashboard.js, dashboard.css from this folder)
-  GET /dashboard/api/state   pools (replicas desired/ready, each worker's health and load, KV blocks),
-                             time series of the last five minutes in 5 s buckets (TTFT p50/p90, TPOT
-                             p50, requests, KV transfer bytes/s), and the recent requests with their
-                             stage times and journal transitions
+  GET /dashboard/api/state?window=300|3600|21600
+                             pools (replicas desired/ready/pending with what each pending one waits for,
+                             each worker's health, load and KV blocks, the pool's KV use), time series over
+                             the window (requests/s, errors/s and error %, queue depth: waiting and in
+                             flight, TTFT/TPOT/E2E and per-stage p50/p90, KV transfer MB/s; from
+                             ``observability.timeline``), and the recent requests with their stage times
+                             and journal transitions
 
-The page and its data need no token (they show load, not secrets: no worker addresses, no prompts);
+The page and its data show load, not secrets (no worker addresses, no prompts); with ``api.ops_token`` set
+they need it (``auth.OpsAuth``);
 scaling goes through the admin API (``PUT /admin/pools/{pool}``), and the page asks for the admin
 token before it sends one.
 """
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -24,7 +27,8 @@ import anyio.to_thread
 from fastapi import APIRouter, HTTPException
 from starlette.responses import FileResponse, JSONResponse, Response
 
-from controlplane.observability.metrics import REQUEST_LOG, RequestRecord
+from controlplane.observability.metrics import REQUEST_LOG, TIMELINE, RequestRecord
+from controlplane.observability.timeline import WINDOWS_S
 
 if TYPE_CHECKING:
     from controlplane.admin import PoolView
@@ -32,8 +36,7 @@ if TYPE_CHECKING:
 
 HERE = Path(__file__).resolve().parent
 ASSETS = {"dashboard.js": "text/javascript", "dashboard.css": "text/css"}
-WINDOW_S = 300.0
-BUCKET_S = 5.0
+WINDOW_S = 300  # the recent-requests table, and the charts' default window
 RECENT = 15
 
 
@@ -52,14 +55,16 @@ def dashboard_router(pools: Callable[[], list["PoolView"]], journal: "RequestJou
         return FileResponse(HERE / asset, media_type=ASSETS[asset])
 
     @router.get("/api/state")
-    async def state() -> Response:
-        return JSONResponse(await anyio.to_thread.run_sync(dashboard_state, pools, journal))  # reads Redis
+    async def state(window: int = 300) -> Response:
+        if window not in WINDOWS_S:
+            raise HTTPException(400, f"window must be one of {', '.join(map(str, WINDOWS_S))} seconds, not {window}")
+        return JSONResponse(await anyio.to_thread.run_sync(dashboard_state, pools, journal, None, window))
 
     return router
 
 
 def dashboard_state(pools: Callable[[], list["PoolView"]], journal: "RequestJournal | None",
-                    now: float | None = None) -> dict[str, Any]:
+                    now: float | None = None, window_s: int = WINDOW_S) -> dict[str, Any]:
     now = time.time() if now is None else now
     try:
         pool_rows, pools_error = [_pool(p) for p in pools()], None
@@ -67,9 +72,26 @@ def dashboard_state(pools: Callable[[], list["PoolView"]], journal: "RequestJour
         pool_rows, pools_error = [], f"cannot read pools: {exc}"
     records = REQUEST_LOG.recent(since=now - WINDOW_S)
     recent = [_request(r, journal) for r in reversed(records[-RECENT:])]
-    return {"now": now, "pools": pool_rows, "pools_error": pools_error, "series": series(records, now),
-            "totals": {"requests": len(records), "errors": sum(r.status >= 400 for r in records)},
-            "recent": recent}
+    view = TIMELINE.view(window_s, now)
+    bucket_s = (view["t"][1] - view["t"][0]) if len(view["t"]) > 1 else float(window_s)
+    answered = round(sum(view["requests_per_s"]) * bucket_s)
+    errors = round(sum(view["errors_per_s"]) * bucket_s)
+    return {"now": now, "window_s": window_s, "bucket_s": bucket_s, "pools": pool_rows, "pools_error": pools_error,
+            "series": series(view), "totals": {"requests": answered, "errors": errors}, "recent": recent}
+
+
+def series(view: dict[str, Any]) -> dict[str, Any]:
+    """The charts' series from a ``Timeline.view``: rates, queue depths, KV throughput, TTFT/TPOT/E2E
+    quantiles and each stage's p50 / p90 (``stages``: stage -> {"p50_ms": [...], "p90_ms": [...]})."""
+    lat = view["latency"]
+    n = len(view["t"])
+    none = [None] * n
+    stages = {m.removeprefix("stage:").removesuffix("_p50_ms"): {"p50_ms": v, "p90_ms": lat[m.replace("_p50_", "_p90_")]}
+              for m, v in lat.items() if m.startswith("stage:") and m.endswith("_p50_ms")}
+    return {**{k: v for k, v in view.items() if k != "latency"},
+            "ttft_p50_ms": lat.get("ttft_p50_ms", none), "ttft_p90_ms": lat.get("ttft_p90_ms", none),
+            "tpot_p50_ms": lat.get("tpot_p50_ms", none), "e2e_p50_ms": lat.get("e2e_p50_ms", none),
+            "e2e_p90_ms": lat.get("e2e_p90_ms", none), "stages": stages}
 
 
 def _pool(view: "PoolView") -> dict[str, Any]:
@@ -94,39 +116,4 @@ def _request(r: RequestRecord, journal: "RequestJournal | None") -> dict[str, An
         except Exception:  # the journal is best effort
             entries = []
     out["journal"] = entries
-    return out
-
-
-def _quantile(xs: list[float], q: float) -> float | None:
-    if not xs:
-        return None
-    s = sorted(xs)
-    pos = q * (len(s) - 1)
-    lo = int(pos)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
-
-
-def series(records: list[RequestRecord], now: float) -> dict[str, list[float | None]]:
-    """Per BUCKET_S bucket of the last WINDOW_S seconds (oldest first), by each request's finish time."""
-    n = int(WINDOW_S / BUCKET_S)
-    start = now - n * BUCKET_S
-    buckets: list[list[RequestRecord]] = [[] for _ in range(n)]
-    for r in records:
-        done = r.started_at + (r.e2e_s or 0.0)
-        i = math.floor((done - start) / BUCKET_S)
-        if 0 <= i < n:
-            buckets[i].append(r)
-    out: dict[str, list[float | None]] = {"t": [], "ttft_p50_ms": [], "ttft_p90_ms": [], "tpot_p50_ms": [],
-                                          "requests_per_s": [], "kv_logical_mb_s": [], "kv_wire_mb_s": []}
-    for i, b in enumerate(buckets):
-        ttft = [r.ttft_s * 1e3 for r in b if r.ttft_s is not None]
-        tpot = [r.tpot_s * 1e3 for r in b if r.tpot_s is not None]
-        out["t"].append(start + (i + 1) * BUCKET_S)
-        out["ttft_p50_ms"].append(_quantile(ttft, 0.5))
-        out["ttft_p90_ms"].append(_quantile(ttft, 0.9))
-        out["tpot_p50_ms"].append(_quantile(tpot, 0.5))
-        out["requests_per_s"].append(len(b) / BUCKET_S)
-        out["kv_logical_mb_s"].append(sum(r.kv_logical_bytes for r in b) / BUCKET_S / 1e6)
-        out["kv_wire_mb_s"].append(sum(r.kv_wire_bytes for r in b) / BUCKET_S / 1e6)
     return out

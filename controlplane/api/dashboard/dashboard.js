@@ -2,10 +2,11 @@
 "use strict";
 
 const REFRESH_MS = 2000;
-const COLORS = ["#2f6fde", "#e07b22", "#1d8a4e", "#8a3ffc"];
+const COLORS = ["#2f6fde", "#e07b22", "#1d8a4e", "#8a3ffc", "#c8372d", "#0f9fb0", "#9a6b00", "#d0479b"];
+const WINDOW_LABELS = { 300: "-5 min", 3600: "-1 h", 21600: "-6 h" };
 const TOKEN_KEY = "epd-admin-token";
 const STAGES = ["queue", "reserve", "encode", "prefill", "kv_transfer", "decode", "complete", "stream"];
-const dash = (window.epdDashboard = { state: null, polls: 0, errors: 0 });
+const dash = (window.epdDashboard = { state: null, polls: 0, errors: 0, window: 300 });
 // api.ops_token: the page was opened as /dashboard?token=...; its data requests send it as a header
 const opsToken = new URLSearchParams(window.location.search).get("token");
 const opsHeaders = () => (opsToken ? { Authorization: `Bearer ${opsToken}` } : {});
@@ -44,9 +45,12 @@ function setupCanvas(canvas) {
 // A line chart of several series over the same x (null = no data: the line breaks there).
 function lineChart(canvas, legend, series, unit) {
   const { ctx, w, h } = setupCanvas(canvas);
-  const pad = { l: 44, r: 8, t: 8, b: 18 };
   const values = series.flatMap((s) => s.values.filter((v) => v !== null && v !== undefined));
   const max = niceMax(Math.max(0, ...values));
+  const tick = (v) => (v >= 100 ? v.toFixed(0) : v.toPrecision(2));
+  // the y axis is as wide as its widest label, so no label is cut off
+  const labelW = Math.max(...[0, 1, 2, 3, 4].map((g) => ctx.measureText(tick((max * g) / 4)).width));
+  const pad = { l: Math.ceil(labelW) + 10, r: 8, t: 8, b: 18 };
   const n = Math.max(1, ...series.map((s) => s.values.length));
   const x = (i) => pad.l + (i / Math.max(1, n - 1)) * (w - pad.l - pad.r);
   const y = (v) => h - pad.b - (v / max) * (h - pad.t - pad.b);
@@ -54,10 +58,10 @@ function lineChart(canvas, legend, series, unit) {
   for (let g = 0; g <= 4; g++) {
     const v = (max * g) / 4, yy = Math.round(y(v)) + 0.5;
     ctx.beginPath(); ctx.moveTo(pad.l, yy); ctx.lineTo(w - pad.r, yy); ctx.stroke();
-    ctx.fillText(v >= 100 ? v.toFixed(0) : v.toPrecision(2), 4, yy + 4);
+    ctx.fillText(tick(v), 4, yy + 4);
   }
-  ctx.fillText("-5 min", pad.l, h - 4);
-  ctx.fillText("now", w - pad.r - 20, h - 4);
+  ctx.fillText(WINDOW_LABELS[dash.window] || "", pad.l, h - 4);
+  ctx.fillText("now", w - pad.r - ctx.measureText("now").width, h - 4);
   let points = 0;
   series.forEach((s, k) => {
     ctx.strokeStyle = ctx.fillStyle = COLORS[k % COLORS.length]; ctx.lineWidth = 2;
@@ -76,31 +80,37 @@ function lineChart(canvas, legend, series, unit) {
   canvas.dataset.max = String(Math.max(0, ...values));
   legend.replaceChildren(...series.map((s, k) => {
     const last = [...s.values].reverse().find((v) => v !== null && v !== undefined);
-    return el("span", { style: `color:${COLORS[k % COLORS.length]};margin-right:8px` },
+    return el("span", { class: "key", style: `color:${COLORS[k % COLORS.length]}` },
       `${s.name} ${last === undefined ? "–" : last.toFixed(2) + " " + unit}`);
   }));
 }
 
-// Horizontal bars: KV blocks used / total per decode worker.
-function kvBars(canvas, legend, workers) {
+// Horizontal bars: KV blocks used / total per worker of a pool. The label and value columns are as wide as
+// their widest text, so worker ids and figures are drawn whole.
+function kvBars(canvas, legend, workers, pool) {
   const { ctx, w, h } = setupCanvas(canvas);
   const rowH = Math.min(28, (h - 8) / Math.max(1, workers.length));
+  const value = (wk) => `${wk.kv_used}/${wk.kv_total} (${(100 * (wk.kv_total ? wk.kv_used / wk.kv_total : 0)).toFixed(1)}%)`;
+  const labelW = Math.max(0, ...workers.map((wk) => ctx.measureText(wk.worker_id).width)) + 12;
+  const valueW = Math.max(0, ...workers.map((wk) => ctx.measureText(value(wk)).width)) + 8;
+  const barW = Math.max(20, w - labelW - valueW - 8);
   workers.forEach((wk, i) => {
     const yy = 4 + i * rowH, frac = wk.kv_total ? wk.kv_used / wk.kv_total : 0;
-    ctx.fillStyle = "#6b7383"; ctx.fillText(wk.worker_id.slice(-14), 4, yy + rowH / 2 + 4);
-    ctx.fillStyle = "#e3e6ec"; ctx.fillRect(110, yy + 4, w - 190, rowH - 8);
-    ctx.fillStyle = COLORS[0]; ctx.fillRect(110, yy + 4, (w - 190) * frac, rowH - 8);
-    ctx.fillStyle = "#1d2330"; ctx.fillText(`${wk.kv_used}/${wk.kv_total} (${(100 * frac).toFixed(1)}%)`, w - 76, yy + rowH / 2 + 4);
+    ctx.fillStyle = "#6b7383"; ctx.fillText(wk.worker_id, 4, yy + rowH / 2 + 4);
+    ctx.fillStyle = "#e3e6ec"; ctx.fillRect(labelW, yy + 4, barW, rowH - 8);
+    ctx.fillStyle = COLORS[0]; ctx.fillRect(labelW, yy + 4, barW * frac, rowH - 8);
+    ctx.fillStyle = "#1d2330"; ctx.fillText(value(wk), labelW + barW + 8, yy + rowH / 2 + 4);
   });
   canvas.dataset.points = String(workers.length);
-  legend.textContent = workers.length ? `${workers.length} decode worker(s)` : "no decode workers";
+  canvas.dataset.labelsFit = String(labelW + barW + valueW <= w + 1);
+  legend.textContent = workers.length ? `${workers.length} ${pool} worker(s)` : `no ${pool} workers`;
 }
 
 function workerChip(wk) {
   const frac = wk.kv_total ? (100 * wk.kv_used) / wk.kv_total : 0;
   return el("span", { class: "worker", title: wk.worker_id },
     el("span", { class: `badge ${wk.draining ? "draining" : "serving"}` }, wk.draining ? "draining" : "serving"),
-    ` ${wk.worker_id.slice(-8)} · ${wk.running} · ${wk.queued_tokens}`,
+    ` ${wk.worker_id} · ${wk.running} · ${wk.queued_tokens}`,
     ...(wk.kv_total ? [el("span", { class: "kvbar", title: `${wk.kv_used}/${wk.kv_total} KV blocks` },
       el("span", { style: `width:${frac.toFixed(1)}%` }))] : []));
 }
@@ -117,16 +127,23 @@ function renderPools(pools, error) {
       const input = el("input", { type: "number", min: "0", max: "1000", value: String(p.target ?? p.ready), "data-pool": p.pool, "aria-label": `${p.pool} replicas` });
       const button = el("button", { "data-pool": p.pool, type: "button" }, "Scale");
       button.addEventListener("click", () => scale(p.pool, input.value));
-      const cells = [el("td", {}, p.pool), el("td", { class: "desired" }), el("td", { class: "ready" }), el("td", { class: "workers" }),
-        el("td", { class: "scale" }, input, " ", button)];
+      const kv = el("td", { class: "kv-use" });
+      const cells = [el("td", {}, p.pool), el("td", { class: "desired" }), el("td", { class: "ready" }), kv,
+        el("td", { class: "workers" }), el("td", { class: "scale" }, input, " ", button)];
       const row = el("tr", { "data-pool": p.pool }, ...cells);
       body.append(row);
-      entry = { row, cells };
+      entry = { row, cells, kv };
       poolRows.set(p.pool, entry);
     }
     entry.cells[1].textContent = p.target === null ? "–" : String(p.target);
     entry.cells[2].textContent = String(p.ready);
-    entry.cells[3].replaceChildren(...(p.workers.length ? p.workers.map(workerChip) : [el("span", { class: "muted" }, "none")]));
+    entry.cells[4].replaceChildren(
+      ...(p.workers.length ? p.workers.map(workerChip) : [el("span", { class: "muted" }, "none")]),
+      ...(p.pending || []).map((r) => el("div", { class: `pending ${r.placed ? "placed" : "waiting"}`, title: r.name },
+        `${r.name}: pending ${Math.round(r.waiting_s)} s, ${r.reason}`)),
+      ...(p.problem ? [el("div", { class: "pending waiting" }, p.problem)] : []));
+    entry.cells[1].title = p.problem || "";
+    entry.kv.textContent = p.kv_usage === null || p.kv_usage === undefined ? "–" : `${(100 * p.kv_usage).toFixed(1)}%`;
   }
 }
 
@@ -144,7 +161,8 @@ function timeline(journal) {
 }
 
 function renderRecent(recent, totals) {
-  document.getElementById("totals").textContent = `${totals.requests} in the last 5 min, ${totals.errors} failed`;
+  document.getElementById("totals").textContent =
+    `${totals.requests} answered in the last ${WINDOW_LABELS[dash.window].slice(1)}, ${totals.errors} failed`;
   const body = document.querySelector("#recent tbody");
   body.replaceChildren(...recent.map((r) => el("tr", { "data-request": r.request_id },
     el("td", { title: r.request_id }, r.request_id.slice(0, 8)),
@@ -158,22 +176,34 @@ function renderRecent(recent, totals) {
 function render(state) {
   renderPools(state.pools, state.pools_error);
   const s = state.series;
+  const errPct = [...s.error_pct].reverse().find((v) => v !== null);
+  lineChart(document.getElementById("rate-chart"), document.getElementById("rate-legend"),
+    [{ name: "requests", values: s.requests_per_s }, { name: "errors", values: s.errors_per_s }], "/s");
+  document.getElementById("error-pct").textContent = errPct === undefined ? "" : `errors ${errPct.toFixed(1)}% of answers`;
+  lineChart(document.getElementById("queue-chart"), document.getElementById("queue-legend"),
+    [{ name: "waiting", values: s.waiting }, { name: "in flight", values: s.in_flight }], "");
+  const stages = STAGES.filter((k) => k in s.stages);
+  lineChart(document.getElementById("stage-chart"), document.getElementById("stage-legend"),
+    stages.map((k) => ({ name: k, values: s.stages[k].p50_ms })), "ms");
   lineChart(document.getElementById("ttft-chart"), document.getElementById("ttft-legend"),
     [{ name: "p50", values: s.ttft_p50_ms }, { name: "p90", values: s.ttft_p90_ms }], "ms");
   lineChart(document.getElementById("tpot-chart"), document.getElementById("tpot-legend"),
     [{ name: "p50", values: s.tpot_p50_ms }], "ms");
   lineChart(document.getElementById("kv-chart"), document.getElementById("kv-legend"),
     [{ name: "logical", values: s.kv_logical_mb_s }, { name: "wire", values: s.kv_wire_mb_s }], "MB/s");
-  const decode = state.pools.find((p) => p.pool === "decode");
-  kvBars(document.getElementById("kvutil-chart"), document.getElementById("kvutil-legend"), decode ? decode.workers : []);
+  const decode = state.pools.find((p) => p.pool === "decode"), prefill = state.pools.find((p) => p.pool === "prefill");
+  kvBars(document.getElementById("kvutil-chart"), document.getElementById("kvutil-legend"), decode ? decode.workers : [], "decode");
+  kvBars(document.getElementById("prefill-kv-chart"), document.getElementById("prefill-kv-legend"),
+    prefill ? prefill.workers : [], "prefill");
   renderRecent(state.recent, state.totals);
 }
 
 async function poll() {
   try {
-    const resp = await fetch("/dashboard/api/state", { cache: "no-store", headers: opsHeaders() });
+    const resp = await fetch(`/dashboard/api/state?window=${dash.window}`, { cache: "no-store", headers: opsHeaders() });
     if (!resp.ok) throw new Error(`HTTP ${resp.status}`);
     const state = await resp.json();
+    if (state.window_s !== dash.window) return; // an answer for the window before a switch
     dash.state = state; dash.polls++;
     render(state);
     document.getElementById("updated").textContent = `updated ${new Date(state.now * 1000).toLocaleTimeString()}`;
@@ -181,7 +211,8 @@ async function poll() {
     dash.errors++;
     document.getElementById("updated").textContent = `cannot reach the control plane: ${err.message}`;
   } finally {
-    setTimeout(poll, REFRESH_MS);
+    clearTimeout(dash.timer);
+    dash.timer = setTimeout(poll, REFRESH_MS);
   }
 }
 
@@ -222,6 +253,16 @@ async function scale(pool, value) {
   status.textContent = resp.ok ? `${pool}: target set to ${replicas} replicas; the pool manager reconciles within a few seconds`
     : `scaling ${pool} failed: HTTP ${resp.status} ${detail}`;
   status.dataset.result = resp.ok ? "ok" : "error";
+}
+
+// the window buttons: 5 min, 1 h, 6 h; the next poll (started at once) draws the new window
+for (const button of document.querySelectorAll("#window button")) {
+  button.addEventListener("click", () => {
+    dash.window = Number(button.dataset.window);
+    for (const b of document.querySelectorAll("#window button")) b.setAttribute("aria-pressed", String(b === button));
+    clearTimeout(dash.timer);
+    poll();
+  });
 }
 
 poll();

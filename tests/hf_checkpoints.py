@@ -76,7 +76,7 @@ def write_text_model(folder: Path, arch: str = "llama", seed: int = 0) -> Path:
 
 
 def write_llava(folder: Path, text_arch: str = "llama", seed: int = 0, strategy: str = "default",
-                vision_feature_layer: int | list[int] = -2) -> Path:
+                vision_feature_layer: int | list[int] = -2, max_shard_size: str | None = None) -> Path:
     """A ``LlavaForConditionalGeneration`` folder: CLIP tower, projector, Llama/Qwen2 language model,
     tokenizer and LlavaProcessor (CLIP image processor, chat template), as transformers saves them."""
     import transformers
@@ -91,7 +91,7 @@ def write_llava(folder: Path, text_arch: str = "llama", seed: int = 0, strategy:
     torch.manual_seed(seed)
     model = transformers.LlavaForConditionalGeneration(config)
     _spread(model, seed)
-    model.eval().save_pretrained(folder)
+    model.eval().save_pretrained(folder, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
     size = VISION["image_size"]
     image_processor = transformers.CLIPImageProcessor(size={"shortest_edge": size},
                                                       crop_size={"height": size, "width": size})

@@ -320,3 +320,12 @@ def test_a_config_listing_only_what_differs_from_transformers_defaults_loads_the
     full, hub = load_model(llava_dirs["llama"]), load_model(folder)
     assert hub.config == full.config and hub.vision.config == full.vision.config
     assert hub.model.fingerprint() == full.model.fingerprint() and hub.vision.fingerprint() == full.vision.fingerprint()
+
+
+def test_a_sharded_llava_checkpoint_loads_the_same_model(llava_dirs, tmp_path):
+    """Shards and their index (as save_pretrained writes them past max_shard_size) hold the same tensors."""
+    folder = write_llava(tmp_path / "sharded", max_shard_size="40KB")
+    assert (folder / "model.safetensors.index.json").exists() and len(list(folder.glob("*.safetensors"))) > 2
+    whole, sharded = load_model(llava_dirs["llama"]), load_model(folder)
+    assert whole.model.fingerprint() == sharded.model.fingerprint()
+    assert whole.vision.fingerprint() == sharded.vision.fingerprint()

@@ -272,14 +272,15 @@ def test_a_trace_its_client_did_not_sample_records_no_span_anywhere(stack: Stack
 def test_a_kv_transfer_failure_is_counted_once_and_marks_its_spans(stack: Stack, default_bundle):
     """A decode worker whose layout differs (8-token blocks against 16) refuses the push at the handshake."""
     from controlplane.dispatch import DispatchError, Route, WorkerRequest
-    from controlplane.observability.metrics import REGISTRY
+    from controlplane.observability.metrics import MODEL, REGISTRY
     from workers.runtime.sampler import SamplingParams
 
     bad = start_worker("decode", default_bundle, SECURITY, codecs=("fp32",) * stack.num_layers,
                        config=EngineConfig(kv_cache_bytes=16 * 2**20, block_size=8))
     dispatcher = Dispatcher(SECURITY)
     def failures() -> float:
-        return REGISTRY.get_sample_value("epd:kv_transfer_failures_total", {"code": "FAILED_PRECONDITION"}) or 0.0
+        labels = {"code": "FAILED_PRECONDITION", "model_name": MODEL.value}
+        return REGISTRY.get_sample_value("epd:kv_transfer_failures_total", labels) or 0.0
 
     before = failures()
     try:

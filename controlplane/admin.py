@@ -15,7 +15,7 @@ from __future__ import annotations
 import hmac
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio.to_thread
 from fastapi import APIRouter, Header, HTTPException, Request
@@ -29,6 +29,7 @@ from controlplane.state.registry import WorkerRegistry
 
 if TYPE_CHECKING:
     from controlplane.pools.status import PendingReplica
+    from kvtransfer.auth import TransferSecurity
 
 
 @dataclass(frozen=True)
@@ -83,14 +84,16 @@ def pools_status(conn: StateConnection, registry: WorkerRegistry, starts: PoolSt
     return out
 
 
-def drain_over_rpc(registry: WorkerRegistry, security) -> Callable[[str], bool]:  # type: ignore[no-untyped-def]
+def drain_over_rpc(registry: WorkerRegistry, security: TransferSecurity) -> Callable[[str], bool]:
     """``on_drain`` for a live deployment: tell the worker itself (its Drain RPC) to refuse new work."""
     import grpc
 
     from epd.worker.v1 import worker_pb2 as wpb
     from epd.worker.v1 import worker_pb2_grpc as wgrpc
 
-    stubs = {"encode": wgrpc.EncodeWorkerStub, "prefill": wgrpc.PrefillWorkerStub, "decode": wgrpc.DecodeWorkerStub}
+    # the generated stubs are untyped: their methods are Any
+    stubs: dict[str, Callable[[grpc.Channel], Any]] = {
+        "encode": wgrpc.EncodeWorkerStub, "prefill": wgrpc.PrefillWorkerStub, "decode": wgrpc.DecodeWorkerStub}
 
     def drain(worker_id: str) -> bool:
         record = registry.find(worker_id)

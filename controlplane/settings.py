@@ -16,7 +16,7 @@ import os
 import typing
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
 import yaml
@@ -26,6 +26,12 @@ from pydantic_settings import SettingsError as _SourceError
 
 from controlplane.scheduler.policies import available_policies
 from kvtransfer.policy import PolicyError, parse_policy
+
+if TYPE_CHECKING:  # torch and the engine: imported where a device or config is built, not with the settings
+    import torch
+
+    from workers.runtime.engine import EngineConfig
+    from workers.runtime.kv_cache import CacheDType
 
 MiB = 2**20
 LOSSLESS = "lossless"  # transfer.codec_policy: the exact codec for the cache's dtype (Settings.wire_codec_policy)
@@ -54,7 +60,7 @@ class SettingsError(ValueError):
     """Settings that do not load or validate; the message names the field and the problem."""
 
 
-def parse_device(value: str):  # type: ignore[no-untyped-def]
+def parse_device(value: str) -> torch.device:
     """``value`` as a ``torch.device`` of a type the engine runs on; ``ValueError`` naming the choices.
     Only the spelling is checked: the device exists where the workers run, not necessarily here."""
     import torch
@@ -133,7 +139,7 @@ class EngineSettings(_Model):
             return self.kv_cache_bytes
         return 256 * MiB
 
-    def engine_config(self, kv_layer_dtypes: tuple[str, ...] | None = None):  # type: ignore[no-untyped-def]
+    def engine_config(self, kv_layer_dtypes: tuple[CacheDType, ...] | None = None) -> EngineConfig:
         from workers.runtime.engine import EngineConfig
 
         return EngineConfig(dtype=self.dtype, device=self.device, block_size=self.block_size,

@@ -44,7 +44,8 @@ class RequestObserver:
             trailing = exc.trailing_metadata() or ()
         except Exception:  # not a call error (e.g. a local failure)
             return
-        if any(k == FAILURE_KEY and v == KV_TRANSFER_FAILURE for k, v in trailing):
+        # grpc's metadata items are (key, value) named tuples
+        if any(m.key == FAILURE_KEY and m.value == KV_TRANSFER_FAILURE for m in trailing):
             self.kv_failed = True
             code = exc.code() if hasattr(exc, "code") else None
             metrics.kv_failure(code.name if code is not None else "UNKNOWN")
@@ -61,8 +62,9 @@ class Stage:
         self.span = None if obs.parent is None or not traced else start_span(
             name, obs.parent, SpanKind.CLIENT,
             {"epd.request_id": obs.request_id, "epd.stage": name, **{f"epd.{k}": v for k, v in attributes.items()}})
-        self.counted = pool is not None and OBSERVABILITY.metrics
-        if self.counted:
+        self.counted = False
+        if pool is not None and OBSERVABILITY.metrics:
+            self.counted = True
             metrics.queue_depth(pool, 1)
 
     def metadata(self, base: tuple[tuple[str, str], ...]) -> tuple[tuple[str, str], ...]:
@@ -73,7 +75,7 @@ class Stage:
             return
         self.ended = True
         seconds = time.perf_counter() - self.t0
-        if self.counted:
+        if self.counted and self.pool is not None:
             metrics.queue_depth(self.pool, -1)  # even if metrics were switched off since
         if error is None:
             metrics.stage(self.obs.request_id, self.name, seconds)

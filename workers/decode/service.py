@@ -126,7 +126,7 @@ class DecodeService(wgrpc.DecodeWorkerServicer):
             context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"the KV for {rid!r} did not arrive in time")
         with self._lock:
             self._pending.pop(rid, None)
-        if not outcome.ok:
+        if not outcome.ok or outcome.first_token is None:  # a transfer that landed carries its first token
             mark_kv_failure(context)
             context.abort(outcome.code or grpc.StatusCode.INTERNAL, f"KV transfer failed: {outcome.error}")
         try:

@@ -202,15 +202,20 @@ class PrefillService(wgrpc.PrefillWorkerServicer):
                           context: grpc.ServicerContext) -> MultimodalInput:
         done = threading.Event()
         box: list[EmbeddingOutcome] = []
+
+        def arrived(outcome: EmbeddingOutcome) -> None:
+            box.append(outcome)
+            done.set()
+
         try:
-            self.embeddings.expect(rid, request.num_image_embeddings, lambda o: (box.append(o), done.set()), timeout)
+            self.embeddings.expect(rid, request.num_image_embeddings, arrived, timeout)
         except ValueError as exc:  # the receiver's own bounds on a request
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         if not done.wait(timeout + 1.0) or not box:
             self.embeddings.cancel(rid, "prefill stopped waiting")
             context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"image embeddings for {rid!r} did not arrive")
         outcome = box[0]
-        if not outcome.ok:
+        if not outcome.ok or outcome.embeds is None:
             context.abort(outcome.code or grpc.StatusCode.INTERNAL, f"embedding transfer failed: {outcome.error}")
         positions = tuple(request.image_positions)
         return MultimodalInput(outcome.embeds.float(), positions)

@@ -67,6 +67,14 @@ def main(): return sum(x * x for x in range(10))  # a line of code, for code-lik
 """
 
 
+def special_id(tok: HFTokenizer, token: str) -> int:
+    """The id of one of the demo tokenizer's special tokens (``build_tokenizer`` adds them all)."""
+    found = tok.token_to_id(token)
+    if found is None:
+        raise ValueError(f"the demo tokenizer has no token {token!r}")
+    return found
+
+
 def default_config(vocab_size: int, bos_id: int, eos_ids: tuple[int, ...]) -> ModelConfig:
     return ModelConfig(
         architecture="LlamaForCausalLM", vocab_size=vocab_size, hidden_size=512, intermediate_size=1536,
@@ -95,8 +103,8 @@ def build_default_model(seed: int = DEFAULT_SEED) -> tuple[DecoderModel, HFToken
     output depend on the whole context (with tied 0.02-scale ones a random model just repeats its
     last token), so tests that compare token streams can tell a wrong KV cache from a right one."""
     tok = build_tokenizer()
-    eos = (tok.token_to_id(IM_END), tok.token_to_id(EOS))
-    cfg = default_config(tok.get_vocab_size(), tok.token_to_id(BOS), eos)
+    eos = (special_id(tok, IM_END), special_id(tok, EOS))
+    cfg = default_config(tok.get_vocab_size(), special_id(tok, BOS), eos)
     model = DecoderModel(cfg, torch.float32, "cpu")
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():

@@ -22,5 +22,5 @@ def module_fingerprint(module: nn.Module, label: str, header: dict[str, Any]) ->
             h.update(name.encode())
             h.update(p.detach().to("cpu").contiguous().view(-1).view(torch.uint8).numpy().data)
         cached = f"{label}-{h.hexdigest()[:24]}"
-        module._epd_fingerprint = cached
+        module._epd_fingerprint = cached  # type: ignore[assignment]  # Module.__setattr__ is typed for tensors only
     return cached

@@ -51,8 +51,10 @@ def build_prompt(bundle: LoadedModel, req: GenerateRequest) -> tuple[list[int], 
     else:
         if bundle.tokenizer is None:
             raise InvalidRequestError("this model has no tokenizer; pass prompt_ids")
-        ids = (bundle.tokenizer.encode_chat(req.messages) if req.messages is not None
-               else bundle.tokenizer.encode(req.prompt))
+        if req.messages is not None:
+            ids = bundle.tokenizer.encode_chat(req.messages)
+        elif req.prompt is not None:  # exactly one of the three is given (checked above)
+            ids = bundle.tokenizer.encode(req.prompt)
     if not req.images:
         return ids, None
     assert bundle.vision is not None and bundle.image_token_id is not None

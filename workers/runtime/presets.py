@@ -56,13 +56,13 @@ PRESETS: dict[str, SizePreset] = {
 
 def write_preset_checkpoint(folder: Path | str, preset: str, seed: int = 0) -> Path:
     """Write preset ``preset`` as an HF checkpoint folder (bfloat16 weights, demo tokenizer)."""
-    from workers.runtime.default_model import BOS, CHAT_TEMPLATE, EOS, IM_END, PAD, build_tokenizer
+    from workers.runtime.default_model import BOS, CHAT_TEMPLATE, EOS, IM_END, PAD, build_tokenizer, special_id
 
     if preset not in PRESETS:
         raise InvalidRequestError(f"unknown preset {preset!r}; one of {', '.join(PRESETS)}")
     folder = Path(folder)
     tok = build_tokenizer()
-    cfg = PRESETS[preset].config(tok.token_to_id(BOS), (tok.token_to_id(IM_END), tok.token_to_id(EOS)))
+    cfg = PRESETS[preset].config(special_id(tok, BOS), (special_id(tok, IM_END), special_id(tok, EOS)))
     model = DecoderModel(cfg, torch.bfloat16, "cpu")
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():

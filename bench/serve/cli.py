@@ -13,8 +13,14 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from bench.serve.config import (BenchInputError, DatasetConfig, ServeBenchConfig, parse_float_list,
-                                            parse_image_sizes, parse_slo)
+from bench.serve.config import (
+    BenchInputError,
+    DatasetConfig,
+    ServeBenchConfig,
+    parse_float_list,
+    parse_image_sizes,
+    parse_slo,
+)
 
 DESCRIPTION = """\
 Load-test any OpenAI-compatible endpoint (ours or anyone else's) with streaming requests, and report
@@ -37,7 +43,7 @@ them (its /tokenize; chat prompts with the template).
 See docs/benchmarking.md for what each figure means."""
 
 
-def add_serve_parser(bench: "argparse._SubParsersAction[argparse.ArgumentParser]") -> argparse.ArgumentParser:
+def add_serve_parser(bench: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
     """Register ``serve`` under the ``epd bench`` subcommands."""
     p = bench.add_parser("serve", help="load-test an OpenAI-compatible endpoint: latency, throughput, goodput",
                          description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -57,14 +63,16 @@ def add_serve_parser(bench: "argparse._SubParsersAction[argparse.ArgumentParser]
     t.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request (default 600)")
 
     d = p.add_argument_group("dataset")
-    d.add_argument("--dataset", "--dataset-name", choices=("random", "sharegpt", "prefix", "multimodal"), default="random",
+    d.add_argument("--dataset", "--dataset-name", choices=("random", "sharegpt", "prefix", "multimodal"),
+                   default="random",
                    help="random text; a ShareGPT JSON file; N shared prefixes + unique suffixes; random text "
                         "with generated PNG images (default: random)")
     d.add_argument("--dataset-path", type=Path, default=None, help="the ShareGPT-format JSON file")
     d.add_argument("--num-prompts", type=int, default=100, help="requests per load point (default 100)")
     d.add_argument("--input-len", "--random-input-len", type=int, default=256,
                    help="prompt tokens (prefix: the unique suffix's tokens) (default 256)")
-    d.add_argument("--output-len", "--random-output-len", type=int, default=64, help="max_tokens per request (default 64)")
+    d.add_argument("--output-len", "--random-output-len", type=int, default=64,
+                   help="max_tokens per request (default 64)")
     d.add_argument("--range-ratio", "--random-range-ratio", type=float, default=0.0,
                    help="draw lengths uniformly from [len*(1-r), len*(1+r)] (default 0: fixed)")
     d.add_argument("--sharegpt-output-len", type=int, default=None,
@@ -149,7 +157,8 @@ def config_from_args(args: argparse.Namespace) -> ServeBenchConfig:
             raise BenchInputError(f"--backend {args.backend} sends to {from_backend}, but --endpoint says {endpoint}")
         endpoint = from_backend
     config = ServeBenchConfig(
-        url=args.url or f"http://{args.host}:{args.port}", model=args.model, endpoint=endpoint, api_key=args.api_key or None, dataset=dataset,
+        url=args.url or f"http://{args.host}:{args.port}", model=args.model, endpoint=endpoint,
+        api_key=args.api_key or None, dataset=dataset,
         rates=tuple(parse_float_list(args.rate, "rate", allow_inf=True)), concurrency=args.concurrency,
         burstiness=args.burstiness, warmup=args.warmup, seed=args.seed, temperature=args.temperature,
         ignore_eos=args.ignore_eos, slo=parse_slo(args.goodput), request_timeout_s=args.request_timeout,

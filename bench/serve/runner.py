@@ -16,7 +16,7 @@ import math
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 import httpx
@@ -28,7 +28,6 @@ from bench.serve.datasets import BenchRequest, build_requests
 from bench.serve.metrics import LoadPointMetrics, RequestOutcome, compute_metrics
 from bench.serve.server_tokens import ServerTokens, TokenizeUnavailable
 from bench.serve.vllm_keys import flat_keys
-
 
 RESULT_FORMAT = "epd-bench-serve/1"  # bumped when the JSON's shape changes
 
@@ -149,7 +148,7 @@ async def arun_serve_bench(config: ServeBenchConfig) -> BenchResult:
         models = await list_models(client, base, headers, config.model is not None)
         model = config.model or models[0]
         result = BenchResult(config, base, model, endpoint,
-                             datetime.now(timezone.utc).isoformat(timespec="seconds"))
+                             datetime.now(UTC).isoformat(timespec="seconds"))
         if config.model is not None and models and config.model not in models:
             result.notes.append(f"model {config.model!r} is not among the server's models {models}")
         requests = await asyncio.to_thread(_requests, config, base, model, headers, endpoint, result.notes)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import anyio.to_thread
 from fastapi import APIRouter, FastAPI, Request
@@ -26,8 +26,8 @@ from controlplane.api.limits import MAX_BODY_BYTES, BodyLimit
 from controlplane.api.models import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, StreamOptions
 from controlplane.api.prompts import check_model, prepare_chat, prepare_completion
 from controlplane.api.relay import Relay, ThreadLanes
-from controlplane.api.tokenize import tokenize_router
 from controlplane.api.streaming import ChatShape, CompletionShape, EventStream, Shape, collect, sse_events
+from controlplane.api.tokenize import tokenize_router
 from controlplane.backend import Backend
 from controlplane.dispatch import WorkerRequest
 from controlplane.observability import server_timing

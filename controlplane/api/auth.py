@@ -11,8 +11,7 @@ read or parsed (an unauthenticated caller learns nothing about what the body sho
 from __future__ import annotations
 
 import secrets
-from typing import Sequence
-
+from collections.abc import Sequence
 from urllib.parse import parse_qs
 
 from starlette.types import ASGIApp, Receive, Scope, Send

@@ -80,7 +80,8 @@ class Timeline:
             slot.waiting_max = max(slot.waiting_max, waiting)
             slot.in_flight_max = max(slot.in_flight_max, in_flight)
 
-    def finished(self, latencies: Iterable[tuple[str, float]], kv_logical_bytes: int = 0, kv_wire_bytes: int = 0) -> None:
+    def finished(self, latencies: Iterable[tuple[str, float]], kv_logical_bytes: int = 0,
+                 kv_wire_bytes: int = 0) -> None:
         """One request's latencies: (metric, seconds) with metric ttft, tpot, e2e or ``stage:<name>``."""
         with self._lock:
             slot = self._slot(self.clock())

@@ -8,6 +8,7 @@ import tomllib
 
 import pytest
 import yaml
+
 from chart_tools import CHART, ROOT, control_plane_env, defaults, worker_groups
 
 pytestmark = [pytest.mark.unit]

@@ -19,9 +19,10 @@ token before it sends one.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import anyio.to_thread
 from fastapi import APIRouter, HTTPException
@@ -40,7 +41,7 @@ WINDOW_S = 300  # the recent-requests table, and the charts' default window
 RECENT = 15
 
 
-def dashboard_router(pools: Callable[[], list["PoolView"]], journal: "RequestJournal | None") -> APIRouter:
+def dashboard_router(pools: Callable[[], list[PoolView]], journal: RequestJournal | None) -> APIRouter:
     router = APIRouter(prefix="/dashboard", include_in_schema=False)
 
     @router.get("")
@@ -63,7 +64,7 @@ def dashboard_router(pools: Callable[[], list["PoolView"]], journal: "RequestJou
     return router
 
 
-def dashboard_state(pools: Callable[[], list["PoolView"]], journal: "RequestJournal | None",
+def dashboard_state(pools: Callable[[], list[PoolView]], journal: RequestJournal | None,
                     now: float | None = None, window_s: int = WINDOW_S) -> dict[str, Any]:
     now = time.time() if now is None else now
     try:
@@ -86,7 +87,8 @@ def series(view: dict[str, Any]) -> dict[str, Any]:
     lat = view["latency"]
     n = len(view["t"])
     none = [None] * n
-    stages = {m.removeprefix("stage:").removesuffix("_p50_ms"): {"p50_ms": v, "p90_ms": lat[m.replace("_p50_", "_p90_")]}
+    stages = {m.removeprefix("stage:").removesuffix("_p50_ms"):
+              {"p50_ms": v, "p90_ms": lat[m.replace("_p50_", "_p90_")]}
               for m, v in lat.items() if m.startswith("stage:") and m.endswith("_p50_ms")}
     return {**{k: v for k, v in view.items() if k != "latency"},
             "ttft_p50_ms": lat.get("ttft_p50_ms", none), "ttft_p90_ms": lat.get("ttft_p90_ms", none),
@@ -94,7 +96,7 @@ def series(view: dict[str, Any]) -> dict[str, Any]:
             "e2e_p90_ms": lat.get("e2e_p90_ms", none), "stages": stages}
 
 
-def _pool(view: "PoolView") -> dict[str, Any]:
+def _pool(view: PoolView) -> dict[str, Any]:
     workers = [{"worker_id": w.worker_id, "draining": w.draining, "running": w.running,
                 "queued_tokens": w.queued_tokens, "kv_used": w.total_kv_blocks - w.free_kv_blocks,
                 "kv_total": w.total_kv_blocks} for w in view.workers]
@@ -107,7 +109,7 @@ def _pool(view: "PoolView") -> dict[str, Any]:
             "not_needed": view.not_needed}
 
 
-def _request(r: RequestRecord, journal: "RequestJournal | None") -> dict[str, Any]:
+def _request(r: RequestRecord, journal: RequestJournal | None) -> dict[str, Any]:
     out = asdict(r)
     entries: list[dict[str, Any]] = []
     if journal is not None:

@@ -9,6 +9,7 @@ the whole context (image included) and a wrong KV cache or a wrong image embeddi
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any, Literal
 
 import torch
 
@@ -23,10 +24,10 @@ LLAVA_CHAT_TEMPLATE = (
     "{% endif %}{% for item in message['content'] | selectattr('type', 'equalto', 'image') %}"
     "{{ '<|image|>\n' }}{% endfor %}{% for item in message['content'] | selectattr('type', 'equalto', 'text') %}"
     "{{ item['text'] + ' '}}{% endfor %}{% endfor %}{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}")
-TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            max_position_embeddings=512, rms_norm_eps=1e-6)
-VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4, image_size=56,
-              patch_size=14, hidden_act="quick_gelu")
+TEXT: dict[str, Any] = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6)
+VISION: dict[str, Any] = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                              image_size=56, patch_size=14, hidden_act="quick_gelu")
 
 
 def hf_tokenizer():
@@ -75,7 +76,8 @@ def write_text_model(folder: Path, arch: str = "llama", seed: int = 0) -> Path:
     return folder
 
 
-def write_llava(folder: Path, text_arch: str = "llama", seed: int = 0, strategy: str = "default",
+def write_llava(folder: Path, text_arch: str = "llama", seed: int = 0,
+                strategy: Literal["default", "full"] = "default",
                 vision_feature_layer: int | list[int] = -2, max_shard_size: str | None = None) -> Path:
     """A ``LlavaForConditionalGeneration`` folder: CLIP tower, projector, Llama/Qwen2 language model,
     tokenizer and LlavaProcessor (CLIP image processor, chat template), as transformers saves them."""

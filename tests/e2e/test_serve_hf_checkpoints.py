@@ -16,6 +16,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any, cast
 
 import numpy as np
 import pytest
@@ -68,8 +69,8 @@ def test_a_text_only_llama_checkpoint_serves_as_it_is(tmp_path, text_dir):
         model = client.models.list().data[0].id
         for q in QUESTIONS:
             messages = [{"role": "user", "content": q}]
-            ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
-                                          return_dict=True)["input_ids"]
+            ids = cast(Any, tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
+                                                    return_dict=True))["input_ids"]
             want = _hf_answer(hf, ids, tok.decode)
             got = client.chat.completions.create(model=model, messages=messages, max_tokens=MAX_TOKENS,
                                                  temperature=0).choices[0]

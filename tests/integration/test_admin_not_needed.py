@@ -12,6 +12,7 @@ from controlplane.admin_client import format_status
 from controlplane.api.dashboard import dashboard_state
 from controlplane.api.errors import install_error_handlers
 from controlplane.state import PoolTargets, WorkerRegistry
+
 from redis_fixture import redis_server, state_conn  # noqa: F401 - fixtures
 
 pytestmark = [pytest.mark.integration]

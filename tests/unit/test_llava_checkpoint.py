@@ -47,6 +47,10 @@ def llava_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
             "layers": write_llava(root / "layers", vision_feature_layer=[0, -2, -1], seed=3)}
 
 
+def _pil(data: bytes) -> Image.Image:
+    return Image.open(io.BytesIO(data))
+
+
 def _hf(folder: Path):
     import transformers
 
@@ -61,7 +65,7 @@ def _messages(n_images: int, text: str) -> list[dict]:
 
 def _hf_inputs(processor, images: list[bytes], text: str) -> dict:
     prompt = processor.apply_chat_template(_messages(len(images), text), add_generation_prompt=True)
-    pil = [Image.open(io.BytesIO(b)) for b in images] or None
+    pil = [_pil(b) for b in images] or None
     return dict(processor(images=pil, text=prompt, return_tensors="pt"))
 
 
@@ -141,9 +145,9 @@ def test_pixels_equal_the_hf_image_processor(llava_dirs, size):
 
     folder = llava_dirs["llama"]
     processor = transformers.AutoProcessor.from_pretrained(folder).image_processor
-    data = _png(*size, seed=sum(size))
+    data = _png(size[0], size[1], seed=sum(size))
     cfg = image_input(folder, None).vision
-    ref = processor(images=[Image.open(io.BytesIO(data))], return_tensors="pt")["pixel_values"][0]
+    ref = processor(images=[_pil(data)], return_tensors="pt")["pixel_values"][0]
     assert torch.equal(preprocess_image(data, cfg), ref)
 
 
@@ -162,7 +166,7 @@ def test_image_processor_settings_are_read_from_preprocessor_config(llava_dirs, 
     cfg = image_input(folder, None).vision
     assert (cfg.resize_shortest_edge, cfg.resample, cfg.image_mean) == (64, 2, (0.5, 0.4, 0.3))
     data = _png(81, 67, seed=8)
-    ref = processor(images=[Image.open(io.BytesIO(data))], return_tensors="pt")["pixel_values"][0]
+    ref = processor(images=[_pil(data)], return_tensors="pt")["pixel_values"][0]
     assert torch.equal(preprocess_image(data, cfg), ref)
 
 
@@ -180,8 +184,8 @@ def test_llava_image_processor_pads_to_a_square_as_transformers_does(llava_dirs,
     processor.save_pretrained(folder)
     cfg = image_input(folder, None).vision
     assert cfg.pad_color == (51, 127, 229)
-    data = _png(*size, seed=size[0])
-    ref = processor(images=[Image.open(io.BytesIO(data))], return_tensors="pt")["pixel_values"][0]
+    data = _png(size[0], size[1], seed=size[0])
+    ref = processor(images=[_pil(data)], return_tensors="pt")["pixel_values"][0]
     assert torch.equal(preprocess_image(data, cfg), ref)
 
 

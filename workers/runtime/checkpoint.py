@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 
 from workers.runtime.config import ModelConfig, read_json_object
 from workers.runtime.errors import CheckpointError
-from workers.runtime.model import DecoderModel
+from workers.runtime.model import DecoderLayer, DecoderModel
 
 INDEX_FILE = "model.safetensors.index.json"
 # Tensors a real checkpoint may carry beside the decoder's, which the engine may leave unread. Anything
@@ -215,7 +215,7 @@ def load_into(model: DecoderModel, tensors: dict[str, torch.Tensor]) -> None:
     model.norm.weight.copy_(tensors["model.norm.weight"])
     if not cfg.tie_word_embeddings:
         model.lm_head.weight.copy_(tensors["lm_head.weight"])
-    for n, layer in enumerate(model.layers):
+    for n, layer in enumerate(_layers(model)):
         p = f"model.layers.{n}."
         layer.input_layernorm.weight.copy_(tensors[p + "input_layernorm.weight"])
         layer.post_attention_layernorm.weight.copy_(tensors[p + "post_attention_layernorm.weight"])
@@ -228,13 +228,17 @@ def load_into(model: DecoderModel, tensors: dict[str, torch.Tensor]) -> None:
                 fused.bias.copy_(torch.cat([tensors[f"{p}{part}.bias"] for part in parts]))
 
 
+def _layers(model: DecoderModel) -> list[DecoderLayer]:
+    return [layer for layer in model.layers if isinstance(layer, DecoderLayer)]
+
+
 def model_to_hf_tensors(model: DecoderModel) -> dict[str, torch.Tensor]:
     """The inverse of ``load_into``: HF-named, unfused, contiguous tensors."""
     cfg = model.cfg
     out = {"model.embed_tokens.weight": model.embed_tokens.weight, "model.norm.weight": model.norm.weight}
     if not cfg.tie_word_embeddings:
         out["lm_head.weight"] = model.lm_head.weight
-    for n, layer in enumerate(model.layers):
+    for n, layer in enumerate(_layers(model)):
         p = f"model.layers.{n}."
         out[p + "input_layernorm.weight"] = layer.input_layernorm.weight
         out[p + "post_attention_layernorm.weight"] = layer.post_attention_layernorm.weight

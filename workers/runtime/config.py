@@ -106,7 +106,7 @@ class ModelConfig:
 
     # ------------------------------------------------------------------ parsing
     @classmethod
-    def from_hf_dict(cls, raw: dict[str, Any]) -> "ModelConfig":
+    def from_hf_dict(cls, raw: dict[str, Any]) -> ModelConfig:
         """A Llama/Qwen2 config.json; for a LLaVA one, its language model's (``text_config``)."""
         from workers.runtime.llava import is_llava, text_config_dict  # llava.py imports this module
 
@@ -143,7 +143,7 @@ class ModelConfig:
         )
 
     @classmethod
-    def from_file(cls, path: Path) -> "ModelConfig":
+    def from_file(cls, path: Path) -> ModelConfig:
         return cls.from_hf_dict(read_json_object(Path(path)))
 
     def to_hf_dict(self) -> dict[str, Any]:

@@ -68,13 +68,13 @@ def image_input(folder: Path, tokenizer: Tokenizer | None) -> ImageInput | None:
     if vision.text_hidden_size != cfg.hidden_size:
         raise CheckpointError(f"{folder}/vision: projector outputs {vision.text_hidden_size} "
                               f"features but the language model's hidden_size is {cfg.hidden_size}")
-    token_id = None
+    known: int | None = None
     if tokenizer is not None and tokenizer.image_token is not None:
-        token_id = tokenizer.token_to_id(tokenizer.image_token)
-    if token_id is None:
+        known = tokenizer.token_to_id(tokenizer.image_token)
+    if known is None:
         raise CheckpointError(f"{folder}: has a vision tower but tokenizer_config.json names no image_token "
                               "that the tokenizer knows")
-    return ImageInput(token_id, vision)
+    return ImageInput(known, vision)
 
 
 def needs_encoder(folder: Path) -> bool:

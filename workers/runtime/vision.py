@@ -12,7 +12,7 @@ import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -21,8 +21,12 @@ from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from workers.runtime.checkpoint import check_finite
-from workers.runtime.fingerprint import module_fingerprint
 from workers.runtime.errors import CheckpointError, UnsupportedArchitectureError
+from workers.runtime.fingerprint import module_fingerprint
+
+# Preprocessing lives in images.py (which imports this module for types only); these names stay importable
+# from here, where callers have found them.
+from workers.runtime.images import preprocess_image, preprocess_images, preprocess_pil_image  # noqa: F401
 
 VISION_SUBDIR = "vision"
 # weight file -> the state-dict prefix it holds (CLIP tower as HF writes it; LLaVA projector)
@@ -397,9 +401,6 @@ def _read_json(path: Path) -> dict:
     return data
 
 
-def _as_tuple(value: object) -> object:
+def _as_tuple(value: Any) -> Any:
     return tuple(value) if isinstance(value, list) else value  # JSON lists; anything else fails validation
 
-
-# Preprocessing lives in images.py; these names stay importable from here, where callers have found them.
-from workers.runtime.images import preprocess_image, preprocess_images, preprocess_pil_image  # noqa: F401

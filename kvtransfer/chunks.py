@@ -32,7 +32,7 @@ def chunk_nbytes(codec: Codec, shape: tuple[int, ...]) -> int:
     return codec.layout(shape, Kind.KEY).total_nbytes + codec.layout(shape, Kind.VALUE).total_nbytes
 
 
-def frame_chunk(chunk: "pb.KVChunk", codec: Codec, key: torch.Tensor, value: torch.Tensor) -> tuple[bytes, int]:
+def frame_chunk(chunk: pb.KVChunk, codec: Codec, key: torch.Tensor, value: torch.Tensor) -> tuple[bytes, int]:
     """Encode ``key``/``value``, set ``chunk.checksum``; returns the framed PushMessage and its bulk bytes.
 
     (Encoding straight into a preallocated message instead of joining parts was measured too: the
@@ -41,7 +41,7 @@ def frame_chunk(chunk: "pb.KVChunk", codec: Codec, key: torch.Tensor, value: tor
     return b"".join(parts), nbytes
 
 
-def frame_chunk_parts(chunk: "pb.KVChunk", codec: Codec, key: torch.Tensor,
+def frame_chunk_parts(chunk: pb.KVChunk, codec: Codec, key: torch.Tensor,
                       value: torch.Tensor) -> tuple[list[bytes | memoryview], int]:
     """``frame_chunk`` without the final join: the message as parts, for the bulk TCP transport's
     ``sendmsg`` (the parts are views of the encoded tensors, kept alive by the list)."""
@@ -57,7 +57,7 @@ def frame_chunk_parts(chunk: "pb.KVChunk", codec: Codec, key: torch.Tensor,
     return encode_chunk_parts(chunk, scales, payload), nbytes
 
 
-def frame_chunk_into(chunk: "pb.KVChunk", codec: Codec, key: torch.Tensor, value: torch.Tensor,
+def frame_chunk_into(chunk: pb.KVChunk, codec: Codec, key: torch.Tensor, value: torch.Tensor,
                      buf: torch.Tensor, ready: object | None = None) -> tuple[list[bytes | memoryview], int]:
     """``frame_chunk_parts`` with the scales and payload encoded into ``buf`` (1-D uint8, at least
     ``chunk_nbytes`` long; a pooled buffer), for codecs that encode straight into a destination
@@ -108,7 +108,7 @@ def non_finite_values(codec_name: str, scales_dtype: torch.dtype, scales: memory
     return None
 
 
-def encode_into_segment(chunk: "pb.KVChunk", codec: Codec, key: torch.Tensor, value: torch.Tensor,
+def encode_into_segment(chunk: pb.KVChunk, codec: Codec, key: torch.Tensor, value: torch.Tensor,
                         dest: memoryview, ready: object | None = None) -> None:
     """Encode into ``dest`` (exactly ``chunk_nbytes`` long, writable) and set ``chunk.checksum``."""
     s_len, k_len, _ = _sizes(codec, tuple(key.shape))
@@ -155,7 +155,7 @@ def _encode_on_device(codec: Codec, key: torch.Tensor, value: torch.Tensor, host
     return chunk_checksum([dest])
 
 
-def encode_into_device_segment(chunk: "pb.KVChunk", codec: Codec, key: torch.Tensor, value: torch.Tensor,
+def encode_into_device_segment(chunk: pb.KVChunk, codec: Codec, key: torch.Tensor, value: torch.Tensor,
                                dest: torch.Tensor, ready: object | None = None) -> None:
     """TRANSPORT_CUDA_IPC: encode into ``dest`` (1-D uint8 of ``chunk_nbytes``, in the receiver's device
     memory, mapped here) and set ``chunk.checksum`` to its ``device_checksum``. Returns once the bytes

@@ -19,8 +19,8 @@ from __future__ import annotations
 import secrets
 import socket
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -81,7 +81,7 @@ class IpcPool:
         self._leases: dict[str, _Lease] = {}
         self._lock = threading.Lock()
 
-    def lease(self, request_id: str, min_bytes: int) -> "pb.CudaIpcLease":
+    def lease(self, request_id: str, min_bytes: int) -> pb.CudaIpcLease:
         """Lease a free segment to ``request_id``'s push; IpcError when none is free or it is too small."""
         if min_bytes > self.segment_bytes:
             raise IpcError(f"the push needs {min_bytes} bytes; this receiver's IPC segments hold {self.segment_bytes}")
@@ -125,7 +125,7 @@ class IpcPool:
             return len(self._leases)
 
 
-def export_handle(t: torch.Tensor) -> "pb.CudaIpcHandle":
+def export_handle(t: torch.Tensor) -> pb.CudaIpcHandle:
     """The IPC handle of a CUDA tensor's storage (empty on CPU: such a pool is only for tests)."""
     if t.device.type != "cuda":
         return pb.CudaIpcHandle()
@@ -145,7 +145,7 @@ class IpcMappings:
         self._maps: dict[tuple[str, int, int], torch.Tensor] = {}
         self._lock = threading.Lock()
 
-    def open(self, target: str, lease: "pb.CudaIpcLease") -> torch.Tensor:
+    def open(self, target: str, lease: pb.CudaIpcLease) -> torch.Tensor:
         """The leased segment as a 1-D uint8 tensor on this process's view of the receiver's GPU."""
         key = (target, lease.pool_epoch, lease.segment)
         with self._lock:
@@ -174,7 +174,7 @@ def _local_device(uuid: str) -> torch.device:
     raise IpcError(f"the receiver's GPU {uuid} is not visible to this process")
 
 
-def _rebuild(lease: "pb.CudaIpcLease", device: torch.device) -> torch.Tensor:
+def _rebuild(lease: pb.CudaIpcLease, device: torch.device) -> torch.Tensor:
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
     h = lease.handle

@@ -19,8 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvtransfer.codecs import Codec, EncodedTensor, Kind
-from kvtransfer.codecs import fused
+from kvtransfer.codecs import Codec, EncodedTensor, Kind, fused
 from kvtransfer.staging import side_stream, to_host, wait_for_current
 
 __all__ = ["DeviceChunk", "encode_from_cache", "to_device_checked", "to_host_checked"]
@@ -74,7 +73,6 @@ def _put_scales(data: torch.Tensor, k: EncodedTensor, v: EncodedTensor) -> None:
 def to_host_checked(chunk: DeviceChunk, host: torch.Tensor) -> None:
     """Copy the chunk's bytes into ``host`` (1-D uint8 of the chunk's size; pinned for an asynchronous copy)
     on the side stream, then refuse it (CodecError) if its input was NaN/inf or out of int4's range."""
-    flags = [None, None]
     with side_stream(chunk.data.device, chunk.ready):
         to_host(chunk.data, host)
         flags = [None if f is None else f.to("cpu", non_blocking=False) for f in chunk.flags]
@@ -90,7 +88,7 @@ def to_device_checked(chunk: DeviceChunk, dest: torch.Tensor) -> None:
     _refuse(chunk, scales, flags)
 
 
-def _refuse(chunk: DeviceChunk, host: torch.Tensor, flags: list) -> None:  # type: ignore[type-arg]
+def _refuse(chunk: DeviceChunk, host: torch.Tensor, flags: list[torch.Tensor | None]) -> None:
     """The codec's refusals from host copies of the scales (a prefix of ``host``) and the flags."""
     if not chunk.deferred:
         return  # encoded eagerly: refused at once

@@ -22,8 +22,9 @@ import logging
 import ssl
 import threading
 import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Callable, Iterator, Protocol, Sequence
+from typing import Protocol
 
 import grpc
 import torch
@@ -31,9 +32,9 @@ import torch
 from kvtransfer.bulk import CONTROL_BYTES, KIND_CHUNK, KIND_HANDSHAKE, KIND_RESULT, BulkConnection, BulkError
 from kvtransfer.bulk_listener import BulkListener
 from kvtransfer.checksum import StreamChecksum, chunk_checksum
-from kvtransfer.cuda_ipc import DeviceParts, IpcError, IpcPool, device_checksum, non_finite_device
 from kvtransfer.chunks import non_finite_values
-from kvtransfer.codecs import CodecError, Kind, get_codec
+from kvtransfer.codecs import CodecError, Kind, WireLayout, get_codec
+from kvtransfer.cuda_ipc import DeviceParts, IpcError, IpcPool, device_checksum, non_finite_device
 from kvtransfer.errors import TransferRefused
 from kvtransfer.expectations import Expectations, Expected, State, refusal, run_stream
 from kvtransfer.layout import KVLayout, LayoutMismatch
@@ -103,7 +104,7 @@ class KVReceiver:
         self._clock = clock
         self._next_reap = clock()
 
-    def enable_bulk(self, host: str, port: int = 0, ssl_context: "ssl.SSLContext | None" = None) -> int:
+    def enable_bulk(self, host: str, port: int = 0, ssl_context: ssl.SSLContext | None = None) -> int:
         """Listen for bulk TCP connections on ``host`` (the address the gRPC server is bound to), over
         TLS when given ``ssl_context`` (``TransferSecurity.ssl_context(server_side=True)``); returns the
         port. Without this, OpenBulk is refused and senders use gRPC or shared memory."""
@@ -111,7 +112,7 @@ class KVReceiver:
             self.bulk = BulkListener(host, self.serve_bulk, port, ssl_context=ssl_context)
         return self.bulk.port
 
-    def enable_cuda_ipc(self, device: "torch.device", segment_bytes: int = 256 * 2**20, num_segments: int = 4) -> None:
+    def enable_cuda_ipc(self, device: torch.device, segment_bytes: int = 256 * 2**20, num_segments: int = 4) -> None:
         """Accept TRANSPORT_CUDA_IPC pushes into ``num_segments`` device segments on ``device`` (the cache's);
         without this, OpenCudaIpc is refused and senders use another transport."""
         if self.ipc is None:
@@ -209,7 +210,7 @@ class KVReceiver:
                                                          "connection (opened with OpenBulk), not on Push")
         return self._land(exp, first.header, self._frames(requests)).SerializeToString()
 
-    def _land(self, exp: Expected, hs: "pb.PushHandshake", frames: Iterator[Frame]) -> "pb.PushAck":
+    def _land(self, exp: Expected, hs: pb.PushHandshake, frames: Iterator[Frame]) -> pb.PushAck:
         """Check and land a push's chunks up to its finish; the ack."""
         session = self._open(exp, hs)
         try:
@@ -248,7 +249,7 @@ class KVReceiver:
                 conn.drain(DRAIN_S)
                 return
 
-    def _bulk_push(self, conn: BulkConnection, data: bytes) -> tuple[grpc.StatusCode, str, "pb.PushAck | None"]:
+    def _bulk_push(self, conn: BulkConnection, data: bytes) -> tuple[grpc.StatusCode, str, pb.PushAck | None]:
         """One push on a bulk connection, from its handshake: (status, message, ack). Refusals fail the
         reservation as on Push."""
         if not self._streams.acquire(timeout=5.0):
@@ -307,7 +308,7 @@ class KVReceiver:
         for data in requests:
             yield _decode(data)
 
-    def _open(self, exp: Expected, hs: "pb.PushHandshake") -> "_Session":
+    def _open(self, exp: Expected, hs: pb.PushHandshake) -> _Session:
         if hs.protocol_version != PROTOCOL_VERSION:
             raise TransferRefused(Code.FAILED_PRECONDITION,
                                   f"protocol version {hs.protocol_version} is not supported (this receiver "
@@ -342,7 +343,7 @@ class KVReceiver:
             raise TransferRefused(Code.INVALID_ARGUMENT, f"unknown transport {hs.transport}")
         return _Session(sender, hs.num_tokens, nblocks, segment, self.segments)
 
-    def _chunk(self, exp: Expected, s: "_Session", frame: Frame) -> None:
+    def _chunk(self, exp: Expected, s: _Session, frame: Frame) -> None:
         c: pb.KVChunk = frame.header  # type: ignore[assignment]
         where = f"chunk seq {c.seq} (layer {c.layer}, blocks {c.first_block}..{c.first_block + c.num_blocks - 1})"
         if c.request_id != exp.request_id:
@@ -398,8 +399,8 @@ class KVReceiver:
         s.num_bytes += scales.nbytes + payload.nbytes
         s.checksum.add(c.checksum)
 
-    def _device_chunk(self, exp: Expected, s: "_Session", c: "pb.KVChunk", where: str, codec_name: str,
-                      shape: tuple[int, int, int, int], k_lay, v_lay, want_scales: int,  # type: ignore[no-untyped-def]
+    def _device_chunk(self, exp: Expected, s: _Session, c: pb.KVChunk, where: str, codec_name: str,
+                      shape: tuple[int, int, int, int], k_lay: WireLayout, v_lay: WireLayout, want_scales: int,
                       want_payload: int) -> None:
         """A TRANSPORT_CUDA_IPC chunk: checked (range, device checksum, finite scales) where it lies, in the
         leased device segment, then decoded from there into the reserved blocks."""
@@ -433,7 +434,7 @@ class KVReceiver:
         s.num_bytes += c.shm.length
         s.checksum.add(c.checksum)
 
-    def _finish(self, exp: Expected, s: "_Session", f: "pb.PushFinish") -> "pb.PushAck":
+    def _finish(self, exp: Expected, s: _Session, f: pb.PushFinish) -> pb.PushAck:
         if f.num_chunks != s.next_seq or f.num_bytes != s.num_bytes or f.checksum != s.checksum.value:
             raise TransferRefused(Code.DATA_LOSS, f"finish totals disagree: sender sent {f.num_chunks} chunks / "
                                                   f"{f.num_bytes} bytes, receiver got {s.next_seq} / {s.num_bytes}")
@@ -452,7 +453,7 @@ class _Session:
     """Per-stream progress: what has arrived, in which order, and through which transport."""
 
     def __init__(self, layout: KVLayout, num_tokens: int, num_blocks: int, segment: SharedSegment | None,
-                 cache: SegmentCache | None = None, device_segment: "torch.Tensor | None" = None,
+                 cache: SegmentCache | None = None, device_segment: torch.Tensor | None = None,
                  on_close: Callable[[], None] | None = None) -> None:
         self.device_segment = device_segment  # TRANSPORT_CUDA_IPC: the leased device segment
         self._on_close = on_close
@@ -466,7 +467,7 @@ class _Session:
         self.num_bytes = 0
         self.checksum = StreamChecksum()
 
-    def bulk(self, c: "pb.KVChunk", frame: Frame, scales_nbytes: int) -> tuple[memoryview, memoryview]:
+    def bulk(self, c: pb.KVChunk, frame: Frame, scales_nbytes: int) -> tuple[memoryview, memoryview]:
         if self.segment is None:
             if c.HasField("shm"):
                 raise TransferRefused(Code.INVALID_ARGUMENT, "shared-memory reference on a gRPC-transport stream")
@@ -509,7 +510,7 @@ def _split(k_lay, v_lay, scales: memoryview, payload: memoryview) -> tuple[WireP
     return WireParts(kp, parts[0][0], parts[0][1]), WireParts(vp, parts[1][0], parts[1][1])
 
 
-def _split_device(k_lay, v_lay, scales: "torch.Tensor", payload: "torch.Tensor") -> tuple[DeviceParts, DeviceParts]:  # type: ignore[no-untyped-def]
+def _split_device(k_lay, v_lay, scales: torch.Tensor, payload: torch.Tensor) -> tuple[DeviceParts, DeviceParts]:  # type: ignore[no-untyped-def]
     """``_split`` for a chunk in device memory."""
     o = 0
     parts = []

@@ -27,43 +27,30 @@ import functools
 import queue
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 import grpc
 import torch
 
+from kvtransfer.budget import ByteBudget
 from kvtransfer.bulk import KIND_CHUNK, KIND_FINISH, KIND_HANDSHAKE, BulkConnection, BulkError
 from kvtransfer.bulk_call import BulkCall
-from kvtransfer.budget import ByteBudget
-from kvtransfer.checksum import StreamChecksum, chunk_checksum
-from kvtransfer.chunks import (chunk_nbytes, encode_into_device_segment, encode_into_segment, frame_chunk,
-                               frame_chunk_into, frame_chunk_parts, writes_in_place)
-from kvtransfer.cuda_ipc import IpcError, MappedSegment, device_checksum, lease_request
-from kvtransfer.device_chunks import DeviceChunk, encode_from_cache, to_device_checked, to_host_checked
+from kvtransfer.checksum import StreamChecksum
+from kvtransfer.chunk_builder import Built, ChunkBuilder
+from kvtransfer.chunks import chunk_nbytes
 from kvtransfer.codecs import CodecError, get_codec
+from kvtransfer.cuda_ipc import IpcError, MappedSegment, lease_request
+from kvtransfer.device_chunks import encode_from_cache
 from kvtransfer.errors import TransferFailed
 from kvtransfer.layout import KVLayout
 from kvtransfer.reused_threads import ReusedThreads
 from kvtransfer.shm import SharedSegment, ShmError
 from kvtransfer.staging import wait_for_current
 from kvtransfer.stream_context import StreamContext
-from kvtransfer.wire import (OPEN_BULK_METHOD, OPEN_CUDA_IPC_METHOD, PROTOCOL_VERSION, PUSH_METHOD, encode_chunk_parts,
-                             encode_control, pb)
+from kvtransfer.wire import OPEN_BULK_METHOD, OPEN_CUDA_IPC_METHOD, PROTOCOL_VERSION, PUSH_METHOD, encode_control, pb
 
 _BULK_WRITERS = ReusedThreads("kv-bulk-write")  # one per bulk TCP stream while it sends
-
-
-@dataclass(frozen=True)
-class _Built:
-    """One chunk, encoded and framed on an encoder thread, waiting for its turn on the stream."""
-
-    message: bytes | list  # what gRPC sends: the whole chunk, or (shared memory) only its header;
-    # on the bulk TCP transport, the whole chunk as parts for sendmsg
-    checksum: int
-    nbytes: int  # scales + payload
-    logical: int  # the same blocks in bf16
-    buffer: torch.Tensor | None = None  # the pooled buffer ``message`` views (bulk TCP): given back once sent
 
 
 @dataclass(frozen=True)
@@ -130,6 +117,7 @@ class KVStream:
             self._bulk.bind(self, timeout_s)  # a write blocked longer than the whole deadline fails
         if self._bulk is not None:
             hs.timeout_ms = max(1, round(timeout_s * 1e3))  # the receiver's deadline for this push
+        self._builder = ChunkBuilder(ctx, request_id, layout, self._bulk is not None)
         handshake = encode_control(pb.PushMessage(handshake=hs))
         self._queue.put(("raw", handshake, 0))
         if self._bulk is not None:
@@ -150,7 +138,7 @@ class KVStream:
     def _open_bulk(self, target: str, timeout_s: float) -> BulkConnection:
         channel = self.ctx.channel(target)
 
-        def ticket(timeout: float) -> "pb.BulkTicket":
+        def ticket(timeout: float) -> pb.BulkTicket:
             call = channel.unary_unary(OPEN_BULK_METHOD, request_serializer=None,
                                        response_deserializer=pb.BulkTicket.FromString)
             try:
@@ -219,8 +207,8 @@ class KVStream:
         per_block = key[0].nbytes + value[0].nbytes if n else 0
 
         def make(i: int, m: int):  # type: ignore[no-untyped-def]
-            return functools.partial(self._build_at, layer, first_block + i, codec, key[i:i + m], value[i:i + m],
-                                     ready)
+            return functools.partial(self._builder.build_at, layer, first_block + i, codec, key[i:i + m],
+                                     value[i:i + m], ready)
         self._queue_chunks(codec, n, per_block, make)
 
     def send_blocks(self, layer: int, first_block: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -250,7 +238,7 @@ class KVStream:
                 self._fail_encoding(CodecError(f"layer {layer}, blocks {first_block + i}..{first_block + i + m - 1}: "
                                                f"{exc}"))
                 raise self._error or TransferFailed(str(exc)) from None
-            return functools.partial(self._build_staged, layer, first_block + i, staged)
+            return functools.partial(self._builder.build_staged, layer, first_block + i, staged)
         self._queue_chunks(codec, n, per_block, make)
 
     def _queue_chunks(self, codec, n: int, per_block: int, make) -> None:  # type: ignore[no-untyped-def]
@@ -440,7 +428,7 @@ class KVStream:
                 if inline and self._failed.is_set():
                     continue  # never built
                 try:
-                    built: _Built = item() if inline else item.result()
+                    built: Built = item() if inline else item.result()
                 except Exception as exc:  # NaN in the cache, ...: fail the stream by name, cancel the call
                     self._fail_encoding(exc)
                     continue  # later chunks are dropped as they come (their budget released) until "stop"
@@ -471,9 +459,8 @@ class KVStream:
                            TransferFailed(f"encoding a KV chunk failed: {exc!r}", grpc.StatusCode.INTERNAL))
         self.cancel()
 
-    def _give_back(self, built: _Built) -> None:
-        if built.buffer is not None:  # to the pool it came from: device chunks use pinned buffers
-            (self.ctx.pinned if built.buffer.is_pinned() else self.ctx.buffers).give(built.buffer)
+    def _give_back(self, built: Built) -> None:
+        self._builder.give_back(built)
 
     def _send_bulk(self, kind: int, parts: list) -> None:
         """Write one message to the bulk connection (on the stream's writer thread, which this keeps busy,
@@ -500,91 +487,3 @@ class KVStream:
                                  f"segment at offset {offset} (more blocks sent than the stream announced?)")
         self._shm_offset = offset + nbytes
         return offset
-
-    def _build_at(self, layer: int, first_block: int, codec, key: torch.Tensor, value: torch.Tensor,  # type: ignore[no-untyped-def]
-                  ready: object | None, seq: int, segment: SharedSegment | MappedSegment | None,
-                  offset: int) -> _Built:
-        return self._build(seq, layer, first_block, codec, key, value, segment, offset, ready)
-
-    def _build_staged(self, layer: int, first_block: int, staged: DeviceChunk, seq: int,
-                      segment: SharedSegment | MappedSegment | None, offset: int) -> _Built:
-        """A chunk encoded on the device by ``send_blocks``: its bytes copied out, checked and framed."""
-        try:
-            return self._frame_staged(seq, layer, first_block, staged, segment, offset)
-        except CodecError as exc:
-            last = first_block + staged.num_blocks - 1
-            raise CodecError(f"layer {layer}, blocks {first_block}..{last}: {exc}") from None
-
-    def _frame_staged(self, seq: int, layer: int, first_block: int, staged: DeviceChunk,
-                      segment: SharedSegment | MappedSegment | None, offset: int) -> _Built:
-        chunk = pb.KVChunk(seq=seq, request_id=self.request_id, layer=layer, first_block=first_block,
-                           num_blocks=staged.num_blocks, codec=int(staged.codec.codec_id))
-        nbytes = staged.data.numel()
-        logical = staged.num_blocks * self.layout.block_size * self.layout.num_kv_heads * self.layout.head_dim * 4
-        if segment is None:
-            on_device = staged.data.device.type != "cpu"
-            buf = self.ctx.pinned.take(nbytes) if on_device else self.ctx.buffers.take(nbytes)
-            to_host_checked(staged, buf[:nbytes])
-            dest = memoryview(buf.numpy())[:nbytes]
-            chunk.checksum = chunk_checksum([dest])
-            s_len = staged.scales_nbytes
-            parts = encode_chunk_parts(chunk, [dest[:s_len]], [dest[s_len:]])
-            if self._bulk is not None:
-                return _Built(parts, chunk.checksum, nbytes, logical, buf)  # sent from buf, then given back
-            message = b"".join(parts)
-            del parts, dest
-            (self.ctx.pinned if on_device else self.ctx.buffers).give(buf)
-            return _Built(message, chunk.checksum, nbytes, logical)
-        if isinstance(segment, MappedSegment):
-            dest_t = segment.tensor[offset:offset + nbytes]
-            to_device_checked(staged, dest_t)
-            chunk.checksum = device_checksum(dest_t)
-        else:
-            view = segment.view(offset, nbytes)
-            to_host_checked(staged, torch.frombuffer(view, dtype=torch.uint8))
-            chunk.checksum = chunk_checksum([view])
-        chunk.shm.offset = offset
-        chunk.shm.length = nbytes
-        return _Built(encode_control(pb.PushMessage(chunk=chunk)), chunk.checksum, nbytes, logical)
-
-    def _build(self, seq: int, layer: int, first_block: int, codec, key: torch.Tensor,  # type: ignore[no-untyped-def]
-               value: torch.Tensor, segment: SharedSegment | None, offset: int, ready: object | None = None) -> _Built:
-        """Encode, checksum and frame one chunk. Runs on the sender's encoder threads, several chunks
-        at once (torch, numpy, xxhash and the native kernels release the GIL), or on the sending
-        thread for a small chunk; sent in ``seq`` order. A chunk that cannot be encoded (NaN in the
-        cache) raises CodecError naming its layer and blocks."""
-        try:
-            return self._encode_chunk(seq, layer, first_block, codec, key, value, segment, offset, ready)
-        except CodecError as exc:
-            raise CodecError(f"layer {layer}, blocks {first_block}..{first_block + key.shape[0] - 1}: {exc}") from None
-
-    def _encode_chunk(self, seq: int, layer: int, first_block: int, codec, key: torch.Tensor,  # type: ignore[no-untyped-def]
-                      value: torch.Tensor, segment: SharedSegment | None, offset: int,
-                      ready: object | None = None) -> _Built:
-        chunk = pb.KVChunk(seq=seq, request_id=self.request_id, layer=layer, first_block=first_block,
-                           num_blocks=key.shape[0], codec=int(codec.codec_id))
-        logical = key.numel() * 4
-        if segment is None:
-            on_host = key.device.type == "cpu"  # device input: encoded on the device, only its bytes come over
-            if on_host and not writes_in_place(codec):  # bf16/fp32: the message's parts are views of the input
-                framed, nbytes = (frame_chunk_parts if self._bulk is not None else frame_chunk)(chunk, codec, key,
-                                                                                                value)
-                return _Built(framed, chunk.checksum, nbytes, logical)
-            size = chunk_nbytes(codec, tuple(key.shape))
-            buf = self.ctx.buffers.take(size) if on_host else self.ctx.pinned.take(size)
-            parts, nbytes = frame_chunk_into(chunk, codec, key, value, buf, ready)
-            if self._bulk is not None:
-                return _Built(parts, chunk.checksum, nbytes, logical, buf)  # sent from buf, then given back
-            message = b"".join(parts)  # gRPC sends bytes: buf is free again once joined
-            del parts
-            (self.ctx.buffers if on_host else self.ctx.pinned).give(buf)
-            return _Built(message, chunk.checksum, nbytes, logical)
-        # Shared memory or a CUDA IPC segment: encoded straight into it; the message only says where.
-        nbytes = chunk_nbytes(codec, tuple(key.shape))
-        if isinstance(segment, MappedSegment):
-            encode_into_device_segment(chunk, codec, key, value, segment.tensor[offset:offset + nbytes], ready)
-        else:
-            encode_into_segment(chunk, codec, key, value, segment.view(offset, nbytes), ready)
-        chunk.shm.offset = offset
-        chunk.shm.length = nbytes
-        return _Built(encode_control(pb.PushMessage(chunk=chunk)), chunk.checksum, nbytes, logical)

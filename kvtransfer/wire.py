@@ -11,8 +11,8 @@ another implementation) is read too.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 try:
     from epd.kvtransfer.v1 import kvtransfer_pb2 as pb
@@ -95,14 +95,14 @@ def _fields(buf: memoryview) -> Iterable[tuple[int, int, int, int, int]]:
 
 
 # ------------------------------------------------------------------ sending
-def encode_chunk(chunk: "pb.KVChunk | pb.EmbeddingChunk", scales: Iterable[memoryview],
+def encode_chunk(chunk: pb.KVChunk | pb.EmbeddingChunk, scales: Iterable[memoryview],
                  payload: Iterable[memoryview]) -> bytes:
     """PushMessage/EmbeddingMessage{chunk: <chunk with scales and payload>} as bytes, built with
     one copy of the bulk data. ``chunk`` must leave its scales/payload fields unset."""
     return b"".join(encode_chunk_parts(chunk, scales, payload))
 
 
-def encode_chunk_parts(chunk: "pb.KVChunk | pb.EmbeddingChunk", scales: Iterable[memoryview],
+def encode_chunk_parts(chunk: pb.KVChunk | pb.EmbeddingChunk, scales: Iterable[memoryview],
                        payload: Iterable[memoryview]) -> list[bytes | memoryview]:
     """The same message as ``encode_chunk``, as the parts that concatenate to it (no copy of the bulk
     data), for a writer that can send a list of buffers (``socket.sendmsg``)."""
@@ -119,7 +119,7 @@ def encode_chunk_parts(chunk: "pb.KVChunk | pb.EmbeddingChunk", scales: Iterable
     return [_len_prefix(_CHUNK, body_len), *parts]
 
 
-def encode_control(msg: "pb.PushMessage | pb.EmbeddingMessage") -> bytes:
+def encode_control(msg: pb.PushMessage | pb.EmbeddingMessage) -> bytes:
     return msg.SerializeToString()
 
 

@@ -19,8 +19,8 @@ import torch
 from kvtransfer.auth import TransferSecurity
 from kvtransfer.receiver import KVReceiver, TransferOutcome
 from kvtransfer.sender import KVSender, TransportChoice
-from kvtransfer.stream import PushResult
 from kvtransfer.server import kv_transfer_handler, start_server
+from kvtransfer.stream import PushResult
 from workers.decode.kv_sink import CacheSink, KVStore, decode_cache_dtypes
 from workers.prefill.kv_stream import LayerStreamer, engine_layout
 from workers.runtime.engine import Engine, EngineConfig
@@ -71,7 +71,7 @@ class DisaggPair:
         self.server.stop(0)
         self.receiver.stop()
 
-    def __enter__(self) -> "DisaggPair":
+    def __enter__(self) -> DisaggPair:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -13,9 +13,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from kvtransfer.codecs import native
 from kvtransfer.codecs.base import FLOAT32_TINY, Shape, raise_non_finite
 from kvtransfer.codecs.blockwise import BlockwiseCodec
-from kvtransfer.codecs import native
 from kvtransfer.codecs.encoded import CodecError, CodecId, EncodedTensor, Kind, WireLayout, tensor_from_buffer
 
 INT8_MAX = 127.0

@@ -63,13 +63,13 @@ class Decode:
         self.receiver.expect(rid, res.blocks, done, 20.0)
         return res
 
-    def lease(self, rid: str, min_bytes: int = 1000) -> "pb.CudaIpcLease":
+    def lease(self, rid: str, min_bytes: int = 1000) -> pb.CudaIpcLease:
         call = self.channel.unary_unary(OPEN_CUDA_IPC_METHOD, request_serializer=None,
                                         response_deserializer=pb.CudaIpcLease.FromString)
         return call(pb.CudaIpcLeaseRequest(request_id=rid, min_bytes=min_bytes).SerializeToString(),
                     metadata=self.auth, timeout=5)
 
-    def push(self, frames: list[bytes]) -> "pb.PushAck":
+    def push(self, frames: list[bytes]) -> pb.PushAck:
         call = self.channel.stream_unary(PUSH_METHOD, request_serializer=None,
                                          response_deserializer=pb.PushAck.FromString)
         return call(iter(frames), metadata=self.auth, timeout=10)
@@ -88,7 +88,7 @@ def decode():  # type: ignore[no-untyped-def]
     assert d.receiver.ipc is not None and d.receiver.ipc.leased == 0, "an IPC lease outlived its push"
 
 
-def _handshake(rid: str, layout, lease: "pb.CudaIpcLease", epoch: int | None = None) -> bytes:  # type: ignore[no-untyped-def]
+def _handshake(rid: str, layout, lease: pb.CudaIpcLease, epoch: int | None = None) -> bytes:  # type: ignore[no-untyped-def]
     hs = pb.PushHandshake(protocol_version=PROTOCOL_VERSION, request_id=rid, layout=layout.to_proto(),
                           num_tokens=NUM_TOKENS, transport=pb.TRANSPORT_CUDA_IPC, sender_host="test",
                           ipc_epoch=lease.pool_epoch if epoch is None else epoch, ipc_segment=lease.segment)

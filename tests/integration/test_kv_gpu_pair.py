@@ -2,9 +2,9 @@
 
 On CPU, both sides take their device paths (``device_path=True``: the prefill side encodes each layer's
 blocks straight from its paged cache by index, the decode side stages the received bytes and decodes them
-by block index), and the tokens still equal ``generate()``, and equal the host path's for lossy codecs. The ``cuda`` tests
-(skipped without a GPU; ``make gpu-check`` runs them) put either side or both on the GPU, for every
-codec and transport."""
+by block index), and the tokens still equal ``generate()``, and equal the host path's for lossy codecs.
+The ``cuda`` tests (skipped without a GPU; ``make gpu-check`` runs them) put either side or both on the
+GPU, for every codec and transport."""
 
 from __future__ import annotations
 

@@ -17,12 +17,12 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
-from tests.unit.triton_env import DEVICE
 from kvtransfer.chunks import _encode_on_device, _sizes, chunk_nbytes, frame_chunk_into
 from kvtransfer.codecs import Kind, get_codec
 from kvtransfer.receiver import WireParts
 from kvtransfer.staging import PinnedPool, side_stream, to_device, to_host
 from kvtransfer.wire import pb
+from tests.unit.triton_env import DEVICE
 from workers.decode.kv_sink import CacheSink
 from workers.runtime.kv_cache import KVCacheSpec, PagedKVCache, block_slots
 
@@ -69,7 +69,9 @@ BLOCKS = [5, 6, 2, 9]  # a run of consecutive ids and lone ones, out of order
 
 def _wire(codec: str, x: torch.Tensor, kind: Kind) -> WireParts:
     enc = get_codec(codec).encode(x, kind)
-    part = lambda t: None if t is None else memoryview(t.contiguous().view(torch.uint8).numpy().tobytes())
+
+    def part(t: torch.Tensor | None) -> memoryview | None:
+        return None if t is None else memoryview(t.contiguous().view(torch.uint8).numpy().tobytes())
     return WireParts(part(enc.payload), part(enc.scales), part(enc.zeros))  # type: ignore[arg-type]
 
 

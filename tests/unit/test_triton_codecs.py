@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.unit.triton_env import DEVICE
 from kvtransfer.codecs import CodecError, Kind, get_codec
 from kvtransfer.codecs.fused import decode_blocks, encode_blocks
+from tests.unit.triton_env import DEVICE
 
 pytestmark = pytest.mark.unit
 

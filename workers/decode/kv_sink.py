@@ -10,7 +10,8 @@ Per layer, by what the cache stores there:
 
 from __future__ import annotations
 
-from typing import Literal, Sequence
+from collections.abc import Sequence
+from typing import Literal
 
 import numpy as np
 import torch
@@ -20,8 +21,7 @@ from kvtransfer.codecs.encoded import CodecError
 from kvtransfer.cuda_ipc import DeviceParts
 from kvtransfer.receiver import WireParts
 from kvtransfer.staging import side_stream, to_device
-from workers.runtime.kv_cache import (DenseLayerStorage, KVLayerStorage, PagedKVCache, QuantizedLayerStorage,
-                                      block_slots)
+from workers.runtime.kv_cache import DenseLayerStorage, KVLayerStorage, PagedKVCache, QuantizedLayerStorage, block_slots
 
 _RAW = {("fp32", torch.float32), ("bf16", torch.bfloat16)}
 _NATIVE = {("int8", "int8"), ("fp8", "fp8")}
@@ -91,16 +91,17 @@ class CacheSink:
         chunk), then they land as in ``_land_device``."""
         parts = to_device([key.payload, key.scales, key.zeros, value.payload, value.scales, value.zeros],
                           self.cache.device)
-        self._land_device(storage, blocks, codec, shape, tuple(parts))  # type: ignore[arg-type]
+        self._land_device(storage, blocks, codec, shape, tuple(parts))
 
     def _land_device(self, storage: KVLayerStorage, blocks: Sequence[int], codec: str,
-                     shape: tuple[int, int, int, int], parts: tuple) -> None:  # type: ignore[type-arg]
+                     shape: tuple[int, int, int, int], parts: tuple[torch.Tensor | None, ...]) -> None:
         """Encoded parts on the cache's device: the fused kernels decode straight into the reserved
         blocks, or the payload and scales are stored as they are; every index lives on that device."""
         dev = self.cache.device
         n, bs, h, d = shape
         ids = torch.tensor(blocks, dtype=torch.long, device=dev)
         kp, ks, kz, vp, vs, vz = parts
+        assert kp is not None and ks is not None and vp is not None and vs is not None  # only zeros may be absent
         if isinstance(storage, DenseLayerStorage) and (codec, storage.k.dtype) in _RAW:
             per_block = bs * h * d * storage.k.element_size()
             for dest, p in ((storage.k, kp), (storage.v, vp)):

@@ -92,7 +92,7 @@ class LayerStreamer:
             if self.from_cache and isinstance(storage, DenseLayerStorage):
                 self._send_from_cache(act, event.layer, storage, chunk, lo, hi)
                 continue
-            slots = block_slots(chunk.blocks[lo:hi], bs, self.engine.cache.device)
+            slots = block_slots(list(chunk.blocks[lo:hi]), bs, self.engine.cache.device)
             k, v = storage.gather(slots, dtype)  # a copy: the engine may reuse the blocks after this step
             shape = (hi - lo, bs, self.layout.num_kv_heads, self.layout.head_dim)
             k, v = k.view(shape), v.view(shape)

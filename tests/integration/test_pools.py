@@ -18,6 +18,7 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import ray
@@ -41,8 +42,8 @@ GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 
 
 def pool_settings(model: Path | None, **replicas: int) -> Settings:
-    pools = {p.value: {"replicas": replicas.get(p.value, 1), "num_cpus": 0.25,
-                       "engine": {"kv_cache_bytes": 32 * MiB}} for p in Pool}
+    pools: dict[str, Any] = {p.value: {"replicas": replicas.get(p.value, 1), "num_cpus": 0.25,
+                                       "engine": {"kv_cache_bytes": 32 * MiB}} for p in Pool}
     return Settings(model=model, transfer={"codec_policy": "fp32", "token": TOKEN}, **pools)
 
 

@@ -12,11 +12,12 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, MutableMapping
 from typing import Any
 
 import anyio
 import httpx
+import httpx2
 import pytest
 from fastapi.testclient import TestClient
 
@@ -29,6 +30,8 @@ from workers.runtime.sampler import SamplingParams
 from workers.runtime.tokenizer import Tokenizer
 
 pytestmark = [pytest.mark.unit]
+
+Response = httpx2.Response  # what starlette's TestClient answers with (it is built on httpx2)
 
 NAME = "epd-test"
 CONTEXT = 256
@@ -96,9 +99,15 @@ class FakeBackend:
                 self.closed.append(request.request_id)
 
 
+def token_id(tokenizer: Tokenizer, token: str) -> int:
+    found = tokenizer.token_to_id(token)
+    assert found is not None, f"the demo tokenizer has no {token!r}"
+    return found
+
+
 def model_info(tokenizer: Tokenizer, images: bool = True) -> ModelInfo:
-    return ModelInfo(NAME, tokenizer, CONTEXT, tokenizer.token_to_id(IMAGE) if images else None,
-                     TOKENS_PER_IMAGE, (tokenizer.token_to_id(IM_END),))
+    return ModelInfo(NAME, tokenizer, CONTEXT, token_id(tokenizer, IMAGE) if images else None,
+                     TOKENS_PER_IMAGE, (token_id(tokenizer, IM_END),))
 
 
 @pytest.fixture
@@ -112,12 +121,12 @@ def client(backend: FakeBackend) -> Iterator[TestClient]:
         yield c
 
 
-def chat(client: TestClient, **body: Any) -> httpx.Response:
+def chat(client: TestClient, **body: Any) -> Response:
     return client.post("/v1/chat/completions", json={"model": NAME, "messages": [{"role": "user", "content": "Hi"}],
                                                      **body})
 
 
-def assert_error(resp: httpx.Response, status: int, fragment: str, *, param: str | None = None,
+def assert_error(resp: Response, status: int, fragment: str, *, param: str | None = None,
                  code: str | None = None, type: str = "invalid_request_error") -> dict[str, Any]:
     assert resp.status_code == status, resp.text
     body = resp.json()
@@ -128,7 +137,7 @@ def assert_error(resp: httpx.Response, status: int, fragment: str, *, param: str
     return err
 
 
-def events(resp: httpx.Response) -> list[Any]:
+def events(resp: Response) -> list[Any]:
     """Parse an SSE body strictly: every event is one ``data:`` line and a blank line."""
     assert resp.status_code == 200, resp.text
     assert resp.headers["content-type"].startswith("text/event-stream")
@@ -216,7 +225,7 @@ def test_chat_with_images(client: TestClient, backend: FakeBackend, tokenizer: T
     req = backend.requests[-1]
     rendered = [{"role": "user", "content": [{"type": "text", "text": "Compare"}, {"type": "image"},
                                              {"type": "text", "text": "with"}, {"type": "image"}]}]
-    ids, positions = expand_image_tokens(tokenizer.encode_chat(rendered), tokenizer.token_to_id(IMAGE),
+    ids, positions = expand_image_tokens(tokenizer.encode_chat(rendered), token_id(tokenizer, IMAGE),
                                          TOKENS_PER_IMAGE, 2)
     assert req.prompt_ids == ids and req.image_positions == positions and len(positions) == 2 * TOKENS_PER_IMAGE
     assert req.images == (image, image)
@@ -238,7 +247,7 @@ def test_bad_image_urls(client: TestClient, backend: FakeBackend, url: str, frag
     assert backend.requests == []
 
 
-def _image_chat(client: TestClient, *sizes: int) -> httpx.Response:
+def _image_chat(client: TestClient, *sizes: int) -> Response:
     content = [{"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(
         b"\x89PNG" + b"p" * (n - 4)).decode()}} for n in sizes]
     return client.post("/v1/chat/completions", json={"model": NAME, "messages": [{"role": "user", "content": content}]})
@@ -604,7 +613,7 @@ def test_a_client_that_leaves_mid_stream_stops_the_backend(backend: FakeBackend)
     backend.token_delay_s = 0.05
     body = json.dumps({"model": NAME, "stream": True, "messages": [{"role": "user", "content": "Hi"}]}).encode()
     total = len(backend.model.tokenizer.encode(REPLY, add_special_tokens=False))
-    sent: list[dict[str, Any]] = []
+    sent: list[MutableMapping[str, Any]] = []
 
     async def main() -> None:
         first_token = anyio.Event()
@@ -618,7 +627,7 @@ def test_a_client_that_leaves_mid_stream_stops_the_backend(backend: FakeBackend)
             await first_token.wait()
             return {"type": "http.disconnect"}
 
-        async def send(message: dict[str, Any]) -> None:
+        async def send(message: MutableMapping[str, Any]) -> None:
             sent.append(message)
             if message["type"] == "http.response.body" and b'"content":"' in message.get("body", b"") \
                     and b'"role"' not in message["body"]:

@@ -15,8 +15,8 @@ import json
 import platform
 import resource
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Callable
 
 import torch
 
@@ -146,9 +146,9 @@ def run(args: argparse.Namespace) -> int:
           f"torch {torch.__version__}")
     print(f"{'figure':<22}{'epd tok/s':>12}  {'reference':<24}{'ref tok/s':>12}{'ratio':>9}")
     for r in rows:
-        ref = f"{r.ref_tok_s:12.1f}" if r.ref_tok_s else f"{'-':>12}"
+        ref_s = f"{r.ref_tok_s:12.1f}" if r.ref_tok_s else f"{'-':>12}"
         ratio = f"{r.ratio:8.2f}x" if r.ratio else f"{'-':>9}"
-        print(f"{r.name:<22}{r.epd_tok_s:12.1f}  {r.ref_name:<24}{ref}{ratio}")
+        print(f"{r.name:<22}{r.epd_tok_s:12.1f}  {r.ref_name:<24}{ref_s}{ratio}")
     print(f"KV pool {probe.cache.nbytes / 2**20:.1f} MiB of a {budget / 2**20:.0f} MiB budget; "
           f"peak RSS {peak_rss / 2**20:.0f} MiB")
     if args.json:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -22,6 +23,7 @@ def preset_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_preset_checkpoint(tmp_path_factory.mktemp("tiny-preset"), "tiny")
 
 
-def hf_model(path: Path, dtype: torch.dtype):  # type: ignore[no-untyped-def]
+def hf_model(path: Path, dtype: torch.dtype) -> Any:
     from transformers import AutoModelForCausalLM
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to("cuda").eval()
+    model: Any = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    return model.to("cuda").eval()

@@ -10,11 +10,12 @@ import logging
 import pytest
 import torch
 
-from engine_helpers import assert_no_leaks, run_to_completion
 from tests.cuda.helpers import CUDA
 from workers.runtime.engine import Engine, EngineConfig
 from workers.runtime.loader import load_model
 from workers.runtime.sampler import SamplingParams
+
+from engine_helpers import assert_no_leaks, run_to_completion
 
 pytestmark = [*CUDA, pytest.mark.transformers]
 

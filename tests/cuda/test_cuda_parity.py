@@ -9,12 +9,13 @@ import dataclasses
 import pytest
 import torch
 
-from engine_helpers import assert_no_leaks, run_to_completion
 from tests.cuda.helpers import CUDA, hf_model, preset_dir
 from workers.runtime.attention import PrefillItem, build_step_batch
-from workers.runtime.engine import Engine, EngineConfig
+from workers.runtime.engine import DTypeName, Engine, EngineConfig
 from workers.runtime.loader import load_model
 from workers.runtime.sampler import SamplingParams
+
+from engine_helpers import assert_no_leaks, run_to_completion
 
 pytestmark = [*CUDA, pytest.mark.transformers]
 
@@ -32,7 +33,7 @@ def model_dir(request, tiny_hf, preset):
     return preset if request.param == "preset" else tiny_hf(request.param)
 
 
-def _engine(path, dtype: str, **config) -> Engine:
+def _engine(path, dtype: DTypeName, **config) -> Engine:
     bundle = load_model(path, dtype=getattr(torch, dtype), device="cuda", require_tokenizer=False)
     engine = Engine(bundle.model, None, EngineConfig(dtype=dtype, device="cuda", kv_cache_bytes=1 << 28, **config))
     assert engine._ops is not None and engine.graphs is not None, "CUDA must run the kernels and the graphs"

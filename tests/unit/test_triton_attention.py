@@ -6,11 +6,10 @@ import pytest
 import torch
 
 from tests.unit.triton_env import DEVICE
-from workers.runtime.attention import (DecodeItem, PrefillItem, build_step_batch, make_prefill_tiles,
-                                       paged_attention)
+from workers.runtime.attention import DecodeItem, PrefillItem, build_step_batch, make_prefill_tiles, paged_attention
 from workers.runtime.kernels.cache_views import cache_tensors
 from workers.runtime.kernels.paged_attention import paged_decode_attention, paged_prefill_attention
-from workers.runtime.kv_cache import KVCacheSpec, PagedKVCache
+from workers.runtime.kv_cache import CacheDType, KVCacheSpec, PagedKVCache
 
 pytestmark = pytest.mark.unit
 HEAD_DIM = 16
@@ -18,7 +17,7 @@ KV_HEADS = 2
 TOL = {torch.float32: 2e-5, torch.bfloat16: 3e-2, torch.float16: 4e-3}
 
 
-def _cache(block_size: int, cache_dtype: str, num_blocks: int = 32) -> PagedKVCache:
+def _cache(block_size: int, cache_dtype: CacheDType, num_blocks: int = 32) -> PagedKVCache:
     cache = PagedKVCache(KVCacheSpec(1, KV_HEADS, HEAD_DIM, block_size), num_blocks, (cache_dtype,), DEVICE)
     gen = torch.Generator().manual_seed(1)
     slots = torch.arange(num_blocks * block_size)
@@ -52,7 +51,7 @@ CASES = [  # (query heads, block size, cache dtype, compute dtype)
 
 
 @pytest.mark.parametrize("heads,block_size,cache_dtype,dtype", CASES)
-def test_decode_matches_gather_path(heads: int, block_size: int, cache_dtype: str, dtype: torch.dtype) -> None:
+def test_decode_matches_gather_path(heads: int, block_size: int, cache_dtype: CacheDType, dtype: torch.dtype) -> None:
     cache = _cache(block_size, cache_dtype)
     lengths = [1, block_size + 3, 2 * block_size, 5, 70]  # ragged, one on a block boundary, one > a tile
     tables = _tables(cache, lengths)
@@ -82,7 +81,7 @@ def test_decode_padded_rows_are_zero_and_others_unchanged() -> None:
 
 
 @pytest.mark.parametrize("heads,block_size,cache_dtype,dtype", [c for c in CASES if c[1] != 32 or c[0] == 8])
-def test_prefill_over_cached_context_matches_gather_path(heads: int, block_size: int, cache_dtype: str,
+def test_prefill_over_cached_context_matches_gather_path(heads: int, block_size: int, cache_dtype: CacheDType,
                                                          dtype: torch.dtype) -> None:
     """Chunks with cached context (chunked prefill, a prefix hit) attend through the block tables."""
     cache = _cache(block_size, cache_dtype)

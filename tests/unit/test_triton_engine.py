@@ -7,10 +7,11 @@ import pytest
 import torch
 
 from tests.unit.triton_env import DEVICE  # first: sets TRITON_INTERPRET before the kernels are imported
-from engine_helpers import assert_no_leaks, run_to_completion
 from workers.runtime.engine import Engine, EngineConfig
 from workers.runtime.loader import load_model
 from workers.runtime.sampler import SamplingParams
+
+from engine_helpers import assert_no_leaks, run_to_completion
 
 pytestmark = [pytest.mark.unit, pytest.mark.transformers]
 
@@ -56,7 +57,7 @@ def test_a_padded_decode_bucket_gives_the_same_logits_and_writes_nothing_more(ti
     decodes = [DecodeItem(s.output_ids[-1], s.num_computed, s.block_table) for s in engine.scheduler.running]
     assert len(decodes) == 3
     want = model(build_step_batch(decodes, [], engine.cache, paged_kernels=True), engine.cache, None, engine._ops)
-    cache_after = [t.clone() for s in engine.cache.layers for t in (s.k, s.v)]
+    cache_after = [getattr(s, n).clone() for s in engine.cache.layers for n in ("k", "v")]
     buffers = DecodeBuffers(8, engine.cache.blocks_for(engine.max_model_len), engine.cache.block_size, DEVICE)
     buffers.stage(decodes, 4)
     assert buffers.host["slots"][3].item() == -1 and buffers.host["lens"][3].item() == 0
@@ -67,6 +68,6 @@ def test_a_padded_decode_bucket_gives_the_same_logits_and_writes_nothing_more(ti
     written = torch.tensor(buffers.host["slots"][:3].tolist())
     others = torch.ones(cache_after[0].shape[0], dtype=torch.bool)
     others[written] = False
-    for before, now in zip(cache_after, (t for s in engine.cache.layers for t in (s.k, s.v))):
+    for before, now in zip(cache_after, (getattr(s, n) for s in engine.cache.layers for n in ("k", "v"))):
         assert torch.equal(before[others.to(DEVICE)], now[others.to(DEVICE)])
         torch.testing.assert_close(now[written.to(DEVICE)], before[written.to(DEVICE)], atol=1e-5, rtol=1e-5)

@@ -7,28 +7,27 @@ import torch
 import torch.nn.functional as F
 
 from tests.unit.triton_env import DEVICE  # first: sets TRITON_INTERPRET before any kernel is defined
-
-import triton  # noqa: E402  (after triton_env)
-import triton.language as tl  # noqa: E402
 from workers.runtime.config import RopeConfig
 from workers.runtime.kernels.cache_views import cache_tensors
 from workers.runtime.kernels.fp8 import e4m3_to_f32, f32_to_e4m3
 from workers.runtime.kernels.fused import add_rmsnorm, rmsnorm, rope_, silu_mul
 from workers.runtime.kernels.kv_write import rope_write_kv, write_kv
-from workers.runtime.kv_cache import KVCacheSpec, PagedKVCache
+from workers.runtime.kv_cache import CacheDType, KVCacheSpec, PagedKVCache
 from workers.runtime.model import RMSNorm
 from workers.runtime.rope import RotaryEmbedding
 
 pytestmark = pytest.mark.unit
+triton = pytest.importorskip("triton")  # after triton_env, so the kernel below is defined as it says
+tl = triton.language
 
 
-def _pool(cache_dtype: str) -> PagedKVCache:
+def _pool(cache_dtype: CacheDType) -> PagedKVCache:
     return PagedKVCache(KVCacheSpec(1, 3, 16, 16), 4, (cache_dtype,), DEVICE)
 
 
 def _state(cache: PagedKVCache) -> list[torch.Tensor]:
     s = cache.layers[0]
-    return [t.view(torch.uint8).clone() for t in (s.k, s.v)] + [
+    return [getattr(s, n).view(torch.uint8).clone() for n in ("k", "v")] + [
         getattr(s, n).clone() for n in ("k_scale", "v_scale") if hasattr(s, n)]
 
 
@@ -36,7 +35,7 @@ def _state(cache: PagedKVCache) -> list[torch.Tensor]:
                                                ("float16", torch.bfloat16), ("int8", torch.float32),
                                                ("int8", torch.bfloat16), ("fp8", torch.float32),
                                                ("fp8", torch.bfloat16)])
-def test_kv_write_stores_what_storage_write_stores(cache_dtype: str, dtype: torch.dtype) -> None:
+def test_kv_write_stores_what_storage_write_stores(cache_dtype: CacheDType, dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(0)
     # k comes from a fused qkv matmul in the model: a strided view, as here.
     qkv = (torch.randn(6, 2 * 3 * 16, generator=gen) * 3).to(DEVICE, dtype)
@@ -64,12 +63,12 @@ def test_rmsnorm_and_residual_add(dtype: torch.dtype) -> None:
     norm = RMSNorm(40, 1e-5, dtype, DEVICE)
     norm.weight.copy_(torch.randn(40, generator=gen))
     x, r = (torch.randn(5, 40, generator=gen).to(DEVICE, dtype) for _ in range(2))
-    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 1e-2}
-    torch.testing.assert_close(rmsnorm(x, norm.weight, 1e-5), norm(x), **tol)
+    atol, rtol = (1e-5, 1e-5) if dtype == torch.float32 else (2e-2, 1e-2)
+    torch.testing.assert_close(rmsnorm(x, norm.weight, 1e-5), norm(x), atol=atol, rtol=rtol)
     h, out = add_rmsnorm(x, r, norm.weight, 1e-5)
     # One bf16 ulp: Triton's interpreter truncates float32 -> bf16 where a GPU rounds to nearest.
     torch.testing.assert_close(h, r + x, atol=0, rtol=0 if dtype == torch.float32 else 2 ** -7)
-    torch.testing.assert_close(out, norm(r + x), **tol)
+    torch.testing.assert_close(out, norm(r + x), atol=atol, rtol=rtol)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -88,12 +87,12 @@ def test_rope_in_place_matches_rotary_embedding(dtype: torch.dtype) -> None:
 def test_silu_mul(dtype: torch.dtype) -> None:
     gate_up = torch.randn(3, 2 * 24, generator=torch.Generator().manual_seed(3)).to(DEVICE, dtype)
     gate, up = gate_up.chunk(2, dim=-1)
-    tol = {"atol": 1e-6, "rtol": 1e-6} if dtype == torch.float32 else {"atol": 1e-2, "rtol": 1e-2}
-    torch.testing.assert_close(silu_mul(gate_up), F.silu(gate) * up, **tol)
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(silu_mul(gate_up), F.silu(gate) * up, atol=tol, rtol=tol)
 
 
 @triton.jit
-def _fp8_roundtrip(bytes_ptr, decoded_ptr, x_ptr, encoded_ptr, n, BLOCK: tl.constexpr):
+def _fp8_roundtrip(bytes_ptr, decoded_ptr, x_ptr, encoded_ptr, n, BLOCK: tl.constexpr):  # type: ignore[name-defined]
     i = tl.arange(0, BLOCK)
     mask = i < n
     tl.store(decoded_ptr + i, e4m3_to_f32(tl.load(bytes_ptr + i, mask=mask, other=0)), mask=mask)
@@ -120,7 +119,7 @@ def test_fp8_conversions_match_torch_bit_for_bit() -> None:
 @pytest.mark.parametrize("cache_dtype,dtype", [("float32", torch.float32), ("bfloat16", torch.bfloat16),
                                                ("int8", torch.float32), ("int8", torch.bfloat16),
                                                ("fp8", torch.bfloat16)])
-def test_rope_write_kv_is_rope_then_the_storage_write(cache_dtype: str, dtype: torch.dtype) -> None:
+def test_rope_write_kv_is_rope_then_the_storage_write(cache_dtype: CacheDType, dtype: torch.dtype) -> None:
     """The fused kernel the decoder runs: q and k rotated in place, k and v stored; slot -1 skipped."""
     rotary = RotaryEmbedding(RopeConfig(), 16, DEVICE)
     positions = torch.tensor([0, 3, 9, 100, 7], device=DEVICE)
@@ -133,9 +132,9 @@ def test_rope_write_kv_is_rope_then_the_storage_write(cache_dtype: str, dtype: t
     rope_write_kv(cache_tensors(got.layers[0]), slots, qkv[:, :112].view(5, 7, 16), v, cos, sin, 4)
     # bf16: the interpreter truncates each of RoPE's three roundings (a GPU rounds to nearest, as torch):
     # up to about one ulp of the inputs (|x| < 16 here: 0.0625) when the two products cancel.
-    tol = {"atol": 1e-6, "rtol": 1e-6} if dtype == torch.float32 else {"atol": 0.07, "rtol": 2 ** -7}
-    torch.testing.assert_close(q, want_q, **tol)
-    torch.testing.assert_close(k, want_k, **tol)
+    atol, rtol = (1e-6, 1e-6) if dtype == torch.float32 else (0.07, 2 ** -7)
+    torch.testing.assert_close(q, want_q, atol=atol, rtol=rtol)
+    torch.testing.assert_close(k, want_k, atol=atol, rtol=rtol)
     keep = slots >= 0  # the cache holds exactly what the storage's own write stores for the rotated k
     want.layers[0].write(slots[keep], k[keep], v[keep])
     for a, b in zip(_state(got), _state(want)):

@@ -180,6 +180,7 @@ def build_step_batch(decodes: list[DecodeItem], prefills: list[PrefillItem], cac
         if p.want_logits:
             logits_rows.append(first + n - 1)
         if p.embed_offsets:
+            assert p.embeds is not None, "embed_offsets come with their embeds"
             embed_rows.extend(first + o for o in p.embed_offsets)
             embed_parts.append(p.embeds)
 
@@ -188,9 +189,9 @@ def build_step_batch(decodes: list[DecodeItem], prefills: list[PrefillItem], cac
 
     kernel = None
     if paged_kernels and (decodes or ctx_chunks):
-        lengths = [d.position + 1 for d in decodes]
-        tables = _block_rows([d.block_table for d in decodes] + ctx_tables, lengths + ctx_lengths, bs)
-        kernel = KernelMeta(tables.to(device), torch.tensor(lengths, dtype=torch.int32).to(device),
+        decode_lens = [d.position + 1 for d in decodes]
+        tables = _block_rows([d.block_table for d in decodes] + ctx_tables, decode_lens + ctx_lengths, bs)
+        kernel = KernelMeta(tables.to(device), torch.tensor(decode_lens, dtype=torch.int32).to(device),
                             make_prefill_tiles(ctx_chunks, device) if ctx_chunks else None)
 
     return StepBatch(

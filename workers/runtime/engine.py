@@ -21,14 +21,14 @@ import logging
 import random
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
 from workers.runtime.attention import DecodeItem, PrefillItem, build_step_batch
-from workers.runtime.errors import (DuplicateRequestError, InvalidRequestError, PromptTooLongError,
-                                    RequestTooLargeError)
+from workers.runtime.errors import DuplicateRequestError, InvalidRequestError, PromptTooLongError, RequestTooLargeError
 from workers.runtime.kv_cache import CACHE_DTYPES, CacheDType, KVCacheSpec, PagedKVCache
 from workers.runtime.model import DecoderModel
 from workers.runtime.sampler import SamplingParams, sample, seed_draw
@@ -396,7 +396,7 @@ class Engine:
                              len(seq.prompt_ids), len(seq.output_ids), logits)
 
 
-def _kernel_ops(config: EngineConfig, device: torch.device) -> "TritonOps | None":
+def _kernel_ops(config: EngineConfig, device: torch.device) -> TritonOps | None:
     """The Triton ops when ``config.kernels`` asks for them (or auto finds CUDA), else None (torch)."""
     from workers.runtime import kernels
 

@@ -7,6 +7,8 @@ after the weights are loaded, over a temporary cache that is freed before the po
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from workers.runtime.attention import PrefillItem, build_step_batch
@@ -14,9 +16,12 @@ from workers.runtime.errors import CapacityError
 from workers.runtime.kv_cache import CacheDType, KVCacheSpec, PagedKVCache
 from workers.runtime.model import DecoderModel
 
+if TYPE_CHECKING:
+    from workers.runtime.kernels.ops import TritonOps
+
 
 def kv_budget_from_free_memory(model: DecoderModel, spec: KVCacheSpec, layer_dtypes: tuple[CacheDType, ...],
-                               utilization: float, profile_tokens: int, ops: object | None) -> int:
+                               utilization: float, profile_tokens: int, ops: TritonOps | None) -> int:
     """Bytes the KV pool may take on ``model.device`` (CUDA); CapacityError when not one block fits."""
     device = model.device
     torch.cuda.synchronize(device)
@@ -26,7 +31,7 @@ def kv_budget_from_free_memory(model: DecoderModel, spec: KVCacheSpec, layer_dty
     scratch = PagedKVCache(spec, blocks, layer_dtypes, device)
     batch = build_step_batch([], [PrefillItem([0] * profile_tokens, 0, list(range(blocks)), want_logits=True)],
                              scratch, paged_kernels=ops is not None)
-    model(batch, scratch, None, ops)  # type: ignore[arg-type]
+    model(batch, scratch, None, ops)
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - scratch.nbytes
     del scratch, batch

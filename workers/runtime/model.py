@@ -7,7 +7,8 @@ time (fewer, larger matmuls are faster on CPU and GPU alike). Numerics follow tr
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -129,7 +130,7 @@ class DecoderModel(nn.Module):
         so a transfer can stream layer ``i`` while layer ``i + 1`` computes.
         """
         h = self.embed_tokens(batch.input_ids)
-        if batch.embed_indices is not None:
+        if batch.embed_indices is not None and batch.embeds is not None:
             h[batch.embed_indices] = batch.embeds.to(h.dtype)
         cos, sin = self.rotary.cos_sin(batch.positions, h.dtype)
         if ops is not None:
@@ -144,6 +145,7 @@ class DecoderModel(nn.Module):
                          cache: PagedKVCache, on_layer_done: LayerDone | None, ops: TritonOps) -> torch.Tensor:
         residual: torch.Tensor | None = None
         for i, layer in enumerate(self.layers):
+            assert isinstance(layer, DecoderLayer)
             h, residual = layer.forward_kernels(h, residual, cos, sin, batch, cache.layers[i], ops)
             if on_layer_done is not None:
                 on_layer_done(i)

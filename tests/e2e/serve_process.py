@@ -97,7 +97,8 @@ def free_port() -> int:
 def descendants(pid: int) -> set[int]:
     out = subprocess.run(["ps", "-eo", "pid=,ppid="], capture_output=True, text=True).stdout.split()
     pairs = [(int(a), int(b)) for a, b in zip(out[::2], out[1::2])]
-    found, frontier = set(), {pid}
+    found: set[int] = set()
+    frontier = {pid}
     while frontier:
         nxt = {p for p, parent in pairs if parent in frontier} - found
         found |= nxt

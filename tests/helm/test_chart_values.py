@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import yaml
+from pydantic import BaseModel
 
 from controlplane.settings import Settings
 
@@ -77,7 +78,7 @@ def _nested_models() -> set[str]:
     """Fields of Settings (and of its sections) that are themselves models: where env names nest."""
     found: set[str] = set()
 
-    def walk(model: type) -> None:
+    def walk(model: type[BaseModel]) -> None:
         for name, field in model.model_fields.items():
             ann = field.annotation
             if isinstance(ann, type) and hasattr(ann, "model_fields"):

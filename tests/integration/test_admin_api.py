@@ -9,6 +9,7 @@ from fastapi.testclient import TestClient
 from controlplane.admin import admin_router
 from controlplane.api.errors import install_error_handlers
 from controlplane.state import PoolTargets, WorkerRegistry
+from controlplane.state.keys import Pool
 from controlplane.state.registry import WorkerInfo, WorkerLoad
 
 from redis_fixture import redis_server, state_conn  # noqa: F401 - fixtures
@@ -21,13 +22,17 @@ TOKEN = "admin-" + "x" * 24
 def admin(state_conn):  # noqa: F811
     registry = WorkerRegistry(state_conn, ttl=30)
     drained: list[str] = []
+
+    def drain(worker_id: str) -> bool:
+        drained.append(worker_id)
+        return True
+
     app = FastAPI()
     install_error_handlers(app)
-    app.include_router(admin_router(state_conn, registry, TOKEN,
-                                    on_drain=lambda wid: drained.append(wid) or True))
-    registry.register(WorkerInfo("decode-a", "decode", "127.0.0.1:5001",
+    app.include_router(admin_router(state_conn, registry, TOKEN, on_drain=drain))
+    registry.register(WorkerInfo("decode-a", Pool.DECODE, "127.0.0.1:5001",
                                  load=WorkerLoad(free_kv_blocks=10, total_kv_blocks=16, running=2)))
-    registry.register(WorkerInfo("prefill-a", "prefill", "127.0.0.1:5002"))
+    registry.register(WorkerInfo("prefill-a", Pool.PREFILL, "127.0.0.1:5002"))
     yield TestClient(app), registry, drained, state_conn
     for wid, pool in (("decode-a", "decode"), ("prefill-a", "prefill")):
         registry.deregister(wid, pool)

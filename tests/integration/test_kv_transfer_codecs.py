@@ -19,7 +19,7 @@ from kvtransfer.receiver import KVReceiver, TransferOutcome
 from kvtransfer.sender import KVSender
 from kvtransfer.server import kv_transfer_handler, start_server
 from workers.decode.kv_sink import CacheSink
-from workers.runtime.kv_cache import KVCacheSpec, PagedKVCache
+from workers.runtime.kv_cache import CacheDType, KVCacheSpec, PagedKVCache
 
 pytestmark = pytest.mark.integration
 
@@ -48,7 +48,8 @@ def inline_bytes(built_by: str) -> int:
 @pytest.fixture(scope="module")
 def rig():
     spec = KVCacheSpec(LAYERS, HEADS, DIM, BS)
-    cache = PagedKVCache(spec, 96, ("bfloat16",) * LAYERS)
+    bf16: tuple[CacheDType, ...] = ("bfloat16",) * LAYERS
+    cache = PagedKVCache(spec, 96, bf16)
     security = TransferSecurity(token=TOKEN)
     layout = KVLayout(LAYERS, HEADS, DIM, BS, ("bf16",) * LAYERS, "codec-test", "bfloat16")
     receiver = KVReceiver(layout, CacheSink(cache))

@@ -15,6 +15,7 @@ from controlplane.scheduler.policies import get_policy
 from controlplane.scheduler.scheduler import Scheduler, WorkerView
 from controlplane.settings import SchedulerSettings
 from controlplane.state.journal import RequestJournal, RequestState
+from controlplane.state.keys import Pool
 from controlplane.state.registry import WorkerInfo, WorkerLoad, WorkerRegistry
 from kvtransfer.auth import TransferSecurity
 from workers.run import start_worker
@@ -41,7 +42,7 @@ def cluster(default_bundle, state_conn):  # noqa: F811
                start_worker("decode", default_bundle, SECURITY, codecs=codecs, config=SMALL_DECODE)]
     registry = WorkerRegistry(state_conn, ttl=30)
     for w in workers:
-        registry.register(WorkerInfo(w.identity.worker_id, w.pool, w.address,
+        registry.register(WorkerInfo(w.identity.worker_id, Pool(w.pool), w.address,
                                      load=WorkerLoad(free_kv_blocks=20, total_kv_blocks=20)))
     dispatcher = Dispatcher(SECURITY)
     model = ModelInfo("demo", default_bundle.tokenizer, 8192, None, 64, default_bundle.eos_token_ids)
@@ -178,7 +179,8 @@ def test_the_journal_ends_every_request_refused_or_left(cluster):
     long = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
     stream = scheduler.generate(WorkerRequest("left", ids, long))
     assert next(stream).token_ids
-    stream.close()  # what the ingress does when the client goes away
+    # what the ingress does when the client goes away (generate() is a generator, declared an Iterator)
+    stream.close()  # type: ignore[attr-defined]  # declared as an Iterator
     assert [e.state for e in journal.history("left")][-1] == RequestState.ABORTED
     assert scheduler.view._inflight == {}
 
@@ -260,11 +262,11 @@ def test_a_stale_snapshot_is_reread_by_one_thread_while_the_others_route_on_it(s
     ids = [f"pf-{i}" for i in range(4)]
     try:
         for i in range(3):
-            registry.register(WorkerInfo(ids[i], "prefill", f"127.0.0.1:{9000 + i}", load=WorkerLoad()))
+            registry.register(WorkerInfo(ids[i], Pool.PREFILL, f"127.0.0.1:{9000 + i}", load=WorkerLoad()))
         now = [0.0]
         view = WorkerView(registry, refresh_s=0.2, clock=lambda: now[0])
         assert sorted(c.worker_id for c in view.candidates("prefill")) == ids[:3] and registry.reads == 1
-        registry.register(WorkerInfo(ids[3], "prefill", "127.0.0.1:9003", load=WorkerLoad()))
+        registry.register(WorkerInfo(ids[3], Pool.PREFILL, "127.0.0.1:9003", load=WorkerLoad()))
         now[0] = 1.0  # stale
         got: list[list[str]] = []
         gate = threading.Barrier(16)
@@ -289,7 +291,7 @@ def test_a_stale_snapshot_is_reread_by_one_thread_while_the_others_route_on_it(s
 def test_a_failed_reread_raises_to_its_caller_and_the_next_one_tries_again(state_conn):  # noqa: F811
     registry = _CountingRegistry(state_conn, ttl=30)
     try:
-        registry.register(WorkerInfo("pf-0", "prefill", "127.0.0.1:9000", load=WorkerLoad()))
+        registry.register(WorkerInfo("pf-0", Pool.PREFILL, "127.0.0.1:9000", load=WorkerLoad()))
         now = [0.0]
         view = WorkerView(registry, refresh_s=0.2, clock=lambda: now[0])
         view.candidates("prefill")

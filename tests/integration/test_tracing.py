@@ -45,6 +45,7 @@ from controlplane.scheduler.policies import get_policy
 from controlplane.scheduler.scheduler import Scheduler, WorkerView
 from controlplane.settings import SchedulerSettings
 from controlplane.state.journal import RequestJournal
+from controlplane.state.keys import Pool
 from controlplane.state.registry import WorkerInfo, WorkerLoad, WorkerRegistry
 from epd.worker.v1 import worker_pb2 as wpb
 from epd.worker.v1 import worker_pb2_grpc as wgrpc
@@ -113,7 +114,7 @@ def stack(default_bundle, redis_server) -> Iterator[Stack]:  # noqa: F811
                for pool in ("encode", "prefill", "decode")}
     registry = WorkerRegistry(conn, ttl=60)
     for w in workers.values():
-        registry.register(WorkerInfo(w.identity.worker_id, w.pool, w.address,
+        registry.register(WorkerInfo(w.identity.worker_id, Pool(w.pool), w.address,
                                      load=WorkerLoad(free_kv_blocks=100, total_kv_blocks=100)))
     model = ModelInfo(DEFAULT_MODEL_NAME, default_bundle.tokenizer, default_bundle.config.max_position_embeddings,
                       default_bundle.image_token_id, default_bundle.vision.config.num_image_tokens,

@@ -54,7 +54,7 @@ def _refused(call, *args, code=grpc.StatusCode.INVALID_ARGUMENT, timeout=10) -> 
         if not isinstance(reply, wpb.PrefillReply | wpb.ReserveReply | wpb.EncodeReply):
             list(reply)  # a streaming call fails on its first read
     assert err.value.code() == code, (err.value.code(), err.value.details())
-    return err.value.details()
+    return err.value.details() or ""
 
 
 def _assert_idle(workers_, default_bundle) -> None:

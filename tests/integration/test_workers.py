@@ -135,7 +135,12 @@ def test_one_token_requests_finish_on_prefill_without_touching_decode(stack):
     engine = workers["decode"].service.engine
     reserves: list[str] = []
     real_reserve = engine.reserve
-    engine.reserve = lambda rid, n: (reserves.append(rid), real_reserve(rid, n))[1]  # counts, then reserves
+
+    def counted_reserve(rid: str, n: int) -> object:  # counts, then reserves
+        reserves.append(rid)
+        return real_reserve(rid, n)
+
+    engine.reserve = counted_reserve
     try:
         outcomes = [_one_token(bundle, dispatcher, route, i, greq, one) for i, greq in enumerate(cases)]
         assert reserves == []  # the decode worker held nothing for them

@@ -170,7 +170,7 @@ def test_layer_hook_sees_each_layer_in_order_with_its_final_kv(tiny_bundle):
 
     engine.add_layer_hook(hook)
     engine.add_request("a", list(range(1, 41)), _greedy(3))  # 40 tokens: chunks of 16, 16, 8
-    final_k = {}
+    final_k: dict[int, torch.Tensor] = {}
     while engine.has_unfinished():
         outs = engine.step()
         seq = engine._seqs.get("a")

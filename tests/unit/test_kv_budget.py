@@ -17,7 +17,12 @@ def test_waits_for_room_then_takes_it() -> None:
     never = threading.Event()
     budget.acquire(80, time.monotonic() + 5, never)
     got = threading.Event()
-    t = threading.Thread(target=lambda: (budget.acquire(50, time.monotonic() + 5, never), got.set()))
+
+    def take() -> None:
+        budget.acquire(50, time.monotonic() + 5, never)
+        got.set()
+
+    t = threading.Thread(target=take)
     t.start()
     assert not got.wait(0.2)  # 80 + 50 > 100: it waits
     budget.release(80)

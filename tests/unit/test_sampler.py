@@ -110,6 +110,7 @@ def test_seeded_row_is_batch_invariant(target: SamplingParams) -> None:
                   SamplingParams(temperature=0.5, top_p=0.3, seed=2), SamplingParams(temperature=1.0, seed=3)]
     steps = 40
     logits = [_logits(5, seed=100 + s) for s in range(steps)]
+    assert target.seed is not None
     # alone
     gen = _gen(target.seed)
     alone = [sample(row[2:3], [target], [gen])[0] for row in logits]

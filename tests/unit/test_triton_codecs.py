@@ -101,6 +101,23 @@ def test_non_finite_input_is_refused_like_the_torch_codec(codec: str, bad: float
     encode_blocks(c, cache, torch.tensor([0, 1], dtype=torch.long, device=DEVICE), Kind.VALUE, payload)
 
 
+@pytest.mark.parametrize("codec", CODECS)
+def test_unchecked_encode_defers_the_refusal_to_host_copies(codec: str) -> None:
+    """The layer hook's launch-only encode: no refusal at launch; ``refuse`` on host copies of the scales
+    and flags raises what the torch codec raises."""
+    from kvtransfer.codecs.fused import encode_blocks_unchecked, refuse
+
+    cache = _cache((3, 4, 2, 8), torch.float32, 6)
+    cache[2, 0, 0, 0] = float("nan")
+    c = get_codec(codec)
+    payload = torch.empty(c.payload_nbytes((2, 4, 2, 8), Kind.KEY), dtype=torch.uint8, device=DEVICE)
+    enc, flags = encode_blocks_unchecked(c, cache, torch.tensor([0, 2], device=DEVICE), Kind.KEY, payload)
+    with pytest.raises(CodecError, match="NaN or inf"):
+        refuse(c, enc.scales.cpu(), None if flags is None else flags.cpu())
+    enc, flags = encode_blocks_unchecked(c, cache, torch.tensor([0, 1], device=DEVICE), Kind.KEY, payload)
+    refuse(c, enc.scales.cpu(), None if flags is None else flags.cpu())  # finite blocks pass
+
+
 def test_float32_overflow_to_bf16_is_refused() -> None:
     cache = torch.zeros(2, 2, 1, 4, device=DEVICE)
     cache[1, 0, 0, 0] = 3.4e38  # finite in float32, inf once rounded to bf16

@@ -77,6 +77,8 @@ class IpcPool:
         self.uuid = device_uuid(device)
         self.segment_bytes = segment_bytes
         self.segments = [torch.empty(segment_bytes, dtype=torch.uint8, device=device) for _ in range(num_segments)]
+        # Exported once per segment: each export takes a slot in torch's IPC ref-counter file
+        self._handles: dict[int, pb.CudaIpcHandle] = {}
         self._free = list(range(num_segments - 1, -1, -1))
         self._leases: dict[str, _Lease] = {}
         self._lock = threading.Lock()
@@ -92,8 +94,11 @@ class IpcPool:
                 raise IpcError(f"all {len(self.segments)} IPC segments are in use; retry or use another transport")
             seg = self._free.pop()
             self._leases[request_id] = _Lease(seg, request_id)
+            handle = self._handles.get(seg)
+            if handle is None:
+                handle = self._handles[seg] = export_handle(self.segments[seg])
         return pb.CudaIpcLease(pool_epoch=self.epoch, host=self.host, device_uuid=self.uuid, segment=seg,
-                               segment_bytes=self.segment_bytes, handle=export_handle(self.segments[seg]))
+                               segment_bytes=self.segment_bytes, handle=handle)
 
     def check(self, request_id: str, epoch: int, segment: int) -> torch.Tensor:
         """The segment a handshake names, after checking it is this pool's epoch and that request's lease."""

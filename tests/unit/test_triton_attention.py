@@ -9,6 +9,7 @@ from tests.unit.triton_env import DEVICE
 from workers.runtime.attention import DecodeItem, PrefillItem, build_step_batch, make_prefill_tiles, paged_attention
 from workers.runtime.kernels.cache_views import cache_tensors
 from workers.runtime.kernels.paged_attention import paged_decode_attention, paged_prefill_attention
+from workers.runtime.kernels.split_decode import num_splits, split_decode_attention
 from workers.runtime.kv_cache import CacheDType, KVCacheSpec, PagedKVCache
 
 pytestmark = pytest.mark.unit
@@ -112,4 +113,46 @@ def test_prefill_of_a_fresh_prompt_matches_causal_sdpa() -> None:
     got = torch.empty_like(q)
     paged_prefill_attention(q, cache_tensors(cache.layers[0]), _padded([table]),
                             make_prefill_tiles([(0, 0, n, 0)], DEVICE), 0.25, 16, got)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("cache_dtype,dtype", [("float32", torch.float32), ("bfloat16", torch.bfloat16),
+                                               ("int8", torch.float32), ("fp8", torch.bfloat16)])
+@pytest.mark.parametrize("splits", [2, 3])
+def test_split_context_decode_matches_the_single_pass(cache_dtype: CacheDType, dtype: torch.dtype,
+                                                      splits: int) -> None:
+    """Splitting each context over programs and merging changes nothing beyond rounding, with rows of
+    length 0, rows shorter than a split, and splits past a row's end."""
+    cache = _cache(16, cache_dtype, num_blocks=40)
+    lengths = [200, 1, 0, 70, 129]
+    tables = _tables(cache, lengths)
+    q = torch.randn(len(lengths), 8, HEAD_DIM, generator=torch.Generator().manual_seed(7)).to(DEVICE, dtype)
+    lens = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
+    want, got = torch.empty_like(q), torch.full_like(q, float("nan"))
+    paged_decode_attention(q, cache_tensors(cache.layers[0]), _padded(tables), lens, 0.25, 16, want)
+    split_decode_attention(q, cache_tensors(cache.layers[0]), _padded(tables), lens, 0.25, 16, got, splits)
+    torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])
+    assert torch.equal(got[2], torch.zeros_like(got[2]))
+
+
+def test_num_splits_spreads_long_contexts_of_small_batches_only() -> None:
+    assert num_splits(1, 4, 512, 16) == 1  # short contexts keep the single pass
+    assert num_splits(1, 4, 4096, 16) == 16
+    assert num_splits(8, 4, 4096, 16) == 4
+    assert num_splits(64, 4, 4096, 16) == 1
+
+
+def test_the_kernel_ops_split_long_contexts_and_match_the_gather_path() -> None:
+    from workers.runtime.kernels.ops import TritonOps
+
+    cache = _cache(16, "float32", num_blocks=80)
+    lengths = [600, 37]
+    tables = _tables(cache, lengths)
+    batch = build_step_batch([DecodeItem(0, n - 1, t) for n, t in zip(lengths, tables)], [], cache, paged_kernels=True)
+    assert batch.kernel is not None and batch.kernel.max_context == 600
+    assert num_splits(2, KV_HEADS, 600, 16) > 1
+    q = torch.randn(2, 4, HEAD_DIM, generator=torch.Generator().manual_seed(8)).to(DEVICE)
+    got = TritonOps(16).attention(q, q, q, batch, cache.layers[0], 0.25)
+    torch_batch = build_step_batch([DecodeItem(0, n - 1, t) for n, t in zip(lengths, tables)], [], cache)
+    want = paged_attention(q, q, q, torch_batch, cache.layers[0], 0.25)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)

@@ -61,7 +61,7 @@ def test_a_padded_decode_bucket_gives_the_same_logits_and_writes_nothing_more(ti
     buffers = DecodeBuffers(8, engine.cache.blocks_for(engine.max_model_len), engine.cache.block_size, DEVICE)
     buffers.stage(decodes, 4)
     assert buffers.host["slots"][3].item() == -1 and buffers.host["lens"][3].item() == 0
-    got = model(buffers.batch(4), engine.cache, None, engine._ops)
+    got = model(buffers.batch(4, max(d.position + 1 for d in decodes)), engine.cache, None, engine._ops)
     torch.testing.assert_close(got[:3], want, atol=1e-5, rtol=1e-5)
     # the real rows rewrite their own slots (equal to rounding: the matmuls ran at another batch size);
     # every other slot, the ones a padded row could have hit included, is as it was

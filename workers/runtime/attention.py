@@ -88,11 +88,13 @@ class KernelMeta:
 
     block_tables: [rows, max_blocks] int32, one row per decoding sequence (first ``num_decode`` rows)
     then one per prefill chunk with cached context; decode_lens: [num_decode] int32 tokens each decode
-    attends to (0 = a padded slot); tiles: the context chunks' query tiles, or None."""
+    attends to (0 = a padded slot); tiles: the context chunks' query tiles, or None; max_context: a
+    bound on ``decode_lens`` known to the host (it picks how decode attention splits the context)."""
 
     block_tables: torch.Tensor
     decode_lens: torch.Tensor
     tiles: PrefillTiles | None
+    max_context: int = 0
 
 
 @dataclass(frozen=True)
@@ -192,7 +194,8 @@ def build_step_batch(decodes: list[DecodeItem], prefills: list[PrefillItem], cac
         decode_lens = [d.position + 1 for d in decodes]
         tables = _block_rows([d.block_table for d in decodes] + ctx_tables, decode_lens + ctx_lengths, bs)
         kernel = KernelMeta(tables.to(device), torch.tensor(decode_lens, dtype=torch.int32).to(device),
-                            make_prefill_tiles(ctx_chunks, device) if ctx_chunks else None)
+                            make_prefill_tiles(ctx_chunks, device) if ctx_chunks else None,
+                            max(decode_lens, default=0))
 
     return StepBatch(
         input_ids=t(ids), positions=t(positions), slot_mapping=t(slots), num_decode=len(decodes),

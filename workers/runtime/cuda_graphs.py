@@ -1,5 +1,7 @@
 """CUDA graphs for decode-only steps: one graph per batch-size bucket, captured at start-up.
 
+Small buckets get a second graph for long contexts, whose attention splits each context across more
+programs (``split_decode``); a step takes it when a sequence's context passes ``short_context``.
 A decode step of ``n`` sequences replays the graph of the smallest bucket >= n:
   1. the host fills persistent pinned buffers (token ids, positions, slots, lengths, block tables);
      rows n..bucket are padding: slot -1 (the KV write skips it) and length 0 (attention reads
@@ -20,6 +22,7 @@ import torch
 
 from workers.runtime.attention import DecodeItem, KernelMeta, StepBatch
 from workers.runtime.kernels.ops import TritonOps
+from workers.runtime.kernels.split_decode import num_splits, short_context
 from workers.runtime.kv_cache import PagedKVCache
 from workers.runtime.model import DecoderModel
 
@@ -56,13 +59,14 @@ class DecodeBuffers:
         self._np = {name: t.numpy() for name, t in self.host.items()}
         self._rows = torch.arange(max_batch, device=device)
 
-    def batch(self, b: int) -> StepBatch:
-        """The step metadata over the first ``b`` rows of the device buffers."""
+    def batch(self, b: int, max_context: int) -> StepBatch:
+        """The step metadata over the first ``b`` rows of the device buffers, for contexts of at most
+        ``max_context`` tokens."""
         d = self.dev
         return StepBatch(input_ids=d["ids"][:b], positions=d["positions"][:b], slot_mapping=d["slots"][:b],
                          num_decode=b, decode_slots=None, decode_mask=None, prefills=(),
                          logits_indices=self._rows[:b], embed_indices=None, embeds=None,
-                         kernel=KernelMeta(d["tables"][:b], d["lens"][:b], None))
+                         kernel=KernelMeta(d["tables"][:b], d["lens"][:b], None, max_context))
 
     def stage(self, decodes: list[DecodeItem], bucket: int) -> None:
         """Fill rows [0, len(decodes)) from ``decodes`` and rows up to ``bucket`` with padding (token 0,
@@ -97,7 +101,15 @@ class DecodeGraphs:
         self.buckets = bucket_ladder(max_batch)
         self.buffers = DecodeBuffers(self.buckets[-1], cache.blocks_for(max_model_len), cache.block_size,
                                      cache.device)
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.max_model_len = max_model_len
+        self.short_context = short_context(cache.block_size)
+        # (bucket, context bound) pairs to capture: the long bound only where it changes the attention
+        kv_heads = model.cfg.num_kv_heads
+        self._variants = [(b, bound) for b in self.buckets for bound in (
+            (self.short_context, max_model_len)
+            if max_model_len > self.short_context and num_splits(b, kv_heads, max_model_len, cache.block_size) > 1
+            else (max_model_len,))]
+        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.capture_seconds = 0.0
         self.replays = 0  # decode steps served by a graph
 
@@ -113,14 +125,14 @@ class DecodeGraphs:
         stream = torch.cuda.Stream(self.cache.device)
         stream.wait_stream(torch.cuda.current_stream(self.cache.device))
         with torch.cuda.stream(stream):  # warm-up: compiles the Triton kernels outside any capture
-            for b in self.buckets:
-                self.model(self.buffers.batch(b), self.cache, None, self.ops)
+            for b, bound in self._variants:
+                self.model(self.buffers.batch(b, bound), self.cache, None, self.ops)
         torch.cuda.current_stream(self.cache.device).wait_stream(stream)
-        for b in reversed(self.buckets):
+        for b, bound in reversed(self._variants):
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                logits = self.model(self.buffers.batch(b), self.cache, None, self.ops)
-            self._graphs[b] = (graph, logits)
+                logits = self.model(self.buffers.batch(b, bound), self.cache, None, self.ops)
+            self._graphs[(b, bound)] = (graph, logits)
         torch.cuda.synchronize(self.cache.device)
         self.capture_seconds = time.perf_counter() - start
 
@@ -138,7 +150,10 @@ class DecodeGraphs:
         have synchronised with the previous step (sampling reads its logits back), since this
         overwrites the pinned buffers the previous step's copies read from."""
         self.buffers.stage(decodes, bucket)
-        graph, logits = self._graphs[bucket]
+        longest = max(d.position for d in decodes) + 1
+        short = (bucket, self.short_context)
+        graph, logits = self._graphs[short] if longest <= self.short_context and short in self._graphs else \
+            self._graphs[(bucket, self.max_model_len)]
         graph.replay()
         self.replays += 1
         return logits[:len(decodes)]

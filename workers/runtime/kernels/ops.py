@@ -12,6 +12,7 @@ from workers.runtime.kernels import fused
 from workers.runtime.kernels.cache_views import CacheTensors, cache_tensors
 from workers.runtime.kernels.kv_write import rope_write_kv, write_kv
 from workers.runtime.kernels.paged_attention import paged_decode_attention, paged_prefill_attention
+from workers.runtime.kernels.split_decode import num_splits, split_decode_attention
 from workers.runtime.kv_cache import KVLayerStorage
 
 
@@ -50,8 +51,13 @@ class TritonOps:
         nd = batch.num_decode
         if nd:
             assert meta is not None
-            paged_decode_attention(q[:nd], cache, meta.block_tables, meta.decode_lens, scale, self.block_size,
-                                   out[:nd])
+            splits = num_splits(nd, cache.k.shape[1], meta.max_context, self.block_size)
+            if splits > 1:
+                split_decode_attention(q[:nd], cache, meta.block_tables, meta.decode_lens, scale, self.block_size,
+                                       out[:nd], splits)
+            else:
+                paged_decode_attention(q[:nd], cache, meta.block_tables, meta.decode_lens, scale, self.block_size,
+                                       out[:nd])
         for p in batch.prefills:
             if p.context_len == 0:  # a fresh prompt: its own k/v are its whole context
                 qs = q[p.token_start:p.token_end].transpose(0, 1).unsqueeze(0)

@@ -136,7 +136,12 @@ def stream_tokens(loop: EngineLoop, request_id: str, q: queue.Queue, prompt_toke
     from workers.engine_loop import LoopFailure
 
     finished = threading.Event()
-    context.add_callback(lambda: None if finished.is_set() else loop.abort(request_id))
+
+    def on_rpc_done() -> None:
+        if not finished.is_set():
+            loop.abort(request_id)
+
+    context.add_callback(on_rpc_done)
     while True:
         item = q.get()
         if isinstance(item, LoopFailure):

@@ -48,8 +48,8 @@ def inline_bytes(built_by: str) -> int:
 @pytest.fixture(scope="module")
 def rig():
     spec = KVCacheSpec(LAYERS, HEADS, DIM, BS)
-    bf16: tuple[CacheDType, ...] = ("bfloat16",) * LAYERS
-    cache = PagedKVCache(spec, 96, bf16)
+    bf16: list[CacheDType] = ["bfloat16"] * LAYERS
+    cache = PagedKVCache(spec, 96, tuple(bf16))
     security = TransferSecurity(token=TOKEN)
     layout = KVLayout(LAYERS, HEADS, DIM, BS, ("bf16",) * LAYERS, "codec-test", "bfloat16")
     receiver = KVReceiver(layout, CacheSink(cache))

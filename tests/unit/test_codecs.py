@@ -258,7 +258,7 @@ def test_from_buffer_round_trip(x: torch.Tensor, name: str, kind: Kind, writable
     got = from_buffer(
         int(enc.codec_id),
         kind.value,
-        list(enc.shape),
+        tuple(enc.shape),
         wrap(enc.payload_view()),
         wrap(enc.scales_view()),
         None if zeros is None else wrap(zeros),
@@ -266,7 +266,7 @@ def test_from_buffer_round_trip(x: torch.Tensor, name: str, kind: Kind, writable
     assert (got.codec_id, got.kind, got.shape) == (enc.codec_id, enc.kind, enc.shape)
     assert torch.equal(got.payload, enc.payload) and torch.equal(got.scales, enc.scales)
     assert (got.zeros is None) == (enc.zeros is None)
-    assert got.zeros is None or torch.equal(got.zeros, enc.zeros)
+    assert got.zeros is None or (enc.zeros is not None and torch.equal(got.zeros, enc.zeros))
     assert torch.equal(bits(codec.decode(got, torch.float32)), bits(codec.decode(enc, torch.float32)))
 
 
@@ -279,7 +279,8 @@ def test_views_share_memory_and_writable_buffers_are_not_copied() -> None:
     assert enc.zeros is not None
     assert len(enc.scales_view()) == enc.scales.nbytes and len(enc.zeros_view() or b"") == enc.zeros.nbytes
     buf = bytearray(enc.payload_view())
-    got = get_codec("int4").from_buffer(Kind.KEY, enc.shape, buf, bytes(enc.scales_view()), bytes(enc.zeros_view()))
+    got = get_codec("int4").from_buffer(Kind.KEY, enc.shape, buf, bytes(enc.scales_view()),
+                                        bytes(enc.zeros_view() or b""))
     buf[1] ^= 0xFF
     assert got.payload[1].item() == buf[1]
 
@@ -296,13 +297,15 @@ def _parts(name: str, kind: Kind) -> tuple[EncodedTensor, bytes, bytes, bytes | 
 def test_wrong_byte_lengths_are_refused(name: str, part: str, delta: int) -> None:
     enc, payload, scales, zeros = _parts(name, Kind.VALUE)
     parts = {"payload": payload, "scales": scales, "zeros": zeros}
-    if parts[part] is None or (delta < 0 and not parts[part]):
+    current = parts[part]
+    if current is None or (delta < 0 and not current):
         # A codec without zero points (or scales): extra bytes there are wrong too.
         parts[part] = b"\0" * max(delta, 1)
         fragment = "expected 0"
     else:
-        parts[part] = parts[part] + b"\0" if delta > 0 else parts[part][:-1]
-        fragment = f"{part} has {len(parts[part])} bytes, expected"
+        changed = current + b"\0" if delta > 0 else current[:-1]
+        parts[part] = changed
+        fragment = f"{part} has {len(changed)} bytes, expected"
     with pytest.raises(CodecError, match=fragment):
         from_buffer(enc.codec_id, enc.kind, enc.shape, parts["payload"], parts["scales"], parts["zeros"])
 
@@ -341,7 +344,8 @@ def test_encoded_tensor_is_frozen_and_checked() -> None:
         dataclasses.replace(enc, payload=enc.payload.view(2, -1))
     with pytest.raises(CodecError, match="scales must be"):
         dataclasses.replace(enc, scales=enc.scales.double())
-    assert isinstance(dataclasses.replace(enc, codec_id=2).codec_id, CodecId)
+    as_int = dataclasses.replace(enc, codec_id=2)  # type: ignore[arg-type]  # an int on purpose: it becomes a CodecId
+    assert isinstance(as_int.codec_id, CodecId)
 
 
 # -- registry ------------------------------------------------------------------------------

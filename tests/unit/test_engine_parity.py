@@ -10,6 +10,7 @@ import torch
 
 from workers.runtime.attention import PrefillItem, build_step_batch
 from workers.runtime.engine import Engine, EngineConfig
+from workers.runtime.kv_cache import DenseLayerStorage
 from workers.runtime.loader import load_model
 from workers.runtime.sampler import SamplingParams
 from workers.runtime.sequence import MultimodalInput
@@ -104,7 +105,8 @@ def test_bfloat16_engine_tracks_hf_bfloat16(tiny_hf):
     outs = run_to_completion(engine)["r"]
     with torch.no_grad():
         ref = _hf(path, torch.bfloat16)(torch.tensor([PROMPT])).logits[0, -1].float()
-    assert engine.cache.layers[0].k.dtype == torch.bfloat16
+    layer = engine.cache.layers[0]
+    assert isinstance(layer, DenseLayerStorage) and layer.k.dtype == torch.bfloat16
     assert (outs[0].logits - ref).abs().max().item() <= 0.05 * ref.abs().max().item()
     assert_no_leaks(engine)
 

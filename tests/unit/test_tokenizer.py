@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -18,7 +19,13 @@ pytestmark = [pytest.mark.unit]
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
-MESSAGE_LISTS = {
+def _id(tok: Tokenizer, token: str) -> int:
+    found = tok.token_to_id(token)
+    assert found is not None, f"no {token!r} in the tokenizer"
+    return found
+
+
+MESSAGE_LISTS: dict[str, list[dict[str, Any]]] = {
     "single-user": [{"role": "user", "content": "Hello, world."}],
     "multi-turn": [
         {"role": "system", "content": "You are terse."},
@@ -178,13 +185,13 @@ def test_render_chat_matches_transformers(tok: Tokenizer, hf_tok, name: str, add
 def test_encode_chat_matches_transformers(tok: Tokenizer, hf_tok, name: str) -> None:
     ids = tok.encode_chat(MESSAGE_LISTS[name])
     assert ids == _hf_chat_ids(hf_tok, MESSAGE_LISTS[name])
-    bos = tok.token_to_id(BOS)
+    bos = _id(tok, BOS)
     assert ids[0] == bos and ids.count(bos) == 1  # the template's BOS, not a second one from encode
 
 
 def test_image_parts_become_image_tokens(tok: Tokenizer) -> None:
     ids = tok.encode_chat(MESSAGE_LISTS["parts-with-images"])
-    assert ids.count(tok.token_to_id(IMAGE)) == 2
+    assert ids.count(_id(tok, IMAGE)) == 2
 
 
 @pytest.mark.transformers
@@ -201,7 +208,7 @@ def test_encode_decode_match_transformers(tok: Tokenizer, hf_tok, text: str) -> 
 # ---------------------------------------------------------------- incremental detokenizer
 @pytest.mark.parametrize("text", ["The quick brown fox jumps over the lazy dog.", MIXED_TEXT, "a\n\nb  c"])
 def test_deltas_concatenate_to_decode(tok: Tokenizer, text: str) -> None:
-    ids = tok.encode(text, add_special_tokens=False) + [tok.token_to_id(EOS)]
+    ids = tok.encode(text, add_special_tokens=False) + [_id(tok, EOS)]
     deltas, stopped, tail = _stream(tok, ids)
     assert not stopped
     assert "".join(deltas) + tail == tok.decode(ids) == text
@@ -283,6 +290,6 @@ def test_no_stop_means_full_text_with_stop_strings_configured(tok: Tokenizer) ->
 
 
 def test_special_tokens_are_skipped(tok: Tokenizer) -> None:
-    ids = [tok.token_to_id(IM_END)] + tok.encode("ok", add_special_tokens=False) + [tok.token_to_id(EOS)]
+    ids = [_id(tok, IM_END)] + tok.encode("ok", add_special_tokens=False) + [_id(tok, EOS)]
     deltas, _, tail = _stream(tok, ids)
     assert "".join(deltas) + tail == "ok"

@@ -38,7 +38,9 @@ fi
 export GPU_CHECK_MODEL_DIR=$MODEL
 
 echo "== CUDA tests ($((SECONDS - start)) s so far)"
-run pytest -q -p no:cacheprovider tests/cuda tests/unit/test_triton_attention.py \
+# -W default: the GPU image's own torch/transformers may warn where this repository's pins do not; the
+# suite's warnings-as-errors is for the pinned environment, these checks are about the GPU.
+run pytest -q -p no:cacheprovider -W default tests/cuda tests/unit/test_triton_attention.py \
   tests/unit/test_triton_small_ops.py tests/unit/test_triton_engine.py
 tests_rc=$?
 

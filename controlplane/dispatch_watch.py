@@ -6,7 +6,8 @@ messages); the caller then sees the call cancelled and ``expired`` tells it why.
 every watched call, ticking every ``tick_s`` seconds.
 
 ``keepalive_options`` make a channel ping the worker every ``keepalive_s`` seconds while calls are in
-flight and fail them (UNAVAILABLE) when a ping goes unanswered for as long again: a SIGSTOPped worker's
+flight and fail them (UNAVAILABLE) when a ping goes unanswered for as long again (and a connection
+attempt that gets no HTTP/2 answer in twice that): a SIGSTOPped worker's
 kernel still acknowledges TCP, so only an HTTP/2 ping reaches the stopped process. The worker's server
 must accept pings that often (workers.service_base sets its side).
 """
@@ -28,7 +29,11 @@ def keepalive_options(keepalive_s: float) -> tuple[tuple[str, int], ...]:
     ms = max(1, round(keepalive_s * 1000))
     return (("grpc.keepalive_time_ms", ms), ("grpc.keepalive_timeout_ms", ms),
             ("grpc.keepalive_permit_without_calls", 0),
-            ("grpc.http2.max_pings_without_data", 0))  # keep pinging while a call waits for its first byte
+            ("grpc.http2.max_pings_without_data", 0),  # keep pinging while a call waits for its first byte
+            ("grpc.http2.ping_timeout_ms", ms),  # the unanswered ping's own timer (default: a minute)
+            # a (re)connect to a stopped process is accepted by its kernel but never answered: give up after
+            # this long (grpc's default is 20 s), so a call on it fails over instead of waiting
+            ("grpc.min_reconnect_backoff_ms", 2 * ms))
 
 
 class Watched:

@@ -42,6 +42,7 @@ def add_chaos_parser(bench: argparse._SubParsersAction[argparse.ArgumentParser])
     p.add_argument("--soak", type=_positive(float), default=None, metavar="MINUTES",
                    help="instead: a steady 70%% load for MINUTES, reporting RSS and block drift")
     p.add_argument("--json", type=Path, default=None, help="also write the report as JSON here")
+    p.add_argument("--keep-log", type=Path, default=None, help="copy epd serve's log here at the end")
     p.set_defaults(func=cmd_bench_chaos)
 
 
@@ -51,7 +52,7 @@ def cmd_bench_chaos(args: argparse.Namespace) -> int:
 
     cfg = ChaosConfig(model=args.model, requests=args.requests, concurrency=args.concurrency,
                       max_tokens=args.max_tokens, replicas=args.replicas, baseline_s=args.baseline_s,
-                      settle_s=args.settle_s, stop_s=args.stop_s, soak_minutes=args.soak)
+                      settle_s=args.settle_s, stop_s=args.stop_s, soak_minutes=args.soak, keep_log=args.keep_log)
     if cfg.soak_minutes is not None:
         s = soak(cfg)
         print(format_soak(s))

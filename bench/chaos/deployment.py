@@ -25,6 +25,7 @@ class Worker:
     address: str
     free_kv_blocks: int
     total_kv_blocks: int
+    running: int
 
     @property
     def port(self) -> int:
@@ -106,7 +107,7 @@ class Deployment:
 
     def workers(self, pool: str) -> list[Worker]:
         p = self.pools().get(pool, {})
-        return [Worker(pool, w["worker_id"], w["address"], w["free_kv_blocks"], w["total_kv_blocks"])
+        return [Worker(pool, w["worker_id"], w["address"], w["free_kv_blocks"], w["total_kv_blocks"], w["running"])
                 for w in p.get("workers", ()) if not w.get("draining")]
 
     def ready_body(self) -> dict[str, Any]:

@@ -57,7 +57,7 @@ def inject(dep: Deployment, spec: FaultSpec, stop_s: float = 10.0, recover_s: fl
     workers = dep.workers(spec.pool)
     if not workers:
         raise FaultError(f"no {spec.pool} worker to hit")
-    victim = workers[0]
+    victim = max(workers, key=lambda w: (w.total_kv_blocks - w.free_kv_blocks, w.running))  # the busiest: worst case
     pid = listening_pid(victim.port)
     if pid is None:
         raise FaultError(f"cannot find the process of {spec.pool} worker {victim.worker_id} ({victim.address})")

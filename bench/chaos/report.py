@@ -56,6 +56,7 @@ class ChaosReport:
     fault_free: Window
     faults: list[FaultFigures]
     errors: list[str] = field(default_factory=list)  # the first few failures' messages
+    outcomes: list[tuple[float, float, int, str]] = field(default_factory=list)  # (start, end, status, error)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -92,8 +93,10 @@ def format_report(r: ChaosReport) -> str:
                      f"{_ms(f.during.p50_s) + '/' + _ms(f.during.p99_s):>12}"
                      f"{_ms(f.after.p50_s) + '/' + _ms(f.after.p99_s):>12}{_ms(f.p99_bound_s):>8}  "
                      f"{'-' if f.within_bound is None else ('yes' if f.within_bound else 'NO')}")
-    for e in r.errors:
-        lines.append(f"failure: {e}")
+    first = min((o[0] for o in r.outcomes), default=0.0)
+    for start, end, status, error in r.outcomes:
+        if status != 200 or error:
+            lines.append(f"failure at {start - first:.1f}-{end - first:.1f} s: {error or status}")
     return "\n".join(lines)
 
 

@@ -41,6 +41,7 @@ class ChaosConfig:
     settle_s: float = 10.0
     stop_s: float = 10.0
     soak_minutes: float | None = None
+    keep_log: Path | None = None  # copy epd serve's log here at the end
 
 
 def _references(model: Path | None, n: int, max_tokens: int) -> tuple[list[list[int]], list[str], Path]:
@@ -100,11 +101,11 @@ def chaos(cfg: ChaosConfig, say: Callable[[str], None] = print) -> ChaosReport:
         dep = Deployment(cfg.model, cfg.replicas, Path(tmp))
         say(f"starting epd serve ({cfg.replicas} replicas per pool) ...")
         dep.start()
+        results: list[FaultResult] = []
         try:
             prompts, refs, _ = _references(cfg.model, cfg.prompts, cfg.max_tokens)
             driver = LoadDriver(dep.base, dep.model_name(), prompts, refs, cfg.max_tokens, cfg.concurrency).start()
             time.sleep(cfg.baseline_s)
-            results: list[FaultResult] = []
             for spec in PLAN:
                 say(f"fault: {spec.describe()}")
                 results.append(inject(dep, spec, cfg.stop_s))
@@ -118,13 +119,15 @@ def chaos(cfg: ChaosConfig, say: Callable[[str], None] = print) -> ChaosReport:
             migrated = _migrated(dep, outcomes)
         finally:
             dep.stop()
+            if cfg.keep_log is not None:
+                cfg.keep_log.write_text(dep.log_path.read_text(errors="replace"))
     first = results[0].at if results else float("inf")
     fault_free = Window.of([o for o in outcomes if o.end < first])
     figures = [fault_figures(r, outcomes, fault_free, _detection_s(r.spec.kind), cfg.settle_s) for r in results]
     ok = [o for o in outcomes if o.ok]
     errors = [o.error or f"HTTP {o.status}" for o in outcomes if not o.ok][:5]
     return ChaosReport(len(outcomes), len(ok), len(outcomes) - len(ok), migrated, sum(o.match for o in ok), leaked,
-                       fault_free, figures, errors)
+                       fault_free, figures, errors, [(o.start, o.end, o.status, o.error) for o in outcomes])
 
 
 def _label(pid: int) -> str:

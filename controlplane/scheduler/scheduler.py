@@ -18,6 +18,7 @@ A request's life here, one named stage each:
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterator
 
@@ -38,6 +39,8 @@ from controlplane.settings import SchedulerSettings
 from controlplane.state.journal import BackgroundJournal, RequestJournal, RequestState
 
 __all__ = ["Scheduler", "WorkerView"]
+
+log = logging.getLogger(__name__)
 
 
 class _Lost(Exception):
@@ -137,6 +140,8 @@ class Scheduler:
             lost.add(worker_id)
             self.health.failure(worker_id, f"{error.stage}: {error.message}", lost=True)
         cause = f"{error.stage} worker {', '.join(names) or '(unknown)'} lost: {error.message}"
+        log.warning("request %s: %s (after %d tokens, move %d of at most %d)", rid, cause, len(progress.token_ids),
+                    moves + 1, self.settings.migration_limit)
         if moves >= self.settings.migration_limit:
             raise BackendError(f"the request lost {moves + 1} workers, more than the migration limit "
                                f"({self.settings.migration_limit}); retry it. Last: {cause}", 503,

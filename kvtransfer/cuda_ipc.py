@@ -22,11 +22,17 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import grpc
 import torch
 
+from kvtransfer.codecs import WireLayout
+from kvtransfer.errors import TransferRefused
 from kvtransfer.wire import pb
 
-__all__ = ["IpcError", "IpcMappings", "IpcPool", "device_checksum", "device_uuid"]
+Code = grpc.StatusCode
+
+__all__ = ["DeviceParts", "IpcError", "IpcMappings", "IpcPool", "MappedSegment", "device_checksum",
+           "device_chunk_parts", "device_uuid"]
 
 _MASK64 = (1 << 64) - 1
 
@@ -223,3 +229,31 @@ class MappedSegment:
 
 def lease_request(request_id: str, min_bytes: int) -> bytes:
     return pb.CudaIpcLeaseRequest(request_id=request_id, min_bytes=min_bytes).SerializeToString()
+
+
+def device_chunk_parts(segment: torch.Tensor, c: pb.KVChunk, where: str, codec_name: str, k_lay: WireLayout,
+                       v_lay: WireLayout, want_scales: int, want_payload: int) -> tuple[DeviceParts, DeviceParts]:
+    """A TRANSPORT_CUDA_IPC chunk's keys' and values' parts in the leased ``segment``, after checking where
+    they lie: the range against the segment and the codec's sizes, the device checksum, finite scales (and
+    no NaN fp8 byte). Raises TransferRefused naming ``where``."""
+    if c.shm.length != want_scales + want_payload or c.shm.offset + c.shm.length > segment.numel():
+        raise TransferRefused(Code.OUT_OF_RANGE, f"{where}: bytes {c.shm.offset}+{c.shm.length} do not fit the "
+                                                 f"{segment.numel()}-byte IPC segment or the codec's "
+                                                 f"{want_scales}+{want_payload} bytes")
+    data = segment[c.shm.offset:c.shm.offset + c.shm.length]
+    if device_checksum(data) != c.checksum:
+        raise TransferRefused(Code.DATA_LOSS, f"{where}: checksum mismatch, the data was corrupted")
+    scales, payload = data[:want_scales], data[want_scales:]
+    problem = non_finite_device(codec_name, k_lay.scales_dtype, scales, payload)
+    if problem is not None:
+        raise TransferRefused(Code.INVALID_ARGUMENT, f"{where}: {problem}; refusing to land a corrupt KV cache")
+    o = 0
+    parts = []
+    for lay in (k_lay, v_lay):
+        s = scales[o:o + lay.scale_nbytes]
+        o += lay.scale_nbytes
+        z = scales[o:o + lay.zero_nbytes] if lay.zero_nbytes else None
+        o += lay.zero_nbytes
+        parts.append((s, z))
+    kp, vp = payload[:k_lay.payload_nbytes], payload[k_lay.payload_nbytes:]
+    return DeviceParts(kp, parts[0][0], parts[0][1]), DeviceParts(vp, parts[1][0], parts[1][1])

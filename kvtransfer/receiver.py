@@ -33,8 +33,8 @@ from kvtransfer.bulk import CONTROL_BYTES, KIND_CHUNK, KIND_HANDSHAKE, KIND_RESU
 from kvtransfer.bulk_listener import BulkListener
 from kvtransfer.checksum import StreamChecksum, chunk_checksum
 from kvtransfer.chunks import non_finite_values
-from kvtransfer.codecs import CodecError, Kind, WireLayout, get_codec
-from kvtransfer.cuda_ipc import DeviceParts, IpcError, IpcPool, device_checksum, non_finite_device
+from kvtransfer.codecs import CodecError, Kind, get_codec
+from kvtransfer.cuda_ipc import DeviceParts, IpcError, IpcPool, device_chunk_parts
 from kvtransfer.errors import TransferRefused
 from kvtransfer.expectations import Expectations, Expected, State, refusal, run_stream
 from kvtransfer.layout import KVLayout, LayoutMismatch
@@ -369,69 +369,42 @@ class KVReceiver:
         if want_scales + want_payload > self.max_chunk_bytes:
             raise TransferRefused(Code.INVALID_ARGUMENT, f"{where} is {want_scales + want_payload} bytes, over "
                                                          f"this receiver's limit of {self.max_chunk_bytes}")
-        if s.device_segment is not None:
-            self._device_chunk(exp, s, c, where, codec_name, shape, k_lay, v_lay, want_scales, want_payload)
-            return
-        scales, payload = s.bulk(c, frame, want_scales)
-        if scales.nbytes != want_scales or payload.nbytes != want_payload:
-            raise TransferRefused(Code.INVALID_ARGUMENT,
-                                  f"{where} carries {scales.nbytes}+{payload.nbytes} bytes of scales+payload, "
-                                  f"expected {want_scales}+{want_payload} for codec {codec_name}")
-        if chunk_checksum((scales, payload)) != c.checksum:
-            raise TransferRefused(Code.DATA_LOSS, f"{where}: checksum mismatch, the data was corrupted")
-        problem = non_finite_values(codec_name, k_lay.scales_dtype, scales, payload)
-        if problem is not None:
-            raise TransferRefused(Code.INVALID_ARGUMENT, f"{where}: {problem}; refusing to land a corrupt KV cache")
+        if s.device_segment is not None:  # TRANSPORT_CUDA_IPC: checked and read where it lies, on the device
+            key: WireParts | DeviceParts
+            value: WireParts | DeviceParts
+            key, value = device_chunk_parts(s.device_segment, c, where, codec_name, k_lay, v_lay, want_scales,
+                                            want_payload)
+            write: Callable[..., None] = self.sink.write_device
+            nbytes = c.shm.length
+        else:
+            scales, payload = s.bulk(c, frame, want_scales)
+            if scales.nbytes != want_scales or payload.nbytes != want_payload:
+                raise TransferRefused(Code.INVALID_ARGUMENT,
+                                      f"{where} carries {scales.nbytes}+{payload.nbytes} bytes of scales+payload, "
+                                      f"expected {want_scales}+{want_payload} for codec {codec_name}")
+            if chunk_checksum((scales, payload)) != c.checksum:
+                raise TransferRefused(Code.DATA_LOSS, f"{where}: checksum mismatch, the data was corrupted")
+            problem = non_finite_values(codec_name, k_lay.scales_dtype, scales, payload)
+            if problem is not None:
+                raise TransferRefused(Code.INVALID_ARGUMENT,
+                                      f"{where}: {problem}; refusing to land a corrupt KV cache")
+            key, value = _split(k_lay, v_lay, scales, payload)
+            write = self.sink.write
+            nbytes = scales.nbytes + payload.nbytes
         covered = s.coverage[c.layer]
         if any(covered[c.first_block:c.first_block + c.num_blocks]):
             raise TransferRefused(Code.INVALID_ARGUMENT, f"{where} overlaps blocks already received")
-        key, value = _split(k_lay, v_lay, scales, payload)
         blocks = exp.target[c.first_block:c.first_block + c.num_blocks]
         with exp.lock:
             if exp.state is not State.STREAMING:  # cancelled or expired meanwhile: the blocks may be gone
                 raise exp.failure or TransferRefused(Code.CANCELLED, "transfer cancelled")
             try:
-                self.sink.write(c.layer, blocks, codec_name, shape, key, value)
+                write(c.layer, blocks, codec_name, shape, key, value)
             except (CodecError, ValueError) as exc:
                 raise TransferRefused(Code.INVALID_ARGUMENT, f"{where}: {exc}") from None
         covered[c.first_block:c.first_block + c.num_blocks] = b"\x01" * c.num_blocks
         s.next_seq += 1
-        s.num_bytes += scales.nbytes + payload.nbytes
-        s.checksum.add(c.checksum)
-
-    def _device_chunk(self, exp: Expected, s: _Session, c: pb.KVChunk, where: str, codec_name: str,
-                      shape: tuple[int, int, int, int], k_lay: WireLayout, v_lay: WireLayout, want_scales: int,
-                      want_payload: int) -> None:
-        """A TRANSPORT_CUDA_IPC chunk: checked (range, device checksum, finite scales) where it lies, in the
-        leased device segment, then decoded from there into the reserved blocks."""
-        seg = s.device_segment
-        assert seg is not None
-        if c.shm.length != want_scales + want_payload or c.shm.offset + c.shm.length > seg.numel():
-            raise TransferRefused(Code.OUT_OF_RANGE, f"{where}: bytes {c.shm.offset}+{c.shm.length} do not fit the "
-                                                     f"{seg.numel()}-byte IPC segment or the codec's "
-                                                     f"{want_scales}+{want_payload} bytes")
-        data = seg[c.shm.offset:c.shm.offset + c.shm.length]
-        if device_checksum(data) != c.checksum:
-            raise TransferRefused(Code.DATA_LOSS, f"{where}: checksum mismatch, the data was corrupted")
-        scales, payload = data[:want_scales], data[want_scales:]
-        problem = non_finite_device(codec_name, k_lay.scales_dtype, scales, payload)
-        if problem is not None:
-            raise TransferRefused(Code.INVALID_ARGUMENT, f"{where}: {problem}; refusing to land a corrupt KV cache")
-        covered = s.coverage[c.layer]
-        if any(covered[c.first_block:c.first_block + c.num_blocks]):
-            raise TransferRefused(Code.INVALID_ARGUMENT, f"{where} overlaps blocks already received")
-        key, value = _split_device(k_lay, v_lay, scales, payload)
-        blocks = exp.target[c.first_block:c.first_block + c.num_blocks]
-        with exp.lock:
-            if exp.state is not State.STREAMING:
-                raise exp.failure or TransferRefused(Code.CANCELLED, "transfer cancelled")
-            try:
-                self.sink.write_device(c.layer, blocks, codec_name, shape, key, value)
-            except (CodecError, ValueError) as exc:
-                raise TransferRefused(Code.INVALID_ARGUMENT, f"{where}: {exc}") from None
-        covered[c.first_block:c.first_block + c.num_blocks] = b"\x01" * c.num_blocks
-        s.next_seq += 1
-        s.num_bytes += c.shm.length
+        s.num_bytes += nbytes
         s.checksum.add(c.checksum)
 
     def _finish(self, exp: Expected, s: _Session, f: pb.PushFinish) -> pb.PushAck:
@@ -508,17 +481,3 @@ def _split(k_lay, v_lay, scales: memoryview, payload: memoryview) -> tuple[WireP
         parts.append((s, z))
     kp, vp = payload[:k_lay.payload_nbytes], payload[k_lay.payload_nbytes:]
     return WireParts(kp, parts[0][0], parts[0][1]), WireParts(vp, parts[1][0], parts[1][1])
-
-
-def _split_device(k_lay, v_lay, scales: torch.Tensor, payload: torch.Tensor) -> tuple[DeviceParts, DeviceParts]:  # type: ignore[no-untyped-def]
-    """``_split`` for a chunk in device memory."""
-    o = 0
-    parts = []
-    for lay in (k_lay, v_lay):
-        s = scales[o:o + lay.scale_nbytes]
-        o += lay.scale_nbytes
-        z = scales[o:o + lay.zero_nbytes] if lay.zero_nbytes else None
-        o += lay.zero_nbytes
-        parts.append((s, z))
-    kp, vp = payload[:k_lay.payload_nbytes], payload[k_lay.payload_nbytes:]
-    return DeviceParts(kp, parts[0][0], parts[0][1]), DeviceParts(vp, parts[1][0], parts[1][1])

@@ -131,9 +131,12 @@ def encode_blocks_unchecked(codec: Codec, cache: torch.Tensor, ids: torch.Tensor
                     *strides, BG=_p2(g), BJ=_p2(d // 2))
         else:
             g = value_group(d)
-            flags = torch.empty((n, bs, h), dtype=torch.int32, device=dev)
-            _launch(int4_value_encode_kernel, (n, bs, h), cache, ids, payload, s16, z16, flags, bs, h, d, g,
-                    *strides, BN=_p2(d // g), BH=_p2(g // 2))
+            bn, bh = _p2(d // g), _p2(g // 2)
+            bt = _tokens(bs, 2 * bn * bh)
+            tiles = -(-bs // bt)
+            flags = torch.empty((n, tiles, h), dtype=torch.int32, device=dev)
+            _launch(int4_value_encode_kernel, (n, tiles, h), cache, ids, payload, s16, z16, flags, bs, h, d, g,
+                    *strides, BT=bt, BN=bn, BH=bh)
     elif name == "bf16":
         from kvtransfer.codecs.triton_bf16 import bf16_encode_kernel
         flags = torch.empty(n, dtype=torch.int32, device=dev)

@@ -1,7 +1,7 @@
 """Triton kernels of the int4 codec (kvtransfer.codecs.int4), reading and writing cache blocks by index.
 
 Keys: one program per (block, token group, head) quantises each channel over the group's tokens;
-values: one program per (block, token, head) quantises each group of channels. Even and odd
+values: one program per (block, tile of tokens, head) quantises each token's groups of channels. Even and odd
 channels are handled as two halves, so each byte (even channel low nibble) is written once.
 ``flags`` gets one int32 per program: 1 NaN/inf, 2 a minimum beyond float16, 4 a range / 15 beyond
 float16; the caller refuses the tensor with the torch codec's message.
@@ -86,29 +86,33 @@ def int4_key_encode_kernel(src, ids, payload, scales, zeros, flags, bs, H, D, G,
 
 @triton.jit
 def int4_value_encode_kernel(src, ids, payload, scales, zeros, flags, bs, H, D, G, sb, st, sh, sd,
-                             BN: tl.constexpr, BH: tl.constexpr):
+                             BT: tl.constexpr, BN: tl.constexpr, BH: tl.constexpr):
+    """One program per (block, tile of BT tokens, head): a [tokens, groups, half-group] tile."""
     i = tl.program_id(0)
-    t = tl.program_id(1)
+    tt = tl.program_id(1)
     h = tl.program_id(2)
     ng = D // G
     blk = tl.load(ids + i).to(tl.int64)
-    g = tl.arange(0, BN)[:, None]
-    j = tl.arange(0, BH)[None, :]
-    mask = (g < ng) & (j < G // 2)
+    t = tt * BT + tl.arange(0, BT)[:, None, None]
+    g = tl.arange(0, BN)[None, :, None]
+    j = tl.arange(0, BH)[None, None, :]
+    mask = (t < bs) & (g < ng) & (j < G // 2)
     ch = g * G + 2 * j
     base = src + blk * sb + t * st + h * sh
     xe = tl.load(base + ch * sd, mask=mask, other=0.0).to(tl.float32)
     xo = tl.load(base + (ch + 1) * sd, mask=mask, other=0.0).to(tl.float32)
-    lo = tl.minimum(tl.min(tl.where(mask, xe, INF), axis=1), tl.min(tl.where(mask, xo, INF), axis=1))
-    hi = tl.maximum(tl.max(tl.where(mask, xe, -INF), axis=1), tl.max(tl.where(mask, xo, -INF), axis=1))
-    gmask = tl.arange(0, BN) < ng
+    lo = tl.minimum(tl.min(tl.where(mask, xe, INF), axis=2), tl.min(tl.where(mask, xo, INF), axis=2))
+    hi = tl.maximum(tl.max(tl.where(mask, xe, -INF), axis=2), tl.max(tl.where(mask, xo, -INF), axis=2))
+    t2 = tt * BT + tl.arange(0, BT)[:, None]
+    g2 = tl.arange(0, BN)[None, :]
+    gmask = (t2 < bs) & (g2 < ng)
     zb, sbits, f = _quant_pair(_bad(xe, xo), lo, hi, gmask)
-    tl.store(flags + (i * bs + t) * H + h, f)
-    srow = ((i * bs + t) * H + h) * ng + tl.arange(0, BN)
+    tl.store(flags + (i * tl.num_programs(1) + tt) * H + h, f)
+    srow = ((i * bs + t2) * H + h) * ng + g2
     tl.store(scales + srow, sbits.to(tl.int16), mask=gmask)
     tl.store(zeros + srow, zb.to(tl.int16), mask=gmask)
-    inv = tl.math.div_rn(1.0, _f16_value(sbits))[:, None]
-    zero = _f16_value(zb)[:, None]
+    inv = tl.math.div_rn(1.0, _f16_value(sbits))[:, :, None]
+    zero = _f16_value(zb)[:, :, None]
     qe = _codes(xe, zero, inv)
     qo = _codes(xo, zero, inv)
     out = payload + ((i * bs + t) * H + h) * (D // 2) + ch // 2

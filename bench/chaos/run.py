@@ -122,7 +122,8 @@ def chaos(cfg: ChaosConfig, say: Callable[[str], None] = print) -> ChaosReport:
             if cfg.keep_log is not None:
                 cfg.keep_log.write_text(dep.log_path.read_text(errors="replace"))
     first = results[0].at if results else float("inf")
-    fault_free = Window.of([o for o in outcomes if o.end < first])
+    warm = min(o.start for o in outcomes) + min(5.0, cfg.baseline_s / 4) if outcomes else 0.0
+    fault_free = Window.of([o for o in outcomes if warm <= o.start and o.end < first])
     figures = [fault_figures(r, outcomes, fault_free, _detection_s(r.spec.kind), cfg.settle_s) for r in results]
     ok = [o for o in outcomes if o.ok]
     errors = [o.error or f"HTTP {o.status}" for o in outcomes if not o.ok][:5]

@@ -7,6 +7,10 @@ is replacing. When a reread fails (Redis stalled, restarting or away) routing ke
 snapshot and the view is *degraded* until a reread succeeds; while degraded it rereads at most every
 ``degraded_retry_s`` seconds, so a stalled Redis costs one request a bounded wait (the connection's
 command budget), not every request. Only a pool never read yet fails with ``StateError``.
+
+A Redis that restarted answers with an empty registry until each worker's next heartbeat registers it
+again. So a pool that was not empty and reads as empty keeps its last rows for up to ``empty_grace_s``
+seconds (one lease); a worker among them that is really gone fails fast when called.
 """
 
 from __future__ import annotations
@@ -31,8 +35,11 @@ class Degraded:
 
 class WorkerView:
     def __init__(self, registry: WorkerRegistry, refresh_s: float = 0.2,
-                 clock: Callable[[], float] = time.monotonic, degraded_retry_s: float = 1.0) -> None:
+                 clock: Callable[[], float] = time.monotonic, degraded_retry_s: float = 1.0,
+                 empty_grace_s: float | None = None) -> None:
         self.registry = registry
+        self.empty_grace_s = registry.ttl if empty_grace_s is None else empty_grace_s
+        self._empty_since: dict[str, float] = {}  # pools that read as empty after having rows
         self.refresh_s = refresh_s
         self.degraded_retry_s = degraded_retry_s
         self.clock = clock
@@ -64,7 +71,7 @@ class WorkerView:
                 self._refreshing.add(pool)
         if reread:
             try:
-                fresh = self._read(pool)
+                listed, fresh = self._read(pool)
             except StateError as exc:
                 with self._lock:
                     self._last_try[pool] = now
@@ -74,6 +81,12 @@ class WorkerView:
                     raise
             else:
                 with self._lock:
+                    if not listed and cached is not None and cached[1]:
+                        since = self._empty_since.setdefault(pool, now)
+                        if now - since < self.empty_grace_s:  # emptied at once: Redis restarted, most likely
+                            fresh = cached[1]
+                    else:
+                        self._empty_since.pop(pool, None)
                     self._cache[pool] = cached = (now, fresh)
                     self._degraded = None
             finally:
@@ -84,10 +97,13 @@ class WorkerView:
         with self._lock:  # the snapshot's rows with this scheduler's own in-flight work on each worker
             return [Candidate(*c[:6], *inflight.get(c[0], none)) for c in cached[1]]
 
-    def _read(self, pool: str) -> list[Candidate]:
-        records = [r for r in self.registry.live_workers(pool) if not r.info.draining]
-        return [Candidate(r.info.worker_id, r.info.address, r.info.load.queued_tokens, r.info.load.free_kv_blocks,
-                          r.info.load.total_kv_blocks, r.info.load.running) for r in records]
+    def _read(self, pool: str) -> tuple[int, list[Candidate]]:
+        """(workers listed, draining ones included; the routable ones)."""
+        listed = self.registry.live_workers(pool)
+        records = [r for r in listed if not r.info.draining]
+        return len(listed), [Candidate(r.info.worker_id, r.info.address, r.info.load.queued_tokens,
+                                       r.info.load.free_kv_blocks, r.info.load.total_kv_blocks, r.info.load.running)
+                             for r in records]
 
     def begin(self, worker_id: str, tokens: int) -> None:
         with self._lock:

@@ -45,3 +45,23 @@ def test_a_stalled_redis_costs_one_bounded_read_then_routing_uses_its_last_snaps
         fast.close()
         conn.redis.flushdb()
         conn.close()
+
+
+def test_a_pool_emptied_by_a_redis_restart_keeps_routing_until_its_workers_register_again():
+    with LocalRedis() as server:
+        conn = connect(server.url, f"t-{uuid.uuid4().hex[:8]}")
+        now = [0.0]
+        registry = WorkerRegistry(conn, ttl=5)
+        view = WorkerView(registry, refresh_s=0.2, clock=lambda: now[0])
+        registry.register(WorkerInfo("p-0", Pool.PREFILL, "127.0.0.1:9", load=WorkerLoad()))
+        assert [c.worker_id for c in view.candidates("prefill")] == ["p-0"]
+        conn.redis.flushdb()  # what a restarted Redis holds until the next heartbeat
+        now[0] = 1.0
+        assert [c.worker_id for c in view.candidates("prefill")] == ["p-0"]  # within one lease: kept
+        now[0] = 7.0
+        assert view.candidates("prefill") == []  # past it: the pool is empty indeed
+        registry.register(WorkerInfo("p-1", Pool.PREFILL, "127.0.0.1:10", load=WorkerLoad()))
+        now[0] = 8.0
+        assert [c.worker_id for c in view.candidates("prefill")] == ["p-1"]
+        conn.redis.flushdb()
+        conn.close()

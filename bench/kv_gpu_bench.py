@@ -202,7 +202,7 @@ def ttft_figures(rx: GpuReceiver, token: str, tokens: int, repeats: int, codec: 
     torch.manual_seed(0)
     model = DecoderModel(cfg, torch.bfloat16, "cuda")
     engine = Engine(model, None, EngineConfig(dtype="bfloat16", device="cuda", prefill_chunk_size=tokens,
-                                              max_num_batched_tokens=tokens, gpu_memory_utilization=0.5))
+                                              max_num_batched_tokens=tokens, kv_cache_bytes=512 * MiB))
     prompt = torch.randint(10, cfg.vocab_size, (tokens,), generator=torch.Generator().manual_seed(1)).tolist()
     params = SamplingParams(max_tokens=1, temperature=0.0)
 

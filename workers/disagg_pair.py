@@ -23,7 +23,7 @@ from kvtransfer.server import kv_transfer_handler, start_server
 from kvtransfer.stream import PushResult
 from workers.decode.kv_sink import CacheSink, KVStore, decode_cache_dtypes
 from workers.prefill.kv_stream import LayerStreamer, engine_layout
-from workers.runtime.engine import Engine, EngineConfig
+from workers.runtime.engine import DTYPES, Engine, EngineConfig
 from workers.runtime.loader import LoadedModel
 from workers.runtime.model import DecoderModel
 from workers.runtime.sampler import SamplingParams
@@ -49,10 +49,10 @@ class DisaggPair:
         self.bundle = bundle
         self.timeout_s = timeout_s
         self.security = TransferSecurity(token=secrets.token_urlsafe(24))
-        self.prefill = Engine(model_on_device(bundle.model, prefill.device), bundle.tokenizer, prefill,
+        self.prefill = Engine(model_on_device(bundle.model, prefill.device, prefill.dtype), bundle.tokenizer, prefill,
                               bundle.eos_token_ids)
         layer_dtypes = decode_cache_dtypes(codecs, decode.dtype, store)
-        self.decode = Engine(model_on_device(bundle.model, decode.device), bundle.tokenizer,
+        self.decode = Engine(model_on_device(bundle.model, decode.device, decode.dtype), bundle.tokenizer,
                              EngineConfig(**{**decode.__dict__, "kv_layer_dtypes": layer_dtypes}),
                              bundle.eos_token_ids)
         self.receiver = KVReceiver(engine_layout(self.decode, codecs), CacheSink(self.decode.cache, device_path))
@@ -128,12 +128,14 @@ class DisaggPair:
                 for i in range(len(prompts))]
 
 
-def model_on_device(model: DecoderModel, device: str) -> DecoderModel:
-    """``model`` itself when it is on ``device``, else a copy moved there (the original stays put, so
-    the other side keeps its weights where they are)."""
+def model_on_device(model: DecoderModel, device: str, dtype: str | None = None) -> DecoderModel:
+    """``model`` itself when it is on ``device`` in ``dtype`` (None: its own), else a copy there (the
+    original stays put, so the other side keeps its weights where they are)."""
     target = torch.device(device)
-    if model.device.type == target.type and (target.index is None or model.device == target):
+    want = model.dtype if dtype is None else DTYPES[dtype]
+    same_device = model.device.type == target.type and (target.index is None or model.device == target)
+    if same_device and want == model.dtype:
         return model
-    moved = DecoderModel(model.cfg, model.dtype, target)
+    moved = DecoderModel(model.cfg, want, target)
     moved.load_state_dict(model.state_dict())
     return moved

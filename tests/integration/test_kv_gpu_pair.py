@@ -23,6 +23,8 @@ pytestmark = pytest.mark.integration
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 PROMPTS = [[5, 9, 17, 33, 2 + i, 40, 41, 42, 7, 8, 11][: 7 + i] for i in range(3)]  # 7..9 tokens, block 4
 MAX_TOKENS = 6
+LOSSLESS = {"bfloat16": "bf16", "float32": "fp32"}  # the codec that moves a cache of that dtype exactly
+KV_BYTES = 4 * 2**20  # explicit: on CUDA a pool sized from free memory would take most of the GPU, twice
 
 
 def _bundle() -> LoadedModel:
@@ -33,12 +35,12 @@ def _bundle() -> LoadedModel:
 def _reference(bundle: LoadedModel, device: str = "cpu", dtype: str = "float32",
                forced: list[list[int]] | None = None) -> list[tuple[list[int], list[torch.Tensor]]]:
     """Tokens and per-step logits of one engine running the whole request (``generate()``'s path)."""
-    cfg = EngineConfig(dtype=dtype, device=device, block_size=4)
-    model = bundle.model if device == "cpu" else model_on_device(bundle.model, device)
+    cfg = EngineConfig(dtype=dtype, device=device, block_size=4, kv_cache_bytes=KV_BYTES)
+    model = model_on_device(bundle.model, device, dtype)
     engine = Engine(model, None, cfg, (0,))
     for i, prompt in enumerate(PROMPTS):
         params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, return_logits=True,
-                                forced_tokens=None if forced is None else forced[i])
+                                forced_tokens=() if forced is None else tuple(forced[i]))
         engine.add_request(f"r{i}", prompt, params)
     out: dict[str, tuple[list[int], list[torch.Tensor]]] = {f"r{i}": ([], []) for i in range(len(PROMPTS))}
     while engine.has_unfinished():
@@ -51,21 +53,25 @@ def _reference(bundle: LoadedModel, device: str = "cpu", dtype: str = "float32",
 def _pair_tokens(bundle: LoadedModel, codecs: tuple[str, ...], transport: str, *, prefill: str = "cpu",
                  decode: str = "cpu", dtype: str = "float32", staged: bool | None = None,
                  forced: list[list[int]] | None = None):  # type: ignore[no-untyped-def]
-    with DisaggPair(bundle, codecs, prefill=EngineConfig(dtype=dtype, device=prefill, block_size=4),
-                    decode=EngineConfig(dtype=dtype, device=decode, block_size=4), transport=transport,  # type: ignore[arg-type]
+    with DisaggPair(bundle, codecs,
+                    prefill=EngineConfig(dtype=dtype, device=prefill, block_size=4, kv_cache_bytes=KV_BYTES),
+                    decode=EngineConfig(dtype=dtype, device=decode, block_size=4, kv_cache_bytes=KV_BYTES),
+                    transport=transport,  # type: ignore[arg-type]
                     device_path=staged) as pair:
         params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, return_logits=True,
-                                 forced_tokens=None if forced is None else forced[i]) for i in range(len(PROMPTS))]
+                                 forced_tokens=() if forced is None else tuple(forced[i])) for i in range(len(PROMPTS))]
         results = pair.run(PROMPTS, params)
         assert pair.decode.stats().blocks_free == pair.decode.stats().blocks_total  # nothing leaked
         return results
 
 
-@pytest.mark.parametrize("transport", ["grpc", "tcp", "shm"])
-def test_cpu_pair_through_the_staged_sink_equals_generate(transport: str) -> None:
+@pytest.mark.parametrize("transport, dtype", [("grpc", "float32"), ("tcp", "float32"), ("shm", "float32"),
+                                              ("grpc", "bfloat16")])
+def test_cpu_pair_through_the_device_paths_equals_generate(transport: str, dtype: str) -> None:
     bundle = _bundle()
-    ref = _reference(bundle)
-    got = _pair_tokens(bundle, ("fp32", "fp32"), transport, staged=True)
+    ref = _reference(bundle, dtype=dtype)
+    codec = LOSSLESS[dtype]
+    got = _pair_tokens(bundle, (codec, codec), transport, dtype=dtype, staged=True)
     assert [r.token_ids for r in got] == [tokens for tokens, _ in ref]
 
 
@@ -82,7 +88,6 @@ def test_cpu_pair_device_paths_land_what_the_host_paths_land(codecs: tuple[str, 
 
 
 # ---------------------------------------------------------------------------------------------- CUDA
-LOSSLESS = {"bfloat16": "bf16", "float32": "fp32"}
 
 
 @CUDA

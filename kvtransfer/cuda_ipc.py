@@ -19,6 +19,7 @@ from __future__ import annotations
 import secrets
 import socket
 import threading
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -35,6 +36,11 @@ __all__ = ["DeviceParts", "IpcError", "IpcMappings", "IpcPool", "MappedSegment",
            "device_chunk_parts", "device_uuid"]
 
 _MASK64 = (1 << 64) - 1
+
+
+# Pools of this process by epoch (weakly: a stopped receiver's pool goes). CUDA refuses to open an IPC
+# handle in the process that exported it, so a sender next to its receiver (DisaggPair) maps nothing.
+_LOCAL_POOLS: weakref.WeakValueDictionary[int, IpcPool] = weakref.WeakValueDictionary()
 
 
 class IpcError(ValueError):
@@ -88,6 +94,7 @@ class IpcPool:
         self._free = list(range(num_segments - 1, -1, -1))
         self._leases: dict[str, _Lease] = {}
         self._lock = threading.Lock()
+        _LOCAL_POOLS[self.epoch] = self  # a sender in this process uses the segments as they are
 
     def lease(self, request_id: str, min_bytes: int) -> pb.CudaIpcLease:
         """Lease a free segment to ``request_id``'s push; IpcError when none is free or it is too small."""
@@ -165,8 +172,11 @@ class IpcMappings:
                 return seg
             for old in [k for k in self._maps if k[0] == target and k[1] != lease.pool_epoch]:
                 del self._maps[old]  # that receiver restarted: its old memory is gone
-        device = _local_device(lease.device_uuid)
-        seg = _rebuild(lease, device)
+        local = _LOCAL_POOLS.get(lease.pool_epoch)
+        if local is not None and lease.segment < len(local.segments):
+            seg = local.segments[lease.segment]  # the receiver is in this process: CUDA opens no handle here
+        else:
+            seg = _rebuild(lease, _local_device(lease.device_uuid))
         with self._lock:
             self._maps[key] = seg
         return seg

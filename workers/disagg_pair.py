@@ -59,8 +59,9 @@ class DisaggPair:
         self.receiver.start_janitor()
         if transport != "grpc":  # tcp pushes, and shm pushes' control messages, use the bulk connection
             self.receiver.enable_bulk("127.0.0.1")
-        if transport in ("auto", "cuda_ipc") and self.decode.cache.device.type == "cuda":
-            self.receiver.enable_cuda_ipc(self.decode.cache.device)
+        if transport == "cuda_ipc" or (transport == "auto" and self.decode.cache.device.type == "cuda"):
+            # on a CPU cache the pool is host memory: the transport's logic, tested without a GPU
+            self.receiver.enable_cuda_ipc(self.decode.cache.device, segment_bytes=64 * 2**20)
         self.server, port = start_server([kv_transfer_handler(self.receiver)], "127.0.0.1:0", self.security)
         self.target = f"127.0.0.1:{port}"
         self.sender = KVSender(self.security, transport=transport, device=self.prefill.cache.device)

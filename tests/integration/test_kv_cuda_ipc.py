@@ -216,9 +216,43 @@ def test_pool_epochs_differ_and_mappings_need_cuda() -> None:
     lease = a.lease("x", 10)
     with pytest.raises(IpcError, match="stale"):
         b.check("x", lease.pool_epoch, 0)
+    assert IpcMappings().open("t", lease) is a.segments[0]  # a pool of this process: used as it is
     if not torch.cuda.is_available():
+        foreign = pb.CudaIpcLease()
+        foreign.CopyFrom(lease)
+        foreign.pool_epoch = lease.pool_epoch ^ 0x2  # another process's pool
         with pytest.raises(IpcError, match="needs CUDA"):
-            IpcMappings().open("t", lease)
+            IpcMappings().open("t", foreign)
+
+
+@pytest.mark.parametrize("how", ["send_layer", "send_blocks"])
+def test_a_sender_pushes_through_a_leased_segment(decode: Decode, how: str) -> None:
+    """KVSender over cuda_ipc, its receiver in this process (so on CPU the pool is host memory and nothing
+    is mapped): lease, encode into the segment, device checksum, land by block index, lease released."""
+    res = decode.reserve(how)
+    sender = KVSender(decode.security, transport="cuda_ipc", shm_chunk_bytes=1500)  # several chunks a layer
+    gen = torch.Generator().manual_seed(11)
+    sent = []
+    try:
+        stream = sender.open_stream(decode.target, how, decode.layout, NUM_TOKENS)
+        for layer in range(decode.layout.num_layers):
+            k, v = (torch.randn(decode.layout.block_shape(3), generator=gen) for _ in range(2))
+            if how == "send_layer":
+                stream.send_layer(layer, 0, k, v)
+            else:
+                stream.send_blocks(layer, 0, k, v, torch.arange(3))
+            sent.append((k, v))
+        result = stream.finish(4)
+    finally:
+        sender.close()
+    assert result.transport == "cuda_ipc" and result.num_chunks > decode.layout.num_layers
+    assert decode.outcomes[how].ok and decode.receiver.ipc.leased == 0  # type: ignore[union-attr]
+    for layer, (name, (k, v)) in enumerate(zip(CODECS, sent)):
+        c = get_codec(name)
+        got_k, got_v = decode.engine.cache.read_tokens(layer, res.blocks, 12, torch.float32)
+        assert torch.equal(got_k.view(k.shape), c.decode(c.encode(k, Kind.KEY), torch.float32))
+        assert torch.equal(got_v.view(v.shape), c.decode(c.encode(v, Kind.VALUE), torch.float32))
+    decode.engine.release(res)
 
 
 # ---------------------------------------------------------------------------------------------- CUDA

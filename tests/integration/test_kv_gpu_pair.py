@@ -66,7 +66,7 @@ def _pair_tokens(bundle: LoadedModel, codecs: tuple[str, ...], transport: str, *
 
 
 @pytest.mark.parametrize("transport, dtype", [("grpc", "float32"), ("tcp", "float32"), ("shm", "float32"),
-                                              ("grpc", "bfloat16")])
+                                              ("cuda_ipc", "float32"), ("grpc", "bfloat16")])
 def test_cpu_pair_through_the_device_paths_equals_generate(transport: str, dtype: str) -> None:
     bundle = _bundle()
     ref = _reference(bundle, dtype=dtype)

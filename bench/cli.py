@@ -54,10 +54,14 @@ def add_bench_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]")
     eng = bench.add_parser("engine", help="engine prefill/decode throughput vs HF transformers",
                            description="Decode tokens/s at batch 1/8/16/32 and prefill tokens/s at 128/1k/4k "
                                        "tokens, beside HF transformers generate() and forward on the same "
-                                       "checkpoint and thread count, measured in the same run.")
+                                       "checkpoint and thread count, measured in the same run. With --device "
+                                       "cuda: decode at batch 1 and 128 and prefill of 2,048 tokens beside "
+                                       "transformers on the same GPU, the weights-over-copy-rate roofline, the KV "
+                                       "pool, peak GPU memory and the CUDA graphs' capture time.")
     add_engine_args(eng)
-    eng.add_argument("--batches", default="1,8,16,32", help="decode batch sizes (default: %(default)s)")
-    eng.add_argument("--prefill-lengths", default="128,1024,4096", help="prompt lengths (default: %(default)s)")
+    eng.add_argument("--batches", default=None, help="decode batch sizes (default: 1,8,16,32; on cuda 1,128)")
+    eng.add_argument("--prefill-lengths", default=None,
+                     help="prompt lengths (default: 128,1024,4096; on cuda 2048)")
     eng.add_argument("--decode-tokens", type=int, default=64,
                      help="tokens generated per sequence (default: %(default)s)")
     eng.add_argument("--repeats", type=int, default=3, help="take the best of this many runs (default: %(default)s)")

@@ -97,10 +97,11 @@ def run(args: argparse.Namespace) -> int:
     from controlplane.cli_args import check_engine_args, check_positive, int_list, model_dir
 
     check_engine_args(args)  # every argument before any loading
-    batches = int_list(args.batches, "--batches")
-    lengths = int_list(args.prefill_lengths, "--prefill-lengths")
+    cuda = torch.device(args.device).type == "cuda"
+    batches = int_list(args.batches or ("1,128" if cuda else "1,8,16,32"), "--batches")
+    lengths = int_list(args.prefill_lengths or ("2048" if cuda else "128,1024,4096"), "--prefill-lengths")
     check_positive(args, "--decode-tokens", "--repeats")
-    if torch.device(args.device).type == "cuda":
+    if cuda:
         from bench.gpu_engine_bench import run_cuda
         return run_cuda(args, batches, lengths)
     if args.threads:

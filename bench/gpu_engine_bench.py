@@ -125,7 +125,7 @@ def _hf_forward_seconds(hf, length: int, vocab: int) -> float:  # type: ignore[n
 def run_cuda(args: argparse.Namespace, batches: list[int], lengths: list[int]) -> int:
     """The GPU benchmark; arguments already checked by ``engine_bench.run``."""
     from bench.hf_reference import load_hf_model
-    from controlplane.cli_args import model_dir
+    from controlplane.cli_args import UsageError, model_dir
 
     device = torch.device(args.device)
     torch.cuda.set_device(device)
@@ -136,6 +136,10 @@ def run_cuda(args: argparse.Namespace, batches: list[int], lengths: list[int]) -
     torch.cuda.empty_cache()
     bundle = load_model(path, dtype=dtype, device=args.device, with_vision=False)
     vocab = bundle.config.vocab_size
+    context = bundle.config.max_position_embeddings
+    if max(lengths) >= context or PROMPT_TOKENS + tokens > context:
+        raise UsageError(f"--prefill-lengths {max(lengths)} / --decode-tokens {tokens}: this model's context is "
+                         f"{context} tokens (a prompt plus its output must fit)")
     weights = decode_weight_bytes(bundle.model)
     roofline = 2 * rate / weights
     hf = None if args.no_hf else load_hf_model(path, dtype).to(device)

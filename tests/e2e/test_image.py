@@ -42,7 +42,8 @@ def test_the_image_serves_a_completion_and_stops_on_ctrl_c(image: str):
     # then fails to set them: ask for less; runc where installed (crun refuses this host's hybrid cgroups)
     runtime = ["--runtime", "runc"] if shutil.which("runc") else []
     run = ["podman", "run", *runtime, "--rm", "--name", name, "--network", "host",
-           "--ulimit", "nofile=8192:8192", "--ulimit", "nproc=8192:8192", "--shm-size", "512m", "-e", "EPD_API__HOST=127.0.0.1", "-e", f"EPD_API__PORT={port}",
+           "--ulimit", "nofile=8192:8192", "--ulimit", "nproc=8192:8192", "--shm-size", "512m",
+           "-e", "EPD_API__HOST=127.0.0.1", "-e", f"EPD_API__PORT={port}",
            "-e", "EPD_MODE=colocated", "-e", "EPD_DECODE__NUM_CPUS=0.25",
            "-e", "EPD_DECODE__ENGINE__KV_CACHE_BYTES=33554432", image]
     proc = subprocess.Popen(run, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -21,7 +21,7 @@ _REL = 2.0**-4
 _SUBNORMAL_HALF_STEP = 2.0**-10
 _SLACK = 2.0**-20
 # float32 value of every fp8 byte, from torch's own cast.
-_DECODE_TABLE = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).to(torch.float32)
+_DECODE_TABLE = torch.arange(256, dtype=torch.uint8, device="cpu").view(torch.float8_e4m3fn).to(torch.float32)
 
 
 class Fp8E4m3Codec(BlockwiseCodec):

@@ -36,8 +36,8 @@ GROUP = 32
 LEVELS = 15.0
 _F16_MIN_STEP = 2.0**-24  # smallest float16 subnormal
 _F16_MAX = 65504.0
-_NEG_INF16 = torch.tensor(float("-inf"), dtype=torch.float16)
-_POS_INF16 = torch.tensor(float("inf"), dtype=torch.float16)
+_NEG_INF16 = torch.tensor(float("-inf"), dtype=torch.float16, device="cpu")
+_POS_INF16 = torch.tensor(float("inf"), dtype=torch.float16, device="cpu")
 
 
 def key_group(block_size: int) -> int:

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.device_audit import DeviceAudit
 from tests.integration.kv_helpers import tiny_model
 from workers.disagg_pair import DisaggPair, model_on_device
 from workers.runtime.engine import Engine, EngineConfig
@@ -85,6 +86,20 @@ def test_cpu_pair_device_paths_land_what_the_host_paths_land(codecs: tuple[str, 
     assert [r.token_ids for r in device] == [r.token_ids for r in host]
     for a, b in zip(device, host):
         assert all(torch.equal(x, y) for x, y in zip(a.logits[1:], b.logits[1:]))
+
+
+@pytest.mark.parametrize("device_path", [False, True])
+def test_the_layer_hook_and_calibration_name_their_device(device_path: bool) -> None:
+    """The prefill side's hook (gathered snapshot or send_blocks) and the auto codec calibration create
+    every index on the cache's device (tests/device_audit.py: the hooks run on this thread)."""
+    from workers.prefill.calibrate import resolve_codecs
+
+    bundle = _bundle()
+    with DeviceAudit() as audit:
+        _pair_tokens(bundle, ("int8", "bf16"), "grpc", staged=device_path)
+        engine = Engine(bundle.model, None, EngineConfig(block_size=4, kv_cache_bytes=KV_BYTES), (0,))
+        resolve_codecs("auto", engine, PROMPTS)
+    assert audit.no_device == [] and audit.mixed == []
 
 
 # ---------------------------------------------------------------------------------------------- CUDA

@@ -6,6 +6,7 @@ import torch
 
 from kvtransfer.policy import AutoPolicy, Calibration, ExplicitPolicy, calibrate, parse_policy
 from workers.runtime.engine import Engine, LayerKVReady
+from workers.runtime.kv_cache import block_slots
 from workers.runtime.sampler import SamplingParams
 
 
@@ -20,8 +21,7 @@ def sample_kv(engine: Engine, prompts: list[list[int]]) -> list[list[tuple[torch
             lo, hi = c.start // bs, c.end // bs  # whole blocks completed in this chunk
             if hi <= lo:
                 continue
-            blocks = torch.tensor(c.blocks[lo:hi])
-            slots = (blocks[:, None] * bs + torch.arange(bs)).reshape(-1)
+            slots = block_slots(list(c.blocks[lo:hi]), bs, engine.cache.device)  # on the cache's device
             k, v = engine.cache.layers[event.layer].gather(slots, engine.model.dtype)
             shape = (hi - lo, bs, cfg.num_kv_heads, cfg.head_dim)
             samples[event.layer].append((k.view(shape).clone(), v.view(shape).clone()))

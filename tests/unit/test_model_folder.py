@@ -30,3 +30,18 @@ def test_other_mistakes_name_the_path_and_what_is_wrong(tmp_path):
     assert "no config.json" in model_folder_problem(tmp_path)
     (tmp_path / "f").write_text("x")
     assert "it is a file" in model_folder_problem(tmp_path / "f")
+
+
+def test_epd_serve_with_a_hub_id_says_so_in_one_line_before_starting_anything(tmp_path, monkeypatch):
+    import os
+    import subprocess
+    import sys
+
+    monkeypatch.chdir(tmp_path)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EPD_")}
+    env["EPD_STATE_DIR"] = str(tmp_path / "state")
+    out = subprocess.run([sys.executable, "-m", "controlplane.cli", "serve", "--model", "Qwen/Qwen2-0.5B-Instruct"],
+                         capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
+    assert out.stderr.startswith("epd: error: model: Qwen/Qwen2-0.5B-Instruct looks like a Hugging Face Hub id")
+    assert "does not download" in out.stderr and not (tmp_path / "state").exists()

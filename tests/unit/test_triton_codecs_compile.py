@@ -51,6 +51,10 @@ cases = [
     (kb.bf16_decode_kernel, {"payload": "*i16", "dst": "*fp32", "ids": "*i64", **rows, **strides, "BT": "constexpr",
                              "BE": "constexpr", "OUT_BF16": "constexpr"}, {"BT": 4, "BE": 1024, "OUT_BF16": False}),
 ]
+import inspect
+if "constexprs" not in inspect.signature(ASTSource).parameters:  # the ahead-of-time API of Triton >= 3.3
+    print(json.dumps({"skip": f"triton {triton.__version__} has another ahead-of-time compile API"}))
+    raise SystemExit(0)
 out = {}
 for fn, sig, const in cases:
     ptx = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=GPUTarget("cuda", 90, 32),
@@ -66,6 +70,8 @@ def test_kernels_compile_for_sm90_with_exact_rounding() -> None:
                           cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     assert proc.returncode == 0, proc.stderr[-3000:]
     counts = json.loads(proc.stdout.strip().splitlines()[-1])
+    if "skip" in counts:
+        pytest.skip(counts["skip"])
     assert len(counts) == 9
     for name, c in counts.items():
         assert c["fma."] == 0, f"{name}: a fused multiply-add rounds differently from the torch codec"

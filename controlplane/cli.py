@@ -20,8 +20,12 @@ import time
 from collections.abc import Callable
 from importlib.metadata import entry_points
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from controlplane.cli_args import UsageError, add_engine_args, check_engine_args, model_dir
+
+if TYPE_CHECKING:  # settings import pydantic and the policies: loaded by the commands that need them
+    from controlplane.settings import Settings
 
 COMMAND_PLUGINS = "epd.commands"
 
@@ -119,7 +123,7 @@ def cmd_config_schema(args: argparse.Namespace) -> int:
     return 0
 
 
-def _settings(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+def _settings(args: argparse.Namespace) -> Settings:
     """Settings from --config, EPD_* and the flags given (flags win)."""
     from controlplane.settings import Settings
 
@@ -191,7 +195,7 @@ def _command_plugins() -> list[Register]:
 
 
 def _unavailable(name: str, exc: ImportError) -> Register:
-    def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+    def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         p = sub.add_parser(name, help=f"(unavailable here: {exc})", add_help=False)
         p.add_argument("rest", nargs=argparse.REMAINDER)
         p.set_defaults(func=lambda args: _refuse(f"epd {name} cannot be imported here ({exc}); install it with "

@@ -18,10 +18,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from controlplane.backend import ModelInfo
 from controlplane.settings import Settings, SettingsError
+
+if TYPE_CHECKING:
+    from controlplane.pools.manager import PoolManager
+    from controlplane.state.client import StateConnection
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +64,7 @@ def fit_pools(settings: Settings, info: ModelInfo, model_dir: Path) -> tuple[Set
     return settings.model_copy(update={"encode": encode.model_copy(update={"replicas": 0})}), {"encode": why}
 
 
-def pools_line(manager, not_needed: dict[str, str]) -> str:  # type: ignore[no-untyped-def]
+def pools_line(manager: PoolManager, not_needed: dict[str, str]) -> str:
     """The pools' sizes as the manager runs them now: ``encode 1, prefill 2, decode 2`` (a pool this
     deployment does not need: ``encode not needed``)."""
     from controlplane.state import Pool
@@ -69,7 +73,7 @@ def pools_line(manager, not_needed: dict[str, str]) -> str:  # type: ignore[no-u
                      for p in Pool)
 
 
-def rewrite_targets(conn, manager) -> None:  # type: ignore[no-untyped-def]
+def rewrite_targets(conn: StateConnection, manager: PoolManager) -> None:
     """After a restarted private Redis: each pool's target is what the manager runs now."""
     from controlplane.state import Pool, PoolTargets
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import grpc
 
@@ -12,7 +12,10 @@ from kvtransfer.sender import KVSender, TransportChoice
 from workers.decode.kv_sink import KVStore
 from workers.runtime.engine import EngineConfig
 from workers.runtime.loader import LoadedModel
-from workers.service_base import WorkerIdentity, start_worker_server
+from workers.service_base import WorkerIdentity, WorkerService, start_worker_server
+
+if TYPE_CHECKING:
+    from workers.decode.service import DecodeService
 
 Pool = Literal["encode", "prefill", "decode"]
 
@@ -22,7 +25,7 @@ class RunningWorker:
     pool: Pool
     identity: WorkerIdentity
     server: grpc.Server
-    service: object  # EncodeService | PrefillService | DecodeService | ColocatedService
+    service: WorkerService  # EncodeService | PrefillService | DecodeService | ColocatedService
 
     @property
     def address(self) -> str:
@@ -30,7 +33,7 @@ class RunningWorker:
 
     def stop(self, grace_s: float = 0.0) -> None:
         self.server.stop(grace_s).wait()
-        self.service.close()  # type: ignore[attr-defined]
+        self.service.close()
 
 
 def start_worker(pool: Pool, bundle: LoadedModel, security: TransferSecurity, *, config: EngineConfig = EngineConfig(),
@@ -40,12 +43,13 @@ def start_worker(pool: Pool, bundle: LoadedModel, security: TransferSecurity, *,
     """Start ``pool``'s worker. ``colocated`` (decode pool only): a worker that encodes, prefills and
     decodes whole requests in one engine (workers.colocated) instead of taking KV pushes."""
     identity = WorkerIdentity(pool)
+    decode: DecodeService | None = None  # a KV-receiving decode worker (not a colocated one)
     codecs = codecs or ("bf16",) * bundle.config.num_layers
     if colocated:
         from workers.colocated.service import ColocatedService
         if pool != "decode":
             raise ValueError(f"colocated workers belong to the decode pool, not {pool!r}")
-        service: object = ColocatedService(bundle, config, identity)
+        service: WorkerService = ColocatedService(bundle, config, identity)
     elif pool == "encode":
         from workers.encode.service import EncodeService
         if bundle.vision is None:
@@ -58,16 +62,16 @@ def start_worker(pool: Pool, bundle: LoadedModel, security: TransferSecurity, *,
         service = PrefillService(bundle, config, codecs, sender, identity)
     elif pool == "decode":
         from workers.decode.service import DecodeService
-        service = DecodeService(bundle, config, codecs, store, identity, max_streams=max_streams)
+        service = decode = DecodeService(bundle, config, codecs, store, identity, max_streams=max_streams)
     else:
         raise ValueError(f"unknown pool {pool!r}; one of encode, prefill, decode")
-    register, generic = service.handlers()  # type: ignore[attr-defined]
+    register, generic = service.handlers()
     server, bound = start_worker_server(register, generic, f"{host}:{port}", security, max_streams, identity)
     identity.address = f"{host}:{bound}"
-    if pool == "decode" and not colocated:
+    if decode is not None:
         # the bulk TCP transport's listener, on the gRPC server's host; TLS with the same certificates under mTLS
-        service.receiver.enable_bulk(host, ssl_context=security.ssl_context(server_side=True))  # type: ignore[attr-defined]
-        cache_device = service.engine.cache.device  # type: ignore[attr-defined]
+        decode.receiver.enable_bulk(host, ssl_context=security.ssl_context(server_side=True))
+        cache_device = decode.engine.cache.device
         if cache_device.type == "cuda" and transport in ("auto", "cuda_ipc"):  # same-host GPU pushes, device to device
-            service.receiver.enable_cuda_ipc(cache_device)  # type: ignore[attr-defined]
+            decode.receiver.enable_cuda_ipc(cache_device)
     return RunningWorker(pool, identity, server, service)

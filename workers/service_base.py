@@ -11,7 +11,7 @@ import uuid
 from collections.abc import Iterator
 from concurrent import futures
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import grpc
 
@@ -49,7 +49,25 @@ MAX_TIMEOUT_S = 24 * 3600.0
 MAX_REQUEST_ID_CHARS = 256  # the control plane sends uuids (36)
 
 
-def request_id_of(request) -> str:  # type: ignore[no-untyped-def]
+class WorkerService(Protocol):
+    """What each worker's service (encode, prefill, decode, colocated) offers the process running it."""
+
+    def handlers(self) -> tuple[list, list]:
+        """(functions that add the service to a gRPC server, generic handlers)."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class _HasRequestId(Protocol):
+    request_id: str
+
+
+class _HasTimeout(Protocol):
+    timeout_s: float
+
+
+def request_id_of(request: _HasRequestId) -> str:
     """The request's id; InvalidRequestError when it is empty or over ``MAX_REQUEST_ID_CHARS``."""
     rid = request.request_id
     if not rid:
@@ -59,7 +77,7 @@ def request_id_of(request) -> str:  # type: ignore[no-untyped-def]
     return rid
 
 
-def timeout_of(request) -> float:  # type: ignore[no-untyped-def]
+def timeout_of(request: _HasTimeout) -> float:
     """The request's ``timeout_s`` (0: ``DEFAULT_TIMEOUT_S``); InvalidRequestError when it is negative, not
     finite or over a day: a NaN deadline never passes, so whatever it guards would be held for good."""
     t = request.timeout_s

@@ -20,6 +20,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+from opentelemetry.util.types import AttributeValue
 
 TRACER_NAME = "epd.workers"
 TRACEPARENT = "traceparent"
@@ -42,6 +43,8 @@ def tracer() -> trace.Tracer:
 def _failure(context: grpc.ServicerContext, exc: BaseException | None) -> tuple[str, int | None] | None:
     """(status description, gRPC status code) of a call that failed; None for one that did not."""
     code = context.code() if hasattr(context, "code") else None
+    if exc is None and code == grpc.StatusCode.CANCELLED:  # the caller went away (see _streaming)
+        return None
     if exc is not None or (code is not None and code != grpc.StatusCode.OK):
         details = context.details() if hasattr(context, "details") else None
         return str(details or exc or code), (code.value[0] if code is not None else None)
@@ -109,16 +112,21 @@ class TracingInterceptor(grpc.ServerInterceptor):
         def run(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
             _, end = _begin(carrier, name, attrs)  # never made current across yields
             error: BaseException | None = None
-            messages = 0
+            extra: dict[str, Any] = {"epd.messages": 0}
             try:
                 for item in behavior(request, context):
-                    messages += 1
+                    extra["epd.messages"] += 1
                     yield item
+            except GeneratorExit:
+                # the caller stopped reading (it had what it needed, or left): not the server's failure,
+                # as OpenTelemetry's RPC conventions leave a server span's status unset for CANCELLED
+                extra["epd.cancelled"] = True
+                raise
             except BaseException as exc:
                 error = exc
                 raise
             finally:
-                end(_failure(context, error), {"epd.messages": messages})
+                end(_failure(context, error), extra)
         return run
 
 
@@ -158,11 +166,12 @@ def child_span(name: str, attributes: dict | None = None) -> trace.Span | None:
     return tracer().start_span(name, attributes=attributes)
 
 
-def end_child(span: trace.Span | None, error: str | None = None, **attributes: object) -> None:
+def end_child(span: trace.Span | None, error: str | None = None,
+              attributes: Mapping[str, AttributeValue] | None = None) -> None:
     if span is None:
         return
-    for key, value in attributes.items():
-        span.set_attribute(key, value)  # type: ignore[arg-type]
+    if attributes:
+        span.set_attributes(attributes)
     if error is not None:
         span.set_status(Status(StatusCode.ERROR, error))
     span.end()

@@ -132,8 +132,8 @@ async def _timed(chunks: AsyncGenerator[Chunk, None], request_id: str, route: st
                         metrics.TTFT.labels(model).observe(now - t0)
                         for _ in range(n - 1):  # tokens that came with the first: no wait of their own
                             metrics.ITL.labels(model).observe(0.0)
-                elif on:
-                    gap = (now - last_at) / n  # type: ignore[operator]
+                elif on and last_at is not None:  # set with the first token
+                    gap = (now - last_at) / n
                     itl = metrics.ITL.labels(model)
                     for _ in range(n):
                         itl.observe(gap)

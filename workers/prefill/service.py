@@ -147,9 +147,9 @@ class PrefillService(wgrpc.PrefillWorkerServicer):
             context.abort(grpc.StatusCode.INTERNAL, f"prefill of {rid!r} failed: {type(exc).__name__}")
         finally:
             if kv_error is None:
-                end_child(kv_span, None, **{"epd.kv.wire_bytes": push.num_bytes,
-                                            "epd.kv.logical_bytes": push.logical_bytes,
-                                            "epd.kv.transport": push.transport, "epd.kv.chunks": push.num_chunks})
+                end_child(kv_span, None, {"epd.kv.wire_bytes": push.num_bytes,
+                                          "epd.kv.logical_bytes": push.logical_bytes,
+                                          "epd.kv.transport": push.transport, "epd.kv.chunks": push.num_chunks})
             else:
                 end_child(kv_span, kv_error)
         return wpb.PrefillReply(first_token=item.new_token_ids[0], kv_bytes=push.num_bytes,

@@ -79,7 +79,7 @@ def _check(stack: Stack, ref: GenerateResult, response_id: str, text: str, usage
 
 def _stream_chat(client: OpenAI, model: str, messages: list[dict[str, Any]]) -> tuple[str, str, Any, str]:
     """(id, text, usage, finish_reason) of a streamed chat answer, checking OpenAI's chunk order."""
-    stream = client.chat.completions.create(model=model, messages=messages,
+    stream = client.chat.completions.create(model=model, messages=messages,  # type: ignore[call-overload]  # plain dicts
                                             max_tokens=MAX_TOKENS, temperature=0, stream=True,
                                             stream_options={"include_usage": True})
     chunks = list(stream)
@@ -106,7 +106,7 @@ def test_models_and_health(e2e_stack: Stack, client: OpenAI) -> None:
 
 
 def test_chat_text(e2e_stack: Stack, client: OpenAI, refs: dict[str, GenerateResult]) -> None:
-    r = client.chat.completions.create(model=_model(e2e_stack), messages=TEXT, max_tokens=MAX_TOKENS,  # type: ignore[arg-type]
+    r = client.chat.completions.create(model=_model(e2e_stack), messages=TEXT, max_tokens=MAX_TOKENS,  # type: ignore[arg-type]  # plain dicts for TypedDicts
                                        temperature=0)
     assert r.object == "chat.completion" and r.choices[0].message.role == "assistant"
     _check(e2e_stack, refs["text"], r.id, r.choices[0].message.content or "", r.usage, r.choices[0].finish_reason)
@@ -120,7 +120,7 @@ def test_chat_text_streaming(e2e_stack: Stack, client: OpenAI, refs: dict[str, G
 def test_chat_image_and_text(e2e_stack: Stack, client: OpenAI, refs: dict[str, GenerateResult]) -> None:
     messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": IMAGE_URL}},
                                              {"type": "text", "text": "Describe this image."}]}]
-    r = client.chat.completions.create(model=_model(e2e_stack), messages=messages, max_tokens=MAX_TOKENS,  # type: ignore[arg-type]
+    r = client.chat.completions.create(model=_model(e2e_stack), messages=messages, max_tokens=MAX_TOKENS,  # type: ignore[arg-type]  # plain dicts for TypedDicts
                                        temperature=0)
     _check(e2e_stack, refs["image"], r.id, r.choices[0].message.content or "", r.usage, r.choices[0].finish_reason)
     rid, text, usage, reason = _stream_chat(client, _model(e2e_stack), messages)
@@ -218,14 +218,14 @@ def test_bad_input_gets_4xx_and_the_workers_keep_serving(e2e_stack: Stack, clien
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "messages"
     # and through the client
     with pytest.raises(openai.BadRequestError) as err:
-        client.chat.completions.create(model=model, messages=TEXT, max_tokens="many")
+        client.chat.completions.create(model=model, messages=TEXT, max_tokens="many")  # type: ignore[call-overload]  # refused
     assert _assert_openai_error(err.value, 400, "valid integer")["param"] == "max_tokens"
     with pytest.raises(openai.BadRequestError) as err:
-        client.chat.completions.create(model=model, messages=TEXT, max_tokens=-1)  # type: ignore[arg-type]
+        client.chat.completions.create(model=model, messages=TEXT, max_tokens=-1)  # type: ignore[arg-type]  # plain dicts for TypedDicts
     _assert_openai_error(err.value, 400, "max_tokens must be an integer >= 1")
-    with pytest.raises(openai.NotFoundError) as err:
-        client.chat.completions.create(model="gpt-4o", messages=TEXT)  # type: ignore[arg-type]
-    assert _assert_openai_error(err.value, 404, "The model `gpt-4o` does not exist.")["code"] == "model_not_found"
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.chat.completions.create(model="gpt-4o", messages=TEXT)  # type: ignore[arg-type]  # plain dicts for TypedDicts
+    assert _assert_openai_error(missing.value, 404, "The model `gpt-4o` does not exist.")["code"] == "model_not_found"
     not_an_image = "data:image/png;base64," + base64.b64encode(b"certainly not a PNG").decode()
     for image_url, fragment in ((not_an_image, "image"), ("data:image/png;base64,@@@", "not valid base64"),
                                 ("https://example.com/cat.png", "remote image URLs are not supported")):
@@ -239,12 +239,12 @@ def test_bad_input_gets_4xx_and_the_workers_keep_serving(e2e_stack: Stack, clien
     _assert_openai_error(err.value, 400, "image")
     long_prompt = [{"role": "user", "content": "the cache moves between workers " * 3000}]
     with pytest.raises(openai.BadRequestError) as err:
-        client.chat.completions.create(model=model, messages=long_prompt)  # type: ignore[arg-type]
+        client.chat.completions.create(model=model, messages=long_prompt)  # type: ignore[arg-type]  # plain dicts for TypedDicts
     error = _assert_openai_error(err.value, 400, "This model's maximum context length is 8192 tokens.")
     assert error["code"] == "context_length_exceeded"
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model=model, prompt="hi", max_tokens=9000)
     # nothing held, and still serving the same answers
     e2e_stack.assert_workers_idle()
-    r = client.chat.completions.create(model=model, messages=TEXT, max_tokens=MAX_TOKENS, temperature=0)  # type: ignore[arg-type]
+    r = client.chat.completions.create(model=model, messages=TEXT, max_tokens=MAX_TOKENS, temperature=0)  # type: ignore[arg-type]  # plain dicts for TypedDicts
     _check(e2e_stack, refs["text"], r.id, r.choices[0].message.content or "", r.usage, r.choices[0].finish_reason)

@@ -396,7 +396,7 @@ def make_rig(model: DecoderModel) -> Iterator[Callable[..., Rig]]:
     def make(**kwargs: object) -> Rig:
         kwargs.setdefault("server_security", SECURITY)
         kwargs.setdefault("client_security", SECURITY)
-        rig = Rig(model, **kwargs)  # type: ignore[arg-type]
+        rig = Rig(model, **kwargs)  # type: ignore[arg-type]  # Rig's keyword arguments
         rigs.append(rig)
         return rig
     yield make

@@ -39,7 +39,7 @@ def test_measurement_is_frozen_and_reports_decimal_gbps() -> None:
     m = Measurement("x", 2_000_000_000, 0.5)
     assert m.gbps == pytest.approx(4.0)
     with pytest.raises(dataclasses.FrozenInstanceError):
-        m.seconds = 1.0  # type: ignore[misc]
+        m.seconds = 1.0  # type: ignore[misc]  # frozen: the test
 
 
 @pytest.mark.parametrize("threads", [None, 1])

@@ -78,7 +78,7 @@ def test_each_codec_lands_what_it_decodes(rig, transport: str, codec: str, block
     rid = f"{codec}-{transport}-{blocks}-{built_by}"
     receiver.expect(rid, ids, _collect(done, landed), timeout_s=30)
     # small chunks: each layer goes in several, unevenly divisible, chunks (encoded as inline_bytes says)
-    sender = KVSender(security, transport=transport, max_chunk_bytes=40_000, shm_chunk_bytes=20_000,  # type: ignore[arg-type]
+    sender = KVSender(security, transport=transport, max_chunk_bytes=40_000, shm_chunk_bytes=20_000,  # type: ignore[arg-type]  # parametrized as str
                       bulk_chunk_bytes=30_000, inline_build_bytes=inline_bytes(built_by))
     try:
         stream = sender.open_stream(target, rid, layout, TOKENS, timeout_s=30)
@@ -108,7 +108,7 @@ def test_pooled_chunk_buffers_are_reused_across_streams_without_mixing_their_dat
     cache, security, target, receiver = rig
     nblocks = 10
     layout = KVLayout(LAYERS, HEADS, DIM, BS, ("int8",) * LAYERS, "codec-test", "bfloat16")
-    sender = KVSender(security, transport=transport, max_chunk_bytes=12_000, bulk_chunk_bytes=12_000,  # type: ignore[arg-type]
+    sender = KVSender(security, transport=transport, max_chunk_bytes=12_000, bulk_chunk_bytes=12_000,  # type: ignore[arg-type]  # parametrized as str
                       shm_chunk_bytes=12_000, inline_build_bytes=0)  # encoder threads: several chunks at once
     c = get_codec("int8")
     errors: list[BaseException] = []
@@ -161,7 +161,7 @@ def test_a_non_finite_cache_fails_the_push_by_name_and_frees_the_reservation(rig
     cache, security, target, receiver = rig
     nblocks = 4
     layout = KVLayout(LAYERS, HEADS, DIM, BS, ("int8",) * LAYERS, "codec-test", "bfloat16")
-    sender = KVSender(security, transport=transport,  # type: ignore[arg-type]
+    sender = KVSender(security, transport=transport,  # type: ignore[arg-type]  # parametrized as str
                       inline_build_bytes=inline_bytes(built_by))
     try:
         for rnd, poisoned in enumerate((True, False)):  # then the same sender pushes a good cache
@@ -201,7 +201,7 @@ def test_a_refused_push_gives_back_all_the_senders_budget(rig, transport: str,
     to the sender-wide budget: a refusal must not leave later pushes waiting for room that never frees."""
     cache, security, target, receiver = rig
     layout = KVLayout(LAYERS, HEADS, DIM, BS, ("int8",) * LAYERS, "codec-test", "bfloat16")
-    sender = KVSender(security, transport=transport, max_chunk_bytes=4_000, shm_chunk_bytes=4_000,  # type: ignore[arg-type]
+    sender = KVSender(security, transport=transport, max_chunk_bytes=4_000, shm_chunk_bytes=4_000,  # type: ignore[arg-type]  # parametrized as str
                       bulk_chunk_bytes=4_000, inline_build_bytes=inline_bytes(built_by))
     keys = torch.randn(20, BS, HEADS, DIM).to(torch.bfloat16)
     try:

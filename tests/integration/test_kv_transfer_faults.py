@@ -523,7 +523,7 @@ def test_prefill_to_decode_matches_a_single_engine(make_rig: Callable[..., Rig],
 
     prefill = Engine(model, None, EngineConfig(block_size=BLOCK_SIZE, kv_cache_bytes=48 * 2048,
                                                prefill_chunk_size=8))  # two chunks: blocks stream in pieces
-    sender = KVSender(SECURITY, transport=transport)  # type: ignore[arg-type]
+    sender = KVSender(SECURITY, transport=transport)  # type: ignore[arg-type]  # parametrized as str
     streamer = LayerStreamer(prefill, sender, ("fp32", "fp32"))
     try:
         pending = rig.reserve("e2e", num_tokens=len(prompt))

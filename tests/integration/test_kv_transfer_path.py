@@ -40,7 +40,7 @@ def decode_peer(conn, model_dir: str, dtype: str, codecs: tuple[str, ...], trans
 
     bundle = load_model(model_dir, dtype=getattr(torch, dtype), with_vision=False)
     engine = Engine(bundle.model, bundle.tokenizer,
-                    EngineConfig(dtype=dtype, kv_layer_dtypes=decode_cache_dtypes(codecs, dtype, store)),  # type: ignore[arg-type]
+                    EngineConfig(dtype=dtype, kv_layer_dtypes=decode_cache_dtypes(codecs, dtype, store)),  # type: ignore[arg-type]  # parametrized as str
                     bundle.eos_token_ids)
     receiver = KVReceiver(engine_layout(engine, codecs), CacheSink(engine.cache))
     receiver.start_janitor()

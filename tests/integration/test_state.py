@@ -178,8 +178,8 @@ def test_invalid_ids_are_refused(state_conn: StateConnection, bad_id: str):
 
 def test_worker_info_validation(state_conn: StateConnection):
     with pytest.raises(InvalidKeyPart, match="unknown pool 'gpu'; expected one of: encode, prefill, decode"):
-        info("w", pool="gpu")  # type: ignore[arg-type]
-    assert info("w", pool="prefill").pool is Pool.PREFILL  # type: ignore[arg-type]
+        info("w", pool="gpu")  # type: ignore[arg-type]  # an unknown pool, refused
+    assert info("w", pool="prefill").pool is Pool.PREFILL  # type: ignore[arg-type]  # a pool's name is parsed
     for address in ("localhost", ":80", "host:0", "host:70000", "host:http"):
         with pytest.raises(ValueError, match="host:port"):
             WorkerInfo("w", Pool.DECODE, address)
@@ -206,7 +206,7 @@ def test_pool_targets_and_validation(state_conn: StateConnection):
     assert list(targets.all_targets().items()) == [(Pool.ENCODE, 0), (Pool.PREFILL, 1000), (Pool.DECODE, 2)]
     for bad in (-1, 1001, True, 2.0, "3"):
         with pytest.raises(ValueError, match="replicas must be"):
-            targets.set_target(Pool.DECODE, bad)  # type: ignore[arg-type]
+            targets.set_target(Pool.DECODE, bad)  # type: ignore[arg-type]  # refused values
     with pytest.raises(InvalidKeyPart, match="unknown pool"):
         targets.set_target("gpu", 1)
     assert targets.get_target(Pool.DECODE) == 2  # a refused write changes nothing
@@ -325,7 +325,7 @@ def test_counters_are_atomic(state_conn: StateConnection):
     assert counters.incr("requests_total", 4) == 5
     assert counters.incr("in_flight", 3) == 3 and counters.incr("in_flight", -1) == 2
     with pytest.raises(ValueError, match="integer"):
-        counters.incr("in_flight", 1.5)  # type: ignore[arg-type]
+        counters.incr("in_flight", 1.5)  # type: ignore[arg-type]  # refused
 
     def bump() -> None:
         for _ in range(200):

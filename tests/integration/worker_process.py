@@ -17,7 +17,7 @@ def main() -> None:
     pool, ckpt, token = sys.argv[1:4]
     colocated = sys.argv[4:] == ["colocated"]
     bundle = load_model(Path(ckpt))
-    worker = start_worker(pool, bundle, TransferSecurity(token=token), codecs=("fp32",) * bundle.config.num_layers,  # type: ignore[arg-type]
+    worker = start_worker(pool, bundle, TransferSecurity(token=token), codecs=("fp32",) * bundle.config.num_layers,  # type: ignore[arg-type]  # the pool from argv
                           config=EngineConfig(kv_cache_bytes=64 * 2**20), colocated=colocated)
     print(worker.address, flush=True)
     threading.Event().wait()

@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.unit]
 def res(name: str, ratios: list[float], better: str = "higher", unit: str = "GB/s", benchmark: str | None = None
         ) -> Result:
     """A result whose reference is 1.0 in every repeat, so its ratios are exactly ``ratios``."""
-    return Result(name, benchmark or name.split(".")[0], unit, better, "ref",  # type: ignore[arg-type]
+    return Result(name, benchmark or name.split(".")[0], unit, better, "ref",  # type: ignore[arg-type]  # parametrized as str
                   tuple(ratios), tuple(1.0 for _ in ratios))
 
 
@@ -158,7 +158,7 @@ def test_result_rejects_inconsistent_figures() -> None:
     with pytest.raises(ValueError, match="positive"):
         Result("a.b", "a", "us", "lower", "r", (float("nan"),), (1.0,))
     with pytest.raises(ValueError, match="better"):
-        Result("a.b", "a", "us", "faster", "r", (1.0,), (1.0,))  # type: ignore[arg-type]
+        Result("a.b", "a", "us", "faster", "r", (1.0,), (1.0,))  # type: ignore[arg-type]  # refused
 
 
 # ------------------------------------------------------------------ selection and timing helpers
@@ -174,7 +174,7 @@ def test_plan_needs_two_repeats_for_a_spread() -> None:
     with pytest.raises(ValueError, match="repeats"):
         Plan(repeats=1)
     with pytest.raises(ValueError, match="clock"):
-        Plan(clock="sundial")  # type: ignore[arg-type]
+        Plan(clock="sundial")  # type: ignore[arg-type]  # refused
 
 
 def test_best_takes_the_minimum_of_at_least_tries_calls() -> None:

@@ -35,7 +35,7 @@ def gated(tiny_bundle):
         batches.append(len(engine.scheduler.waiting) + len(engine.scheduler.running))
         return step()
 
-    engine.step = gated_step  # type: ignore[method-assign]
+    engine.step = gated_step  # type: ignore[method-assign]  # a step that waits on the test
     loop = EngineLoop(engine)
     yield engine, loop, gate, batches, entered
     for _ in range(64):
@@ -125,7 +125,7 @@ def test_an_idle_loop_lets_the_caller_step_its_own_request(tiny_bundle):
         stepped_on.append(threading.get_ident())
         return step()
 
-    engine.step = recording_step  # type: ignore[method-assign]
+    engine.step = recording_step  # type: ignore[method-assign]  # a step that records
     loop = EngineLoop(engine)
     try:
         q = loop.submit("here", [5, 6, 7], GREEDY, wake=False)

@@ -9,7 +9,7 @@ import torch
 from kvtransfer.codecs import CodecError, Kind, get_codec
 from kvtransfer.receiver import WireParts
 from workers.decode.kv_sink import CacheSink, decode_cache_dtypes
-from workers.runtime.kv_cache import KVCacheSpec, PagedKVCache
+from workers.runtime.kv_cache import CacheDType, KVCacheSpec, PagedKVCache
 
 pytestmark = pytest.mark.unit
 
@@ -33,13 +33,13 @@ def _kv(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @pytest.mark.parametrize("codec", ["int8", "fp8"])
-def test_native_storage_holds_exactly_what_the_codec_decodes(codec: str) -> None:
+def test_native_storage_holds_exactly_what_the_codec_decodes(codec: CacheDType) -> None:
     assert decode_cache_dtypes((codec, "bf16"), "float32", "native") == (codec, "float32")
     cache = PagedKVCache(SPEC, 16, (codec, "float32"))
     sink = CacheSink(cache)
     k, v = _kv(1)
     (kw, k_want), (vw, v_want) = _wire(codec, k, Kind.KEY), _wire(codec, v, Kind.VALUE)
-    sink.write(0, BLOCKS, codec, tuple(k.shape), kw, vw)  # type: ignore[arg-type]
+    sink.write(0, BLOCKS, codec, tuple(k.shape), kw, vw)  # type: ignore[arg-type]  # a 4-d shape
 
     tokens = len(BLOCKS) * SPEC.block_size
     got_k, got_v = cache.read_tokens(0, BLOCKS, tokens, torch.float32)
@@ -51,7 +51,7 @@ def test_native_storage_holds_exactly_what_the_codec_decodes(codec: str) -> None
 
 
 @pytest.mark.parametrize("codec", ["int8", "fp8"])
-def test_native_storage_refuses_a_short_part_and_writes_nothing(codec: str) -> None:
+def test_native_storage_refuses_a_short_part_and_writes_nothing(codec: CacheDType) -> None:
     cache = PagedKVCache(SPEC, 16, (codec, "float32"))
     sink = CacheSink(cache)
     k, v = _kv(2)
@@ -60,7 +60,7 @@ def test_native_storage_refuses_a_short_part_and_writes_nothing(codec: str) -> N
     short_scales = WireParts(kw.payload, kw.scales[:-4], None)
     for bad, words in ((short_payload, "payload"), (short_scales, "scales")):
         with pytest.raises(CodecError, match=words):
-            sink.write(0, BLOCKS, codec, tuple(k.shape), bad, vw)  # type: ignore[arg-type]
+            sink.write(0, BLOCKS, codec, tuple(k.shape), bad, vw)  # type: ignore[arg-type]  # a 4-d shape
     got_k, got_v = cache.read_tokens(0, list(range(16)), 16 * SPEC.block_size, torch.float32)
     assert not got_k.any() and not got_v.any()
 
@@ -71,7 +71,7 @@ def test_native_and_dequantized_storage_agree_within_the_float_rounding() -> Non
     k, v = _kv(3)
     (kw, _), (vw, _) = _wire("int8", k, Kind.KEY), _wire("int8", v, Kind.VALUE)
     for cache in (native, dense):
-        CacheSink(cache).write(0, BLOCKS, "int8", tuple(k.shape), kw, vw)  # type: ignore[arg-type]
+        CacheSink(cache).write(0, BLOCKS, "int8", tuple(k.shape), kw, vw)  # type: ignore[arg-type]  # a 4-d shape
     tokens = len(BLOCKS) * SPEC.block_size
     for a, b in zip(native.read_tokens(0, BLOCKS, tokens, torch.float32), dense.read_tokens(0, BLOCKS, tokens,
                                                                                              torch.float32)):

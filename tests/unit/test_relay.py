@@ -39,7 +39,7 @@ def test_a_task_cancelled_while_a_thread_waits_for_a_chunk_still_closes_the_back
     """At shutdown uvicorn cancels streaming tasks; the thread in next() must not be raced by close()
     ('generator already executing' skipped the abort and logged a traceback per stream)."""
     backend = BlockingBackend()
-    relay = Relay(backend, WorkerRequest("r", [1, 2, 3], SamplingParams(max_tokens=3)), ThreadLanes(4))  # type: ignore[arg-type]
+    relay = Relay(backend, WorkerRequest("r", [1, 2, 3], SamplingParams(max_tokens=3)), ThreadLanes(4))  # type: ignore[arg-type]  # a backend double
 
     async def consume() -> list[Chunk]:
         return [c async for c in relay.chunks()]

@@ -273,5 +273,5 @@ def test_vision_config_is_hashable_and_frozen() -> None:
     cfg = default_vision_config(TEXT_HIDDEN)
     assert hash(cfg) == hash(default_vision_config(TEXT_HIDDEN))
     with pytest.raises(dataclasses.FrozenInstanceError):
-        cfg.image_size = 224  # type: ignore[misc]
+        cfg.image_size = 224  # type: ignore[misc]  # frozen: the test
     assert isinstance(cfg, VisionConfig)

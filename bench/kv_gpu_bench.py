@@ -49,45 +49,54 @@ class GpuFigure:
 
 
 def _receiver_main(conn, token: str) -> None:  # type: ignore[no-untyped-def]
-    from kvtransfer.receiver import KVReceiver
+    """The receiver process: a bf16 paged cache on the GPU behind a KVReceiver with a bulk listener and a
+    CUDA IPC pool, driven by (command, args...) tuples on ``conn`` (the bench's own pipe)."""
+    from kvtransfer.receiver import KVReceiver, TransferOutcome
     from kvtransfer.server import kv_transfer_handler, start_server
     from workers.decode.kv_sink import CacheSink
     from workers.runtime.kv_cache import KVCacheSpec, PagedKVCache
 
     security = TransferSecurity(token=token)
-    server = receiver = None
-    done: dict[str, object] = {}
+    current: tuple[object, KVReceiver] | None = None
+    outcomes: list[TransferOutcome] = []
     event = threading.Event()
+
+    def on_done(outcome: TransferOutcome) -> None:
+        outcomes.append(outcome)
+        event.set()
+
+    def stop() -> None:
+        if current is not None:
+            current[0].stop(0).wait(10)  # type: ignore[attr-defined]
+            current[1].stop()
+
     try:
         while True:
             cmd, *args = conn.recv()
             if cmd == "setup":
                 layout, blocks, ipc_bytes = args
-                if server is not None:
-                    server.stop(0).wait(10)
-                    receiver.stop()
+                stop()  # the old server's threads must not outlive it holding the old cache
                 spec = KVCacheSpec(layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.block_size)
                 cache = PagedKVCache(spec, blocks, ("bfloat16",) * layout.num_layers, "cuda")
                 receiver = KVReceiver(layout, CacheSink(cache), max_chunk_bytes=256 * MiB)
                 server, port = start_server([kv_transfer_handler(receiver)], "127.0.0.1:0", security)
                 receiver.enable_bulk("127.0.0.1")
                 receiver.enable_cuda_ipc(cache.device, segment_bytes=ipc_bytes, num_segments=2)
+                current = (server, receiver)
                 conn.send(port)
-            elif cmd == "expect":
+            elif cmd == "expect" and current is not None:
                 rid, nblocks = args
                 event.clear()
-                receiver.expect(rid, list(range(nblocks)), lambda o: (done.__setitem__("o", o), event.set()), 120)
+                outcomes.clear()
+                current[1].expect(rid, list(range(nblocks)), on_done, 120)
                 conn.send("ok")
             elif cmd == "wait":
                 event.wait(120)
-                o = done["o"]
-                conn.send((o.ok, o.error))
+                conn.send((outcomes[0].ok, outcomes[0].error) if outcomes else (False, "no outcome within 120 s"))
             elif cmd == "stop":
                 break
     finally:
-        if server is not None:
-            server.stop(0).wait(10)
-            receiver.stop()
+        stop()
 
 
 class GpuReceiver:
@@ -218,7 +227,7 @@ def ttft_figures(rx: GpuReceiver, token: str, tokens: int, repeats: int, codec: 
     alone = min(prefill_alone() for _ in range(repeats))
     out = []
     for transport in ("grpc", "tcp", "shm", "cuda_ipc"):
-        sender = KVSender(TransferSecurity(token=token), transport=transport, device="cuda")  # type: ignore[arg-type]
+        sender = KVSender(TransferSecurity(token=token), transport=transport, device="cuda")
         streamer = LayerStreamer(engine, sender, (codec,) * cfg.num_layers)
         blocks = engine.cache.blocks_for(tokens)
         port = rx.call("setup", streamer.layout, blocks, 512 * MiB)

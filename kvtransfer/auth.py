@@ -12,9 +12,10 @@ from __future__ import annotations
 import hmac
 import ssl
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import grpc
 
@@ -60,7 +61,8 @@ class TransferSecurity:
     def server_credentials(self) -> grpc.ServerCredentials | None:
         if not self.mtls:
             return None
-        return grpc.ssl_server_credentials([(self._read(self.tls_key, "TLS key"), self._read(self.tls_cert, "TLS certificate"))],
+        pair = (self._read(self.tls_key, "TLS key"), self._read(self.tls_cert, "TLS certificate"))
+        return grpc.ssl_server_credentials([pair],
                                            root_certificates=self._read(self.tls_ca, "TLS CA"),
                                            require_client_auth=True)
 

@@ -41,7 +41,7 @@ import ssl
 import struct
 import threading
 import time
-from typing import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -93,13 +93,13 @@ def recv_exact(sock: socket.socket, view: memoryview, deadline: float | None = N
             if deadline is not None:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise socket.timeout
+                    raise TimeoutError
                 sock.settimeout(left)
             k = sock.recv_into(view[got:], n - got)
             if k == 0:
                 raise BulkError(f"the connection closed after {got} of {n} bytes", "closed")
             got += k
-    except socket.timeout:
+    except TimeoutError:
         raise BulkError("timed out reading the bulk connection", "timeout") from None
     except OSError as exc:
         raise BulkError(f"bulk connection error: {exc.strerror or exc}", "closed") from None
@@ -122,7 +122,7 @@ def send_all(sock: socket.socket, parts: Sequence[Buffer]) -> None:
                 else:
                     views[0] = views[0][sent:]
                     sent = 0
-    except socket.timeout:
+    except TimeoutError:
         raise BulkError("timed out writing to the bulk connection (receiver not reading?)", "timeout") from None
     except OSError as exc:
         raise BulkError(f"bulk connection error: {exc.strerror or exc}", "closed") from None
@@ -304,7 +304,7 @@ class BulkConnector:
         self._idle: dict[str, list[BulkConnection]] = {}
         self._lock = threading.Lock()
 
-    def take(self, target: str, open_ticket: Callable[[float], "pb.BulkTicket"], timeout_s: float) -> BulkConnection:
+    def take(self, target: str, open_ticket: Callable[[float], pb.BulkTicket], timeout_s: float) -> BulkConnection:
         """An idle connection to ``target``, or a new one (``open_ticket`` calls OpenBulk over gRPC)."""
         while True:
             with self._lock:
@@ -330,9 +330,10 @@ class BulkConnector:
             sock.close()
             raise BulkError(f"TLS with the receiver's bulk port {host}:{ticket.port} failed: {exc.reason or exc}",
                             "refused") from None
-        except socket.timeout:
+        except TimeoutError:
             sock.close()
-            raise BulkError(f"timed out connecting to the receiver's bulk port {host}:{ticket.port}", "timeout") from None
+            raise BulkError(f"timed out connecting to the receiver's bulk port {host}:{ticket.port}",
+                            "timeout") from None
         except OSError as exc:
             sock.close()
             raise BulkError(f"cannot connect to the receiver's bulk port {host}:{ticket.port}: "

@@ -10,7 +10,7 @@ gRPC call would.
 from __future__ import annotations
 
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -38,11 +38,11 @@ class BulkCall:
         self._ack: pb.PushAck | None = None
         self._error: TransferFailed | None = None
         self._cancelled = False
-        self._callbacks: list[Callable[["BulkCall"], None]] = []
+        self._callbacks: list[Callable[[BulkCall], None]] = []
         _READERS.submit(self._read)
 
     # ------------------------------------------------------------------ the grpc.Future surface KVStream uses
-    def result(self, timeout: float | None = None) -> "pb.PushAck":
+    def result(self, timeout: float | None = None) -> pb.PushAck:
         if not self._done.wait(timeout):
             raise grpc.FutureTimeoutError()
         if self._cancelled:
@@ -71,7 +71,7 @@ class BulkCall:
         self.conn.interrupt(self.owner)  # wakes the reader, which completes the call as cancelled
         return True
 
-    def add_done_callback(self, fn: Callable[["BulkCall"], None]) -> None:
+    def add_done_callback(self, fn: Callable[[BulkCall], None]) -> None:
         with self._lock:
             if not self._done.is_set():
                 self._callbacks.append(fn)

@@ -17,7 +17,7 @@ import socket
 import ssl
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from kvtransfer.bulk import HELLO, ID_BYTES, OK, SECRET_BYTES, BulkConnection, BulkError, recv_exact, tune
 from kvtransfer.wire import pb
@@ -57,7 +57,7 @@ class BulkListener:
         self._thread = threading.Thread(target=self._accept_loop, name="kv-bulk-accept", daemon=True)
         self._thread.start()
 
-    def issue(self) -> "pb.BulkTicket":
+    def issue(self) -> pb.BulkTicket:
         """A ticket for one new connection; BulkError("busy") when the limits are reached."""
         now = self.clock()
         with self._lock:

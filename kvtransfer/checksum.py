@@ -3,7 +3,7 @@ stream checksum over the chunk checksums in order."""
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import xxhash
 

@@ -85,7 +85,7 @@ class ChunkBuilder:
             on_device = staged.data.device.type != "cpu"
             buf = self.ctx.pinned.take(nbytes) if on_device else self.ctx.buffers.take(nbytes)
             to_host_checked(staged, buf[:nbytes])
-            dest = memoryview(buf.numpy())[:nbytes]
+            dest = buf.numpy().data[:nbytes]
             chunk.checksum = chunk_checksum([dest])
             s_len = staged.scales_nbytes
             parts = encode_chunk_parts(chunk, [dest[:s_len]], [dest[s_len:]])
@@ -122,7 +122,7 @@ class ChunkBuilder:
                       value: torch.Tensor, segment: Segment, offset: int,
                       ready: object | None = None) -> Built:
         chunk = pb.KVChunk(seq=seq, request_id=self.request_id, layer=layer, first_block=first_block,
-                           num_blocks=key.shape[0], codec=int(codec.codec_id))
+                           num_blocks=key.shape[0], codec=int(codec.codec_id))  # type: ignore[arg-type]
         logical = key.numel() * 4
         if segment is None:
             on_host = key.device.type == "cpu"  # device input: encoded on the device, only its bytes come over

@@ -65,7 +65,7 @@ def frame_chunk_into(chunk: pb.KVChunk, codec: Codec, key: torch.Tensor, value: 
     only its bytes copied into ``buf``, pinned; ``ready`` as in ``_encode_on_device``). The parts
     are views of ``buf``: reuse it only once they are sent."""
     nbytes = chunk_nbytes(codec, tuple(key.shape))
-    dest = memoryview(buf.numpy())[:nbytes]
+    dest = buf.numpy().data[:nbytes]
     s_len, k_len, _ = _sizes(codec, tuple(key.shape))
     if key.device.type != "cpu":
         chunk.checksum = _encode_on_device(codec, key, value, buf[:nbytes], dest, s_len, k_len, ready)
@@ -87,7 +87,8 @@ def writes_in_place(codec: Codec) -> bool:
         return False
 
 
-def non_finite_values(codec_name: str, scales_dtype: torch.dtype, scales: memoryview, payload: memoryview) -> str | None:
+def non_finite_values(codec_name: str, scales_dtype: torch.dtype, scales: memoryview,
+                      payload: memoryview) -> str | None:
     """What is non-finite in a received chunk's values, or None: NaN/inf in its scales (and zero
     points), or a NaN byte in an fp8 payload (e4m3 has no inf). The sender refuses to encode such a
     cache, and checksums only prove the bytes arrived as sent, so this guards against a sender that

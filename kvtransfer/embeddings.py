@@ -7,8 +7,8 @@ finish with totals. The prefill side ``expect``s a request's rows before the enc
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Callable, Iterator
 
 import grpc
 import numpy as np
@@ -18,8 +18,17 @@ from kvtransfer.auth import TransferSecurity
 from kvtransfer.checksum import StreamChecksum, chunk_checksum
 from kvtransfer.errors import TransferFailed, TransferRefused
 from kvtransfer.expectations import Expectations, run_stream
-from kvtransfer.wire import (PROTOCOL_VERSION, PUSH_EMBEDDINGS_METHOD, SERVICE, Frame, WireError, decode_frame,
-                             encode_chunk, encode_control, pb)
+from kvtransfer.wire import (
+    PROTOCOL_VERSION,
+    PUSH_EMBEDDINGS_METHOD,
+    SERVICE,
+    Frame,
+    WireError,
+    decode_frame,
+    encode_chunk,
+    encode_control,
+    pb,
+)
 
 Code = grpc.StatusCode
 _DTYPES = {pb.DTYPE_FLOAT32: torch.float32, pb.DTYPE_BFLOAT16: torch.bfloat16}

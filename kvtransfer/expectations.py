@@ -17,7 +17,7 @@ from kvtransfer.errors import TransferRefused
 
 log = logging.getLogger(__name__)
 Code = grpc.StatusCode
-O = TypeVar("O")
+OutcomeT = TypeVar("OutcomeT")
 
 
 class State(enum.Enum):
@@ -28,22 +28,22 @@ class State(enum.Enum):
 
 
 @dataclass(eq=False)
-class Expected(Generic[O]):
+class Expected(Generic[OutcomeT]):
     request_id: str
     deadline: float
-    on_done: Callable[[O], None]
+    on_done: Callable[[OutcomeT], None]
     target: Any  # what the push lands in: reserved blocks, an embedding buffer
     state: State = State.EXPECTED
     lock: threading.Lock = field(default_factory=threading.Lock)  # held while writing into ``target``
     failure: TransferRefused | None = None
 
 
-class Expectations(Generic[O]):
-    def __init__(self, failed_outcome: Callable[[str, TransferRefused], O],
+class Expectations(Generic[OutcomeT]):
+    def __init__(self, failed_outcome: Callable[[str, TransferRefused], OutcomeT],
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._failed_outcome = failed_outcome
         self.clock = clock
-        self._items: dict[str, Expected[O]] = {}
+        self._items: dict[str, Expected[OutcomeT]] = {}
         self._lock = threading.Lock()
         self._janitor: threading.Thread | None = None
         self._stop = threading.Event()
@@ -56,13 +56,13 @@ class Expectations(Generic[O]):
         with self._lock:
             return request_id in self._items
 
-    def add(self, request_id: str, target: Any, on_done: Callable[[O], None], timeout_s: float) -> None:
+    def add(self, request_id: str, target: Any, on_done: Callable[[OutcomeT], None], timeout_s: float) -> None:
         with self._lock:
             if request_id in self._items:
                 raise ValueError(f"request {request_id!r} is already expected")
             self._items[request_id] = Expected(request_id, self.clock() + timeout_s, on_done, target)
 
-    def claim(self, request_id: str) -> Expected[O]:
+    def claim(self, request_id: str) -> Expected[OutcomeT]:
         """Bind a stream to ``request_id``; refuses unknown ids and a second stream."""
         with self._lock:
             exp = self._items.get(request_id)
@@ -75,7 +75,7 @@ class Expectations(Generic[O]):
                 exp.state = State.STREAMING
         return exp
 
-    def complete(self, exp: Expected[O], outcome: O) -> None:
+    def complete(self, exp: Expected[OutcomeT], outcome: OutcomeT) -> None:
         with exp.lock:
             if exp.state is not State.STREAMING:
                 raise exp.failure or TransferRefused(Code.CANCELLED, "transfer cancelled")
@@ -84,7 +84,7 @@ class Expectations(Generic[O]):
             self._items.pop(exp.request_id, None)
         exp.on_done(outcome)
 
-    def fail(self, exp: Expected[O], err: TransferRefused) -> bool:
+    def fail(self, exp: Expected[OutcomeT], err: TransferRefused) -> bool:
         with exp.lock:  # never while a chunk is being written into the target
             if exp.state in (State.COMPLETE, State.FAILED):
                 return False

@@ -47,7 +47,7 @@ class KVLayout:
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def check_compatible(self, sender: "KVLayout") -> None:
+    def check_compatible(self, sender: KVLayout) -> None:
         """Raise LayoutMismatch unless blocks from ``sender`` can land in this (receiver's) cache."""
         for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
             mine, theirs = getattr(self, name), getattr(sender, name)
@@ -57,14 +57,14 @@ class KVLayout:
             raise LayoutMismatch(f"model fingerprint differs: sender {sender.model_fingerprint!r}, "
                                  f"receiver {self.model_fingerprint!r} (different weights or config)")
 
-    def to_proto(self) -> "pb.KVLayout":
+    def to_proto(self) -> pb.KVLayout:
         return pb.KVLayout(num_layers=self.num_layers, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
                            block_size=self.block_size,
                            layer_codecs=[int(get_codec(c).codec_id) for c in self.layer_codecs],
                            model_fingerprint=self.model_fingerprint, cache_dtype=CACHE_DTYPES[self.cache_dtype])
 
     @classmethod
-    def from_proto(cls, msg: "pb.KVLayout") -> "KVLayout":
+    def from_proto(cls, msg: pb.KVLayout) -> KVLayout:
         try:
             codecs = tuple(get_codec_by_id(c).name for c in msg.layer_codecs)
         except CodecError as exc:

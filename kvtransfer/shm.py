@@ -50,7 +50,7 @@ class SharedSegment:
         self._view = memoryview(self._map) if self._map is not None else memoryview(bytearray())
 
     @classmethod
-    def create(cls, size: int) -> "SharedSegment":
+    def create(cls, size: int) -> SharedSegment:
         if not shm_available():
             raise ShmError(f"{SHM_DIR} is not available for shared memory")
         token = uuid.uuid4().hex
@@ -75,7 +75,7 @@ class SharedSegment:
             raise ShmError(f"cannot set up shared memory {path} ({size} bytes): {exc.strerror}") from None
 
     @classmethod
-    def attach(cls, name: str, size: int) -> "SharedSegment":
+    def attach(cls, name: str, size: int) -> SharedSegment:
         if not _NAME.match(name):
             raise ShmError(f"invalid shared-memory name {name!r}")
         path = SHM_DIR / name

@@ -293,7 +293,8 @@ class KVStream:
             raise self._as_failure(exc) from None
         except grpc.FutureTimeoutError:
             self.cancel("timed out waiting for the receiver's ack")
-            raise TransferFailed("timed out waiting for the receiver's ack", grpc.StatusCode.DEADLINE_EXCEEDED)
+            raise TransferFailed("timed out waiting for the receiver's ack",
+                                 grpc.StatusCode.DEADLINE_EXCEEDED) from None
         except grpc.FutureCancelledError:
             raise self._error or TransferFailed("transfer cancelled", grpc.StatusCode.CANCELLED) from None
         if ack.num_chunks != self._seq or ack.num_bytes != self._bytes or ack.checksum != self._checksum.value:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import sys
+from types import FrameType
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -26,7 +27,7 @@ class DeviceAudit(TorchFunctionMode):
         self.no_device: list[str] = []
         self.mixed: list[str] = []
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+    def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         where = _caller()
         if where is not None:
@@ -40,7 +41,7 @@ class DeviceAudit(TorchFunctionMode):
 
 def _caller() -> str | None:
     """file:line of the audited frame that made the torch call, or None when the caller is elsewhere."""
-    frame = sys._getframe(2)
+    frame: FrameType | None = sys._getframe(2)
     while frame is not None and os.sep + "torch" + os.sep in frame.f_code.co_filename:
         frame = frame.f_back
     if frame is None or not frame.f_code.co_filename.startswith(_AUDITED):

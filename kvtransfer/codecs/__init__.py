@@ -13,8 +13,8 @@ Codec modules are imported on first lookup; see registry.py.
 from __future__ import annotations
 
 from kvtransfer.codecs.base import Codec
-from kvtransfer.codecs.registry import available_codecs, get_codec, get_codec_by_id
 from kvtransfer.codecs.encoded import CodecError, CodecId, EncodedTensor, Kind, WireLayout
+from kvtransfer.codecs.registry import available_codecs, get_codec, get_codec_by_id
 
 __all__ = [
     "Codec",

@@ -56,7 +56,7 @@ class Codec(abc.ABC):
     def _error_bound(self, xf: torch.Tensor, kind: Kind) -> torch.Tensor:
         """Elementwise bound for a float32 decode of float32 `xf`, broadcastable to xf."""
 
-    def _check_dims(self, shape: Shape) -> None:
+    def _check_dims(self, shape: Shape) -> None:  # noqa: B027 (optional hook: most codecs take any shape)
         """Codec-specific shape constraints; raise CodecError."""
 
     # -- layout -----------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""Fused int8 kernels (and bf16's finite check) in C, compiled on first use with the system C compiler and called via ctypes.
+"""Fused int8 kernels (and bf16's finite check) in C, compiled on first use with the system C compiler and
+called via ctypes.
 
 Why: eager torch quantises int8 in six passes over float32 scratch (~2 GB/s logical per core here)
 and dequantises in three, so the codec, not the wire, bounded every int8 transfer. The kernels

@@ -8,6 +8,7 @@ GPU and push through ``KVSender`` (skipped without a GPU)."""
 from __future__ import annotations
 
 import secrets
+from typing import Any
 
 import grpc
 import pytest
@@ -53,7 +54,7 @@ class Decode:
         self.auth = self.security.call_metadata()
         self.outcomes: dict[str, TransferOutcome] = {}
 
-    def reserve(self, rid: str):  # type: ignore[no-untyped-def]
+    def reserve(self, rid: str):
         res = self.engine.reserve(rid, NUM_TOKENS)
 
         def done(o: TransferOutcome) -> None:
@@ -64,13 +65,13 @@ class Decode:
         return res
 
     def lease(self, rid: str, min_bytes: int = 1000) -> pb.CudaIpcLease:
-        call = self.channel.unary_unary(OPEN_CUDA_IPC_METHOD, request_serializer=None,
+        call: Any = self.channel.unary_unary(OPEN_CUDA_IPC_METHOD, request_serializer=None,
                                         response_deserializer=pb.CudaIpcLease.FromString)
         return call(pb.CudaIpcLeaseRequest(request_id=rid, min_bytes=min_bytes).SerializeToString(),
                     metadata=self.auth, timeout=5)
 
     def push(self, frames: list[bytes]) -> pb.PushAck:
-        call = self.channel.stream_unary(PUSH_METHOD, request_serializer=None,
+        call: Any = self.channel.stream_unary(PUSH_METHOD, request_serializer=None,
                                          response_deserializer=pb.PushAck.FromString)
         return call(iter(frames), metadata=self.auth, timeout=10)
 
@@ -81,21 +82,21 @@ class Decode:
 
 
 @pytest.fixture
-def decode():  # type: ignore[no-untyped-def]
+def decode():
     d = Decode()
     yield d
     d.close()
     assert d.receiver.ipc is not None and d.receiver.ipc.leased == 0, "an IPC lease outlived its push"
 
 
-def _handshake(rid: str, layout, lease: pb.CudaIpcLease, epoch: int | None = None) -> bytes:  # type: ignore[no-untyped-def]
+def _handshake(rid: str, layout, lease: pb.CudaIpcLease, epoch: int | None = None) -> bytes:
     hs = pb.PushHandshake(protocol_version=PROTOCOL_VERSION, request_id=rid, layout=layout.to_proto(),
                           num_tokens=NUM_TOKENS, transport=pb.TRANSPORT_CUDA_IPC, sender_host="test",
                           ipc_epoch=lease.pool_epoch if epoch is None else epoch, ipc_segment=lease.segment)
     return encode_control(pb.PushMessage(handshake=hs))
 
 
-def _write_chunks(d: Decode, rid: str, segment: torch.Tensor, corrupt: bool = False):  # type: ignore[no-untyped-def]
+def _write_chunks(d: Decode, rid: str, segment: torch.Tensor, corrupt: bool = False):
     """Encode every layer's 3 blocks into the segment, as a mapped sender does; the control frames and the
     sent tensors."""
     frames, sent, stream = [], [], StreamChecksum()
@@ -114,7 +115,8 @@ def _write_chunks(d: Decode, rid: str, segment: torch.Tensor, corrupt: bool = Fa
         checksum = device_checksum(segment[offset:offset + data.numel()])
         if corrupt:
             segment[offset + data.numel() - 1] ^= 1  # flipped after the sender's checksum
-        chunk = pb.KVChunk(seq=layer, request_id=rid, layer=layer, first_block=0, num_blocks=3, codec=int(c.codec_id),
+        chunk = pb.KVChunk(seq=layer, request_id=rid, layer=layer, first_block=0, num_blocks=3,
+                           codec=int(c.codec_id),  # type: ignore[arg-type]
                            checksum=checksum, shm=pb.ShmRef(offset=offset, length=data.numel()))
         frames.append(encode_control(pb.PushMessage(chunk=chunk)))
         stream.add(checksum)
@@ -128,8 +130,8 @@ def _write_chunks(d: Decode, rid: str, segment: torch.Tensor, corrupt: bool = Fa
 def test_a_leased_segment_lands_by_block_index_and_the_lease_ends_with_the_push(decode: Decode) -> None:
     res = decode.reserve("a")
     lease = decode.lease("a")
-    assert lease.pool_epoch == decode.receiver.ipc.epoch and decode.receiver.ipc.leased == 1  # type: ignore[union-attr]
-    segment = decode.receiver.ipc.segments[lease.segment]  # type: ignore[union-attr]
+    assert lease.pool_epoch == decode.receiver.ipc.epoch and decode.receiver.ipc.leased == 1
+    segment = decode.receiver.ipc.segments[lease.segment]
     frames, sent = _write_chunks(decode, "a", segment)
     ack = decode.push([_handshake("a", decode.layout, lease)] + frames)
     assert ack.num_chunks == 2 and decode.outcomes["a"].ok and decode.outcomes["a"].first_token == 3
@@ -138,7 +140,7 @@ def test_a_leased_segment_lands_by_block_index_and_the_lease_ends_with_the_push(
         got_k, got_v = decode.engine.cache.read_tokens(layer, res.blocks, 12, torch.float32)
         assert torch.equal(got_k.view(k.shape), c.decode(c.encode(k, Kind.KEY), torch.float32))
         assert torch.equal(got_v.view(v.shape), c.decode(c.encode(v, Kind.VALUE), torch.float32))
-    assert decode.receiver.ipc.leased == 0  # type: ignore[union-attr]
+    assert decode.receiver.ipc.leased == 0
     decode.engine.release(res)
 
 
@@ -155,7 +157,7 @@ def test_a_stale_epoch_is_refused_as_after_a_restart(decode: Decode) -> None:
 def test_a_corrupted_segment_is_refused_by_its_checksum(decode: Decode) -> None:
     decode.reserve("c")
     lease = decode.lease("c")
-    frames, _ = _write_chunks(decode, "c", decode.receiver.ipc.segments[lease.segment], corrupt=True)  # type: ignore[union-attr]
+    frames, _ = _write_chunks(decode, "c", decode.receiver.ipc.segments[lease.segment], corrupt=True)
     with pytest.raises(grpc.RpcError) as err:
         decode.push([_handshake("c", decode.layout, lease)] + frames)
     assert err.value.code() == grpc.StatusCode.DATA_LOSS and "checksum" in err.value.details()
@@ -177,7 +179,7 @@ def test_leases_need_a_reservation_and_a_free_segment(decode: Decode) -> None:
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "hold 1048576" in err.value.details()
     for rid in ("d1", "d2", "d3"):
         decode.receiver.cancel(rid)
-    decode.receiver.ipc.release_stale(decode.receiver.expectations.__contains__)  # type: ignore[union-attr]
+    decode.receiver.ipc.release_stale(decode.receiver.expectations.__contains__)
 
 
 def test_a_receiver_without_a_pool_refuses_and_auto_senders_fall_back() -> None:
@@ -246,7 +248,7 @@ def test_a_sender_pushes_through_a_leased_segment(decode: Decode, how: str) -> N
     finally:
         sender.close()
     assert result.transport == "cuda_ipc" and result.num_chunks > decode.layout.num_layers
-    assert decode.outcomes[how].ok and decode.receiver.ipc.leased == 0  # type: ignore[union-attr]
+    assert decode.outcomes[how].ok and decode.receiver.ipc.leased == 0
     for layer, (name, (k, v)) in enumerate(zip(CODECS, sent)):
         c = get_codec(name)
         got_k, got_v = decode.engine.cache.read_tokens(layer, res.blocks, 12, torch.float32)
@@ -270,7 +272,7 @@ def test_cuda_sender_maps_the_segment_and_a_restarted_receiver_is_mapped_afresh(
             stream.send_layer(layer, 0, k, v)
         assert stream.finish(5).num_chunks >= 2 and first.outcomes["g1"].ok
         first.engine.release(res)
-        old_epoch = first.receiver.ipc.epoch  # type: ignore[union-attr]
+        old_epoch = first.receiver.ipc.epoch
         # "restart": a new receiver (new pool, new epoch); a handshake with the old epoch is refused
         second = Decode("cuda")
         try:

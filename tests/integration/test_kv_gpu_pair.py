@@ -16,7 +16,7 @@ import torch
 from tests.device_audit import DeviceAudit
 from tests.integration.kv_helpers import tiny_model
 from workers.disagg_pair import DisaggPair, model_on_device
-from workers.runtime.engine import Engine, EngineConfig
+from workers.runtime.engine import DTypeName, Engine, EngineConfig
 from workers.runtime.loader import LoadedModel
 from workers.runtime.sampler import SamplingParams
 
@@ -33,7 +33,7 @@ def _bundle() -> LoadedModel:
     return LoadedModel(Path("."), model.cfg, model, None, (0,))
 
 
-def _reference(bundle: LoadedModel, device: str = "cpu", dtype: str = "float32",
+def _reference(bundle: LoadedModel, device: str = "cpu", dtype: DTypeName = "float32",
                forced: list[list[int]] | None = None) -> list[tuple[list[int], list[torch.Tensor]]]:
     """Tokens and per-step logits of one engine running the whole request (``generate()``'s path)."""
     cfg = EngineConfig(dtype=dtype, device=device, block_size=4, kv_cache_bytes=KV_BYTES)
@@ -46,14 +46,15 @@ def _reference(bundle: LoadedModel, device: str = "cpu", dtype: str = "float32",
     out: dict[str, tuple[list[int], list[torch.Tensor]]] = {f"r{i}": ([], []) for i in range(len(PROMPTS))}
     while engine.has_unfinished():
         for o in engine.step():
+            assert o.logits is not None
             out[o.request_id][0].extend(o.new_token_ids)
             out[o.request_id][1].append(o.logits)
     return [out[f"r{i}"] for i in range(len(PROMPTS))]
 
 
 def _pair_tokens(bundle: LoadedModel, codecs: tuple[str, ...], transport: str, *, prefill: str = "cpu",
-                 decode: str = "cpu", dtype: str = "float32", staged: bool | None = None,
-                 forced: list[list[int]] | None = None):  # type: ignore[no-untyped-def]
+                 decode: str = "cpu", dtype: DTypeName = "float32", staged: bool | None = None,
+                 forced: list[list[int]] | None = None):
     with DisaggPair(bundle, codecs,
                     prefill=EngineConfig(dtype=dtype, device=prefill, block_size=4, kv_cache_bytes=KV_BYTES),
                     decode=EngineConfig(dtype=dtype, device=decode, block_size=4, kv_cache_bytes=KV_BYTES),
@@ -68,7 +69,7 @@ def _pair_tokens(bundle: LoadedModel, codecs: tuple[str, ...], transport: str, *
 
 @pytest.mark.parametrize("transport, dtype", [("grpc", "float32"), ("tcp", "float32"), ("shm", "float32"),
                                               ("cuda_ipc", "float32"), ("grpc", "bfloat16")])
-def test_cpu_pair_through_the_device_paths_equals_generate(transport: str, dtype: str) -> None:
+def test_cpu_pair_through_the_device_paths_equals_generate(transport: str, dtype: DTypeName) -> None:
     bundle = _bundle()
     ref = _reference(bundle, dtype=dtype)
     codec = LOSSLESS[dtype]
@@ -109,7 +110,7 @@ def test_the_layer_hook_and_calibration_name_their_device(device_path: bool) -> 
 @pytest.mark.cuda
 @pytest.mark.parametrize("transport", ["grpc", "tcp", "shm", "cuda_ipc", "auto"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_cuda_pair_with_a_lossless_codec_equals_generate(transport: str, dtype: str) -> None:
+def test_cuda_pair_with_a_lossless_codec_equals_generate(transport: str, dtype: DTypeName) -> None:
     bundle = _bundle()
     ref = _reference(bundle, "cuda", dtype)
     codec = LOSSLESS[dtype]

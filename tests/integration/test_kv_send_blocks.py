@@ -28,7 +28,7 @@ class Receiving:
     def __init__(self) -> None:
         self.security = TransferSecurity(token=secrets.token_urlsafe(24))
         self.layout = KVLayout(LAYERS, HEADS, DIM, BS, CODECS, "send-blocks", "float32")
-        self.cache = PagedKVCache(KVCacheSpec(LAYERS, HEADS, DIM, BS), 32, ("float32",) * LAYERS)
+        self.cache = PagedKVCache(KVCacheSpec(LAYERS, HEADS, DIM, BS), 32, ("float32", "float32"))  # LAYERS of them
         self.receiver = KVReceiver(self.layout, CacheSink(self.cache))
         self.server, port = start_server([kv_transfer_handler(self.receiver)], "127.0.0.1:0", self.security)
         self.receiver.enable_bulk("127.0.0.1")
@@ -38,7 +38,10 @@ class Receiving:
                                                                                   threading.Event]:
         done: list[TransferOutcome] = []
         landed = threading.Event()
-        self.receiver.expect(rid, blocks, lambda o: (done.append(o), landed.set()) and None, timeout_s)
+        def on_done(outcome: TransferOutcome) -> None:
+            done.append(outcome)
+            landed.set()
+        self.receiver.expect(rid, blocks, on_done, timeout_s)
         return done, landed
 
     def landed(self, layer: int, blocks: list[int]) -> torch.Tensor:
@@ -51,7 +54,7 @@ class Receiving:
 
 
 @pytest.fixture
-def rx():  # type: ignore[no-untyped-def]
+def rx():
     r = Receiving()
     yield r
     r.close()

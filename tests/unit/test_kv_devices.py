@@ -67,11 +67,11 @@ def test_staged_sink_refuses_short_parts_and_writes_nothing() -> None:
     k = torch.randn(shape)
     kw, vw = _wire("int8", k, Kind.KEY), _wire("int8", k, Kind.VALUE)
     for layer_dtypes in (("float32", "float32"), ("int8", "float32")):
-        cache = PagedKVCache(SPEC, 12, layer_dtypes, DEVICE)  # type: ignore[arg-type]
+        cache = PagedKVCache(SPEC, 12, layer_dtypes, DEVICE)
         sink = CacheSink(cache, staged=True)
         with pytest.raises(ValueError, match="payload"):
             sink.write(0, [1, 2], "int8", shape, WireParts(kw.payload[:-1], kw.scales, None), vw)
-        assert not cache.layers[0].k.float().any()
+        assert not vars(cache.layers[0])["k"].float().any()
 
 
 def test_block_slots_and_slots_for_live_on_the_cache_device() -> None:
@@ -98,7 +98,7 @@ def test_device_chunk_encoder_sends_the_host_encoders_bytes(codec: str) -> None:
     host = PinnedPool().take(n)[:n]
     s_len, k_len, _ = _sizes(c, shape)
     with DeviceAudit() as audit:
-        checksum = _encode_on_device(c, k.to(DEVICE), v.to(DEVICE), host, memoryview(host.numpy()), s_len, k_len)
+        checksum = _encode_on_device(c, k.to(DEVICE), v.to(DEVICE), host, host.numpy().data, s_len, k_len)
     assert audit.no_device == [] and audit.mixed == []
     assert checksum == chunk.checksum
     assert torch.equal(host, want)

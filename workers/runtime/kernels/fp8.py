@@ -40,7 +40,7 @@ def f32_to_e4m3(x):
     bits = x.to(tl.int32, bitcast=True)
     exp = ((bits >> 23) & 0xFF) - 127
     quantum = ((tl.maximum(exp, -6) - 3 + 127) << 23).to(tl.float32, bitcast=True)
-    r = rint(x / quantum) * quantum  # now exactly an e4m3 value (a carry may raise its exponent)
+    r = rint(tl.math.div_rn(x, quantum)) * quantum  # exactly an e4m3 value (a carry may raise its exponent)
     rbits = tl.abs(r).to(tl.int32, bitcast=True)
     sign = (bits >> 31) & 1  # x's sign: a negative x that rounds to zero is -0 (0x80), as torch gives
     rexp = ((rbits >> 23) & 0xFF) - 127

@@ -1,7 +1,9 @@
 """Fused elementwise kernels in Triton: RMSNorm (with the residual add), RoPE, SiLU·mul.
 
 Each rounds its intermediates to the activation dtype where the torch path in ``model.py`` /
-``rope.py`` does, so float32 results match it to rounding and bf16 results to one bf16 ulp.
+``rope.py`` does, so float32 results match it to rounding and bf16 results to one bf16 ulp. They are
+launched with ``enable_fp_fusion=False`` and divide with ``div_rn``: no fused multiply-add and no
+approximate division, so each product and quotient rounds as torch's does.
 All take and return tensors whose last dimension has unit stride.
 """
 
@@ -11,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+# Launch options of the kernels that must round as torch does: no fused multiply-add.
+EXACT = {"enable_fp_fusion": False}
 
 @triton.jit
 def _rmsnorm_kernel(x_ptr, r_ptr, w_ptr, h_ptr, o_ptr, n, eps, stride_x, stride_r, stride_h, stride_o,
@@ -25,7 +29,7 @@ def _rmsnorm_kernel(x_ptr, r_ptr, w_ptr, h_ptr, o_ptr, n, eps, stride_x, stride_
         x = x.to(h_ptr.dtype.element_ty)
         tl.store(h_ptr + row * stride_h + i, x, mask=mask)
     x32 = x.to(tl.float32)
-    var = tl.sum(x32 * x32, 0) / n
+    var = tl.math.div_rn(tl.sum(x32 * x32, 0), n.to(tl.float32))
     y = (x32 * tl.math.rsqrt(var + eps)).to(o_ptr.dtype.element_ty).to(tl.float32)
     w = tl.load(w_ptr + i, mask=mask, other=0.0).to(tl.float32)
     tl.store(o_ptr + row * stride_o + i, (w * y).to(o_ptr.dtype.element_ty), mask=mask)
@@ -36,7 +40,7 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     out = torch.empty_like(x)
     if x.shape[0]:
         _rmsnorm_kernel[(x.shape[0],)](x, x, weight, x, out, x.shape[1], eps, x.stride(0), 0, 0, out.stride(0),
-                                       BLOCK=triton.next_power_of_2(x.shape[1]), RESIDUAL=False)
+                                       BLOCK=triton.next_power_of_2(x.shape[1]), RESIDUAL=False, **EXACT)
     return out
 
 
@@ -48,7 +52,7 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     if x.shape[0]:
         _rmsnorm_kernel[(x.shape[0],)](x, residual, weight, h, out, x.shape[1], eps, x.stride(0),
                                        residual.stride(0), h.stride(0), out.stride(0),
-                                       BLOCK=triton.next_power_of_2(x.shape[1]), RESIDUAL=True)
+                                       BLOCK=triton.next_power_of_2(x.shape[1]), RESIDUAL=True, **EXACT)
     return h, out
 
 
@@ -88,7 +92,7 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     if tokens:
         half = head_dim // 2
         _rope_kernel[(tokens, heads)](x, cos, sin, x.stride(0), x.stride(1), cos.stride(0),
-                                      HALF=half, BLOCK=triton.next_power_of_2(half))
+                                      HALF=half, BLOCK=triton.next_power_of_2(half), **EXACT)
     return x
 
 
@@ -100,7 +104,7 @@ def _silu_mul_kernel(x_ptr, o_ptr, n, stride_x, stride_o, BLOCK: tl.constexpr):
     g = tl.load(x_ptr + row * stride_x + i, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(x_ptr + row * stride_x + n + i, mask=mask, other=0.0).to(tl.float32)
     dt = o_ptr.dtype.element_ty
-    s = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+    s = tl.math.div_rn(g, 1.0 + tl.exp(-g)).to(dt).to(tl.float32)
     tl.store(o_ptr + row * stride_o + i, (s * u).to(dt), mask=mask)
 
 
@@ -111,5 +115,5 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if gate_up.shape[0]:
         block = min(1024, triton.next_power_of_2(n))
         _silu_mul_kernel[(gate_up.shape[0], triton.cdiv(n, block))](gate_up, out, n, gate_up.stride(0),
-                                                                    out.stride(0), BLOCK=block)
+                                                                    out.stride(0), BLOCK=block, **EXACT)
     return out

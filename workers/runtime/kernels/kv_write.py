@@ -15,7 +15,7 @@ import triton.language as tl
 
 from workers.runtime.kernels.cache_views import DENSE, CacheTensors, scale_args
 from workers.runtime.kernels.fp8 import f32_to_e4m3, rint
-from workers.runtime.kernels.fused import rotate
+from workers.runtime.kernels.fused import EXACT, rotate
 
 
 @triton.jit
@@ -69,15 +69,17 @@ def write_kv(cache: CacheTensors, slots: torch.Tensor, k: torch.Tensor, v: torch
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), cache.k.stride(0), cache.k.stride(1),
         ks.stride(0) if cache.kind != DENSE else 0,
         HKV=kv_heads, BLOCK_H=triton.next_power_of_2(kv_heads), D=head_dim,
-        BLOCK_D=triton.next_power_of_2(head_dim), KIND=cache.kind)
+        BLOCK_D=triton.next_power_of_2(head_dim), KIND=cache.kind, **EXACT)
 
 
 @triton.jit
 def _quantize(x, scale, qmax, KIND: tl.constexpr):
     q = tl.math.div_rn(x, scale)
     if KIND == 1:
-        return tl.minimum(tl.maximum(rint(q), -qmax), qmax).to(tl.int8)
-    return f32_to_e4m3(q)
+        out = tl.minimum(tl.maximum(rint(q), -qmax), qmax).to(tl.int8)
+    else:
+        out = f32_to_e4m3(q)
+    return out
 
 
 @triton.jit
@@ -150,4 +152,4 @@ def rope_write_kv(cache: CacheTensors, slots: torch.Tensor, qk: torch.Tensor, v:
         qk, v, cos, sin, slots, cache.k, cache.v, ks, scale_args(cache)[1], cache.qmax,
         qk.stride(0), qk.stride(1), v.stride(0), v.stride(1), cos.stride(0), cache.k.stride(0), cache.k.stride(1),
         ks.stride(0) if cache.kind != DENSE else 0,
-        H=num_heads, HKV=kv_heads, HALF=half, BLOCK=triton.next_power_of_2(half), KIND=cache.kind)
+        H=num_heads, HKV=kv_heads, HALF=half, BLOCK=triton.next_power_of_2(half), KIND=cache.kind, **EXACT)

@@ -25,6 +25,8 @@ from workers.runtime.attention import PREFILL_BLOCK_M, PrefillTiles
 from workers.runtime.kernels.cache_views import CacheTensors, scale_args
 from workers.runtime.kernels.fp8 import e4m3_to_f32
 
+# Launch options: fused multiply-adds are fine in attention (stated, since Triton warns when it is not).
+FUSED = {"enable_fp_fusion": True}
 KEYS_PER_TILE = 64  # keys per loop iteration of both kernels (a multiple of the block size)
 # Read when triton.jit is: the interpreter computes a bf16/fp16 tl.dot wrongly, so it dots in float32.
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -179,7 +181,7 @@ def paged_decode_attention(q: torch.Tensor, cache: CacheTensors, block_tables: t
         out.stride(0), out.stride(1),
         G=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=head_dim, BLOCK_D=block_d,
         BLOCK_SIZE=block_size, BLOCK_N=_tile(block_size), KIND=cache.kind,
-        IEEE=_INTERPRETED or q.dtype == torch.float32)
+        IEEE=_INTERPRETED or q.dtype == torch.float32, **FUSED)
 
 
 def paged_prefill_attention(q: torch.Tensor, cache: CacheTensors, block_tables: torch.Tensor,
@@ -196,4 +198,4 @@ def paged_prefill_attention(q: torch.Tensor, cache: CacheTensors, block_tables: 
         q.stride(0), q.stride(1), cache.k.stride(0), cache.k.stride(1), ks.stride(0), block_tables.stride(0),
         out.stride(0), out.stride(1),
         G=group, D=head_dim, BLOCK_D=block_d, BLOCK_M=PREFILL_BLOCK_M, BLOCK_SIZE=block_size,
-        BLOCK_N=_tile(block_size), KIND=cache.kind, IEEE=_INTERPRETED or q.dtype == torch.float32)
+        BLOCK_N=_tile(block_size), KIND=cache.kind, IEEE=_INTERPRETED or q.dtype == torch.float32, **FUSED)

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from workers.runtime.kernels.cache_views import CacheTensors, scale_args
-from workers.runtime.kernels.paged_attention import _INTERPRETED, _attend_block, _check, _load_kv, _slots, _tile
+from workers.runtime.kernels.paged_attention import _INTERPRETED, FUSED, _attend_block, _check, _load_kv, _slots, _tile
 
 TARGET_PROGRAMS = 128  # about one wave of a large GPU's SMs
 MAX_SPLITS = 16
@@ -112,6 +112,6 @@ def split_decode_attention(q: torch.Tensor, cache: CacheTensors, block_tables: t
         q.stride(0), q.stride(1), cache.k.stride(0), cache.k.stride(1), ks.stride(0), block_tables.stride(0),
         H=heads, G=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=head_dim, BLOCK_D=block_d,
         BLOCK_SIZE=block_size, BLOCK_N=_tile(block_size), SPLITS=splits, KIND=cache.kind,
-        IEEE=_INTERPRETED or q.dtype == torch.float32)
+        IEEE=_INTERPRETED or q.dtype == torch.float32, **FUSED)
     _merge_kernel[(batch, heads)](m, lse, acc, out, out.stride(0), out.stride(1), H=heads, D=head_dim,
-                                  BLOCK_D=block_d, SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits))
+                                  BLOCK_D=block_d, SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits), **FUSED)

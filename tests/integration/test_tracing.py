@@ -32,7 +32,7 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, TraceFlags
+from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, StatusCode, TraceFlags
 from PIL import Image
 
 from bench.otlp_sink import OTLPSink
@@ -268,6 +268,29 @@ def test_a_trace_its_client_did_not_sample_records_no_span_anywhere(stack: Stack
     assert _spans_of(stack.exporter, marker, {"DecodeWorker/Status"})
     tracing.force_flush()
     assert [s.name for s in stack.exporter.get_finished_spans() if s.context.trace_id == trace_id] == []
+
+
+def test_a_stream_its_caller_stops_reading_is_not_a_server_failure(stack: Stack):
+    """A caller that closes a response stream early (it had what it needed, or left) leaves the server
+    span's status unset, as OpenTelemetry's RPC conventions do for CANCELLED, and marks it cancelled."""
+    from workers.tracing import TracingInterceptor
+
+    class Context:  # what the interceptor asks of a servicer context at the end of a call
+        def code(self) -> None:
+            return None
+
+        def details(self) -> None:
+            return None
+
+    trace_id = secrets.randbits(128)
+    carrier = {"traceparent": f"00-{trace_id:032x}-{secrets.randbits(64):016x}-01"}
+    run = TracingInterceptor("decode")._streaming(lambda request, context: iter(range(5)), carrier, "Test/Stream", {})
+    stream = run(None, Context())
+    assert next(stream) == 0
+    stream.close()  # the caller stops reading
+    span = _one(_spans_of(stack.exporter, trace_id, {"Test/Stream"}), "Test/Stream")
+    assert span.status.status_code is StatusCode.UNSET, span.status
+    assert span.attributes["epd.cancelled"] is True and span.attributes["epd.messages"] == 1
 
 
 def test_a_kv_transfer_failure_is_counted_once_and_marks_its_spans(stack: Stack, default_bundle):

@@ -138,7 +138,8 @@ function renderPools(pools, error) {
     entry.cells[1].textContent = p.target === null ? "–" : String(p.target);
     entry.cells[2].textContent = String(p.ready);
     entry.cells[4].replaceChildren(
-      ...(p.workers.length ? p.workers.map(workerChip) : [el("span", { class: "muted" }, "none")]),
+      ...(p.workers.length ? p.workers.map(workerChip)
+        : [el("span", { class: "muted not-needed" }, p.not_needed || "none")]),
       ...(p.pending || []).map((r) => el("div", { class: `pending ${r.placed ? "placed" : "waiting"}`, title: r.name },
         `${r.name}: pending ${Math.round(r.waiting_s)} s, ${r.reason}`)),
       ...(p.problem ? [el("div", { class: "pending waiting" }, p.problem)] : []));

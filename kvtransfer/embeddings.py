@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 import numpy as np
@@ -81,7 +82,7 @@ class EmbeddingReceiver:
         first = next(frames, None)
         if first is None or first.kind != "handshake":
             raise TransferRefused(Code.INVALID_ARGUMENT, "a PushEmbeddings stream must open with a handshake")
-        hs: pb.EmbeddingHandshake = first.header  # type: ignore[assignment]
+        hs: pb.EmbeddingHandshake = first.header
         exp = self.expectations.claim(hs.request_id)
         bound.append(exp)
         target: _Target = exp.target
@@ -103,7 +104,7 @@ class EmbeddingReceiver:
         checksum = StreamChecksum()
         for frame in frames:
             if frame.kind == "finish":
-                f: pb.EmbeddingFinish = frame.header  # type: ignore[assignment]
+                f: pb.EmbeddingFinish = frame.header
                 if f.num_chunks != seq or f.num_bytes != total or f.checksum != checksum.value:
                     raise TransferRefused(Code.DATA_LOSS, "finish totals disagree with what arrived")
                 if target.covered.count(0):
@@ -113,7 +114,7 @@ class EmbeddingReceiver:
                                        checksum=checksum.value).SerializeToString()
             if frame.kind != "chunk":
                 raise TransferRefused(Code.INVALID_ARGUMENT, "a second handshake on the same stream")
-            c: pb.EmbeddingChunk = frame.header  # type: ignore[assignment]
+            c: pb.EmbeddingChunk = frame.header
             if c.seq != seq:
                 raise TransferRefused(Code.INVALID_ARGUMENT, f"chunk out of order or duplicated: expected seq {seq}, "
                                                              f"got {c.seq}")
@@ -166,7 +167,7 @@ def push_embeddings(channel: grpc.Channel, security: TransferSecurity, request_i
             dtype=_DTYPE_IDS[embeds.dtype], model_fingerprint=fingerprint)))
         for seq, first in enumerate(range(0, rows, per_chunk)):
             part = embeds[first:first + per_chunk]
-            view = memoryview(part.view(torch.uint8).numpy()).cast("B")
+            view = part.view(torch.uint8).numpy().data.cast("B")
             checksum = chunk_checksum((view,))
             sums.add(checksum)
             sent[0] += 1
@@ -176,7 +177,7 @@ def push_embeddings(channel: grpc.Channel, security: TransferSecurity, request_i
         yield encode_control(pb.EmbeddingMessage(finish=pb.EmbeddingFinish(
             num_chunks=sent[0], num_bytes=sent[1], checksum=sums.value)))
 
-    call = channel.stream_unary(PUSH_EMBEDDINGS_METHOD, request_serializer=None,
+    call: Any = channel.stream_unary(PUSH_EMBEDDINGS_METHOD, request_serializer=None,
                                 response_deserializer=pb.EmbeddingAck.FromString)
     try:
         ack = call(messages(), timeout=timeout_s, metadata=security.call_metadata())

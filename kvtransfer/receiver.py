@@ -257,7 +257,7 @@ class KVReceiver:
         bound: list[Expected] = []
         try:
             first = _decode(data)
-            hs: pb.PushHandshake = first.header  # type: ignore[assignment]
+            hs: pb.PushHandshake = first.header
             if first.kind != "handshake":
                 raise TransferRefused(Code.INVALID_ARGUMENT, "a push must open with a handshake")
             exp = self.expectations.claim(hs.request_id)
@@ -344,7 +344,7 @@ class KVReceiver:
         return _Session(sender, hs.num_tokens, nblocks, segment, self.segments)
 
     def _chunk(self, exp: Expected, s: _Session, frame: Frame) -> None:
-        c: pb.KVChunk = frame.header  # type: ignore[assignment]
+        c: pb.KVChunk = frame.header
         where = f"chunk seq {c.seq} (layer {c.layer}, blocks {c.first_block}..{c.first_block + c.num_blocks - 1})"
         if c.request_id != exp.request_id:
             raise TransferRefused(Code.INVALID_ARGUMENT,

@@ -114,7 +114,7 @@ def reap_orphans() -> list[str]:
     """Remove segments whose creating process no longer exists; returns their names. A segment whose
     pid is not found here is removed only if nothing holds its lock: its creator may be alive in
     another pid namespace that shares /dev/shm (a container), where its pid means nothing to us."""
-    removed = []
+    removed: list[str] = []
     if not SHM_DIR.is_dir():
         return removed
     for path in SHM_DIR.glob("epd-kv-*"):

@@ -29,6 +29,7 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 import torch
@@ -125,11 +126,11 @@ class KVStream:
             # receiver's result comes back on it (BulkCall). No gRPC call per push: opening one, and
             # its request and answer crossing grpcio's threads, cost more than a small push's data.
             self._written = threading.Event() if self._bulk.tls else None  # see BulkConnection.tls
-            self._future = BulkCall(self._bulk, self, target, after=self._written)
+            self._future: Any = BulkCall(self._bulk, self, target, after=self._written)  # or gRPC's call future
             self._future.add_done_callback(self._on_done)
             _BULK_WRITERS.submit(self._write_bulk)
         else:
-            call = ctx.channel(target).stream_unary(PUSH_METHOD, request_serializer=None,
+            call: Any = ctx.channel(target).stream_unary(PUSH_METHOD, request_serializer=None,
                                                        response_deserializer=pb.PushAck.FromString)
             self._future = call.future(self._messages(), timeout=timeout_s,
                                        metadata=ctx.security.call_metadata())
@@ -139,7 +140,7 @@ class KVStream:
         channel = self.ctx.channel(target)
 
         def ticket(timeout: float) -> pb.BulkTicket:
-            call = channel.unary_unary(OPEN_BULK_METHOD, request_serializer=None,
+            call: Any = channel.unary_unary(OPEN_BULK_METHOD, request_serializer=None,
                                        response_deserializer=pb.BulkTicket.FromString)
             try:
                 return call(b"", timeout=timeout, metadata=self.ctx.security.call_metadata())
@@ -154,7 +155,7 @@ class KVStream:
 
     def _lease_ipc(self, target: str, timeout_s: float) -> MappedSegment:
         """Lease a device segment of the receiver (OpenCudaIpc) and map it (once per receiver epoch)."""
-        call = self.ctx.channel(target).unary_unary(OPEN_CUDA_IPC_METHOD, request_serializer=None,
+        call: Any = self.ctx.channel(target).unary_unary(OPEN_CUDA_IPC_METHOD, request_serializer=None,
                                                     response_deserializer=pb.CudaIpcLease.FromString)
         try:
             lease = call(lease_request(self.request_id, self._segment_size()), timeout=min(timeout_s, 10.0),
@@ -271,6 +272,7 @@ class KVStream:
                     offset = -1
                     if segment is not None:
                         offset = self._reserve(segment, codec, self.layout.block_shape(m))
+                    job: Any  # a partial (inline) or a Future (on an encoder thread)
                     if cost <= self.ctx.sizes.inline_build:  # built by the sending thread (_messages)
                         job = functools.partial(build, seq, segment, offset)
                     else:
@@ -335,7 +337,8 @@ class KVStream:
         details = exc.details() if hasattr(exc, "details") else str(exc)
         return TransferFailed(f"receiver refused the KV push: {details}", code)
 
-    def _on_done(self, fut: grpc.Future) -> None:
+    def _on_done(self, fut: Any) -> None:  # gRPC's call future, or a BulkCall
+        err: TransferFailed | None
         if fut.cancelled():
             err = self._error or TransferFailed("transfer cancelled", grpc.StatusCode.CANCELLED)
         else:
@@ -402,7 +405,7 @@ class KVStream:
             if self._written is not None:
                 self._written.set()  # under TLS the result is read only now
 
-    def _messages(self) -> Iterator[bytes]:
+    def _messages(self) -> Iterator[Any]:  # bytes for gRPC
         """What the stream sends, in order: gRPC's request iterator for Push, or (bulk TCP) run by
         ``_write_bulk``, writing to the connection."""
         while True:

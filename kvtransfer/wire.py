@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 try:
     from epd.kvtransfer.v1 import kvtransfer_pb2 as pb
@@ -129,12 +130,12 @@ class Frame:
     """One received stream message. For a chunk, ``header`` is the chunk without its bulk fields."""
 
     kind: str  # "handshake" | "chunk" | "finish"
-    header: object
+    header: Any  # the handshake, chunk or finish message (protobuf), by ``kind``
     scales: memoryview = _EMPTY
     payload: memoryview = _EMPTY
 
 
-def decode_frame(data: bytes, outer: type, chunk_type: type) -> Frame:
+def decode_frame(data: bytes | memoryview, outer: Any, chunk_type: Any) -> Frame:
     """Split a PushMessage/EmbeddingMessage into its parts; raises WireError naming the problem."""
     buf = memoryview(data)
     found: list[tuple[int, int, int]] = []

@@ -226,8 +226,9 @@ class Codec(abc.ABC):
         dims = tuple(int(d) for d in shape)
         if len(dims) != 4 or any(d < 1 for d in dims):
             raise CodecError(f"shape must be [n_blocks, block_size, kv_heads, head_dim], all >= 1; got {dims}")
-        self._check_dims(dims)  # type: ignore[arg-type]
-        return dims  # type: ignore[return-value]
+        shape4: Shape = (dims[0], dims[1], dims[2], dims[3])
+        self._check_dims(shape4)
+        return shape4
 
     def _check_input(self, x: torch.Tensor) -> Shape:
         if not isinstance(x, torch.Tensor):

@@ -56,7 +56,7 @@ class Bf16Codec(Codec):
         if not all_finite_bf16(y):  # after the cast: catches float32 overflow too
             raise_non_finite(self.name)
         payload = y.view(-1).view(torch.uint8)
-        return EncodedTensor(self.codec_id, kind, tuple(x.shape), payload, torch.empty(0, device=x.device))
+        return EncodedTensor(self.codec_id, kind, _shape4(x), payload, torch.empty(0, device=x.device))
 
     def _encode_into(self, x: torch.Tensor, kind: Kind, layout: WireLayout, payload: torch.Tensor) -> EncodedTensor:
         # Copy (a float32 input: the rounding cast), then check what was written while it is still
@@ -67,7 +67,7 @@ class Bf16Codec(Codec):
             piece.copy_(src[i:i + _PIECE])
             if not all_finite_bf16(piece):
                 raise_non_finite(self.name)
-        return EncodedTensor(self.codec_id, kind, tuple(x.shape), payload, torch.empty(0, device=x.device))
+        return EncodedTensor(self.codec_id, kind, _shape4(x), payload, torch.empty(0, device=x.device))
 
     def _decode_into(self, enc: EncodedTensor, out: torch.Tensor) -> None:
         out.copy_(enc.payload.view(torch.bfloat16).view(enc.shape))
@@ -78,3 +78,8 @@ class Bf16Codec(Codec):
 
 
 __all__ = ["Bf16Codec", "all_finite_bf16"]
+
+
+def _shape4(x: torch.Tensor) -> tuple[int, int, int, int]:
+    n, b, h, d = x.shape  # checked 4-D by Codec.encode
+    return (n, b, h, d)

@@ -129,7 +129,7 @@ def as_memoryview(t: torch.Tensor) -> memoryview:
         raise CodecError(f"byte views need a CPU tensor, got one on {t.device}")
     if not t.is_contiguous():
         raise CodecError("byte views need a contiguous tensor")
-    return memoryview(t.detach().reshape(-1).numpy()).cast("B")
+    return t.detach().reshape(-1).numpy().data.cast("B")
 
 
 def tensor_from_buffer(buf: object, dtype: torch.dtype, nbytes: int, what: str) -> torch.Tensor:
@@ -153,7 +153,7 @@ def tensor_from_buffer(buf: object, dtype: torch.dtype, nbytes: int, what: str) 
         return torch.empty(0, dtype=dtype, device="cpu")
     mv = mv.cast("B")
     source: object = bytearray(mv) if mv.readonly else mv
-    return torch.frombuffer(source, dtype=dtype)  # type: ignore[arg-type]
+    return torch.frombuffer(source, dtype=dtype)
 
 
 def _parse_codec_id(codec_id: CodecId | int) -> CodecId:

@@ -26,7 +26,7 @@ class Fp32Codec(Codec):
         lo, hi = torch.aminmax(y)
         if not (torch.isfinite(lo) and torch.isfinite(hi)):
             raise_non_finite(self.name)
-        return EncodedTensor(self.codec_id, kind, tuple(x.shape), y.reshape(-1).view(torch.uint8),
+        return EncodedTensor(self.codec_id, kind, _shape4(x), y.reshape(-1).view(torch.uint8),
                              torch.empty(0, device=x.device))
 
     def _decode_into(self, enc: EncodedTensor, out: torch.Tensor) -> None:
@@ -37,3 +37,8 @@ class Fp32Codec(Codec):
 
 
 __all__ = ["Fp32Codec"]
+
+
+def _shape4(x: torch.Tensor) -> tuple[int, int, int, int]:
+    n, b, h, d = x.shape  # checked 4-D by Codec.encode
+    return (n, b, h, d)

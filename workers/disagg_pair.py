@@ -114,7 +114,7 @@ class DisaggPair:
         for i, prompt in enumerate(prompts):
             rid = f"req-{i}"
             outcome = outcomes.get(rid)
-            if outcome is None or not outcome.ok:
+            if outcome is None or not outcome.ok or outcome.first_token is None:
                 self.decode.release(reservations[rid])
                 raise RuntimeError(f"transfer of {rid} failed: {outcome}")
             first = self.decode.add_prefilled(reservations[rid], prompt, outcome.first_token, per_prompt[i])

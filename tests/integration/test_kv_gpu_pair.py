@@ -123,15 +123,18 @@ def test_cuda_pair_with_a_lossless_codec_equals_generate(transport: str, dtype: 
 @pytest.mark.parametrize("transport", ["grpc", "tcp", "shm", "cuda_ipc", "auto"])
 @pytest.mark.parametrize("codec", ["int8", "fp8", "int4", "bf16"])
 def test_cuda_pair_runs_every_codec(transport: str, codec: str) -> None:
-    """Quantising codecs change the cache by design: the run must complete, release every block, and
-    its teacher-forced decisions stay close to the lossless run's."""
+    """Every layer in ``codec``: the run completes and releases every block; bf16 (lossless for a bf16
+    cache) decides exactly as one engine, the quantising codecs change the cache by design, so their
+    teacher-forced decisions are only held to a floor (this random tiny model has small logit margins).
+    That the decode cache holds exactly the codec's own decode is checked by test_kv_devices on CUDA."""
     bundle = _bundle()
     ref = _reference(bundle, "cuda", "bfloat16")
     forced = [tokens for tokens, _ in ref]
-    got = _pair_tokens(bundle, (codec, "int8"), transport, prefill="cuda", decode="cuda", dtype="bfloat16",
+    got = _pair_tokens(bundle, (codec, codec), transport, prefill="cuda", decode="cuda", dtype="bfloat16",
                        forced=forced)
     agree = sum(int(lg.argmax()) == t for r, f in zip(got, forced) for lg, t in zip(r.logits[1:], f[1:]))
-    assert agree >= 0.8 * sum(len(f) - 1 for f in forced)
+    floor = {"bf16": 1.0, "int8": 0.8, "fp8": 0.7, "int4": 0.5}[codec]
+    assert agree >= floor * sum(len(f) - 1 for f in forced)
 
 
 @CUDA

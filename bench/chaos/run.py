@@ -24,7 +24,7 @@ from pathlib import Path
 from bench.chaos.deployment import Deployment
 from bench.chaos.faults import PLAN, FaultKind, FaultResult, inject
 from bench.chaos.load import LoadDriver, Outcome
-from bench.chaos.procs import cmdline, descendants, private_redis, rss_bytes
+from bench.chaos.procs import cmdline, descendants, listening_pid, private_redis, rss_bytes
 from bench.chaos.report import ChaosReport, SoakReport, SoakSample, Window, fault_figures
 from controlplane.settings import RedisSettings, SchedulerSettings
 
@@ -131,9 +131,15 @@ def chaos(cfg: ChaosConfig, say: Callable[[str], None] = print) -> ChaosReport:
                        fault_free, figures, errors, [(o.start, o.end, o.status, o.error) for o in outcomes])
 
 
-def _label(pid: int) -> str:
-    args = cmdline(pid)
-    return f"{pid} {' '.join(a for a in args[:4] if a)[:48]}"
+def _labels(dep: Deployment, pids: list[int]) -> dict[int, str]:
+    """A name per process: ``decode <worker id>`` for a worker (found by its port), else its command line."""
+    names = {}
+    for pool in ("encode", "prefill", "decode"):
+        for w in dep.workers(pool):
+            pid = listening_pid(w.port)
+            if pid is not None:
+                names[pid] = f"{pool} {w.worker_id}"
+    return {p: names.get(p) or f"{p} {' '.join(a for a in cmdline(p)[:4] if a)[:40]}" for p in pids}
 
 
 def soak(cfg: ChaosConfig, say: Callable[[str], None] = print, sample_s: float = 15.0) -> SoakReport:
@@ -153,12 +159,12 @@ def soak(cfg: ChaosConfig, say: Callable[[str], None] = print, sample_s: float =
             baseline = _wait_blocks_free(dep)
             say(f"capacity {capacity:.2f} req/s; soaking at {rate:.2f} req/s for {cfg.soak_minutes:g} min")
             assert dep.proc is not None
-            pids = [dep.proc.pid, *sorted(descendants(dep.proc.pid))]
+            labels = _labels(dep, [dep.proc.pid, *sorted(descendants(dep.proc.pid))])
             driver = LoadDriver(dep.base, model, prompts, refs, cfg.max_tokens, cfg.concurrency * 2, rate).start()
             began = time.monotonic()
             samples: list[SoakSample] = []
             while time.monotonic() - began < cfg.soak_minutes * 60:
-                rss = {_label(p): b for p in pids if (b := rss_bytes(p)) is not None}
+                rss = {name: b for p, name in labels.items() if (b := rss_bytes(p)) is not None}
                 samples.append(SoakSample(round(time.monotonic() - began, 1), rss, _blocks_used(dep)))
                 time.sleep(sample_s)
             driver.stop()

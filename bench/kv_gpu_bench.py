@@ -20,6 +20,7 @@ import multiprocessing as mp
 import secrets
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -260,6 +261,7 @@ def ttft_figures(rx: GpuReceiver, token: str, tokens: int, repeats: int, codec: 
 
 
 def run(args: argparse.Namespace) -> int:
+    """All figures; a section that fails is reported by name and the others still run (rc 1)."""
     if not torch.cuda.is_available():
         raise SystemExit("epd bench kv --device cuda: no CUDA device is visible here")
     device = torch.device("cuda")
@@ -267,19 +269,31 @@ def run(args: argparse.Namespace) -> int:
     token = secrets.token_urlsafe(24)
     copy_gbps = copy_rate(device, 256 * MiB) / 1e9
     print(f"device copy: {copy_gbps:.0f} GB/s one way", flush=True)
-    figures = codec_figures(device, 128 * MiB, repeats, copy_gbps)
+    figures: list[GpuFigure] = []
+    failed: list[str] = []
+
+    def section(name: str, fn: Callable[[], list[GpuFigure]]) -> None:
+        print(f"{name} ...", flush=True)
+        try:
+            figures.extend(fn())
+        except Exception as exc:  # a bench run reports every section it can
+            failed.append(f"{name}: {exc!r}")
+
+    section("codec kernels", lambda: codec_figures(device, 128 * MiB, repeats, copy_gbps))
     rx = GpuReceiver(token)
     try:
-        figures += push_figures(rx, token, repeats, copy_gbps)
-        figures += ttft_figures(rx, token, 4096, repeats, args.ttft_codec)
+        section("pushes", lambda: push_figures(rx, token, repeats, copy_gbps))
+        section("TTFT", lambda: ttft_figures(rx, token, 4096, repeats, args.ttft_codec))
     finally:
         rx.close()
     print()
     print(f"{'figure':<52}{'value':>10}  {'reference':<28}{'ref':>9}{'ratio':>8}")
     for f in figures:
         print(f"{f.name:<52}{f.value:9.1f} {f.unit.split()[0]:<3} {f.reference:<28}{f.ref_value:9.1f}{f.ratio:7.3f}x")
+    for line in failed:
+        print(f"FAILED {line}")
     if args.json:
         Path(args.json).write_text(json.dumps({"device_copy_gbps": copy_gbps,
-                                               "figures": [asdict(f) | {"ratio": f.ratio} for f in figures]},
-                                              indent=2))
-    return 0
+                                               "figures": [asdict(f) | {"ratio": f.ratio} for f in figures],
+                                               "failed": failed}, indent=2))
+    return 1 if failed else 0

@@ -13,7 +13,7 @@ import torch
 from PIL import Image
 
 from kvtransfer.auth import TransferSecurity
-from kvtransfer.embeddings import EmbeddingReceiver, embedding_handler, push_embeddings
+from kvtransfer.embeddings import EmbeddingOutcome, EmbeddingReceiver, embedding_handler, push_embeddings
 from kvtransfer.errors import TransferFailed
 from kvtransfer.server import start_server
 from workers.runtime.engine import Engine, EngineConfig
@@ -45,10 +45,16 @@ def _png(color: tuple[int, int, int]) -> bytes:
     return buf.getvalue()
 
 
-def _expect(receiver: EmbeddingReceiver, rid: str, rows: int):
+def _expect(receiver: EmbeddingReceiver, rid: str, rows: int
+            ) -> tuple[threading.Event, dict[str, EmbeddingOutcome]]:
     done = threading.Event()
-    box = {}
-    receiver.expect(rid, rows, lambda o: (box.setdefault("o", o), done.set()), timeout_s=10)
+    box: dict[str, EmbeddingOutcome] = {}
+
+    def arrived(outcome: EmbeddingOutcome) -> None:
+        box.setdefault("o", outcome)
+        done.set()
+
+    receiver.expect(rid, rows, arrived, timeout_s=10)
     return done, box
 
 
@@ -66,14 +72,15 @@ def test_received_embeddings_reproduce_the_reference_generation(rig):
     done, box = _expect(receiver, "mm-1", embeds.shape[0])
     sent = push_embeddings(channel, security, "mm-1", embeds, bundle.vision.fingerprint(), max_chunk_bytes=40_000)
     assert done.wait(5) and box["o"].ok and sent == embeds.numel() * 4
-    assert torch.equal(box["o"].embeds, embeds)
+    received = box["o"].embeds
+    assert received is not None and torch.equal(received, embeds)
 
     # prefill stage: the same prompt, with the received rows at the placeholders
     ids = bundle.tokenizer.encode_chat(messages)
     ids, positions = expand_image_tokens(ids, bundle.image_token_id, cfg.num_image_tokens, len(images))
     engine = Engine(bundle.model, bundle.tokenizer, EngineConfig(), bundle.eos_token_ids)
-    engine.add_request("mm-1", ids, params, MultimodalInput(box["o"].embeds, positions))
-    tokens = []
+    engine.add_request("mm-1", ids, params, MultimodalInput(received, positions))
+    tokens: list[int] = []
     while engine.has_unfinished():
         for out in engine.step():
             tokens.extend(out.new_token_ids)
@@ -105,4 +112,5 @@ def test_refusals_name_the_problem_and_release_the_expectation(rig):
     assert err.value.code == grpc.StatusCode.UNAUTHENTICATED
     assert not done.is_set()  # untouched: the rightful sender may still come
     push_embeddings(channel, security, "no-token", rows, fp)
-    assert done.wait(5) and box["o"].ok and torch.equal(box["o"].embeds, rows)
+    got = box["o"].embeds if done.wait(5) and box["o"].ok else None
+    assert got is not None and torch.equal(got, rows)

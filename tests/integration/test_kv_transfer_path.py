@@ -16,9 +16,10 @@ import pytest
 import torch
 
 from kvtransfer.auth import TransferSecurity
-from kvtransfer.sender import KVSender
+from kvtransfer.sender import KVSender, TransportChoice
+from workers.decode.kv_sink import KVStore
 from workers.prefill.kv_stream import LayerStreamer
-from workers.runtime.engine import Engine, EngineConfig, LayerKVReady
+from workers.runtime.engine import DTypeName, Engine, EngineConfig, LayerKVReady
 from workers.runtime.generate import GenerateRequest, generate
 from workers.runtime.loader import load_model
 from workers.runtime.sampler import SamplingParams
@@ -33,7 +34,7 @@ def decode_peer(conn, model_dir: str, dtype: str, codecs: tuple[str, ...], trans
     """The decode side, in its own process (``store``: the decode worker's ``decode_store``)."""
     import threading
 
-    from kvtransfer.receiver import KVReceiver
+    from kvtransfer.receiver import KVReceiver, TransferOutcome
     from kvtransfer.server import kv_transfer_handler, start_server
     from workers.decode.kv_sink import CacheSink, decode_cache_dtypes
     from workers.prefill.kv_stream import engine_layout
@@ -51,6 +52,11 @@ def decode_peer(conn, model_dir: str, dtype: str, codecs: tuple[str, ...], trans
     outcomes: dict = {}
     events: dict[str, threading.Event] = {}
     reservations: dict = {}
+
+    def landed(outcome: TransferOutcome) -> None:
+        outcomes[outcome.request_id] = outcome
+        events[outcome.request_id].set()
+
     try:
         while True:
             cmd, *args = conn.recv()
@@ -58,8 +64,7 @@ def decode_peer(conn, model_dir: str, dtype: str, codecs: tuple[str, ...], trans
                 rid, n = args
                 reservations[rid] = engine.reserve(rid, n)
                 events[rid] = threading.Event()
-                receiver.expect(rid, reservations[rid].blocks,
-                                lambda o: (outcomes.__setitem__(o.request_id, o), events[o.request_id].set()), 10.0)
+                receiver.expect(rid, reservations[rid].blocks, landed, 10.0)
                 conn.send("ok")
             elif cmd == "wait":
                 rid, prompt, params = args
@@ -78,7 +83,7 @@ def decode_peer(conn, model_dir: str, dtype: str, codecs: tuple[str, ...], trans
                         tokens.extend(out.new_token_ids)
                 conn.send(("ok", tokens, cache))
             elif cmd == "cache_dtypes":
-                conn.send([str(layer.k.dtype) for layer in engine.cache.layers])
+                conn.send([str(layer.k.dtype) for layer in engine.cache.layers])  # type: ignore[attr-defined]  # .k: all
             elif cmd == "stats":
                 s = engine.stats()
                 conn.send((s.blocks_free, s.blocks_total, s.num_reservations, receiver.pending))
@@ -117,8 +122,9 @@ class Peer:
             self.proc.join()
 
 
-def _disaggregated(model_dir: Path, dtype: str, codecs: tuple[str, ...], prompts: list[list[int]],
-                   params: SamplingParams, transport: str = "grpc", chunk: int = 64, store: str = "dequantize"):
+def _disaggregated(model_dir: Path, dtype: DTypeName, codecs: tuple[str, ...], prompts: list[list[int]],
+                   params: SamplingParams, transport: TransportChoice = "grpc", chunk: int = 64,
+                   store: KVStore = "dequantize"):
     """Run prompts through prefill here and decode in the peer; returns tokens and cache comparisons
     (and the stats tuple, whose last entry is the decode cache's dtype per layer)."""
     bundle = load_model(model_dir, dtype=getattr(torch, dtype), with_vision=False)
@@ -146,6 +152,7 @@ def _disaggregated(model_dir: Path, dtype: str, codecs: tuple[str, ...], prompts
             while engine.has_unfinished():
                 for out in engine.step():
                     first = out.new_token_ids[0]
+            assert first is not None
             push = streamer.finish(rid, first)
             status, tokens, cache = peer.call("wait", rid, prompt, params)
             assert status == "ok"

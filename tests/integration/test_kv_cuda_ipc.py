@@ -163,6 +163,19 @@ def test_a_corrupted_segment_is_refused_by_its_checksum(decode: Decode) -> None:
     assert err.value.code() == grpc.StatusCode.DATA_LOSS and "checksum" in err.value.details()
 
 
+def test_a_lease_needs_the_token(decode: Decode) -> None:
+    decode.reserve("t")
+    call: Any = decode.channel.unary_unary(OPEN_CUDA_IPC_METHOD, request_serializer=None,
+                                           response_deserializer=pb.CudaIpcLease.FromString)
+    for metadata in ((), (("authorization", "Bearer wrong-token"),)):
+        with pytest.raises(grpc.RpcError) as err:
+            call(pb.CudaIpcLeaseRequest(request_id="t", min_bytes=10).SerializeToString(), metadata=metadata,
+                 timeout=5)
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert decode.receiver.ipc.leased == 0
+    decode.receiver.cancel("t")
+
+
 def test_leases_need_a_reservation_and_a_free_segment(decode: Decode) -> None:
     with pytest.raises(grpc.RpcError) as err:
         decode.lease("nobody")

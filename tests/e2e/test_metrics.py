@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import httpx
 import pytest
 from openai import OpenAI
+from openai.types import CompletionUsage
 from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -67,14 +68,16 @@ def test_counters_and_histogram_counts_equal_the_workload(e2e_stack: Stack) -> N
         assert types.get(name) == kind, f"{name}: {types.get(name)!r}, expected a {kind}"
     client = OpenAI(base_url=e2e_stack.base_url, api_key=e2e_stack.api_key, max_retries=0)
     model = client.models.list().data[0].id  # GET /v1/models: 200
-    usages = []
+    usages: list[CompletionUsage] = []
     for i in range(4):
         r = client.chat.completions.create(model=model, max_tokens=5, temperature=0,
                                            messages=[{"role": "user", "content": f"Count to {i + 3}."}])
+        assert r.usage is not None
         usages.append(r.usage)
     image = "data:image/png;base64," + base64.b64encode(_png()).decode()
     r = client.chat.completions.create(model=model, max_tokens=4, temperature=0, messages=[{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": image}}, {"type": "text", "text": "What is this?"}]}])
+    assert r.usage is not None
     usages.append(r.usage)
     for i in range(3):
         stream = client.completions.create(model=model, prompt=f"Once upon a time {i}", max_tokens=6, temperature=0,

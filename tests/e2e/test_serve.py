@@ -10,6 +10,7 @@ import os
 import signal
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -53,7 +54,7 @@ def test_scaling_decode_while_requests_stream(served, default_bundle):
 
     client = OpenAI(base_url=f"{served.base}/v1", api_key="unused", max_retries=0)
     model = client.models.list().data[0].id
-    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    messages: list[Any] = [{"role": "user", "content": "What is the capital of France?"}]
 
     def stream_one(_: int) -> str:
         parts = client.chat.completions.create(model=model, messages=messages, max_tokens=40, temperature=0,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import io
+from typing import Any
 
 import httpx
 import pytest
@@ -54,7 +55,7 @@ def test_text_and_image_requests_match_the_reference(served, default_bundle):
     ref = generate(default_bundle, [GenerateRequest(
         messages=[{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour?"}]}],
         images=(raw,), params=greedy)])[0]
-    content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "What colour?"}]
+    content: list[Any] = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "What colour?"}]
     out = client.chat.completions.create(model=model, max_tokens=12, temperature=0,
                                          messages=[{"role": "user", "content": content}])
     assert out.choices[0].message.content == ref.text

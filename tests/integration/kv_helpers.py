@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -19,6 +20,7 @@ import torch
 from kvtransfer.auth import TransferSecurity
 from kvtransfer.checksum import StreamChecksum, chunk_checksum
 from kvtransfer.codecs import Kind, get_codec
+from kvtransfer.cuda_ipc import DeviceParts
 from kvtransfer.layout import KVLayout
 from kvtransfer.options import CHANNEL_OPTIONS
 from kvtransfer.receiver import KVReceiver, TransferOutcome, WireParts
@@ -74,6 +76,14 @@ class SpySink:
     def write(self, layer: int, blocks: Sequence[int], codec: str, shape: tuple[int, int, int, int],
               key: WireParts, value: WireParts) -> None:
         self.inner.write(layer, blocks, codec, shape, key, value)
+        self._record(layer, blocks)
+
+    def write_device(self, layer: int, blocks: Sequence[int], codec: str, shape: tuple[int, int, int, int],
+                     key: DeviceParts, value: DeviceParts) -> None:
+        self.inner.write_device(layer, blocks, codec, shape, key, value)
+        self._record(layer, blocks)
+
+    def _record(self, layer: int, blocks: Sequence[int]) -> None:
         with self._cv:
             self.writes.append((layer, tuple(blocks)))
             self._cv.notify_all()
@@ -109,8 +119,8 @@ class Rig:
         self.engine = Engine(model, None, EngineConfig(block_size=BLOCK_SIZE, kv_cache_bytes=48 * 2048))
         self.layout = engine_layout(self.engine, codecs)
         self.sink = SpySink(CacheSink(self.engine.cache))
-        kwargs = {} if clock is None else {"clock": clock}
-        self.receiver = KVReceiver(self.layout, self.sink, **kwargs)
+        self.receiver = (KVReceiver(self.layout, self.sink) if clock is None
+                         else KVReceiver(self.layout, self.sink, clock=clock))
         self.server, port = start_server([kv_transfer_handler(self.receiver)], "127.0.0.1:0", server_security)
         self.receiver.enable_bulk("127.0.0.1", ssl_context=server_security.ssl_context(server_side=True))  # tcp
         self.target = f"127.0.0.1:{port}"
@@ -159,8 +169,8 @@ class Rig:
         sender = sender or self.sender
         n = self.layout.blocks_for(pending.reservation.num_tokens)
         gen = torch.Generator().manual_seed(len(pending.rid))
-        kv = [tuple(torch.randn(self.layout.block_shape(n), generator=gen) for _ in range(2))
-              for _ in range(self.layout.num_layers)]
+        kv = [(torch.randn(self.layout.block_shape(n), generator=gen),
+               torch.randn(self.layout.block_shape(n), generator=gen)) for _ in range(self.layout.num_layers)]
         stream = sender.open_stream(self.target, pending.rid, self.layout, pending.reservation.num_tokens,
                                     timeout_s=10)
         for layer, (k, v) in enumerate(kv):
@@ -229,7 +239,7 @@ class Frames:
         if as_sent is not None:
             scales, payload = as_sent(scales, payload)
         checksum = chunk_checksum([memoryview(scales), memoryview(payload)])
-        fields: dict[str, object] = dict(seq=self.seq, request_id=self.rid, layer=layer, first_block=first_block,
+        fields: dict[str, Any] = dict(seq=self.seq, request_id=self.rid, layer=layer, first_block=first_block,
                                          num_blocks=n, codec=int(c.codec_id), checksum=checksum)
         fields.update(header)
         if edit_payload is not None:
@@ -240,7 +250,7 @@ class Frames:
         return encode_chunk(pb.KVChunk(**fields), [memoryview(scales)], [memoryview(payload)])
 
     def finish(self, first_token: int = 7, **fields: object) -> bytes:
-        values: dict[str, object] = dict(num_chunks=self.seq, num_bytes=self.nbytes, checksum=self.checksum.value,
+        values: dict[str, Any] = dict(num_chunks=self.seq, num_bytes=self.nbytes, checksum=self.checksum.value,
                                          first_token=first_token)
         values.update(fields)
         return encode_control(pb.PushMessage(finish=pb.PushFinish(**values)))
@@ -251,7 +261,8 @@ class Frames:
 
 def push_raw(channel: grpc.Channel, frames: Iterable[bytes], metadata: Sequence[tuple[str, str]] = (),
              timeout: float = 10.0) -> pb.PushAck:
-    call = channel.stream_unary(PUSH_METHOD, request_serializer=None, response_deserializer=pb.PushAck.FromString)
+    call: grpc.StreamUnaryMultiCallable[bytes, pb.PushAck] = channel.stream_unary(
+        PUSH_METHOD, request_serializer=None, response_deserializer=pb.PushAck.FromString)
     return call(iter(list(frames)), metadata=tuple(metadata), timeout=timeout)
 
 
@@ -269,8 +280,8 @@ class OpenPush:
 
     def __init__(self, channel: grpc.Channel, metadata: Sequence[tuple[str, str]], timeout: float = 20.0) -> None:
         self._q: queue.Queue[bytes | None] = queue.Queue()
-        call = channel.stream_unary(PUSH_METHOD, request_serializer=None,
-                                    response_deserializer=pb.PushAck.FromString)
+        call: grpc.StreamUnaryMultiCallable[bytes, pb.PushAck] = channel.stream_unary(
+            PUSH_METHOD, request_serializer=None, response_deserializer=pb.PushAck.FromString)
         self.future = call.future(iter(self._q.get, None), metadata=tuple(metadata), timeout=timeout)
 
     def send(self, *frames: bytes) -> None:
@@ -283,6 +294,7 @@ class OpenPush:
     def error(self, timeout: float = 5.0) -> grpc.RpcError:
         exc = self.future.exception(timeout=timeout)
         assert exc is not None, f"the push was accepted: {self.future.result()}"
+        assert isinstance(exc, grpc.RpcError), exc
         return exc
 
     def result(self, timeout: float = 5.0) -> pb.PushAck:

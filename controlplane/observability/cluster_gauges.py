@@ -142,7 +142,8 @@ def _gauge(name: str, doc: str, labels: Iterable[str], values: Iterable[tuple[li
 
 def snapshot_from_pools(views: Iterable[PoolView]) -> ClusterSnapshot:
     """A ClusterSnapshot from ``controlplane.admin.pools_status`` views."""
-    pools, kv = [], []
+    pools: list[PoolSnapshot] = []
+    kv: list[DecodeKV] = []
     for v in views:
         workers = list(v.workers)
         pools.append(PoolSnapshot(v.pool, v.target, v.ready, sum(w.running for w in workers),

@@ -16,6 +16,7 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
+from typing import Any
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
@@ -179,7 +180,7 @@ def _finished(last: Chunk, t0: float, now: float, first_at: float | None, record
         record.completion_tokens = last.completion_tokens
 
 
-def fastapi_kwargs() -> dict[str, object]:
+def fastapi_kwargs() -> dict[str, Any]:
     """FastAPI(**fastapi_kwargs()): turn off FastAPI's own OpenTelemetry (newer FastAPI makes HTTP and
     per-operation spans whenever a tracer provider is installed), so a request has one server span,
     ours, and the switches here decide what is recorded."""

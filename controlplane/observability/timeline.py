@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 SLOT_S = 10.0
 SLOTS = 6 * 360  # six hours
@@ -90,7 +91,7 @@ class Timeline:
             slot.kv_logical_bytes += kv_logical_bytes
             slot.kv_wire_bytes += kv_wire_bytes
 
-    def view(self, window_s: int, now: float | None = None) -> dict[str, list]:
+    def view(self, window_s: int, now: float | None = None) -> dict[str, Any]:
         """Buckets (``window_s / SLOT_S``, at most ``MAX_BUCKETS``) over the last ``window_s`` seconds, oldest
         first: ``t`` (bucket end, epoch
         seconds), requests/s, errors/s (5xx and 429), client errors/s (other 4xx), error % of answers, the
@@ -118,7 +119,7 @@ def _quantile(xs: list[float], q: float) -> float | None:
     return s[lo] + (s[hi] - s[lo]) * (pos - lo)
 
 
-def _series(buckets: list[list[Slot]], start: float, width: float) -> dict[str, list]:
+def _series(buckets: list[list[Slot]], start: float, width: float) -> dict[str, Any]:
     span = width
     out: dict[str, list] = {k: [] for k in ("t", "requests_per_s", "errors_per_s", "client_errors_per_s",
                                             "error_pct", "waiting", "in_flight", "kv_logical_mb_s", "kv_wire_mb_s")}

@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 from concurrent import futures
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2 as tpb
@@ -32,9 +33,10 @@ class OTLPSink(tgrpc.TraceServiceServicer):
     _server: grpc.Server | None = None
     port: int = 0
 
-    def Export(self, request: "tpb.ExportTraceServiceRequest", context: grpc.ServicerContext
-               ) -> "tpb.ExportTraceServiceResponse":
-        got, count, services = [], 0, set()
+    def Export(self, request: tpb.ExportTraceServiceRequest, context: grpc.ServicerContext
+               ) -> tpb.ExportTraceServiceResponse:
+        got: list[ReceivedSpan] = []
+        count, services = 0, set()
         for rs in request.resource_spans:
             service = next((a.value.string_value for a in rs.resource.attributes if a.key == "service.name"), "")
             services.add(service)
@@ -50,7 +52,7 @@ class OTLPSink(tgrpc.TraceServiceServicer):
             self.spans.extend(got[:room])
         return tpb.ExportTraceServiceResponse()
 
-    def start(self) -> "OTLPSink":
+    def start(self) -> OTLPSink:
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="otlp-sink"))
         tgrpc.add_TraceServiceServicer_to_server(self, self._server)
         self.port = self._server.add_insecure_port("127.0.0.1:0")
@@ -96,7 +98,8 @@ class OTLPSinkProcess:
         out = self.proc.stdout.read()
         self.proc.stdout.close()
         self.proc.wait(30)
-        report = json.loads(out.strip().splitlines()[-1]) if out.strip() else {"received": 0, "services": []}
+        report: dict[str, Any] = (json.loads(out.strip().splitlines()[-1]) if out.strip()
+                                  else {"received": 0, "services": []})
         return int(report["received"]), list(report["services"])
 
 

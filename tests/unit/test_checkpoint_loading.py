@@ -14,6 +14,7 @@ from workers.runtime.checkpoint import INDEX_FILE
 from workers.runtime.config import ModelConfig, RopeConfig
 from workers.runtime.errors import CheckpointError, UnsupportedArchitectureError
 from workers.runtime.loader import LoadedModel, load_model
+from workers.runtime.model import DecoderLayer
 
 pytestmark = [pytest.mark.unit]
 
@@ -43,6 +44,7 @@ def _assert_matches_hf(bundle: LoadedModel, hf: dict[str, torch.Tensor], dtype: 
     same(model.norm.weight, hf["model.norm.weight"])
     same(model.lm_head.weight, hf["lm_head.weight"])
     for n, layer in enumerate(model.layers):
+        assert isinstance(layer, DecoderLayer)
         p = f"model.layers.{n}."
         q, k, v = layer.qkv_proj.weight.split([cfg.q_size, cfg.kv_size, cfg.kv_size])
         same(q, hf[p + "self_attn.q_proj.weight"])

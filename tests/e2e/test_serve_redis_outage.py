@@ -1,8 +1,8 @@
 """`epd serve --redis-url` while that Redis goes away and comes back (empty, as after a crash without
 persistence).
 
-During the outage requests get a clear 5xx in OpenAI's error shape, never a hang, and /ready says not
-ready; nothing crashes. Once Redis is back the workers register again on their next heartbeat, the
+During the outage routing runs on its last good snapshot of the registry: requests are served, their
+wait on Redis bounded, and /ready says Redis is degraded; nothing crashes. Once Redis is back the workers register again on their next heartbeat, the
 deployment becomes ready by itself and requests are answered exactly as before.
 """
 
@@ -25,7 +25,7 @@ def _model(base: str) -> str:
     return httpx.get(f"{base}/v1/models", timeout=10).json()["data"][0]["id"]
 
 
-def test_requests_fail_clearly_while_redis_is_away_and_recover_after(tmp_path, default_ckpt, default_bundle):
+def test_requests_are_served_on_the_last_snapshot_while_redis_is_away(tmp_path, default_ckpt, default_bundle):
     redis = LocalRedis().start()
     port = redis.port
     settings = {"model": str(default_ckpt), "redis": {"url": redis.url, "heartbeat_ttl_s": 1.0},
@@ -44,16 +44,17 @@ def test_requests_fail_clearly_while_redis_is_away_and_recover_after(tmp_path, d
             redis.close()  # Redis goes away
             time.sleep(3.0)  # past the scheduler's cached view of the registry and the 1 s leases
             t0 = time.monotonic()
-            down = httpx.post(f"{served.base}/v1/completions", json=body, timeout=60)
-            assert time.monotonic() - t0 < 30, "a request hung while Redis was away"
-            assert down.status_code in (502, 503), down.text
-            assert down.json()["error"]["message"], down.text
-            assert httpx.get(f"{served.base}/ready", timeout=10).status_code == 503
+            during = httpx.post(f"{served.base}/v1/completions", json=body, timeout=60)
+            # routing runs on its last good snapshot: the request is served, its wait on Redis bounded
+            assert time.monotonic() - t0 < 10, "a request waited on Redis while it was away"
+            assert during.status_code == 200 and during.json()["choices"][0]["text"] == ref, during.text
+            ready = httpx.get(f"{served.base}/ready", timeout=10)
+            assert ready.status_code == 200 and "Redis is degraded" in ready.json().get("degraded", ""), ready.text
             assert served.proc.poll() is None, served.log_tail()
 
             redis = LocalRedis(port=port).start()  # back, and empty
             deadline = time.monotonic() + 30
-            while httpx.get(f"{served.base}/ready", timeout=10).status_code != 200:
+            while "Redis" in httpx.get(f"{served.base}/ready", timeout=10).json().get("degraded", ""):
                 assert time.monotonic() < deadline, "not ready again 30 s after Redis came back:\n" + served.log_tail()
                 time.sleep(0.5)
             again = httpx.post(f"{served.base}/v1/completions", json=body, timeout=60)

@@ -9,7 +9,7 @@ TORCH_SPEC := torch==2.13.0
 STAMP := $(VENV)/.epd-installed
 PYTEST_ARGS ?=
 
-.PHONY: serve demo test test-unit test-integration test-e2e lint bench gpu-check gpu-deps setup test-setup redis chromium clean help
+.PHONY: serve demo test test-image test-unit test-integration test-e2e lint bench gpu-check gpu-deps setup test-setup redis chromium clean help
 
 help:
 	@echo "make serve   set up, then run epd serve (Redis, Ray, three pools, API on 127.0.0.1:8000)"
@@ -88,6 +88,12 @@ demo: setup
 
 test: test-setup
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS) tests
+
+# The container image built with podman on a locally made Debian base and run (root; minutes).
+test-image: test-setup
+	@command -v podman >/dev/null && command -v debootstrap >/dev/null || \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq podman debootstrap runc >/dev/null
+	EPD_TEST_IMAGE=1 PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) -m pytest -q -p no:cacheprovider tests/e2e/test_image.py
 
 test-unit: setup
 	$(PY) -m pytest -q -p no:cacheprovider -m unit tests

@@ -42,6 +42,7 @@ POOLS: tuple[PoolName, ...] = ("encode", "prefill", "decode")
 # variable must name a setting, or ``Settings.load`` refuses it (tests/unit/test_settings.py greps the
 # repository for EPD_* reads and fails when one is missing from this list).
 ENV_OUTSIDE_SETTINGS: dict[str, str] = {
+    "EPD_TEST_IMAGE": "1 runs the container-image test (tests/e2e/test_image.py; make test-image)",
     "EPD_CACHE_DIR": "where the demo model is cached (workers/runtime/default_model.py)",
     "EPD_STATE_DIR": "where a local serve keeps its admin token (controlplane/admin_client.py)",
     "EPD_KERNEL_CACHE": "where the native KV codec kernels are compiled to (kvtransfer/codecs/native.py)",

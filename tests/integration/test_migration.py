@@ -17,8 +17,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from dispatch_helpers import on_threads, png
-from redis_fixture import redis_server, state_conn  # noqa: F401 - fixtures
 
 from controlplane.backend import BackendError, ModelInfo
 from controlplane.dispatch import Dispatcher, WorkerRequest
@@ -32,6 +30,9 @@ from epd.worker.v1 import worker_pb2_grpc as wgrpc
 from kvtransfer.auth import TransferSecurity
 from workers.runtime.generate import GenerateRequest, build_prompt, generate
 from workers.runtime.sampler import SamplingParams
+
+from dispatch_helpers import on_threads, png
+from redis_fixture import redis_server, state_conn  # noqa: F401 - fixtures
 
 pytestmark = [pytest.mark.integration]
 
@@ -102,8 +103,9 @@ def cluster(default_ckpt, state_conn) -> Iterator[tuple[WorkerRegistry, list[Pro
 
 
 def _scheduler(bundle, registry, conn, colocated=False, **settings) -> Scheduler:
-    s = SchedulerSettings(**{"token_idle_timeout_s": 1.5, "first_token_timeout_s": 20.0, **settings})
-    dispatcher = Dispatcher(SECURITY, keepalive_s=1.0, token_idle_timeout_s=s.token_idle_timeout_s,
+    s = SchedulerSettings(**{"token_idle_timeout_s": 1.5, "first_token_timeout_s": 20.0, "keepalive_s": 1.0,
+                             **settings})
+    dispatcher = Dispatcher(SECURITY, keepalive_s=s.keepalive_s, token_idle_timeout_s=s.token_idle_timeout_s,
                             first_token_timeout_s=s.first_token_timeout_s)
     model = ModelInfo("demo", bundle.tokenizer, 8192, bundle.image_token_id, 64, bundle.eos_token_ids)
     return Scheduler(model, WorkerView(registry, refresh_s=0.05), dispatcher, get_policy("least_loaded"), s,
@@ -281,3 +283,20 @@ def test_past_the_migration_limit_a_retriable_error_names_the_cause(default_bund
     with pytest.raises(BackendError) as down:
         list(scheduler.generate(WorkerRequest("all-down", reqs[0].prompt_ids, reqs[0].params)))
     assert down.value.status == 503 and down.value.retry_after_s and time.monotonic() - began < 10
+
+
+def test_a_request_never_waits_past_its_deadline(default_bundle, cluster, state_conn):  # noqa: F811
+    """Hang detection slower than the request's deadline: the deadline still ends it, with 504."""
+    registry, start = cluster
+    procs = start(["prefill", "decode"])
+    scheduler = _scheduler(default_bundle, registry, state_conn, request_timeout_s=2.0, keepalive_s=60.0,
+                           token_idle_timeout_s=60.0, first_token_timeout_s=60.0)
+    reqs, _ = _requests(default_bundle, 1)
+    os.kill(procs[1].popen.pid, signal.SIGSTOP)  # the only decode worker hangs
+    began = time.monotonic()
+    with pytest.raises(BackendError) as err:
+        list(scheduler.generate(reqs[0]))
+    assert err.value.status == 504 and "timed out" in str(err.value)
+    assert time.monotonic() - began < 6.0
+    os.kill(procs[1].popen.pid, signal.SIGCONT)
+    _all_free(procs)

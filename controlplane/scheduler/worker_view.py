@@ -36,9 +36,10 @@ class Degraded:
 class WorkerView:
     def __init__(self, registry: WorkerRegistry, refresh_s: float = 0.2,
                  clock: Callable[[], float] = time.monotonic, degraded_retry_s: float = 1.0,
-                 empty_grace_s: float | None = None) -> None:
+                 empty_grace_s: float = 5.0) -> None:
+        """``empty_grace_s``: one worker lease (``redis.heartbeat_ttl_s``), seconds."""
         self.registry = registry
-        self.empty_grace_s = registry.ttl if empty_grace_s is None else empty_grace_s
+        self.empty_grace_s = empty_grace_s
         self._empty_since: dict[str, float] = {}  # pools that read as empty after having rows
         self.refresh_s = refresh_s
         self.degraded_retry_s = degraded_retry_s

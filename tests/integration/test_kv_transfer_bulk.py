@@ -8,21 +8,21 @@ from __future__ import annotations
 import socket
 import ssl
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import grpc
 import pytest
 import torch
 
-from kv_helpers import AUTH, SECURITY, Frames, OpenPush, Pending, Rig, make_pki, wait_until
-from kv_helpers import make_rig, model  # noqa: F401  (fixtures)
 from kvtransfer.auth import TransferSecurity
 from kvtransfer.bulk import FRAME, HELLO, KEEPALIVE_IDLE_S, KIND_CHUNK, KIND_FINISH, KIND_HANDSHAKE, KIND_RESULT, OK
 from kvtransfer.bulk_listener import BulkListener
 from kvtransfer.errors import TransferFailed
 from kvtransfer.sender import KVSender
 from kvtransfer.wire import OPEN_BULK_METHOD, encode_control, pb
+
+from kv_helpers import AUTH, SECURITY, Frames, OpenPush, Pending, Rig, make_pki, make_rig, model, wait_until  # noqa: F401  (fixtures)
 
 pytestmark = [pytest.mark.integration]
 
@@ -36,9 +36,9 @@ def rig(make_rig: Callable[..., Rig]) -> Rig:
     return rig
 
 
-def open_bulk(channel: grpc.Channel, metadata=AUTH) -> pb.BulkTicket:  # type: ignore[no-untyped-def]
-    call = channel.unary_unary(OPEN_BULK_METHOD, request_serializer=None,
-                               response_deserializer=pb.BulkTicket.FromString)
+def open_bulk(channel: grpc.Channel, metadata=AUTH) -> pb.BulkTicket:
+    call: grpc.UnaryUnaryMultiCallable[bytes, pb.BulkTicket] = channel.unary_unary(
+        OPEN_BULK_METHOD, request_serializer=None, response_deserializer=pb.BulkTicket.FromString)
     return call(b"", metadata=tuple(metadata), timeout=5)
 
 
@@ -99,7 +99,7 @@ def assert_closed_after_result(sock: socket.socket) -> None:
         pass
 
 
-def first_layer_landed(rig: Rig, sender: KVSender, pending: Pending,  # type: ignore[no-untyped-def]
+def first_layer_landed(rig: Rig, sender: KVSender, pending: Pending,
                        timeout_s: float = 10):
     """A push opened for ``pending`` whose layer 0 has landed: (the stream, the blocks it sent)."""
     n = rig.layout.blocks_for(pending.reservation.num_tokens)
@@ -119,7 +119,7 @@ def test_pushes_on_the_bulk_connection_land_exactly_and_reuse_it(rig: Rig, trans
     (handshake, chunk offsets, finish: no gRPC call per push), the bytes staying in the segment. Each
     push's result comes back on the connection."""
     chunking = {"bulk_chunk_bytes": 300} if transport == "tcp" else {"shm_chunk_bytes": 300}
-    sender = KVSender(SECURITY, transport=transport, **chunking)  # type: ignore[arg-type]  (several chunks a layer)
+    sender = KVSender(SECURITY, transport=transport, **chunking)  # type: ignore[arg-type]  # several chunks a layer
     try:
         for _ in range(3):
             result = rig.send_good(rig.reserve(), sender)  # checks every landed value
@@ -397,8 +397,10 @@ def test_a_receiver_without_a_listener_refuses_by_name(make_rig: Callable[..., R
 def test_bad_bulk_frames_are_refused_and_the_connection_closed(rig: Rig, case: str) -> None:
     pending = rig.reserve()
     sock, frames = bulk_push(rig, pending.rid)
-    expect = {"corrupted": (Code.DATA_LOSS, "checksum mismatch"), "out of order": (Code.INVALID_ARGUMENT, "out of order"),
-              "oversized": (Code.INVALID_ARGUMENT, "bulk message of"), "unknown kind": (Code.INVALID_ARGUMENT, "kind 9"),
+    expect = {"corrupted": (Code.DATA_LOSS, "checksum mismatch"),
+              "out of order": (Code.INVALID_ARGUMENT, "out of order"),
+              "oversized": (Code.INVALID_ARGUMENT, "bulk message of"),
+              "unknown kind": (Code.INVALID_ARGUMENT, "kind 9"),
               "a second handshake": (Code.INVALID_ARGUMENT, "kind 1"),
               "truncated": (Code.CANCELLED, "closed before the finish"),
               "kind mismatch": (Code.INVALID_ARGUMENT, "in a bulk frame of kind 3")}[case]

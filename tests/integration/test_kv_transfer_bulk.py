@@ -55,7 +55,7 @@ def connect(ticket: pb.BulkTicket, secret: bytes | None = None) -> tuple[socket.
 
 def send_good_with(rig: Rig, transport: str, pending: Pending | None = None) -> None:
     """A good push from a fresh sender on ``transport``, closed afterwards."""
-    sender = KVSender(SECURITY, transport=transport)  # type: ignore[arg-type]
+    sender = KVSender(SECURITY, transport=transport)  # type: ignore[arg-type]  # parametrized as str
     try:
         rig.send_good(pending or rig.reserve(), sender)
     finally:
@@ -119,7 +119,7 @@ def test_pushes_on_the_bulk_connection_land_exactly_and_reuse_it(rig: Rig, trans
     (handshake, chunk offsets, finish: no gRPC call per push), the bytes staying in the segment. Each
     push's result comes back on the connection."""
     chunking = {"bulk_chunk_bytes": 300} if transport == "tcp" else {"shm_chunk_bytes": 300}
-    sender = KVSender(SECURITY, transport=transport, **chunking)  # type: ignore[arg-type]  # several chunks a layer
+    sender = KVSender(SECURITY, transport=transport, **chunking)  # type: ignore[arg-type]  # parametrized as str; several chunks a layer
     try:
         for _ in range(3):
             result = rig.send_good(rig.reserve(), sender)  # checks every landed value

@@ -36,6 +36,7 @@ from controlplane.scheduler.relay import Progress
 from controlplane.scheduler.selection import RETRY_AFTER_S, RouteSelector, Selection
 from controlplane.scheduler.worker_view import WorkerView
 from controlplane.settings import SchedulerSettings
+from controlplane.state.errors import StateError
 from controlplane.state.journal import BackgroundJournal, RequestJournal, RequestState
 
 __all__ = ["Scheduler", "WorkerView"]
@@ -84,6 +85,15 @@ class Scheduler:
             notes.append(f"Redis is degraded: routing on its last good snapshot for {age:.0f} s "
                          f"({d.reason})")
         suspects = self.health.suspects()
+        if suspects:  # a suspect the registry no longer lists was replaced: forget it
+            try:
+                listed = {c.worker_id for pool in ("encode", "prefill", "decode") for c in self.view.candidates(pool)}
+            except StateError:
+                listed = {s.worker_id for s in suspects}
+            for s in suspects:
+                if s.worker_id not in listed:
+                    self.health.forget(s.worker_id)
+            suspects = [s for s in suspects if s.worker_id in listed]
         if suspects:
             notes.append("suspect workers, not routed until a probe succeeds: " + ", ".join(
                 f"{s.worker_id} ({s.state.value}: {s.reason})" for s in suspects))

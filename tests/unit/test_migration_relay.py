@@ -102,3 +102,22 @@ def test_the_breaker_opens_on_a_lost_worker_and_lets_one_probe_through_after_a_w
     assert h.state("w") is BreakerState.CLOSED and h.suspects() == []
     h.failure("x", "stream broke", lost=True)
     assert [s.worker_id for s in h.suspects()] == ["x"]
+
+
+def test_ready_forgets_a_suspect_the_registry_no_longer_lists():
+    from controlplane.backend import ModelInfo
+    from controlplane.scheduler.policies import get_policy
+    from controlplane.scheduler.scheduler import Scheduler
+    from controlplane.scheduler.worker_view import WorkerView
+    from controlplane.settings import SchedulerSettings
+
+    class Registry:
+        def live_workers(self, pool: str) -> list:
+            return []
+
+    view = WorkerView(Registry(), clock=lambda: 0.0)  # type: ignore[arg-type]  # a stand-in registry
+    scheduler = Scheduler(ModelInfo("m", None, 64, None, 0, ()), view, None, get_policy("least_loaded"),  # type: ignore[arg-type]
+                          SchedulerSettings())
+    scheduler.health.failure("gone-1", "stream broke", lost=True)
+    assert scheduler.health.suspects() and scheduler.degraded() is None  # replaced: not listed any more
+    assert scheduler.health.suspects() == []

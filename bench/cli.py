@@ -47,7 +47,7 @@ def cmd_bench_kv_accuracy(args: argparse.Namespace) -> int:
     return run(args)
 
 
-def add_bench_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+def add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Register ``bench`` and its suites under ``epd``'s subcommands."""
     bench = sub.add_parser("bench", help="benchmarks and the load-test harness").add_subparsers(
         dest="bench_command", required=True, metavar="SUITE")

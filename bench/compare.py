@@ -90,7 +90,6 @@ def run_side(mode: str, cfg: CompareConfig, say: Any) -> Any:
     from bench.controlplane_bench import _free_port, _Server, _wait_ready
     from bench.serve import DatasetConfig, ServeBenchConfig, parse_slo, run_serve_bench
     from controlplane.serve import build
-
     from workers.runtime.default_model import ensure_default_checkpoint
 
     port = _free_port()
@@ -182,7 +181,7 @@ def write_outputs(res: CompareResult, out_dir: Path) -> list[Path]:
     return [*written, ratio_png]
 
 
-def add_compare_parser(bench: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+def add_compare_parser(bench: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = bench.add_parser("compare", help="one workload against disaggregated and colocated serving: goodput ratio",
                          description=(
                              "Run one workload against the disaggregated and the colocated deployment of the same "

@@ -16,9 +16,10 @@ Everything runs on loopback in one run:
 Figures: median/p90 end-to-end at concurrency 1; the added latency, per request its end-to-end time minus
 the time the prefill worker's engine spent on it (the response's ``Server-Timing: engine;dur=``; a one-token
 request is computed whole by one engine), median and p90 (target: median <= 3 ms); and requests/s of
-1-token requests at concurrency C, the median of three rounds (target >= 300 req/s at 32). The local engine's time for the same request
-is printed beside the worker's: the worker's engine runs the same code, colder (its weights leave the
-caches between requests while other processes run), so the local figure is the smaller.
+1-token requests at concurrency C, the median of three rounds (target >= 300 req/s at 32). The local
+engine's time for the same request is printed beside the worker's: the worker's engine runs the same code,
+colder (its weights leave the caches between requests while other processes run), so the local figure is
+the smaller.
 
 ``--observability-cost N``: the stack exports spans over OTLP to a receiver in a child process (control
 plane and workers alike), sampled as the OTEL_TRACES_SAMPLER* variables say (unset: epd's default, one new
@@ -42,14 +43,16 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from controlplane.heap import freeze_startup_heap
-from controlplane.observability.server_timing import HEADER as SERVER_TIMING, engine_seconds
+from controlplane.observability.server_timing import HEADER as SERVER_TIMING
+from controlplane.observability.server_timing import engine_seconds
 
 MiB = 2**20
 PROMPT = [11, 23, 37, 41, 53, 67, 79, 83]  # a short fixed prompt (token ids)
@@ -233,12 +236,12 @@ def _local_engine(dtype: str = "float32") -> Iterator[tuple[Any, Any]]:
 
     The replicas run with a fractional Ray CPU share, where Ray sets OMP_NUM_THREADS=1: the compute is
     measured with the same one thread, or "added latency" would count the thread difference too."""
+    import torch
+
     from workers.runtime.default_model import ensure_default_checkpoint
     from workers.runtime.engine import DTYPES, Engine, EngineConfig
     from workers.runtime.loader import load_model
     from workers.runtime.sampler import SamplingParams
-
-    import torch
 
     bundle = load_model(ensure_default_checkpoint(), dtype=DTYPES[dtype])  # as a replica loads it
     engine = Engine(bundle.model, bundle.tokenizer, EngineConfig(dtype=dtype), bundle.eos_token_ids)
@@ -305,7 +308,7 @@ class _Server:
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, name="bench-uvicorn", daemon=True)
 
-    def __enter__(self) -> "_Server":
+    def __enter__(self) -> _Server:
         self.thread.start()
         return self
 

@@ -83,7 +83,8 @@ def run(args) -> int:  # type: ignore[no-untyped-def]
     return 0
 
 
-def agreement(bundle: LoadedModel, policies: list[str], prompts: list[list[int]], max_tokens: int = 64) -> list[Agreement]:
+def agreement(bundle: LoadedModel, policies: list[str], prompts: list[list[int]],
+              max_tokens: int = 64) -> list[Agreement]:
     layers = bundle.config.num_layers
     greedy = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     ref = [r.token_ids for r in _run_pair(bundle, ("bf16",) * layers, prompts, [greedy] * len(prompts))]

@@ -34,8 +34,8 @@ from pathlib import Path
 
 import torch
 
-from kvtransfer.auth import TransferSecurity
 from bench import kv_references as references
+from kvtransfer.auth import TransferSecurity
 from kvtransfer.layout import KVLayout
 from kvtransfer.sender import KVSender
 
@@ -188,8 +188,8 @@ def transfer_figures(shape: Shape, codecs: list[tuple[str, str, str, str]], rx: 
         finally:
             sender.close()
         kept = f", kept {codec}" if store == "native" else ""
-        out.append(Figure(f"{shape.name}: {codec} over {transport}{kept}", shape.logical_bytes / best / 1e9, "GB/s logical",
-                          ref, refs[ref].gbps))
+        out.append(Figure(f"{shape.name}: {codec} over {transport}{kept}", shape.logical_bytes / best / 1e9,
+                          "GB/s logical", ref, refs[ref].gbps))
     return out
 
 

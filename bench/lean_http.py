@@ -91,7 +91,7 @@ class Connection:
     def close(self) -> None:
         self.sock.close()
 
-    def __enter__(self) -> "Connection":
+    def __enter__(self) -> Connection:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -24,11 +24,11 @@ from collections.abc import Callable
 
 import torch
 
+from bench import kv_references as references
 from bench.kv_bench import ReceiverProcess, Shape, random_cache
 from bench.micro.results import Result
 from bench.micro.timing import Plan, paired
 from kvtransfer.auth import TransferSecurity
-from bench import kv_references as references
 from kvtransfer.layout import KVLayout
 from kvtransfer.sender import KVSender
 
@@ -123,8 +123,8 @@ def _run_wire(plan: Plan, transport: str, *codecs: tuple[str, tuple[str, ...], s
             pusher = _Pusher(rx, token, shape, codec, transport, cache, store)
             try:
                 kept = "-kept" if store == "native" else ""
-                out += _results(f"kv-{transport}.{codec}{kept}", f"kv-{transport}", shape, pusher, [refs[w] for w in which],
-                                plan, ref_inner=1)
+                out += _results(f"kv-{transport}.{codec}{kept}", f"kv-{transport}", shape, pusher,
+                                [refs[w] for w in which], plan, ref_inner=1)
             finally:
                 pusher.close()
     finally:

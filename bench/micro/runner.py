@@ -33,8 +33,8 @@ BENCHMARKS: tuple[Benchmark, ...] = (
     Benchmark("kv-grpc", "bench.micro.kv_transfer:run_grpc",
               "a whole-cache KV push over gRPC (bf16, int8) vs a raw gRPC stream and a raw TCP socket"),
     Benchmark("kv-tcp", "bench.micro.kv_transfer:run_tcp",
-              "the same push over the bulk TCP connection, no gRPC call (int8 into a bf16 or an int8 cache, bf16) vs a raw TCP socket and a "
-              "raw gRPC stream"),
+              "the same push over the bulk TCP connection, no gRPC call (int8 into a bf16 or an int8 cache, bf16) "
+              "vs a raw TCP socket and a raw gRPC stream"),
     Benchmark("kv-shm", "bench.micro.kv_transfer:run_shm",
               "the same push through shared memory (same host) vs memcpy"),
     Benchmark("scheduler", "bench.micro.scheduler:run",

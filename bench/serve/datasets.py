@@ -5,8 +5,9 @@ Lengths are in tokens. By default the server's own tokenizer counts them (``serv
 over its /tokenize): a random prompt is then exactly ``--input-len`` tokens as the server counts it. With
 ``--tokenizer`` (an HF folder or a ``tokenizer.json``) random prompts are random
 token ids decoded to text, re-encoded and trimmed, so their length is exact for that tokenizer (as vLLM
-does). With neither (a server without /tokenize), a prompt of N "tokens" is N common English words, one token each in most BPE
-vocabularies; the server's ``usage.prompt_tokens`` then gives the real count, which the metrics use.
+does). With neither (a server without /tokenize), a prompt of N "tokens" is N common English words, one
+token each in most BPE vocabularies; the server's ``usage.prompt_tokens`` then gives the real count, which
+the metrics use.
 """
 
 from __future__ import annotations

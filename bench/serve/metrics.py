@@ -73,7 +73,7 @@ class Dist:
     p99: float | None
 
     @classmethod
-    def of_seconds(cls, samples: list[float]) -> "Dist":
+    def of_seconds(cls, samples: list[float]) -> Dist:
         if not samples:
             return cls(0, None, None, None, None, None)
         ms = np.asarray(samples, dtype=np.float64) * 1e3

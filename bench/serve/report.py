@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Callable, Mapping
 
 from bench.serve.metrics import Dist, LoadPointMetrics
 from bench.serve.runner import BenchResult

@@ -13,7 +13,8 @@ import base64
 import binascii
 import re
 import uuid
-from typing import Any, Callable, Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
 from controlplane.api.errors import APIError
 from controlplane.api.limits import MAX_IMAGE_BYTES, MAX_IMAGES_BYTES, MiB
@@ -205,7 +206,8 @@ def _sampling(body: ChatCompletionRequest | CompletionRequest, max_tokens: int |
                        param="stream_options")
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
     try:
-        params = SamplingParams(max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
+        params = SamplingParams(max_tokens=max_tokens,
+                                temperature=1.0 if body.temperature is None else body.temperature,
                                 top_p=1.0 if body.top_p is None else body.top_p, seed=body.seed, stop=stop,
                                 ignore_eos=bool(body.ignore_eos))
     except InvalidRequestError as exc:

@@ -17,8 +17,8 @@ from __future__ import annotations
 import asyncio
 import threading
 import weakref
+from collections.abc import AsyncGenerator, Generator, Iterator
 from dataclasses import dataclass
-from typing import AsyncGenerator, Generator, Iterator
 
 import anyio
 import anyio.to_thread

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import AsyncGenerator, Awaitable, Callable, Protocol
+from typing import Protocol
 
 import anyio
 from pydantic import BaseModel
@@ -23,8 +24,17 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from controlplane.api.errors import as_api_error
-from controlplane.api.models import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion,
-                                     ChatCompletionChunk, Completion, CompletionChoice, Delta, Usage)
+from controlplane.api.models import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    Completion,
+    CompletionChoice,
+    Delta,
+    Usage,
+)
 from controlplane.backend import BackendError, Chunk, Overloaded
 from workers.runtime.errors import InvalidRequestError
 

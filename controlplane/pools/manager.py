@@ -102,7 +102,7 @@ class PoolManager:
         self._suspects_lock = threading.Lock()
 
     # ------------------------------------------------------------------ lifecycle
-    def start(self) -> "PoolManager":
+    def start(self) -> PoolManager:
         """Ray up, targets from settings (unless only an ``epd scale`` changed them since the last start: see
         ``PoolTargets.apply_configured``), every pool at its target. On any failure everything started is
         stopped again and the error raised (``WorkerStartError`` names each replica that failed)."""
@@ -138,7 +138,7 @@ class PoolManager:
             self._conn.close()
             self._conn = None
 
-    def __enter__(self) -> "PoolManager":
+    def __enter__(self) -> PoolManager:
         return self.start()
 
     def __exit__(self, *exc_info: object) -> None:

@@ -97,7 +97,7 @@ def build_worker(pool: Pool, settings: Settings, folder: Path, security: Transfe
                         host=host, port=0, max_streams=settings.transfer.max_streams, colocated=colocated)
 
 
-def worker_status(worker: RunningWorker) -> "wpb.WorkerStatus":
+def worker_status(worker: RunningWorker) -> wpb.WorkerStatus:
     """The worker's own Status RPC, called in process (it reads no call context)."""
     return worker.service.Status(wpb.StatusRequest(), None)  # type: ignore[attr-defined]
 

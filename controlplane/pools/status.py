@@ -28,7 +28,7 @@ class ReplicaStatus:
     managed: bool  # whether this manager started (and will stop) its actor
 
     @classmethod
-    def from_record(cls, record: WorkerRecord, managed: bool) -> "ReplicaStatus":
+    def from_record(cls, record: WorkerRecord, managed: bool) -> ReplicaStatus:
         info = record.info
         return cls(info.worker_id, info.address, info.draining, info.load, record.heartbeat_at,
                    record.lease_expires_at, managed)

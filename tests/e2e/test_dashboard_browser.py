@@ -213,7 +213,8 @@ def test_dashboard_shows_live_pools_and_charts_and_scales_a_pool(served: Served,
     scaled = httpx.put(f"{served.base}/admin/pools/prefill", json={"replicas": 2},
                        headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=10)
     assert scaled.status_code == 200
-    pending = page.wait_for("(() => { const p = document.querySelector('#pools tr[data-pool=prefill] .pending.waiting');"
+    pending = page.wait_for("(() => { const p = document.querySelector("
+                            "'#pools tr[data-pool=prefill] .pending.waiting');"
                             " return p && p.textContent; })()", within_s=10)
     assert "waiting for Ray resources: needs CPU 1, the cluster has 2" in pending, pending
 

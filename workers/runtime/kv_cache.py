@@ -214,7 +214,7 @@ class PagedKVCache:
 
     @classmethod
     def from_budget(cls, spec: KVCacheSpec, budget_bytes: int, layer_dtypes: tuple[CacheDType, ...],
-                    device: torch.device | str = "cpu") -> "PagedKVCache":
+                    device: torch.device | str = "cpu") -> PagedKVCache:
         per_block = spec.bytes_per_block(layer_dtypes)
         num_blocks = budget_bytes // per_block
         if num_blocks < 1:

@@ -43,16 +43,20 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from controlplane.heap import freeze_startup_heap
 from controlplane.observability.server_timing import HEADER as SERVER_TIMING
 from controlplane.observability.server_timing import engine_seconds
+
+if TYPE_CHECKING:  # annotations only: the module imports these lazily, where they are used
+    from controlplane.settings import Settings
+    from workers.runtime.engine import DTypeName
 
 MiB = 2**20
 PROMPT = [11, 23, 37, 41, 53, 67, 79, 83]  # a short fixed prompt (token ids)
@@ -71,7 +75,7 @@ LATENCY_SLICES = 5  # compute / end-to-end alternations for the added-latency fi
 THROUGHPUT_ROUNDS = 3  # the throughput figure is the median round's
 # Serving runs weights in bfloat16; on a CPU with avx512_bf16 its matmuls are faster than float32's, so
 # the compute leaves the control plane more of the cores. --dtype float32 measures the float32 engine.
-DEFAULT_DTYPE = "bfloat16"
+DEFAULT_DTYPE: DTypeName = "bfloat16"
 
 
 @dataclass
@@ -200,7 +204,7 @@ def _client_concurrent(url: str, model: str, n: int, concurrency: int, max_token
                     if (err := _check(await send_async(reader, writer, request), max_tokens)) is not None:
                         errors.append(err)
             except BaseException:
-                ready.abort()  # a connection that fails before the clock must not leave the others waiting
+                await ready.abort()  # a connection that fails before the clock must not leave the others waiting
                 raise
             finally:
                 if writer is not None:
@@ -231,7 +235,7 @@ def _client(kind: str, *args: Any) -> Any:
 
 # ---------------------------------------------------------------- worker compute (the local engine)
 @contextmanager
-def _local_engine(dtype: str = "float32") -> Iterator[tuple[Any, Any]]:
+def _local_engine(dtype: DTypeName = "float32") -> Iterator[tuple[Any, Any]]:
     """(engine, 1-token greedy params) over the demo model in ``dtype``, torch on one thread while it is open.
 
     The replicas run with a fractional Ray CPU share, where Ray sets OMP_NUM_THREADS=1: the compute is
@@ -284,7 +288,7 @@ def measure_compute_ceiling(engine: Any, params: Any, n: int, batch: int) -> flo
 
 
 # ---------------------------------------------------------------- our stack
-def _settings(port: int, dtype: str = DEFAULT_DTYPE):  # type: ignore[no-untyped-def]
+def _settings(port: int, dtype: DTypeName = DEFAULT_DTYPE) -> Settings:
     import secrets
 
     from controlplane.settings import Settings
@@ -366,7 +370,9 @@ def _serve_chain(n: int, m: int, concurrency: int) -> tuple[list[float], float]:
     serve_log.setLevel(logging.WARNING)  # Serve's INFO lines would interleave with the table
     serve.start(proxy_location="Disabled")
     try:
-        handle = serve.run(HopA.bind(HopB.bind(HopC.bind())), name="epd-bench-chain", route_prefix=None)
+        # mypy does not apply class decorators: bind comes from @serve.deployment
+        handle = serve.run(HopA.bind(HopB.bind(HopC.bind())),  # type: ignore[attr-defined]
+                           name="epd-bench-chain", route_prefix=None)
         for _ in range(5):
             assert handle.remote("ping").result() == "ping"
         lat = []
@@ -402,7 +408,7 @@ def _serve_chain(n: int, m: int, concurrency: int) -> tuple[list[float], float]:
 
 # ---------------------------------------------------------------- the whole run
 def measure(requests: int = 200, throughput_requests: int = 640, concurrency: int = 32,
-            log: Any = None, observability_rounds: int = 0, dtype: str = DEFAULT_DTYPE,
+            log: Any = None, observability_rounds: int = 0, dtype: DTypeName = DEFAULT_DTYPE,
             observability_tokens: int = 1) -> BenchResult:
     """Run every figure; leaves no process, Ray or Redis behind."""
     if observability_rounds > 0 and os.environ.get("OTEL_TRACES_EXPORTER", "").strip().lower() != "none":
@@ -434,7 +440,7 @@ def _with_otlp_receiver(run: Any) -> BenchResult:
 
 
 def _measure(requests: int, throughput_requests: int, concurrency: int, log: Any,
-             observability_rounds: int, dtype: str = DEFAULT_DTYPE, observability_tokens: int = 1) -> BenchResult:
+             observability_rounds: int, dtype: DTypeName = DEFAULT_DTYPE, observability_tokens: int = 1) -> BenchResult:
     from controlplane.serve import build
 
     say = log or (lambda msg: None)
@@ -632,5 +638,5 @@ def run(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":  # the client process (see _client)
-    _fn = {"sequential": _client_sequential, "concurrent": _client_concurrent}[sys.argv[1]]
-    print(json.dumps(_fn(*json.loads(sys.argv[2]))))
+    _clients: dict[str, Callable[..., object]] = {"sequential": _client_sequential, "concurrent": _client_concurrent}
+    print(json.dumps(_clients[sys.argv[1]](*json.loads(sys.argv[2]))))

@@ -13,8 +13,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from kvtransfer.policy import parse_policy
-from workers.disagg_pair import DisaggPair
+from kvtransfer.policy import ExplicitPolicy, parse_policy
+from workers.disagg_pair import DisaggPair, PairResult
 from workers.runtime.loader import LoadedModel
 from workers.runtime.sampler import SamplingParams
 
@@ -93,8 +93,9 @@ def agreement(bundle: LoadedModel, policies: list[str], prompts: list[list[int]]
     total = len(prompts) * max_tokens
     out = []
     for spec in policies:
-        codecs = parse_policy(spec).resolve(layers) if not spec.startswith("auto") else None
-        assert codecs is not None, "agreement() takes explicit policies; resolve auto first"
+        policy = parse_policy(spec)
+        assert isinstance(policy, ExplicitPolicy), "agreement() takes explicit policies; resolve auto first"
+        codecs = policy.resolve(layers)
         free = [r.token_ids for r in _run_pair(bundle, codecs, prompts, [greedy] * len(prompts))]
         tf = _run_pair(bundle, codecs, prompts, forced)
         same = sum(a == b for x, y in zip(ref, free) for a, b in zip(x, y))
@@ -108,6 +109,6 @@ def agreement(bundle: LoadedModel, policies: list[str], prompts: list[list[int]]
 
 
 def _run_pair(bundle: LoadedModel, codecs: tuple[str, ...], prompts: list[list[int]],
-              params: list[SamplingParams]):  # type: ignore[no-untyped-def]
+              params: list[SamplingParams]) -> list[PairResult]:
     with DisaggPair(bundle, codecs) as pair:
         return pair.run(prompts, params)

@@ -29,15 +29,18 @@ import secrets
 import statistics
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from bench import kv_references as references
 from kvtransfer.auth import TransferSecurity
 from kvtransfer.layout import KVLayout
-from kvtransfer.sender import KVSender
+from kvtransfer.sender import KVSender, TransportChoice
 
 MiB = 2**20
 
@@ -74,25 +77,30 @@ class Figure:
 
 
 # ---------------------------------------------------------------- the receiver process
-def _receiver_main(conn, token: str) -> None:  # type: ignore[no-untyped-def]
-    from kvtransfer.receiver import KVReceiver
+def _receiver_main(conn: Connection, token: str) -> None:
+    from kvtransfer.receiver import KVReceiver, TransferOutcome
     from kvtransfer.server import kv_transfer_handler, start_server
     from workers.decode.kv_sink import CacheSink
     from workers.runtime.kv_cache import KVCacheSpec, PagedKVCache
 
     torch.set_num_threads(1)
     security = TransferSecurity(token=token)
-    server = receiver = None
-    done: dict[str, object] = {}
+    active: tuple[Any, KVReceiver] | None = None  # the gRPC server and the receiver it serves
+    done: dict[str, TransferOutcome] = {}
     event = threading.Event()
+
+    def finished(outcome: TransferOutcome) -> None:
+        done["o"] = outcome
+        event.set()
+
     try:
         while True:
             cmd, *args = conn.recv()
             if cmd == "setup":
                 layout, cache_dtype, blocks = args
-                if server is not None:
-                    server.stop(0).wait(10)  # its threads must not outlive it holding the old cache
-                    receiver.stop()
+                if active is not None:
+                    active[0].stop(0).wait(10)  # its threads must not outlive it holding the old cache
+                    active[1].stop()
                 spec = KVCacheSpec(layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.block_size)
                 cache = PagedKVCache(spec, blocks, (cache_dtype,) * layout.num_layers)
                 for storage in cache.layers:  # touch every page now, not during the timed push
@@ -101,12 +109,14 @@ def _receiver_main(conn, token: str) -> None:  # type: ignore[no-untyped-def]
                             t.view(torch.uint8).fill_(0)
                 receiver = KVReceiver(layout, CacheSink(cache), max_chunk_bytes=256 * MiB)
                 server, port = start_server([kv_transfer_handler(receiver)], "127.0.0.1:0", security)
+                active = (server, receiver)
                 receiver.enable_bulk("127.0.0.1")
                 conn.send(port)
             elif cmd == "expect":
                 rid, nblocks = args
                 event.clear()
-                receiver.expect(rid, list(range(nblocks)), lambda o: (done.__setitem__("o", o), event.set()), 120)
+                assert active is not None, "expect before setup"
+                active[1].expect(rid, list(range(nblocks)), finished, 120)
                 conn.send("ok")
             elif cmd == "wait":
                 event.wait(120)
@@ -115,9 +125,9 @@ def _receiver_main(conn, token: str) -> None:  # type: ignore[no-untyped-def]
             elif cmd == "stop":
                 break
     finally:
-        if server is not None:
-            server.stop(0).wait(10)
-            receiver.stop()
+        if active is not None:
+            active[0].stop(0).wait(10)
+            active[1].stop()
 
 
 class ReceiverProcess:
@@ -127,7 +137,7 @@ class ReceiverProcess:
         self.proc = ctx.Process(target=_receiver_main, args=(child, token), daemon=True)
         self.proc.start()
 
-    def call(self, *msg):  # type: ignore[no-untyped-def]
+    def call(self, *msg: object) -> Any:
         self.conn.send(msg)
         if not self.conn.poll(180):
             raise RuntimeError(f"receiver did not answer {msg[0]}")
@@ -168,7 +178,7 @@ def random_cache(shape: Shape) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     return keys, values
 
 
-def transfer_figures(shape: Shape, codecs: list[tuple[str, str, str, str]], rx: ReceiverProcess, token: str,
+def transfer_figures(shape: Shape, codecs: list[tuple[str, TransportChoice, str, str]], rx: ReceiverProcess, token: str,
                      repeats: int, refs: dict[str, references.Measurement]) -> list[Figure]:
     """One Figure per (codec, transport, reference name, decode storage) for a cache of ``shape``.
     Storage ``dequantize``: the receiver's cache is bf16 (a decode worker's default); ``native``: the
@@ -179,7 +189,7 @@ def transfer_figures(shape: Shape, codecs: list[tuple[str, str, str, str]], rx: 
         layout = KVLayout(shape.layers, shape.kv_heads, shape.head_dim, shape.block_size, (codec,) * shape.layers,
                           "bench", "bfloat16")
         port = rx.call("setup", layout, codec if store == "native" else "bfloat16", shape.blocks)
-        sender = KVSender(TransferSecurity(token=token), transport=transport,  # type: ignore[arg-type]
+        sender = KVSender(TransferSecurity(token=token), transport=transport,
                           stream_budget_bytes=256 * MiB, sender_budget_bytes=1024 * MiB)
         try:
             target = f"127.0.0.1:{port}"
@@ -220,11 +230,12 @@ def paired_figures(shape: Shape, rx: ReceiverProcess, token: str, pairs: int) ->
         return references.memcpy(shape.logical_bytes, repeats=1).seconds
 
     out = []
-    for transport, store, label, reference in (("tcp", "native", "kept int8", socket_s),
-                                               ("tcp", "dequantize", "bf16 cache", socket_s),
-                                               ("shm", "native", "kept int8", memcpy_s)):
+    runs: list[tuple[TransportChoice, str, str, Callable[[], float]]] = [
+        ("tcp", "native", "kept int8", socket_s), ("tcp", "dequantize", "bf16 cache", socket_s),
+        ("shm", "native", "kept int8", memcpy_s)]
+    for transport, store, label, reference in runs:
         port = rx.call("setup", layout, "int8" if store == "native" else "bfloat16", shape.blocks)
-        sender = KVSender(TransferSecurity(token=token), transport=transport,  # type: ignore[arg-type]
+        sender = KVSender(TransferSecurity(token=token), transport=transport,
                           stream_budget_bytes=256 * MiB, sender_budget_bytes=1024 * MiB)
         ratios = []
         try:
@@ -348,11 +359,12 @@ def run(args: argparse.Namespace) -> int:
           flush=True)
     refs = measure_references(ref_bytes, args.repeats)
     names = {k.split(" ")[0]: k for k in refs}
-    memcpy, tcp, grpc_raw = names["memcpy"], names["tcp"], refs and [k for k in refs if "raw" in k][0]
+    memcpy, tcp, grpc_raw = names["memcpy"], names["tcp"], [k for k in refs if "raw" in k][0]
     d, n = "dequantize", "native"  # the receiver's cache: bf16, or the codec's own dtype
-    plan = [("bf16", "grpc", grpc_raw, d), ("int8", "grpc", tcp, d), ("fp8", "grpc", tcp, d), ("int4", "grpc", tcp, d),
-            ("bf16", "tcp", grpc_raw, d), ("int8", "tcp", tcp, d), ("int8", "tcp", tcp, n),
-            ("bf16", "shm", memcpy, d), ("int8", "shm", memcpy, d), ("int8", "shm", memcpy, n)]
+    plan: list[tuple[str, TransportChoice, str, str]] = [
+        ("bf16", "grpc", grpc_raw, d), ("int8", "grpc", tcp, d), ("fp8", "grpc", tcp, d), ("int4", "grpc", tcp, d),
+        ("bf16", "tcp", grpc_raw, d), ("int8", "tcp", tcp, d), ("int8", "tcp", tcp, n),
+        ("bf16", "shm", memcpy, d), ("int8", "shm", memcpy, d), ("int8", "shm", memcpy, n)]
     rx = ReceiverProcess(token)
     figures: list[Figure] = []
     paired: list[Paired] = []

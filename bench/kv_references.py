@@ -250,7 +250,8 @@ def _grpc_stream(name: str, proto: bool, nbytes: int, chunk: int, repeats: int,
     with _Child(_grpc_receiver, proto, options) as child:
         with grpc.insecure_channel(f"127.0.0.1:{child.address}", options=list(options)) as channel:
             grpc.channel_ready_future(channel).result(timeout=_START_TIMEOUT_S)
-            call = channel.stream_unary(_FULL_METHOD, request_serializer=serializer, response_deserializer=None)
+            call: grpc.StreamUnaryMultiCallable[Any, bytes] = channel.stream_unary(
+                _FULL_METHOD, request_serializer=serializer, response_deserializer=None)
             # Warm-up with the first chunk alone: sets up the call path and the HTTP/2 stream machinery.
             _expect_count(call(iter(requests[:1]), timeout=_IO_TIMEOUT_S), len(chunks[0]), child, name)
             child.verify(len(chunks[0]), zlib.crc32(chunks[0]))

@@ -55,7 +55,7 @@ def _repeats(text: str) -> int:
     return value
 
 
-def add_micro_parser(bench: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_micro_parser(bench: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Register ``micro`` under ``epd bench``."""
     p = bench.add_parser("micro", help="microbenchmarks of every hot path, each vs an in-run reference",
                          description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)

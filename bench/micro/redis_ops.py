@@ -18,7 +18,7 @@ import redis
 
 from bench.micro.results import Result
 from bench.micro.timing import Plan, best, paired, per_call_us
-from controlplane.state import LocalRedis, WorkerInfo, WorkerLoad, WorkerRegistry, connect
+from controlplane.state import LocalRedis, Pool, WorkerInfo, WorkerLoad, WorkerRegistry, connect
 
 LIST_WORKERS = 64
 
@@ -30,7 +30,7 @@ def run(plan: Plan) -> list[Result]:
         conn = connect(server.url, f"bench-{uuid.uuid4().hex[:12]}")
         raw = redis.Redis(host="127.0.0.1", port=server.port)
         registry = WorkerRegistry(conn, ttl=60.0)
-        infos = [WorkerInfo(f"decode-{i:03d}", "decode", f"127.0.0.1:{50000 + i}",
+        infos = [WorkerInfo(f"decode-{i:03d}", Pool.DECODE, f"127.0.0.1:{50000 + i}",
                             load=WorkerLoad(100, 8000, 16384, 4)) for i in range(LIST_WORKERS)]
         raw_key = f"{conn.keys.prefix}:raw"
         try:

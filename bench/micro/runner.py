@@ -73,7 +73,7 @@ def select(names: list[str] | None) -> list[Benchmark]:
 
 def _load(b: Benchmark) -> Callable[[Plan], list[Result]]:
     module, fn = b.target.split(":")
-    return getattr(importlib.import_module(module), fn)  # type: ignore[no-any-return]
+    return getattr(importlib.import_module(module), fn)
 
 
 def _meta(plan: Plan) -> dict[str, object]:

@@ -25,8 +25,9 @@ import random
 
 from bench.micro.results import Result
 from bench.micro.timing import Plan, paired, per_call_us
-from controlplane.scheduler.policies import PrefixAffinity, available_policies, get_policy
+from controlplane.scheduler.policies import PrefixAffinity, RoutingPolicy, available_policies, get_policy
 from controlplane.scheduler.scheduler import WorkerView
+from controlplane.state.keys import Pool
 from controlplane.state.registry import WorkerInfo, WorkerLoad, WorkerRecord
 
 WORKERS = 64
@@ -53,7 +54,7 @@ class _SnapshotRegistry:
         return list(self._records[str(pool)])
 
 
-def _records(pool: str, rng: random.Random) -> list[WorkerRecord]:
+def _records(pool: Pool, rng: random.Random) -> list[WorkerRecord]:
     out = []
     for i in range(WORKERS):
         free = rng.randint(0, TOTAL_BLOCKS)
@@ -68,8 +69,8 @@ def _records(pool: str, rng: random.Random) -> list[WorkerRecord]:
 def build_view(seed: int = 0) -> WorkerView:
     """A real ``WorkerView`` over 64 decode and 64 prefill workers, a third of them with work in flight."""
     rng = random.Random(seed)
-    registry = _SnapshotRegistry({p: _records(p, rng) for p in ("decode", "prefill")})
-    view = WorkerView(registry, refresh_s=1e9, clock=lambda: 0.0)  # type: ignore[arg-type]
+    registry = _SnapshotRegistry({p.value: _records(p, rng) for p in (Pool.DECODE, Pool.PREFILL)})
+    view = WorkerView(registry, refresh_s=1e9, clock=lambda: 0.0)  # type: ignore[arg-type]  # a snapshot with the one method WorkerView reads
     for pool in ("decode", "prefill"):
         view.candidates(pool)  # fills the cache once
         for i in range(0, WORKERS, 3):
@@ -118,6 +119,7 @@ def run(plan: Plan) -> list[Result]:
     view = build_view()
     plain = random.Random(2).choices(range(VOCAB), k=PROMPT_TOKENS)  # the policies without an index
     out = []
+    policy: RoutingPolicy
     for name in available_policies():
         if name == PrefixAffinity.name:
             policy, prompt, owner = prefix_affinity_policy()

@@ -152,12 +152,16 @@ def _rate_plot(results: Mapping[str, BenchResult], path: Path, title: str, ylabe
     return path
 
 
+def _attainment_pct(slo: str) -> Callable[[LoadPointMetrics], float]:
+    """The percent of a load point's requests meeting ``slo`` (NaN where the point has no such SLO)."""
+    return lambda m: 100 * m.slo_attainment.get(slo, math.nan)
+
+
 def plot_slo_attainment(results: Mapping[str, BenchResult], path: Path) -> Path:
     """Percent of requests meeting every SLO (and each one) against the request rate."""
     names = sorted({k for r in results.values() for p in r.points for k in p.metrics.slo_attainment})
     series: list[tuple[str, Callable[[LoadPointMetrics], float], str]] = [
-        ("all SLOs" if k == "all" else f"{k} SLO", lambda m, k=k: 100 * m.slo_attainment.get(k, math.nan),
-         "-" if k == "all" else ":") for k in names]
+        ("all SLOs" if k == "all" else f"{k} SLO", _attainment_pct(k), "-" if k == "all" else ":") for k in names]
     return _rate_plot(results, path, "SLO attainment vs request rate", "requests meeting the SLO (%)", series,
                       ylim=(0, 102))
 

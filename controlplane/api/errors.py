@@ -69,8 +69,8 @@ def as_api_error(exc: BaseException) -> APIError:
         kind = exc.kind
         if exc.status < 500 and kind == "server_error":
             kind = "invalid_request_error"
-        retry = exc.retry_after_s
-        headers = {"Retry-After": str(max(1, math.ceil(retry)))} if retry is not None and math.isfinite(retry) else None
+        after = exc.retry_after_s
+        headers = {"Retry-After": str(max(1, math.ceil(after)))} if after is not None and math.isfinite(after) else None
         return APIError(exc.status, str(exc), type=kind, headers=headers)
     if isinstance(exc, InvalidRequestError):
         return APIError(400, str(exc))

@@ -145,7 +145,7 @@ def prepare_completion(body: CompletionRequest, model: ModelInfo) -> WorkerReque
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         if len(prompt) != 1:
             raise APIError(400, "batched prompts are not supported; send one prompt per request.", param="prompt")
-        prompt = prompt[0]  # type: ignore[assignment]
+        prompt = prompt[0]
     if isinstance(prompt, str):
         text = prompt
         ids = tokenise(lambda: model.tokenizer.encode(text))

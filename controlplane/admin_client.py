@@ -127,6 +127,24 @@ def _request(base: str, method: str, path: str, body: dict | None, token: str | 
     return reply
 
 
+def serving_degraded(settings: Settings, url: str | None = None, timeout: float = 10.0) -> str | None:
+    """Why the API serves in a degraded way now (its /ready's ``degraded``: Redis stalled, suspect workers), or
+    None: also when /ready cannot be read, since this only adds to what the admin call reports."""
+    base = api_url(settings, url)
+    try:
+        with urllib.request.urlopen(base + "/ready", timeout=timeout) as resp:
+            raw = resp.read()
+    except urllib.error.HTTPError as exc:  # 503 (not ready) still carries the body
+        raw = exc.read()
+    except (OSError, http.client.HTTPException):
+        return None
+    try:
+        degraded = json.loads(raw).get("degraded")
+    except (json.JSONDecodeError, AttributeError):
+        return None
+    return degraded if isinstance(degraded, str) and degraded else None
+
+
 def format_status(data: dict) -> str:
     lines = [f"{'pool':<9}{'target':>7}{'ready':>7}  workers"]
     for p in data["pools"]:

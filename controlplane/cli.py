@@ -148,11 +148,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     import json
 
-    from controlplane.admin_client import AdminError, api_url, call, format_status
+    from controlplane.admin_client import AdminError, api_url, call, format_status, serving_degraded
     settings = _settings(args)
-    data = call(settings, "GET", "/admin/pools", url=args.url)
     try:
-        text = json.dumps(data, indent=2) if args.json else format_status(data)
+        data = call(settings, "GET", "/admin/pools", url=args.url)
+    except AdminError as exc:  # e.g. Redis away: say how the API is serving meanwhile, when it says
+        degraded = serving_degraded(settings, args.url)
+        if degraded is None:
+            raise
+        raise AdminError(f"{exc} (serving degraded: {degraded})") from None
+    degraded = serving_degraded(settings, args.url)
+    try:
+        text = (json.dumps({**data, "degraded": degraded}, indent=2) if args.json else
+                format_status(data) + (f"\nserving degraded: {degraded}" if degraded else ""))
     except (KeyError, TypeError) as exc:
         raise AdminError(f"the reply of {api_url(settings, args.url)}/admin/pools lacks {exc}; "
                          f"is it an epd API of this version?") from None

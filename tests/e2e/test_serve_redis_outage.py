@@ -50,6 +50,8 @@ def test_requests_are_served_on_the_last_snapshot_while_redis_is_away(tmp_path, 
             assert during.status_code == 200 and during.json()["choices"][0]["text"] == ref, during.text
             ready = httpx.get(f"{served.base}/ready", timeout=10)
             assert ready.status_code == 200 and "Redis is degraded" in ready.json().get("degraded", ""), ready.text
+            status = served.cli("status")  # the admin view needs Redis; it still says how requests are served
+            assert "serving degraded: Redis is degraded" in status.stdout + status.stderr, status
             assert served.proc.poll() is None, served.log_tail()
 
             redis = LocalRedis(port=port).start()  # back, and empty

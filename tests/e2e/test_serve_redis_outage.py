@@ -2,8 +2,9 @@
 persistence).
 
 During the outage routing runs on its last good snapshot of the registry: requests are served, their
-wait on Redis bounded, and /ready says Redis is degraded; nothing crashes. Once Redis is back the workers register again on their next heartbeat, the
-deployment becomes ready by itself and requests are answered exactly as before.
+wait on Redis bounded, and /ready and `epd status` say Redis is degraded; nothing crashes. Once Redis is
+back the workers register again on their next heartbeat, the deployment becomes ready by itself and
+requests are answered exactly as before.
 """
 
 from __future__ import annotations
@@ -12,11 +13,12 @@ import time
 
 import httpx
 import pytest
-from serve_process import serve_process
 
 from controlplane.state import LocalRedis
 from workers.runtime.generate import GenerateRequest, generate
 from workers.runtime.sampler import SamplingParams
+
+from serve_process import serve_process
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

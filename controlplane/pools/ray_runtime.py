@@ -41,7 +41,7 @@ _AUTH_VARS = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
 def _reload_ray_auth() -> None:
     """Make this process's Ray core see the current RAY_AUTH_* variables. Ray caches its config and
     token at import; its own ``_enable_token_auth`` refreshes them this way (config before token)."""
-    from ray._raylet import AuthenticationTokenLoader, Config
+    from ray._raylet import AuthenticationTokenLoader, Config  # type: ignore[attr-defined]  # ray's _raylet.pyi omits them
 
     Config.initialize("")
     AuthenticationTokenLoader.instance().reset_cache()

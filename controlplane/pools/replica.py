@@ -19,6 +19,7 @@ from pathlib import Path
 
 from controlplane.settings import PoolSettings, Settings
 from controlplane.state import StateError, WorkerInfo, WorkerLoad, WorkerNotRegistered, WorkerRegistry
+from controlplane.state.keys import parse_pool
 from epd.worker.v1 import worker_pb2 as wpb
 from kvtransfer.auth import TransferSecurity
 from workers.run import Pool, RunningWorker, start_worker
@@ -134,7 +135,7 @@ class Lease:
         s = worker_status(self.worker)
         load = WorkerLoad(queued_tokens=queued_tokens(self.worker), free_kv_blocks=s.kv_blocks_free,
                           total_kv_blocks=s.kv_blocks_total, running=s.running)
-        return WorkerInfo(worker_id=s.worker_id, pool=self.worker.pool, address=s.address,
+        return WorkerInfo(worker_id=s.worker_id, pool=parse_pool(self.worker.pool), address=s.address,
                           model_fingerprint=s.model_fingerprint, version=self._version, load=load,
                           draining=s.draining)
 

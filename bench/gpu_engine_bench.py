@@ -65,8 +65,8 @@ def copy_rate(device: torch.device, nbytes: int = 2**30, repeats: int = 10) -> f
 def decode_weight_bytes(model: torch.nn.Module) -> int:
     """Bytes of the parameters one decode step reads: all of them, once, but the embedding table
     (unless tied to the LM head, which reads it whole)."""
-    embed = model.embed_tokens.weight  # type: ignore[union-attr]
-    lm_head = model.lm_head.weight  # type: ignore[union-attr]
+    embed = model.embed_tokens.weight  # type: ignore[union-attr]  # nn.Module attributes are Tensor | Module
+    lm_head = model.lm_head.weight  # type: ignore[union-attr]  # nn.Module attributes are Tensor | Module
     seen: set[int] = set()
     total = 0
     for p in model.parameters():

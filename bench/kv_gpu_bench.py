@@ -188,7 +188,7 @@ def push_figures(rx: GpuReceiver, token: str, repeats: int, copy_gbps: float) ->
                                             ("int8", "tcp", "tcp socket (logical bytes)", socket)):
         layout = KVLayout(layers, h, d, bs, (codec,) * layers, "bench", "bfloat16")
         port = rx.call("setup", layout, blocks, logical + 64 * MiB)
-        sender = KVSender(TransferSecurity(token=token), transport=transport, device="cuda",  # type: ignore[arg-type]
+        sender = KVSender(TransferSecurity(token=token), transport=transport, device="cuda",  # type: ignore[arg-type]  # a TransportChoice from the CLI's choices
                           stream_budget_bytes=256 * MiB, sender_budget_bytes=1024 * MiB)
         try:
             target = f"127.0.0.1:{port}"

@@ -54,7 +54,7 @@ class TransferSecurity:
 
     def _read(self, path: Path | None, what: str) -> bytes:
         try:
-            return Path(path).read_bytes()  # type: ignore[arg-type]
+            return Path(path).read_bytes()  # type: ignore[arg-type]  # called only for a configured path
         except OSError as exc:
             raise SecurityConfigError(f"cannot read the {what} at {path}: {exc.strerror}") from None
 

@@ -51,7 +51,7 @@ class _Pusher:
                                (codec,) * shape.layers, "bench-micro", "bfloat16")
         port = rx.call("setup", self.layout, codec if store == "native" else "bfloat16", shape.blocks)
         self.target = f"127.0.0.1:{port}"
-        self.sender = KVSender(TransferSecurity(token=token), transport=transport,  # type: ignore[arg-type]
+        self.sender = KVSender(TransferSecurity(token=token), transport=transport,  # type: ignore[arg-type]  # a TransportChoice from the run table
                                stream_budget_bytes=256 * MiB, sender_budget_bytes=1024 * MiB)
         self.transport = self.sender.choose_transport(self.target)
         self._n = 0

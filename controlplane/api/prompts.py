@@ -150,7 +150,7 @@ def prepare_completion(body: CompletionRequest, model: ModelInfo) -> WorkerReque
         text = prompt
         ids = tokenise(lambda: model.tokenizer.encode(text))
     else:
-        ids = list(prompt)  # type: ignore[arg-type]
+        ids = list(prompt)  # type: ignore[arg-type]  # a batch of one was unwrapped above; its element type is not narrowed
         vocab = model.tokenizer.vocab_size
         if any(not 0 <= t < vocab for t in ids):
             raise APIError(400, f"prompt token ids must be in [0, {vocab}).", param="prompt")

@@ -58,12 +58,12 @@ class WorkerActor:
         if not host:  # on a cluster: this node's address, as the other nodes reach it
             import ray
             host = ray.util.get_node_ip_address()
-        core = core_for(settings.pool(pool).cpu_affinity, index)  # type: ignore[arg-type]
+        core = core_for(settings.pool(pool).cpu_affinity, index)  # type: ignore[arg-type]  # Ray passes the pool name as str
         if core is not None:
             pin_process(core)  # before the model loads, so torch's threads start on the core
         self._conn = connect(redis_url, redis_prefix)
         try:
-            self.worker = replica.build_worker(pool, settings, folder, security, host)  # type: ignore[arg-type]
+            self.worker = replica.build_worker(pool, settings, folder, security, host)  # type: ignore[arg-type]  # Ray passes the pool name as str
         except BaseException:
             self._conn.close()
             raise
@@ -117,7 +117,7 @@ class WorkerActor:
             self.state = ReplicaState.DRAINING
         from controlplane.state import StateError
 
-        self.worker.service.Drain(wpb.DrainRequest(), None)  # type: ignore[attr-defined]
+        self.worker.service.Drain(wpb.DrainRequest(), None)  # type: ignore[attr-defined]  # each concrete service has Drain
         try:
             self.lease.set_draining()
         except StateError as exc:  # the service already refuses new work; routing learns at the next beat

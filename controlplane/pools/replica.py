@@ -100,7 +100,7 @@ def build_worker(pool: Pool, settings: Settings, folder: Path, security: Transfe
 
 def worker_status(worker: RunningWorker) -> wpb.WorkerStatus:
     """The worker's own Status RPC, called in process (it reads no call context)."""
-    return worker.service.Status(wpb.StatusRequest(), None)  # type: ignore[attr-defined]
+    return worker.service.Status(wpb.StatusRequest(), None)  # type: ignore[attr-defined]  # each concrete service has Status
 
 
 def queued_tokens(worker: RunningWorker) -> int:
@@ -108,7 +108,7 @@ def queued_tokens(worker: RunningWorker) -> int:
     engine's queue in process; an encode worker has no engine."""
     if worker.pool == "encode":
         return 0
-    waiting = list(worker.service.engine.scheduler.waiting)  # type: ignore[attr-defined]
+    waiting = list(worker.service.engine.scheduler.waiting)  # type: ignore[attr-defined]  # non-encode services have an engine
     return sum(max(0, seq.num_tokens - seq.num_computed) for seq in waiting)
 
 

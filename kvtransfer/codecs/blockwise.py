@@ -68,7 +68,7 @@ class BlockwiseCodec(Codec):
         return self._encode_into(x, kind, layout, payload)
 
     def _encode_into(self, x: torch.Tensor, kind: Kind, layout: WireLayout, payload: torch.Tensor) -> EncodedTensor:
-        shape: Shape = tuple(x.shape)  # type: ignore[assignment]
+        shape: Shape = tuple(x.shape)  # type: ignore[assignment]  # a KV tensor is 4-D
         scales = torch.empty(layout.scales_shape, dtype=layout.scales_dtype, device=x.device)
         zeros = None
         if layout.zeros_shape is not None:

@@ -122,7 +122,7 @@ def encode_blocks_unchecked(codec: Codec, cache: torch.Tensor, ids: torch.Tensor
     elif name == "int4":
         from kvtransfer.codecs.int4 import key_group, value_group
         from kvtransfer.codecs.triton_int4 import int4_key_encode_kernel, int4_value_encode_kernel
-        zeros = torch.empty(layout.zeros_shape, dtype=layout.scales_dtype, device=dev)  # type: ignore[arg-type]
+        zeros = torch.empty(layout.zeros_shape, dtype=layout.scales_dtype, device=dev)  # type: ignore[arg-type]  # int4 always has a zeros shape
         s16, z16 = scales.view(torch.int16), zeros.view(torch.int16)
         if kind is Kind.KEY:
             g = key_group(bs)

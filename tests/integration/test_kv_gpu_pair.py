@@ -58,7 +58,7 @@ def _pair_tokens(bundle: LoadedModel, codecs: tuple[str, ...], transport: str, *
     with DisaggPair(bundle, codecs,
                     prefill=EngineConfig(dtype=dtype, device=prefill, block_size=4, kv_cache_bytes=KV_BYTES),
                     decode=EngineConfig(dtype=dtype, device=decode, block_size=4, kv_cache_bytes=KV_BYTES),
-                    transport=transport,  # type: ignore[arg-type]
+                    transport=transport,  # type: ignore[arg-type]  # parametrized TransportChoice
                     device_path=staged) as pair:
         params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, return_logits=True,
                                  forced_tokens=() if forced is None else tuple(forced[i])) for i in range(len(PROMPTS))]

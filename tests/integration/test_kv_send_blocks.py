@@ -72,7 +72,7 @@ def _prefill_cache(seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 def test_send_blocks_lands_what_send_layer_lands(rx: Receiving, transport: str) -> None:
     cache = _prefill_cache(1)
     ids = [7, 3, 12, 0]  # a request's blocks, scattered
-    sender = KVSender(rx.security, transport=transport, max_chunk_bytes=600, bulk_chunk_bytes=600,  # type: ignore[arg-type]
+    sender = KVSender(rx.security, transport=transport, max_chunk_bytes=600, bulk_chunk_bytes=600,  # type: ignore[arg-type]  # parametrized TransportChoice
                       shm_chunk_bytes=600)  # several chunks per layer
     try:
         landed = {}

@@ -26,7 +26,7 @@ def test_a_prefill_for_a_reservation_nobody_holds_computes_nothing(default_bundl
     prefill = start_worker("prefill", default_bundle, SECURITY, codecs=codecs)
     decode = start_worker("decode", default_bundle, SECURITY, codecs=codecs)
     layers: list[object] = []
-    prefill.service.engine.add_layer_hook(layers.append)  # type: ignore[attr-defined]
+    prefill.service.engine.add_layer_hook(layers.append)  # type: ignore[attr-defined]  # PrefillService has an engine
     channel = SECURITY.open_channel(prefill.address)
     try:
         stub = wgrpc.PrefillWorkerStub(channel)

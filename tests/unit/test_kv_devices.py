@@ -32,7 +32,7 @@ def _wire(codec: str, x: torch.Tensor, kind: Kind) -> WireParts:
 
     def part(t: torch.Tensor | None) -> memoryview | None:
         return None if t is None else memoryview(t.contiguous().view(torch.uint8).numpy().tobytes())
-    return WireParts(part(enc.payload), part(enc.scales), part(enc.zeros))  # type: ignore[arg-type]
+    return WireParts(part(enc.payload), part(enc.scales), part(enc.zeros))  # type: ignore[arg-type]  # payload and scales are present
 
 
 @pytest.mark.parametrize("codec, layer_dtypes", [
@@ -47,9 +47,9 @@ def test_staged_sink_lands_what_the_host_sink_lands_with_every_tensor_on_the_cac
     dtype = torch.bfloat16 if codec == "bf16" else torch.float32
     k, v = (torch.randn(shape, generator=gen).to(dtype) for _ in range(2))
     kw, vw = _wire(codec, k, Kind.KEY), _wire(codec, v, Kind.VALUE)
-    host = PagedKVCache(SPEC, 12, layer_dtypes)  # type: ignore[arg-type]
+    host = PagedKVCache(SPEC, 12, layer_dtypes)  # type: ignore[arg-type]  # parametrized CacheDTypes
     CacheSink(host).write(0, BLOCKS, codec, shape, kw, vw)
-    dev = PagedKVCache(SPEC, 12, layer_dtypes, DEVICE)  # type: ignore[arg-type]
+    dev = PagedKVCache(SPEC, 12, layer_dtypes, DEVICE)  # type: ignore[arg-type]  # parametrized CacheDTypes
     sink = CacheSink(dev, staged=True)
     assert sink.staged
     with DeviceAudit() as audit:

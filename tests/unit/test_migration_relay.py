@@ -74,7 +74,7 @@ def test_across_a_seam_the_text_is_the_whole_output_decoded_once(default_bundle)
 def test_a_seeded_seam_moves_back_to_a_token_whose_shifted_seed_fits():
     seed = 2**63 - 1  # seed + k * GOLDEN overflows 2^63 for some k
     req = WorkerRequest("r", [1], SamplingParams(max_tokens=20, temperature=1.0, seed=seed))
-    p = Progress(req, tokenizer=None)  # type: ignore[arg-type]
+    p = Progress(req, tokenizer=None)  # type: ignore[arg-type]  # text is never decoded here
     p.token_ids = list(range(5))
     seam = p.seam()
     assert seam.at + seam.replay == 5 and shifted_seed(seed, seam.at) < 2**63
@@ -116,7 +116,7 @@ def test_ready_forgets_a_suspect_the_registry_no_longer_lists():
             return []
 
     view = WorkerView(Registry(), clock=lambda: 0.0)  # type: ignore[arg-type]  # a stand-in registry
-    scheduler = Scheduler(ModelInfo("m", None, 64, None, 0, ()), view, None, get_policy("least_loaded"),  # type: ignore[arg-type]
+    scheduler = Scheduler(ModelInfo("m", None, 64, None, 0, ()), view, None, get_policy("least_loaded"),  # type: ignore[arg-type]  # no journal: None stands in
                           SchedulerSettings())
     scheduler.health.failure("gone-1", "stream broke", lost=True)
     assert scheduler.health.suspects() and scheduler.degraded() is None  # replaced: not listed any more

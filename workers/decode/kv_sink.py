@@ -181,7 +181,7 @@ def _encoded(c: Codec, kind: Kind, shape: tuple[int, int, int, int], payload: to
         got = 0 if t is None else t.numel()
         if got != want:
             raise CodecError(f"{what} has {got} bytes, expected {want} for this codec, shape and kind")
-    z = None if layout.zeros_shape is None else zeros.view(layout.scales_dtype).view(layout.zeros_shape)  # type: ignore[union-attr]
+    z = None if layout.zeros_shape is None else zeros.view(layout.scales_dtype).view(layout.zeros_shape)  # type: ignore[union-attr]  # a zeros shape means zeros were checked present
     s = scales.view(layout.scales_dtype).view(layout.scales_shape) if scales.numel() else torch.empty(
         layout.scales_shape, dtype=layout.scales_dtype, device=scales.device)
     return EncodedTensor(c.codec_id, kind, shape, payload, s, z)

@@ -67,8 +67,9 @@ def test_the_observability_rounds_export_from_every_process_and_pair_their_ratio
     from bench.controlplane_bench import format_table, measure
 
     # every request traced (the default samples one in ten: a handful of requests might export nothing);
+    # parent-based, since this process's provider (made once) serves the later tracing tests too;
     # Ray, started inside, hands the variable to the replicas
-    monkeypatch.setenv("OTEL_TRACES_SAMPLER", "always_on")
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER", "parentbased_always_on")
 
     res = measure(requests=5, throughput_requests=16, concurrency=4, observability_rounds=2, observability_tokens=3)
     assert res.failures == []  # every response of every round: HTTP 200 with exactly its token count

@@ -10,6 +10,7 @@ policy under test, and decoded greedily. Two figures per policy:
 
 from __future__ import annotations
 
+import argparse
 import random
 from dataclasses import dataclass
 
@@ -38,7 +39,7 @@ def sample_prompts(bundle: LoadedModel, n: int = 64, seed: int = 0) -> list[list
             for _ in range(n)]
 
 
-def run(args) -> int:  # type: ignore[no-untyped-def]
+def run(args: argparse.Namespace) -> int:
     """``epd bench kv-accuracy``."""
     import torch
 

@@ -22,7 +22,9 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -49,7 +51,7 @@ class GpuFigure:
         return self.value / self.ref_value if self.ref_value else float("nan")
 
 
-def _receiver_main(conn, token: str) -> None:  # type: ignore[no-untyped-def]
+def _receiver_main(conn: Connection, token: str) -> None:
     """The receiver process: a bf16 paged cache on the GPU behind a KVReceiver with a bulk listener and a
     CUDA IPC pool, driven by (command, args...) tuples on ``conn`` (the bench's own pipe)."""
     from kvtransfer.receiver import KVReceiver, TransferOutcome
@@ -58,7 +60,7 @@ def _receiver_main(conn, token: str) -> None:  # type: ignore[no-untyped-def]
     from workers.runtime.kv_cache import KVCacheSpec, PagedKVCache
 
     security = TransferSecurity(token=token)
-    current: tuple[object, KVReceiver] | None = None
+    current: tuple[Any, KVReceiver] | None = None  # the gRPC server and the receiver it serves
     outcomes: list[TransferOutcome] = []
     event = threading.Event()
 
@@ -68,7 +70,7 @@ def _receiver_main(conn, token: str) -> None:  # type: ignore[no-untyped-def]
 
     def stop() -> None:
         if current is not None:
-            current[0].stop(0).wait(10)  # type: ignore[attr-defined]
+            current[0].stop(0).wait(10)
             current[1].stop()
 
     try:
@@ -107,7 +109,7 @@ class GpuReceiver:
         self.proc = ctx.Process(target=_receiver_main, args=(child, token), daemon=True)
         self.proc.start()
 
-    def call(self, *msg):  # type: ignore[no-untyped-def]
+    def call(self, *msg: object) -> Any:
         self.conn.send(msg)
         if not self.conn.poll(180):
             raise RuntimeError(f"receiver did not answer {msg[0]}")
@@ -123,7 +125,7 @@ class GpuReceiver:
             self.proc.kill()
 
 
-def _timed(fn) -> float:  # type: ignore[no-untyped-def]
+def _timed(fn: Callable[[], object]) -> float:
     torch.cuda.synchronize()
     start = time.perf_counter()
     fn()
@@ -156,7 +158,8 @@ def codec_figures(device: torch.device, nbytes: int, repeats: int, copy_gbps: fl
     return out
 
 
-def _push(sender: KVSender, target: str, layout: KVLayout, tokens: int, keys, values, rx: GpuReceiver,  # type: ignore[no-untyped-def]
+def _push(sender: KVSender, target: str, layout: KVLayout, tokens: int, keys: list[torch.Tensor],
+          values: list[torch.Tensor], rx: GpuReceiver,
           rid: str) -> float:
     blocks = layout.blocks_for(tokens)
     assert rx.call("expect", rid, blocks) == "ok"
@@ -188,7 +191,7 @@ def push_figures(rx: GpuReceiver, token: str, repeats: int, copy_gbps: float) ->
                                             ("int8", "tcp", "tcp socket (logical bytes)", socket)):
         layout = KVLayout(layers, h, d, bs, (codec,) * layers, "bench", "bfloat16")
         port = rx.call("setup", layout, blocks, logical + 64 * MiB)
-        sender = KVSender(TransferSecurity(token=token), transport=transport, device="cuda",  # type: ignore[arg-type]  # a TransportChoice from the CLI's choices
+        sender = KVSender(TransferSecurity(token=token), transport=transport, device="cuda",  # type: ignore[arg-type]  # a TransportChoice from the literal table above
                           stream_budget_bytes=256 * MiB, sender_budget_bytes=1024 * MiB)
         try:
             target = f"127.0.0.1:{port}"

@@ -19,9 +19,14 @@ import queue
 import statistics
 import threading
 import time
+from typing import TYPE_CHECKING
 
 from bench.micro.results import Result
 from bench.micro.timing import Plan
+
+if TYPE_CHECKING:  # annotations only: torch and the engine load inside run()
+    from workers.engine_loop import EngineLoop
+    from workers.runtime.sampler import SamplingParams
 
 PROMPT = [11, 23, 37, 41, 53, 67, 79, 83]
 
@@ -48,7 +53,7 @@ def _raw_round_trip_us(n: int) -> float:
     return statistics.median(out)
 
 
-def _handoff_us(loop, params, n: int, here: bool, tag: str) -> float:  # type: ignore[no-untyped-def]
+def _handoff_us(loop: EngineLoop, params: SamplingParams, n: int, here: bool, tag: str) -> float:
     """Median microseconds beyond the engine's own time, per one-token request."""
     out = []
     for i in range(n):

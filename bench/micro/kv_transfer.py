@@ -30,7 +30,7 @@ from bench.micro.results import Result
 from bench.micro.timing import Plan, paired
 from kvtransfer.auth import TransferSecurity
 from kvtransfer.layout import KVLayout
-from kvtransfer.sender import KVSender
+from kvtransfer.sender import KVSender, TransportChoice
 
 MiB = 2**20
 
@@ -44,14 +44,14 @@ def _shape(plan: Plan) -> Shape:
 class _Pusher:
     """One codec and transport to the receiver process: ``push()`` sends the whole cache, returns seconds."""
 
-    def __init__(self, rx: ReceiverProcess, token: str, shape: Shape, codec: str, transport: str,
+    def __init__(self, rx: ReceiverProcess, token: str, shape: Shape, codec: str, transport: TransportChoice,
                  cache: tuple[list[torch.Tensor], list[torch.Tensor]], store: str = "dequantize") -> None:
         self.rx, self.shape, self.cache = rx, shape, cache
         self.layout = KVLayout(shape.layers, shape.kv_heads, shape.head_dim, shape.block_size,
                                (codec,) * shape.layers, "bench-micro", "bfloat16")
         port = rx.call("setup", self.layout, codec if store == "native" else "bfloat16", shape.blocks)
         self.target = f"127.0.0.1:{port}"
-        self.sender = KVSender(TransferSecurity(token=token), transport=transport,  # type: ignore[arg-type]  # a TransportChoice from the run table
+        self.sender = KVSender(TransferSecurity(token=token), transport=transport,
                                stream_budget_bytes=256 * MiB, sender_budget_bytes=1024 * MiB)
         self.transport = self.sender.choose_transport(self.target)
         self._n = 0
@@ -104,7 +104,7 @@ def run_tcp(plan: Plan) -> list[Result]:
                      ("bf16", ("grpc",), "dequantize"))
 
 
-def _run_wire(plan: Plan, transport: str, *codecs: tuple[str, tuple[str, ...], str]) -> list[Result]:
+def _run_wire(plan: Plan, transport: TransportChoice, *codecs: tuple[str, tuple[str, ...], str]) -> list[Result]:
     """Each (codec, references, decode storage) over ``transport``, against the named references (the
     first gives the figure's name); storage ``native`` keeps the codec's dtype in the receiver's cache."""
     shape = _shape(plan)

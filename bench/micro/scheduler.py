@@ -99,7 +99,7 @@ def prefix_affinity_policy() -> tuple[PrefixAffinity, list[int], str]:
     return policy, prompts[target][:PROMPT_TOKENS], f"prefill-{target % WORKERS:03d}"
 
 
-def decide(view: WorkerView, policy, prompt_ids: list[int]) -> tuple[str, str]:  # type: ignore[no-untyped-def]
+def decide(view: WorkerView, policy: RoutingPolicy, prompt_ids: list[int]) -> tuple[str, str]:
     """Mirror of the scheduler's per-attempt picks: decode first, then prefill (nothing excluded)."""
     exclude: set[str] = set()
     tokens = len(prompt_ids)
@@ -110,7 +110,7 @@ def decide(view: WorkerView, policy, prompt_ids: list[int]) -> tuple[str, str]: 
     return decode.worker_id, prefill.worker_id
 
 
-def _empty(view: WorkerView, policy, prompt_ids: list[int]) -> None:  # type: ignore[no-untyped-def]
+def _empty(view: WorkerView, policy: RoutingPolicy, prompt_ids: list[int]) -> None:
     return None
 
 

@@ -12,6 +12,7 @@ import json
 import math
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 from bench.serve.metrics import Dist, LoadPointMetrics
 from bench.serve.runner import BenchResult
@@ -79,7 +80,7 @@ def write_json(result: BenchResult, path: Path, include_requests: bool = True) -
     return path
 
 
-def _pyplot():  # type: ignore[no-untyped-def]
+def _pyplot() -> Any:  # matplotlib.pyplot, imported on first use
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

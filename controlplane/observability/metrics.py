@@ -99,6 +99,9 @@ CUT_SHORT = Counter(f"{PREFIX}requests_cut_short", "Requests that ended after th
                     "a worker failed (the status that failure maps to) or the client left (499). A streamed "
                     "answer's status line, counted as 200 in epd:requests, was sent by then.",
                     [*_M, "route", "status"], registry=REGISTRY)
+MIGRATIONS = Counter(f"{PREFIX}request_migrations", "Moves of an admitted request off a worker that died or hung, "
+                     "by the stage that lost it (encode, prefill, decode, colocated); past the migration limit "
+                     "the request ends with a retriable 503 instead.", [*_M, "stage"], registry=REGISTRY)
 PROMPT_TOKENS = Counter(f"{PREFIX}prompt_tokens", "Prompt tokens of finished requests.", _M, registry=REGISTRY)
 GENERATION_TOKENS = Counter(f"{PREFIX}generation_tokens", "Output tokens of finished requests.", _M,
                             registry=REGISTRY)
@@ -258,6 +261,11 @@ def encoder(images: int, hits: int) -> None:
     if OBSERVABILITY.metrics:
         ENCODER_IMAGES.labels(MODEL.value).inc(images)
         ENCODER_CACHE_HITS.labels(MODEL.value).inc(hits)
+
+
+def migrated(stage: str) -> None:
+    if OBSERVABILITY.metrics:
+        MIGRATIONS.labels(MODEL.value, stage).inc()
 
 
 def rejected(reason: str) -> None:

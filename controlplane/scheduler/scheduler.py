@@ -156,6 +156,7 @@ class Scheduler:
             raise BackendError(f"the request lost {moves + 1} workers, more than the migration limit "
                                f"({self.settings.migration_limit}); retry it. Last: {cause}", 503,
                                retry_after_s=RETRY_AFTER_S)
+        metrics.migrated(str(error.stage))
         self._record(rid, RequestState.MIGRATING, f"after {len(progress.token_ids)} tokens; {cause}")
 
     def _route(self, request: WorkerRequest, ticket: Ticket, admitted: float, wait_from: float, lost: set[str],

@@ -180,11 +180,18 @@ def _migrated(conn, reqs: list[WorkerRequest]) -> int:
     return sum(any(e.state is RequestState.MIGRATING for e in journal.history(r.request_id)) for r in reqs)
 
 
+def _decode_moves() -> float:
+    from controlplane.observability import metrics
+    return sum(sample.value for metric in metrics.MIGRATIONS.collect() for sample in metric.samples
+               if sample.name.endswith("_total") and sample.labels.get("stage") == "decode")
+
+
 def test_decode_worker_killed_mid_stream(default_bundle, cluster, state_conn):  # noqa: F811
     registry, start = cluster
     procs = start(["prefill", "decode", "decode"])
     scheduler = _scheduler(default_bundle, registry, state_conn)
     reqs, refs = _requests(default_bundle, 6)
+    moved_before = _decode_moves()
     streams = Streams(scheduler, reqs)
     streams.wait_until(lambda p: all(n >= 2 for n in p))
     victim = procs[1]
@@ -193,6 +200,7 @@ def test_decode_worker_killed_mid_stream(default_bundle, cluster, state_conn):  
     out, errors = streams.join()
     assert not errors and out == refs
     assert _migrated(state_conn, reqs) >= 1
+    assert _decode_moves() - moved_before >= _migrated(state_conn, reqs)  # epd:request_migrations_total, per move
     _all_free(procs)
 
 

@@ -23,7 +23,10 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # annotations only: the module imports the control plane lazily, where it is used
+    from controlplane.settings import Settings
 
 MODES = ("disaggregated", "colocated")
 MiB = 2**20
@@ -60,7 +63,7 @@ class CompareResult:
         return out
 
 
-def deployment_settings(mode: str, port: int, cfg: CompareConfig):  # type: ignore[no-untyped-def]
+def deployment_settings(mode: str, port: int, cfg: CompareConfig) -> Settings:
     """The settings of one side: identical engines, one core per computing worker."""
     import secrets
 

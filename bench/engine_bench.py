@@ -17,6 +17,7 @@ import resource
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 
@@ -77,7 +78,7 @@ def _engine_prefill_seconds(bundle: LoadedModel, cfg: EngineConfig, length: int)
 
 
 @torch.inference_mode()
-def _hf_generate_seconds(hf, prompt: list[int], new_tokens: int) -> float:  # type: ignore[no-untyped-def]
+def _hf_generate_seconds(hf: Any, prompt: list[int], new_tokens: int) -> float:  # hf: a transformers model
     ids = torch.tensor([prompt])
     start = time.perf_counter()
     hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
@@ -86,7 +87,7 @@ def _hf_generate_seconds(hf, prompt: list[int], new_tokens: int) -> float:  # ty
 
 
 @torch.inference_mode()
-def _hf_forward_seconds(hf, length: int, vocab: int) -> float:  # type: ignore[no-untyped-def]
+def _hf_forward_seconds(hf: Any, length: int, vocab: int) -> float:  # hf: a transformers model
     ids = torch.tensor([_prompt(length, vocab)])
     start = time.perf_counter()
     hf(ids, use_cache=False, logits_to_keep=1)

@@ -19,6 +19,7 @@ import json
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 
@@ -110,14 +111,14 @@ def _engine_prefill_seconds(engine: Engine, vocab: int, length: int) -> float:
 
 
 @torch.inference_mode()
-def _hf_generate_seconds(hf, batch: int, new_tokens: int, vocab: int) -> float:  # type: ignore[no-untyped-def]
+def _hf_generate_seconds(hf: Any, batch: int, new_tokens: int, vocab: int) -> float:  # hf: a transformers model
     ids = torch.tensor([_prompt(PROMPT_TOKENS, vocab, i) for i in range(batch)], device="cuda")
     return _timed(lambda: hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
                                       min_new_tokens=new_tokens, do_sample=False, pad_token_id=0))
 
 
 @torch.inference_mode()
-def _hf_forward_seconds(hf, length: int, vocab: int) -> float:  # type: ignore[no-untyped-def]
+def _hf_forward_seconds(hf: Any, length: int, vocab: int) -> float:  # hf: a transformers model
     ids = torch.tensor([_prompt(length, vocab)], device="cuda")
     return _timed(lambda: hf(ids, use_cache=False, logits_to_keep=1))
 

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 
 
-def load_hf_model(path: Path, dtype: torch.dtype):  # type: ignore[no-untyped-def]
+def load_hf_model(path: Path, dtype: torch.dtype) -> Any:  # transformers is optional and untyped
     """``AutoModelForCausalLM`` from the same checkpoint folder, in eval mode, quiet. Without transformers:
     a one-line message and exit status 2 (the engine's figures need no reference with ``--no-hf``)."""
     try:

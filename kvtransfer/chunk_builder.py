@@ -107,7 +107,7 @@ class ChunkBuilder:
         chunk.shm.length = nbytes
         return Built(encode_control(pb.PushMessage(chunk=chunk)), chunk.checksum, nbytes, logical)
 
-    def _build(self, seq: int, layer: int, first_block: int, codec, key: torch.Tensor,  # type: ignore[no-untyped-def]
+    def _build(self, seq: int, layer: int, first_block: int, codec: Codec, key: torch.Tensor,
                value: torch.Tensor, segment: Segment, offset: int, ready: object | None = None) -> Built:
         """Encode, checksum and frame one chunk. Runs on the sender's encoder threads, several chunks
         at once (torch, numpy, xxhash and the native kernels release the GIL), or on the sending
@@ -118,7 +118,7 @@ class ChunkBuilder:
         except CodecError as exc:
             raise CodecError(f"layer {layer}, blocks {first_block}..{first_block + key.shape[0] - 1}: {exc}") from None
 
-    def _encode_chunk(self, seq: int, layer: int, first_block: int, codec, key: torch.Tensor,  # type: ignore[no-untyped-def]
+    def _encode_chunk(self, seq: int, layer: int, first_block: int, codec: Codec, key: torch.Tensor,
                       value: torch.Tensor, segment: Segment, offset: int,
                       ready: object | None = None) -> Built:
         chunk = pb.KVChunk(seq=seq, request_id=self.request_id, layer=layer, first_block=first_block,

@@ -33,7 +33,7 @@ from kvtransfer.bulk import CONTROL_BYTES, KIND_CHUNK, KIND_HANDSHAKE, KIND_RESU
 from kvtransfer.bulk_listener import BulkListener
 from kvtransfer.checksum import StreamChecksum, chunk_checksum
 from kvtransfer.chunks import non_finite_values
-from kvtransfer.codecs import CodecError, Kind, get_codec
+from kvtransfer.codecs import CodecError, Kind, WireLayout, get_codec
 from kvtransfer.cuda_ipc import DeviceParts, IpcError, IpcPool, device_chunk_parts
 from kvtransfer.errors import TransferRefused
 from kvtransfer.expectations import Expectations, Expected, State, refusal, run_stream
@@ -469,7 +469,8 @@ def _decode(data: bytes | memoryview) -> Frame:
         raise TransferRefused(Code.INVALID_ARGUMENT, f"malformed message: {exc}") from None
 
 
-def _split(k_lay, v_lay, scales: memoryview, payload: memoryview) -> tuple[WireParts, WireParts]:  # type: ignore[no-untyped-def]
+def _split(k_lay: WireLayout, v_lay: WireLayout, scales: memoryview,
+           payload: memoryview) -> tuple[WireParts, WireParts]:
     """Cut a chunk's scales (k scales, k zeros, v scales, v zeros) and payload (k, v) into the two tensors."""
     o = 0
     parts = []

@@ -27,7 +27,7 @@ import functools
 import queue
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,7 +40,7 @@ from kvtransfer.bulk_call import BulkCall
 from kvtransfer.checksum import StreamChecksum
 from kvtransfer.chunk_builder import Built, ChunkBuilder
 from kvtransfer.chunks import chunk_nbytes
-from kvtransfer.codecs import CodecError, get_codec
+from kvtransfer.codecs import Codec, CodecError, get_codec
 from kvtransfer.cuda_ipc import IpcError, MappedSegment, lease_request
 from kvtransfer.device_chunks import encode_from_cache
 from kvtransfer.errors import TransferFailed
@@ -207,7 +207,7 @@ class KVStream:
         ready = wait_for_current(key.device)  # device input: encoders start after the snapshot's copy
         per_block = key[0].nbytes + value[0].nbytes if n else 0
 
-        def make(i: int, m: int):  # type: ignore[no-untyped-def]
+        def make(i: int, m: int) -> functools.partial[Built]:
             return functools.partial(self._builder.build_at, layer, first_block + i, codec, key[i:i + m],
                                      value[i:i + m], ready)
         self._queue_chunks(codec, n, per_block, make)
@@ -232,7 +232,7 @@ class KVStream:
         codec = get_codec(self.layout.layer_codecs[layer])
         per_block = k_cache[0].nbytes + v_cache[0].nbytes
 
-        def make(i: int, m: int):  # type: ignore[no-untyped-def]
+        def make(i: int, m: int) -> functools.partial[Built]:
             try:
                 staged = encode_from_cache(codec, k_cache, v_cache, ids[i:i + m])
             except CodecError as exc:  # an eagerly encoding codec refuses now: fail the stream by name
@@ -242,7 +242,8 @@ class KVStream:
             return functools.partial(self._builder.build_staged, layer, first_block + i, staged)
         self._queue_chunks(codec, n, per_block, make)
 
-    def _queue_chunks(self, codec, n: int, per_block: int, make) -> None:  # type: ignore[no-untyped-def]
+    def _queue_chunks(self, codec: Codec, n: int, per_block: int,
+                      make: Callable[[int, int], functools.partial[Built]]) -> None:
         """Number and queue a layer's n blocks as chunks sized for the transport; ``make(i, m)`` gives the
         builder of blocks [i, i + m), called with (seq, segment, offset) by an encoder or the sending thread."""
         one = self.layout.block_shape(1)  # chunks are sized by what goes on the wire, not the input dtype
@@ -480,7 +481,7 @@ class KVStream:
                 self._failed.set()
                 self._future.cancel()
 
-    def _reserve(self, segment: SharedSegment | MappedSegment, codec, shape: tuple[int, ...]) -> int:  # type: ignore[no-untyped-def]
+    def _reserve(self, segment: SharedSegment | MappedSegment, codec: Codec, shape: tuple[int, ...]) -> int:
         """The segment offset of the next chunk (under ``_order``); chunks lie back to back."""
         nbytes = chunk_nbytes(codec, shape)
         offset = self._shm_offset

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import os
+from typing import Any
 
 import torch
 
@@ -53,7 +54,7 @@ def _tokens(bs: int, width: int) -> int:
     return max(1, min(_p2(bs), 4096 // width))
 
 
-def _launch(kernel, grid, *args, **meta) -> None:  # type: ignore[no-untyped-def]
+def _launch(kernel: Any, grid: tuple[int, ...], *args: object, **meta: object) -> None:  # a @triton.jit kernel
     # fp-fusion off: a multiply then add must round twice, as the torch codecs do (see triton_common)
     if os.environ.get("TRITON_INTERPRET") != "1":
         meta["enable_fp_fusion"] = False

@@ -19,7 +19,7 @@ from kvtransfer.errors import TransferFailed
 from kvtransfer.layout import KVLayout
 from kvtransfer.sender import KVSender
 from kvtransfer.stream import KVStream, PushResult
-from workers.runtime.engine import Engine, LayerKVReady
+from workers.runtime.engine import ChunkRef, Engine, LayerKVReady
 from workers.runtime.kv_cache import DenseLayerStorage, block_slots
 
 
@@ -107,7 +107,7 @@ class LayerStreamer:
                 continue
             act.sent[event.layer] = hi
 
-    def _send_from_cache(self, act: _Active, layer: int, storage: DenseLayerStorage, chunk, lo: int,  # type: ignore[no-untyped-def]
+    def _send_from_cache(self, act: _Active, layer: int, storage: DenseLayerStorage, chunk: ChunkRef, lo: int,
                          hi: int) -> None:
         """Blocks [lo, hi) of ``chunk``'s request, encoded straight from the layer's cache by index."""
         bs, h, d = self.layout.block_size, self.layout.num_kv_heads, self.layout.head_dim

@@ -63,7 +63,7 @@ class ChunkBuilder:
             (self.ctx.pinned if built.buffer.is_pinned() else self.ctx.buffers).give(built.buffer)
 
     def build_at(self, layer: int, first_block: int, codec: Codec, key: torch.Tensor, value: torch.Tensor,
-                 ready: object | None, seq: int, segment: Segment, offset: int) -> Built:
+                 ready: torch.cuda.Event | None, seq: int, segment: Segment, offset: int) -> Built:
         return self._build(seq, layer, first_block, codec, key, value, segment, offset, ready)
 
     def build_staged(self, layer: int, first_block: int, staged: DeviceChunk, seq: int,
@@ -108,7 +108,7 @@ class ChunkBuilder:
         return Built(encode_control(pb.PushMessage(chunk=chunk)), chunk.checksum, nbytes, logical)
 
     def _build(self, seq: int, layer: int, first_block: int, codec: Codec, key: torch.Tensor,
-               value: torch.Tensor, segment: Segment, offset: int, ready: object | None = None) -> Built:
+               value: torch.Tensor, segment: Segment, offset: int, ready: torch.cuda.Event | None = None) -> Built:
         """Encode, checksum and frame one chunk. Runs on the sender's encoder threads, several chunks
         at once (torch, numpy, xxhash and the native kernels release the GIL), or on the sending
         thread for a small chunk; sent in ``seq`` order. A chunk that cannot be encoded (NaN in the
@@ -120,7 +120,7 @@ class ChunkBuilder:
 
     def _encode_chunk(self, seq: int, layer: int, first_block: int, codec: Codec, key: torch.Tensor,
                       value: torch.Tensor, segment: Segment, offset: int,
-                      ready: object | None = None) -> Built:
+                      ready: torch.cuda.Event | None = None) -> Built:
         chunk = pb.KVChunk(seq=seq, request_id=self.request_id, layer=layer, first_block=first_block,
                            num_blocks=key.shape[0], codec=int(codec.codec_id))  # type: ignore[arg-type]  # an int for the proto enum field
         logical = key.numel() * 4

@@ -58,7 +58,7 @@ def frame_chunk_parts(chunk: pb.KVChunk, codec: Codec, key: torch.Tensor,
 
 
 def frame_chunk_into(chunk: pb.KVChunk, codec: Codec, key: torch.Tensor, value: torch.Tensor,
-                     buf: torch.Tensor, ready: object | None = None) -> tuple[list[bytes | memoryview], int]:
+                     buf: torch.Tensor, ready: torch.cuda.Event | None = None) -> tuple[list[bytes | memoryview], int]:
     """``frame_chunk_parts`` with the scales and payload encoded into ``buf`` (1-D uint8, at least
     ``chunk_nbytes`` long; a pooled buffer), for codecs that encode straight into a destination
     (``writes_in_place``), and for every codec when the input is on a device (encoded there, then
@@ -110,7 +110,7 @@ def non_finite_values(codec_name: str, scales_dtype: torch.dtype, scales: memory
 
 
 def encode_into_segment(chunk: pb.KVChunk, codec: Codec, key: torch.Tensor, value: torch.Tensor,
-                        dest: memoryview, ready: object | None = None) -> None:
+                        dest: memoryview, ready: torch.cuda.Event | None = None) -> None:
     """Encode into ``dest`` (exactly ``chunk_nbytes`` long, writable) and set ``chunk.checksum``."""
     s_len, k_len, _ = _sizes(codec, tuple(key.shape))
     if key.device.type != "cpu":
@@ -144,7 +144,7 @@ def _encode_into_parts(codec: Codec, key: torch.Tensor, value: torch.Tensor, sca
 
 
 def _encode_on_device(codec: Codec, key: torch.Tensor, value: torch.Tensor, host: torch.Tensor, dest: memoryview,
-                      s_len: int, k_len: int, ready: object | None = None) -> int:
+                      s_len: int, k_len: int, ready: torch.cuda.Event | None = None) -> int:
     """Encode device tensors into a device buffer laid out as the wire's bulk bytes (scales and zeros,
     then the keys' and values' payload), copy only those bytes to ``host`` (pinned for an asynchronous
     copy; ``dest`` is its byte view) on the side stream, and return the checksum over the host bytes.
@@ -157,7 +157,7 @@ def _encode_on_device(codec: Codec, key: torch.Tensor, value: torch.Tensor, host
 
 
 def encode_into_device_segment(chunk: pb.KVChunk, codec: Codec, key: torch.Tensor, value: torch.Tensor,
-                               dest: torch.Tensor, ready: object | None = None) -> None:
+                               dest: torch.Tensor, ready: torch.cuda.Event | None = None) -> None:
     """TRANSPORT_CUDA_IPC: encode into ``dest`` (1-D uint8 of ``chunk_nbytes``, in the receiver's device
     memory, mapped here) and set ``chunk.checksum`` to its ``device_checksum``. Returns once the bytes
     are in place (the receiver reads them when the chunk's control message arrives)."""

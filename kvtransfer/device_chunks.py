@@ -34,7 +34,7 @@ class DeviceChunk:
     num_blocks: int
     scales_nbytes: int  # the leading scales-and-zeros part of ``data``
     flags: tuple[torch.Tensor | None, torch.Tensor | None]  # keys', values' refusal flags (int4, bf16)
-    ready: object | None  # the event after the encode (None on CPU)
+    ready: torch.cuda.Event | None  # the event after the encode (None on CPU)
     deferred: bool  # encoded by the fused kernels: refusals are checked once copied out
 
 

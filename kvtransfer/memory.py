@@ -19,6 +19,10 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import threading
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # annotations only: the module imports torch lazily, where it is used
+    import torch
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
@@ -65,11 +69,11 @@ class BufferPool:
 
     def __init__(self, max_bytes: int = 256 * 2**20) -> None:
         self.max_bytes = max_bytes
-        self._free: list = []  # torch.uint8 tensors, 1-D
+        self._free: list[torch.Tensor] = []  # torch.uint8 tensors, 1-D
         self._idle = 0
         self._lock = threading.Lock()
 
-    def take(self, nbytes: int):  # type: ignore[no-untyped-def]
+    def take(self, nbytes: int) -> torch.Tensor:
         import torch
 
         with self._lock:
@@ -80,7 +84,7 @@ class BufferPool:
                 return buf
         return torch.empty(nbytes, dtype=torch.uint8)
 
-    def give(self, buf) -> None:  # type: ignore[no-untyped-def]
+    def give(self, buf: torch.Tensor) -> None:
         with self._lock:
             if self._idle + buf.numel() <= self.max_bytes:
                 self._free.append(buf)

@@ -24,11 +24,11 @@ import torch
 
 __all__ = ["PinnedPool", "side_stream", "to_device", "to_host", "wait_for_current"]
 
-_streams: dict[torch.device, object] = {}
+_streams: dict[torch.device, torch.cuda.Stream] = {}
 _streams_lock = threading.Lock()
 
 
-def _side(device: torch.device):  # type: ignore[no-untyped-def]
+def _side(device: torch.device) -> torch.cuda.Stream:
     with _streams_lock:
         stream = _streams.get(device)
         if stream is None:
@@ -38,7 +38,7 @@ def _side(device: torch.device):  # type: ignore[no-untyped-def]
 
 
 @contextmanager
-def side_stream(device: torch.device, after: object | None = None) -> Iterator[None]:
+def side_stream(device: torch.device, after: torch.cuda.Event | None = None) -> Iterator[None]:
     """Run the block's device work on this device's side stream; on exit, wait until it is done.
 
     ``after``: a ``torch.cuda.Event`` the side stream waits for first (recorded where the inputs were
@@ -56,7 +56,7 @@ def side_stream(device: torch.device, after: object | None = None) -> Iterator[N
     stream.synchronize()
 
 
-def wait_for_current(device: torch.device) -> object | None:
+def wait_for_current(device: torch.device) -> torch.cuda.Event | None:
     """An event marking what the current stream has queued so far (None on CPU): hand it to
     ``side_stream(after=...)`` on another thread so the side stream starts after that work."""
     if device.type != "cuda":

@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import ctypes
 import threading
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 _local = threading.local()
-_omp_set_num_threads = None
+_omp_set_num_threads: Callable[..., Any] | None = None  # libgomp's omp_set_num_threads, once found
 _looked_up = False
 _lock = threading.Lock()
 
@@ -39,7 +41,7 @@ def single_threaded_torch() -> bool:
     return _local.done
 
 
-def _find_setter():  # type: ignore[no-untyped-def]
+def _find_setter() -> Callable[..., Any] | None:
     global _omp_set_num_threads, _looked_up
     with _lock:
         if not _looked_up:
@@ -48,7 +50,7 @@ def _find_setter():  # type: ignore[no-untyped-def]
         return _omp_set_num_threads
 
 
-def _load():  # type: ignore[no-untyped-def]
+def _load() -> Callable[..., Any] | None:
     if "OpenMP" not in torch.__config__.parallel_info():
         return None
     try:

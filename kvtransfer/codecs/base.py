@@ -15,6 +15,7 @@ Contracts every codec keeps:
 from __future__ import annotations
 
 import abc
+from types import ModuleType
 from typing import ClassVar
 
 import torch
@@ -129,7 +130,7 @@ class Codec(abc.ABC):
         self._decode_into(enc, out)
         return out
 
-    def _fused(self, t: torch.Tensor):  # type: ignore[no-untyped-def]
+    def _fused(self, t: torch.Tensor) -> ModuleType | None:
         """The fused Triton kernels (kvtransfer.codecs.fused) for a CUDA tensor of a codec that has
         them, else None: CPU tensors keep this codec's torch (and native C) kernels."""
         if t.device.type != "cuda":

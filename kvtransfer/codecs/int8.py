@@ -10,6 +10,8 @@ Bound, elementwise with s the (block, head) scale: |err| <= s / 2 (about amax / 
 
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 import torch
 
@@ -113,7 +115,7 @@ class Int8Codec(BlockwiseCodec):
         return s * (0.5 + 2.0**-12) + xf.abs() * 2.0**-22 + FLOAT32_TINY
 
 
-def _native_for(t: torch.Tensor):  # type: ignore[no-untyped-def]
+def _native_for(t: torch.Tensor) -> ctypes.CDLL | None:
     """The C kernels when they apply to ``t`` (a contiguous CPU float32/bf16 tensor), else None."""
     if t.device.type != "cpu" or not t.is_contiguous() or t.dtype not in (torch.float32, torch.bfloat16):
         return None

@@ -370,8 +370,7 @@ def _serve_chain(n: int, m: int, concurrency: int) -> tuple[list[float], float]:
     serve_log.setLevel(logging.WARNING)  # Serve's INFO lines would interleave with the table
     serve.start(proxy_location="Disabled")
     try:
-        # mypy does not apply class decorators: bind comes from @serve.deployment
-        handle = serve.run(HopA.bind(HopB.bind(HopC.bind())),  # type: ignore[attr-defined]
+        handle = serve.run(HopA.bind(HopB.bind(HopC.bind())),  # type: ignore[attr-defined]  # @serve.deployment adds bind
                            name="epd-bench-chain", route_prefix=None)
         for _ in range(5):
             assert handle.remote("ping").result() == "ping"

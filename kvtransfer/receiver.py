@@ -324,15 +324,16 @@ class KVReceiver:
                                                      f"{len(exp.target)} are reserved for {hs.request_id!r}")
         segment = None
         if hs.transport == pb.TRANSPORT_CUDA_IPC:
-            if self.ipc is None:
+            ipc = self.ipc
+            if ipc is None:
                 raise TransferRefused(Code.FAILED_PRECONDITION, "this receiver has no CUDA IPC pool")
             try:
-                device_segment = self.ipc.check(hs.request_id, hs.ipc_epoch, hs.ipc_segment)
+                device_segment = ipc.check(hs.request_id, hs.ipc_epoch, hs.ipc_segment)
             except IpcError as exc:
-                self.ipc.release(hs.request_id)
+                ipc.release(hs.request_id)
                 raise TransferRefused(Code.FAILED_PRECONDITION, str(exc)) from None
             return _Session(sender, hs.num_tokens, nblocks, None, self.segments, device_segment,
-                            lambda: self.ipc.release(hs.request_id))  # type: ignore[union-attr]
+                            lambda: ipc.release(hs.request_id))
         if hs.transport == pb.TRANSPORT_SHARED_MEMORY:
             try:
                 segment = self.segments.attach(hs.shm_name, hs.shm_size)

@@ -23,6 +23,10 @@ import logging
 import os
 import threading
 import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # annotations only: the actor imports the control plane lazily, in its process
+    from controlplane.settings import PoolName
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +44,7 @@ class ReplicaState(enum.StrEnum):
 class WorkerActor:
     """Runs in its own Ray worker process. Methods may be called from several threads at once."""
 
-    def __init__(self, pool: str, model_dir: str, settings_json: str, token: str, redis_url: str,
+    def __init__(self, pool: PoolName, model_dir: str, settings_json: str, token: str, redis_url: str,
                  redis_prefix: str, index: int, host: str = "127.0.0.1") -> None:
         """``model_dir`` "" serves ``settings.model`` or the demo model; ``host`` "" binds this node's IP."""
         from pathlib import Path
@@ -58,12 +62,12 @@ class WorkerActor:
         if not host:  # on a cluster: this node's address, as the other nodes reach it
             import ray
             host = ray.util.get_node_ip_address()
-        core = core_for(settings.pool(pool).cpu_affinity, index)  # type: ignore[arg-type]  # Ray passes the pool name as str
+        core = core_for(settings.pool(pool).cpu_affinity, index)
         if core is not None:
             pin_process(core)  # before the model loads, so torch's threads start on the core
         self._conn = connect(redis_url, redis_prefix)
         try:
-            self.worker = replica.build_worker(pool, settings, folder, security, host)  # type: ignore[arg-type]  # Ray passes the pool name as str
+            self.worker = replica.build_worker(pool, settings, folder, security, host)
         except BaseException:
             self._conn.close()
             raise

@@ -92,7 +92,7 @@ def test_silu_mul(dtype: torch.dtype) -> None:
 
 
 @triton.jit
-def _fp8_roundtrip(bytes_ptr, decoded_ptr, x_ptr, encoded_ptr, n, BLOCK: tl.constexpr):  # type: ignore[name-defined]  # triton.language has no stubs
+def _fp8_roundtrip(bytes_ptr, decoded_ptr, x_ptr, encoded_ptr, n, BLOCK: tl.constexpr):  # type: ignore[name-defined]  # tl is importorskip's module, not a name mypy resolves
     i = tl.arange(0, BLOCK)
     mask = i < n
     tl.store(decoded_ptr + i, e4m3_to_f32(tl.load(bytes_ptr + i, mask=mask, other=0)), mask=mask)

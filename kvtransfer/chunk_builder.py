@@ -78,7 +78,7 @@ class ChunkBuilder:
     def _frame_staged(self, seq: int, layer: int, first_block: int, staged: DeviceChunk,
                       segment: Segment, offset: int) -> Built:
         chunk = pb.KVChunk(seq=seq, request_id=self.request_id, layer=layer, first_block=first_block,
-                           num_blocks=staged.num_blocks, codec=staged.codec.codec_id)  # type: ignore[arg-type]  # an IntEnum for the proto enum field
+                           num_blocks=staged.num_blocks, codec=staged.codec.codec_id)  # type: ignore[arg-type]  # CodecId mirrors the proto Codec enum
         nbytes = staged.data.numel()
         logical = staged.num_blocks * self.layout.block_size * self.layout.num_kv_heads * self.layout.head_dim * 4
         if segment is None:
@@ -122,7 +122,7 @@ class ChunkBuilder:
                       value: torch.Tensor, segment: Segment, offset: int,
                       ready: torch.cuda.Event | None = None) -> Built:
         chunk = pb.KVChunk(seq=seq, request_id=self.request_id, layer=layer, first_block=first_block,
-                           num_blocks=key.shape[0], codec=int(codec.codec_id))  # type: ignore[arg-type]  # an int for the proto enum field
+                           num_blocks=key.shape[0], codec=int(codec.codec_id))  # type: ignore[arg-type]  # an int value of the proto Codec enum
         logical = key.numel() * 4
         if segment is None:
             on_host = key.device.type == "cpu"  # device input: encoded on the device, only its bytes come over

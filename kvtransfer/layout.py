@@ -60,7 +60,7 @@ class KVLayout:
     def to_proto(self) -> pb.KVLayout:
         return pb.KVLayout(num_layers=self.num_layers, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
                            block_size=self.block_size,
-                           layer_codecs=[int(get_codec(c).codec_id) for c in self.layer_codecs],  # type: ignore[misc]  # protobuf stub: enum list from ints
+                           layer_codecs=[int(get_codec(c).codec_id) for c in self.layer_codecs],  # type: ignore[misc]  # ints are values of the proto Codec enum
                            model_fingerprint=self.model_fingerprint, cache_dtype=CACHE_DTYPES[self.cache_dtype])
 
     @classmethod

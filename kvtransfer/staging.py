@@ -130,7 +130,7 @@ def to_device(parts: list[memoryview | None], device: torch.device) -> list[torc
         view = host.numpy()
         for p, n, pos in zip(parts, sizes, starts):
             if n:
-                view[pos:pos + n] = np.frombuffer(p, dtype=np.uint8)  # type: ignore[arg-type]  # p is a Buffer numpy's stub omits
+                view[pos:pos + n] = np.frombuffer(p, dtype=np.uint8)  # type: ignore[arg-type]  # n > 0 only for a part that is present
         if device.type == "cuda":
             with side_stream(device):
                 flat = torch.empty(total, dtype=torch.uint8, device=device)

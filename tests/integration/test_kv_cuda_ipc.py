@@ -116,7 +116,7 @@ def _write_chunks(d: Decode, rid: str, segment: torch.Tensor, corrupt: bool = Fa
         if corrupt:
             segment[offset + data.numel() - 1] ^= 1  # flipped after the sender's checksum
         chunk = pb.KVChunk(seq=layer, request_id=rid, layer=layer, first_block=0, num_blocks=3,
-                           codec=int(c.codec_id),  # type: ignore[arg-type]  # an int for the proto enum field
+                           codec=int(c.codec_id),  # type: ignore[arg-type]  # an int value of the proto Codec enum
                            checksum=checksum, shm=pb.ShmRef(offset=offset, length=data.numel()))
         frames.append(encode_control(pb.PushMessage(chunk=chunk)))
         stream.add(checksum)

@@ -142,7 +142,7 @@ def tensor_from_buffer(buf: object, dtype: torch.dtype, nbytes: int, what: str) 
     if buf is None and nbytes == 0:
         return torch.empty(0, dtype=dtype, device="cpu")
     try:
-        mv = memoryview(buf)  # type: ignore[arg-type]  # a None here is refused just below
+        mv = memoryview(buf)  # type: ignore[arg-type]  # any object: a non-buffer is refused just below
     except TypeError:
         raise CodecError(f"{what} must be a bytes-like object, got {type(buf).__name__}") from None
     if not mv.c_contiguous:

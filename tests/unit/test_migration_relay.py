@@ -116,7 +116,7 @@ def test_ready_forgets_a_suspect_the_registry_no_longer_lists():
             return []
 
     view = WorkerView(Registry(), clock=lambda: 0.0)  # type: ignore[arg-type]  # a stand-in registry
-    scheduler = Scheduler(ModelInfo("m", None, 64, None, 0, ()), view, None, get_policy("least_loaded"),  # type: ignore[arg-type]  # no dispatcher: nothing is dispatched
+    scheduler = Scheduler(ModelInfo("m", None, 64, None, 0, ()), view, None, get_policy("least_loaded"),  # type: ignore[arg-type]  # no tokenizer or dispatcher: neither is used
                           SchedulerSettings())
     scheduler.health.failure("gone-1", "stream broke", lost=True)
     assert scheduler.health.suspects() and scheduler.degraded() is None  # replaced: not listed any more

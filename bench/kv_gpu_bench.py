@@ -32,7 +32,7 @@ from bench import kv_references as references
 from bench.gpu_engine_bench import copy_rate
 from kvtransfer.auth import TransferSecurity
 from kvtransfer.layout import KVLayout
-from kvtransfer.sender import KVSender
+from kvtransfer.sender import KVSender, TransportChoice
 
 MiB = 2**20
 
@@ -187,11 +187,12 @@ def push_figures(rx: GpuReceiver, token: str, repeats: int, copy_gbps: float) ->
     values = [torch.randn(blocks, bs, h, d, device="cuda", generator=g).to(torch.bfloat16) for _ in range(layers)]
     socket = references.tcp_socket(logical, repeats=repeats).gbps
     out = []
-    for codec, transport, ref, ref_gbps in (("bf16", "cuda_ipc", "device copy", copy_gbps),
-                                            ("int8", "tcp", "tcp socket (logical bytes)", socket)):
+    runs: list[tuple[str, TransportChoice, str, float]] = [("bf16", "cuda_ipc", "device copy", copy_gbps),
+                                                           ("int8", "tcp", "tcp socket (logical bytes)", socket)]
+    for codec, transport, ref, ref_gbps in runs:
         layout = KVLayout(layers, h, d, bs, (codec,) * layers, "bench", "bfloat16")
         port = rx.call("setup", layout, blocks, logical + 64 * MiB)
-        sender = KVSender(TransferSecurity(token=token), transport=transport, device="cuda",  # type: ignore[arg-type]  # a TransportChoice from the literal table above
+        sender = KVSender(TransferSecurity(token=token), transport=transport, device="cuda",
                           stream_budget_bytes=256 * MiB, sender_budget_bytes=1024 * MiB)
         try:
             target = f"127.0.0.1:{port}"

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvtransfer.sender import TransportChoice
 from tests.device_audit import DeviceAudit
 from tests.integration.kv_helpers import tiny_model
 from workers.disagg_pair import DisaggPair, model_on_device
@@ -52,13 +53,13 @@ def _reference(bundle: LoadedModel, device: str = "cpu", dtype: DTypeName = "flo
     return [out[f"r{i}"] for i in range(len(PROMPTS))]
 
 
-def _pair_tokens(bundle: LoadedModel, codecs: tuple[str, ...], transport: str, *, prefill: str = "cpu",
+def _pair_tokens(bundle: LoadedModel, codecs: tuple[str, ...], transport: TransportChoice, *, prefill: str = "cpu",
                  decode: str = "cpu", dtype: DTypeName = "float32", staged: bool | None = None,
                  forced: list[list[int]] | None = None):
     with DisaggPair(bundle, codecs,
                     prefill=EngineConfig(dtype=dtype, device=prefill, block_size=4, kv_cache_bytes=KV_BYTES),
                     decode=EngineConfig(dtype=dtype, device=decode, block_size=4, kv_cache_bytes=KV_BYTES),
-                    transport=transport,  # type: ignore[arg-type]  # parametrized TransportChoice
+                    transport=transport,
                     device_path=staged) as pair:
         params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, return_logits=True,
                                  forced_tokens=() if forced is None else tuple(forced[i])) for i in range(len(PROMPTS))]
@@ -69,7 +70,7 @@ def _pair_tokens(bundle: LoadedModel, codecs: tuple[str, ...], transport: str, *
 
 @pytest.mark.parametrize("transport, dtype", [("grpc", "float32"), ("tcp", "float32"), ("shm", "float32"),
                                               ("cuda_ipc", "float32"), ("grpc", "bfloat16")])
-def test_cpu_pair_through_the_device_paths_equals_generate(transport: str, dtype: DTypeName) -> None:
+def test_cpu_pair_through_the_device_paths_equals_generate(transport: TransportChoice, dtype: DTypeName) -> None:
     bundle = _bundle()
     ref = _reference(bundle, dtype=dtype)
     codec = LOSSLESS[dtype]
@@ -78,7 +79,8 @@ def test_cpu_pair_through_the_device_paths_equals_generate(transport: str, dtype
 
 
 @pytest.mark.parametrize("codecs, transport", [(("int8", "int4"), "grpc"), (("fp8", "bf16"), "shm")])
-def test_cpu_pair_device_paths_land_what_the_host_paths_land(codecs: tuple[str, str], transport: str) -> None:
+def test_cpu_pair_device_paths_land_what_the_host_paths_land(codecs: tuple[str, str],
+                                                             transport: TransportChoice) -> None:
     """Lossy codecs: the device paths' decode cache equals the host paths' bit for bit, so greedy tokens and
     every step's logits are the same."""
     bundle = _bundle()
@@ -110,7 +112,7 @@ def test_the_layer_hook_and_calibration_name_their_device(device_path: bool) -> 
 @pytest.mark.cuda
 @pytest.mark.parametrize("transport", ["grpc", "tcp", "shm", "cuda_ipc", "auto"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_cuda_pair_with_a_lossless_codec_equals_generate(transport: str, dtype: DTypeName) -> None:
+def test_cuda_pair_with_a_lossless_codec_equals_generate(transport: TransportChoice, dtype: DTypeName) -> None:
     bundle = _bundle()
     ref = _reference(bundle, "cuda", dtype)
     codec = LOSSLESS[dtype]
@@ -122,7 +124,7 @@ def test_cuda_pair_with_a_lossless_codec_equals_generate(transport: str, dtype: 
 @pytest.mark.cuda
 @pytest.mark.parametrize("transport", ["grpc", "tcp", "shm", "cuda_ipc", "auto"])
 @pytest.mark.parametrize("codec", ["int8", "fp8", "int4", "bf16"])
-def test_cuda_pair_runs_every_codec(transport: str, codec: str) -> None:
+def test_cuda_pair_runs_every_codec(transport: TransportChoice, codec: str) -> None:
     """Every layer in ``codec``: the run completes and releases every block; bf16 (lossless for a bf16
     cache) decides exactly as one engine, the quantising codecs change the cache by design, so their
     teacher-forced decisions are only held to a floor (this random tiny model has small logit margins).
@@ -141,7 +143,7 @@ def test_cuda_pair_runs_every_codec(transport: str, codec: str) -> None:
 @pytest.mark.cuda
 @pytest.mark.parametrize("prefill, decode", [("cuda", "cpu"), ("cpu", "cuda")])
 @pytest.mark.parametrize("transport", ["grpc", "tcp", "shm"])
-def test_cross_device_pair_matches_one_engine(prefill: str, decode: str, transport: str) -> None:
+def test_cross_device_pair_matches_one_engine(prefill: str, decode: str, transport: TransportChoice) -> None:
     """A CUDA prefill feeding a CPU decode, and the reverse, float32 and lossless: every decode step's
     logits (teacher-forced to the CPU reference's tokens) match one CPU engine's within float32 noise."""
     bundle = _bundle()

@@ -14,7 +14,7 @@ from kvtransfer.auth import TransferSecurity
 from kvtransfer.errors import TransferFailed
 from kvtransfer.layout import KVLayout
 from kvtransfer.receiver import KVReceiver, TransferOutcome
-from kvtransfer.sender import KVSender
+from kvtransfer.sender import KVSender, TransportChoice
 from kvtransfer.server import kv_transfer_handler, start_server
 from workers.decode.kv_sink import CacheSink
 from workers.runtime.kv_cache import KVCacheSpec, PagedKVCache
@@ -69,10 +69,10 @@ def _prefill_cache(seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 @pytest.mark.parametrize("transport", ["grpc", "tcp", "shm"])
-def test_send_blocks_lands_what_send_layer_lands(rx: Receiving, transport: str) -> None:
+def test_send_blocks_lands_what_send_layer_lands(rx: Receiving, transport: TransportChoice) -> None:
     cache = _prefill_cache(1)
     ids = [7, 3, 12, 0]  # a request's blocks, scattered
-    sender = KVSender(rx.security, transport=transport, max_chunk_bytes=600, bulk_chunk_bytes=600,  # type: ignore[arg-type]  # parametrized TransportChoice
+    sender = KVSender(rx.security, transport=transport, max_chunk_bytes=600, bulk_chunk_bytes=600,
                       shm_chunk_bytes=600)  # several chunks per layer
     try:
         landed = {}

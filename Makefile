@@ -86,7 +86,8 @@ demo: export EPD_DEMO_MAX_TOKENS := $(value MAX_TOKENS)
 demo: setup
 	$(VENV)/bin/epd generate --prompt "$$EPD_DEMO_PROMPT" --max-tokens "$$EPD_DEMO_MAX_TOKENS"
 
-test: test-setup
+# ruff and mypy first (configured in pyproject.toml): a finding fails the run before the suite starts.
+test: test-setup lint
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS) tests
 
 # The container image built with podman on a locally made Debian base and run (root; minutes).

@@ -25,22 +25,23 @@ names its lost workers' addresses in ``DispatchError.lost``; the scheduler moves
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Generator, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import ExitStack
 from dataclasses import dataclass
-from typing import Generator, Iterator
+from typing import Any
 
 import grpc
 
-from epd.worker.v1 import worker_pb2 as wpb
-from epd.worker.v1 import worker_pb2_grpc as wgrpc
 from controlplane.dispatch_watch import StreamWatch, keepalive_options
 from controlplane.observability.stages import RequestObserver
+from epd.worker.v1 import worker_pb2 as wpb
+from epd.worker.v1 import worker_pb2_grpc as wgrpc
 from kvtransfer.auth import TransferSecurity
 from kvtransfer.options import CHANNEL_OPTIONS
-from workers.tracing import FAILURE_KEY, KV_TRANSFER_FAILURE
 from workers.runtime.sampler import SamplingParams
 from workers.service_base import sampling_to_proto
+from workers.tracing import FAILURE_KEY, KV_TRANSFER_FAILURE
 
 
 @dataclass(frozen=True)
@@ -83,13 +84,23 @@ def _broke(exc: grpc.RpcError) -> bool:
     if exc.code() not in _BROKEN:
         return False
     try:
-        trailers = exc.trailing_metadata() or ()
+        trailers: Sequence[tuple[str, Any]] = exc.trailing_metadata() or ()  # type: ignore[assignment]  # grpc's stubs type each pair as _Metadatum; at run time it is a (key, value) tuple
     except Exception:  # no trailers on a call that never reached a server
         trailers = ()
     return not any(k == FAILURE_KEY and v == KV_TRANSFER_FAILURE for k, v in trailers)
 
 
-def _error(stage: str, exc: grpc.RpcError, target: str | None) -> DispatchError:
+def _releasing(slot: _Slot) -> Callable[[Future], None]:
+    """A done-callback that gives ``slot`` back."""
+    def release(_done: Future) -> None:
+        slot.release()
+    return release
+
+
+def _error(stage: str, exc: BaseException | None, target: str | None) -> DispatchError:
+    """The stage's failure as a DispatchError; ``exc`` is a call's RpcError, or what a stage's future raised."""
+    if not isinstance(exc, grpc.RpcError):  # not a call's failure: nothing says the worker was lost
+        return DispatchError(stage, grpc.StatusCode.UNKNOWN, f"{type(exc).__name__}: {exc}")
     lost = (target,) if target is not None and _broke(exc) else ()
     return DispatchError(stage, exc.code(), exc.details() or exc.code().name, lost)
 
@@ -133,7 +144,7 @@ class Dispatcher:
         self._slots: dict[str, threading.BoundedSemaphore] = {}
         self._slots_lock = threading.Lock()
 
-    def _take(self, stack: ExitStack, target: str | None) -> "_Slot":
+    def _take(self, stack: ExitStack, target: str | None) -> _Slot:
         """One call slot on ``target``, given back when ``stack`` closes (or earlier, by ``release``);
         DispatchError("busy", RESOURCE_EXHAUSTED) at once when the target is at its cap."""
         if target is None:
@@ -157,7 +168,7 @@ class Dispatcher:
     def _channel(self, target: str) -> grpc.Channel:
         return self._channels.get(target)
 
-    def run(self, req: WorkerRequest, route: Route) -> Generator["wpb.TokenChunk", None, None]:
+    def run(self, req: WorkerRequest, route: Route) -> Generator[wpb.TokenChunk, None, None]:
         """The request's chunks. The workers' call slots are taken on the first ``next()`` (a busy worker
         fails it at once) and held until the generator ends or is closed."""
         with ExitStack() as slots:
@@ -173,7 +184,7 @@ class Dispatcher:
                 self._take(slots, route.decode)
                 yield from self._run_disaggregated(req, route, {"prefill": prefill, "encode": encode})
 
-    def _run_colocated(self, req: WorkerRequest, target: str) -> Iterator["wpb.TokenChunk"]:
+    def _run_colocated(self, req: WorkerRequest, target: str) -> Iterator[wpb.TokenChunk]:
         md = self.security.call_metadata()
         worker = wgrpc.DecodeWorkerStub(self._channel(target))
         st = RequestObserver(req.request_id).begin("complete", "decode", images=len(req.images))
@@ -194,7 +205,7 @@ class Dispatcher:
             if not done:
                 stream.cancel()  # the worker's callback aborts the request and frees its blocks
 
-    def _run_prefill_only(self, req: WorkerRequest, route: Route) -> Iterator["wpb.TokenChunk"]:
+    def _run_prefill_only(self, req: WorkerRequest, route: Route) -> Iterator[wpb.TokenChunk]:
         """A one-token request: its token is prefill's, so no decode reservation and no KV transfer."""
         assert route.prefill is not None
         md = self.security.call_metadata()
@@ -236,7 +247,7 @@ class Dispatcher:
                              engine_seconds=reply.engine_seconds)
 
     def _run_disaggregated(self, req: WorkerRequest, route: Route,
-                           slots: dict[str, "_Slot"] | None = None) -> Iterator["wpb.TokenChunk"]:
+                           slots: dict[str, _Slot] | None = None) -> Iterator[wpb.TokenChunk]:
         """``slots``: the encode and prefill workers' call slots, given back as soon as their call ends
         (the decode worker's is held until the last token)."""
         assert route.prefill is not None
@@ -277,17 +288,21 @@ class Dispatcher:
         dst = obs.begin("decode", "decode")
         stream = decode.Generate(wpb.GenerateRequest(request_id=req.request_id), metadata=dst.metadata(md),
                                  timeout=req.timeout_s)
+        def abort_if_failed(f: Future) -> None:
+            if f.exception():
+                self._abort(req.request_id, route)
+
         for stage, fut in futures:  # a failed stage aborts the request at once, so decode stops waiting
-            fut.add_done_callback(lambda f: self._abort(req.request_id, route) if f.exception() else None)
+            fut.add_done_callback(abort_if_failed)
             if slots is not None and stage in slots:
-                fut.add_done_callback(lambda _f, slot=slots[stage]: slot.release())
+                fut.add_done_callback(_releasing(slots[stage]))
         targets = {"encode": route.encode, "prefill": route.prefill}
         done = False
         try:
             for chunk in self._watched(stream, "decode", route.decode):
                 done = chunk.finished
                 yield chunk
-            for stage, fut in futures:  # surface an encode/prefill failure with its own message
+            for _stage, fut in futures:  # surface an encode/prefill failure with its own message
                 fut.result()
         except grpc.RpcError as exc:
             if not _broke(exc):  # the decode worker saw its KV fail: wait for the stage that broke it
@@ -309,10 +324,10 @@ class Dispatcher:
                 stream.cancel()
                 self._abort(req.request_id, route)
 
-    def _watched(self, stream: Iterator["wpb.TokenChunk"], stage: str, target: str) -> Iterator["wpb.TokenChunk"]:
+    def _watched(self, stream: Iterator[wpb.TokenChunk], stage: str, target: str) -> Iterator[wpb.TokenChunk]:
         """``stream``'s chunks; a stream silent past the idle limits ends in DispatchError(UNAVAILABLE)
         that names ``target`` lost (the watch cancelled the call, which frees its request there)."""
-        key, w = self._watch.watch(stream, self.first_token_timeout_s, self.token_idle_timeout_s)  # type: ignore[arg-type]
+        key, w = self._watch.watch(stream, self.first_token_timeout_s, self.token_idle_timeout_s)  # type: ignore[arg-type]  # a grpc stream call is Cancellable; its stub type says Iterator
         try:
             for chunk in stream:
                 w.touch()
@@ -328,7 +343,7 @@ class Dispatcher:
     def _abort(self, rid: str, route: Route) -> None:
         self._abort_at(rid, [(wgrpc.DecodeWorkerStub, route.decode), (wgrpc.PrefillWorkerStub, route.prefill)])
 
-    def _abort_at(self, rid: str, targets: list) -> None:  # type: ignore[type-arg]
+    def _abort_at(self, rid: str, targets: list) -> None:
         md = self.security.call_metadata()
         for stub, target in targets:
             if target is None:

@@ -88,11 +88,11 @@ def cluster(default_ckpt, state_conn) -> Iterator[tuple[WorkerRegistry, list[Pro
         new = _spawn(default_ckpt, pools, colocated)
         procs.extend(new)
         for p in new:
-            registry.register(WorkerInfo(p.worker_id, p.pool, p.address,  # type: ignore[arg-type]
+            registry.register(WorkerInfo(p.worker_id, p.pool, p.address,  # type: ignore[arg-type]  # pool names as str
                                          load=WorkerLoad(free_kv_blocks=100, total_kv_blocks=100)))
         return new
 
-    yield registry, start  # type: ignore[misc]
+    yield registry, start  # type: ignore[misc]  # a generator fixture; mypy cannot see pytest's protocol
     for p in procs:
         if p.popen.poll() is None:
             os.kill(p.popen.pid, signal.SIGCONT)

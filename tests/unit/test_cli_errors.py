@@ -179,7 +179,8 @@ def test_bench_compare_help_is_plain_words():
 def test_readme_lists_the_admin_commands_flags():
     commands = (Path(__file__).resolve().parents[2] / "README.md").read_text().split("## Commands", 1)[1]
     commands = commands.split("\n## ", 1)[0]
-    for line in ("epd status [--json] [--url URL] [--config FILE]", "epd scale POOL N [--force] [--url URL] [--config FILE]",
+    for line in ("epd status [--json] [--url URL] [--config FILE]",
+                 "epd scale POOL N [--force] [--url URL] [--config FILE]",
                  "epd drain WORKER [--url URL] [--config FILE]"):
         assert line in commands
 

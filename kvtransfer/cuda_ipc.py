@@ -27,6 +27,7 @@ import grpc
 import torch
 
 from kvtransfer.codecs import WireLayout
+from kvtransfer.codecs.encoded import cut_pair
 from kvtransfer.errors import TransferRefused
 from kvtransfer.wire import pb
 
@@ -257,13 +258,5 @@ def device_chunk_parts(segment: torch.Tensor, c: pb.KVChunk, where: str, codec_n
     problem = non_finite_device(codec_name, k_lay.scales_dtype, scales, payload)
     if problem is not None:
         raise TransferRefused(Code.INVALID_ARGUMENT, f"{where}: {problem}; refusing to land a corrupt KV cache")
-    o = 0
-    parts = []
-    for lay in (k_lay, v_lay):
-        s = scales[o:o + lay.scale_nbytes]
-        o += lay.scale_nbytes
-        z = scales[o:o + lay.zero_nbytes] if lay.zero_nbytes else None
-        o += lay.zero_nbytes
-        parts.append((s, z))
-    kp, vp = payload[:k_lay.payload_nbytes], payload[k_lay.payload_nbytes:]
-    return DeviceParts(kp, parts[0][0], parts[0][1]), DeviceParts(vp, parts[1][0], parts[1][1])
+    k, v = cut_pair(k_lay, v_lay, scales, payload)
+    return DeviceParts(*k), DeviceParts(*v)

@@ -74,14 +74,18 @@ class BufferPool:
         self._lock = threading.Lock()
 
     def take(self, nbytes: int) -> torch.Tensor:
-        import torch
-
         with self._lock:
             fits = [i for i, b in enumerate(self._free) if nbytes <= b.numel() <= 2 * nbytes]
             if fits:
                 buf = self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
                 self._idle -= buf.numel()
                 return buf
+        return self._allocate(nbytes)
+
+    def _allocate(self, nbytes: int) -> torch.Tensor:
+        """A new buffer of ``nbytes``, when no idle one fits."""
+        import torch
+
         return torch.empty(nbytes, dtype=torch.uint8)
 
     def give(self, buf: torch.Tensor) -> None:

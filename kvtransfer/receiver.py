@@ -34,6 +34,7 @@ from kvtransfer.bulk_listener import BulkListener
 from kvtransfer.checksum import StreamChecksum, chunk_checksum
 from kvtransfer.chunks import non_finite_values
 from kvtransfer.codecs import CodecError, Kind, WireLayout, get_codec
+from kvtransfer.codecs.encoded import cut_pair
 from kvtransfer.cuda_ipc import DeviceParts, IpcError, IpcPool, device_chunk_parts
 from kvtransfer.errors import TransferRefused
 from kvtransfer.expectations import Expectations, Expected, State, refusal, run_stream
@@ -473,13 +474,5 @@ def _decode(data: bytes | memoryview) -> Frame:
 def _split(k_lay: WireLayout, v_lay: WireLayout, scales: memoryview,
            payload: memoryview) -> tuple[WireParts, WireParts]:
     """Cut a chunk's scales (k scales, k zeros, v scales, v zeros) and payload (k, v) into the two tensors."""
-    o = 0
-    parts = []
-    for lay in (k_lay, v_lay):
-        s = scales[o:o + lay.scale_nbytes]
-        o += lay.scale_nbytes
-        z = scales[o:o + lay.zero_nbytes] if lay.zero_nbytes else None
-        o += lay.zero_nbytes
-        parts.append((s, z))
-    kp, vp = payload[:k_lay.payload_nbytes], payload[k_lay.payload_nbytes:]
-    return WireParts(kp, parts[0][0], parts[0][1]), WireParts(vp, parts[1][0], parts[1][1])
+    k, v = cut_pair(k_lay, v_lay, scales, payload)
+    return WireParts(*k), WireParts(*v)

@@ -22,6 +22,8 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
+from kvtransfer.memory import BufferPool
+
 __all__ = ["PinnedPool", "side_stream", "to_device", "to_host", "wait_for_current"]
 
 _streams: dict[torch.device, torch.cuda.Stream] = {}
@@ -66,41 +68,12 @@ def wait_for_current(device: torch.device) -> torch.cuda.Event | None:
     return event
 
 
-class PinnedPool:
-    """Reusable page-locked host buffers (1-D uint8). ``take`` returns a free buffer of at least
-    ``nbytes`` and at most twice that, or a new one; ``give`` files it again, keeping at most
-    ``max_bytes`` idle. Without CUDA the buffers are ordinary host memory."""
+class PinnedPool(BufferPool):
+    """``BufferPool`` of page-locked host buffers (1-D uint8), so device copies from and to them run
+    asynchronously. Without CUDA the buffers are ordinary host memory."""
 
-    def __init__(self, max_bytes: int = 256 * 2**20) -> None:
-        self.max_bytes = max_bytes
-        self._free: list[torch.Tensor] = []
-        self._idle = 0
-        self._lock = threading.Lock()
-
-    def take(self, nbytes: int) -> torch.Tensor:
-        with self._lock:
-            fits = [i for i, b in enumerate(self._free) if nbytes <= b.numel() <= 2 * nbytes]
-            if fits:
-                buf = self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
-                self._idle -= buf.numel()
-                return buf
+    def _allocate(self, nbytes: int) -> torch.Tensor:
         return torch.empty(max(1, nbytes), dtype=torch.uint8, device="cpu", pin_memory=torch.cuda.is_available())
-
-    def give(self, buf: torch.Tensor) -> None:
-        with self._lock:
-            if self._idle + buf.numel() <= self.max_bytes:
-                self._free.append(buf)
-                self._idle += buf.numel()
-
-    @property
-    def idle_bytes(self) -> int:
-        with self._lock:
-            return self._idle
-
-    def clear(self) -> None:
-        with self._lock:
-            self._free.clear()
-            self._idle = 0
 
 
 _RECEIVE_POOL = PinnedPool(64 * 2**20)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
@@ -71,6 +72,26 @@ class WireLayout:
     @property
     def total_nbytes(self) -> int:
         return self.payload_nbytes + self.scale_nbytes + self.zero_nbytes
+
+
+Sliceable = TypeVar("Sliceable", memoryview, torch.Tensor)
+
+
+def cut_pair(k_lay: WireLayout, v_lay: WireLayout, scales: Sliceable,
+             payload: Sliceable) -> tuple[tuple[Sliceable, Sliceable, Sliceable | None],
+                                          tuple[Sliceable, Sliceable, Sliceable | None]]:
+    """Cut one chunk's scales region (k scales, k zeros, v scales, v zeros) and payload (k, v) into each
+    tensor's (payload, scales, zeros): slices of what was given (memoryviews or 1-D uint8 tensors), no copy."""
+    o = 0
+    parts = []
+    for lay in (k_lay, v_lay):
+        s = scales[o:o + lay.scale_nbytes]
+        o += lay.scale_nbytes
+        z = scales[o:o + lay.zero_nbytes] if lay.zero_nbytes else None
+        o += lay.zero_nbytes
+        parts.append((s, z))
+    kp, vp = payload[:k_lay.payload_nbytes], payload[k_lay.payload_nbytes:]
+    return (kp, parts[0][0], parts[0][1]), (vp, parts[1][0], parts[1][1])
 
 
 @dataclass(frozen=True, slots=True)

@@ -131,10 +131,13 @@ def _receiver_main(conn: Connection, token: str) -> None:
 
 
 class ReceiverProcess:
-    def __init__(self, token: str) -> None:
+    """The receiving worker in a spawned process, driven by (command, *args) messages over a pipe;
+    ``main(conn, token)`` serves them (this module's receiver by default)."""
+
+    def __init__(self, token: str, main: Callable[[Connection, str], None] | None = None) -> None:
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_receiver_main, args=(child, token), daemon=True)
+        self.proc = ctx.Process(target=main or _receiver_main, args=(child, token), daemon=True)
         self.proc.start()
 
     def call(self, *msg: object) -> Any:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import secrets
 import threading
 import time
@@ -30,6 +29,7 @@ import torch
 
 from bench import kv_references as references
 from bench.gpu_engine_bench import copy_rate
+from bench.kv_bench import ReceiverProcess
 from kvtransfer.auth import TransferSecurity
 from kvtransfer.layout import KVLayout
 from kvtransfer.sender import KVSender, TransportChoice
@@ -102,29 +102,6 @@ def _receiver_main(conn: Connection, token: str) -> None:
         stop()
 
 
-class GpuReceiver:
-    def __init__(self, token: str) -> None:
-        ctx = mp.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_receiver_main, args=(child, token), daemon=True)
-        self.proc.start()
-
-    def call(self, *msg: object) -> Any:
-        self.conn.send(msg)
-        if not self.conn.poll(180):
-            raise RuntimeError(f"receiver did not answer {msg[0]}")
-        return self.conn.recv()
-
-    def close(self) -> None:
-        try:
-            self.conn.send(("stop",))
-        except OSError:
-            pass
-        self.proc.join(10)
-        if self.proc.is_alive():
-            self.proc.kill()
-
-
 def _timed(fn: Callable[[], object]) -> float:
     torch.cuda.synchronize()
     start = time.perf_counter()
@@ -159,7 +136,7 @@ def codec_figures(device: torch.device, nbytes: int, repeats: int, copy_gbps: fl
 
 
 def _push(sender: KVSender, target: str, layout: KVLayout, tokens: int, keys: list[torch.Tensor],
-          values: list[torch.Tensor], rx: GpuReceiver,
+          values: list[torch.Tensor], rx: ReceiverProcess,
           rid: str) -> float:
     blocks = layout.blocks_for(tokens)
     assert rx.call("expect", rid, blocks) == "ok"
@@ -176,7 +153,7 @@ def _push(sender: KVSender, target: str, layout: KVLayout, tokens: int, keys: li
     return elapsed
 
 
-def push_figures(rx: GpuReceiver, token: str, repeats: int, copy_gbps: float) -> list[GpuFigure]:
+def push_figures(rx: ReceiverProcess, token: str, repeats: int, copy_gbps: float) -> list[GpuFigure]:
     """A 256 MiB cache (16 layers, 8 kv heads of 128, 4,096 tokens) from GPU memory: bf16 over cuda_ipc
     against the device copy; int8 over tcp against a raw TCP socket."""
     layers, h, d, tokens, bs = 16, 8, 128, 4096, 16
@@ -205,7 +182,7 @@ def push_figures(rx: GpuReceiver, token: str, repeats: int, copy_gbps: float) ->
     return out
 
 
-def ttft_figures(rx: GpuReceiver, token: str, tokens: int, repeats: int, codec: str) -> list[GpuFigure]:
+def ttft_figures(rx: ReceiverProcess, token: str, tokens: int, repeats: int, codec: str) -> list[GpuFigure]:
     from workers.prefill.kv_stream import LayerStreamer
     from workers.runtime.engine import Engine, EngineConfig
     from workers.runtime.model import DecoderModel
@@ -284,7 +261,7 @@ def run(args: argparse.Namespace) -> int:
             failed.append(f"{name}: {exc!r}")
 
     section("codec kernels", lambda: codec_figures(device, 128 * MiB, repeats, copy_gbps))
-    rx = GpuReceiver(token)
+    rx = ReceiverProcess(token, _receiver_main)
     try:
         section("pushes", lambda: push_figures(rx, token, repeats, copy_gbps))
         section("TTFT", lambda: ttft_figures(rx, token, 4096, repeats, args.ttft_codec))

@@ -10,19 +10,23 @@ Contracts every codec keeps:
 - `layout(shape, kind)` matches what encode produces, byte for byte;
 - decode_into writes float32 or bfloat16 destinations of any strides;
 - |decode(encode(x), d) - x| <= max_abs_error_bound(x, kind, d), elementwise.
+
+Device kernels: a codec built with `kernels` (a `BlockKernels`, which the registry passes for the codecs
+kvtransfer.codecs.fused covers) runs them for CUDA tensors when they are usable there; every other tensor,
+and a codec built without them, runs the codec's own torch (and native C) code. Both give the same bytes.
+This module only names the interface, so it depends on no implementation of it.
 """
 
 from __future__ import annotations
 
 import abc
-from types import ModuleType
-from typing import ClassVar
+from typing import ClassVar, Protocol
 
 import torch
 
 from kvtransfer.codecs.encoded import CodecError, CodecId, EncodedTensor, Kind, WireLayout, tensor_from_buffer
 
-__all__ = ["CACHE_DTYPES", "FLOAT32_TINY", "Codec", "Shape", "raise_non_finite"]
+__all__ = ["CACHE_DTYPES", "FLOAT32_TINY", "BlockKernels", "Codec", "Shape", "raise_non_finite"]
 
 Shape = tuple[int, int, int, int]
 
@@ -32,13 +36,33 @@ CACHE_DTYPES = (torch.float32, torch.bfloat16)
 _BF16_UNIT_ROUNDOFF = 2.0**-8
 
 
+class BlockKernels(Protocol):
+    """A codec's device kernels, addressed by cache block index (kvtransfer.codecs.fused is one).
+
+    ``encode_blocks`` encodes blocks ``ids`` (1-D long, the cache's device) of ``cache`` [num_blocks,
+    block_size, kv_heads, head_dim] into ``payload`` (1-D uint8 of the layout's size, same device) with
+    exactly the codec's torch bytes, refusing what it refuses; ``decode_blocks`` writes ``enc`` decoded
+    straight into cache blocks ``ids``."""
+
+    def usable(self, device: torch.device) -> bool: ...
+
+    def encode_blocks(self, codec: Codec, cache: torch.Tensor, ids: torch.Tensor, kind: Kind | str,
+                      payload: torch.Tensor) -> EncodedTensor: ...
+
+    def decode_blocks(self, codec: Codec, enc: EncodedTensor, cache: torch.Tensor, ids: torch.Tensor) -> None: ...
+
+
 class Codec(abc.ABC):
-    """One KV codec. Stateless and thread-safe; the registry hands out one shared instance."""
+    """One KV codec. Stateless and thread-safe; the registry hands out one shared instance, built with
+    the codec's device kernels where it has them."""
 
     name: ClassVar[str]
     codec_id: ClassVar[CodecId]
     # True when decoded values are bf16 already, so a bf16 destination adds no rounding.
     decodes_to_bf16: ClassVar[bool] = False
+
+    def __init__(self, kernels: BlockKernels | None = None) -> None:
+        self._kernels = kernels
 
     # -- what subclasses provide ------------------------------------------------------------
     @abc.abstractmethod
@@ -130,14 +154,12 @@ class Codec(abc.ABC):
         self._decode_into(enc, out)
         return out
 
-    def _fused(self, t: torch.Tensor) -> ModuleType | None:
-        """The fused Triton kernels (kvtransfer.codecs.fused) for a CUDA tensor of a codec that has
-        them, else None: CPU tensors keep this codec's torch (and native C) kernels."""
-        if t.device.type != "cuda":
+    def _fused(self, t: torch.Tensor) -> BlockKernels | None:
+        """This codec's device kernels for a CUDA tensor when it has them and they are usable there,
+        else None: CPU tensors keep this codec's torch (and native C) kernels."""
+        if t.device.type != "cuda" or self._kernels is None:
             return None
-        from kvtransfer.codecs import fused
-
-        return fused if self.name in fused.FUSED_CODECS and fused.usable(t.device) else None
+        return self._kernels if self._kernels.usable(t.device) else None
 
     # -- receiving --------------------------------------------------------------------------
     def check(self, enc: EncodedTensor) -> None:

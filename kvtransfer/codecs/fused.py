@@ -8,8 +8,9 @@ blocks ``ids``. Both produce exactly the torch codecs' bytes and values (tests h
 ``TRITON_INTERPRET=1``) and refuse non-finite input with the same ``CodecError``.
 
 ``usable(device)``: True on a CUDA device when Triton imports, or under ``TRITON_INTERPRET=1``
-(the interpreter runs them on CPU tensors: that is how they are tested without a GPU). The codecs
-call these for CUDA tensors; CPU tensors keep the torch (and native C) kernels.
+(the interpreter runs them on CPU tensors: that is how they are tested without a GPU). This module is
+a ``base.BlockKernels``: the registry builds each codec in ``FUSED_CODECS`` with it, and the codec calls
+it for CUDA tensors; CPU tensors keep the torch (and native C) kernels.
 """
 
 from __future__ import annotations

@@ -1,6 +1,8 @@
 """Codec registry: lookup by name or wire id, importing each codec's module on first use.
 
-Adding a codec is a new module plus one `_Entry` line below.
+Adding a codec is a new module plus one `_Entry` line below. The registry is where a codec meets its
+device kernels: each instance is built with kvtransfer.codecs.fused when that covers the codec, so
+`Codec.encode`/`decode_into` run them on CUDA tensors (base.py only names their interface).
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ import importlib
 import threading
 from dataclasses import dataclass
 
+from kvtransfer.codecs import fused
 from kvtransfer.codecs.base import Codec
 from kvtransfer.codecs.encoded import CodecError, CodecId
 
@@ -66,7 +69,8 @@ def _load(entry: _Entry) -> Codec:
         codec = _instances.get(entry.name)
         if codec is None:
             module_name, cls_name = entry.target.split(":")
-            codec = getattr(importlib.import_module(module_name), cls_name)()
+            kernels = fused if entry.name in fused.FUSED_CODECS else None
+            codec = getattr(importlib.import_module(module_name), cls_name)(kernels)
             if codec.name != entry.name or codec.codec_id != entry.codec_id:
                 raise CodecError(f"registry entry {entry} does not match {codec!r}")
             _instances[entry.name] = codec

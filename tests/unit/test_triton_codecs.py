@@ -150,3 +150,12 @@ def test_bad_arguments_are_refused_by_name() -> None:
         encode_blocks(c, cache, torch.tensor([0, 1], device=DEVICE), Kind.KEY, payload)
     with pytest.raises(CodecError, match="cache must be float32/bf16"):
         encode_blocks(c, cache.half(), torch.tensor([0], device=DEVICE), Kind.KEY, payload)
+
+
+def test_the_registry_builds_each_fused_codec_with_the_kernels():
+    """Codec.encode/decode_into reach the fused kernels only through what the registry built the codec
+    with (base.py does not import fused): every codec fused covers gets it, the others none."""
+    from kvtransfer.codecs import available_codecs, fused, get_codec
+
+    for name in available_codecs():
+        assert (get_codec(name)._kernels is fused) == (name in fused.FUSED_CODECS), name

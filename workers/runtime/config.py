@@ -1,8 +1,9 @@
 """ModelConfig: the decoder's shape, parsed and validated from a Hugging Face ``config.json``.
 
 Both config dialects are read: transformers 4.x (``rope_theta`` + ``rope_scaling``) and 5.x
-(``rope_parameters``). Anything the engine cannot run is refused here, with a message that says
-what is supported, so a bad checkpoint fails at load time rather than mid-request.
+(``rope_parameters``). A LLaVA config.json is read as its language model's (``text_config``, transformers'
+defaults filled in); llava.py reads the rest of it. Anything the engine cannot run is refused here, with a
+message that says what is supported, so a bad checkpoint fails at load time rather than mid-request.
 """
 
 from __future__ import annotations
@@ -15,11 +16,14 @@ from typing import Any, Literal
 
 from workers.runtime.errors import CheckpointError, UnsupportedArchitectureError
 
-# architecture name in config.json -> whether q/k/v projections carry a bias by design
+# architecture name in config.json -> its model_type (which decides whether q/k/v carry a bias by design)
 SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
 }
+_ARCHITECTURE_OF_TYPE = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}
+# a LLaVA config.json wraps one of those as its language model (``text_config``)
+LLAVA_ARCHITECTURES = ("LlavaForConditionalGeneration",)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 RopeType = Literal["default", "linear", "llama3"]
@@ -108,8 +112,6 @@ class ModelConfig:
     @classmethod
     def from_hf_dict(cls, raw: dict[str, Any]) -> ModelConfig:
         """A Llama/Qwen2 config.json; for a LLaVA one, its language model's (``text_config``)."""
-        from workers.runtime.llava import is_llava, text_config_dict  # llava.py imports this module
-
         if is_llava(raw):
             raw = text_config_dict(raw)
         arch = _architecture(raw)
@@ -179,6 +181,46 @@ class ModelConfig:
         if self.model_type == "llama":
             out.update(attention_bias=self.o_bias, mlp_bias=self.mlp_bias)
         return out
+
+
+# ------------------------------------------------------------------ LLaVA's config.json: its language model
+def is_llava(raw: dict[str, Any]) -> bool:
+    """Whether a parsed config.json describes a LLaVA checkpoint."""
+    archs = raw.get("architectures")
+    if isinstance(archs, list) and any(a in LLAVA_ARCHITECTURES for a in archs):
+        return True
+    return not archs and raw.get("model_type") == "llava"
+
+
+# transformers writes a sub-config's keys that differ from the class defaults only (the Hub's LLaVA 1.5
+# configs list a handful), so a missing key means the default of transformers' config class.
+_TEXT_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+              "num_attention_heads": 32, "max_position_embeddings": 2048, "rms_norm_eps": 1e-6},
+    "qwen2": {"vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 22016, "num_hidden_layers": 32,
+              "num_attention_heads": 32, "num_key_value_heads": 32, "max_position_embeddings": 32768,
+              "rms_norm_eps": 1e-6},
+}
+
+
+def text_config_dict(raw: dict[str, Any]) -> dict[str, Any]:
+    """A LLaVA config.json's language model, as a plain Llama/Qwen2 checkpoint's config.json would carry it."""
+    text = raw.get("text_config")
+    if text is None:
+        text = {"model_type": "llama"}  # LlavaConfig's default
+    if not isinstance(text, dict):
+        raise CheckpointError(f"config.json: text_config must be an object, got {text!r:.80}")
+    model_type = text.get("model_type", "llama")
+    if model_type not in _ARCHITECTURE_OF_TYPE:
+        raise UnsupportedArchitectureError(
+            f"config.json: LLaVA's language model text_config.model_type={model_type!r} is not supported; "
+            f"supported: {', '.join(_ARCHITECTURE_OF_TYPE)}")
+    out = {**_TEXT_DEFAULTS[model_type], **{k: v for k, v in text.items() if v is not None}}
+    out["architectures"] = [_ARCHITECTURE_OF_TYPE[model_type]]
+    out["model_type"] = model_type
+    # LlavaConfig ties the head when either level says so (its __post_init__)
+    out["tie_word_embeddings"] = bool(raw.get("tie_word_embeddings")) or bool(text.get("tie_word_embeddings"))
+    return out
 
 
 # ------------------------------------------------------------------ reading checkpoint files
@@ -288,9 +330,8 @@ def _architecture(raw: dict[str, Any]) -> str:
     arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
     if arch is None and not archs:
         # Fall back on model_type when architectures is absent (some hand-written configs).
-        by_type = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}
         model_type = raw.get("model_type")
-        arch = by_type.get(model_type) if isinstance(model_type, str) else None
+        arch = _ARCHITECTURE_OF_TYPE.get(model_type) if isinstance(model_type, str) else None
     if arch is None:
         named = ", ".join(archs) or f"model_type={raw.get('model_type')!r}"
         raise UnsupportedArchitectureError(

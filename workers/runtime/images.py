@@ -1,29 +1,27 @@
 """Image bytes -> the pixel tensors a CLIP tower takes, exactly as HF's CLIPImageProcessor makes them.
 
 Decoding is bounded (formats, pixel count) and every failure is an ``InvalidImageError`` naming the problem;
-the steps and their constants come from the model's ``VisionConfig`` (vision.py), which llava.py fills from a
-checkpoint's image processor settings.
+the steps and their constants come from the model's ``VisionConfig`` (vision_config.py), which llava.py fills
+from a checkpoint's image processor settings.
 """
 
 from __future__ import annotations
 
 import io
 from collections.abc import Container, Sequence
-from typing import TYPE_CHECKING
 
 import torch
 from PIL import Image, UnidentifiedImageError
 from torch import Tensor
 
 from workers.runtime.errors import InvalidImageError
-
-if TYPE_CHECKING:
-    from workers.runtime.vision import VisionConfig
+from workers.runtime.vision_config import VisionConfig
 
 SUPPORTED_IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF")
 # Below Pillow's own bomb limit (89 MP), so anything Pillow would merely warn about is refused here.
 MAX_IMAGE_PIXELS = 64_000_000
 MAX_RESIZED_PIXELS = 16_000_000  # bound on the intermediate of resize-then-crop
+
 
 def preprocess_image(data: bytes, cfg: VisionConfig) -> Tensor:
     """Decode image bytes and preprocess them as CLIP does; bad input raises InvalidImageError."""

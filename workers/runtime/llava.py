@@ -26,21 +26,11 @@ from safetensors import SafetensorError, safe_open
 from workers.runtime.checkpoint import check_finite, renamed, weight_map
 from workers.runtime.config import read_json_object
 from workers.runtime.errors import CheckpointError, UnsupportedArchitectureError
-from workers.runtime.vision import CLIP_MEAN, CLIP_STD, SUPPORTED_RESAMPLE, VisionConfig, VisionEncoder
+from workers.runtime.vision import VisionEncoder
+from workers.runtime.vision_config import CLIP_MEAN, CLIP_STD, SUPPORTED_RESAMPLE, VisionConfig
 
-LLAVA_ARCHITECTURES = ("LlavaForConditionalGeneration",)
-TEXT_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 PROCESSOR_FILE = "preprocessor_config.json"  # the image processor's own file (the Hub's LLaVA folders)
 PROCESSOR_BUNDLE = "processor_config.json"  # transformers 5 nests the image processor here, as "image_processor"
-# transformers writes a sub-config's keys that differ from the class defaults only (the Hub's LLaVA 1.5
-# configs list a handful), so a missing key means the default of transformers' config class.
-_TEXT_DEFAULTS: dict[str, dict[str, Any]] = {
-    "llama": {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
-              "num_attention_heads": 32, "max_position_embeddings": 2048, "rms_norm_eps": 1e-6},
-    "qwen2": {"vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 22016, "num_hidden_layers": 32,
-              "num_attention_heads": 32, "num_key_value_heads": 32, "max_position_embeddings": 32768,
-              "rms_norm_eps": 1e-6},
-}
 _CLIP_VISION_DEFAULTS: dict[str, Any] = {
     "hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12, "num_attention_heads": 12,
     "num_channels": 3, "image_size": 224, "patch_size": 32, "hidden_act": "quick_gelu", "layer_norm_eps": 1e-5}
@@ -49,34 +39,6 @@ _LLAVA_VISION_DEFAULTS: dict[str, Any] = {
     "model_type": "clip_vision_model", "intermediate_size": 4096, "hidden_size": 1024, "patch_size": 14,
     "image_size": 336, "num_hidden_layers": 24, "num_attention_heads": 16}
 _VISION_PARTS = ("vision_tower.", "multi_modal_projector.")
-
-
-def is_llava(raw: dict[str, Any]) -> bool:
-    """Whether a parsed config.json describes a LLaVA checkpoint."""
-    archs = raw.get("architectures")
-    if isinstance(archs, list) and any(a in LLAVA_ARCHITECTURES for a in archs):
-        return True
-    return not archs and raw.get("model_type") == "llava"
-
-
-def text_config_dict(raw: dict[str, Any]) -> dict[str, Any]:
-    """The language model's config.json, as a plain Llama/Qwen2 checkpoint would carry it."""
-    text = raw.get("text_config")
-    if text is None:
-        text = {"model_type": "llama"}  # LlavaConfig's default
-    if not isinstance(text, dict):
-        raise CheckpointError(f"config.json: text_config must be an object, got {text!r:.80}")
-    model_type = text.get("model_type", "llama")
-    if model_type not in TEXT_ARCHITECTURES:
-        raise UnsupportedArchitectureError(
-            f"config.json: LLaVA's language model text_config.model_type={model_type!r} is not supported; "
-            f"supported: {', '.join(TEXT_ARCHITECTURES)}")
-    out = {**_TEXT_DEFAULTS[model_type], **{k: v for k, v in text.items() if v is not None}}
-    out["architectures"] = [TEXT_ARCHITECTURES[model_type]]
-    out["model_type"] = model_type
-    # LlavaConfig ties the head when either level says so (its __post_init__)
-    out["tie_word_embeddings"] = bool(raw.get("tie_word_embeddings")) or bool(text.get("tie_word_embeddings"))
-    return out
 
 
 def image_token_id(raw: dict[str, Any], vocab_size: int) -> int:

@@ -17,7 +17,7 @@ import torch
 
 from workers.runtime import llava
 from workers.runtime.checkpoint import load_into, read_hf_tensors
-from workers.runtime.config import ModelConfig, parse_token_ids, read_json_object
+from workers.runtime.config import ModelConfig, is_llava, parse_token_ids, read_json_object
 from workers.runtime.errors import CheckpointError
 from workers.runtime.model import DecoderModel
 from workers.runtime.tokenizer import Tokenizer
@@ -49,7 +49,7 @@ def image_input(folder: Path, tokenizer: Tokenizer | None) -> ImageInput | None:
     folder = Path(folder)
     raw = read_json_object(folder / "config.json")
     cfg = ModelConfig.from_hf_dict(raw)
-    if llava.is_llava(raw):
+    if is_llava(raw):
         vision = llava.vision_config(folder, raw, cfg.hidden_size)
         token_id = llava.image_token_id(raw, cfg.vocab_size)
         if tokenizer is not None:
@@ -80,7 +80,7 @@ def image_input(folder: Path, tokenizer: Tokenizer | None) -> ImageInput | None:
 def needs_encoder(folder: Path) -> bool:
     """Whether the model has a vision tower (so its deployment needs an encode pool); reads config only."""
     folder = Path(folder)
-    return has_vision(folder) or llava.is_llava(read_json_object(folder / "config.json"))
+    return has_vision(folder) or is_llava(read_json_object(folder / "config.json"))
 
 
 @dataclass
@@ -117,8 +117,8 @@ def load_model(folder: Path | str, dtype: torch.dtype = torch.float32, device: s
         raise CheckpointError(f"{folder}: is not a folder (a checkpoint is a folder holding config.json)")
     raw = read_json_object(folder / "config.json")
     cfg = ModelConfig.from_hf_dict(raw)
-    is_llava = llava.is_llava(raw)
-    tensors = read_hf_tensors(folder, cfg, rename=llava.text_tensor_name if is_llava else None)
+    llava_folder = is_llava(raw)
+    tensors = read_hf_tensors(folder, cfg, rename=llava.text_tensor_name if llava_folder else None)
     model = DecoderModel(cfg, dtype=dtype, device=device)
     load_into(model, tensors)
     del tensors
@@ -134,8 +134,8 @@ def load_model(folder: Path | str, dtype: torch.dtype = torch.float32, device: s
     if with_vision and needs_encoder(folder):
         images = image_input(folder, tokenizer)
         assert images is not None
-        encoder = (llava.load_llava_vision(folder, images.vision, device=device, dtype=dtype) if is_llava
+        encoder = (llava.load_llava_vision(folder, images.vision, device=device, dtype=dtype) if llava_folder
                    else load_vision(folder, device=device, dtype=dtype))
-    elif is_llava and tokenizer is not None:
+    elif llava_folder and tokenizer is not None:
         image_input(folder, tokenizer)  # the tokenizer learns the image token (prompts expand it)
     return LoadedModel(folder, cfg, model, tokenizer, eos, encoder)

@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -24,128 +23,14 @@ from workers.runtime.checkpoint import check_finite
 from workers.runtime.errors import CheckpointError, UnsupportedArchitectureError
 from workers.runtime.fingerprint import module_fingerprint
 
-# Preprocessing lives in images.py (which imports this module for types only); these names stay importable
-# from here, where callers have found them.
+# Preprocessing lives in images.py (as the config does in vision_config.py, so that neither needs the model);
+# these names stay importable from here, where callers have found them.
 from workers.runtime.images import preprocess_image, preprocess_images, preprocess_pil_image  # noqa: F401
+from workers.runtime.vision_config import CLIP_MEAN, CLIP_STD, VisionConfig, default_vision_config
 
 VISION_SUBDIR = "vision"
 # weight file -> the state-dict prefix it holds (CLIP tower as HF writes it; LLaVA projector)
 _FILES = (("model.safetensors", "vision_model."), ("projector.safetensors", "multi_modal_projector."))
-SUPPORTED_ACTS = ("quick_gelu", "gelu")
-SUPPORTED_RESAMPLE = {2: "bilinear", 3: "bicubic"}  # PIL's (and HF's PILImageResampling) numbering
-CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
-CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
-
-
-@dataclass(frozen=True)
-class VisionConfig:
-    """Shape of the ViT and projector, plus the preprocessing constants that go with its weights."""
-
-    image_size: int
-    patch_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    text_hidden_size: int
-    num_channels: int = 3
-    layer_norm_eps: float = 1e-5
-    hidden_act: str = "quick_gelu"
-    # hidden_states index of the features (0 = embeddings, i = after layer i; negative from the end), or
-    # several, whose features are concatenated (LLaVA's list form)
-    vision_feature_layer: int | tuple[int, ...] = -2
-    image_mean: tuple[float, ...] = CLIP_MEAN
-    image_std: tuple[float, ...] = CLIP_STD
-    projector_hidden_act: str = "gelu"
-    # LLaVA's vision_feature_select_strategy: "default" drops the CLS position, "full" keeps it
-    feature_select: Literal["default", "full"] = "default"
-    projector_bias: bool = True  # LLaVA's multimodal_projector_bias
-    # The image processor's: the short side is resized to this (None: image_size), with this PIL filter,
-    # then centre-cropped to image_size, then scaled by rescale_factor and normalised by image_mean/std.
-    resize_shortest_edge: int | None = None
-    resample: int = 3
-    rescale_factor: float = 1 / 255
-    # LlavaImageProcessor's do_pad: first pad to a square of this RGB colour (int(image_mean * 255)); None: no pad
-    pad_color: tuple[int, int, int] | None = None
-
-    def __post_init__(self) -> None:
-        for name in ("image_size", "patch_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                     "num_attention_heads", "text_hidden_size", "num_channels"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise CheckpointError(f"vision config: {name} must be a positive integer, got {value!r}")
-        if self.num_channels != 3:
-            raise CheckpointError(f"vision config: only RGB images are supported, num_channels={self.num_channels}")
-        if self.image_size % self.patch_size:
-            raise CheckpointError(f"vision config: image_size ({self.image_size}) is not a multiple of "
-                                  f"patch_size ({self.patch_size})")
-        if self.hidden_size % self.num_attention_heads:
-            raise CheckpointError(f"vision config: hidden_size ({self.hidden_size}) is not a multiple of "
-                                  f"num_attention_heads ({self.num_attention_heads})")
-        if not isinstance(self.layer_norm_eps, (int, float)) or not self.layer_norm_eps > 0:
-            raise CheckpointError(f"vision config: layer_norm_eps must be positive, got {self.layer_norm_eps!r}")
-        for name in ("hidden_act", "projector_hidden_act"):
-            if getattr(self, name) not in SUPPORTED_ACTS:
-                raise CheckpointError(f"vision config: {name}={getattr(self, name)!r} is not supported "
-                                      f"(supported: {', '.join(SUPPORTED_ACTS)})")
-        n = self.num_hidden_layers
-        layers = self.vision_feature_layer if isinstance(self.vision_feature_layer, tuple) else (
-            self.vision_feature_layer,)
-        # hidden_states has n + 1 entries (embeddings, then one per layer); each index must name one of them
-        if not layers or not all(isinstance(x, int) and not isinstance(x, bool) and -(n + 1) <= x <= n
-                                 for x in layers):
-            raise CheckpointError(f"vision config: vision_feature_layer must be an integer in [{-(n + 1)}, {n}] "
-                                  f"(or a list of them) for {n} layers, got {self.vision_feature_layer!r}")
-        for name in ("image_mean", "image_std"):
-            value = getattr(self, name)
-            if (not isinstance(value, tuple) or len(value) != self.num_channels
-                    or not all(isinstance(v, (int, float)) for v in value)):
-                raise CheckpointError(f"vision config: {name} must be {self.num_channels} numbers, got {value!r}")
-        if not all(s > 0 for s in self.image_std):
-            raise CheckpointError(f"vision config: image_std must be positive, got {self.image_std!r}")
-        if self.feature_select not in ("default", "full"):
-            raise CheckpointError(f"vision config: vision_feature_select_strategy must be 'default' or 'full', "
-                                  f"got {self.feature_select!r}")
-        edge = self.resize_shortest_edge
-        if edge is not None and (not isinstance(edge, int) or isinstance(edge, bool) or edge < self.image_size):
-            raise CheckpointError(f"vision config: the resize target (shortest_edge {edge!r}) must be an integer "
-                                  f">= the crop size {self.image_size}")
-        if self.resample not in SUPPORTED_RESAMPLE:
-            raise CheckpointError(f"vision config: resample {self.resample!r} is not supported (supported: "
-                                  + ", ".join(f"{k} ({v})" for k, v in SUPPORTED_RESAMPLE.items()) + ")")
-        color = self.pad_color
-        if color is not None and (not isinstance(color, tuple) or len(color) != 3
-                                  or not all(isinstance(c, int) and 0 <= c <= 255 for c in color)):
-            raise CheckpointError(f"vision config: pad_color must be 3 integers in [0, 255], got {color!r}")
-        if not isinstance(self.rescale_factor, (int, float)) or not self.rescale_factor > 0:
-            raise CheckpointError(f"vision config: rescale_factor must be positive, got {self.rescale_factor!r}")
-
-    @property
-    def num_patches(self) -> int:
-        return (self.image_size // self.patch_size) ** 2
-
-    @property
-    def num_image_tokens(self) -> int:
-        """Embeddings per image: one per patch, plus the CLS position when ``feature_select`` is "full"."""
-        return self.num_patches + (1 if self.feature_select == "full" else 0)
-
-    @property
-    def feature_layers(self) -> tuple[int, ...]:
-        """The hidden_states indices whose features are used, in order, each in [0, num_hidden_layers]."""
-        layers = self.vision_feature_layer if isinstance(self.vision_feature_layer, tuple) else (
-            self.vision_feature_layer,)
-        return tuple(x if x >= 0 else self.num_hidden_layers + 1 + x for x in layers)
-
-    @property
-    def feature_depth(self) -> int:
-        """How many encoder layers run: later ones do not contribute to the selected features."""
-        return max(self.feature_layers)
-
-
-def default_vision_config(text_hidden_size: int) -> VisionConfig:
-    """A small, CPU-friendly ViT: 112px images, 14px patches, 64 image tokens."""
-    return VisionConfig(image_size=112, patch_size=14, hidden_size=256, intermediate_size=1024,
-                        num_hidden_layers=4, num_attention_heads=4, text_hidden_size=text_hidden_size)
 
 
 def _activation(name: str, x: Tensor) -> Tensor:

@@ -1,15 +1,15 @@
 """Fused int8 kernels (and bf16's finite check) in C, compiled on first use with the system C compiler and
 called via ctypes.
 
-Why: eager torch quantises int8 in six passes over float32 scratch (~2 GB/s logical per core here)
-and dequantises in three, so the codec, not the wire, bounded every int8 transfer. The kernels
-below do each block in two sweeps (an integer max for the scale, then scale-round-store), reading
-the bf16/float32 input once from memory, with the same float32 arithmetic as the eager code, so
-their output is bit-identical to it (tests/unit/test_kv_fast_paths.py checks this).
+Why: eager torch quantises int8 in six passes over float32 scratch and dequantises in three, so the
+codec, not the wire, bounded int8 transfers. The kernels below do each block in two sweeps (an integer
+max for the scale, then scale-round-store), reading the bf16/float32 input once from memory, with the
+same float32 arithmetic as the eager code, so their output is bit-identical to it
+(tests/unit/test_kv_fast_paths.py checks this).
 
-Why C through ctypes and not a torch extension or ``torch.compile``: a 60-line file builds in well
-under a second with no torch headers, and ctypes releases the GIL for the call, so the sender's
-encoder threads run kernels in parallel. The shared object is cached per source and CPU
+Why C through ctypes and not a torch extension or ``torch.compile``: one small file builds with no
+torch headers and no compile step at engine start, and ctypes releases the GIL for the call, so the
+sender's encoder threads run kernels in parallel. The shared object is cached per source and CPU
 (``$EPD_KERNEL_CACHE``, default ~/.cache/epd/kernels). Without a compiler, or with
 ``EPD_NATIVE_KERNELS=0``, ``load()`` returns None and the codecs use their eager torch code.
 """
@@ -53,7 +53,7 @@ int kv_int8_encode(const void *x, int x_bf16, int64_t n, int64_t bs, int64_t h, 
         int64_t base = b * tile;
         /* |x| as integer bits orders like |x| for finite values; NaN/inf sort above them all.
            One pass over the tile in memory order (token, head, dim): a head-major pass strides by
-           h*d and ran 3x slower on inputs not already in cache. */
+           h*d, which is slow on inputs not already in cache. */
         for (int64_t hh = 0; hh < h; hh++) mx[hh] = 0;
         for (int64_t t = 0; t < bs; t++) {
             for (int64_t hh = 0; hh < h; hh++) {

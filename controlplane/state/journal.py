@@ -11,10 +11,18 @@ A request's life, as recorded (text-only requests skip ENCODING):
    MIGRATING   a worker it ran on died or hung; it moves to another (then DECODING again)
 7. FINISHED | FAILED | ABORTED
 
-Each request's entries are a stream (insertion order, capped at ``max_entries``) that expires
-``retention`` seconds after its last write. The index of recent requests is a sorted set scored by the
-last transition time; entries older than ``retention`` and all but the newest ``recent_cap`` are
-trimmed on every write, and the index itself expires when nothing is written for ``retention``.
+Each request's entries are a Redis list, three elements per entry (state, at, detail), in insertion
+order, capped at ``max_entries`` entries, that expires ``retention`` seconds after its last write. The
+index of recent requests is a sorted set scored by the last transition time; entries older than
+``retention`` and all but the newest ``recent_cap`` are trimmed on every write, and the index itself
+expires when nothing is written for ``retention``.
+
+Memory bound: at most ``recent_cap`` requests have a record (a request trimmed from the index by count
+has its record deleted with it; one trimmed by age has expired already). A record is the request's
+transitions and nothing else (no tokens, no prompt): at most ``max_entries`` entries, each a state, a
+time and at most ``MAX_DETAIL`` characters of detail. So the journal holds at most ``recent_cap`` x
+``max_entries`` entries; a typical record (a handful of short entries) is a small list, which Redis
+stores in a few hundred bytes where a stream took several kilobytes.
 """
 
 from __future__ import annotations
@@ -59,18 +67,24 @@ class JournalEntry:
 
 
 # KEYS: the index, then one journal key per entry. ARGV: retention ms, max entries per journal, the index's
-# cutoff score (entries older than it leave the index), the index's cap, then per entry: request id,
-# state, at, detail. Per entry: XADD (exact MAXLEN), PEXPIRE the journal, ZADD GT into the index; then
-# the index is trimmed by age and by count and its expiry renewed.
+# cutoff score (entries older than it leave the index), the index's cap, the journal keys' prefix, then per
+# entry: request id, state, at, detail. Per entry: RPUSH its three fields and LTRIM the journal to its
+# newest max entries, PEXPIRE it, ZADD GT into the index; then the index is trimmed by age (those journals
+# have expired already) and by count, deleting the journals it drops, and its expiry renewed. A journal
+# left as a stream by an older version is replaced, not appended to (WRONGTYPE).
 _RECORD = """
-local ret, maxn = ARGV[1], ARGV[2]
+local ret, keep = ARGV[1], -3 * tonumber(ARGV[2])
 for i = 2, #KEYS do
-  local a = 5 + (i - 2) * 4
-  redis.call('XADD', KEYS[i], 'MAXLEN', maxn, '*', 'state', ARGV[a + 1], 'at', ARGV[a + 2], 'detail', ARGV[a + 3])
+  local a = 6 + (i - 2) * 4
+  if redis.call('TYPE', KEYS[i]).ok == 'stream' then redis.call('DEL', KEYS[i]) end
+  redis.call('RPUSH', KEYS[i], ARGV[a + 1], ARGV[a + 2], ARGV[a + 3])
+  redis.call('LTRIM', KEYS[i], keep, -1)
   redis.call('PEXPIRE', KEYS[i], ret)
   redis.call('ZADD', KEYS[1], 'GT', ARGV[a + 2], ARGV[a])
 end
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', '(' .. ARGV[3])
+local over = redis.call('ZRANGE', KEYS[1], 0, -(tonumber(ARGV[4]) + 1))
+for _, id in ipairs(over) do redis.call('DEL', ARGV[5] .. id) end
 redis.call('ZREMRANGEBYRANK', KEYS[1], 0, -(tonumber(ARGV[4]) + 1))
 redis.call('PEXPIRE', KEYS[1], ret)
 return #KEYS - 1
@@ -120,7 +134,8 @@ class RequestJournal:
             return
         latest = max(e.at for _, e in entries)
         keys = [self._keys.journals()]
-        args: list[object] = [self._retention_ms, self.max_entries, repr(latest - self.retention), self.recent_cap]
+        args: list[object] = [self._retention_ms, self.max_entries, repr(latest - self.retention), self.recent_cap,
+                              self._keys.journal_prefix()]
         for request_id, e in entries:
             keys.append(self._keys.journal(request_id))
             args += (request_id, e.state.value, repr(e.at), e.detail)
@@ -130,8 +145,8 @@ class RequestJournal:
     def history(self, request_id: str) -> list[JournalEntry]:
         """The request's transitions in the order they were recorded; [] if unknown or expired."""
         with self._conn.guard():
-            raw = self._conn.redis.xrange(self._keys.journal(request_id))
-        return [JournalEntry(RequestState(f["state"]), float(f["at"]), f.get("detail", "")) for _, f in raw]
+            raw = self._conn.redis.lrange(self._keys.journal(request_id), 0, -1)
+        return [JournalEntry(RequestState(raw[i]), float(raw[i + 1]), raw[i + 2]) for i in range(0, len(raw) - 2, 3)]
 
     def recent(self, n: int) -> list[str]:
         """Up to ``n`` request ids, most recently active first."""

@@ -11,7 +11,7 @@ names are their indexes.
 |                                       |        | (member worker_id, score lease end) |                            |
 | ``{prefix}:pool:{pool}:target``       | string | none (desired state)                | control plane (scale)      |
 | ``{prefix}:pool:{pool}:configured``   | string | none (replicas the settings asked)  | pool manager (start)       |
-| ``{prefix}:journal:{request_id}``     | stream | retention (default 3600), per write | scheduler                  |
+| ``{prefix}:journal:{request_id}``     | list   | retention (default 3600), per write | scheduler                  |
 | ``{prefix}:journals``                 | zset   | retention, per write; capped length | scheduler                  |
 |                                       |        | (member request_id, score last at)  |                            |
 | ``{prefix}:counter:{name}``           | string | none (monotonic integer)            | any control-plane process  |
@@ -90,7 +90,7 @@ KEY_LAYOUT: tuple[KeySpec, ...] = (
     KeySpec("{prefix}:workers:{pool}", "zset", "2 x lease TTL", "worker; readers prune"),
     KeySpec("{prefix}:pool:{pool}:target", "string", "none", "control plane"),
     KeySpec("{prefix}:pool:{pool}:configured", "string", "none", "pool manager"),
-    KeySpec("{prefix}:journal:{request_id}", "stream", "retention", "scheduler"),
+    KeySpec("{prefix}:journal:{request_id}", "list", "retention", "scheduler"),
     KeySpec("{prefix}:journals", "zset", "retention", "scheduler"),
     KeySpec("{prefix}:counter:{name}", "string", "none", "control plane"),
     KeySpec("{prefix}:counters", "set", "none", "control plane"),
@@ -138,8 +138,12 @@ class KeySpace:
         return f"{self.prefix}:pool:{parse_pool(pool).value}:configured"
 
     def journal(self, request_id: str) -> str:
-        """Stream of one request's state transitions."""
-        return f"{self.prefix}:journal:{validate_id('request id', request_id)}"
+        """List of one request's state transitions (three elements each: state, at, detail)."""
+        return f"{self.journal_prefix()}{validate_id('request id', request_id)}"
+
+    def journal_prefix(self) -> str:
+        """What ``journal(request_id)`` puts before the id (the journal's Lua script deletes by id)."""
+        return f"{self.prefix}:journal:"
 
     def journals(self) -> str:
         """Sorted set of recent request ids, scored by their last transition time (seconds)."""

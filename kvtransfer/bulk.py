@@ -1,10 +1,10 @@
 """The bulk TCP transport: a push travels whole over a plain TCP connection, no gRPC call per push. A
 shared-memory push uses the same connection for its control messages (its bytes stay in the segment).
 
-Why: on this machine grpcio's Python stream moves 0.3-0.45x what a TCP socket does (its receiving
-side copies each message three times), so no codec can bring a gRPC push to the socket's rate; and a
-gRPC call per push (opening it, delivering its request to a handler thread, returning its answer) cost
-~1 ms of a small push's ~1.2 here, more than its data.
+Why: grpcio's Python stream moves a fraction of what a TCP socket does (its receiving side copies each
+message three times), so no codec can bring a gRPC push to the socket's rate; and a gRPC call per push
+(opening it, delivering its request to a handler thread, returning its answer) costs a small push more
+than its data does. docs/performance.md (KV transfer) has the current figures and the command behind them.
 
 Each message is a 5-byte header (kind, then a little-endian uint32 length) and the message's bytes:
 the sender's handshake, chunks and finish (``PushMessage`` bytes, byte for byte what ``Push`` would
@@ -70,10 +70,10 @@ class BulkError(Exception):
 
 
 def tune(sock: socket.socket) -> None:
-    """TCP_NODELAY and keepalive. The buffers are left to the kernel's autotuning (on loopback here up to
-    32 MiB to receive, net.ipv4.tcp_rmem): asking for 4 MiB on both ends, as this did before, turned it
-    off, and 256 MiB pushes ran ~10% slower (A/B, 3 rounds: bf16 103-115 against 93-94 ms; int8 68-71
-    against 59-64 ms). Across hosts autotuning also grows the window to the path's bandwidth-delay product."""
+    """TCP_NODELAY and keepalive. The buffers are left to the kernel's autotuning (up to net.ipv4.tcp_rmem's
+    maximum to receive): setting SO_SNDBUF/SO_RCVBUF turns autotuning off for the socket, which made large
+    pushes slower on loopback, and across hosts autotuning grows the window to the path's bandwidth-delay
+    product."""
     if sock.family in (socket.AF_INET, socket.AF_INET6):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)

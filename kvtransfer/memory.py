@@ -3,8 +3,8 @@
 Every gRPC message of a KV push is a fresh ``bytes`` object of a few MiB on both ends: the sender
 frames each chunk into one, and grpcio hands the receiver's handler one per message. glibc serves
 allocations that size with ``mmap`` (or trims them off the heap when freed), so each message paid
-a page fault, and the kernel zeroing the page, per 4 KiB: 10-50 thousand faults per 256 MiB push
-on each side, measured with /proc/<pid>/stat, and 50-100 ms of system time. With the mmap
+a page fault, and the kernel zeroing the page, per 4 KiB page on each side, in system time that grows
+with the push. With the mmap
 threshold at glibc's maximum (32 MiB) and a high trim threshold, a freed message stays in
 malloc's free lists and the next message reuses its pages.
 
@@ -60,8 +60,8 @@ class BufferPool:
 
     Encoding a chunk into a fresh tensor costs page faults, and the kernel zeroing each page, whenever
     malloc hands back memory from a new mapping. It does that for the encoder threads' own arenas
-    each time one of their heaps empties and is unmapped: perf showed ``clear_page_erms`` and the
-    fault path at ~10% of the sender's CPU in a 256 MiB int8 push. ``take`` returns a free buffer of at
+    each time one of their heaps empties and is unmapped, so the kernel's page clearing and fault path
+    show up in a profile of a large quantised push. ``take`` returns a free buffer of at
     least ``nbytes`` (and at most twice that, so a small chunk does not pin a big buffer) or a new one;
     ``give`` files it for the next chunk, keeping at most ``max_bytes`` of idle buffers (the rest are
     freed as before). Idle buffers stay allocated until ``clear``: the pool's size is the peak of

@@ -2,8 +2,8 @@
 
 For work that lives as long as one stream and may block for all of it (reading a stream's frames,
 writing a stream's chunks): a bounded pool could leave a stream waiting for a thread while the one
-it waits on holds the thread, so this never makes a task wait. Starting a thread per stream cost
-7-19% of a small push's time here; a reused one is woken, not started. Daemon, so a task cut off
+it waits on holds the thread, so this never makes a task wait. Starting a thread per stream is a
+visible share of a small push's time; a reused one is woken, not started. Daemon, so a task cut off
 mid-read never holds up the process's exit.
 """
 

@@ -4,8 +4,8 @@ else on the gRPC Push stream.
 
 The sender creates a segment (mode 0600, so only the same user can open it) and writes each
 chunk's scales and payload at increasing offsets; the receiver maps it by name and reads chunks in
-place. Segments are reused: a fresh tmpfs page costs a page fault on first touch, which held a
-fresh-segment-per-stream design to about 1 GB/s, so the sender keeps a small pool of segments
+place. Segments are reused: a fresh tmpfs page costs a page fault on first touch, which would bound a
+fresh-segment-per-stream design by the fault rate, so the sender keeps a small pool of segments
 (``SegmentPool``) and the receiver keeps its mappings (``SegmentCache``), both populated up front
 (MAP_POPULATE). The sender unlinks its segments when it closes; segments of a sender that died
 are removed by ``reap_orphans`` (names carry the creator's pid), which a new sender runs at start and

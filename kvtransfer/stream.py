@@ -103,8 +103,8 @@ class KVStream:
             hs.shm_name = self._segment.name
             hs.shm_size = self._segment.size
             # Its control messages go over the bulk connection when the receiver has one: a gRPC stream
-            # per push cost ~1 ms more here (a 1-chunk push: 1.6-1.7 against 0.6-0.7 ms), and each
-            # message crossed grpcio's threads on both sides (2-4 ms late under load).
+            # per push costs more than a small push's data, and each message would cross grpcio's
+            # threads on both sides (arriving late under load).
             self._bulk = self._control_connection(target, timeout_s)
         elif transport == "tcp":
             self._bulk = self._open_bulk(target, timeout_s)

@@ -2,9 +2,9 @@
 
 The sender encodes several chunks at once on its encoder threads, and a receiver decodes each
 stream on its handler thread. Left alone, every such thread that calls a torch op opens its own
-OpenMP team of ``torch.get_num_threads()`` workers: two encoder threads on a 2-core machine ran
-six compute threads, whose idle workers spin between ops. Measured on a loaded 2-core machine,
-int8 encoding took 1.4x the CPU time, bf16's finite check 5x, of the same work single-threaded.
+OpenMP team of ``torch.get_num_threads()`` workers: a few encoder threads then run several times
+as many compute threads as there are cores, whose idle workers spin between ops, so the same work
+takes more CPU time than it does single-threaded.
 
 ``torch.set_num_threads`` cannot help: it also changes the process-wide default that every thread
 created afterwards starts from (the engine's, say). OpenMP's thread count, however, is a per-thread

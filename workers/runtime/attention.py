@@ -114,8 +114,8 @@ class StepBatch:
 
 def slot_list(block_table: list[int], start: int, end: int, block_size: int) -> list[int]:
     """Slot indices of tokens [start, end) of a sequence with this block table, as ints: one C-level
-    ``range`` per block touched (a few µs for a short prompt, where building tensors to compute the
-    same list cost ~30 µs per prefill per step)."""
+    ``range`` per block touched, since building tensors to compute the same short list costs more than the
+    list itself, once per prefill per step."""
     out: list[int] = []
     pos = start
     while pos < end:

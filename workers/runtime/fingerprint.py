@@ -12,8 +12,8 @@ from torch import nn
 
 
 def module_fingerprint(module: nn.Module, label: str, header: dict[str, Any]) -> str:
-    """``label-<hex>`` over ``header`` (config fields) and every parameter's name and bytes
-    (xxh3-128; about 10 ms per 50 MB). Cached on the module."""
+    """``label-<hex>`` over ``header`` (config fields) and every parameter's name and bytes (xxh3-128, a
+    non-cryptographic hash chosen for speed: it reads every weight once). Cached on the module."""
     cached = getattr(module, "_epd_fingerprint", None)
     if cached is None:
         h = xxhash.xxh3_128()

@@ -113,6 +113,8 @@ class EngineSettings(_Model):
     max_num_batched_tokens: int = Field(2048, ge=1, description="tokens computed per engine step at most")
     prefill_chunk_size: int = Field(512, ge=1, description="prompt tokens of one sequence per step at most")
     max_model_len: int | None = Field(None, ge=2, description="context limit (default: the model's)")
+    warmup: bool = Field(True, description="a worker runs its largest prefill and decode steps once before it "
+                                           "serves, so its memory peaks at start-up, not later under load")
 
     @field_validator("device")
     @classmethod
@@ -148,7 +150,8 @@ class EngineSettings(_Model):
                             gpu_memory_utilization=self.gpu_memory_utilization, cuda_graphs=self.cuda_graphs,
                             kv_layer_dtypes=kv_layer_dtypes, max_num_seqs=self.max_num_seqs,
                             max_num_batched_tokens=self.max_num_batched_tokens,
-                            prefill_chunk_size=self.prefill_chunk_size, max_model_len=self.max_model_len)
+                            prefill_chunk_size=self.prefill_chunk_size, max_model_len=self.max_model_len,
+                            warmup=self.warmup)
 
 
 class PoolSettings(_Model):

@@ -45,6 +45,8 @@ class ColocatedService(wgrpc.DecodeWorkerServicer):
         self.identity = identity or WorkerIdentity("decode")
         self.bundle = bundle
         self.engine = Engine(bundle.model, bundle.tokenizer, config, bundle.eos_token_ids)
+        if config.warmup:
+            self.engine.warm_up()
         self.loop = EngineLoop(self.engine, name="colocated-loop")
         self._vision_lock = threading.Lock()  # the vision tower runs one batch at a time
 

@@ -61,6 +61,8 @@ class DecodeService(wgrpc.DecodeWorkerServicer):
         dtypes = decode_cache_dtypes(codecs, config.dtype, store)
         self.engine = Engine(bundle.model, bundle.tokenizer,
                              EngineConfig(**{**config.__dict__, "kv_layer_dtypes": dtypes}), bundle.eos_token_ids)
+        if config.warmup:
+            self.engine.warm_up()
         self.loop = EngineLoop(self.engine, name="decode-loop")
         self.receiver = KVReceiver(engine_layout(self.engine, codecs), CacheSink(self.engine.cache),
                                    max_streams=max_streams)

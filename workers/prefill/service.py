@@ -43,6 +43,8 @@ class PrefillService(wgrpc.PrefillWorkerServicer):
                  identity: WorkerIdentity | None = None) -> None:
         self.identity = identity or WorkerIdentity("prefill")
         self.engine = Engine(bundle.model, bundle.tokenizer, config, bundle.eos_token_ids)
+        if config.warmup:
+            self.engine.warm_up()
         self.loop = EngineLoop(self.engine, name="prefill-loop")
         self.sender = sender
         self.streamer = LayerStreamer(self.engine, sender, codecs)

@@ -39,6 +39,7 @@ from workers.runtime.tokenizer import IncrementalDetokenizer, Tokenizer
 if TYPE_CHECKING:
     from workers.runtime.cuda_graphs import DecodeGraphs
     from workers.runtime.kernels.ops import TritonOps
+    from workers.runtime.warmup import WarmupShapes
 
 DTypeName = Literal["float32", "bfloat16"]
 KernelsMode = Literal["auto", "torch", "triton"]
@@ -66,6 +67,8 @@ class EngineConfig:
     cuda_graphs: bool = True  # decode steps replay one CUDA graph per batch bucket (CUDA + kernels only)
     cuda_graph_max_batch: int | None = None  # the largest bucket (None = max_num_seqs); larger steps run eager
     gpu_memory_utilization: float = 0.9  # of the device's total memory, when kv_cache_bytes is None
+    # a worker runs Engine.warm_up() before it serves (its largest steps once, so memory does not step up later)
+    warmup: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -187,6 +190,23 @@ class Engine:
         self._steps = 0
         self._reservations: dict[str, KVReservation] = {}
         self._lock = threading.RLock()
+
+    @property
+    def kernel_ops(self) -> TritonOps | None:
+        """The Triton ops the steps run with, or None for the torch path."""
+        return self._ops
+
+    def warm_up(self) -> WarmupShapes:
+        """Run the largest prefill and decode steps once, before serving, so the allocator's peak is
+        reached at start-up (workers.runtime.warmup). Changes no later output. Call with no request in."""
+        from workers.runtime.warmup import warm_up
+
+        with self._lock:
+            shapes = warm_up(self)
+        log.info("warm-up: prefill chunks %s (first after %d tokens), decode %d x %d tokens, in %.2f s",
+                 shapes.prefill_chunks, shapes.prefill_context, shapes.decode_seqs, shapes.decode_context,
+                 shapes.seconds)
+        return shapes
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,

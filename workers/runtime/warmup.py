@@ -1,0 +1,85 @@
+"""The start-up warm-up: run the largest steps an engine will run before it serves (as vLLM's profile run).
+
+A step's transient tensors (activations, the gathered context of the torch attention path, logits and
+sampling buffers) grow with the batch. The allocator keeps what the largest step so far needed, so without
+a warm-up a worker's resident memory steps up under load the first time a larger batch comes, which looks
+like a leak in a soak. ``warm_up`` runs, once, with no request in the engine:
+
+  1. a prefill step of ``max_num_batched_tokens`` tokens in chunks of ``prefill_chunk_size`` (the first
+     chunk with the longest context the pool holds, so the context gather and its mask are at their
+     largest; the others fresh);
+  2. a decode step of ``max_num_seqs`` sequences, each at an equal share of the pool's tokens (all the
+     pool's blocks in use at once), then sampling of every row (temperature 1, top-p).
+The blocks it writes are taken from the pool and given back; no request, sequence, counter or random
+generator of the engine is touched, so every later output is what it would have been without it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from workers.runtime.attention import DecodeItem, PrefillItem, build_step_batch
+from workers.runtime.sampler import SamplingParams, sample
+
+if TYPE_CHECKING:
+    from workers.runtime.engine import Engine
+
+
+@dataclass(frozen=True)
+class WarmupShapes:
+    """What the warm-up ran: prefill chunk lengths (tokens), the context of the first chunk (tokens before
+    it), the decode batch (sequences) and each decode's context (tokens)."""
+
+    prefill_chunks: tuple[int, ...]
+    prefill_context: int
+    decode_seqs: int
+    decode_context: int
+    seconds: float
+
+
+def warmup_shapes(max_num_batched_tokens: int, prefill_chunk_size: int, max_num_seqs: int, max_model_len: int,
+                  pool_tokens: int) -> tuple[tuple[int, ...], int, int]:
+    """(prefill chunk lengths, first chunk's context, decode context) for these limits; every length fits
+    ``max_model_len`` and one shared block table of at most ``pool_tokens`` tokens."""
+    span = min(max_model_len, pool_tokens)  # tokens the shared block table covers
+    chunks: list[int] = []
+    left = max_num_batched_tokens
+    while left > 0 and len(chunks) < max_num_seqs:
+        n = min(prefill_chunk_size, left, span)
+        chunks.append(n)
+        left -= n
+    context = span - chunks[0]
+    decode_context = max(1, min(span, pool_tokens // max_num_seqs))
+    return tuple(chunks), context, decode_context
+
+
+def warm_up(engine: Engine) -> WarmupShapes:
+    """Run the largest prefill and decode steps once; the engine must hold no request."""
+    began = time.perf_counter()
+    cfg, cache = engine.config, engine.cache
+    alloc, bs = cache.allocator, cache.block_size
+    if engine.has_unfinished() or alloc.num_used:
+        raise RuntimeError("warm_up runs before the engine serves: it holds requests or blocks")
+    chunks, context, decode_context = warmup_shapes(cfg.max_num_batched_tokens, cfg.prefill_chunk_size,
+                                                    cfg.max_num_seqs, engine.max_model_len, alloc.num_free * bs)
+    vocab = engine.model.cfg.vocab_size
+    paged = engine.kernel_ops is not None
+    table = alloc.allocate(cache.blocks_for(min(engine.max_model_len, alloc.num_free * bs)))
+    try:
+        prefills = [PrefillItem([(i * 7 + j) % vocab for j in range(n)], context if i == 0 else 0, table, True)
+                    for i, n in enumerate(chunks)]
+        engine.model(build_step_batch([], prefills, cache, paged_kernels=paged), cache, None, engine.kernel_ops)
+        decodes = [DecodeItem(i % vocab, decode_context - 1, table) for i in range(cfg.max_num_seqs)]
+        logits = engine.model(build_step_batch(decodes, [], cache, paged_kernels=paged), cache, None,
+                              engine.kernel_ops)
+        params = SamplingParams(temperature=1.0, top_p=0.9)
+        sample(logits, [params] * len(decodes), [torch.Generator().manual_seed(i) for i in range(len(decodes))])
+    finally:
+        alloc.free(table)
+    if cache.device.type == "cuda":
+        torch.cuda.synchronize(cache.device)
+    return WarmupShapes(chunks, context, cfg.max_num_seqs, decode_context, time.perf_counter() - began)

@@ -204,7 +204,8 @@ def build(settings: Settings) -> Deployment:
                                 first_token_timeout_s=sch.first_token_timeout_s)
         dep.add("the connections to the workers", dispatcher.close)
         from controlplane.state.journal import BackgroundJournal
-        journal = BackgroundJournal(RequestJournal(conn))  # journal writes stay off the request path
+        # journal writes stay off the request path
+        journal = BackgroundJournal(RequestJournal(conn, recent_cap=settings.redis.journal_cap))
         dep.add("the request journal (writing what it still holds to Redis)", journal.close)
         # routing reads Redis with one bounded try per command; past it, its last good snapshot
         route_conn = conn.with_budget(settings.redis.command_budget_s)

@@ -277,6 +277,8 @@ class RedisSettings(_Model):
     command_budget_s: float = Field(0.25, gt=0, description="on the request path, the time one Redis command may "
                                                              "take (one try); past it routing uses its last good "
                                                              "snapshot")
+    journal_cap: int = Field(10_000, ge=1, description="requests whose journal (state transitions) Redis keeps; "
+                                                       "older ones are deleted (a record is a few hundred bytes)")
 
     @field_validator("url")
     @classmethod

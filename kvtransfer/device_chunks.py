@@ -9,8 +9,8 @@ before anything later can overwrite them; the buffer is the chunk's snapshot, sm
 An encoder thread then finishes the chunk on the side stream (after the encode's event):
 ``to_host_checked`` copies the bytes into a host buffer (pinned, or a shared-memory segment) and checks the
 refusals there (NaN/inf input, int4 out of range) with the torch codec's message; ``to_device_checked``
-copies them into a mapped CUDA IPC segment instead. Codecs without fused kernels (fp32), and a CPU cache,
-encode through the codec itself from a gathered copy (the same bytes).
+copies them into a mapped CUDA IPC segment instead. A CPU cache (or a GPU without Triton) encodes through
+the codec itself from a gathered copy (the same bytes).
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ class DeviceChunk:
 
 def encode_from_cache(codec: Codec, k_cache: torch.Tensor, v_cache: torch.Tensor, ids: torch.Tensor) -> DeviceChunk:
     """Launch the encode of blocks ``ids`` of ``k_cache``/``v_cache`` ([num_blocks, block, heads, dim], float32
-    or bf16, on the device ``ids`` is on) into a new device buffer. Raises CodecError only for a codec that
-    encodes eagerly (fp32, or any codec on a CPU cache), whose refusals come at once."""
+    or bf16, on the device ``ids`` is on) into a new device buffer. Raises CodecError only where the codec
+    encodes eagerly (a CPU cache, or no fused kernels), whose refusals come at once."""
     n = ids.numel()
     shape = (n, *k_cache.shape[1:])
     k_lay, v_lay = codec.layout(shape, Kind.KEY), codec.layout(shape, Kind.VALUE)

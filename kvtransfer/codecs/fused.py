@@ -26,7 +26,7 @@ from kvtransfer.codecs.encoded import CodecError, EncodedTensor, Kind
 
 __all__ = ["FUSED_CODECS", "decode_blocks", "encode_blocks", "encode_blocks_unchecked", "refuse", "usable"]
 
-FUSED_CODECS = ("int8", "fp8", "int4", "bf16")
+FUSED_CODECS = ("int8", "fp8", "int4", "bf16", "fp32")
 
 
 @functools.cache
@@ -82,14 +82,14 @@ def encode_blocks(codec: Codec, cache: torch.Tensor, ids: torch.Tensor, kind: Ki
 
 def refuse(codec: Codec, scales: torch.Tensor, flags: torch.Tensor | None) -> None:
     """Raise the torch codec's CodecError when an encode's outputs say its input was refused: int8/fp8 by a
-    non-finite scale, int4/bf16 by their per-program ``flags``. On device tensors this waits for the encode;
+    non-finite scale, int4/bf16/fp32 by their per-program ``flags``. On device tensors this waits for the encode;
     a caller that must not wait copies them to the host first (they are small)."""
     if codec.name in ("int8", "fp8"):
         _refuse_non_finite_scales(codec, scales)
     elif codec.name == "int4":
         assert flags is not None
         _refuse_int4(codec, flags)
-    elif codec.name == "bf16":
+    elif codec.name in ("bf16", "fp32"):
         assert flags is not None
         if bool(flags.any()):
             raise_non_finite(codec.name)
@@ -97,7 +97,7 @@ def refuse(codec: Codec, scales: torch.Tensor, flags: torch.Tensor | None) -> No
 
 def encode_blocks_unchecked(codec: Codec, cache: torch.Tensor, ids: torch.Tensor, kind: Kind | str,
                             payload: torch.Tensor) -> tuple[EncodedTensor, torch.Tensor | None]:
-    """``encode_blocks`` without waiting for the kernels: the encoded tensor, and the int4/bf16 refusal
+    """``encode_blocks`` without waiting for the kernels: the encoded tensor, and the int4/bf16/fp32 refusal
     flags (None for int8/fp8); hand both to ``refuse`` once they are ready. Launch-only: no host sync."""
     kind = Kind.parse(kind)
     shape = _check(codec, cache, ids)
@@ -146,6 +146,13 @@ def encode_blocks_unchecked(codec: Codec, cache: torch.Tensor, ids: torch.Tensor
         be = _p2(h * d)
         _launch(bf16_encode_kernel, (n,), cache.view(torch.int16) if in_bf16 else cache, ids,
                 payload.view(torch.int16), flags, bs, h, d, *strides, BT=_tokens(bs, be), BE=be, IN_BF16=in_bf16)
+    elif name == "fp32":
+        from kvtransfer.codecs.triton_fp32 import fp32_encode_kernel
+        flags = torch.empty(n, dtype=torch.int32, device=dev)
+        in_bf16 = cache.dtype == torch.bfloat16
+        be = _p2(h * d)
+        _launch(fp32_encode_kernel, (n,), cache.view(torch.int16 if in_bf16 else torch.int32), ids,
+                payload.view(torch.int32), flags, bs, h, d, *strides, BT=_tokens(bs, be), BE=be, IN_BF16=in_bf16)
     else:
         raise CodecError(f"codec {name!r} has no fused kernels (fused: {', '.join(FUSED_CODECS)})")
     return EncodedTensor(codec.codec_id, kind, shape, payload, scales, zeros), flags
@@ -163,7 +170,8 @@ def decode_blocks(codec: Codec, enc: EncodedTensor, cache: torch.Tensor, ids: to
     strides = tuple(cache.stride())
     name = codec.name
     out_bf16 = cache.dtype == torch.bfloat16
-    cache = cache.view(torch.int16) if out_bf16 else cache  # bf16 is stored as rounded bits (triton_common)
+    # bf16 is stored as rounded bits (triton_common); fp32's payload lands as float32 bits, untouched
+    cache = cache.view(torch.int16) if out_bf16 else cache.view(torch.int32) if name == "fp32" else cache
     if name == "int8":
         from kvtransfer.codecs.triton_int8_fp8 import int8_decode_kernel
         bd = _p2(d)
@@ -187,6 +195,11 @@ def decode_blocks(codec: Codec, enc: EncodedTensor, cache: torch.Tensor, ids: to
         from kvtransfer.codecs.triton_bf16 import bf16_decode_kernel
         be = _p2(h * d)
         _launch(bf16_decode_kernel, (n,), enc.payload.view(torch.int16), cache, ids, bs, h, d, *strides,
+                BT=_tokens(bs, be), BE=be, OUT_BF16=out_bf16)
+    elif name == "fp32":
+        from kvtransfer.codecs.triton_fp32 import fp32_decode_kernel
+        be = _p2(h * d)
+        _launch(fp32_decode_kernel, (n,), enc.payload.view(torch.int32), cache, ids, bs, h, d, *strides,
                 BT=_tokens(bs, be), BE=be, OUT_BF16=out_bf16)
     else:
         raise CodecError(f"codec {name!r} has no fused kernels (fused: {', '.join(FUSED_CODECS)})")

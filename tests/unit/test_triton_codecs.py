@@ -19,7 +19,7 @@ pytestmark = pytest.mark.unit
 # head count that is not a power of two, block 64 the token loops and int4's two key groups per block.
 SHAPES = [(6, 4, 2, 8), (4, 2, 3, 64), (2, 64, 1, 4), (5, 3, 1, 6)]
 IDS = [2, 0, 3]  # out of order, with gaps: blocks are addressed by index
-CODECS = ["int8", "fp8", "int4", "bf16"]
+CODECS = ["int8", "fp8", "int4", "bf16", "fp32"]
 
 
 def _cache(shape: tuple[int, int, int, int], dtype: torch.dtype, seed: int) -> torch.Tensor:
@@ -159,3 +159,25 @@ def test_the_registry_builds_each_fused_codec_with_the_kernels():
 
     for name in available_codecs():
         assert (get_codec(name)._kernels is fused) == (name in fused.FUSED_CODECS), name
+
+
+def test_fp32_moves_the_bits_from_strided_blocks_and_rounds_only_into_bf16():
+    """fp32 is a raw copy: -0.0, subnormals and the largest float32 keep their bits, read from a cache
+    that is a strided view (every other head of a wider tensor); decoding into a bf16 cache rounds half
+    to even as torch's cast does (ties both ways), into a float32 one it changes nothing."""
+    wide = _cache((4, 4, 4, 8), torch.float32, 9)
+    cache = wide[:, :, ::2]  # [4, 4, 2, 8], not contiguous
+    special = torch.tensor([-0.0, 2.0**-149, -(2.0**-140), 3.4028234663852886e38,
+                            1.0 + 2.0**-8, 1.0 + 3 * 2.0**-8, -(1.0 + 2.0**-8), 2.0**-126])
+    cache[1, 2, 1] = special.to(DEVICE)
+    assert not cache.is_contiguous()
+    ids = torch.tensor([3, 1], dtype=torch.long, device=DEVICE)
+    _assert_same_bytes("fp32", cache, ids, Kind.VALUE)
+    c = get_codec("fp32")
+    payload = torch.empty(c.payload_nbytes((2, 4, 2, 8), Kind.KEY), dtype=torch.uint8, device=DEVICE)
+    enc = encode_blocks(c, cache, ids, Kind.KEY, payload)
+    assert torch.equal(_bits(enc.payload.view(torch.float32).view(2, 4, 2, 8)[1, 2, 1]), _bits(special))
+    for dtype in (torch.float32, torch.bfloat16):
+        dest = torch.zeros((5, 4, 4, 8), dtype=dtype, device=DEVICE)[:, :, 1::2]  # strided destination
+        decode_blocks(c, enc, dest, ids)
+        assert torch.equal(_bits(dest[1, 2, 1]), _bits(special.to(dtype))), dtype

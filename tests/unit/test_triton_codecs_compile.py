@@ -20,7 +20,7 @@ import json
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from kvtransfer.codecs import triton_bf16 as kb, triton_int4 as k4, triton_int8_fp8 as k8
+from kvtransfer.codecs import triton_bf16 as kb, triton_fp32 as kf, triton_int4 as k4, triton_int8_fp8 as k8
 
 rows = {"bs": "i32", "H": "i32", "D": "i32"}
 strides = {"sb": "i64", "st": "i64", "sh": "i64", "sd": "i64"}
@@ -50,6 +50,11 @@ cases = [
      {"BT": 4, "BE": 1024, "IN_BF16": False}),
     (kb.bf16_decode_kernel, {"payload": "*i16", "dst": "*fp32", "ids": "*i64", **rows, **strides, "BT": "constexpr",
                              "BE": "constexpr", "OUT_BF16": "constexpr"}, {"BT": 4, "BE": 1024, "OUT_BF16": False}),
+    (kf.fp32_encode_kernel, {"src": "*i16", "ids": "*i64", "payload": "*i32", "flags": "*i32", **rows, **strides,
+                             "BT": "constexpr", "BE": "constexpr", "IN_BF16": "constexpr"},
+     {"BT": 4, "BE": 1024, "IN_BF16": True}),
+    (kf.fp32_decode_kernel, {"payload": "*i32", "dst": "*i16", "ids": "*i64", **rows, **strides, "BT": "constexpr",
+                             "BE": "constexpr", "OUT_BF16": "constexpr"}, {"BT": 4, "BE": 1024, "OUT_BF16": True}),
 ]
 import inspect
 if "constexprs" not in inspect.signature(ASTSource).parameters:  # the ahead-of-time API of Triton >= 3.3
@@ -72,7 +77,7 @@ def test_kernels_compile_for_sm90_with_exact_rounding() -> None:
     counts = json.loads(proc.stdout.strip().splitlines()[-1])
     if "skip" in counts:
         pytest.skip(counts["skip"])
-    assert len(counts) == 9
+    assert len(counts) == 11
     for name, c in counts.items():
         assert c["fma."] == 0, f"{name}: a fused multiply-add rounds differently from the torch codec"
         assert c["div.full"] == 0 and c["div.approx"] == 0, f"{name}: approximate division"

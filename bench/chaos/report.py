@@ -119,6 +119,8 @@ class SoakReport:
     blocks_baseline: int
     blocks_end: int
     samples: list[SoakSample]
+    warmup_s: float = 0.0  # into the soak, where growth is measured from (seconds)
+    journal_cap: int = 0  # the deployment's redis.journal_cap (requests whose journal Redis keeps)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -127,7 +129,13 @@ class SoakReport:
 def format_soak(s: SoakReport) -> str:
     lines = [f"soak {s.minutes:g} min at {s.rate_rps:.2f} req/s (70% of {s.capacity_rps:.2f} measured): "
              f"{s.requests} requests, {s.failed} failed, {s.matched} equal to generate()",
-             f"KV blocks used: baseline {s.blocks_baseline}, end {s.blocks_end}", "RSS growth after warm-up:"]
+             f"KV blocks used: baseline {s.blocks_baseline}, peak {max((x.blocks_used for x in s.samples), default=0)}"
+             f" (sampled), end {s.blocks_end}",
+             f"RSS growth after warm-up (from {s.warmup_s:g} s in; request journal capped at {s.journal_cap}):"]
+    first = next((x for x in s.samples if x.at_s >= s.warmup_s), None)
+    last = s.samples[-1] if s.samples else None
     for name, g in sorted(s.rss_growth_pct.items()):
-        lines.append(f"  {name:<40}{g:+.1f}%")
+        mb = (f"  ({first.rss[name] / 2**20:.1f} -> {last.rss[name] / 2**20:.1f} MiB)"
+              if first is not None and last is not None and name in first.rss and name in last.rss else "")
+        lines.append(f"  {name:<40}{g:+.1f}%{mb}")
     return "\n".join(lines)

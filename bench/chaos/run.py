@@ -10,7 +10,11 @@ stopped (SIGSTOP for ``stop_s``, then SIGCONT). Each answer is compared with the
   5. report    completed / failed / migrated (from the request journal), agreement, blocks left,
                recovery time per fault, p50/p99 before, during and after each.
 With ``soak_minutes``: capacity is measured (closed loop), then a steady 70% of it runs for that long
-while each process's RSS and the blocks in use are sampled; growth after warm-up is reported.
+while each process's RSS and the blocks in use are sampled; growth after warm-up is reported. The
+workers reach their memory peak before they serve (``engine.warmup``), so the soak's own warm-up is
+its first ``SOAK_WARMUP_S`` (or a fifth of a shorter soak). The deployment keeps the journals of the last
+``SOAK_JOURNAL_CAP`` requests (``redis.journal_cap``), which the capacity probe and the warm-up fill, so
+Redis's bounded journal is at its cap before growth is measured rather than filling during it.
 """
 
 from __future__ import annotations
@@ -27,6 +31,9 @@ from bench.chaos.load import LoadDriver, Outcome
 from bench.chaos.procs import cmdline, descendants, listening_pid, private_redis, rss_bytes
 from bench.chaos.report import ChaosReport, SoakReport, SoakSample, Window, fault_figures
 from controlplane.settings import RedisSettings, SchedulerSettings
+
+SOAK_WARMUP_S = 60.0
+SOAK_JOURNAL_CAP = 500
 
 
 @dataclass(frozen=True)
@@ -145,7 +152,7 @@ def _labels(dep: Deployment, pids: list[int]) -> dict[int, str]:
 def soak(cfg: ChaosConfig, say: Callable[[str], None] = print, sample_s: float = 15.0) -> SoakReport:
     assert cfg.soak_minutes is not None
     with tempfile.TemporaryDirectory(prefix="epd-soak-") as tmp:
-        dep = Deployment(cfg.model, cfg.replicas, Path(tmp))
+        dep = Deployment(cfg.model, cfg.replicas, Path(tmp), extra={"redis": {"journal_cap": SOAK_JOURNAL_CAP}})
         say(f"starting epd serve ({cfg.replicas} replicas per pool) ...")
         dep.start()
         try:
@@ -171,9 +178,10 @@ def soak(cfg: ChaosConfig, say: Callable[[str], None] = print, sample_s: float =
             end_blocks = _wait_blocks_free(dep)
         finally:
             dep.stop()
-    warm = next((s for s in samples if s.at_s >= min(120.0, cfg.soak_minutes * 60 / 5)), samples[0])
+    warmup_s = min(SOAK_WARMUP_S, cfg.soak_minutes * 60 / 5)
+    warm = next((s for s in samples if s.at_s >= warmup_s), samples[0])
     last = samples[-1]
     growth = {k: 100.0 * (last.rss[k] - v) / v for k, v in warm.rss.items() if k in last.rss and v}
     outs = driver.outcomes
     return SoakReport(cfg.soak_minutes, round(capacity, 3), round(rate, 3), len(outs), sum(not o.ok for o in outs),
-                      sum(o.match for o in outs), growth, baseline, end_blocks, samples)
+                      sum(o.match for o in outs), growth, baseline, end_blocks, samples, warm.at_s, SOAK_JOURNAL_CAP)

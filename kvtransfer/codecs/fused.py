@@ -7,6 +7,10 @@ that device). ``decode_blocks(enc, cache, ids)`` writes the decoded blocks strai
 blocks ``ids``. Both produce exactly the torch codecs' bytes and values (tests hold them to it under
 ``TRITON_INTERPRET=1``) and refuse non-finite input with the same ``CodecError``.
 
+int8 and fp8 also encode from a quantised cache (``paged.QuantizedBlocks``: codes and a scale per
+(token, head)), dequantising as they read, with the torch codec's bytes over ``QuantizedBlocks.gather``;
+``encodes_from`` says whether a codec's blocks are read straight from a given cache.
+
 ``usable(device)``: True on a CUDA device when Triton imports, or under ``TRITON_INTERPRET=1``
 (the interpreter runs them on CPU tensors: that is how they are tested without a GPU). This module is
 a ``base.BlockKernels``: the registry builds each codec in ``FUSED_CODECS`` with it, and the codec calls
@@ -23,10 +27,13 @@ import torch
 
 from kvtransfer.codecs.base import Codec, raise_non_finite
 from kvtransfer.codecs.encoded import CodecError, EncodedTensor, Kind
+from kvtransfer.codecs.paged import QuantizedBlocks
 
-__all__ = ["FUSED_CODECS", "decode_blocks", "encode_blocks", "encode_blocks_unchecked", "refuse", "usable"]
+__all__ = ["FUSED_CODECS", "QUANTIZED_SOURCE_CODECS", "decode_blocks", "encode_blocks", "encode_blocks_unchecked",
+           "encodes_from", "refuse", "usable"]
 
 FUSED_CODECS = ("int8", "fp8", "int4", "bf16", "fp32")
+QUANTIZED_SOURCE_CODECS = ("int8", "fp8")  # their encode kernels also read a quantised cache
 
 
 @functools.cache
@@ -62,8 +69,21 @@ def _launch(kernel: Any, grid: tuple[int, ...], *args: object, **meta: object) -
     kernel[grid](*args, **meta)
 
 
-def _check(codec: Codec, cache: torch.Tensor, ids: torch.Tensor) -> tuple[int, int, int, int]:
-    if cache.dim() != 4 or cache.dtype not in (torch.float32, torch.bfloat16):
+def encodes_from(codec: Codec, cache: torch.Tensor | QuantizedBlocks) -> bool:
+    """True when ``codec`` (as the registry built it) encodes blocks straight from ``cache`` with these
+    kernels: a CUDA cache, where they are usable, of a codec they cover; for a quantised cache, one of
+    ``QUANTIZED_SOURCE_CODECS``. Otherwise the caller gathers the blocks and encodes them with the codec."""
+    if isinstance(cache, QuantizedBlocks):
+        return codec.name in QUANTIZED_SOURCE_CODECS and codec._fused(cache.data) is not None
+    return codec._fused(cache) is not None
+
+
+def _check(codec: Codec, cache: torch.Tensor | QuantizedBlocks, ids: torch.Tensor) -> tuple[int, int, int, int]:
+    if isinstance(cache, QuantizedBlocks):
+        if codec.name not in QUANTIZED_SOURCE_CODECS:
+            raise CodecError(f"codec {codec.name!r} has no kernel reading a quantised cache (those that do: "
+                             f"{', '.join(QUANTIZED_SOURCE_CODECS)})")
+    elif cache.dim() != 4 or cache.dtype not in (torch.float32, torch.bfloat16):
         raise CodecError(f"cache must be float32/bf16 [num_blocks, block_size, kv_heads, head_dim], got "
                          f"{cache.dtype} {tuple(cache.shape)}")
     if ids.device != cache.device or ids.dtype != torch.long or ids.dim() != 1:
@@ -73,7 +93,17 @@ def _check(codec: Codec, cache: torch.Tensor, ids: torch.Tensor) -> tuple[int, i
     return codec._check_shape((ids.numel(), bs, h, d))
 
 
-def encode_blocks(codec: Codec, cache: torch.Tensor, ids: torch.Tensor, kind: Kind | str,
+def _source(cache: torch.Tensor | QuantizedBlocks) -> tuple[torch.Tensor, torch.Tensor, tuple[int, ...], int, bool]:
+    """The int8/fp8 encode kernels' source arguments: the tensor read, the scales read (the tensor itself,
+    never read, for a float cache), the scales' strides, SRC and ROUND_BF16 (triton_common._load_src)."""
+    if not isinstance(cache, QuantizedBlocks):
+        return cache, cache, (0, 0, 0), 0, False
+    fp8 = cache.data.dtype == torch.float8_e4m3fn
+    src = cache.data.view(torch.uint8) if fp8 else cache.data
+    return src, cache.scales, tuple(cache.scales.stride()), 2 if fp8 else 1, cache.dtype == torch.bfloat16
+
+
+def encode_blocks(codec: Codec, cache: torch.Tensor | QuantizedBlocks, ids: torch.Tensor, kind: Kind | str,
                   payload: torch.Tensor) -> EncodedTensor:
     enc, flags = encode_blocks_unchecked(codec, cache, ids, kind, payload)
     refuse(codec, enc.scales, flags)
@@ -95,8 +125,8 @@ def refuse(codec: Codec, scales: torch.Tensor, flags: torch.Tensor | None) -> No
             raise_non_finite(codec.name)
 
 
-def encode_blocks_unchecked(codec: Codec, cache: torch.Tensor, ids: torch.Tensor, kind: Kind | str,
-                            payload: torch.Tensor) -> tuple[EncodedTensor, torch.Tensor | None]:
+def encode_blocks_unchecked(codec: Codec, cache: torch.Tensor | QuantizedBlocks, ids: torch.Tensor,
+                            kind: Kind | str, payload: torch.Tensor) -> tuple[EncodedTensor, torch.Tensor | None]:
     """``encode_blocks`` without waiting for the kernels: the encoded tensor, and the int4/bf16/fp32 refusal
     flags (None for int8/fp8); hand both to ``refuse`` once they are ready. Launch-only: no host sync."""
     kind = Kind.parse(kind)
@@ -105,23 +135,28 @@ def encode_blocks_unchecked(codec: Codec, cache: torch.Tensor, ids: torch.Tensor
     if payload.device != cache.device or payload.dtype != torch.uint8 or payload.numel() != layout.payload_nbytes:
         raise CodecError(f"payload must be {layout.payload_nbytes} uint8 bytes on {cache.device}")
     n, bs, h, d = shape
-    strides = tuple(cache.stride())
     dev = cache.device
     scales = torch.empty(layout.scales_shape, dtype=layout.scales_dtype, device=dev)
     zeros = None
     flags = None
     name = codec.name
-    if name == "int8":
-        from kvtransfer.codecs.triton_int8_fp8 import int8_encode_kernel
-        bd = _p2(d)
-        _launch(int8_encode_kernel, (n, h), cache, ids, payload.view(torch.int8), scales, bs, h, d, *strides,
-                BT=_tokens(bs, bd), BD=bd)
-    elif name == "fp8":
-        from kvtransfer.codecs.triton_int8_fp8 import fp8_encode_kernel
-        be = _p2(h * d)
-        _launch(fp8_encode_kernel, (n,), cache, ids, payload, scales, bs, h, d, *strides,
-                BT=_tokens(bs, be), BE=be)
-    elif name == "int4":
+    if name in QUANTIZED_SOURCE_CODECS:
+        src, sscale, sstrides, mode, round_bf16 = _source(cache)
+        args = (bs, h, d, *src.stride(), *sstrides)
+        if name == "int8":
+            from kvtransfer.codecs.triton_int8_fp8 import int8_encode_kernel
+            bd = _p2(d)
+            _launch(int8_encode_kernel, (n, h), src, sscale, ids, payload.view(torch.int8), scales, *args,
+                    BT=_tokens(bs, bd), BD=bd, SRC=mode, ROUND_BF16=round_bf16)
+        else:
+            from kvtransfer.codecs.triton_int8_fp8 import fp8_encode_kernel
+            be = _p2(h * d)
+            _launch(fp8_encode_kernel, (n,), src, sscale, ids, payload, scales, *args,
+                    BT=_tokens(bs, be), BE=be, SRC=mode, ROUND_BF16=round_bf16)
+        return EncodedTensor(codec.codec_id, kind, shape, payload, scales, zeros), flags
+    assert isinstance(cache, torch.Tensor)  # _check refused a quantised cache for the other codecs
+    strides = tuple(cache.stride())
+    if name == "int4":
         from kvtransfer.codecs.int4 import key_group, value_group
         from kvtransfer.codecs.triton_int4 import int4_key_encode_kernel, int4_value_encode_kernel
         zeros = torch.empty(layout.zeros_shape, dtype=layout.scales_dtype, device=dev)  # type: ignore[arg-type]  # int4 always has a zeros shape

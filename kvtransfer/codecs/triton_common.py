@@ -110,3 +110,23 @@ def _store_out(ptr, y, mask, OUT_BF16: tl.constexpr):
         tl.store(ptr, _bf16_bits(y).to(tl.int16), mask=mask)
     else:
         tl.store(ptr, y, mask=mask)
+
+
+@triton.jit
+def _load_src(src, sscale, off, soff, mask, SRC: tl.constexpr, ROUND_BF16: tl.constexpr):
+    """float32 values of a cache tile: SRC 0 reads a float32/bf16 cache at ``src + off``; SRC 1 (int8) and
+    2 (fp8 e4m3 codes viewed as uint8) read codes there and multiply each by its (token, head) scale at
+    ``sscale + soff``, rounded to bf16 when ROUND_BF16, as the engine's gather of a quantised cache does
+    (kvtransfer.codecs.paged). Masked elements read 0."""
+    if SRC == 0:
+        x = tl.load(src + off, mask=mask, other=0.0).to(tl.float32)
+    else:
+        c = tl.load(src + off, mask=mask, other=0)
+        if SRC == 1:
+            q = c.to(tl.float32)
+        else:
+            q = _from_e4m3(c.to(tl.int32) & 0xFF)
+        x = q * tl.load(sscale + soff, mask=mask, other=0.0)
+        if ROUND_BF16:
+            x = (_bf16_bits(x) << 16).to(tl.float32, bitcast=True)
+    return x

@@ -6,6 +6,8 @@ the same tests run the compiled kernels. Sizes stay tiny: the interpreter runs e
 
 from __future__ import annotations
 
+from typing import Literal
+
 import pytest
 import torch
 
@@ -181,3 +183,82 @@ def test_fp32_moves_the_bits_from_strided_blocks_and_rounds_only_into_bf16():
         dest = torch.zeros((5, 4, 4, 8), dtype=dtype, device=DEVICE)[:, :, 1::2]  # strided destination
         decode_blocks(c, enc, dest, ids)
         assert torch.equal(_bits(dest[1, 2, 1]), _bits(special.to(dtype))), dtype
+
+
+def _quantised(shape: tuple[int, int, int, int], qdtype: torch.dtype, dtype: torch.dtype, seed: int):
+    """A quantised cache layer as the engine stores one: codes and a float32 scale per (token, head)."""
+    from kvtransfer.codecs.paged import QuantizedBlocks
+
+    x = _cache(shape, torch.float32, seed).cpu()
+    qmax = 127.0 if qdtype == torch.int8 else 448.0
+    scales = x.abs().amax(-1).clamp_min(1e-12) / qmax
+    q = x / scales[..., None]
+    codes = q.round().clamp(-qmax, qmax).to(qdtype) if qdtype == torch.int8 else q.to(qdtype)
+    return QuantizedBlocks(codes.to(DEVICE), scales.to(DEVICE), dtype)
+
+
+@pytest.mark.parametrize("codec", ["int8", "fp8"])
+@pytest.mark.parametrize("qdtype", [torch.int8, torch.float8_e4m3fn], ids=["int8-cache", "fp8-cache"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_int8_fp8_encode_straight_from_a_quantised_cache(codec: str, qdtype: torch.dtype, dtype: torch.dtype):
+    """The kernels dequantise as they read (code * scale, rounded to the engine's dtype) and write the bytes
+    the torch codec writes for the gathered blocks (QuantizedBlocks.gather: the engine's own gather)."""
+    c = get_codec(codec)
+    for shape, kind, seed in (((5, 4, 3, 8), Kind.KEY, 11), ((4, 2, 3, 64), Kind.VALUE, 12)):
+        src = _quantised(shape, qdtype, dtype, seed)
+        ids = _ids(shape[0])
+        ref = c.encode(src.gather(ids).cpu(), kind)
+        payload = torch.empty(ref.payload.numel(), dtype=torch.uint8, device=DEVICE)
+        enc = encode_blocks(c, src, ids, kind, payload)
+        assert torch.equal(_bits(enc.payload), ref.payload), (shape, kind)
+        assert torch.equal(_bits(enc.scales), _bits(ref.scales)), (shape, kind)
+
+
+def test_a_quantised_cache_read_through_strides_and_its_refusals():
+    """A strided quantised cache (every other head) encodes the same bytes; a NaN fp8 code or an inf scale
+    is refused with the torch codec's message; other codecs refuse a quantised cache by name."""
+    from kvtransfer.codecs.paged import QuantizedBlocks
+
+    wide = _quantised((4, 4, 4, 8), torch.float8_e4m3fn, torch.bfloat16, 13)
+    src = QuantizedBlocks(wide.data[:, :, ::2], wide.scales[:, :, ::2], torch.bfloat16)
+    ids = torch.tensor([3, 1], dtype=torch.long, device=DEVICE)
+    c = get_codec("fp8")
+    ref = c.encode(src.gather(ids).cpu(), Kind.KEY)
+    payload = torch.empty(ref.payload.numel(), dtype=torch.uint8, device=DEVICE)
+    assert torch.equal(_bits(encode_blocks(c, src, ids, Kind.KEY, payload).payload), ref.payload)
+    for poison in ("code", "scale"):
+        bad = QuantizedBlocks(src.data.clone(), src.scales.clone(), torch.bfloat16)
+        if poison == "code":
+            bad.data.view(torch.uint8)[1, 2, 0, 3] = 0x7F  # e4m3fn NaN
+        else:
+            bad.scales[1, 0, 1] = float("inf")
+        for codec in ("int8", "fp8"):
+            with pytest.raises(CodecError) as want:
+                get_codec(codec).encode(bad.gather(ids).cpu(), Kind.VALUE)
+            with pytest.raises(CodecError) as got:
+                encode_blocks(get_codec(codec), bad, ids, Kind.VALUE, payload)
+            assert str(got.value) == str(want.value) and "NaN or inf" in str(got.value)
+    with pytest.raises(CodecError, match="'int4' has no kernel reading a quantised cache"):
+        encode_blocks(get_codec("int4"), src, ids, Kind.KEY, payload)
+    with pytest.raises(CodecError, match="scales must be float32"):
+        QuantizedBlocks(src.data, src.scales.double(), torch.float32)
+
+
+@pytest.mark.parametrize("name", ["int8", "fp8"])
+def test_quantised_blocks_gather_is_the_engines_gather(name: Literal["int8", "fp8"]):
+    """QuantizedBlocks.gather (the reference the kernels match) equals QuantizedLayerStorage.gather bit for
+    bit, so a layer sent from the cache carries what the gathered snapshot carried."""
+    from kvtransfer.codecs.paged import QuantizedBlocks
+    from workers.runtime.kv_cache import KVCacheSpec, QuantizedLayerStorage, block_slots
+
+    bs, h, d = 4, 2, 8
+    spec = KVCacheSpec(num_layers=1, num_kv_heads=h, head_dim=d, block_size=bs)
+    storage = QuantizedLayerStorage(spec, 6, name, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(3)
+    storage.write(torch.arange(24), torch.randn(24, h, d, generator=gen) * 9, torch.randn(24, h, d, generator=gen))
+    ids = torch.tensor([4, 1, 5])
+    for dtype in (torch.float32, torch.bfloat16):
+        want_k, want_v = storage.gather(block_slots(ids.tolist(), bs, torch.device("cpu")), dtype)
+        for data, scale, want in ((storage.k, storage.k_scale, want_k), (storage.v, storage.v_scale, want_v)):
+            got = QuantizedBlocks(data.view(-1, bs, h, d), scale.view(-1, bs, h), dtype).gather(ids)
+            assert got.dtype == dtype and torch.equal(_bits(got), _bits(want.view(3, bs, h, d)))

@@ -24,15 +24,21 @@ from kvtransfer.codecs import triton_bf16 as kb, triton_fp32 as kf, triton_int4 
 
 rows = {"bs": "i32", "H": "i32", "D": "i32"}
 strides = {"sb": "i64", "st": "i64", "sh": "i64", "sd": "i64"}
+sstrides = {"ssb": "i64", "sst": "i64", "ssh": "i64"}
 g = {"G": "i32"}
 cases = [
-    (k8.int8_encode_kernel, {"src": "*bf16", "ids": "*i64", "payload": "*i8", "scales": "*fp32", **rows, **strides,
-                             "BT": "constexpr", "BD": "constexpr"}, {"BT": 32, "BD": 128}),
+    (k8.int8_encode_kernel, {"src": "*bf16", "sscale": "*bf16", "ids": "*i64", "payload": "*i8", "scales": "*fp32",
+                             **rows, **strides, **sstrides, "BT": "constexpr", "BD": "constexpr", "SRC": "constexpr",
+                             "ROUND_BF16": "constexpr"}, {"BT": 32, "BD": 128, "SRC": 0, "ROUND_BF16": False}),
     (k8.int8_decode_kernel, {"payload": "*i8", "scales": "*fp32", "dst": "*i16", "ids": "*i64", **rows, **strides,
                              "BT": "constexpr", "BD": "constexpr", "OUT_BF16": "constexpr"},
      {"BT": 32, "BD": 128, "OUT_BF16": True}),
-    (k8.fp8_encode_kernel, {"src": "*fp32", "ids": "*i64", "payload": "*u8", "scales": "*fp32", **rows, **strides,
-                            "BT": "constexpr", "BE": "constexpr"}, {"BT": 4, "BE": 1024}),
+    (k8.fp8_encode_kernel, {"src": "*u8", "sscale": "*fp32", "ids": "*i64", "payload": "*u8", "scales": "*fp32",
+                            **rows, **strides, **sstrides, "BT": "constexpr", "BE": "constexpr", "SRC": "constexpr",
+                            "ROUND_BF16": "constexpr"}, {"BT": 4, "BE": 1024, "SRC": 2, "ROUND_BF16": True}),
+    (k8.int8_encode_kernel, {"src": "*i8", "sscale": "*fp32", "ids": "*i64", "payload": "*i8", "scales": "*fp32",
+                             **rows, **strides, **sstrides, "BT": "constexpr", "BD": "constexpr", "SRC": "constexpr",
+                             "ROUND_BF16": "constexpr"}, {"BT": 32, "BD": 128, "SRC": 1, "ROUND_BF16": False}),
     (k8.fp8_decode_kernel, {"payload": "*u8", "scales": "*fp32", "dst": "*fp32", "ids": "*i64", **rows, **strides,
                             "BT": "constexpr", "BE": "constexpr", "OUT_BF16": "constexpr"},
      {"BT": 4, "BE": 1024, "OUT_BF16": False}),
@@ -64,7 +70,8 @@ out = {}
 for fn, sig, const in cases:
     ptx = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=GPUTarget("cuda", 90, 32),
                          options={"enable_fp_fusion": False}).asm["ptx"]
-    out[fn.__name__] = {k: ptx.count(k) for k in ("fma.", "div.full", "div.approx", "div.rn")}
+    name = fn.__name__ + ("_from_quantised" if const.get("SRC") == 1 else "")
+    out[name] = {k: ptx.count(k) for k in ("fma.", "div.full", "div.approx", "div.rn")}
 print(json.dumps(out))
 '''
 
@@ -77,9 +84,10 @@ def test_kernels_compile_for_sm90_with_exact_rounding() -> None:
     counts = json.loads(proc.stdout.strip().splitlines()[-1])
     if "skip" in counts:
         pytest.skip(counts["skip"])
-    assert len(counts) == 11
+    assert len(counts) == 12
     for name, c in counts.items():
         assert c["fma."] == 0, f"{name}: a fused multiply-add rounds differently from the torch codec"
         assert c["div.full"] == 0 and c["div.approx"] == 0, f"{name}: approximate division"
-    for name in ("int8_encode_kernel", "fp8_encode_kernel", "int4_key_encode_kernel"):
+    for name in ("int8_encode_kernel", "int8_encode_kernel_from_quantised", "fp8_encode_kernel",
+                 "int4_key_encode_kernel"):
         assert counts[name]["div.rn"] > 0, f"{name}: scales must be divided with round-to-nearest"

@@ -10,7 +10,8 @@ An encoder thread then finishes the chunk on the side stream (after the encode's
 ``to_host_checked`` copies the bytes into a host buffer (pinned, or a shared-memory segment) and checks the
 refusals there (NaN/inf input, int4 out of range) with the torch codec's message; ``to_device_checked``
 copies them into a mapped CUDA IPC segment instead. A CPU cache (or a GPU without Triton) encodes through
-the codec itself from a gathered copy (the same bytes).
+the codec itself from a gathered copy (the same bytes). A quantised cache layer (``QuantizedBlocks``) is
+read the same way by the int8/fp8 codecs; the others encode it from its gathered, dequantised blocks.
 """
 
 from __future__ import annotations
@@ -20,9 +21,12 @@ from dataclasses import dataclass
 import torch
 
 from kvtransfer.codecs import Codec, EncodedTensor, Kind, fused
+from kvtransfer.codecs.paged import QuantizedBlocks
 from kvtransfer.staging import side_stream, to_host, wait_for_current
 
-__all__ = ["DeviceChunk", "encode_from_cache", "to_device_checked", "to_host_checked"]
+__all__ = ["CacheBlocks", "DeviceChunk", "block_nbytes", "encode_from_cache", "to_device_checked", "to_host_checked"]
+
+CacheBlocks = torch.Tensor | QuantizedBlocks  # one layer's keys or values: a float cache, or a quantised one
 
 
 @dataclass(frozen=True)
@@ -38,10 +42,15 @@ class DeviceChunk:
     deferred: bool  # encoded by the fused kernels: refusals are checked once copied out
 
 
-def encode_from_cache(codec: Codec, k_cache: torch.Tensor, v_cache: torch.Tensor, ids: torch.Tensor) -> DeviceChunk:
+def block_nbytes(cache: CacheBlocks) -> int:
+    """Bytes one block of ``cache`` holds (a quantised one: codes and scales)."""
+    return cache.block_nbytes() if isinstance(cache, QuantizedBlocks) else cache[0].nbytes
+
+
+def encode_from_cache(codec: Codec, k_cache: CacheBlocks, v_cache: CacheBlocks, ids: torch.Tensor) -> DeviceChunk:
     """Launch the encode of blocks ``ids`` of ``k_cache``/``v_cache`` ([num_blocks, block, heads, dim], float32
-    or bf16, on the device ``ids`` is on) into a new device buffer. Raises CodecError only where the codec
-    encodes eagerly (a CPU cache, or no fused kernels), whose refusals come at once."""
+    or bf16, or a ``QuantizedBlocks``, on the device ``ids`` is on) into a new device buffer. Raises CodecError
+    only where the codec encodes eagerly (a CPU cache, or no fused kernels), whose refusals come at once."""
     n = ids.numel()
     shape = (n, *k_cache.shape[1:])
     k_lay, v_lay = codec.layout(shape, Kind.KEY), codec.layout(shape, Kind.VALUE)
@@ -50,15 +59,19 @@ def encode_from_cache(codec: Codec, k_cache: torch.Tensor, v_cache: torch.Tensor
     k_pay = data[s_len:s_len + k_lay.payload_nbytes]
     v_pay = data[s_len + k_lay.payload_nbytes:]
     flags: list[torch.Tensor | None] = [None, None]
-    deferred = codec._fused(k_cache) is not None
+    deferred = fused.encodes_from(codec, k_cache)
     if deferred:
         k, flags[0] = fused.encode_blocks_unchecked(codec, k_cache, ids, Kind.KEY, k_pay)
         v, flags[1] = fused.encode_blocks_unchecked(codec, v_cache, ids, Kind.VALUE, v_pay)
     else:
-        k = codec.encode_into(k_cache.index_select(0, ids), Kind.KEY, k_pay)
-        v = codec.encode_into(v_cache.index_select(0, ids), Kind.VALUE, v_pay)
+        k = codec.encode_into(_gather(k_cache, ids), Kind.KEY, k_pay)
+        v = codec.encode_into(_gather(v_cache, ids), Kind.VALUE, v_pay)
     _put_scales(data, k, v)
     return DeviceChunk(data, codec, n, s_len, (flags[0], flags[1]), wait_for_current(ids.device), deferred)
+
+
+def _gather(cache: CacheBlocks, ids: torch.Tensor) -> torch.Tensor:
+    return cache.gather(ids) if isinstance(cache, QuantizedBlocks) else cache.index_select(0, ids)
 
 
 def _put_scales(data: torch.Tensor, k: EncodedTensor, v: EncodedTensor) -> None:

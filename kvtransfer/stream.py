@@ -42,7 +42,7 @@ from kvtransfer.chunk_builder import Built, ChunkBuilder
 from kvtransfer.chunks import chunk_nbytes
 from kvtransfer.codecs import Codec, CodecError, get_codec
 from kvtransfer.cuda_ipc import IpcError, MappedSegment, lease_request
-from kvtransfer.device_chunks import encode_from_cache
+from kvtransfer.device_chunks import CacheBlocks, block_nbytes, encode_from_cache
 from kvtransfer.errors import TransferFailed
 from kvtransfer.layout import KVLayout
 from kvtransfer.reused_threads import ReusedThreads
@@ -212,13 +212,14 @@ class KVStream:
                                      value[i:i + m], ready)
         self._queue_chunks(codec, n, per_block, make)
 
-    def send_blocks(self, layer: int, first_block: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    def send_blocks(self, layer: int, first_block: int, k_cache: CacheBlocks, v_cache: CacheBlocks,
                     ids: torch.Tensor) -> None:
         """Queue blocks [first_block, first_block + n) of ``layer`` read straight from the paged cache:
-        ``k_cache``/``v_cache`` are the layer's [num_blocks, block, heads, dim] tensors and ``ids`` (long, on
-        their device) the n physical blocks, in order. Each chunk is encoded now on the caller's stream
-        (kvtransfer.device_chunks: launch only, no wait), so the engine may overwrite the blocks in later
-        work on that stream; only the encoded bytes are kept. Returns once queued (may wait for budget)."""
+        ``k_cache``/``v_cache`` are the layer's [num_blocks, block, heads, dim] tensors (``QuantizedBlocks`` for
+        a quantised layer) and ``ids`` (long, on their device) the n physical blocks, in order. Each chunk is
+        encoded now on the caller's stream (kvtransfer.device_chunks: launch only, no wait), so the engine may
+        overwrite the blocks in later work on that stream; only the encoded bytes are kept. Returns once
+        queued (may wait for budget)."""
         self._raise_if_failed()
         if self._finished:
             raise TransferFailed("send_blocks after finish")
@@ -230,7 +231,7 @@ class KVStream:
             raise ValueError(f"blocks {first_block}..{first_block + n - 1} (ids on {ids.device}) do not fit the "
                              f"request's {self.num_blocks} blocks on {k_cache.device}")
         codec = get_codec(self.layout.layer_codecs[layer])
-        per_block = k_cache[0].nbytes + v_cache[0].nbytes
+        per_block = block_nbytes(k_cache) + block_nbytes(v_cache)
 
         def make(i: int, m: int) -> functools.partial[Built]:
             try:

@@ -9,6 +9,7 @@ GPU, for every codec and transport."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from tests.device_audit import DeviceAudit
 from tests.integration.kv_helpers import tiny_model
 from workers.disagg_pair import DisaggPair, model_on_device
 from workers.runtime.engine import DTypeName, Engine, EngineConfig
+from workers.runtime.kv_cache import CacheDType
 from workers.runtime.loader import LoadedModel
 from workers.runtime.sampler import SamplingParams
 
@@ -55,9 +57,10 @@ def _reference(bundle: LoadedModel, device: str = "cpu", dtype: DTypeName = "flo
 
 def _pair_tokens(bundle: LoadedModel, codecs: tuple[str, ...], transport: TransportChoice, *, prefill: str = "cpu",
                  decode: str = "cpu", dtype: DTypeName = "float32", staged: bool | None = None,
-                 forced: list[list[int]] | None = None):
+                 forced: list[list[int]] | None = None, prefill_cache: CacheDType | Literal["auto"] = "auto"):
     with DisaggPair(bundle, codecs,
-                    prefill=EngineConfig(dtype=dtype, device=prefill, block_size=4, kv_cache_bytes=KV_BYTES),
+                    prefill=EngineConfig(dtype=dtype, device=prefill, block_size=4, kv_cache_bytes=KV_BYTES,
+                                         kv_cache_dtype=prefill_cache),
                     decode=EngineConfig(dtype=dtype, device=decode, block_size=4, kv_cache_bytes=KV_BYTES),
                     transport=transport,
                     device_path=staged) as pair:
@@ -86,6 +89,34 @@ def test_cpu_pair_device_paths_land_what_the_host_paths_land(codecs: tuple[str, 
     bundle = _bundle()
     host = _pair_tokens(bundle, codecs, transport, staged=False)
     device = _pair_tokens(bundle, codecs, transport, staged=True)
+    assert [r.token_ids for r in device] == [r.token_ids for r in host]
+    for a, b in zip(device, host):
+        assert all(torch.equal(x, y) for x, y in zip(a.logits[1:], b.logits[1:]))
+
+
+@pytest.mark.parametrize("cache, codecs, transport", [("int8", ("int8", "fp8"), "grpc"),
+                                                      ("fp8", ("fp8", "int4"), "shm")])
+def test_a_quantised_prefill_cache_is_sent_from_the_cache(cache: CacheDType, codecs: tuple[str, str],
+                                                          transport: TransportChoice,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A quantised prefill layer goes through send_blocks (QuantizedBlocks: codes and scales read by block
+    index; on CPU gathered by the torch reference, which the fused kernels match byte for byte) and lands
+    what the gathered snapshot lands: the same tokens and logits."""
+    from kvtransfer.codecs.paged import QuantizedBlocks
+
+    reads: list[int] = []
+    gather = QuantizedBlocks.gather
+
+    def counted(self: QuantizedBlocks, ids: torch.Tensor) -> torch.Tensor:
+        reads.append(ids.numel())
+        return gather(self, ids)
+
+    monkeypatch.setattr(QuantizedBlocks, "gather", counted)
+    bundle = _bundle()
+    host = _pair_tokens(bundle, codecs, transport, staged=False, prefill_cache=cache)
+    assert reads == []
+    device = _pair_tokens(bundle, codecs, transport, staged=True, prefill_cache=cache)
+    assert reads  # the from-cache path read the quantised blocks
     assert [r.token_ids for r in device] == [r.token_ids for r in host]
     for a, b in zip(device, host):
         assert all(torch.equal(x, y) for x, y in zip(a.logits[1:], b.logits[1:]))

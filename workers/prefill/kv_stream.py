@@ -15,12 +15,14 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvtransfer.codecs.paged import QuantizedBlocks
+from kvtransfer.device_chunks import CacheBlocks
 from kvtransfer.errors import TransferFailed
 from kvtransfer.layout import KVLayout
 from kvtransfer.sender import KVSender
 from kvtransfer.stream import KVStream, PushResult
 from workers.runtime.engine import ChunkRef, Engine, LayerKVReady
-from workers.runtime.kv_cache import DenseLayerStorage, block_slots
+from workers.runtime.kv_cache import DenseLayerStorage, QuantizedLayerStorage, block_slots
 
 
 def engine_layout(engine: Engine, layer_codecs: tuple[str, ...]) -> KVLayout:
@@ -40,8 +42,9 @@ class _Active:
 
 class LayerStreamer:
     """``from_cache``: hand each layer's new blocks to the stream as block indices into the paged cache
-    (``KVStream.send_blocks``: encoded there by the fused kernels, no gathered copy); None picks it for a
-    float cache off the CPU. True on a CPU cache runs the same path with the torch codecs (tests)."""
+    (``KVStream.send_blocks``: encoded there by the fused kernels, no gathered copy), a quantised layer
+    too; None picks it for a cache off the CPU. True on a CPU cache runs the same path with the torch
+    codecs (tests)."""
 
     def __init__(self, engine: Engine, sender: KVSender, layer_codecs: tuple[str, ...],
                  from_cache: bool | None = None) -> None:
@@ -89,7 +92,7 @@ class LayerStreamer:
             hi = -(-chunk.end // bs) if chunk.last else chunk.end // bs
             if hi <= lo:
                 continue
-            if self.from_cache and isinstance(storage, DenseLayerStorage):
+            if self.from_cache and isinstance(storage, (DenseLayerStorage, QuantizedLayerStorage)):
                 self._send_from_cache(act, event.layer, storage, chunk, lo, hi)
                 continue
             slots = block_slots(list(chunk.blocks[lo:hi]), bs, self.engine.cache.device)
@@ -107,19 +110,29 @@ class LayerStreamer:
                 continue
             act.sent[event.layer] = hi
 
-    def _send_from_cache(self, act: _Active, layer: int, storage: DenseLayerStorage, chunk: ChunkRef, lo: int,
-                         hi: int) -> None:
-        """Blocks [lo, hi) of ``chunk``'s request, encoded straight from the layer's cache by index."""
+    def _send_from_cache(self, act: _Active, layer: int, storage: DenseLayerStorage | QuantizedLayerStorage,
+                         chunk: ChunkRef, lo: int, hi: int) -> None:
+        """Blocks [lo, hi) of ``chunk``'s request, encoded straight from the layer's cache by index (a
+        quantised layer as codes and scales, read as the engine's gather would dequantise them)."""
         bs, h, d = self.layout.block_size, self.layout.num_kv_heads, self.layout.head_dim
         k_cache, v_cache = storage.k.view(-1, bs, h, d), storage.v.view(-1, bs, h, d)
         tail = chunk.end - (hi - 1) * bs
         if tail < bs:  # the prompt's last block is partly empty: zero its unused slots (this request's own,
             last = chunk.blocks[hi - 1]  # never written before its next token) so no stale KV is shipped
-            k_cache[last, tail:] = 0
-            v_cache[last, tail:] = 0
+            for part in (k_cache, v_cache):
+                part.view(torch.uint8)[last, tail:] = 0  # bytes: CPU cannot fill float8; 0 is +0.0 in every dtype
+            if isinstance(storage, QuantizedLayerStorage):
+                storage.k_scale.view(-1, bs, h)[last, tail:] = 0
+                storage.v_scale.view(-1, bs, h)[last, tail:] = 0
+        k: CacheBlocks = k_cache
+        v: CacheBlocks = v_cache
+        if isinstance(storage, QuantizedLayerStorage):
+            dtype = self.engine.model.dtype
+            k = QuantizedBlocks(k_cache, storage.k_scale.view(-1, bs, h), dtype)
+            v = QuantizedBlocks(v_cache, storage.v_scale.view(-1, bs, h), dtype)
         ids = torch.tensor(chunk.blocks[lo:hi], dtype=torch.long, device=k_cache.device)
         try:
-            act.stream.send_blocks(layer, lo, k_cache, v_cache, ids)
+            act.stream.send_blocks(layer, lo, k, v, ids)
         except TransferFailed as exc:
             act.error = exc
             return

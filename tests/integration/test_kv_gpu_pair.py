@@ -184,3 +184,19 @@ def test_cross_device_pair_matches_one_engine(prefill: str, decode: str, transpo
     for r, (_, logits) in zip(got, ref):
         for a, b in zip(r.logits[1:], logits[1:]):
             assert torch.allclose(a.cpu(), b.cpu(), atol=1e-3, rtol=1e-3)
+
+
+@CUDA
+@pytest.mark.cuda
+@pytest.mark.parametrize("cache", ["int8", "fp8"])
+@pytest.mark.parametrize("transport", ["grpc", "shm"])
+def test_cuda_quantised_prefill_cache_from_the_cache_lands_what_the_snapshot_lands(cache: CacheDType,
+                                                                                   transport: TransportChoice):
+    """A quantised CUDA prefill cache: the fused int8/fp8 kernels read its codes and scales by block index,
+    and the (CPU) decode side gets what the gathered snapshot sent: the same tokens and logits, exactly."""
+    bundle = _bundle()
+    runs = [_pair_tokens(bundle, ("int8", "fp8"), transport, prefill="cuda", decode="cpu", dtype="bfloat16",
+                         staged=staged, prefill_cache=cache) for staged in (False, True)]
+    assert [r.token_ids for r in runs[1]] == [r.token_ids for r in runs[0]]
+    for a, b in zip(runs[1], runs[0]):
+        assert all(torch.equal(x, y) for x, y in zip(a.logits[1:], b.logits[1:]))

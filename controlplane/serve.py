@@ -211,7 +211,8 @@ def build(settings: Settings) -> Deployment:
         route_conn = conn.with_budget(settings.redis.command_budget_s)
         dep.add("the routing connection to Redis", route_conn.close)
         route_view = WorkerView(WorkerRegistry(route_conn, ttl=settings.redis.heartbeat_ttl_s),
-                                empty_grace_s=settings.redis.heartbeat_ttl_s)
+                                empty_grace_s=settings.redis.heartbeat_ttl_s,
+                                block_size=settings.pool("decode").engine.block_size)
         from controlplane.scheduler.health import WorkerHealth
         health = WorkerHealth(sch.breaker_failures, sch.breaker_open_s, on_lost=manager.suspect)
         scheduler = Scheduler(info, route_view, dispatcher, get_policy(settings.scheduler.routing_policy),

@@ -1,10 +1,12 @@
 """One attempt: a request's run on one route, from the first worker call to its last chunk.
 
-``Attempt.open`` counts the route's workers as busy in the view (so the next pick sees them), starts
-the dispatch and waits for the first chunk (the decode reservation is made before it). The attempt is
-a context manager: on every exit (finished, failed, the client gone, an interrupt) it closes the
-dispatch (which aborts the request on every worker it touched) and gives each count back exactly once.
-An ``open`` that raises has already given everything back.
+``Attempt.open`` charges the route's workers in the view (so the next pick sees them: the prompt on each,
+in KV blocks on the decode worker), starts the dispatch and waits for the first chunk (the decode
+reservation is made before it). With the first chunk the prefill and encode workers are done, and their
+charges go back; the decode worker's grows by each token it streams. The attempt is a context manager:
+on every exit (finished, failed, the client gone, an interrupt) it closes the dispatch (which aborts the
+request on every worker it touched) and gives each charge and count back exactly once. An ``open`` that
+raises has already given everything back.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from types import TracebackType
 from controlplane.dispatch import Dispatcher, WorkerRequest
 from controlplane.scheduler.health import WorkerHealth
 from controlplane.scheduler.selection import Selection
-from controlplane.scheduler.worker_view import WorkerView
+from controlplane.scheduler.worker_view import Charge, WorkerView
 from epd.worker.v1 import worker_pb2 as wpb
 
 
@@ -29,6 +31,7 @@ class Attempt:
         self._stream: Generator[wpb.TokenChunk, None, None] | None = None
         self._first: wpb.TokenChunk | None = None
         self._held = False
+        self._charges: list[Charge] = []  # decode first
 
     @classmethod
     def open(cls, view: WorkerView, health: WorkerHealth, dispatcher: Dispatcher, selection: Selection,
@@ -40,14 +43,17 @@ class Attempt:
         try:
             attempt._stream = dispatcher.run(dataclasses.replace(request, timeout_s=timeout_s), selection.route)
             attempt._first = next(attempt._stream)  # reserve happens before the first chunk
+            for charge in attempt._charges[1:]:  # prefill and encode computed theirs
+                charge.release()
         except BaseException:
             attempt.close()
             raise
         return attempt
 
     def _take(self) -> None:
+        decode = self.selection.decode
         for c in self.selection.workers:
-            self.view.begin(c.worker_id, self.tokens)
+            self._charges.append(self.view.begin(c.worker_id, self.tokens, kv=c is decode))
             self.health.begin(c.worker_id)
         self._held = True
 
@@ -55,8 +61,12 @@ class Attempt:
         """The attempt's chunks from the first; DispatchError when a stage fails."""
         assert self._stream is not None and self._first is not None
         first, self._first = self._first, None
+        held = self._charges[0]  # the decode worker's KV: each token streamed is held there too
+        held.grow(len(first.token_ids))
         yield first
-        yield from self._stream
+        for chunk in self._stream:
+            held.grow(len(chunk.token_ids))
+            yield chunk
 
     def close(self) -> None:
         """Abort what is still running and give the counts back; idempotent."""
@@ -67,8 +77,9 @@ class Attempt:
         finally:
             if self._held:
                 self._held = False
+                for charge in self._charges:
+                    charge.release()
                 for c in self.selection.workers:
-                    self.view.end(c.worker_id, self.tokens)
                     self.health.end(c.worker_id)
 
     def __enter__(self) -> Attempt:

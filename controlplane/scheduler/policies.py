@@ -28,8 +28,31 @@ class Candidate(NamedTuple):
     free_kv_blocks: int
     total_kv_blocks: int
     running: int
-    inflight_tokens: int = 0  # prompt tokens this scheduler sent it since (not yet in its heartbeat)
+    # This scheduler's own attempts on it, counted live (worker_view.Charge): tokens (decode: held in its KV
+    # cache, prompt and generated; prefill and encode: prompt tokens still to compute), requests, KV blocks.
+    inflight_tokens: int = 0
     inflight_requests: int = 0
+    inflight_blocks: int = 0
+
+
+# The reported load is as old as the worker's last heartbeat and counts every scheduler's requests; the
+# in-flight load is this scheduler's own, current. Each is a lower bound of what the worker holds now, so a
+# policy takes the larger of the two (their sum would count this scheduler's requests twice, once they show
+# in a heartbeat).
+
+def pending_tokens(c: Candidate) -> int:
+    """Prompt tokens the worker has still to compute (prefill, encode)."""
+    return max(c.queued_tokens, c.inflight_tokens)
+
+
+def free_blocks(c: Candidate) -> int:
+    """KV blocks the worker has free (decode)."""
+    return c.total_kv_blocks - max(c.total_kv_blocks - c.free_kv_blocks, c.inflight_blocks)
+
+
+def sequences(c: Candidate) -> int:
+    """Requests the worker runs."""
+    return max(c.running, c.inflight_requests)
 
 
 class RoutingPolicy(Protocol):
@@ -43,19 +66,17 @@ class RoutingPolicy(Protocol):
 
 
 class LeastLoaded:
-    """Prefill and encode: fewest queued tokens (reported + in flight). Decode: most free KV blocks
-    after what is in flight, then fewest running requests. Ties go to the lowest worker id, so a
-    choice is deterministic for the same inputs."""
+    """Prefill and encode: fewest tokens still to compute (``pending_tokens``), then fewest requests.
+    Decode: most free KV blocks (``free_blocks``: prompt and generated tokens held), then fewest
+    sequences. Ties go to the lowest worker id, so a choice is deterministic for the same inputs."""
 
     name = "least_loaded"
 
     def pick(self, pool: str, candidates: list[Candidate], prompt_tokens: int, *,
              prompt_ids: Sequence[int] = ()) -> Candidate:
         if pool == "decode":
-            return min(candidates, key=lambda c: (-(c.free_kv_blocks - c.inflight_tokens // 16),
-                                                  c.running + c.inflight_requests, c.worker_id))
-        return min(candidates, key=lambda c: (c.queued_tokens + c.inflight_tokens,
-                                              c.running + c.inflight_requests, c.worker_id))
+            return min(candidates, key=lambda c: (-free_blocks(c), sequences(c), c.worker_id))
+        return min(candidates, key=lambda c: (pending_tokens(c), sequences(c), c.worker_id))
 
 
 class RoundRobin:
@@ -87,7 +108,7 @@ class PrefixAffinity:
 
     The rule, per prefill pick:
       1. If the pool is imbalanced (SGLang's test: the most and least loaded candidate differ by more than
-         ``BALANCE_ABS_TOKENS`` queued + in-flight tokens AND the most loaded has more than
+         ``BALANCE_ABS_TOKENS`` tokens to compute (``pending_tokens``) AND the most loaded has more than
          ``BALANCE_REL`` times the least), least loaded wins: a queue longer than a cache hit could save
          costs more than the hit.
       2. Otherwise the candidate matching the most leading blocks wins; ties go to the least loaded of
@@ -132,7 +153,7 @@ class PrefixAffinity:
         return choice
 
     def imbalanced(self, candidates: list[Candidate]) -> bool:
-        loads = [c.queued_tokens + c.inflight_tokens for c in candidates]
+        loads = [pending_tokens(c) for c in candidates]
         most, least = max(loads), min(loads)
         return most - least > self.BALANCE_ABS_TOKENS and most > least * self.BALANCE_REL
 

@@ -11,6 +11,12 @@ command budget), not every request. Only a pool never read yet fails with ``Stat
 A Redis that restarted answers with an empty registry until each worker's next heartbeat registers it
 again. So a pool that was not empty and reads as empty keeps its last rows for up to ``empty_grace_s``
 seconds (one lease); a worker among them that is really gone fails fast when called.
+
+What this scheduler has on each worker is counted live, per attempt, by a ``Charge`` (``begin``): on a
+decode worker the tokens its KV cache holds for the attempt (prompt, then each generated token as it
+streams) and the blocks they fill; on a prefill or encode worker the prompt tokens still to compute
+(until the attempt's first token, when ``release`` gives them back); one request each. Every charge is
+given back exactly once, whatever ends the attempt.
 """
 
 from __future__ import annotations
@@ -36,9 +42,13 @@ class Degraded:
 class WorkerView:
     def __init__(self, registry: WorkerRegistry, refresh_s: float = 0.2,
                  clock: Callable[[], float] = time.monotonic, degraded_retry_s: float = 1.0,
-                 empty_grace_s: float = 5.0) -> None:
-        """``empty_grace_s``: one worker lease (``redis.heartbeat_ttl_s``), seconds."""
+                 empty_grace_s: float = 5.0, block_size: int = 16) -> None:
+        """``empty_grace_s``: one worker lease (``redis.heartbeat_ttl_s``), seconds. ``block_size``: the decode
+        pool's KV block size, tokens (what a decode charge's blocks are counted in)."""
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.registry = registry
+        self.block_size = block_size
         self.empty_grace_s = empty_grace_s
         self._empty_since: dict[str, float] = {}  # pools that read as empty after having rows
         self.refresh_s = refresh_s
@@ -46,7 +56,7 @@ class WorkerView:
         self.clock = clock
         self._cache: dict[str, tuple[float, list[Candidate]]] = {}
         self._refreshing: set[str] = set()  # pools whose snapshot a thread is rereading now
-        self._inflight: dict[str, list[int]] = {}  # worker id -> [tokens, requests]
+        self._inflight: dict[str, list[int]] = {}  # worker id -> [tokens, requests, blocks] (sums of charges)
         self._degraded: Degraded | None = None
         self._last_try: dict[str, float] = {}  # pool -> when a reread last began
         self._lock = threading.Lock()
@@ -94,7 +104,7 @@ class WorkerView:
                 with self._lock:
                     self._refreshing.discard(pool)
         assert cached is not None
-        inflight, none = self._inflight, (0, 0)
+        inflight, none = self._inflight, (0, 0, 0)
         with self._lock:  # the snapshot's rows with this scheduler's own in-flight work on each worker
             return [Candidate(*c[:6], *inflight.get(c[0], none)) for c in cached[1]]
 
@@ -106,23 +116,57 @@ class WorkerView:
                                        r.info.load.free_kv_blocks, r.info.load.total_kv_blocks, r.info.load.running)
                              for r in records]
 
-    def begin(self, worker_id: str, tokens: int) -> None:
-        with self._lock:
-            entry = self._inflight.setdefault(worker_id, [0, 0])
-            entry[0] += tokens
-            entry[1] += 1
+    def begin(self, worker_id: str, tokens: int, *, kv: bool = False) -> Charge:
+        """Count one request of ``tokens`` on ``worker_id`` until the returned charge is released. ``kv``: the
+        worker keeps the tokens in its KV cache (a decode or colocated worker), so they are counted in blocks
+        too and ``Charge.grow`` adds the generated ones."""
+        charge = Charge(self, worker_id, tokens, -(-tokens // self.block_size) if kv else 0, kv)
+        self._add(worker_id, tokens, 1, charge.blocks)
+        return charge
 
-    def end(self, worker_id: str, tokens: int) -> None:
+    def _add(self, worker_id: str, tokens: int, requests: int, blocks: int) -> None:
         with self._lock:
-            entry = self._inflight.get(worker_id)
-            if entry is not None:
-                entry[0] -= tokens
-                entry[1] -= 1
-                if entry[1] <= 0:
-                    del self._inflight[worker_id]
+            entry = self._inflight.setdefault(worker_id, [0, 0, 0])
+            entry[0] += tokens
+            entry[1] += requests
+            entry[2] += blocks
+            if entry[1] <= 0:
+                del self._inflight[worker_id]
 
     def invalidate(self) -> None:
         """Reread every pool on next use (while degraded, rereads keep their own slower pace)."""
         with self._lock:
             if self._degraded is None:
                 self._cache.clear()
+
+
+class Charge:
+    """One attempt's load on one worker in its ``WorkerView``: ``tokens``, the ``blocks`` they fill (KV
+    workers only) and one request. ``release`` gives it all back once; later calls, and ``grow`` after
+    it, do nothing."""
+
+    __slots__ = ("view", "worker_id", "tokens", "blocks", "kv", "_live", "_lock")
+
+    def __init__(self, view: WorkerView, worker_id: str, tokens: int, blocks: int, kv: bool) -> None:
+        self.view, self.worker_id, self.tokens, self.blocks, self.kv = view, worker_id, tokens, blocks, kv
+        self._live = True
+        self._lock = threading.Lock()
+
+    def grow(self, tokens: int) -> None:
+        """``tokens`` more held by the worker (generated ones, for a KV worker; else ignored)."""
+        if not self.kv or tokens <= 0:
+            return
+        with self._lock:
+            if not self._live:
+                return
+            blocks = -(-(self.tokens + tokens) // self.view.block_size) - self.blocks
+            self.tokens += tokens
+            self.blocks += blocks
+            self.view._add(self.worker_id, tokens, 0, blocks)
+
+    def release(self) -> None:
+        with self._lock:
+            if not self._live:
+                return
+            self._live = False
+            self.view._add(self.worker_id, -self.tokens, -1, -self.blocks)

@@ -1,0 +1,79 @@
+"""What the routing view charges a worker per attempt (controlplane.scheduler.worker_view.Charge): decode
+holds prompt and generated tokens in KV blocks, prefill its prompt until done; each charge goes back once,
+and least_loaded then spreads sequences of unequal length evenly by the blocks they hold."""
+
+from __future__ import annotations
+
+import pytest
+
+from controlplane.scheduler.policies import get_policy
+from controlplane.scheduler.worker_view import WorkerView
+from controlplane.state.registry import Pool, WorkerInfo, WorkerLoad, WorkerRecord
+
+pytestmark = [pytest.mark.unit]
+
+
+class _Registry:
+    """Two idle workers per pool, as their last heartbeats reported them."""
+
+    def live_workers(self, pool: str) -> list[WorkerRecord]:
+        load = WorkerLoad(queued_tokens=0, free_kv_blocks=100, total_kv_blocks=100, running=0)
+        return [WorkerRecord(WorkerInfo(worker_id=f"{pool}-{x}", pool=Pool(pool), address=f"127.0.0.1:{i + 1}",
+                                        load=load), heartbeat_at=0.0, lease_expires_at=1e12)
+                for i, x in enumerate("ab")]
+
+
+def _view() -> WorkerView:
+    return WorkerView(_Registry(), refresh_s=1e9, clock=lambda: 0.0, block_size=16)  # type: ignore[arg-type]  # a stand-in registry
+
+
+def _row(view: WorkerView, pool: str, worker_id: str) -> tuple[int, int, int]:
+    c = next(c for c in view.candidates(pool) if c.worker_id == worker_id)
+    return c.inflight_tokens, c.inflight_requests, c.inflight_blocks
+
+
+def test_a_decode_charge_grows_with_generated_tokens_and_goes_back_once():
+    view = _view()
+    charge = view.begin("decode-a", 20, kv=True)
+    assert _row(view, "decode", "decode-a") == (20, 1, 2)
+    charge.grow(12)  # 32 tokens: still two blocks
+    assert _row(view, "decode", "decode-a") == (32, 1, 2)
+    charge.grow(1)
+    assert _row(view, "decode", "decode-a") == (33, 1, 3)
+    other = view.begin("decode-a", 5, kv=True)
+    charge.release()
+    charge.release()  # once only
+    charge.grow(50)  # after release: nothing
+    assert _row(view, "decode", "decode-a") == (5, 1, 1)
+    other.release()
+    assert view._inflight == {}
+
+
+def test_a_prefill_charge_counts_tokens_not_blocks_and_ignores_generated_ones():
+    view = _view()
+    charge = view.begin("prefill-a", 700)
+    charge.grow(10)
+    assert _row(view, "prefill", "prefill-a") == (700, 1, 0)
+    charge.release()
+    assert _row(view, "prefill", "prefill-a") == (0, 0, 0) and view._inflight == {}
+
+
+def test_least_loaded_balances_decode_by_blocks_held_including_generated_tokens():
+    """Eight requests, two long-running: after they generated, new work goes where fewer blocks are held."""
+    view, policy = _view(), get_policy("least_loaded")
+    charges = {}
+    for i in range(8):
+        pick = policy.pick("decode", view.candidates("decode"), 20)
+        charges[i] = view.begin(pick.worker_id, 20, kv=True)
+    held = sorted(c.worker_id for c in charges.values())
+    assert held == ["decode-a"] * 4 + ["decode-b"] * 4  # alternating while equal
+    for c in charges.values():
+        if c.worker_id == "decode-a":
+            c.grow(200 if c is charges[0] else 10)  # one long sequence on "a"
+        else:
+            c.grow(10)
+    picks = [policy.pick("decode", view.candidates("decode"), 20).worker_id for _ in range(3)]
+    assert picks == ["decode-b"] * 3  # "a" holds 20 blocks, "b" 8: requests alone (4 and 4) would tie
+    for c in charges.values():
+        c.release()
+    assert view._inflight == {}

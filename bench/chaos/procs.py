@@ -89,3 +89,23 @@ def rss_bytes(pid: int) -> int | None:
     except OSError:
         return None
     return None
+
+
+def process_name(pid: int) -> str:
+    """A short name for a process: ``ray::Name`` or ``redis-server`` as it titles itself, else the program
+    and, for Python, its script or ``-m`` module (``python ray/_private/log_monitor.py``, ``gcs_server``)."""
+    args = [a for a in cmdline(pid) if a]
+    if not args:
+        return "?"
+    first = args[0].split()[0]
+    if first.startswith("ray::") or Path(first).name.startswith("redis-server"):
+        return Path(first).name
+    prog = Path(first).name
+    if not prog.startswith("python"):
+        return prog
+    rest = [a for a in args[1:] if a != "-u"]
+    if len(rest) >= 2 and rest[0] in ("-m", "-c"):
+        return f"python -m {rest[1]}" if rest[0] == "-m" else "python -c"
+    script = next((a for a in rest if not a.startswith("-")), "")
+    parts = Path(script).parts
+    return f"python {'/'.join(parts[-3:])}" if parts else prog

@@ -105,6 +105,7 @@ class SoakSample:
     at_s: float
     rss: dict[str, int]  # process label -> bytes
     blocks_used: int
+    running: dict[str, int] = field(default_factory=dict)  # decode worker label -> sequences, as last reported
 
 
 @dataclass(frozen=True)
@@ -138,4 +139,11 @@ def format_soak(s: SoakReport) -> str:
         mb = (f"  ({first.rss[name] / 2**20:.1f} -> {last.rss[name] / 2**20:.1f} MiB)"
               if first is not None and last is not None and name in first.rss and name in last.rss else "")
         lines.append(f"  {name:<40}{g:+.1f}%{mb}")
+    spread: dict[str, list[int]] = {}
+    for x in s.samples:
+        for name, n in x.running.items():
+            spread.setdefault(name, []).append(n)
+    if spread:
+        lines.append("decode sequences running, mean (max) over the samples: " + ", ".join(
+            f"{name} {sum(v) / len(v):.1f} ({max(v)})" for name, v in sorted(spread.items())))
     return "\n".join(lines)

@@ -28,7 +28,7 @@ from pathlib import Path
 from bench.chaos.deployment import Deployment
 from bench.chaos.faults import PLAN, FaultKind, FaultResult, inject
 from bench.chaos.load import LoadDriver, Outcome
-from bench.chaos.procs import cmdline, descendants, listening_pid, private_redis, rss_bytes
+from bench.chaos.procs import descendants, listening_pid, private_redis, process_name, rss_bytes
 from bench.chaos.report import ChaosReport, SoakReport, SoakSample, Window, fault_figures
 from controlplane.settings import RedisSettings, SchedulerSettings
 
@@ -146,7 +146,7 @@ def _labels(dep: Deployment, pids: list[int]) -> dict[int, str]:
             pid = listening_pid(w.port)
             if pid is not None:
                 names[pid] = f"{pool} {w.worker_id}"
-    return {p: names.get(p) or f"{p} {' '.join(a for a in cmdline(p)[:4] if a)[:40]}" for p in pids}
+    return {p: names.get(p) or f"{process_name(p)} ({p})" for p in pids}
 
 
 def soak(cfg: ChaosConfig, say: Callable[[str], None] = print, sample_s: float = 15.0) -> SoakReport:
@@ -172,7 +172,9 @@ def soak(cfg: ChaosConfig, say: Callable[[str], None] = print, sample_s: float =
             samples: list[SoakSample] = []
             while time.monotonic() - began < cfg.soak_minutes * 60:
                 rss = {name: b for p, name in labels.items() if (b := rss_bytes(p)) is not None}
-                samples.append(SoakSample(round(time.monotonic() - began, 1), rss, _blocks_used(dep)))
+                decode = dep.workers("decode")
+                samples.append(SoakSample(round(time.monotonic() - began, 1), rss, _blocks_used(dep),
+                                          {f"decode {w.worker_id}": w.running for w in decode}))
                 time.sleep(sample_s)
             driver.stop()
             end_blocks = _wait_blocks_free(dep)

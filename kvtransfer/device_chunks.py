@@ -11,7 +11,7 @@ An encoder thread then finishes the chunk on the side stream (after the encode's
 refusals there (NaN/inf input, int4 out of range) with the torch codec's message; ``to_device_checked``
 copies them into a mapped CUDA IPC segment instead. A CPU cache (or a GPU without Triton) encodes through
 the codec itself from a gathered copy (the same bytes). A quantised cache layer (``QuantizedBlocks``) is
-read the same way by the int8/fp8 codecs; the others encode it from its gathered, dequantised blocks.
+read the same way, its codes and scales dequantised as the kernels read them.
 """
 
 from __future__ import annotations

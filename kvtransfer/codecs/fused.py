@@ -7,8 +7,8 @@ that device). ``decode_blocks(enc, cache, ids)`` writes the decoded blocks strai
 blocks ``ids``. Both produce exactly the torch codecs' bytes and values (tests hold them to it under
 ``TRITON_INTERPRET=1``) and refuse non-finite input with the same ``CodecError``.
 
-int8 and fp8 also encode from a quantised cache (``paged.QuantizedBlocks``: codes and a scale per
-(token, head)), dequantising as they read, with the torch codec's bytes over ``QuantizedBlocks.gather``;
+Every encode also reads a quantised cache (``paged.QuantizedBlocks``: codes and a scale per (token,
+head)), dequantising as it reads, with the torch codec's bytes over ``QuantizedBlocks.gather``;
 ``encodes_from`` says whether a codec's blocks are read straight from a given cache.
 
 ``usable(device)``: True on a CUDA device when Triton imports, or under ``TRITON_INTERPRET=1``
@@ -29,11 +29,10 @@ from kvtransfer.codecs.base import Codec, raise_non_finite
 from kvtransfer.codecs.encoded import CodecError, EncodedTensor, Kind
 from kvtransfer.codecs.paged import QuantizedBlocks
 
-__all__ = ["FUSED_CODECS", "QUANTIZED_SOURCE_CODECS", "decode_blocks", "encode_blocks", "encode_blocks_unchecked",
-           "encodes_from", "refuse", "usable"]
+__all__ = ["FUSED_CODECS", "decode_blocks", "encode_blocks", "encode_blocks_unchecked", "encodes_from", "refuse",
+           "usable"]
 
 FUSED_CODECS = ("int8", "fp8", "int4", "bf16", "fp32")
-QUANTIZED_SOURCE_CODECS = ("int8", "fp8")  # their encode kernels also read a quantised cache
 
 
 @functools.cache
@@ -70,20 +69,14 @@ def _launch(kernel: Any, grid: tuple[int, ...], *args: object, **meta: object) -
 
 
 def encodes_from(codec: Codec, cache: torch.Tensor | QuantizedBlocks) -> bool:
-    """True when ``codec`` (as the registry built it) encodes blocks straight from ``cache`` with these
-    kernels: a CUDA cache, where they are usable, of a codec they cover; for a quantised cache, one of
-    ``QUANTIZED_SOURCE_CODECS``. Otherwise the caller gathers the blocks and encodes them with the codec."""
-    if isinstance(cache, QuantizedBlocks):
-        return codec.name in QUANTIZED_SOURCE_CODECS and codec._fused(cache.data) is not None
-    return codec._fused(cache) is not None
+    """True when ``codec`` (as the registry built it) encodes blocks straight from ``cache`` (a float
+    cache or a quantised one) with these kernels: a CUDA cache, where they are usable, of a codec they
+    cover. Otherwise the caller gathers the blocks and encodes them with the codec."""
+    return codec._fused(cache.data if isinstance(cache, QuantizedBlocks) else cache) is not None
 
 
 def _check(codec: Codec, cache: torch.Tensor | QuantizedBlocks, ids: torch.Tensor) -> tuple[int, int, int, int]:
-    if isinstance(cache, QuantizedBlocks):
-        if codec.name not in QUANTIZED_SOURCE_CODECS:
-            raise CodecError(f"codec {codec.name!r} has no kernel reading a quantised cache (those that do: "
-                             f"{', '.join(QUANTIZED_SOURCE_CODECS)})")
-    elif cache.dim() != 4 or cache.dtype not in (torch.float32, torch.bfloat16):
+    if isinstance(cache, torch.Tensor) and (cache.dim() != 4 or cache.dtype not in (torch.float32, torch.bfloat16)):
         raise CodecError(f"cache must be float32/bf16 [num_blocks, block_size, kv_heads, head_dim], got "
                          f"{cache.dtype} {tuple(cache.shape)}")
     if ids.device != cache.device or ids.dtype != torch.long or ids.dim() != 1:
@@ -94,8 +87,8 @@ def _check(codec: Codec, cache: torch.Tensor | QuantizedBlocks, ids: torch.Tenso
 
 
 def _source(cache: torch.Tensor | QuantizedBlocks) -> tuple[torch.Tensor, torch.Tensor, tuple[int, ...], int, bool]:
-    """The int8/fp8 encode kernels' source arguments: the tensor read, the scales read (the tensor itself,
-    never read, for a float cache), the scales' strides, SRC and ROUND_BF16 (triton_common._load_src)."""
+    """The encode kernels' source arguments: the tensor read, the scales read (the tensor itself, never
+    read, for a float cache), the scales' strides, SRC and ROUND_BF16 (triton_common._load_src)."""
     if not isinstance(cache, QuantizedBlocks):
         return cache, cache, (0, 0, 0), 0, False
     fp8 = cache.data.dtype == torch.float8_e4m3fn
@@ -140,23 +133,23 @@ def encode_blocks_unchecked(codec: Codec, cache: torch.Tensor | QuantizedBlocks,
     zeros = None
     flags = None
     name = codec.name
-    if name in QUANTIZED_SOURCE_CODECS:
-        src, sscale, sstrides, mode, round_bf16 = _source(cache)
-        args = (bs, h, d, *src.stride(), *sstrides)
-        if name == "int8":
-            from kvtransfer.codecs.triton_int8_fp8 import int8_encode_kernel
-            bd = _p2(d)
-            _launch(int8_encode_kernel, (n, h), src, sscale, ids, payload.view(torch.int8), scales, *args,
-                    BT=_tokens(bs, bd), BD=bd, SRC=mode, ROUND_BF16=round_bf16)
-        else:
-            from kvtransfer.codecs.triton_int8_fp8 import fp8_encode_kernel
-            be = _p2(h * d)
-            _launch(fp8_encode_kernel, (n,), src, sscale, ids, payload, scales, *args,
-                    BT=_tokens(bs, be), BE=be, SRC=mode, ROUND_BF16=round_bf16)
-        return EncodedTensor(codec.codec_id, kind, shape, payload, scales, zeros), flags
-    assert isinstance(cache, torch.Tensor)  # _check refused a quantised cache for the other codecs
-    strides = tuple(cache.stride())
-    if name == "int4":
+    src, sscale, sstrides, mode, round_bf16 = _source(cache)
+    in_bf16 = src.dtype == torch.bfloat16
+    if name in ("bf16", "fp32") and mode == 0:  # these two move bits: a float cache is read as integers
+        src = src.view(torch.int16 if in_bf16 else torch.int32)
+    args = (bs, h, d, *src.stride(), *sstrides)
+    quantised = {"SRC": mode, "ROUND_BF16": round_bf16}
+    if name == "int8":
+        from kvtransfer.codecs.triton_int8_fp8 import int8_encode_kernel
+        bd = _p2(d)
+        _launch(int8_encode_kernel, (n, h), src, sscale, ids, payload.view(torch.int8), scales, *args,
+                BT=_tokens(bs, bd), BD=bd, **quantised)
+    elif name == "fp8":
+        from kvtransfer.codecs.triton_int8_fp8 import fp8_encode_kernel
+        be = _p2(h * d)
+        _launch(fp8_encode_kernel, (n,), src, sscale, ids, payload, scales, *args, BT=_tokens(bs, be), BE=be,
+                **quantised)
+    elif name == "int4":
         from kvtransfer.codecs.int4 import key_group, value_group
         from kvtransfer.codecs.triton_int4 import int4_key_encode_kernel, int4_value_encode_kernel
         zeros = torch.empty(layout.zeros_shape, dtype=layout.scales_dtype, device=dev)  # type: ignore[arg-type]  # int4 always has a zeros shape
@@ -164,30 +157,28 @@ def encode_blocks_unchecked(codec: Codec, cache: torch.Tensor | QuantizedBlocks,
         if kind is Kind.KEY:
             g = key_group(bs)
             flags = torch.empty((n, bs // g, h), dtype=torch.int32, device=dev)
-            _launch(int4_key_encode_kernel, (n, bs // g, h), cache, ids, payload, s16, z16, flags, bs, h, d, g,
-                    *strides, BG=_p2(g), BJ=_p2(d // 2))
+            _launch(int4_key_encode_kernel, (n, bs // g, h), src, sscale, ids, payload, s16, z16, flags, bs, h, d,
+                    g, *args[3:], BG=_p2(g), BJ=_p2(d // 2), **quantised)
         else:
             g = value_group(d)
             bn, bh = _p2(d // g), _p2(g // 2)
             bt = _tokens(bs, 2 * bn * bh)
             tiles = -(-bs // bt)
             flags = torch.empty((n, tiles, h), dtype=torch.int32, device=dev)
-            _launch(int4_value_encode_kernel, (n, tiles, h), cache, ids, payload, s16, z16, flags, bs, h, d, g,
-                    *strides, BT=bt, BN=bn, BH=bh)
+            _launch(int4_value_encode_kernel, (n, tiles, h), src, sscale, ids, payload, s16, z16, flags, bs, h, d,
+                    g, *args[3:], BT=bt, BN=bn, BH=bh, **quantised)
     elif name == "bf16":
         from kvtransfer.codecs.triton_bf16 import bf16_encode_kernel
         flags = torch.empty(n, dtype=torch.int32, device=dev)
-        in_bf16 = cache.dtype == torch.bfloat16
         be = _p2(h * d)
-        _launch(bf16_encode_kernel, (n,), cache.view(torch.int16) if in_bf16 else cache, ids,
-                payload.view(torch.int16), flags, bs, h, d, *strides, BT=_tokens(bs, be), BE=be, IN_BF16=in_bf16)
+        _launch(bf16_encode_kernel, (n,), src, sscale, ids, payload.view(torch.int16), flags, *args,
+                BT=_tokens(bs, be), BE=be, IN_BF16=in_bf16, **quantised)
     elif name == "fp32":
         from kvtransfer.codecs.triton_fp32 import fp32_encode_kernel
         flags = torch.empty(n, dtype=torch.int32, device=dev)
-        in_bf16 = cache.dtype == torch.bfloat16
         be = _p2(h * d)
-        _launch(fp32_encode_kernel, (n,), cache.view(torch.int16 if in_bf16 else torch.int32), ids,
-                payload.view(torch.int32), flags, bs, h, d, *strides, BT=_tokens(bs, be), BE=be, IN_BF16=in_bf16)
+        _launch(fp32_encode_kernel, (n,), src, sscale, ids, payload.view(torch.int32), flags, *args,
+                BT=_tokens(bs, be), BE=be, IN_BF16=in_bf16, **quantised)
     else:
         raise CodecError(f"codec {name!r} has no fused kernels (fused: {', '.join(FUSED_CODECS)})")
     return EncodedTensor(codec.codec_id, kind, shape, payload, scales, zeros), flags

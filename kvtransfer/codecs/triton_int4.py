@@ -4,7 +4,8 @@ Keys: one program per (block, token group, head) quantises each channel over the
 values: one program per (block, tile of tokens, head) quantises each token's groups of channels. Even and odd
 channels are handled as two halves, so each byte (even channel low nibble) is written once.
 ``flags`` gets one int32 per program: 1 NaN/inf, 2 a minimum beyond float16, 4 a range / 15 beyond
-float16; the caller refuses the tensor with the torch codec's message.
+float16; the caller refuses the tensor with the torch codec's message. The source is a float cache, or
+(SRC 1/2) a quantised one's codes and scales, read as ``triton_common._load_src`` does.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kvtransfer.codecs.triton_common import _f16_value, _rne, _round_down_f16, _round_up_f16, _store_out
+from kvtransfer.codecs.triton_common import _f16_value, _load_src, _rne, _round_down_f16, _round_up_f16, _store_out
 
 F16_MAX = tl.constexpr(65504.0)
 INF = tl.constexpr(float("inf"))
@@ -51,8 +52,8 @@ def _codes(x, zero, inv):
 
 
 @triton.jit
-def int4_key_encode_kernel(src, ids, payload, scales, zeros, flags, bs, H, D, G, sb, st, sh, sd,
-                           BG: tl.constexpr, BJ: tl.constexpr):
+def int4_key_encode_kernel(src, sscale, ids, payload, scales, zeros, flags, bs, H, D, G, sb, st, sh, sd, ssb, sst,
+                           ssh, BG: tl.constexpr, BJ: tl.constexpr, SRC: tl.constexpr, ROUND_BF16: tl.constexpr):
     i = tl.program_id(0)
     g = tl.program_id(1)
     h = tl.program_id(2)
@@ -61,9 +62,10 @@ def int4_key_encode_kernel(src, ids, payload, scales, zeros, flags, bs, H, D, G,
     t = g * G + tl.arange(0, BG)[:, None]
     j = tl.arange(0, BJ)[None, :]
     mask = (tl.arange(0, BG)[:, None] < G) & (j < D // 2)
-    base = src + blk * sb + h * sh + t * st
-    xe = tl.load(base + (2 * j) * sd, mask=mask, other=0.0).to(tl.float32)
-    xo = tl.load(base + (2 * j + 1) * sd, mask=mask, other=0.0).to(tl.float32)
+    base = blk * sb + h * sh + t * st
+    soff = blk * ssb + h * ssh + t * sst
+    xe = _load_src(src, sscale, base + (2 * j) * sd, soff, mask, SRC, ROUND_BF16)
+    xo = _load_src(src, sscale, base + (2 * j + 1) * sd, soff, mask, SRC, ROUND_BF16)
     lo_e, hi_e = tl.min(tl.where(mask, xe, INF), axis=0), tl.max(tl.where(mask, xe, -INF), axis=0)
     lo_o, hi_o = tl.min(tl.where(mask, xo, INF), axis=0), tl.max(tl.where(mask, xo, -INF), axis=0)
     cmask = tl.arange(0, BJ) < D // 2
@@ -85,8 +87,9 @@ def int4_key_encode_kernel(src, ids, payload, scales, zeros, flags, bs, H, D, G,
 
 
 @triton.jit
-def int4_value_encode_kernel(src, ids, payload, scales, zeros, flags, bs, H, D, G, sb, st, sh, sd,
-                             BT: tl.constexpr, BN: tl.constexpr, BH: tl.constexpr):
+def int4_value_encode_kernel(src, sscale, ids, payload, scales, zeros, flags, bs, H, D, G, sb, st, sh, sd, ssb, sst,
+                             ssh, BT: tl.constexpr, BN: tl.constexpr, BH: tl.constexpr, SRC: tl.constexpr,
+                             ROUND_BF16: tl.constexpr):
     """One program per (block, tile of BT tokens, head): a [tokens, groups, half-group] tile."""
     i = tl.program_id(0)
     tt = tl.program_id(1)
@@ -98,9 +101,10 @@ def int4_value_encode_kernel(src, ids, payload, scales, zeros, flags, bs, H, D, 
     j = tl.arange(0, BH)[None, None, :]
     mask = (t < bs) & (g < ng) & (j < G // 2)
     ch = g * G + 2 * j
-    base = src + blk * sb + t * st + h * sh
-    xe = tl.load(base + ch * sd, mask=mask, other=0.0).to(tl.float32)
-    xo = tl.load(base + (ch + 1) * sd, mask=mask, other=0.0).to(tl.float32)
+    base = blk * sb + t * st + h * sh
+    soff = blk * ssb + t * sst + h * ssh
+    xe = _load_src(src, sscale, base + ch * sd, soff, mask, SRC, ROUND_BF16)
+    xo = _load_src(src, sscale, base + (ch + 1) * sd, soff, mask, SRC, ROUND_BF16)
     lo = tl.minimum(tl.min(tl.where(mask, xe, INF), axis=2), tl.min(tl.where(mask, xo, INF), axis=2))
     hi = tl.maximum(tl.max(tl.where(mask, xe, -INF), axis=2), tl.max(tl.where(mask, xo, -INF), axis=2))
     t2 = tt * BT + tl.arange(0, BT)[:, None]

@@ -197,12 +197,12 @@ def _quantised(shape: tuple[int, int, int, int], qdtype: torch.dtype, dtype: tor
     return QuantizedBlocks(codes.to(DEVICE), scales.to(DEVICE), dtype)
 
 
-@pytest.mark.parametrize("codec", ["int8", "fp8"])
+@pytest.mark.parametrize("codec", CODECS)
 @pytest.mark.parametrize("qdtype", [torch.int8, torch.float8_e4m3fn], ids=["int8-cache", "fp8-cache"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
-def test_int8_fp8_encode_straight_from_a_quantised_cache(codec: str, qdtype: torch.dtype, dtype: torch.dtype):
-    """The kernels dequantise as they read (code * scale, rounded to the engine's dtype) and write the bytes
-    the torch codec writes for the gathered blocks (QuantizedBlocks.gather: the engine's own gather)."""
+def test_encode_straight_from_a_quantised_cache(codec: str, qdtype: torch.dtype, dtype: torch.dtype):
+    """Every encode kernel dequantises as it reads (code * scale, rounded to the engine's dtype) and writes
+    the bytes the torch codec writes for the gathered blocks (QuantizedBlocks.gather: the engine's gather)."""
     c = get_codec(codec)
     for shape, kind, seed in (((5, 4, 3, 8), Kind.KEY, 11), ((4, 2, 3, 64), Kind.VALUE, 12)):
         src = _quantised(shape, qdtype, dtype, seed)
@@ -212,11 +212,13 @@ def test_int8_fp8_encode_straight_from_a_quantised_cache(codec: str, qdtype: tor
         enc = encode_blocks(c, src, ids, kind, payload)
         assert torch.equal(_bits(enc.payload), ref.payload), (shape, kind)
         assert torch.equal(_bits(enc.scales), _bits(ref.scales)), (shape, kind)
+        if ref.zeros is not None and enc.zeros is not None:
+            assert torch.equal(_bits(enc.zeros), _bits(ref.zeros)), (shape, kind)
 
 
 def test_a_quantised_cache_read_through_strides_and_its_refusals():
     """A strided quantised cache (every other head) encodes the same bytes; a NaN fp8 code or an inf scale
-    is refused with the torch codec's message; other codecs refuse a quantised cache by name."""
+    is refused with the torch codec's message, by every codec."""
     from kvtransfer.codecs.paged import QuantizedBlocks
 
     wide = _quantised((4, 4, 4, 8), torch.float8_e4m3fn, torch.bfloat16, 13)
@@ -232,14 +234,14 @@ def test_a_quantised_cache_read_through_strides_and_its_refusals():
             bad.data.view(torch.uint8)[1, 2, 0, 3] = 0x7F  # e4m3fn NaN
         else:
             bad.scales[1, 0, 1] = float("inf")
-        for codec in ("int8", "fp8"):
+        for codec in CODECS:
             with pytest.raises(CodecError) as want:
                 get_codec(codec).encode(bad.gather(ids).cpu(), Kind.VALUE)
+            out = torch.empty(get_codec(codec).payload_nbytes((2, 4, 2, 8), Kind.VALUE), dtype=torch.uint8,
+                              device=DEVICE)
             with pytest.raises(CodecError) as got:
-                encode_blocks(get_codec(codec), bad, ids, Kind.VALUE, payload)
+                encode_blocks(get_codec(codec), bad, ids, Kind.VALUE, out)
             assert str(got.value) == str(want.value) and "NaN or inf" in str(got.value)
-    with pytest.raises(CodecError, match="'int4' has no kernel reading a quantised cache"):
-        encode_blocks(get_codec("int4"), src, ids, Kind.KEY, payload)
     with pytest.raises(CodecError, match="scales must be float32"):
         QuantizedBlocks(src.data, src.scales.double(), torch.float32)
 

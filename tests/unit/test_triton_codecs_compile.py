@@ -5,6 +5,7 @@ the interpreter tests in the same session switch ``triton.jit`` to interpreted f
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -12,7 +13,10 @@ import sys
 
 import pytest
 
-pytest.importorskip("triton")
+# Not imported here: importing triton before tests.unit.triton_env sets TRITON_INTERPRET would make the
+# interpreter tests that run later in this process compile their kernels instead.
+if importlib.util.find_spec("triton") is None:
+    pytest.skip("triton is not installed", allow_module_level=True)
 pytestmark = pytest.mark.unit
 
 _SCRIPT = r'''
@@ -25,6 +29,7 @@ from kvtransfer.codecs import triton_bf16 as kb, triton_fp32 as kf, triton_int4 
 rows = {"bs": "i32", "H": "i32", "D": "i32"}
 strides = {"sb": "i64", "st": "i64", "sh": "i64", "sd": "i64"}
 sstrides = {"ssb": "i64", "sst": "i64", "ssh": "i64"}
+src_meta = {"SRC": "constexpr", "ROUND_BF16": "constexpr"}
 g = {"G": "i32"}
 cases = [
     (k8.int8_encode_kernel, {"src": "*bf16", "sscale": "*bf16", "ids": "*i64", "payload": "*i8", "scales": "*fp32",
@@ -42,23 +47,27 @@ cases = [
     (k8.fp8_decode_kernel, {"payload": "*u8", "scales": "*fp32", "dst": "*fp32", "ids": "*i64", **rows, **strides,
                             "BT": "constexpr", "BE": "constexpr", "OUT_BF16": "constexpr"},
      {"BT": 4, "BE": 1024, "OUT_BF16": False}),
-    (k4.int4_key_encode_kernel, {"src": "*bf16", "ids": "*i64", "payload": "*u8", "scales": "*i16", "zeros": "*i16",
-                                 "flags": "*i32", **rows, **g, **strides, "BG": "constexpr", "BJ": "constexpr"},
-     {"BG": 16, "BJ": 64}),
-    (k4.int4_value_encode_kernel, {"src": "*bf16", "ids": "*i64", "payload": "*u8", "scales": "*i16",
-                                   "zeros": "*i16", "flags": "*i32", **rows, **g, **strides, "BT": "constexpr",
-                                   "BN": "constexpr", "BH": "constexpr"}, {"BT": 16, "BN": 4, "BH": 16}),
+    (k4.int4_key_encode_kernel, {"src": "*bf16", "sscale": "*bf16", "ids": "*i64", "payload": "*u8",
+                                 "scales": "*i16", "zeros": "*i16", "flags": "*i32", **rows, **g, **strides,
+                                 **sstrides, "BG": "constexpr", "BJ": "constexpr", **src_meta},
+     {"BG": 16, "BJ": 64, "SRC": 0, "ROUND_BF16": False}),
+    (k4.int4_value_encode_kernel, {"src": "*i8", "sscale": "*fp32", "ids": "*i64", "payload": "*u8", "scales": "*i16",
+                                   "zeros": "*i16", "flags": "*i32", **rows, **g, **strides, **sstrides,
+                                   "BT": "constexpr", "BN": "constexpr", "BH": "constexpr", **src_meta},
+     {"BT": 16, "BN": 4, "BH": 16, "SRC": 1, "ROUND_BF16": True}),
     (k4.int4_decode_kernel, {"payload": "*u8", "scales": "*fp16", "zeros": "*fp16", "dst": "*fp32", "ids": "*i64",
                              **rows, **g, "IS_KEY": "constexpr", **strides, "BT": "constexpr", "BJ": "constexpr",
                              "OUT_BF16": "constexpr"}, {"IS_KEY": False, "BT": 8, "BJ": 64, "OUT_BF16": False}),
-    (kb.bf16_encode_kernel, {"src": "*fp32", "ids": "*i64", "payload": "*i16", "flags": "*i32", **rows, **strides,
-                             "BT": "constexpr", "BE": "constexpr", "IN_BF16": "constexpr"},
-     {"BT": 4, "BE": 1024, "IN_BF16": False}),
+    (kb.bf16_encode_kernel, {"src": "*fp32", "sscale": "*fp32", "ids": "*i64", "payload": "*i16", "flags": "*i32",
+                             **rows, **strides, **sstrides, "BT": "constexpr", "BE": "constexpr",
+                             "IN_BF16": "constexpr", **src_meta},
+     {"BT": 4, "BE": 1024, "IN_BF16": False, "SRC": 0, "ROUND_BF16": False}),
     (kb.bf16_decode_kernel, {"payload": "*i16", "dst": "*fp32", "ids": "*i64", **rows, **strides, "BT": "constexpr",
                              "BE": "constexpr", "OUT_BF16": "constexpr"}, {"BT": 4, "BE": 1024, "OUT_BF16": False}),
-    (kf.fp32_encode_kernel, {"src": "*i16", "ids": "*i64", "payload": "*i32", "flags": "*i32", **rows, **strides,
-                             "BT": "constexpr", "BE": "constexpr", "IN_BF16": "constexpr"},
-     {"BT": 4, "BE": 1024, "IN_BF16": True}),
+    (kf.fp32_encode_kernel, {"src": "*u8", "sscale": "*fp32", "ids": "*i64", "payload": "*i32", "flags": "*i32",
+                             **rows, **strides, **sstrides, "BT": "constexpr", "BE": "constexpr",
+                             "IN_BF16": "constexpr", **src_meta},
+     {"BT": 4, "BE": 1024, "IN_BF16": False, "SRC": 2, "ROUND_BF16": False}),
     (kf.fp32_decode_kernel, {"payload": "*i32", "dst": "*i16", "ids": "*i64", **rows, **strides, "BT": "constexpr",
                              "BE": "constexpr", "OUT_BF16": "constexpr"}, {"BT": 4, "BE": 1024, "OUT_BF16": True}),
 ]

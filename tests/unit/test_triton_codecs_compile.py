@@ -41,6 +41,9 @@ cases = [
     (k8.fp8_encode_kernel, {"src": "*u8", "sscale": "*fp32", "ids": "*i64", "payload": "*u8", "scales": "*fp32",
                             **rows, **strides, **sstrides, "BT": "constexpr", "BE": "constexpr", "SRC": "constexpr",
                             "ROUND_BF16": "constexpr"}, {"BT": 4, "BE": 1024, "SRC": 2, "ROUND_BF16": True}),
+    (k8.fp8_encode_kernel, {"src": "*fp32", "sscale": "*fp32", "ids": "*i64", "payload": "*u8", "scales": "*fp32",
+                            **rows, **strides, **sstrides, "BT": "constexpr", "BE": "constexpr", **src_meta},
+     {"BT": 4, "BE": 1024, "SRC": 0, "ROUND_BF16": False}),
     (k8.int8_encode_kernel, {"src": "*i8", "sscale": "*fp32", "ids": "*i64", "payload": "*i8", "scales": "*fp32",
                              **rows, **strides, **sstrides, "BT": "constexpr", "BD": "constexpr", "SRC": "constexpr",
                              "ROUND_BF16": "constexpr"}, {"BT": 32, "BD": 128, "SRC": 1, "ROUND_BF16": False}),
@@ -79,7 +82,7 @@ out = {}
 for fn, sig, const in cases:
     ptx = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=GPUTarget("cuda", 90, 32),
                          options={"enable_fp_fusion": False}).asm["ptx"]
-    name = fn.__name__ + ("_from_quantised" if const.get("SRC") == 1 else "")
+    name = fn.__name__ + ("_from_quantised" if const.get("SRC") else "")
     out[name] = {k: ptx.count(k) for k in ("fma.", "div.full", "div.approx", "div.rn")}
 print(json.dumps(out))
 '''
@@ -93,10 +96,10 @@ def test_kernels_compile_for_sm90_with_exact_rounding() -> None:
     counts = json.loads(proc.stdout.strip().splitlines()[-1])
     if "skip" in counts:
         pytest.skip(counts["skip"])
-    assert len(counts) == 12
+    assert len(counts) == 13
     for name, c in counts.items():
         assert c["fma."] == 0, f"{name}: a fused multiply-add rounds differently from the torch codec"
         assert c["div.full"] == 0 and c["div.approx"] == 0, f"{name}: approximate division"
     for name in ("int8_encode_kernel", "int8_encode_kernel_from_quantised", "fp8_encode_kernel",
-                 "int4_key_encode_kernel"):
+                 "fp8_encode_kernel_from_quantised", "int4_key_encode_kernel"):
         assert counts[name]["div.rn"] > 0, f"{name}: scales must be divided with round-to-nearest"

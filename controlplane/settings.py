@@ -164,6 +164,9 @@ class PoolSettings(_Model):
     ray_resources: dict[str, float] = Field(
         default_factory=dict, description="custom Ray resources per replica, e.g. {'epd-decode': 1} to place "
                                           "the pool on its own KubeRay worker group")
+    malloc_arena_max: int | None = Field(
+        2, ge=1, description="glibc malloc arenas in each replica's process (MALLOC_ARENA_MAX; unset = glibc's "
+                             "8 per core): with few arenas the start-up warm-up's memory serves every thread")
 
     @field_validator("cpu_affinity")
     @classmethod
@@ -180,6 +183,11 @@ class PoolSettings(_Model):
             raise ValueError(f"ray_resources need a name and an amount >= 0; bad: {bad}")
         return v
     engine: EngineSettings = EngineSettings()
+
+    def process_env(self) -> dict[str, str]:
+        """Environment variables a replica's process starts with (they must be set before it starts:
+        glibc reads MALLOC_ARENA_MAX once, at its first allocation)."""
+        return {} if self.malloc_arena_max is None else {"MALLOC_ARENA_MAX": str(self.malloc_arena_max)}
 
 
 class TransferSettings(_Model):

@@ -298,6 +298,7 @@ class PoolManager:
             actor = self._remote_cls.options(
                 name=name, namespace=self.settings.ray.namespace, num_cpus=ps.num_cpus, num_gpus=ps.num_gpus,
                 resources=dict(ps.ray_resources) or None, max_concurrency=ACTOR_CONCURRENCY, max_restarts=0,
+                runtime_env={"env_vars": env} if (env := ps.process_env()) else None,
             ).remote(pool.value, self._model_dir, self._settings_json, self._token, self.redis_url,
                      self.prefix, index, host)
             pending.append((name, actor, actor.info.remote()))

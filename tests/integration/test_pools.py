@@ -118,6 +118,9 @@ def test_all_pools_come_up_live_in_the_registry(manager: PoolManager):
         assert replica.address.startswith("127.0.0.1:") and not replica.draining
     decode = status[Pool.DECODE].replicas[0].load
     assert decode.total_kv_blocks > 0 and decode.free_kv_blocks == decode.total_kv_blocks
+    for pool in status:  # each replica's process started with the pool's malloc arenas (default 2)
+        (pid,) = pids(manager, pool).values()
+        assert b"MALLOC_ARENA_MAX=2\0" in Path(f"/proc/{pid}/environ").read_bytes()
 
 
 def test_requests_through_the_registry_match_the_reference(manager: PoolManager, dispatcher: Dispatcher,

@@ -12,6 +12,11 @@ like a leak in a soak. ``warm_up`` runs, once, with no request in the engine:
      pool's blocks in use at once), then sampling of every row (temperature 1, top-p).
 The blocks it writes are taken from the pool and given back; no request, sequence, counter or random
 generator of the engine is touched, so every later output is what it would have been without it.
+
+glibc keeps freed memory per arena, and a thread takes an arena of its own while fewer than
+``MALLOC_ARENA_MAX`` exist (8 per core by default). Steps run on the engine loop's thread and on gRPC
+handler threads, not on the thread that warmed up, so the warm-up's peak covers them only when arenas are
+few: pool replicas start with ``MALLOC_ARENA_MAX`` set (``{pool}.malloc_arena_max``, default 2).
 """
 
 from __future__ import annotations

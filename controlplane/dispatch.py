@@ -29,7 +29,7 @@ from collections.abc import Callable, Generator, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import ExitStack
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import grpc
 
@@ -105,13 +105,18 @@ def _error(stage: str, exc: BaseException | None, target: str | None) -> Dispatc
     return DispatchError(stage, exc.code(), exc.details() or exc.code().name, lost)
 
 
+_Stub = TypeVar("_Stub")
+
+
 class _Channels:
-    """One keepalive channel per worker, reused (never one per call)."""
+    """One keepalive channel per worker, reused (never one per call), and one stub of each kind on it:
+    building a stub makes a callable per RPC of its service, work a call need not repeat."""
 
     def __init__(self, security: TransferSecurity, keepalive_s: float) -> None:
         self.security = security
         self.options = CHANNEL_OPTIONS + keepalive_options(keepalive_s)
         self._channels: dict[str, grpc.Channel] = {}
+        self._stubs: dict[tuple[str, Callable[[grpc.Channel], Any]], Any] = {}
         self._lock = threading.Lock()
 
     def get(self, target: str) -> grpc.Channel:
@@ -121,9 +126,19 @@ class _Channels:
                 ch = self._channels[target] = self.security.open_channel(target, self.options)
             return ch
 
+    def stub(self, target: str, kind: Callable[[grpc.Channel], _Stub]) -> _Stub:
+        """``kind`` (a generated ``...Stub`` class) over ``target``'s channel, made once."""
+        key = (target, kind)
+        stub = self._stubs.get(key)  # no lock for the common case: one dict read
+        if stub is None:
+            made = kind(self.get(target))
+            with self._lock:
+                stub = self._stubs.setdefault(key, made)
+        return cast(_Stub, stub)
+
     def close(self) -> None:
         with self._lock:
-            channels, self._channels = list(self._channels.values()), {}
+            channels, self._channels, self._stubs = list(self._channels.values()), {}, {}
         for ch in channels:
             ch.close()
 
@@ -165,8 +180,8 @@ class Dispatcher:
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._channels.close()
 
-    def _channel(self, target: str) -> grpc.Channel:
-        return self._channels.get(target)
+    def _stub(self, target: str, kind: Callable[[grpc.Channel], _Stub]) -> _Stub:
+        return self._channels.stub(target, kind)
 
     def run(self, req: WorkerRequest, route: Route) -> Generator[wpb.TokenChunk, None, None]:
         """The request's chunks. The workers' call slots are taken on the first ``next()`` (a busy worker
@@ -186,7 +201,7 @@ class Dispatcher:
 
     def _run_colocated(self, req: WorkerRequest, target: str) -> Iterator[wpb.TokenChunk]:
         md = self.security.call_metadata()
-        worker = wgrpc.DecodeWorkerStub(self._channel(target))
+        worker = self._stub(target, wgrpc.DecodeWorkerStub)
         st = RequestObserver(req.request_id).begin("complete", "decode", images=len(req.images))
         stream = worker.Complete(wpb.CompleteRequest(
             request_id=req.request_id, prompt_token_ids=req.prompt_ids, params=sampling_to_proto(req.params),
@@ -209,13 +224,13 @@ class Dispatcher:
         """A one-token request: its token is prefill's, so no decode reservation and no KV transfer."""
         assert route.prefill is not None
         md = self.security.call_metadata()
-        prefill = wgrpc.PrefillWorkerStub(self._channel(route.prefill))
+        prefill = self._stub(route.prefill, wgrpc.PrefillWorkerStub)
         obs = RequestObserver(req.request_id)
         encoded: Future | None = None
         if req.images:
             if route.encode is None:
                 raise DispatchError("route", grpc.StatusCode.FAILED_PRECONDITION, "no encode worker for images")
-            encode = wgrpc.EncodeWorkerStub(self._channel(route.encode))
+            encode = self._stub(route.encode, wgrpc.EncodeWorkerStub)
             est = obs.begin("encode", "encode", images=len(req.images))
             encoded = self._pool.submit(
                 encode.Encode, wpb.EncodeRequest(request_id=req.request_id, images=list(req.images),
@@ -252,11 +267,11 @@ class Dispatcher:
         (the decode worker's is held until the last token)."""
         assert route.prefill is not None
         md = self.security.call_metadata()
-        decode = wgrpc.DecodeWorkerStub(self._channel(route.decode))
-        prefill = wgrpc.PrefillWorkerStub(self._channel(route.prefill))
+        decode = self._stub(route.decode, wgrpc.DecodeWorkerStub)
+        prefill = self._stub(route.prefill, wgrpc.PrefillWorkerStub)
         params = sampling_to_proto(req.params)
         obs = RequestObserver(req.request_id)  # spans per call, parented on the caller's trace context
-        st = obs.begin("reserve", traced=False)  # ~1 ms, timed in epd:request_stage_seconds; no span (cost)
+        st = obs.begin("reserve", traced=False)  # timed in epd:request_stage_seconds; no span (a short call)
         try:
             reply = decode.Reserve(wpb.ReserveRequest(request_id=req.request_id, prompt_token_ids=req.prompt_ids,
                                                       params=params, timeout_s=req.timeout_s),
@@ -270,7 +285,7 @@ class Dispatcher:
             if route.encode is None:
                 self._abort(req.request_id, route)
                 raise DispatchError("route", grpc.StatusCode.FAILED_PRECONDITION, "no encode worker for images")
-            encode = wgrpc.EncodeWorkerStub(self._channel(route.encode))
+            encode = self._stub(route.encode, wgrpc.EncodeWorkerStub)
             est = obs.begin("encode", "encode", images=len(req.images))
             futures.append(("encode", self._pool.submit(
                 encode.Encode, wpb.EncodeRequest(request_id=req.request_id, images=list(req.images),
@@ -349,7 +364,7 @@ class Dispatcher:
             if target is None:
                 continue
             try:
-                stub(self._channel(target)).Abort(wpb.AbortRequest(request_id=rid), metadata=md, timeout=5)
+                self._stub(target, stub).Abort(wpb.AbortRequest(request_id=rid), metadata=md, timeout=5)
             except grpc.RpcError:
                 pass  # the worker is gone; its own deadlines release what it held
 

@@ -135,10 +135,11 @@ def format_soak(s: SoakReport) -> str:
              f"RSS growth after warm-up (from {s.warmup_s:g} s in; request journal capped at {s.journal_cap}):"]
     first = next((x for x in s.samples if x.at_s >= s.warmup_s), None)
     last = s.samples[-1] if s.samples else None
+    width = max((len(name) for name in s.rss_growth_pct), default=0) + 2
     for name, g in sorted(s.rss_growth_pct.items()):
         mb = (f"  ({first.rss[name] / 2**20:.1f} -> {last.rss[name] / 2**20:.1f} MiB)"
               if first is not None and last is not None and name in first.rss and name in last.rss else "")
-        lines.append(f"  {name:<40}{g:+.1f}%{mb}")
+        lines.append(f"  {name:<{width}}{g:+.1f}%{mb}")
     spread: dict[str, list[int]] = {}
     for x in s.samples:
         for name, n in x.running.items():

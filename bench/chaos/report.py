@@ -100,6 +100,9 @@ def format_report(r: ChaosReport) -> str:
     return "\n".join(lines)
 
 
+SOAK_RSS_LIMIT_PCT = 5.0  # the bound on a process's RSS growth after warm-up
+
+
 @dataclass(frozen=True)
 class SoakSample:
     at_s: float
@@ -140,6 +143,8 @@ def format_soak(s: SoakReport) -> str:
         mb = (f"  ({first.rss[name] / 2**20:.1f} -> {last.rss[name] / 2**20:.1f} MiB)"
               if first is not None and last is not None and name in first.rss and name in last.rss else "")
         lines.append(f"  {name:<{width}}{g:+.1f}%{mb}")
+    over = [f"{name} ({g:+.1f}%)" for name, g in sorted(s.rss_growth_pct.items()) if g >= SOAK_RSS_LIMIT_PCT]
+    lines.append(f"processes at or over {SOAK_RSS_LIMIT_PCT:g}%: {', '.join(over) or 'none'}")
     spread: dict[str, list[int]] = {}
     for x in s.samples:
         for name, n in x.running.items():

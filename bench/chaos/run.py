@@ -180,6 +180,8 @@ def soak(cfg: ChaosConfig, say: Callable[[str], None] = print, sample_s: float =
             end_blocks = _wait_blocks_free(dep)
         finally:
             dep.stop()
+            if cfg.keep_log is not None:
+                cfg.keep_log.write_text(dep.log_path.read_text(errors="replace"))
     warmup_s = min(SOAK_WARMUP_S, cfg.soak_minutes * 60 / 5)
     warm = next((s for s in samples if s.at_s >= warmup_s), samples[0])
     last = samples[-1]

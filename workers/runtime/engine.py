@@ -35,11 +35,11 @@ from workers.runtime.sampler import SamplingParams, sample, seed_draw
 from workers.runtime.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from workers.runtime.sequence import FinishReason, MultimodalInput, Sequence
 from workers.runtime.tokenizer import IncrementalDetokenizer, Tokenizer
+from workers.runtime.warmup import WarmupShapes, warm_up
 
 if TYPE_CHECKING:
     from workers.runtime.cuda_graphs import DecodeGraphs
     from workers.runtime.kernels.ops import TritonOps
-    from workers.runtime.warmup import WarmupShapes
 
 DTypeName = Literal["float32", "bfloat16"]
 KernelsMode = Literal["auto", "torch", "triton"]
@@ -191,18 +191,16 @@ class Engine:
         self._reservations: dict[str, KVReservation] = {}
         self._lock = threading.RLock()
 
-    @property
-    def kernel_ops(self) -> TritonOps | None:
-        """The Triton ops the steps run with, or None for the torch path."""
-        return self._ops
-
     def warm_up(self) -> WarmupShapes:
         """Run the largest prefill and decode steps once, before serving, so the allocator's peak is
         reached at start-up (workers.runtime.warmup). Changes no later output. Call with no request in."""
-        from workers.runtime.warmup import warm_up
-
+        cfg = self.config
         with self._lock:
-            shapes = warm_up(self)
+            if self.scheduler.has_work() or self._reservations:
+                raise RuntimeError("warm_up runs before the engine serves: it holds requests or blocks")
+            shapes = warm_up(self.model, self.cache, self._ops, max_num_batched_tokens=cfg.max_num_batched_tokens,
+                             prefill_chunk_size=cfg.prefill_chunk_size, max_num_seqs=cfg.max_num_seqs,
+                             max_model_len=self.max_model_len)
         log.info("warm-up: prefill chunks %s (first after %d tokens), decode %d x %d tokens, in %.2f s",
                  shapes.prefill_chunks, shapes.prefill_context, shapes.decode_seqs, shapes.decode_context,
                  shapes.seconds)

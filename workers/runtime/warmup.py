@@ -31,7 +31,9 @@ from workers.runtime.attention import DecodeItem, PrefillItem, build_step_batch
 from workers.runtime.sampler import SamplingParams, sample
 
 if TYPE_CHECKING:
-    from workers.runtime.engine import Engine
+    from workers.runtime.kernels.ops import TritonOps
+    from workers.runtime.kv_cache import PagedKVCache
+    from workers.runtime.model import DecoderModel
 
 
 @dataclass(frozen=True)
@@ -62,29 +64,29 @@ def warmup_shapes(max_num_batched_tokens: int, prefill_chunk_size: int, max_num_
     return tuple(chunks), context, decode_context
 
 
-def warm_up(engine: Engine) -> WarmupShapes:
-    """Run the largest prefill and decode steps once; the engine must hold no request."""
+def warm_up(model: DecoderModel, cache: PagedKVCache, ops: TritonOps | None, *, max_num_batched_tokens: int,
+            prefill_chunk_size: int, max_num_seqs: int, max_model_len: int) -> WarmupShapes:
+    """Run the largest prefill and decode steps these limits allow once, on blocks taken from ``cache``'s
+    pool and given back; the pool must have no block in use (no request in the engine)."""
     began = time.perf_counter()
-    cfg, cache = engine.config, engine.cache
     alloc, bs = cache.allocator, cache.block_size
-    if engine.has_unfinished() or alloc.num_used:
+    if alloc.num_used:
         raise RuntimeError("warm_up runs before the engine serves: it holds requests or blocks")
-    chunks, context, decode_context = warmup_shapes(cfg.max_num_batched_tokens, cfg.prefill_chunk_size,
-                                                    cfg.max_num_seqs, engine.max_model_len, alloc.num_free * bs)
-    vocab = engine.model.cfg.vocab_size
-    paged = engine.kernel_ops is not None
-    table = alloc.allocate(cache.blocks_for(min(engine.max_model_len, alloc.num_free * bs)))
+    chunks, context, decode_context = warmup_shapes(max_num_batched_tokens, prefill_chunk_size, max_num_seqs,
+                                                    max_model_len, alloc.num_free * bs)
+    vocab = model.cfg.vocab_size
+    paged = ops is not None
+    table = alloc.allocate(cache.blocks_for(min(max_model_len, alloc.num_free * bs)))
     try:
         prefills = [PrefillItem([(i * 7 + j) % vocab for j in range(n)], context if i == 0 else 0, table, True)
                     for i, n in enumerate(chunks)]
-        engine.model(build_step_batch([], prefills, cache, paged_kernels=paged), cache, None, engine.kernel_ops)
-        decodes = [DecodeItem(i % vocab, decode_context - 1, table) for i in range(cfg.max_num_seqs)]
-        logits = engine.model(build_step_batch(decodes, [], cache, paged_kernels=paged), cache, None,
-                              engine.kernel_ops)
+        model(build_step_batch([], prefills, cache, paged_kernels=paged), cache, None, ops)
+        decodes = [DecodeItem(i % vocab, decode_context - 1, table) for i in range(max_num_seqs)]
+        logits = model(build_step_batch(decodes, [], cache, paged_kernels=paged), cache, None, ops)
         params = SamplingParams(temperature=1.0, top_p=0.9)
         sample(logits, [params] * len(decodes), [torch.Generator().manual_seed(i) for i in range(len(decodes))])
     finally:
         alloc.free(table)
     if cache.device.type == "cuda":
         torch.cuda.synchronize(cache.device)
-    return WarmupShapes(chunks, context, cfg.max_num_seqs, decode_context, time.perf_counter() - began)
+    return WarmupShapes(chunks, context, max_num_seqs, decode_context, time.perf_counter() - began)

@@ -34,6 +34,8 @@ import math
 import threading
 from dataclasses import dataclass
 
+import redis
+
 from controlplane.state.client import StateConnection
 
 log = logging.getLogger(__name__)
@@ -145,7 +147,12 @@ class RequestJournal:
     def history(self, request_id: str) -> list[JournalEntry]:
         """The request's transitions in the order they were recorded; [] if unknown or expired."""
         with self._conn.guard():
-            raw = self._conn.redis.lrange(self._keys.journal(request_id), 0, -1)
+            try:
+                raw = self._conn.redis.lrange(self._keys.journal(request_id), 0, -1)
+            except redis.ResponseError as exc:  # a stream an older version wrote: unreadable here, expires
+                if "WRONGTYPE" not in str(exc):
+                    raise
+                return []
         return [JournalEntry(RequestState(raw[i]), float(raw[i + 1]), raw[i + 2]) for i in range(0, len(raw) - 2, 3)]
 
     def recent(self, n: int) -> list[str]:

@@ -104,9 +104,9 @@ class WorkerView:
                 with self._lock:
                     self._refreshing.discard(pool)
         assert cached is not None
-        inflight, none = self._inflight, (0, 0, 0)
-        with self._lock:  # the snapshot's rows with this scheduler's own in-flight work on each worker
-            return [Candidate(*c[:6], *inflight.get(c[0], none)) for c in cached[1]]
+        inflight, make = self._inflight, Candidate._make
+        with self._lock:  # the snapshot's rows (in flight 0) with this scheduler's own in-flight work on each worker
+            return [c if (held := inflight.get(c[0])) is None else make((*c[:6], *held)) for c in cached[1]]
 
     def _read(self, pool: str) -> tuple[int, list[Candidate]]:
         """(workers listed, draining ones included; the routable ones)."""

@@ -2,9 +2,20 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
-from controlplane.scheduler.policies import Candidate, available_policies, get_policy
+from controlplane.scheduler.policies import (
+    Candidate,
+    available_policies,
+    compute_key,
+    decode_key,
+    free_blocks,
+    get_policy,
+    pending_tokens,
+    sequences,
+)
 
 pytestmark = [pytest.mark.unit]
 
@@ -63,3 +74,16 @@ def test_load_only_policies_ignore_prompt_ids():
     cands = [_c("a", queued=500), _c("b", queued=100)]
     assert get_policy("least_loaded").pick("prefill", cands, 4, prompt_ids=[1, 2, 3, 4]).worker_id == "b"
     assert get_policy("round_robin").pick("prefill", cands, 4, prompt_ids=[1, 2, 3, 4]).worker_id == "a"
+
+
+def test_least_loaded_sort_keys_are_the_load_helpers_inlined():
+    """decode_key and compute_key are free_blocks / pending_tokens / sequences written out for speed: the same
+    order on every candidate, including where reported and in-flight load cross."""
+    rng = random.Random(7)
+    for i in range(2000):
+        total = rng.randint(1, 64)
+        c = _c(f"w{i}", queued=rng.randint(0, 50), free=rng.randint(0, total), total=total,
+               running=rng.randint(0, 8), inflight_tokens=rng.randint(0, 50),
+               inflight_requests=rng.randint(0, 8), inflight_blocks=rng.randint(0, total))
+        assert decode_key(c) == (-free_blocks(c), sequences(c), c.worker_id)
+        assert compute_key(c) == (pending_tokens(c), sequences(c), c.worker_id)

@@ -116,20 +116,18 @@ class LayerStreamer:
         quantised layer as codes and scales, read as the engine's gather would dequantise them)."""
         bs, h, d = self.layout.block_size, self.layout.num_kv_heads, self.layout.head_dim
         k_cache, v_cache = storage.k.view(-1, bs, h, d), storage.v.view(-1, bs, h, d)
+        scales = ((storage.k_scale.view(-1, bs, h), storage.v_scale.view(-1, bs, h))
+                  if isinstance(storage, QuantizedLayerStorage) else ())
         tail = chunk.end - (hi - 1) * bs
         if tail < bs:  # the prompt's last block is partly empty: zero its unused slots (this request's own,
             last = chunk.blocks[hi - 1]  # never written before its next token) so no stale KV is shipped
-            for part in (k_cache, v_cache):
+            for part in (k_cache, v_cache, *scales):
                 part.view(torch.uint8)[last, tail:] = 0  # bytes: CPU cannot fill float8; 0 is +0.0 in every dtype
-            if isinstance(storage, QuantizedLayerStorage):
-                storage.k_scale.view(-1, bs, h)[last, tail:] = 0
-                storage.v_scale.view(-1, bs, h)[last, tail:] = 0
         k: CacheBlocks = k_cache
         v: CacheBlocks = v_cache
-        if isinstance(storage, QuantizedLayerStorage):
-            dtype = self.engine.model.dtype
-            k = QuantizedBlocks(k_cache, storage.k_scale.view(-1, bs, h), dtype)
-            v = QuantizedBlocks(v_cache, storage.v_scale.view(-1, bs, h), dtype)
+        if scales:
+            k = QuantizedBlocks(k_cache, scales[0], self.engine.model.dtype)
+            v = QuantizedBlocks(v_cache, scales[1], self.engine.model.dtype)
         ids = torch.tensor(chunk.blocks[lo:hi], dtype=torch.long, device=k_cache.device)
         try:
             act.stream.send_blocks(layer, lo, k, v, ids)

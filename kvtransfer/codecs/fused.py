@@ -9,7 +9,8 @@ blocks ``ids``. Both produce exactly the torch codecs' bytes and values (tests h
 
 Every encode also reads a quantised cache (``paged.QuantizedBlocks``: codes and a scale per (token,
 head)), dequantising as it reads, with the torch codec's bytes over ``QuantizedBlocks.gather``;
-``encodes_from`` says whether a codec's blocks are read straight from a given cache.
+``encodes_from`` says whether a codec's blocks are read straight from a given cache, ``decodes_into``
+whether they are decoded straight into one.
 
 ``usable(device)``: True on a CUDA device when Triton imports, or under ``TRITON_INTERPRET=1``
 (the interpreter runs them on CPU tensors: that is how they are tested without a GPU). This module is
@@ -29,8 +30,8 @@ from kvtransfer.codecs.base import Codec, raise_non_finite
 from kvtransfer.codecs.encoded import CodecError, EncodedTensor, Kind
 from kvtransfer.codecs.paged import QuantizedBlocks
 
-__all__ = ["FUSED_CODECS", "decode_blocks", "encode_blocks", "encode_blocks_unchecked", "encodes_from", "refuse",
-           "usable"]
+__all__ = ["FUSED_CODECS", "decode_blocks", "decodes_into", "encode_blocks", "encode_blocks_unchecked", "encodes_from",
+           "refuse", "usable"]
 
 FUSED_CODECS = ("int8", "fp8", "int4", "bf16", "fp32")
 
@@ -73,6 +74,13 @@ def encodes_from(codec: Codec, cache: torch.Tensor | QuantizedBlocks) -> bool:
     cache or a quantised one) with these kernels: a CUDA cache, where they are usable, of a codec they
     cover. Otherwise the caller gathers the blocks and encodes them with the codec."""
     return codec._fused(cache.data if isinstance(cache, QuantizedBlocks) else cache) is not None
+
+
+def decodes_into(codec: Codec, cache: torch.Tensor) -> bool:
+    """True when ``codec`` (as the registry built it) decodes straight into blocks of ``cache`` (a float
+    cache) with ``decode_blocks``: a CUDA cache, where these kernels are usable, of a codec they cover.
+    Otherwise the caller decodes with the codec and copies the result into the blocks."""
+    return codec._fused(cache) is not None
 
 
 def _check(codec: Codec, cache: torch.Tensor | QuantizedBlocks, ids: torch.Tensor) -> tuple[int, int, int, int]:

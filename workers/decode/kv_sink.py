@@ -5,7 +5,12 @@ Per layer, by what the cache stores there:
     anything else is decoded into the blocks (dequantised);
   - an int8/fp8 layer receiving that same codec: payload and scales are stored as they are
     (``native``: the capacity gain of a quantised cache, no dequantise/requantise);
-  - any other pairing: decoded to float and re-quantised per token as the cache writes it.
+  - any other pairing (int4, bf16, fp32 into int8/fp8; int8 into fp8; fp8 into int8): re-quantised per
+    (token, head) as the cache writes it. The device path (a CUDA cache, or ``staged`` under
+    ``TRITON_INTERPRET=1``) does it in one fused kernel (``workers.runtime.kernels.kv_requant``) that
+    reads the received parts and writes codes and scales straight into the blocks; the host path, and a
+    device without Triton, decode to float32 and call ``storage.write`` (``_requantise``), the reference
+    the kernel equals bit for bit. Either refuses a chunk that decodes to NaN or inf and writes nothing.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from typing import Literal
 import numpy as np
 import torch
 
-from kvtransfer.codecs import Codec, EncodedTensor, Kind, get_codec
+from kvtransfer.codecs import Codec, EncodedTensor, Kind, fused, get_codec
 from kvtransfer.codecs.encoded import CodecError
 from kvtransfer.cuda_ipc import DeviceParts
 from kvtransfer.receiver import WireParts
@@ -71,6 +76,9 @@ class CacheSink:
             return
         k_enc = c.from_buffer(Kind.KEY, shape, key.payload, key.scales, key.zeros)
         v_enc = c.from_buffer(Kind.VALUE, shape, value.payload, value.scales, value.zeros)
+        if isinstance(storage, QuantizedLayerStorage):
+            _requantise(storage, self._slots(blocks), c, k_enc, v_enc)
+            return
         dtype = storage.k.dtype if isinstance(storage, DenseLayerStorage) else torch.float32
         k, v = c.decode(k_enc, dtype), c.decode(v_enc, dtype)
         storage.write(self._slots(blocks), k.reshape(-1, *shape[2:]), v.reshape(-1, *shape[2:]))
@@ -95,10 +103,14 @@ class CacheSink:
 
     def _land_device(self, storage: KVLayerStorage, blocks: Sequence[int], codec: str,
                      shape: tuple[int, int, int, int], parts: tuple[torch.Tensor | None, ...]) -> None:
-        """Encoded parts on the cache's device: the fused kernels decode straight into the reserved
-        blocks, or the payload and scales are stored as they are; every index lives on that device."""
+        """Encoded parts on the cache's device: the fused kernels decode (or re-quantise) straight into
+        the reserved blocks, or the payload and scales are stored as they are; every index lives on that
+        device."""
         dev = self.cache.device
         n, bs, h, d = shape
+        if blocks and (min(blocks) < 0 or max(blocks) >= self.cache.num_blocks):
+            # the kernels write where the ids point: checked here, on the host list, before any launch
+            raise ValueError(f"block ids {min(blocks)}..{max(blocks)} outside the cache's {self.cache.num_blocks}")
         ids = torch.tensor(blocks, dtype=torch.long, device=dev)
         kp, ks, kz, vp, vs, vz = parts
         assert kp is not None and ks is not None and vp is not None and vs is not None  # only zeros may be absent
@@ -125,14 +137,18 @@ class CacheSink:
         if isinstance(storage, DenseLayerStorage):
             for enc, dest in ((k_enc, storage.k), (v_enc, storage.v)):
                 blocks_view = dest.view(-1, bs, h, d)
-                fused = c._fused(blocks_view)
-                if fused is not None:
+                if fused.decodes_into(c, blocks_view):
                     fused.decode_blocks(c, enc, blocks_view, ids)  # straight into the reserved blocks
                 else:
                     blocks_view.index_copy_(0, ids, c.decode(enc, dest.dtype))
             return
-        k, v = c.decode(k_enc, torch.float32), c.decode(v_enc, torch.float32)
-        storage.write(block_slots(list(blocks), bs, dev), k.reshape(-1, h, d), v.reshape(-1, h, d))
+        assert isinstance(storage, QuantizedLayerStorage)  # the only other storage
+        if c.name in fused.FUSED_CODECS and fused.usable(dev):
+            from workers.runtime.kernels.kv_requant import land_requantised  # imports triton: only here
+
+            land_requantised(c, k_enc, v_enc, storage, bs, ids)  # dequantise + quantise, straight into the blocks
+            return
+        _requantise(storage, block_slots(list(blocks), bs, dev), c, k_enc, v_enc)
 
     def _slots(self, blocks: Sequence[int]) -> torch.Tensor:
         return block_slots(list(blocks), self.bs, self.cache.device)
@@ -170,6 +186,19 @@ class CacheSink:
             for start, end, first in runs:
                 np.copyto(dst[first:first + end - start], src[start:end])
                 s_dst[first:first + end - start].copy_(s[start:end].expand(-1, bs, h))
+
+
+def _requantise(storage: QuantizedLayerStorage, slots: torch.Tensor, c: Codec, key: EncodedTensor,
+                value: EncodedTensor) -> None:
+    """The torch path of a non-native codec into a quantised layer, and the fused kernel's reference:
+    decode to float32, refuse NaN/inf (nothing written), then the cache's own per-(token, head) write."""
+    h, d = key.shape[2], key.shape[3]
+    k, v = c.decode(key, torch.float32), c.decode(value, torch.float32)
+    if not bool(torch.isfinite(k).all() and torch.isfinite(v).all()):
+        # the same words as workers.runtime.kernels.kv_requant (a test holds them equal)
+        raise CodecError(f"{c.name}: the received KV holds NaN or inf once decoded; refusing to land it in "
+                         f"the {storage.dtype_name} cache (nothing was written)")
+    storage.write(slots, k.reshape(-1, h, d), v.reshape(-1, h, d))
 
 
 def _encoded(c: Codec, kind: Kind, shape: tuple[int, int, int, int], payload: torch.Tensor, scales: torch.Tensor,

@@ -20,25 +20,28 @@ A worker is *lost* to a request when its call broke under it (UNAVAILABLE or UNK
 worker's own KV-transfer mark: a killed process, a reset or closed socket, a missed keepalive ping) or
 when its token stream stayed silent past the idle limit (``controlplane.dispatch_watch``). A failure
 names its lost workers' addresses in ``DispatchError.lost``; the scheduler moves the request.
+
+The dispatcher keeps one channel per worker address (``controlplane.dispatch_channels``). A worker gone
+for good is ``forget``-ed (the pool manager says so when it kills a replica): its channel is closed once
+no call is in flight on it, so a stream still running there ends broken, as UNAVAILABLE, and migrates.
 """
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable, Generator, Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import ExitStack
 from dataclasses import dataclass
-from typing import Any, TypeVar, cast
+from typing import Any
 
 import grpc
 
-from controlplane.dispatch_watch import StreamWatch, keepalive_options
+from controlplane.dispatch_channels import Slot, WorkerCalls, WorkerChannels
+from controlplane.dispatch_watch import StreamWatch
 from controlplane.observability.stages import RequestObserver
 from epd.worker.v1 import worker_pb2 as wpb
 from epd.worker.v1 import worker_pb2_grpc as wgrpc
 from kvtransfer.auth import TransferSecurity
-from kvtransfer.options import CHANNEL_OPTIONS
 from workers.runtime.sampler import SamplingParams
 from workers.service_base import sampling_to_proto
 from workers.tracing import FAILURE_KEY, KV_TRANSFER_FAILURE
@@ -90,57 +93,12 @@ def _broke(exc: grpc.RpcError) -> bool:
     return not any(k == FAILURE_KEY and v == KV_TRANSFER_FAILURE for k, v in trailers)
 
 
-def _releasing(slot: _Slot) -> Callable[[Future], None]:
-    """A done-callback that gives ``slot`` back."""
-    def release(_done: Future) -> None:
-        slot.release()
-    return release
-
-
 def _error(stage: str, exc: BaseException | None, target: str | None) -> DispatchError:
     """The stage's failure as a DispatchError; ``exc`` is a call's RpcError, or what a stage's future raised."""
     if not isinstance(exc, grpc.RpcError):  # not a call's failure: nothing says the worker was lost
         return DispatchError(stage, grpc.StatusCode.UNKNOWN, f"{type(exc).__name__}: {exc}")
     lost = (target,) if target is not None and _broke(exc) else ()
     return DispatchError(stage, exc.code(), exc.details() or exc.code().name, lost)
-
-
-_Stub = TypeVar("_Stub")
-
-
-class _Channels:
-    """One keepalive channel per worker, reused (never one per call), and one stub of each kind on it:
-    building a stub makes a callable per RPC of its service, work a call need not repeat."""
-
-    def __init__(self, security: TransferSecurity, keepalive_s: float) -> None:
-        self.security = security
-        self.options = CHANNEL_OPTIONS + keepalive_options(keepalive_s)
-        self._channels: dict[str, grpc.Channel] = {}
-        self._stubs: dict[tuple[str, Callable[[grpc.Channel], Any]], Any] = {}
-        self._lock = threading.Lock()
-
-    def get(self, target: str) -> grpc.Channel:
-        with self._lock:
-            ch = self._channels.get(target)
-            if ch is None:
-                ch = self._channels[target] = self.security.open_channel(target, self.options)
-            return ch
-
-    def stub(self, target: str, kind: Callable[[grpc.Channel], _Stub]) -> _Stub:
-        """``kind`` (a generated ``...Stub`` class) over ``target``'s channel, made once."""
-        key = (target, kind)
-        stub = self._stubs.get(key)  # no lock for the common case: one dict read
-        if stub is None:
-            made = kind(self.get(target))
-            with self._lock:
-                stub = self._stubs.setdefault(key, made)
-        return cast(_Stub, stub)
-
-    def close(self) -> None:
-        with self._lock:
-            channels, self._channels, self._stubs = list(self._channels.values()), {}, {}
-        for ch in channels:
-            ch.close()
 
 
 class Dispatcher:
@@ -154,24 +112,34 @@ class Dispatcher:
         self.token_idle_timeout_s = token_idle_timeout_s
         self.first_token_timeout_s = first_token_timeout_s
         self._watch = StreamWatch()
-        self._channels = _Channels(security, keepalive_s)
+        self._channels = WorkerChannels(security, keepalive_s, max_calls_per_worker)
         self._pool = ThreadPoolExecutor(max_workers=max_parallel, thread_name_prefix="dispatch")
-        self._slots: dict[str, threading.BoundedSemaphore] = {}
-        self._slots_lock = threading.Lock()
 
-    def _take(self, stack: ExitStack, target: str | None) -> _Slot:
+    def forget(self, address: str) -> None:
+        """The worker at ``address`` is gone for good (killed, replaced, scaled down): its call slots and
+        channel are dropped, at once when no call is in flight on it, else when its last call ends (closing
+        a channel would cancel its streams, which must end broken, as UNAVAILABLE, to migrate). A call to the
+        address meanwhile still works. An address the dispatcher holds nothing for: nothing to drop."""
+        self._channels.forget(address)
+
+    def serving(self, address: str) -> None:
+        """A worker (re)started serving at ``address``: a channel to it is kept again, even if the address
+        was forgotten before (a reused port)."""
+        self._channels.serving(address)
+
+    def held(self) -> tuple[WorkerCalls, ...]:
+        """The worker addresses this dispatcher holds a channel for, with their calls in flight."""
+        return self._channels.held()
+
+    def _take(self, stack: ExitStack, target: str | None) -> Slot:
         """One call slot on ``target``, given back when ``stack`` closes (or earlier, by ``release``);
         DispatchError("busy", RESOURCE_EXHAUSTED) at once when the target is at its cap."""
         if target is None:
-            return _Slot(None)
-        with self._slots_lock:
-            sem = self._slots.get(target)
-            if sem is None:
-                sem = self._slots[target] = threading.BoundedSemaphore(self.max_calls_per_worker)
-        if not sem.acquire(blocking=False):
+            return Slot(None, None)
+        slot = self._channels.take(target)
+        if slot is None:
             raise DispatchError("busy", grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"worker {target} already has {self.max_calls_per_worker} calls in flight")
-        slot = _Slot(sem)
         stack.callback(slot.release)
         return slot
 
@@ -180,28 +148,25 @@ class Dispatcher:
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._channels.close()
 
-    def _stub(self, target: str, kind: Callable[[grpc.Channel], _Stub]) -> _Stub:
-        return self._channels.stub(target, kind)
-
     def run(self, req: WorkerRequest, route: Route) -> Generator[wpb.TokenChunk, None, None]:
         """The request's chunks. The workers' call slots are taken on the first ``next()`` (a busy worker
         fails it at once) and held until the generator ends or is closed."""
-        with ExitStack() as slots:
-            encode = self._take(slots, route.encode if req.images else None)
+        with ExitStack() as stack:
+            encode = self._take(stack, route.encode if req.images else None)
             if route.colocated:
-                self._take(slots, route.decode)
-                yield from self._run_colocated(req, route.decode)
+                yield from self._run_colocated(req, route.decode, self._take(stack, route.decode))
             elif req.params.max_tokens == 1 and not req.params.forced_tokens:
-                self._take(slots, route.prefill)
-                yield from self._run_prefill_only(req, route)
+                prefill = self._take(stack, route.prefill)
+                yield from self._run_prefill_only(req, route, {"prefill": prefill, "encode": encode})
             else:
-                prefill = self._take(slots, route.prefill)
-                self._take(slots, route.decode)
-                yield from self._run_disaggregated(req, route, {"prefill": prefill, "encode": encode})
+                prefill = self._take(stack, route.prefill)
+                decode = self._take(stack, route.decode)
+                yield from self._run_disaggregated(req, route, {"prefill": prefill, "encode": encode,
+                                                                "decode": decode})
 
-    def _run_colocated(self, req: WorkerRequest, target: str) -> Iterator[wpb.TokenChunk]:
+    def _run_colocated(self, req: WorkerRequest, target: str, slot: Slot) -> Iterator[wpb.TokenChunk]:
         md = self.security.call_metadata()
-        worker = self._stub(target, wgrpc.DecodeWorkerStub)
+        worker = slot.stub(wgrpc.DecodeWorkerStub)
         st = RequestObserver(req.request_id).begin("complete", "decode", images=len(req.images))
         stream = worker.Complete(wpb.CompleteRequest(
             request_id=req.request_id, prompt_token_ids=req.prompt_ids, params=sampling_to_proto(req.params),
@@ -220,26 +185,27 @@ class Dispatcher:
             if not done:
                 stream.cancel()  # the worker's callback aborts the request and frees its blocks
 
-    def _run_prefill_only(self, req: WorkerRequest, route: Route) -> Iterator[wpb.TokenChunk]:
-        """A one-token request: its token is prefill's, so no decode reservation and no KV transfer."""
+    def _run_prefill_only(self, req: WorkerRequest, route: Route, slots: dict[str, Slot]) -> Iterator[wpb.TokenChunk]:
+        """A one-token request: its token is prefill's, so no decode reservation and no KV transfer.
+        ``slots``: the prefill and encode workers' call slots."""
         assert route.prefill is not None
         md = self.security.call_metadata()
-        prefill = self._stub(route.prefill, wgrpc.PrefillWorkerStub)
+        prefill = slots["prefill"].stub(wgrpc.PrefillWorkerStub)
         obs = RequestObserver(req.request_id)
         encoded: Future | None = None
         if req.images:
             if route.encode is None:
                 raise DispatchError("route", grpc.StatusCode.FAILED_PRECONDITION, "no encode worker for images")
-            encode = self._stub(route.encode, wgrpc.EncodeWorkerStub)
+            encode = slots["encode"].stub(wgrpc.EncodeWorkerStub)
             est = obs.begin("encode", "encode", images=len(req.images))
             encoded = self._pool.submit(
                 encode.Encode, wpb.EncodeRequest(request_id=req.request_id, images=list(req.images),
                                                  embeddings_target=route.prefill, timeout_s=req.timeout_s),
                 metadata=est.metadata(md), timeout=req.timeout_s)
-            encoded.add_done_callback(est.end_future)
-            encoded.add_done_callback(  # prefill stops waiting for embeddings that will not come
+            slots["encode"].end_with(
+                encoded, est.end_future,
                 lambda f: self._abort_at(req.request_id, [(wgrpc.PrefillWorkerStub, route.prefill)])
-                if f.exception() else None)
+                if f.exception() else None)  # prefill stops waiting for embeddings that will not come
         pst = obs.begin("prefill", "prefill", prompt_tokens=len(req.prompt_ids))
         try:
             reply = prefill.Prefill(wpb.PrefillRequest(
@@ -261,14 +227,13 @@ class Dispatcher:
                              finish_reason=reply.finish_reason, prompt_tokens=len(req.prompt_ids), completion_tokens=1,
                              engine_seconds=reply.engine_seconds)
 
-    def _run_disaggregated(self, req: WorkerRequest, route: Route,
-                           slots: dict[str, _Slot] | None = None) -> Iterator[wpb.TokenChunk]:
-        """``slots``: the encode and prefill workers' call slots, given back as soon as their call ends
-        (the decode worker's is held until the last token)."""
+    def _run_disaggregated(self, req: WorkerRequest, route: Route, slots: dict[str, Slot]) -> Iterator[wpb.TokenChunk]:
+        """``slots``: the workers' call slots; encode's and prefill's are given back as soon as their call
+        ends (the decode worker's is held until the last token)."""
         assert route.prefill is not None
         md = self.security.call_metadata()
-        decode = self._stub(route.decode, wgrpc.DecodeWorkerStub)
-        prefill = self._stub(route.prefill, wgrpc.PrefillWorkerStub)
+        decode = slots["decode"].stub(wgrpc.DecodeWorkerStub)
+        prefill = slots["prefill"].stub(wgrpc.PrefillWorkerStub)
         params = sampling_to_proto(req.params)
         obs = RequestObserver(req.request_id)  # spans per call, parented on the caller's trace context
         st = obs.begin("reserve", traced=False)  # timed in epd:request_stage_seconds; no span (a short call)
@@ -285,7 +250,7 @@ class Dispatcher:
             if route.encode is None:
                 self._abort(req.request_id, route)
                 raise DispatchError("route", grpc.StatusCode.FAILED_PRECONDITION, "no encode worker for images")
-            encode = self._stub(route.encode, wgrpc.EncodeWorkerStub)
+            encode = slots["encode"].stub(wgrpc.EncodeWorkerStub)
             est = obs.begin("encode", "encode", images=len(req.images))
             futures.append(("encode", self._pool.submit(
                 encode.Encode, wpb.EncodeRequest(request_id=req.request_id, images=list(req.images),
@@ -308,9 +273,7 @@ class Dispatcher:
                 self._abort(req.request_id, route)
 
         for stage, fut in futures:  # a failed stage aborts the request at once, so decode stops waiting
-            fut.add_done_callback(abort_if_failed)
-            if slots is not None and stage in slots:
-                fut.add_done_callback(_releasing(slots[stage]))
+            slots[stage].end_with(fut, abort_if_failed)
         targets = {"encode": route.encode, "prefill": route.prefill}
         done = False
         try:
@@ -363,21 +326,10 @@ class Dispatcher:
         for stub, target in targets:
             if target is None:
                 continue
+            worker = self._channels.use(target)
             try:
-                self._stub(target, stub).Abort(wpb.AbortRequest(request_id=rid), metadata=md, timeout=5)
+                worker.stub(stub).Abort(wpb.AbortRequest(request_id=rid), metadata=md, timeout=5)
             except grpc.RpcError:
                 pass  # the worker is gone; its own deadlines release what it held
-
-
-class _Slot:
-    """A taken call slot; ``release`` gives it back once, however often it is called."""
-
-    def __init__(self, sem: threading.BoundedSemaphore | None) -> None:
-        self._sem = sem
-        self._lock = threading.Lock()
-
-    def release(self) -> None:
-        with self._lock:
-            sem, self._sem = self._sem, None
-        if sem is not None:
-            sem.release()
+            finally:
+                self._channels.done(worker)

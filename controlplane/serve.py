@@ -203,6 +203,7 @@ def build(settings: Settings) -> Deployment:
                                 keepalive_s=sch.keepalive_s, token_idle_timeout_s=sch.token_idle_timeout_s,
                                 first_token_timeout_s=sch.first_token_timeout_s)
         dep.add("the connections to the workers", dispatcher.close)
+        manager.listen(dispatcher)  # a replica gone for good: its channel closes once its calls end
         from controlplane.state.journal import BackgroundJournal
         # journal writes stay off the request path
         journal = BackgroundJournal(RequestJournal(conn, recent_cap=settings.redis.journal_cap))

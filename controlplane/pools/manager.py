@@ -10,6 +10,9 @@ Lifecycle of a manager:
                      effect) and replaces replicas that died.
   3. ``stop()``      the loop ends, every actor this manager started is stopped and killed, Ray is shut
                      down if ``start`` initialised it. Idempotent.
+Listeners (``listen``) hear each replica's address when it starts serving and when it is gone for good
+(killed: dead, hung, scaled down or stopped; after its deregistration), so the dispatcher can drop what it
+holds for a worker that will not come back.
 
 Reconciling one pool (under that pool's lock only, so pools never touch each other):
   1. replicas whose actor exited, or whose lease expired while the actor fails a probe, are killed;
@@ -26,8 +29,9 @@ import re
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import ray
 from ray.actor import ActorHandle
@@ -61,6 +65,17 @@ class Replica:
     actor: ActorHandle = field(repr=False, compare=False)
     started_at: float  # time.monotonic()
     watch: ray.ObjectRef = field(repr=False, compare=False)  # resolves when the actor stops or dies
+
+
+class AddressListener(Protocol):
+    """Hears of replicas' addresses as they come and go. Called on the manager's threads: must not block;
+    an exception it raises is logged and ignored."""
+
+    def serving(self, address: str) -> None:
+        """A replica started serving at ``address``."""
+
+    def forget(self, address: str) -> None:
+        """The replica at ``address`` is gone for good (its actor killed, its lease deregistered)."""
 
 
 class PoolManager:
@@ -100,6 +115,7 @@ class PoolManager:
         self._problem: dict[Pool, str | None] = {p: None for p in Pool}  # the last failed start, until one works
         self._suspects: set[str] = set()  # worker ids routing lost a request on, probed at the next reconcile
         self._suspects_lock = threading.Lock()
+        self._listeners: list[AddressListener] = []
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> PoolManager:
@@ -137,6 +153,10 @@ class PoolManager:
         if self._conn is not None:
             self._conn.close()
             self._conn = None
+
+    def listen(self, listener: AddressListener) -> None:
+        """Tell ``listener`` of every replica that starts serving or is gone for good from now on."""
+        self._listeners.append(listener)
 
     def __enter__(self) -> PoolManager:
         return self.start()
@@ -322,6 +342,8 @@ class PoolManager:
                     self._starting[pool].pop(name, None)
                 self._replicas[pool].append(Replica(pool, name, info["worker_id"], info["address"], actor,
                                                     time.monotonic(), actor.watch.remote()))
+                for listener in self._listeners:
+                    _tell(listener.serving, info["address"])
                 log.info("%s replica %s serving at %s", pool.value, name, info["address"])
         finally:
             for name, _, _ in pending:
@@ -384,10 +406,19 @@ class PoolManager:
             self.registry.deregister(r.worker_id, r.pool)  # a crashed actor could not do it itself
         except StateError as exc:
             log.warning("could not deregister %s: %s", r.worker_id, exc)
+        for listener in self._listeners:
+            _tell(listener.forget, r.address)
 
 
 class _Cancelled(Exception):
     """A replica's start given up on purpose (the manager stops, or the target dropped)."""
+
+
+def _tell(hear: Callable[[str], None], address: str) -> None:
+    try:
+        hear(address)
+    except Exception:  # a listener's trouble never stops a reconcile
+        log.exception("a replica listener failed on %s", address)
 
 
 def _kill_quietly(actor: ActorHandle) -> None:

@@ -87,6 +87,8 @@ def requant_kernel(payload, scales, zeros, codes, cscales, flag, ids, bs, H, D, 
         mask = tmask[:, None] & cmask
         x = _decoded(payload, scales, zeros, i, h, t, c, mask, bs, H, D, G, CODEC, IS_KEY)
         if WRITE:
+            # a refused chunk stores nothing: keep its NaN/inf out of the arithmetic (no NaN is cast)
+            x = tl.where((x.to(tl.int32, bitcast=True) & 0x7FFFFFFF) < 0x7F800000, x, 0.0)
             # the cache's own quantised write (kv_write._write_one), per token over head_dim
             amax = tl.max(tl.abs(x), 1)
             scale = tl.math.div_rn(tl.maximum(amax, 1e-12), qmax)

@@ -214,6 +214,8 @@ def build(settings: Settings) -> Deployment:
         route_view = WorkerView(WorkerRegistry(route_conn, ttl=settings.redis.heartbeat_ttl_s),
                                 empty_grace_s=settings.redis.heartbeat_ttl_s,
                                 block_size=settings.pool("decode").engine.block_size)
+        # kept fresh from its own thread: routing reads the snapshot in memory, not Redis
+        dep.add("the worker view's refresher (one Redis read at most)", route_view.start().close)
         from controlplane.scheduler.health import WorkerHealth
         health = WorkerHealth(sch.breaker_failures, sch.breaker_open_s, on_lost=manager.suspect)
         scheduler = Scheduler(info, route_view, dispatcher, get_policy(settings.scheduler.routing_policy),

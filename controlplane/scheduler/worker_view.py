@@ -1,12 +1,19 @@
 """The routable workers per pool as this scheduler sees them: a snapshot of the Redis registry plus
 what this scheduler has sent each worker since.
 
-The snapshot is reread at most every ``refresh_s`` seconds, by one thread at a time (``redis.list`` of
-64 workers is ~2.5 ms of decoding under the GIL); requests arriving meanwhile route on the snapshot it
-is replacing. When a reread fails (Redis stalled, restarting or away) routing keeps the last good
-snapshot and the view is *degraded* until a reread succeeds; while degraded it rereads at most every
-``degraded_retry_s`` seconds, so a stalled Redis costs one request a bounded wait (the connection's
-command budget), not every request. Only a pool never read yet fails with ``StateError``.
+A pool's snapshot is reread every ``refresh_s`` seconds, by one thread at a time (decoding a large
+pool's rows takes a while under the GIL); requests arriving meanwhile route on the snapshot it is
+replacing, so a snapshot served is at most ``refresh_s`` plus one reread old. Who rereads:
+  - started (``start()``, as ``epd serve`` does): a background thread keeps every pool asked for so far
+    fresh, and routing only reads the snapshot in memory. The request path reads Redis only for a pool
+    it asks for the first time, and after ``invalidate`` (a request waiting for decode room asks for
+    fresh load reports). ``close()`` stops the thread.
+  - not started (direct use, tests with an injected clock): the request that finds the snapshot stale
+    rereads it in line.
+When a reread fails (Redis stalled, restarting or away) routing keeps the last good snapshot and the view
+is *degraded* until a reread succeeds; while degraded it rereads at most every ``degraded_retry_s``
+seconds, so a stalled Redis costs at most one bounded wait (the connection's command budget) per retry
+interval, in the background when started. Only a pool never read yet fails with ``StateError``.
 
 A Redis that restarted answers with an empty registry until each worker's next heartbeat registers it
 again. So a pool that was not empty and reads as empty keeps its last rows for up to ``empty_grace_s``
@@ -21,6 +28,7 @@ given back exactly once, whatever ends the attempt.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -30,6 +38,7 @@ from controlplane.scheduler.policies import Candidate
 from controlplane.state.errors import StateError
 from controlplane.state.registry import WorkerRegistry
 
+log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Degraded:
@@ -59,54 +68,125 @@ class WorkerView:
         self._inflight: dict[str, list[int]] = {}  # worker id -> [tokens, requests, blocks] (sums of charges)
         self._degraded: Degraded | None = None
         self._last_try: dict[str, float] = {}  # pool -> when a reread last began
+        self._pools: dict[str, None] = {}  # every pool asked for, in order: what the background thread rereads
+        self._refresher: threading.Thread | None = None  # the background thread, once started
+        self._stop = threading.Event()
         self._lock = threading.Lock()
 
     @property
     def degraded(self) -> Degraded | None:
         return self._degraded
 
+    def start(self) -> WorkerView:
+        """Keep every pool asked for so far (and from now on) fresh from a background thread. Idempotent."""
+        with self._lock:
+            if self._refresher is None:
+                self._stop.clear()
+                self._refresher = threading.Thread(target=self._refresh_loop, name="worker-view", daemon=True)
+                self._refresher.start()
+        return self
+
+    def close(self) -> None:
+        """Stop the background thread (one reread in flight finishes first, within the connection's command
+        budget); rereads are back on the request path. Idempotent."""
+        with self._lock:
+            thread, self._refresher = self._refresher, None
+        if thread is not None:
+            self._stop.set()
+            thread.join()
+
     def candidates(self, pool: str) -> list[Candidate]:
         now = self.clock()
         with self._lock:
             cached = self._cache.get(pool)
             if cached is None:
+                self._pools.setdefault(pool, None)
                 stale = True
-            elif self._degraded is not None:
-                stale = now - max(cached[0], self._last_try.get(pool, cached[0])) > self.degraded_retry_s
+            elif self._refresher is not None:
+                stale = False  # the background thread keeps it fresh
             else:
-                stale = now - cached[0] > self.refresh_s
+                stale = self._due(pool, cached[0], now)
             # one thread rereads a stale snapshot; the others route on it meanwhile (it is at most one
             # reread old), instead of every request thread decoding the whole pool from Redis at once
             reread = stale and (cached is None or pool not in self._refreshing)
             if reread:
                 self._refreshing.add(pool)
         if reread:
-            try:
-                listed, fresh = self._read(pool)
-            except StateError as exc:
-                with self._lock:
-                    self._last_try[pool] = now
-                    if self._degraded is None:
-                        self._degraded = Degraded(now, str(exc))
-                if cached is None:
-                    raise
-            else:
-                with self._lock:
-                    if not listed and cached is not None and cached[1]:
-                        since = self._empty_since.setdefault(pool, now)
-                        if now - since < self.empty_grace_s:  # emptied at once: Redis restarted, most likely
-                            fresh = cached[1]
-                    else:
-                        self._empty_since.pop(pool, None)
-                    self._cache[pool] = cached = (now, fresh)
-                    self._degraded = None
-            finally:
-                with self._lock:
-                    self._refreshing.discard(pool)
+            cached = self._reread(pool, cached, now)
         assert cached is not None
         inflight, make = self._inflight, Candidate._make
         with self._lock:  # the snapshot's rows (in flight 0) with this scheduler's own in-flight work on each worker
             return [c if (held := inflight.get(c[0])) is None else make((*c[:6], *held)) for c in cached[1]]
+
+    def _due(self, pool: str, read_at: float, now: float) -> bool:
+        """Whether a snapshot read at ``read_at`` is to be reread at ``now``. Under the lock."""
+        if self._degraded is not None:
+            return now - max(read_at, self._last_try.get(pool, read_at)) > self.degraded_retry_s
+        return now - read_at > self.refresh_s
+
+    def _reread(self, pool: str, cached: tuple[float, list[Candidate]] | None,
+                now: float) -> tuple[float, list[Candidate]] | None:
+        """Read ``pool`` (begun at ``now``; the caller marked it refreshing) and store the snapshot; on a
+        failed read keep ``cached`` and degrade, raising only when there is no snapshot to keep."""
+        try:
+            listed, fresh = self._read(pool)
+        except StateError as exc:
+            with self._lock:
+                self._last_try[pool] = now
+                if self._degraded is None:
+                    self._degraded = Degraded(now, str(exc))
+            if cached is None:
+                raise
+        else:
+            with self._lock:
+                if not listed and cached is not None and cached[1]:
+                    since = self._empty_since.setdefault(pool, now)
+                    if now - since < self.empty_grace_s:  # emptied at once: Redis restarted, most likely
+                        fresh = cached[1]
+                else:
+                    self._empty_since.pop(pool, None)
+                self._cache[pool] = cached = (now, fresh)
+                self._degraded = None
+        finally:
+            with self._lock:
+                self._refreshing.discard(pool)
+        return cached
+
+    def _refresh_loop(self) -> None:
+        """The background thread: reread each pool when it is due, sleeping until the next one is."""
+        failing = False  # a reread failed since the last success: logged once, not at every retry
+        while not self._stop.is_set():
+            now = self.clock()
+            with self._lock:
+                due = [p for p in self._pools if p not in self._refreshing
+                       and ((c := self._cache.get(p)) is None or self._due(p, c[0], now))]
+                self._refreshing.update(due)
+            for pool in due:
+                try:
+                    self._reread(pool, self._cache.get(pool), now)
+                except Exception as exc:  # no snapshot yet, or not a StateError: the request path tries itself
+                    with self._lock:
+                        self._last_try[pool] = now
+                        if self._degraded is None and not isinstance(exc, StateError):
+                            self._degraded = Degraded(now, f"{type(exc).__name__}: {exc}")
+                degraded = self._degraded
+                if degraded is not None and not failing:
+                    log.warning("worker view: a reread of the %s pool failed; routing on the last good snapshot "
+                                "(%s)", pool, degraded.reason)
+                elif degraded is None and failing:
+                    log.info("worker view: Redis answers again; snapshots are fresh")
+                failing = degraded is not None
+            self._stop.wait(self._next_wait())
+
+    def _next_wait(self) -> float:
+        """Seconds until the next pool is due (at least a millisecond, at most ``refresh_s``)."""
+        now = self.clock()
+        with self._lock:
+            period = self.degraded_retry_s if self._degraded is not None else self.refresh_s
+            ats = [max(c[0], self._last_try.get(p, c[0])) if self._degraded is not None else c[0]
+                   for p in self._pools if (c := self._cache.get(p)) is not None]
+        wait = min((at + period - now for at in ats), default=period)
+        return min(max(wait, 0.001), period)
 
     def _read(self, pool: str) -> tuple[int, list[Candidate]]:
         """(workers listed, draining ones included; the routable ones)."""

@@ -32,3 +32,28 @@ def test_kernels_compile_for_sm90_and_the_small_ops_round_as_torch() -> None:
         if name.startswith(("kv_write", "rope", "rmsnorm", "silu")):
             assert c["fma."] == 0, f"{name}: a fused multiply-add rounds differently from torch"
             assert c["div.full"] == 0 and c["div.approx"] == 0, f"{name}: approximate division"
+
+
+@pytest.mark.slow
+def test_every_launch_of_the_1b_preset_compiles_for_sm90(tmp_path: Path) -> None:
+    """The specialisations a GPU compiles when gpu-check drives the engine and the codecs at the 1b preset's
+    shape (recorded through the interpreter: each argument's dtype, int width, value 1, divisibility by 16,
+    each constexpr) all compile for sm_90, not just the hand-written signatures above."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "proto"), env.get("PYTHONPATH", "")])
+    probe = subprocess.run([sys.executable, str(ROOT / "tests" / "unit" / "triton_launch_probe.py")],
+                           capture_output=True, text=True, timeout=900, env=env | {"TRITON_INTERPRET": "1"}, cwd=ROOT)
+    assert probe.returncode == 0, probe.stderr[-3000:]
+    specs = tmp_path / "specs.json"
+    specs.write_text(probe.stdout.strip().splitlines()[-1])
+    names = {s["name"] for s in json.loads(specs.read_text())}
+    assert {"_decode_kernel", "_split_kernel", "_merge_kernel", "_prefill_kernel", "_rope_kv_kernel", "_rmsnorm_kernel",
+            "_silu_mul_kernel", "int8_encode_kernel", "int4_decode_kernel", "fp32_decode_kernel"} <= names
+    code = ("import json, sys; from triton_launches import compile_all; "
+            f"print(json.dumps(compile_all(json.load(open({str(specs)!r})))))")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "tests" / "unit"), env["PYTHONPATH"]])
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900, env=env,
+                          cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    failures = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert not failures, "\n".join(failures)

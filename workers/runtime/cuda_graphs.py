@@ -35,6 +35,17 @@ def bucket_ladder(max_batch: int) -> tuple[int, ...]:
     return tuple(sorted(set(sizes)))
 
 
+def graph_variants(buckets: tuple[int, ...], kv_heads: int, max_model_len: int,
+                   block_size: int) -> list[tuple[int, int]]:
+    """The (bucket, context bound) pairs captured: every bucket at ``max_model_len``, and small buckets
+    also at ``short_context`` where the long bound splits the attention and the short one does not."""
+    short = short_context(block_size)
+    return [(b, bound) for b in buckets for bound in (
+        (short, max_model_len)
+        if max_model_len > short and num_splits(b, kv_heads, max_model_len, block_size) > 1
+        else (max_model_len,))]
+
+
 _FIELDS = ("ids", "positions", "slots", "lens", "tables")
 
 
@@ -103,12 +114,7 @@ class DecodeGraphs:
                                      cache.device)
         self.max_model_len = max_model_len
         self.short_context = short_context(cache.block_size)
-        # (bucket, context bound) pairs to capture: the long bound only where it changes the attention
-        kv_heads = model.cfg.num_kv_heads
-        self._variants = [(b, bound) for b in self.buckets for bound in (
-            (self.short_context, max_model_len)
-            if max_model_len > self.short_context and num_splits(b, kv_heads, max_model_len, cache.block_size) > 1
-            else (max_model_len,))]
+        self._variants = graph_variants(self.buckets, model.cfg.num_kv_heads, max_model_len, cache.block_size)
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.capture_seconds = 0.0
         self.replays = 0  # decode steps served by a graph

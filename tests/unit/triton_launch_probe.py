@@ -1,0 +1,106 @@
+"""Run, through Triton's interpreter on CPU, one layer of the 1b preset's shape (hidden 2048, 32 heads, 4 KV
+heads, head dim 64, intermediate 5632, block size 16) the way ``make gpu-check`` drives the engine, and the
+fused codecs on that layer's blocks; print every launch's specialisation (``triton_launches.record``) as
+JSON on the last line. Run by test_triton_compile.py in a subprocess (``TRITON_INTERPRET=1`` must be set
+before Triton is imported), which then compiles each specialisation for sm_90.
+
+What is driven: for a float32 model with a float32 cache and a bfloat16 model with a bfloat16, an int8
+and an fp8 cache, a chunked prefill (a chunk over cached context goes through the paged prefill
+kernel), eager decode steps, and the decode graphs' variants (``cuda_graphs.graph_variants``: padded
+buckets at the short and the long context bound, the latter through the split kernels); the warm-up's
+profile step is a fresh prompt of the same kernels. Then each fused codec encodes a float32 and a
+bfloat16 cache and an int8 and an fp8 quantised one, as keys and as values, and decodes into both
+float dtypes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+from typing import Any, Literal
+
+import torch
+
+assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from triton_launches import record  # noqa: E402  # after the interpreter is switched on
+
+from workers.runtime.cuda_graphs import DecodeBuffers, bucket_ladder, graph_variants  # noqa: E402
+from workers.runtime.engine import Engine, EngineConfig  # noqa: E402
+from workers.runtime.model import DecoderModel  # noqa: E402
+from workers.runtime.presets import PRESETS  # noqa: E402
+from workers.runtime.sampler import SamplingParams  # noqa: E402
+
+MAX_MODEL_LEN = 4096  # the preset's max_position_embeddings: what the graphs' long bound is on the GPU
+BUCKETS = (1, 8)  # the specialisations do not depend on the bucket; two of them, one padded
+
+
+def engine_launches() -> None:
+    shape = dataclasses.replace(PRESETS["1b"], num_layers=1, vocab_size=512)
+    cfg = shape.config(1, (2,))
+    runs: tuple[tuple[torch.dtype, tuple[Literal["auto", "int8", "fp8"], ...]], ...] = (
+        (torch.float32, ("auto",)), (torch.bfloat16, ("auto", "int8", "fp8")))
+    for dtype, caches in runs:
+        torch.manual_seed(0)
+        model = DecoderModel(cfg, dtype, "cpu")
+        for cache_dtype in caches:
+            engine = Engine(model, None, EngineConfig(
+                device="cpu", dtype="float32" if dtype == torch.float32 else "bfloat16", kernels="triton",
+                kv_cache_dtype=cache_dtype, kv_cache_bytes=1 << 24, max_num_seqs=8, prefill_chunk_size=16,
+                block_size=16))
+            for i, n in enumerate((20, 3)):
+                engine.add_request(str(i), list(range(3, 3 + n)), SamplingParams(max_tokens=2, temperature=0.0,
+                                                                               ignore_eos=True))
+            while engine.has_unfinished():
+                engine.step()
+            cache = engine.cache
+            buffers = DecodeBuffers(max(BUCKETS), cache.blocks_for(MAX_MODEL_LEN), cache.block_size, cache.device)
+            assert engine._ops is not None
+            for b, bound in graph_variants(bucket_ladder(max(BUCKETS)), cfg.num_kv_heads, MAX_MODEL_LEN,
+                                           cache.block_size):
+                if b in BUCKETS:
+                    buffers.stage([], b)
+                    model(buffers.batch(b, bound), cache, None, engine._ops)
+
+
+def codec_launches() -> None:
+    from kvtransfer.codecs.encoded import Kind
+    from kvtransfer.codecs.fused import FUSED_CODECS, decode_blocks, encode_blocks
+    from kvtransfer.codecs.paged import QuantizedBlocks
+    from kvtransfer.codecs.registry import get_codec
+
+    blocks, bs, heads, dim = 3, 16, 4, 64
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn((blocks, bs, heads, dim), generator=gen)
+    scales = x.abs().amax(-1).clamp_min(1e-12)
+    sources: list[Any] = [x, x.to(torch.bfloat16),
+                          QuantizedBlocks((x / scales[..., None] * 127).round().to(torch.int8), scales / 127,
+                                          torch.bfloat16),
+                          QuantizedBlocks((x / scales[..., None] * 448).to(torch.float8_e4m3fn), scales / 448,
+                                          torch.bfloat16)]
+    ids = torch.tensor([2, 0], dtype=torch.long)
+    for name in FUSED_CODECS:
+        codec = get_codec(name)
+        for kind in (Kind.KEY, Kind.VALUE):
+            for src in sources:
+                payload = torch.empty(codec.payload_nbytes((2, bs, heads, dim), kind), dtype=torch.uint8)
+                enc = encode_blocks(codec, src, ids, kind, payload)
+                for dtype in (torch.float32, torch.bfloat16):
+                    decode_blocks(codec, enc, torch.zeros((blocks, bs, heads, dim), dtype=dtype), ids)
+
+
+def main() -> list[dict[str, Any]]:
+    with record() as specs:
+        engine_launches()
+        codec_launches()
+    for spec in specs:  # the codecs' launcher turns fp-fusion off on a GPU only (fused._launch)
+        if spec["module"].startswith("kvtransfer.codecs."):
+            spec["options"].setdefault("enable_fp_fusion", False)
+    return specs
+
+
+if __name__ == "__main__":
+    print(json.dumps(main()))

@@ -69,8 +69,7 @@ class WorkerView:
         self._degraded: Degraded | None = None
         self._last_try: dict[str, float] = {}  # pool -> when a reread last began
         self._pools: dict[str, None] = {}  # every pool asked for, in order: what the background thread rereads
-        self._refresher: threading.Thread | None = None  # the background thread, once started
-        self._stop = threading.Event()
+        self._refresher: tuple[threading.Thread, threading.Event] | None = None  # the background thread, its stop
         self._lock = threading.Lock()
 
     @property
@@ -81,18 +80,20 @@ class WorkerView:
         """Keep every pool asked for so far (and from now on) fresh from a background thread. Idempotent."""
         with self._lock:
             if self._refresher is None:
-                self._stop.clear()
-                self._refresher = threading.Thread(target=self._refresh_loop, name="worker-view", daemon=True)
-                self._refresher.start()
+                stop = threading.Event()
+                thread = threading.Thread(target=self._refresh_loop, args=(stop,), name="worker-view", daemon=True)
+                self._refresher = (thread, stop)
+                thread.start()
         return self
 
     def close(self) -> None:
         """Stop the background thread (one reread in flight finishes first, within the connection's command
         budget); rereads are back on the request path. Idempotent."""
         with self._lock:
-            thread, self._refresher = self._refresher, None
-        if thread is not None:
-            self._stop.set()
+            refresher, self._refresher = self._refresher, None
+        if refresher is not None:
+            thread, stop = refresher
+            stop.set()
             thread.join()
 
     def candidates(self, pool: str) -> list[Candidate]:
@@ -152,10 +153,10 @@ class WorkerView:
                 self._refreshing.discard(pool)
         return cached
 
-    def _refresh_loop(self) -> None:
+    def _refresh_loop(self, stop: threading.Event) -> None:
         """The background thread: reread each pool when it is due, sleeping until the next one is."""
         failing = False  # a reread failed since the last success: logged once, not at every retry
-        while not self._stop.is_set():
+        while not stop.is_set():
             now = self.clock()
             with self._lock:
                 due = [p for p in self._pools if p not in self._refreshing
@@ -176,7 +177,7 @@ class WorkerView:
                 elif degraded is None and failing:
                     log.info("worker view: Redis answers again; snapshots are fresh")
                 failing = degraded is not None
-            self._stop.wait(self._next_wait())
+            stop.wait(self._next_wait())
 
     def _next_wait(self) -> float:
         """Seconds until the next pool is due (at least a millisecond, at most ``refresh_s``)."""

@@ -53,7 +53,8 @@ bench_rc=$?
 # `epd bench kv --device cuda`. They need grpcio and protobuf (the KV transfer's wire).
 echo "== KV on the GPU ($((SECONDS - start)) s so far)"
 if $PY -c 'import grpc, google.protobuf' 2>/dev/null; then
-  run pytest -q -p no:cacheprovider -m cuda tests/integration/test_kv_gpu_pair.py tests/integration/test_kv_cuda_ipc.py
+  run pytest -q -p no:cacheprovider -m cuda tests/integration/test_kv_gpu_pair.py tests/integration/test_kv_cuda_ipc.py \
+    tests/integration/test_kv_requant.py
   kv_rc=$?
   run pytest -q -p no:cacheprovider tests/unit/test_triton_codecs.py tests/unit/test_kv_devices.py || kv_rc=1
   run bench kv --device cuda --repeats 2 --json "$OUT/bench-kv.json" || kv_rc=1

@@ -142,7 +142,8 @@ class CacheSink:
                 else:
                     blocks_view.index_copy_(0, ids, c.decode(enc, dest.dtype))
             return
-        assert isinstance(storage, QuantizedLayerStorage)  # the only other storage
+        if not isinstance(storage, QuantizedLayerStorage):  # make_layer_storage builds no other kind
+            raise TypeError(f"no device landing for a {type(storage).__name__} layer")
         if c.name in fused.FUSED_CODECS and fused.usable(dev):
             from workers.runtime.kernels.kv_requant import land_requantised  # imports triton: only here
 

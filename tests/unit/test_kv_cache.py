@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -32,11 +33,12 @@ SLACK = 1 + 1e-5
 
 
 def _storage_bytes(cache: PagedKVCache) -> int:
-    """Bytes actually allocated by the layer storages (not what the cache claims)."""
+    """Bytes actually allocated by the layer storages (not what the cache claims); 0-d constants
+    such as a quantised layer's qmax are not pool memory."""
     total = 0
     for layer in cache.layers:
         for t in vars(layer).values():
-            if isinstance(t, torch.Tensor):
+            if isinstance(t, torch.Tensor) and t.dim() > 0:
                 total += t.numel() * t.element_size()
     return total
 
@@ -349,3 +351,37 @@ def test_slot_list_equals_the_cache_s_slot_tensor_for_any_span() -> None:
         pos = torch.arange(start, end)
         expected = (torch.tensor(table, dtype=torch.long)[pos // bs] * bs + pos % bs).tolist()
         assert slot_list(table, start, end, bs) == expected, (table, bs, start, end)
+
+
+def _quantized_write(dtype_name: CacheDType, device: torch.device) -> QuantizedLayerStorage:
+    spec = KVCacheSpec(num_layers=1, num_kv_heads=4, head_dim=64, block_size=16)
+    store = QuantizedLayerStorage(spec, 8, dtype_name, device)
+    k, v = _kv(128, 4, 64, seed=11)
+    k = k * torch.logspace(-6, 6, 128).view(128, 1, 1)  # amaxes over many binades: many rounding cases
+    store.write(torch.arange(128, device=device), k.to(device), v.to(device))
+    return store
+
+
+@pytest.mark.parametrize("dtype_name", ["int8", "fp8"])
+def test_quantized_scale_is_the_exact_quotient(dtype_name: CacheDType) -> None:
+    """scale = amax / qmax rounded once (IEEE division), which the Triton KV write and the requantising
+    landing also compute; a multiply by the reciprocal differs in the last bit for some amaxes."""
+    store = _quantized_write(dtype_name, CPU)
+    k, _ = _kv(128, 4, 64, seed=11)
+    k = k * torch.logspace(-6, 6, 128).view(128, 1, 1)
+    amax = k.abs().amax(dim=-1).clamp_min(1e-12).numpy()
+    qmax = np.float32(127.0 if dtype_name == "int8" else 448.0)
+    exact = torch.from_numpy(amax / qmax)
+    by_reciprocal = torch.from_numpy(amax * (np.float32(1.0) / qmax))
+    assert torch.equal(store.k_scale, exact)
+    assert not torch.equal(exact, by_reciprocal)  # the check can tell the two apart on this input
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype_name", ["int8", "fp8"])
+def test_quantized_write_on_cuda_equals_cpu_bit_for_bit(dtype_name: CacheDType) -> None:
+    cpu, gpu = _quantized_write(dtype_name, CPU), _quantized_write(dtype_name, torch.device("cuda"))
+    for a, b in ((cpu.k, gpu.k), (cpu.v, gpu.v), (cpu.k_scale, gpu.k_scale), (cpu.v_scale, gpu.v_scale)):
+        assert torch.equal(a.view(torch.uint8) if a.dtype != torch.float32 else a,
+                           (b.view(torch.uint8) if b.dtype != torch.float32 else b).cpu())

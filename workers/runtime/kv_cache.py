@@ -94,6 +94,10 @@ class QuantizedLayerStorage:
     def __init__(self, spec: KVCacheSpec, num_blocks: int, dtype_name: CacheDType, device: torch.device) -> None:
         self.dtype_name = dtype_name
         self._qdtype, self._qmax = _QUANT[dtype_name]
+        # A tensor on the cache's device, not a Python number: CUDA turns division by a host scalar
+        # into a multiply by its reciprocal, which can move a scale by one bit against the CPU and
+        # the Triton KV write; a device tensor divides exactly everywhere.
+        self._qmax_t = torch.tensor(float(self._qmax), dtype=torch.float32, device=device)
         slots = num_blocks * spec.block_size
         self.k = torch.zeros((slots, spec.num_kv_heads, spec.head_dim), dtype=self._qdtype, device=device)
         self.v = torch.zeros_like(self.k)
@@ -102,7 +106,7 @@ class QuantizedLayerStorage:
 
     def _quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x = x.to(torch.float32)
-        scale = x.abs().amax(dim=-1).clamp_min_(1e-12) / self._qmax
+        scale = x.abs().amax(dim=-1).clamp_min_(1e-12) / self._qmax_t
         q = x / scale[..., None]
         if self._qdtype == torch.int8:
             q = q.round_().clamp_(-self._qmax, self._qmax)

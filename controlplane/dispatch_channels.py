@@ -146,13 +146,13 @@ class WorkerChannels:
             w.calls += 1
 
     def give(self, w: Worker) -> None:
-        """A slot's call ended: its slot back, then ``done``."""
-        with self._lock:
-            w.taken -= 1
-        self.done(w)
+        """A slot's call ended: its slot back, and ``done``."""
+        self.done(w, slot=True)
 
-    def done(self, w: Worker) -> None:
+    def done(self, w: Worker, *, slot: bool = False) -> None:
+        """A call on ``w`` ended (``slot``: and gave its slot back); the last one on a retired entry closes it."""
         with self._lock:
+            w.taken -= slot
             w.calls -= 1
             if w.calls > 0 or not w.retired:
                 return

@@ -4,8 +4,13 @@ Modules the GPU machine lacks come from ``$GPU_CHECK_EXTRA`` (``.gpu-deps/pyXY``
 gpu-deps`` where a registry is reachable), appended to ``sys.path`` after the system's packages so
 those always win.
 
+``$GPU_CHECK_WIRE`` (``.gpu-deps/pyXY-wire``), when set, goes *first*: the protobuf and grpcio the generated
+wire code was made with, for a machine whose own are older (gpu_check.sh sets it for the KV steps only).
+
   python scripts/gpu_run.py env              the environment in a few lines; rc 2 when it cannot run
-  python scripts/gpu_run.py bench ARGS...    ``epd bench ARGS`` without an installed ``epd``
+  python scripts/gpu_run.py bench ARGS...    ``epd bench ARGS`` without an installed ``epd``; a usage error
+                                             is one line and rc 2, as ``epd`` gives it
+  python scripts/gpu_run.py -c CODE          ``python -c CODE``
   python scripts/gpu_run.py MODULE ARGS...   ``python -m MODULE ARGS``
 """
 
@@ -43,22 +48,34 @@ def env() -> int:
 
 def bench(argv: list[str]) -> int:
     from bench.cli import add_bench_parser
+    from controlplane.cli_args import UsageError
 
     parser = argparse.ArgumentParser(prog="epd")
     add_bench_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["bench", *argv])
-    return int(args.func(args))
+    try:
+        return int(args.func(args))
+    except UsageError as e:
+        print(f"epd bench: {e}", file=sys.stderr)
+        return 2
 
 
 def main() -> int:
     extra = os.environ.get("GPU_CHECK_EXTRA")
     if extra and os.path.isdir(extra):
         sys.path.append(extra)
+    wire = os.environ.get("GPU_CHECK_WIRE")
+    if wire and os.path.isdir(wire):
+        sys.path.insert(0, wire)
     what, rest = sys.argv[1], sys.argv[2:]
     if what == "env":
         return env()
     if what == "bench":
         return bench(rest)
+    if what == "-c":
+        sys.argv = ["-c", *rest[1:]]
+        exec(compile(rest[0], "<gpu_run -c>", "exec"), {"__name__": "__main__"})
+        return 0
     sys.argv = [what, *rest]
     runpy.run_module(what, run_name="__main__", alter_sys=True)
     return 0

@@ -26,7 +26,7 @@ import torch
 
 from kvtransfer.codecs.encoded import CodecError, CodecId, EncodedTensor, Kind, WireLayout, tensor_from_buffer
 
-__all__ = ["CACHE_DTYPES", "FLOAT32_TINY", "BlockKernels", "Codec", "Shape", "raise_non_finite"]
+__all__ = ["CACHE_DTYPES", "FLOAT32_TINY", "BlockKernels", "Codec", "Shape", "divisor", "raise_non_finite"]
 
 Shape = tuple[int, int, int, int]
 
@@ -278,3 +278,11 @@ def _all_blocks(x: torch.Tensor) -> torch.Tensor:
 def raise_non_finite(codec: str) -> None:
     """The one message for NaN/inf input, shared by the codecs."""
     raise CodecError(f"{codec}: input holds NaN or inf; refusing to encode a corrupt KV cache")
+
+
+def divisor(value: float, like: torch.Tensor) -> torch.Tensor:
+    """``value`` as a float32 0-d tensor on ``like``'s device, to divide by. CUDA turns division by a
+    Python number into a multiply by its reciprocal, one bit off the CPU's (and the Triton kernels')
+    IEEE division for some inputs; a divisor on the same device divides exactly on both, so a torch
+    codec writes the same wire bytes on any device."""
+    return torch.full((), value, dtype=torch.float32, device=like.device)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from kvtransfer.codecs.base import FLOAT32_TINY, Shape, raise_non_finite
+from kvtransfer.codecs.base import FLOAT32_TINY, Shape, divisor, raise_non_finite
 from kvtransfer.codecs.blockwise import BlockwiseCodec
 from kvtransfer.codecs.encoded import CodecId, Kind, WireLayout
 
@@ -45,7 +45,7 @@ class Fp8E4m3Codec(BlockwiseCodec):
         amax = _block_amax(flat)
         if not torch.isfinite(amax).all():
             raise_non_finite(self.name)
-        torch.div(amax, FP8_MAX, out=scales).clamp_min_(FLOAT32_TINY)
+        torch.div(amax, divisor(FP8_MAX, amax), out=scales).clamp_min_(FLOAT32_TINY)
         # The clamp only trims float32 rounding above 448; it keeps any cast from saturating.
         flat.mul_(scales.reciprocal().unsqueeze(1)).clamp_(-FP8_MAX, FP8_MAX)
         rows.view(torch.float8_e4m3fn).copy_(flat)

@@ -25,7 +25,7 @@ import sys
 
 import torch
 
-from kvtransfer.codecs.base import Shape, raise_non_finite
+from kvtransfer.codecs.base import Shape, divisor, raise_non_finite
 from kvtransfer.codecs.blockwise import BlockwiseCodec
 from kvtransfer.codecs.encoded import CodecError, CodecId, Kind, WireLayout
 
@@ -86,7 +86,7 @@ class Int4Codec(BlockwiseCodec):
             raise CodecError(f"int4: a group's minimum is beyond float16's range (|min| must be <= {_F16_MAX:g})")
         zero16 = _round_down_f16(lo)
         zero = zero16.float()
-        scale16 = _round_up_f16((hi - zero).div_(LEVELS)).clamp_min_(_F16_MIN_STEP)
+        scale16 = _round_up_f16((hi - zero).div_(divisor(LEVELS, hi))).clamp_min_(_F16_MIN_STEP)
         if not torch.isfinite(scale16).all():
             raise CodecError(f"int4: a group's range / 15 is beyond float16's range ({_F16_MAX:g})")
         zeros.copy_(zero16)

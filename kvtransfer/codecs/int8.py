@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from kvtransfer.codecs import native
-from kvtransfer.codecs.base import FLOAT32_TINY, Shape, raise_non_finite
+from kvtransfer.codecs.base import FLOAT32_TINY, Shape, divisor, raise_non_finite
 from kvtransfer.codecs.blockwise import BlockwiseCodec
 from kvtransfer.codecs.encoded import CodecError, CodecId, EncodedTensor, Kind, WireLayout, tensor_from_buffer
 
@@ -44,7 +44,7 @@ class Int8Codec(BlockwiseCodec):
         amax = _head_amax(xf)
         if not torch.isfinite(amax).all():
             raise_non_finite(self.name)
-        torch.div(amax, INT8_MAX, out=scales).clamp_min_(FLOAT32_TINY)
+        torch.div(amax, divisor(INT8_MAX, amax), out=scales).clamp_min_(FLOAT32_TINY)
         # No clamp pass: |x| <= amax, so |x * (1/scale)| <= 127 * (1 + 3 ulp), which rounds to 127.
         xf.mul_(scales.reciprocal().view(c, 1, h, 1)).round_()
         rows.view(torch.int8).view(xf.shape).copy_(xf)

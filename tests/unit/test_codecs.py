@@ -422,3 +422,24 @@ def test_importing_the_package_loads_no_codec_until_asked() -> None:
         "assert 'kvtransfer.codecs.int4' in sys.modules and 'kvtransfer.codecs.fp8' not in sys.modules\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[2])
+
+
+def _wide_range_blocks() -> torch.Tensor:
+    """Blocks whose maxima span many binades, so scale quotients hit many rounding cases."""
+    x = torch.randn(64, 16, 4, 64, generator=torch.Generator().manual_seed(5))
+    return x * torch.logspace(-8, 8, 64).view(64, 1, 1, 1)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", ["int8", "fp8", "int4"])
+def test_torch_codec_on_cuda_writes_the_cpu_s_bytes(name: str) -> None:
+    """The eager torch codec (what a GPU without Triton encodes with) gives the same wire bytes on
+    CUDA as on the CPU: its scale divisions divide exactly on both devices."""
+    c, x = get_codec(name), _wide_range_blocks()
+    for kind in (Kind.KEY, Kind.VALUE):
+        cpu, gpu = c.encode(x, kind), c.encode(x.cuda(), kind)
+        for a, b in ((cpu.payload, gpu.payload), (cpu.scales, gpu.scales), (cpu.zeros, gpu.zeros)):
+            assert (a is None) == (b is None)
+            if a is not None and b is not None:
+                assert torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8).cpu())

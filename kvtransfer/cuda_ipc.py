@@ -197,13 +197,15 @@ def _local_device(uuid: str) -> torch.device:
 
 
 def _rebuild(lease: pb.CudaIpcLease, device: torch.device) -> torch.Tensor:
+    """The inverse of ``export_handle``'s ``reduce_tensor``: its arguments in its order. Every handle goes
+    as bytes (torch's ``_new_shared_cuda`` takes nothing else; an event handle is ignored unless
+    ``event_sync_required``)."""
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
     h = lease.handle
     return rebuild_cuda_tensor(torch.Tensor, (lease.segment_bytes,), (1,), 0, torch.storage.TypedStorage, torch.uint8,
                                device.index, h.handle, h.storage_bytes, h.offset_bytes, False,
-                               h.ref_counter_handle, h.ref_counter_offset, h.event_handle or None,
-                               h.event_sync_required)
+                               h.ref_counter_handle, h.ref_counter_offset, h.event_handle, h.event_sync_required)
 
 
 @dataclass(frozen=True)

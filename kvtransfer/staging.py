@@ -105,8 +105,10 @@ def to_device(parts: list[memoryview | None], device: torch.device) -> list[torc
             if n:
                 view[pos:pos + n] = np.frombuffer(p, dtype=np.uint8)  # type: ignore[arg-type]  # n > 0 only for a part that is present
         if device.type == "cuda":
+            # allocated on the caller's stream, which uses it next: the allocator then never hands its memory
+            # to other work before the caller's is done (the side stream's copy is, when side_stream exits)
+            flat = torch.empty(total, dtype=torch.uint8, device=device)
             with side_stream(device):
-                flat = torch.empty(total, dtype=torch.uint8, device=device)
                 flat.copy_(host[:total], non_blocking=True)
         else:
             flat = host[:total]

@@ -6,7 +6,8 @@
 #   model      the 1b preset (random weights, TinyLlama-1.1B's shape) written here, unless GPU_CHECK_MODEL_DIR
 #              names a folder that holds one; made on the CPU in the background while the next three run
 #   kernels    the Triton kernel tests, compiled for this GPU; kv-unit: the codec kernels and device placement
-#   kv-cuda    the cuda-marked KV tests (DisaggPair on cuda for every codec and transport, CUDA IPC)
+#   kv-cuda    the cuda-marked KV tests (DisaggPair on cuda for every codec and transport, CUDA IPC, an IPC
+#              handle mapped by a second process)
 #   cuda       tests/cuda on the preset: HF parity with graphs on, batching invariance, eager past the largest
 #              bucket, pool sizing
 #   bench      `epd bench engine --device cuda`: decode batch 1 and 128, prefill 2,048, roofline, KV pool,
@@ -154,7 +155,7 @@ fi
 
 if [ "${WIRE[0]:-}" != false ]; then
   step kv-cuda 150 "${WIRE[@]}" "${RUN[@]}" "${PYTEST[@]}" --timeout=90 -m cuda \
-    tests/integration/test_kv_gpu_pair.py tests/integration/test_kv_cuda_ipc.py
+    tests/integration/test_kv_gpu_pair.py tests/integration/test_kv_cuda_ipc.py tests/cuda/test_cuda_ipc_handles.py
 fi
 
 if [ -n "$MODEL_PID" ]; then
@@ -171,7 +172,7 @@ else
   unset GPU_CHECK_MODEL_DIR
 fi
 
-step cuda 200 "${RUN[@]}" "${PYTEST[@]}" --timeout=120 tests/cuda
+step cuda 200 "${RUN[@]}" "${PYTEST[@]}" --timeout=120 tests/cuda --ignore=tests/cuda/test_cuda_ipc_handles.py
 if [ -n "${GPU_CHECK_MODEL_DIR:-}" ]; then
   step bench 150 "${RUN[@]}" bench engine --device cuda --dtype bfloat16 --model "$MODEL" --batches 1,128 \
     --prefill-lengths 2048 --decode-tokens 64 --repeats 3 --json "$DIR/bench.json"

@@ -30,7 +30,8 @@ def env() -> int:
     missing = [m for m in NEEDED if importlib.util.find_spec(m) is None]
     if missing:
         print(f"gpu-check: python {sys.version.split()[0]} lacks {', '.join(missing)}: run `make gpu-deps` where a "
-              f"package registry is reachable and bring .gpu-deps/ here", file=sys.stderr)
+              f"package registry is reachable (GPU_DEPS_EXTRA=pillow for PIL) and bring .gpu-deps/ here",
+              file=sys.stderr)
         return 2
     import torch
     import transformers

@@ -15,8 +15,11 @@ reads lengths back to the host and cannot be captured.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
+from collections.abc import Callable
+from typing import Protocol
 
 import torch
 
@@ -101,13 +104,33 @@ class DecodeBuffers:
             self.dev[name][:bucket].copy_(self.host[name][:bucket], non_blocking=True)
 
 
+class Replayable(Protocol):
+    def replay(self) -> None: ...
+
+
+class EagerStandIn:
+    """A captured graph's stand-in for tests without a GPU: ``replay`` runs the captured call again, over the
+    same static buffers, into the same output tensor, so everything around the graphs (buckets, staging,
+    padding, which graph a step takes, the logits' rows) runs as on a GPU."""
+
+    def __init__(self, fn: Callable[[], torch.Tensor]) -> None:
+        self._fn = fn
+        self.out = fn()
+
+    @torch.inference_mode()  # the output is an inference tensor, as the model made it
+    def replay(self) -> None:
+        self.out.copy_(self._fn())
+
+
 class DecodeGraphs:
-    """The captured graphs of one engine (its model, cache and kernel ops)."""
+    """The captured graphs of one engine (its model, cache and kernel ops). ``stand_in``: no capture, each
+    graph an ``EagerStandIn`` (any device; for tests)."""
 
     def __init__(self, model: DecoderModel, cache: PagedKVCache, ops: TritonOps, max_batch: int,
-                 max_model_len: int) -> None:
-        if cache.device.type != "cuda":
+                 max_model_len: int, stand_in: bool = False) -> None:
+        if cache.device.type != "cuda" and not stand_in:
             raise ValueError("CUDA graphs need the cache on a CUDA device")
+        self._stand_in = stand_in
         self.model, self.cache, self.ops = model, cache, ops
         self.buckets = bucket_ladder(max_batch)
         self.buffers = DecodeBuffers(self.buckets[-1], cache.blocks_for(max_model_len), cache.block_size,
@@ -115,7 +138,7 @@ class DecodeGraphs:
         self.max_model_len = max_model_len
         self.short_context = short_context(cache.block_size)
         self._variants = graph_variants(self.buckets, model.cfg.num_kv_heads, max_model_len, cache.block_size)
-        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._graphs: dict[tuple[int, int], tuple[Replayable, torch.Tensor]] = {}
         self.capture_seconds = 0.0
         self.replays = 0  # decode steps served by a graph
 
@@ -127,6 +150,13 @@ class DecodeGraphs:
         """Capture every bucket, largest first so the smaller ones reuse its memory pool. The static
         buffers hold padding (slot -1, length 0) during capture, so it writes nothing to the cache."""
         start = time.perf_counter()
+        if self._stand_in:
+            for b, bound in reversed(self._variants):
+                stand_in = EagerStandIn(functools.partial(self.model, self.buffers.batch(b, bound), self.cache, None,
+                                                          self.ops))
+                self._graphs[(b, bound)] = (stand_in, stand_in.out)
+            self.capture_seconds = time.perf_counter() - start
+            return
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.cache.device)
         stream.wait_stream(torch.cuda.current_stream(self.cache.device))

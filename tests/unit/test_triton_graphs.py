@@ -1,0 +1,112 @@
+"""The engine's CUDA-graph path without a GPU: ``DecodeGraphs`` with ``stand_in`` replays each captured call
+eagerly (Triton's interpreter on CPU), so everything around the graphs runs as on a GPU: the bucket ladder,
+the staged pinned buffers, the padded rows, which graph a step takes (the short or the split long-context
+variant), the logits' rows and eager past the largest bucket. A sequence's tokens equal the run without
+graphs, alone, in a padded bucket and with sequences joining and leaving."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from tests.unit.triton_env import DEVICE  # first: sets TRITON_INTERPRET before the kernels are imported
+from workers.runtime.cuda_graphs import DecodeGraphs
+from workers.runtime.engine import Engine, EngineConfig
+from workers.runtime.loader import load_model
+from workers.runtime.sampler import SamplingParams
+
+from engine_helpers import assert_no_leaks, run_to_completion
+
+pytestmark = [pytest.mark.unit, pytest.mark.transformers]
+
+PROMPTS = [[1, 17, 250, 3, 99, 41, 7], [5, 6, 7], [9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 11, 12, 13], [100, 200, 300]]
+MAX_TOKENS = [5, 7, 3, 6]
+
+
+@pytest.fixture(scope="module")
+def model(tiny_hf):
+    return load_model(tiny_hf("llama-gqa"), device=str(DEVICE), require_tokenizer=False).model
+
+
+def _engine(model, max_batch: int | None = None, graph_len: int | None = None, **config) -> Engine:
+    """An engine on the kernel path; with ``max_batch``, its decode graphs are stand-ins (up to that bucket,
+    for contexts up to ``graph_len``)."""
+    engine = Engine(model, None, EngineConfig(device=str(DEVICE), kv_cache_bytes=1 << 20, max_num_seqs=8,
+                                              kernels="triton", cuda_graphs=False, **config))
+    if max_batch is not None:
+        assert engine._ops is not None
+        engine.graphs = DecodeGraphs(model, engine.cache, engine._ops, max_batch, graph_len or engine.max_model_len,
+                                     stand_in=True)
+        engine.graphs.capture()
+    return engine
+
+
+def _params(i: int) -> SamplingParams:
+    return SamplingParams(max_tokens=MAX_TOKENS[i], temperature=0.0, ignore_eos=True)
+
+
+def _tokens(outs: dict[str, list]) -> dict[str, list[int]]:
+    return {rid: [t for o in seq for t in o.new_token_ids] for rid, seq in outs.items()}
+
+
+@pytest.fixture(scope="module")
+def solo(model) -> dict[str, list[int]]:
+    want = {}
+    for i, p in enumerate(PROMPTS):
+        engine = _engine(model)
+        engine.add_request(str(i), p, _params(i))
+        want.update(_tokens(run_to_completion(engine)))
+    return want
+
+
+def test_padded_buckets_with_sequences_joining_and_leaving_give_the_solo_tokens(model, solo) -> None:
+    engine = _engine(model, max_batch=4)
+    assert engine.graphs is not None and engine.graphs.buckets == (1, 2, 4)
+    got: dict[str, list[int]] = {}
+    pending = list(range(len(PROMPTS)))
+    step = 0
+    while pending or engine.has_unfinished():
+        if pending and step % 2 == 0:  # a newcomer every other step, while others finish at their lengths
+            i = pending.pop(0)
+            engine.add_request(str(i), PROMPTS[i], _params(i))
+        for out in engine.step():
+            got.setdefault(out.request_id, []).extend(out.new_token_ids)
+        step += 1
+    assert engine.graphs.replays > 0
+    assert got == solo
+    assert_no_leaks(engine)
+
+
+def test_the_split_long_context_graphs_give_the_solo_tokens(model, solo) -> None:
+    """Graphs for contexts up to 1,024 tokens: bucket 1 and 2 also get the split-attention variant; with the
+    short bound set to 0 every step takes it (its splits past a sequence's context read nothing)."""
+    engine = _engine(model, max_batch=2, graph_len=1024)
+    assert engine.graphs is not None
+    assert {bound for _, bound in engine.graphs._graphs} == {engine.graphs.short_context, 1024}
+    engine.graphs.short_context = 0
+    for i in range(2):
+        engine.add_request(str(i), PROMPTS[i], _params(i))
+    assert _tokens(run_to_completion(engine)) == {str(i): solo[str(i)] for i in range(2)}
+    assert engine.graphs.replays > 0
+
+
+def test_past_the_largest_bucket_runs_eager_and_says_so(model, solo, caplog) -> None:
+    engine = _engine(model, max_batch=2)
+    for i in range(3):
+        engine.add_request(str(i), PROMPTS[i], _params(i))
+    with caplog.at_level(logging.DEBUG, logger="workers.runtime.cuda_graphs"):
+        got = _tokens(run_to_completion(engine))
+    assert got == {str(i): solo[str(i)] for i in range(3)}
+    assert any("past the largest CUDA graph bucket (2): running eager" in r.message for r in caplog.records)
+    assert engine.graphs is not None and engine.graphs.replays > 0
+
+
+def test_int8_cache_layers_run_in_the_graphs(model) -> None:
+    want = _engine(model, kv_cache_dtype="int8")
+    got = _engine(model, max_batch=4, kv_cache_dtype="int8")
+    for engine in (want, got):
+        for i in range(3):
+            engine.add_request(str(i), PROMPTS[i], _params(i))
+    assert _tokens(run_to_completion(got)) == _tokens(run_to_completion(want))
+    assert got.graphs is not None and got.graphs.replays > 0

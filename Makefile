@@ -109,11 +109,12 @@ bench: setup
 	$(VENV)/bin/epd bench engine
 
 # On a GPU machine with no package registry: the system python (GPU_CHECK_PYTHON), never the .venv or
-# pip; see scripts/gpu_check.sh. `make gpu-deps` (where a registry is reachable) fetches what it lacks.
+# pip; see scripts/gpu_check.sh and docs/gpu.md (the device tool's call). `make gpu-deps` (where a registry
+# is reachable) fetches what it lacks, and the protobuf/grpcio that generated proto/epd, generated first.
 gpu-check:
 	bash scripts/gpu_check.sh
 
-gpu-deps: | $(PY)
+gpu-deps: $(PROTO_STAMP)
 	PIP=$(VENV)/bin/pip bash scripts/gpu_deps.sh
 
 clean:

@@ -24,6 +24,7 @@ _PTR = {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float16": "fp1
         "torch.uint8": "u8", "torch.int16": "i16", "torch.int32": "i32", "torch.int64": "i64", "torch.bool": "i1",
         "torch.float8_e4m3fn": "fp8e4nv", "torch.float8_e5m2": "fp8e5"}
 PROJECT = ("workers.", "kvtransfer.")  # the modules whose kernels ``compile_all`` compiles
+MAX_SHARED = 227 * 1024  # bytes of shared memory one block may take on sm_90 (opted in)
 _OPTIONS = ("num_warps", "num_stages", "num_ctas", "enable_fp_fusion", "maxnreg", "launch_cooperative_grid")
 
 
@@ -112,12 +113,16 @@ def compile_all(specs: list[dict[str, Any]], capability: int = 90) -> list[str]:
         attrs = {(i,): [["tt.divisibility", 16]] for i, (t, a) in enumerate(spec["signature"].values())
                  if t != "constexpr" and a == "D"}
         try:
-            triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs), target=target,
-                           options=dict(spec["options"]))
+            kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs), target=target,
+                                    options=dict(spec["options"]))
         except Exception as e:  # noqa: BLE001  # every failure is reported, with its specialisation
             first = str(e).strip().splitlines()
             failures.append(f"{spec['name']} {json.dumps(spec['signature'])} {spec['options']}: "
                             f"{type(e).__name__}: {first[-1] if first else ''}")
+            continue
+        if kernel.metadata.shared > MAX_SHARED:  # the GPU would refuse the launch (OutOfResources)
+            failures.append(f"{spec['name']} {json.dumps(spec['signature'])}: {kernel.metadata.shared} bytes of "
+                            f"shared memory, more than a Hopper block's {MAX_SHARED}")
     return failures
 
 

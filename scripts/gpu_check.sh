@@ -34,6 +34,7 @@ export GPU_CHECK_EXTRA="$PWD/.gpu-deps/py$VER"
 WIRE_DIR="$PWD/.gpu-deps/py$VER-wire"
 export PYTHONPATH="$PWD:$PWD/proto${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1
+export COLUMNS=250  # pytest's FAILED lines keep their message (cut to the terminal's width, 80 when piped)
 PYTEST=(pytest -q -p no:cacheprovider -W default -ra)
 
 NAMES=() STATUS=() TIMES=()
@@ -75,7 +76,7 @@ summary() {
       printf '%-10s %-18s %5ss  %s\n' "${NAMES[$i]}" "${STATUS[$i]}" "${TIMES[$i]}" "$tail"
     done
     local failed
-    failed=$(grep -hE '^(FAILED|ERROR) |^gpu-check: |Timeout|^E +[A-Za-z]*Error' "$LOGS"/*.log 2>/dev/null | cut -c1-300 | head -60)
+    failed=$(grep -hE '^(FAILED|ERROR) |^gpu-check: ' "$LOGS"/*.log 2>/dev/null | cut -c1-300 | head -60)
     if [ -n "$failed" ]; then echo "-- failures"; echo "$failed"; fi
     for i in "${!NAMES[@]}"; do  # a step that failed without a test failure: its last lines
       if [[ ${STATUS[$i]} != ok* ]] && [ -f "$LOGS/${NAMES[$i]}.log" ] && \

@@ -30,7 +30,9 @@ def model(tiny_hf):
 
 
 def _engine(model, **config) -> Engine:
-    return Engine(model, None, EngineConfig(device="cuda", kv_cache_bytes=1 << 26, max_num_seqs=8, **config))
+    engine = Engine(model, None, EngineConfig(device="cuda", kv_cache_bytes=1 << 26, max_num_seqs=8, **config))
+    assert engine.graphs is None or engine.graphs.capture_error is None, engine.graphs.capture_error
+    return engine
 
 
 def _params(i: int) -> SamplingParams:

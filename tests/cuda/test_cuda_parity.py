@@ -37,6 +37,7 @@ def _engine(path, dtype: DTypeName, **config) -> Engine:
     bundle = load_model(path, dtype=getattr(torch, dtype), device="cuda", require_tokenizer=False)
     engine = Engine(bundle.model, None, EngineConfig(dtype=dtype, device="cuda", kv_cache_bytes=1 << 28, **config))
     assert engine._ops is not None and engine.graphs is not None, "CUDA must run the kernels and the graphs"
+    assert engine.graphs.capture_error is None, engine.graphs.capture_error
     return engine
 
 

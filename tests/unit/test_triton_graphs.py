@@ -110,3 +110,22 @@ def test_int8_cache_layers_run_in_the_graphs(model) -> None:
             engine.add_request(str(i), PROMPTS[i], _params(i))
     assert _tokens(run_to_completion(got)) == _tokens(run_to_completion(want))
     assert got.graphs is not None and got.graphs.replays > 0
+
+
+def test_a_failed_capture_is_logged_and_every_step_runs_eager(model, solo, caplog, monkeypatch) -> None:
+    """CUDA refusing an operation while capturing does not stop the engine: every graph is dropped, the error
+    is logged with its reason and kept, and the tokens are those of the run without graphs."""
+    from workers.runtime import cuda_graphs
+
+    def refuse(self, fn) -> None:
+        raise RuntimeError("operation not permitted when stream is capturing")
+    monkeypatch.setattr(cuda_graphs.EagerStandIn, "__init__", refuse)
+    with caplog.at_level(logging.ERROR, logger="workers.runtime.cuda_graphs"):
+        engine = _engine(model, max_batch=4)
+    assert engine.graphs is not None
+    assert engine.graphs.capture_error == "RuntimeError: operation not permitted when stream is capturing"
+    assert any("CUDA graph capture failed, decode steps run eager" in r.message for r in caplog.records)
+    for i in range(2):
+        engine.add_request(str(i), PROMPTS[i], _params(i))
+    assert _tokens(run_to_completion(engine)) == {str(i): solo[str(i)] for i in range(2)}
+    assert engine.graphs.replays == 0

@@ -140,6 +140,7 @@ class DecodeGraphs:
         self._variants = graph_variants(self.buckets, model.cfg.num_kv_heads, max_model_len, cache.block_size)
         self._graphs: dict[tuple[int, int], tuple[Replayable, torch.Tensor]] = {}
         self.capture_seconds = 0.0
+        self.capture_error: str | None = None  # why capture failed (every step then runs eager)
         self.replays = 0  # decode steps served by a graph
 
     @property
@@ -148,32 +149,51 @@ class DecodeGraphs:
 
     def capture(self) -> None:
         """Capture every bucket, largest first so the smaller ones reuse its memory pool. The static
-        buffers hold padding (slot -1, length 0) during capture, so it writes nothing to the cache."""
+        buffers hold padding (slot -1, length 0) during capture, so it writes nothing to the cache.
+
+        The warm-up before it runs every variant eagerly: a kernel that fails there raises. A capture that
+        fails (CUDA refusing an operation while capturing) drops every graph and is logged as an error with
+        its reason, kept in ``capture_error``: decode steps then run eager, as with ``cuda_graphs`` off."""
         start = time.perf_counter()
+        if not self._stand_in:
+            self._warm_up()
+        try:
+            self._capture_all()
+        except Exception as e:  # noqa: BLE001  # whatever CUDA or Triton raised: named in the log and kept
+            self._graphs.clear()
+            self.capture_error = f"{type(e).__name__}: {e}"
+            log.error("CUDA graph capture failed, decode steps run eager: %s", self.capture_error)
+        self.capture_seconds = time.perf_counter() - start
+
+    def _warm_up(self) -> None:
+        """Every variant once on a side stream, outside any capture: Triton compiles and loads its kernels."""
+        stream = torch.cuda.Stream(self.cache.device)
+        stream.wait_stream(torch.cuda.current_stream(self.cache.device))
+        with torch.cuda.stream(stream):
+            for b, bound in self._variants:
+                self.model(self.buffers.batch(b, bound), self.cache, None, self.ops)
+        torch.cuda.current_stream(self.cache.device).wait_stream(stream)
+
+    def _capture_all(self) -> None:
         if self._stand_in:
             for b, bound in reversed(self._variants):
                 stand_in = EagerStandIn(functools.partial(self.model, self.buffers.batch(b, bound), self.cache, None,
                                                           self.ops))
                 self._graphs[(b, bound)] = (stand_in, stand_in.out)
-            self.capture_seconds = time.perf_counter() - start
             return
         pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream(self.cache.device)
-        stream.wait_stream(torch.cuda.current_stream(self.cache.device))
-        with torch.cuda.stream(stream):  # warm-up: compiles the Triton kernels outside any capture
-            for b, bound in self._variants:
-                self.model(self.buffers.batch(b, bound), self.cache, None, self.ops)
-        torch.cuda.current_stream(self.cache.device).wait_stream(stream)
         for b, bound in reversed(self._variants):
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 logits = self.model(self.buffers.batch(b, bound), self.cache, None, self.ops)
             self._graphs[(b, bound)] = (graph, logits)
         torch.cuda.synchronize(self.cache.device)
-        self.capture_seconds = time.perf_counter() - start
 
     def bucket_for(self, n: int) -> int | None:
-        """The smallest bucket holding ``n`` sequences, or None (past the largest: run eager)."""
+        """The smallest bucket holding ``n`` sequences, or None (past the largest, or no graph captured: run
+        eager)."""
+        if self.capture_error is not None:
+            return None
         for b in self.buckets:
             if b >= n:
                 return b

@@ -79,7 +79,8 @@ summary() {
       printf '%-10s %-18s %5ss  %s\n' "${NAMES[$i]}" "${STATUS[$i]}" "${TIMES[$i]}" "$tail"
     done
     local failed
-    failed=$(grep -hE '^(FAILED|ERROR) |^gpu-check: ' "$LOGS"/*.log 2>/dev/null | cut -c1-300 | head -60)
+    failed=$(grep -hE '^(FAILED|ERROR) |^gpu-check: |CUDA graph capture failed' "$LOGS"/*.log 2>/dev/null | \
+      cut -c1-300 | head -60)
     if [ -n "$failed" ]; then echo "-- failures"; echo "$failed"; fi
     for i in "${!NAMES[@]}"; do  # a step that failed without a test failure: its last lines
       if [[ ${STATUS[$i]} != ok* ]] && [ -f "$LOGS/${NAMES[$i]}.log" ] && \

@@ -8,7 +8,8 @@
 #   kernels    the Triton kernel tests, compiled for this GPU; kv-unit: the codec and re-quantise kernels and
 #              device placement
 #   kv-cuda    the cuda-marked KV tests (DisaggPair on cuda for every codec and transport, CUDA IPC, an IPC
-#              handle mapped by a second process, the sink's re-quantising kernel)
+#              handle mapped by a second process, the sink's re-quantising kernel, the torch quantised write
+#              and codecs giving the CPU's bits on CUDA)
 #   cuda       tests/cuda on the preset: HF parity with graphs on, batching invariance, eager past the largest
 #              bucket, pool sizing
 #   bench      `epd bench engine --device cuda`: decode batch 1 and 128, prefill 2,048, roofline, KV pool,
@@ -159,7 +160,8 @@ if [ "${WIRE[0]:-}" != false ]; then
     tests/unit/test_triton_requant.py)
   step kv-unit 90 "${WIRE[@]}" "${RUN[@]}" "${PYTEST[@]}" --timeout=60 "${FILES[@]}"
   mapfile -t FILES < <(existing tests/integration/test_kv_gpu_pair.py tests/integration/test_kv_cuda_ipc.py \
-    tests/integration/test_kv_requant.py tests/cuda/test_cuda_ipc_handles.py)
+    tests/integration/test_kv_requant.py tests/cuda/test_cuda_ipc_handles.py tests/unit/test_kv_cache.py \
+    tests/unit/test_codecs.py)
   step kv-cuda 150 "${WIRE[@]}" "${RUN[@]}" "${PYTEST[@]}" --timeout=90 -m cuda "${FILES[@]}"
 fi
 

@@ -37,8 +37,9 @@ def test_kernels_compile_for_sm90_and_the_small_ops_round_as_torch() -> None:
 @pytest.mark.slow
 def test_every_launch_of_the_1b_preset_compiles_for_sm90(tmp_path: Path) -> None:
     """The specialisations a GPU compiles when gpu-check drives the engine and the codecs at the 1b preset's
-    shape (recorded through the interpreter: each argument's dtype, int width, value 1, divisibility by 16,
-    each constexpr) all compile for sm_90, not just the hand-written signatures above."""
+    shape and at the CUDA tests' tiny shape (recorded through the interpreter: each argument's dtype, int
+    width, value 1, divisibility by 16, each constexpr) all compile for sm_90 and fit a block's shared
+    memory, not just the hand-written signatures above."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "proto"), env.get("PYTHONPATH", "")])
     probe = subprocess.run([sys.executable, str(ROOT / "tests" / "unit" / "triton_launch_probe.py")],

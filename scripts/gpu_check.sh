@@ -72,6 +72,7 @@ summary() {
   {
     echo
     echo "== summary: $((SECONDS - START)) s of a $BUDGET s budget"
+    cat "$LOGS/env.txt"
     local i
     for i in "${!NAMES[@]}"; do
       local tail=""
@@ -105,10 +106,12 @@ summary() {
     cp "$DIR"/bench.json "$DIR"/bench-kv.json "$OUT"/ 2>/dev/null
   fi
 }
-timeout -k 10 60 $PY scripts/gpu_run.py env || exit 2  # before the summary's trap: without CUDA, one line
+# before the summary's trap: without CUDA (or a module), one line and rc 2
+timeout -k 10 120 $PY scripts/gpu_run.py env 2>&1 | tee "$LOGS/env.txt"
+[ "${PIPESTATUS[0]}" -eq 0 ] || exit 2
 trap summary EXIT
 command -v nvidia-smi >/dev/null && timeout 10 nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version \
-  --format=csv,noheader
+  --format=csv,noheader | tee -a "$LOGS/env.txt"
 
 # The wire's generated code (ignored by git: carry proto/epd to the device, see docs/gpu.md). Generated here
 # only when missing and grpc_tools is installed. If the system's protobuf/grpcio are older than the code needs,

@@ -406,6 +406,8 @@ class PoolManager:
             self.registry.deregister(r.worker_id, r.pool)  # a crashed actor could not do it itself
         except StateError as exc:
             log.warning("could not deregister %s: %s", r.worker_id, exc)
+        if any(x.address == r.address for p in Pool for x in self._replicas[p]):
+            return  # a replica started since on the dead one's freed port serves there: not gone
         for listener in self._listeners:
             _tell(listener.forget, r.address)
 

@@ -37,6 +37,9 @@ WIRE_DIR="$PWD/.gpu-deps/py$VER-wire"
 export PYTHONPATH="$PWD:$PWD/proto${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1
 export COLUMNS=250  # pytest's FAILED lines keep their message (cut to the terminal's width, 80 when piped)
+# Nothing can be fetched here: Hugging Face libraries must not try (and wait on) the network, nor reach for
+# kernels from the Hub (transformers' USE_HUB_KERNELS, on by default in recent versions).
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 USE_HUB_KERNELS=0
 PYTEST=(pytest -q -p no:cacheprovider -W default -ra)
 
 NAMES=() STATUS=() TIMES=()

@@ -7,7 +7,8 @@ those always win.
 ``$GPU_CHECK_WIRE`` (``.gpu-deps/pyXY-wire``), when set, goes *first*: the protobuf and grpcio the generated
 wire code was made with, for a machine whose own are older (gpu_check.sh sets it for the KV steps only).
 
-  python scripts/gpu_run.py env              the environment in a few lines; rc 2 when it cannot run
+  python scripts/gpu_run.py env              the environment in a few lines; rc 2 when it cannot run (without
+                                             CUDA too, unless GPU_CHECK_DRY_RUN=1)
   python scripts/gpu_run.py bench ARGS...    ``epd bench ARGS`` without an installed ``epd``; a usage error
                                              is one line and rc 2, as ``epd`` gives it
   python scripts/gpu_run.py -c CODE          ``python -c CODE``
@@ -37,6 +38,9 @@ def env() -> int:
     import transformers
     import triton
     if not torch.cuda.is_available():
+        if os.environ.get("GPU_CHECK_DRY_RUN") == "1":  # the script's flow on CPU: CUDA tests skip, benches refuse
+            print(f"gpu-check: dry run without CUDA (python {sys.version.split()[0]}, torch {torch.__version__})")
+            return 0
         print(f"gpu-check: torch {torch.__version__} sees no CUDA device here", file=sys.stderr)
         return 2
     print(f"python {sys.version.split()[0]}, torch {torch.__version__} (CUDA {torch.version.cuda}), "

@@ -18,7 +18,7 @@ _BROKEN_PATH = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.Statu
 
 class Verdict(enum.Enum):
     REFUSED = "refused"  # the decode replica refused the reservation (full, draining): try the next one
-    BUSY = "busy"  # a chosen worker is at its call cap: wait, as for room
+    BUSY = "busy"  # a chosen worker is at its call cap, or still holds this request's last attempt: wait, as for room
     LOST = "lost"  # a worker died or hung (or a transfer between two broke): move the request elsewhere
     FAILED = "failed"  # the request itself failed: end it with its error
 
@@ -28,6 +28,11 @@ def verdict(exc: DispatchError, started: bool) -> Verdict:
     if not started and exc.stage in ("reserve", "complete") and exc.code in _RETRY_AT_RESERVE:
         return Verdict.REFUSED
     if not started and exc.stage == "busy":
+        return Verdict.BUSY
+    # Request ids are the scheduler's own, so a worker that already holds this one holds an earlier
+    # attempt of it (a migration's retry chose the same prefill worker before that attempt's abort
+    # landed there): wait for it to let go, as for room, rather than fail the request.
+    if not started and exc.code == grpc.StatusCode.ALREADY_EXISTS:
         return Verdict.BUSY
     if exc.lost or exc.code in _BROKEN_PATH:
         return Verdict.LOST

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
 import pytest
 
 from controlplane.backend import BackendError, ModelInfo
@@ -307,4 +308,32 @@ def test_a_request_never_waits_past_its_deadline(default_bundle, cluster, state_
     assert err.value.status == 504 and "timed out" in str(err.value)
     assert time.monotonic() - began < 6.0
     os.kill(procs[1].popen.pid, signal.SIGCONT)
+    _all_free(procs)
+
+
+def test_a_retry_that_meets_its_own_earlier_attempt_waits_for_it(default_bundle, cluster, state_conn):  # noqa: F811
+    """A prefill worker still holding an earlier attempt of a request (its abort not yet landed) answers
+    the retry ALREADY_EXISTS; the request waits for that attempt to let go (the failed call's abort ends
+    it), as for room, then completes with the reference tokens instead of failing."""
+    registry, start = cluster
+    procs = start(["prefill", "decode"])
+    scheduler = _scheduler(default_bundle, registry, state_conn)
+    reqs, refs = _requests(default_bundle, 1, max_tokens=8)
+    rid = reqs[0].request_id
+    n = default_bundle.vision.config.num_image_tokens
+    held = wpb.PrefillRequest(request_id=rid, prompt_token_ids=[5] + [default_bundle.image_token_id] * n + [6],
+                              params=wpb.SamplingParams(max_tokens=4), kv_target=procs[1].address,
+                              num_image_embeddings=n, image_positions=list(range(1, n + 1)), timeout_s=20)
+    channel = SECURITY.open_channel(procs[0].address)
+    try:  # the earlier attempt: waits for embeddings no encoder sends, until its caller leaves at 1.5 s
+        earlier = wgrpc.PrefillWorkerStub(channel).Prefill.future(held, metadata=SECURITY.call_metadata(),
+                                                                  timeout=1.5)
+        time.sleep(0.3)  # it reaches the worker (a prefill waiting for embeddings is not yet the engine's)
+        out = [t for chunk in scheduler.generate(reqs[0]) for t in chunk.token_ids]
+        # the failed call's abort reached the earlier attempt (or its caller left): it let go either way
+        assert earlier.exception() is not None
+        assert earlier.exception().code() in (grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED)
+    finally:
+        channel.close()
+    assert out == refs[0]
     _all_free(procs)

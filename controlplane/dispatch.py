@@ -322,14 +322,17 @@ class Dispatcher:
         self._abort_at(rid, [(wgrpc.DecodeWorkerStub, route.decode), (wgrpc.PrefillWorkerStub, route.prefill)])
 
     def _abort_at(self, rid: str, targets: list) -> None:
+        """Send ``rid``'s Abort to every target at once and return without waiting: an abort to a hung
+        worker takes its whole 5 s deadline, and the verdict that moves the request must not wait for it.
+        A worker that never answers is gone; its own deadlines release what it held."""
         md = self.security.call_metadata()
         for stub, target in targets:
             if target is None:
                 continue
             worker = self._channels.use(target)
             try:
-                worker.stub(stub).Abort(wpb.AbortRequest(request_id=rid), metadata=md, timeout=5)
-            except grpc.RpcError:
-                pass  # the worker is gone; its own deadlines release what it held
-            finally:
+                call = worker.stub(stub).Abort.future(wpb.AbortRequest(request_id=rid), metadata=md, timeout=5)
+            except BaseException:
                 self._channels.done(worker)
+                raise
+            call.add_done_callback(lambda _call, w=worker: self._channels.done(w))

@@ -36,7 +36,7 @@ from typing import Any
 
 import grpc
 
-from controlplane.dispatch_channels import Slot, WorkerCalls, WorkerChannels
+from controlplane.dispatch_channels import Slot, Worker, WorkerCalls, WorkerChannels
 from controlplane.dispatch_watch import StreamWatch
 from controlplane.observability.stages import RequestObserver
 from epd.worker.v1 import worker_pb2 as wpb
@@ -335,4 +335,12 @@ class Dispatcher:
             except BaseException:
                 self._channels.done(worker)
                 raise
-            call.add_done_callback(lambda _call, w=worker: self._channels.done(w))
+            call.add_done_callback(lambda _call, w=worker: self._aborted(w))
+
+    def _aborted(self, worker: Worker) -> None:
+        """An abort's call ended. grpc runs this on the channel's own polling thread, which must not close
+        that channel (a retired entry's last call does): the bookkeeping runs on the pool, a moment's work."""
+        try:
+            self._pool.submit(self._channels.done, worker)
+        except RuntimeError:  # the dispatcher was closed, and every channel with it
+            pass

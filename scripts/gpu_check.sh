@@ -4,7 +4,8 @@
 #   env        the environment, one line each (rc 2 and one line saying what is missing when it cannot run)
 #   wire       the generated protobuf/gRPC code imports (the KV steps need it; see docs/gpu.md)
 #   model      the 1b preset (random weights, TinyLlama-1.1B's shape) written here, unless GPU_CHECK_MODEL_DIR
-#              names a folder that holds one; made on the CPU in the background while the next three run
+#              names a folder that holds one; made on the CPU in the background while the next three run, all
+#              four at once (none of those tests sizes its KV pool from free memory)
 #   kernels    the Triton kernel tests, compiled for this GPU; kv-unit: the codec and re-quantise kernels and
 #              device placement
 #   kv-cuda    the cuda-marked KV tests (DisaggPair on cuda for every codec and transport, CUDA IPC, an IPC
@@ -66,6 +67,38 @@ step() {
     *) note "$name" "rc $rc" $((SECONDS - t0)) ;;
   esac
   return "$rc"
+}
+# start NAME CAP CMD...: `step` in the background, its output only in $LOGS/NAME.log; finish waits for every
+# started step, then shows and records each. For test steps that can share the GPU (none sizes its KV pool
+# from free memory), so they overlap each other and the preset's writing.
+BG=() BG_PIDS=()
+start() {
+  local name=$1 cap=$2; shift 2
+  local t; t=$(left); t=$((t - 20 < cap ? t - 20 : cap))
+  if [ "$t" -lt 10 ]; then
+    echo "gpu-check: $name skipped, the time budget ($BUDGET s) is spent"
+    note "$name" skipped 0
+    return 1
+  fi
+  echo "== $name: started in the background ($((SECONDS - START)) s so far, limit ${t} s)"
+  ( t0=$SECONDS; timeout -k 10 "$t" "$@" </dev/null >"$LOGS/$name.log" 2>&1
+    echo "$? $((SECONDS - t0)) $t" >"$LOGS/$name.rc" ) &
+  BG+=("$name") BG_PIDS+=($!)
+}
+finish() {
+  local name rc secs t
+  [ ${#BG_PIDS[@]} -gt 0 ] && wait "${BG_PIDS[@]}"
+  for name in "${BG[@]}"; do
+    read -r rc secs t <"$LOGS/$name.rc" || { rc=1 secs=0 t=0; }
+    echo "== $name (rc $rc in $secs s)"
+    cat "$LOGS/$name.log"
+    case $rc in
+      0) note "$name" ok "$secs" ;;
+      124|137) note "$name" "timeout after ${t}s" "$secs" ;;
+      *) note "$name" "rc $rc" "$secs" ;;
+    esac
+  done
+  BG=() BG_PIDS=()
 }
 RUN=("$PY" scripts/gpu_run.py)  # an array, not a function: `timeout` runs programs
 # The test files of a list that exist (pytest refuses a whole run over one missing path).
@@ -160,16 +193,17 @@ fi
 
 mapfile -t FILES < <(existing tests/unit/test_triton_attention.py tests/unit/test_triton_small_ops.py \
   tests/unit/test_triton_engine.py)
-step kernels 150 "${RUN[@]}" "${PYTEST[@]}" --timeout=60 "${FILES[@]}"
+start kernels 150 "${RUN[@]}" "${PYTEST[@]}" --timeout=60 "${FILES[@]}"
 if [ "${WIRE[0]:-}" != false ]; then
   mapfile -t FILES < <(existing tests/unit/test_triton_codecs.py tests/unit/test_kv_devices.py \
     tests/unit/test_triton_requant.py)
-  step kv-unit 90 "${WIRE[@]}" "${RUN[@]}" "${PYTEST[@]}" --timeout=60 "${FILES[@]}"
+  start kv-unit 120 "${WIRE[@]}" "${RUN[@]}" "${PYTEST[@]}" --timeout=60 "${FILES[@]}"
   mapfile -t FILES < <(existing tests/integration/test_kv_gpu_pair.py tests/integration/test_kv_cuda_ipc.py \
     tests/integration/test_kv_requant.py tests/cuda/test_cuda_ipc_handles.py tests/unit/test_kv_cache.py \
     tests/unit/test_codecs.py)
-  step kv-cuda 150 "${WIRE[@]}" "${RUN[@]}" "${PYTEST[@]}" --timeout=90 -m cuda "${FILES[@]}"
+  start kv-cuda 180 "${WIRE[@]}" "${RUN[@]}" "${PYTEST[@]}" --timeout=90 -m cuda "${FILES[@]}"
 fi
+finish
 
 if [ -n "$MODEL_PID" ]; then
   wait "$MODEL_PID"

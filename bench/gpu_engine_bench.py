@@ -186,12 +186,22 @@ def run_cuda(args: argparse.Namespace, batches: list[int], lengths: list[int]) -
         print(f"decode batch 1 at {shares['decode batch 1']:.1%} of the roofline{hf_share}")
     print(f"KV pool {engine.cache.nbytes / 2**30:.2f} GiB ({engine.cache.num_blocks} blocks of "
           f"{engine.cache.block_size} tokens); peak GPU memory {peak / 2**30:.2f} GiB; CUDA graphs "
-          f"{len(engine.graphs.buckets) if engine.graphs else 0} buckets captured in {capture:.2f} s")
+          f"{_graphs_line(engine, capture)}")
     if args.json:
         meta = {"model": str(path), "dtype": args.dtype, "device": torch.cuda.get_device_name(device),
                 "torch": torch.__version__, "copy_bytes_per_s": rate, "decode_weight_bytes": weights,
                 "roofline_tok_s": roofline, "kv_pool_bytes": engine.cache.nbytes, "peak_gpu_bytes": peak,
-                "graph_capture_s": capture, "decode_tokens": tokens, "repeats": repeats}
+                "graph_capture_s": capture, "graphs": _graphs_line(engine, capture), "decode_tokens": tokens,
+                "repeats": repeats}
         args.json.write_text(json.dumps({"meta": meta, "rows": [asdict(r) | {"ratio": r.ratio} for r in rows]},
                                         indent=2))
     return 0
+
+
+def _graphs_line(engine: Engine, capture_s: float) -> str:
+    """What the engine's CUDA graphs are: off, captured (how many, how long), or failed (why: steps ran eager)."""
+    if engine.graphs is None:
+        return "off"
+    if engine.graphs.capture_error is not None:
+        return f"capture FAILED, every step ran eager ({engine.graphs.capture_error})"
+    return f"{len(engine.graphs.buckets)} buckets captured in {capture_s:.2f} s"

@@ -181,8 +181,9 @@ class Engine:
             max_batch = min(config.cuda_graph_max_batch or config.max_num_seqs, config.max_num_seqs)
             self.graphs = DecodeGraphs(model, self.cache, self._ops, max_batch, self.max_model_len)
             self.graphs.capture()
-            log.info("captured %d decode CUDA graphs (batch buckets up to %d) in %.2f s", len(self.graphs.buckets),
-                     self.graphs.max_batch, self.graphs.capture_seconds)
+            if self.graphs.capture_error is None:  # a failed capture has logged its own error
+                log.info("captured %d decode CUDA graphs (batch buckets up to %d) in %.2f s",
+                         len(self.graphs.buckets), self.graphs.max_batch, self.graphs.capture_seconds)
         self._seqs: dict[str, Sequence] = {}
         self._rng = random.Random(config.seed)
         self._hooks: list[LayerHook] = []

@@ -276,6 +276,7 @@ class Dispatcher:
             slots[stage].end_with(fut, abort_if_failed)
         targets = {"encode": route.encode, "prefill": route.prefill}
         done = False
+        lost: tuple[str, ...] = ()  # the workers this attempt lost (dead or hung)
         try:
             for chunk in self._watched(stream, "decode", route.decode):
                 done = chunk.finished
@@ -292,15 +293,19 @@ class Dispatcher:
                 err = fut.exception()
                 dst.end(err)
                 error = _error(stage, err, targets[stage])
-                error.lost = tuple(dict.fromkeys(error.lost + decode_error.lost))
+                error.lost = lost = tuple(dict.fromkeys(error.lost + decode_error.lost))
                 raise error from None
             dst.end(exc)
+            lost = decode_error.lost
             raise decode_error from None
+        except DispatchError as exc:  # a silent decode stream: its worker is named lost
+            lost = exc.lost
+            raise
         finally:
             dst.end(None if done else "cancelled")
             if not done:
                 stream.cancel()
-                self._abort(req.request_id, route)
+                self._abort(req.request_id, route, lost)
 
     def _watched(self, stream: Iterator[wpb.TokenChunk], stage: str, target: str) -> Iterator[wpb.TokenChunk]:
         """``stream``'s chunks; a stream silent past the idle limits ends in DispatchError(UNAVAILABLE)
@@ -318,14 +323,19 @@ class Dispatcher:
         finally:
             self._watch.unwatch(key)
 
-    def _abort(self, rid: str, route: Route) -> None:
-        self._abort_at(rid, [(wgrpc.DecodeWorkerStub, route.decode), (wgrpc.PrefillWorkerStub, route.prefill)])
+    def _abort(self, rid: str, route: Route, lost: tuple[str, ...] = ()) -> None:
+        self._abort_at(rid, [(wgrpc.DecodeWorkerStub, route.decode), (wgrpc.PrefillWorkerStub, route.prefill)],
+                       lost)
 
-    def _abort_at(self, rid: str, targets: list) -> None:
-        """Send ``rid``'s Abort to every target at once and return without waiting: an abort to a hung
-        worker takes its whole 5 s deadline, and the verdict that moves the request must not wait for it.
-        A worker that never answers is gone; its own deadlines release what it held."""
+    def _abort_at(self, rid: str, targets: list, lost: tuple[str, ...] = ()) -> None:
+        """Send ``rid``'s Abort to every target at once. Those to live workers are waited for (each within
+        its 5 s deadline): the request's next attempt may reserve on the same worker, and an abort landing
+        after that would cancel the new reservation. Those to ``lost`` workers (dead or hung, never routed
+        this request again) are not: a hung worker's abort takes its whole deadline, and the verdict that
+        moves the request must not wait for it. A worker that never answers is gone; its own deadlines
+        release what it held."""
         md = self.security.call_metadata()
+        waited = []
         for stub, target in targets:
             if target is None:
                 continue
@@ -336,6 +346,13 @@ class Dispatcher:
                 self._channels.done(worker)
                 raise
             call.add_done_callback(lambda _call, w=worker: self._aborted(w))
+            if target not in lost:
+                waited.append(call)
+        for call in waited:
+            try:
+                call.result()
+            except (grpc.RpcError, grpc.FutureCancelledError):
+                pass
 
     def _aborted(self, worker: Worker) -> None:
         """An abort's call ended. grpc runs this on the channel's own polling thread, which must not close

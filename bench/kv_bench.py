@@ -104,9 +104,8 @@ def _receiver_main(conn: Connection, token: str) -> None:
                 spec = KVCacheSpec(layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.block_size)
                 cache = PagedKVCache(spec, blocks, (cache_dtype,) * layout.num_layers)
                 for storage in cache.layers:  # touch every page now, not during the timed push
-                    for t in vars(storage).values():
-                        if isinstance(t, torch.Tensor):
-                            t.view(torch.uint8).fill_(0)
+                    for t in storage.pool_tensors():
+                        t.view(torch.uint8).fill_(0)
                 receiver = KVReceiver(layout, CacheSink(cache), max_chunk_bytes=256 * MiB)
                 server, port = start_server([kv_transfer_handler(receiver)], "127.0.0.1:0", security)
                 active = (server, receiver)

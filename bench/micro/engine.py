@@ -48,9 +48,8 @@ class _EngineSide:
         cfg = EngineConfig(kv_cache_bytes=64 * 2**20, max_num_seqs=64, max_num_batched_tokens=4096)
         self.engine = Engine(bundle.model, bundle.tokenizer, cfg, bundle.eos_token_ids)
         for storage in self.engine.cache.layers:  # fault the pool's pages in now, not in a timed step
-            for t in vars(storage).values():
-                if isinstance(t, torch.Tensor):
-                    t.view(torch.uint8).fill_(0)
+            for t in storage.pool_tensors():
+                t.view(torch.uint8).fill_(0)
         self._n = 0
 
     def _drain(self) -> None:

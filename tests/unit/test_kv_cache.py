@@ -33,13 +33,16 @@ SLACK = 1 + 1e-5
 
 
 def _storage_bytes(cache: PagedKVCache) -> int:
-    """Bytes actually allocated by the layer storages (not what the cache claims); 0-d constants
-    such as a quantised layer's qmax are not pool memory."""
+    """Bytes actually allocated by the layer storages (not what the cache claims): every tensor they
+    hold, less 0-d constants such as a quantised layer's qmax; their pool_tensors() are exactly these."""
     total = 0
     for layer in cache.layers:
         for t in vars(layer).values():
             if isinstance(t, torch.Tensor) and t.dim() > 0:
                 total += t.numel() * t.element_size()
+        pool = layer.pool_tensors()
+        assert sorted(map(id, pool)) == sorted(id(t) for t in vars(layer).values()
+                                               if isinstance(t, torch.Tensor) and t.dim() > 0)
     return total
 
 

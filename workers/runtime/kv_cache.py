@@ -65,6 +65,9 @@ class KVLayerStorage(Protocol):
     def gather(self, slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Return k, v at ``slots`` ([n]) as [n, kv_heads, head_dim] in ``dtype``."""
 
+    def pool_tensors(self) -> tuple[torch.Tensor, ...]:
+        """Every tensor the layer's pool memory is (codes, values, scales): what its bytes count."""
+
 
 class DenseLayerStorage:
     """K/V stored as-is in a float dtype (lossless when it equals the compute dtype)."""
@@ -81,6 +84,9 @@ class DenseLayerStorage:
 
     def gather(self, slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k.index_select(0, slots).to(dtype), self.v.index_select(0, slots).to(dtype)
+
+    def pool_tensors(self) -> tuple[torch.Tensor, ...]:
+        return self.k, self.v
 
 
 class QuantizedLayerStorage:
@@ -125,6 +131,9 @@ class QuantizedLayerStorage:
             x = data.index_select(0, slots).to(torch.float32) * scale.index_select(0, slots)[..., None]
             out.append(x.to(dtype))
         return out[0], out[1]
+
+    def pool_tensors(self) -> tuple[torch.Tensor, ...]:
+        return self.k, self.v, self.k_scale, self.v_scale
 
 
 def make_layer_storage(spec: KVCacheSpec, num_blocks: int, dtype_name: CacheDType,

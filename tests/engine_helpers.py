@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from workers.runtime.engine import Engine
+from workers.runtime.sampler import SamplingParams
 
 # name -> (transformers config class name, kwargs)
 TINY_KINDS: dict[str, tuple[str, dict]] = {
@@ -56,3 +57,24 @@ def run_to_completion(engine: Engine) -> dict[str, list]:
         for out in engine.step():
             outs.setdefault(out.request_id, []).append(out)
     raise AssertionError("engine did not finish")
+
+
+def token_ids(outs: dict[str, list]) -> dict[str, list[int]]:
+    """``run_to_completion``'s outputs as request id -> its token ids."""
+    return {rid: [t for o in seq for t in o.new_token_ids] for rid, seq in outs.items()}
+
+
+def run_joining(engine: Engine, requests: list[tuple[list[int], SamplingParams]], every: int) -> dict[str, list[int]]:
+    """Step until idle, adding request i (id ``str(i)``) one at a time every ``every`` steps while the others
+    run and finish at their own lengths; returns request id -> its token ids."""
+    got: dict[str, list[int]] = {}
+    pending = list(range(len(requests)))
+    step = 0
+    while pending or engine.has_unfinished():
+        if pending and step % every == 0:
+            i = pending.pop(0)
+            engine.add_request(str(i), *requests[i])
+        for out in engine.step():
+            got.setdefault(out.request_id, []).extend(out.new_token_ids)
+        step += 1
+    return got

@@ -15,7 +15,7 @@ from workers.runtime.engine import Engine, EngineConfig
 from workers.runtime.loader import load_model
 from workers.runtime.sampler import SamplingParams
 
-from engine_helpers import assert_no_leaks, run_to_completion
+from engine_helpers import assert_no_leaks, run_joining, run_to_completion, token_ids
 
 pytestmark = [*CUDA, pytest.mark.transformers]
 
@@ -39,42 +39,29 @@ def _params(i: int) -> SamplingParams:
     return SamplingParams(max_tokens=MAX_TOKENS[i], temperature=0.0, ignore_eos=True)
 
 
-def _tokens(outs: dict[str, list]) -> dict[str, list[int]]:
-    return {rid: [t for o in seq for t in o.new_token_ids] for rid, seq in outs.items()}
-
-
 @pytest.fixture(scope="module")
 def solo(model) -> dict[str, list[int]]:
     want = {}
     for i, p in enumerate(PROMPTS):
         engine = _engine(model, cuda_graphs=False)
         engine.add_request(str(i), p, _params(i))
-        want.update(_tokens(run_to_completion(engine)))
+        want.update(token_ids(run_to_completion(engine)))
     return want
 
 
-def test_padded_bucket_gives_the_solo_tokens(model, solo) -> None:
+def test_padded_bucket_gives_the_solotoken_ids(model, solo) -> None:
     engine = _engine(model)
     for i in range(3):  # three sequences decode in the bucket of 4: one padded row
         engine.add_request(str(i), PROMPTS[i], _params(i))
-    got = _tokens(run_to_completion(engine))
+    got = token_ids(run_to_completion(engine))
     assert engine.graphs is not None and engine.graphs.replays > 0
     assert got == {str(i): solo[str(i)] for i in range(3)}
     assert_no_leaks(engine)
 
 
-def test_joining_and_leaving_give_the_solo_tokens(model, solo) -> None:
+def test_joining_and_leaving_give_the_solotoken_ids(model, solo) -> None:
     engine = _engine(model)
-    got: dict[str, list[int]] = {}
-    pending = list(range(len(PROMPTS)))
-    step = 0
-    while pending or engine.has_unfinished():
-        if pending and step % 3 == 0:  # a newcomer every third step, while others finish at their lengths
-            i = pending.pop(0)
-            engine.add_request(str(i), PROMPTS[i], _params(i))
-        for out in engine.step():
-            got.setdefault(out.request_id, []).extend(out.new_token_ids)
-        step += 1
+    got = run_joining(engine, [(p, _params(i)) for i, p in enumerate(PROMPTS)], every=3)  # a newcomer every third step
     assert engine.graphs is not None and engine.graphs.replays > 0
     assert got == solo
     assert_no_leaks(engine)
@@ -86,7 +73,7 @@ def test_past_the_largest_bucket_runs_eager_and_says_so(model, solo, caplog) -> 
     for i in range(4):
         engine.add_request(str(i), PROMPTS[i], _params(i))
     with caplog.at_level(logging.DEBUG, logger="workers.runtime.cuda_graphs"):
-        got = _tokens(run_to_completion(engine))
+        got = token_ids(run_to_completion(engine))
     assert got == {str(i): solo[str(i)] for i in range(4)}
     assert any("past the largest CUDA graph bucket (2): running eager" in r.message for r in caplog.records)
     assert engine.graphs.replays > 0  # once two of them finished, the rest replays the graphs again
@@ -98,7 +85,7 @@ def test_int8_cache_layers_run_in_the_graphs(model) -> None:
     for engine in (want, got):
         for i in range(3):
             engine.add_request(str(i), PROMPTS[i], _params(i))
-    assert _tokens(run_to_completion(got)) == _tokens(run_to_completion(want))
+    assert token_ids(run_to_completion(got)) == token_ids(run_to_completion(want))
 
 
 def test_kv_pool_is_sized_from_free_memory(model) -> None:
@@ -123,8 +110,8 @@ def test_seeded_sampling_on_cuda_is_batch_invariant(model) -> None:
     for i in range(3):
         engine = _engine(model, cuda_graphs=False)
         engine.add_request(str(i), PROMPTS[i], params(i))
-        alone.update(_tokens(run_to_completion(engine)))
+        alone.update(token_ids(run_to_completion(engine)))
     engine = _engine(model)
     for i in range(3):
         engine.add_request(str(i), PROMPTS[i], params(i))
-    assert _tokens(run_to_completion(engine)) == alone
+    assert token_ids(run_to_completion(engine)) == alone

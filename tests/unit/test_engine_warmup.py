@@ -9,7 +9,7 @@ from workers.runtime.engine import Engine, EngineConfig
 from workers.runtime.sampler import SamplingParams
 from workers.runtime.warmup import warmup_shapes
 
-from engine_helpers import assert_no_leaks, run_to_completion
+from engine_helpers import assert_no_leaks, run_to_completion, token_ids
 
 pytestmark = [pytest.mark.unit]
 
@@ -30,7 +30,7 @@ def _outputs(engine: Engine) -> dict[str, list[int]]:
     for i, p in enumerate(PROMPTS):
         engine.add_request(f"g{i}", p, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
         engine.add_request(f"s{i}", p, SamplingParams(max_tokens=12, temperature=0.9, top_p=0.95, ignore_eos=True))
-    out = {rid: [t for o in outs for t in o.new_token_ids] for rid, outs in run_to_completion(engine).items()}
+    out = token_ids(run_to_completion(engine))
     assert_no_leaks(engine)
     return out
 

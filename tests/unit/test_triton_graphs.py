@@ -16,7 +16,7 @@ from workers.runtime.engine import Engine, EngineConfig
 from workers.runtime.loader import load_model
 from workers.runtime.sampler import SamplingParams
 
-from engine_helpers import assert_no_leaks, run_to_completion
+from engine_helpers import assert_no_leaks, run_joining, run_to_completion, token_ids
 
 pytestmark = [pytest.mark.unit, pytest.mark.transformers]
 
@@ -46,39 +46,26 @@ def _params(i: int) -> SamplingParams:
     return SamplingParams(max_tokens=MAX_TOKENS[i], temperature=0.0, ignore_eos=True)
 
 
-def _tokens(outs: dict[str, list]) -> dict[str, list[int]]:
-    return {rid: [t for o in seq for t in o.new_token_ids] for rid, seq in outs.items()}
-
-
 @pytest.fixture(scope="module")
 def solo(model) -> dict[str, list[int]]:
     want = {}
     for i, p in enumerate(PROMPTS):
         engine = _engine(model)
         engine.add_request(str(i), p, _params(i))
-        want.update(_tokens(run_to_completion(engine)))
+        want.update(token_ids(run_to_completion(engine)))
     return want
 
 
-def test_padded_buckets_with_sequences_joining_and_leaving_give_the_solo_tokens(model, solo) -> None:
+def test_padded_buckets_with_sequences_joining_and_leaving_give_the_solotoken_ids(model, solo) -> None:
     engine = _engine(model, max_batch=4)
     assert engine.graphs is not None and engine.graphs.buckets == (1, 2, 4)
-    got: dict[str, list[int]] = {}
-    pending = list(range(len(PROMPTS)))
-    step = 0
-    while pending or engine.has_unfinished():
-        if pending and step % 2 == 0:  # a newcomer every other step, while others finish at their lengths
-            i = pending.pop(0)
-            engine.add_request(str(i), PROMPTS[i], _params(i))
-        for out in engine.step():
-            got.setdefault(out.request_id, []).extend(out.new_token_ids)
-        step += 1
+    got = run_joining(engine, [(p, _params(i)) for i, p in enumerate(PROMPTS)], every=2)  # a newcomer every other step
     assert engine.graphs.replays > 0
     assert got == solo
     assert_no_leaks(engine)
 
 
-def test_the_split_long_context_graphs_give_the_solo_tokens(model, solo) -> None:
+def test_the_split_long_context_graphs_give_the_solotoken_ids(model, solo) -> None:
     """Graphs for contexts up to 1,024 tokens: bucket 1 and 2 also get the split-attention variant; with the
     short bound set to 0 every step takes it (its splits past a sequence's context read nothing)."""
     engine = _engine(model, max_batch=2, graph_len=1024)
@@ -87,7 +74,7 @@ def test_the_split_long_context_graphs_give_the_solo_tokens(model, solo) -> None
     engine.graphs.short_context = 0
     for i in range(2):
         engine.add_request(str(i), PROMPTS[i], _params(i))
-    assert _tokens(run_to_completion(engine)) == {str(i): solo[str(i)] for i in range(2)}
+    assert token_ids(run_to_completion(engine)) == {str(i): solo[str(i)] for i in range(2)}
     assert engine.graphs.replays > 0
 
 
@@ -96,7 +83,7 @@ def test_past_the_largest_bucket_runs_eager_and_says_so(model, solo, caplog) -> 
     for i in range(3):
         engine.add_request(str(i), PROMPTS[i], _params(i))
     with caplog.at_level(logging.DEBUG, logger="workers.runtime.cuda_graphs"):
-        got = _tokens(run_to_completion(engine))
+        got = token_ids(run_to_completion(engine))
     assert got == {str(i): solo[str(i)] for i in range(3)}
     assert any("past the largest CUDA graph bucket (2): running eager" in r.message for r in caplog.records)
     assert engine.graphs is not None and engine.graphs.replays > 0
@@ -108,7 +95,7 @@ def test_int8_cache_layers_run_in_the_graphs(model) -> None:
     for engine in (want, got):
         for i in range(3):
             engine.add_request(str(i), PROMPTS[i], _params(i))
-    assert _tokens(run_to_completion(got)) == _tokens(run_to_completion(want))
+    assert token_ids(run_to_completion(got)) == token_ids(run_to_completion(want))
     assert got.graphs is not None and got.graphs.replays > 0
 
 
@@ -127,5 +114,5 @@ def test_a_failed_capture_is_logged_and_every_step_runs_eager(model, solo, caplo
     assert any("CUDA graph capture failed, decode steps run eager" in r.message for r in caplog.records)
     for i in range(2):
         engine.add_request(str(i), PROMPTS[i], _params(i))
-    assert _tokens(run_to_completion(engine)) == {str(i): solo[str(i)] for i in range(2)}
+    assert token_ids(run_to_completion(engine)) == {str(i): solo[str(i)] for i in range(2)}
     assert engine.graphs.replays == 0

@@ -6,12 +6,10 @@ the interpreter tests in the same session switch ``triton.jit`` to interpreted f
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
-import subprocess
-import sys
 
 import pytest
+
+from tests.unit.compiled_subprocess import run_json
 
 # Not imported here: importing triton before tests.unit.triton_env sets TRITON_INTERPRET would make the
 # interpreter tests that run later in this process compile their kernels instead.
@@ -89,11 +87,7 @@ print(json.dumps(out))
 
 
 def test_kernels_compile_for_sm90_with_exact_rounding() -> None:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True, timeout=300, env=env,
-                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    counts = json.loads(proc.stdout.strip().splitlines()[-1])
+    counts = run_json(["-c", _SCRIPT], timeout=300)
     if "skip" in counts:
         pytest.skip(counts["skip"])
     assert len(counts) == 13

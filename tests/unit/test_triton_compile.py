@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.unit.compiled_subprocess import ROOT, run_json
 
 # Not imported here: importing triton before tests.unit.triton_env sets TRITON_INTERPRET would make the
 # interpreter tests that run later in this process compile their kernels.
@@ -19,16 +18,9 @@ if importlib.util.find_spec("triton") is None:
     pytest.skip("triton is not installed", allow_module_level=True)
 pytestmark = pytest.mark.unit
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 def test_kernels_compile_for_sm90_and_the_small_ops_round_as_torch() -> None:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "proto"), env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "unit" / "triton_compile_probe.py")],
-                          capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    counts = json.loads(proc.stdout.strip().splitlines()[-1])
+    counts = run_json([str(ROOT / "tests" / "unit" / "triton_compile_probe.py")], timeout=300)
     assert len(counts) == 16
     for name in ("decode bf16", "prefill bf16", "split fp8", "decode int8"):
         assert counts[name]["mma"] > 0, f"{name}: bf16 attention should run on the tensor cores"
@@ -44,21 +36,13 @@ def test_every_launch_of_the_1b_preset_compiles_for_sm90(tmp_path: Path) -> None
     shape and at the CUDA tests' tiny shape (recorded through the interpreter: each argument's dtype, int
     width, value 1, divisibility by 16, each constexpr) all compile for sm_90 and fit a block's shared
     memory, not just the hand-written signatures above."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "proto"), env.get("PYTHONPATH", "")])
-    probe = subprocess.run([sys.executable, str(ROOT / "tests" / "unit" / "triton_launch_probe.py")],
-                           capture_output=True, text=True, timeout=900, env=env | {"TRITON_INTERPRET": "1"}, cwd=ROOT)
-    assert probe.returncode == 0, probe.stderr[-3000:]
     specs = tmp_path / "specs.json"
-    specs.write_text(probe.stdout.strip().splitlines()[-1])
+    specs.write_text(json.dumps(run_json([str(ROOT / "tests" / "unit" / "triton_launch_probe.py")], timeout=900,
+                                         interpret=True)))
     names = {s["name"] for s in json.loads(specs.read_text())}
     assert {"_decode_kernel", "_split_kernel", "_merge_kernel", "_prefill_kernel", "_rope_kv_kernel", "_rmsnorm_kernel",
             "_silu_mul_kernel", "int8_encode_kernel", "int4_decode_kernel", "fp32_decode_kernel"} <= names
     code = ("import json, sys; from triton_launches import compile_all; "
             f"print(json.dumps(compile_all(json.load(open({str(specs)!r})))))")
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "tests" / "unit"), env["PYTHONPATH"]])
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900, env=env,
-                          cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    failures = json.loads(proc.stdout.strip().splitlines()[-1])
+    failures = run_json(["-c", code], timeout=900, path=(ROOT / "tests" / "unit",))
     assert not failures, "\n".join(failures)

@@ -7,12 +7,10 @@ switch ``triton.jit`` to interpreted functions."""
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
-import subprocess
-import sys
 
 import pytest
+
+from tests.unit.compiled_subprocess import run_json
 
 # Not imported here: importing the kernel before tests.unit.triton_env sets TRITON_INTERPRET would make the
 # interpreter tests that run later in this process compile it instead.
@@ -52,11 +50,7 @@ print(json.dumps(out))
 
 
 def test_kernel_compiles_for_sm90_with_exact_rounding() -> None:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True, timeout=600, env=env,
-                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    counts = json.loads(proc.stdout.strip().splitlines()[-1])
+    counts = run_json(["-c", _SCRIPT], timeout=600)
     if "skip" in counts:
         pytest.skip(counts["skip"])
     assert len(counts) == 5 * 2 * 2

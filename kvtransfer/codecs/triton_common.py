@@ -49,10 +49,10 @@ def _from_e4m3(c):
     sign = (c >> 7) & 1
     e = (c >> 3) & 15
     m = c & 7
-    normal = ((sign << 31) | ((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
-    mag = m.to(tl.float32) * 0.001953125
-    sub = tl.where(sign == 1, -mag, mag)
-    bits = tl.where(e == 0, sub, normal).to(tl.int32, bitcast=True)
+    normal = (sign << 31) | ((e + 120) << 23) | (m << 20)
+    # the sign goes in as a bit, not by a unary minus: triton < 3.7 lowers -x to 0 - x, which loses -0
+    sub = (m.to(tl.float32) * 0.001953125).to(tl.int32, bitcast=True) | (sign << 31)
+    bits = tl.where(e == 0, sub, normal)
     return tl.where((c & 0x7F) == 0x7F, 0x7FC00000, bits).to(tl.float32, bitcast=True)
 
 

@@ -62,7 +62,8 @@ def rotate(x1, x2, c1, c2, s1, s2, dt: tl.constexpr):
     to ``dt`` as the torch path's ``x * cos + rotated * sin`` in ``dt`` is."""
     a1 = (x1.to(tl.float32) * c1).to(dt).to(tl.float32)
     a2 = (x2.to(tl.float32) * c2).to(dt).to(tl.float32)
-    b1 = (-x2.to(tl.float32) * s1).to(dt).to(tl.float32)
+    # -(x2 * s1), the same bits as (-x2) * s1; not a unary minus, which triton < 3.7 lowers to 0 - x (+0 for -0)
+    b1 = (x2.to(tl.float32) * s1 * -1.0).to(dt).to(tl.float32)
     b2 = (x1.to(tl.float32) * s2).to(dt).to(tl.float32)
     return (a1 + b1).to(dt), (a2 + b2).to(dt)
 

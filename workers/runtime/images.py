@@ -89,7 +89,8 @@ def preprocess_pil_image(image: Image.Image, cfg: VisionConfig) -> Tensor:
     (default image_size) with ``resample``, centre crop to image_size, scaling by ``rescale_factor``, mean/std
     normalisation: HF's CLIPImageProcessor, step by step."""
     if image.mode in ("RGBA", "LA", "PA") or (image.mode == "P" and "transparency" in image.info):
-        # composite on white as HF's convert_rgb does; a plain convert would turn transparent pixels black
+        # composite on white as HF's convert_to_rgb does (transformers >= 5.21; before, it dropped the alpha);
+        # a plain convert would turn transparent pixels black
         rgba = image.convert("RGBA")
         image = Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba)
     image = image.convert("RGB")

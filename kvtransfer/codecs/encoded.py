@@ -28,6 +28,13 @@ class CodecError(ValueError):
     """Bad input to a codec: unknown codec, malformed chunk, non-finite or out-of-range values."""
 
 
+def non_finite_landing(codec: str, cache_dtype: str) -> CodecError:
+    """The refusal of a received chunk that decodes to NaN or inf, raised before any of it lands in a
+    quantised cache: the same words whichever path (torch or fused kernel) found it."""
+    return CodecError(f"{codec}: the received KV holds NaN or inf once decoded; refusing to land it in the "
+                      f"{cache_dtype} cache (nothing was written)")
+
+
 class CodecId(enum.IntEnum):
     """Codec ids as they travel on the wire; proto/ mirrors these (0 stays 'unspecified' there)."""
 

@@ -25,7 +25,7 @@ def _rne(v):
 
 
 @triton.jit
-def _abs_bits_max(x):
+def abs_bits_max(x):
     """max over x of its float32 bits with the sign cleared; >= 0x7F800000 means NaN or inf."""
     return tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF)
 
@@ -44,7 +44,7 @@ def _to_e4m3(y):
 
 
 @triton.jit
-def _from_e4m3(c):
+def from_e4m3(c):
     """e4m3fn codes (int32 0..255) to float32 (NaN for S.1111.111)."""
     sign = (c >> 7) & 1
     e = (c >> 3) & 15
@@ -125,7 +125,7 @@ def _load_src(src, sscale, off, soff, mask, SRC: tl.constexpr, ROUND_BF16: tl.co
         if SRC == 1:
             q = c.to(tl.float32)
         else:
-            q = _from_e4m3(c.to(tl.int32) & 0xFF)
+            q = from_e4m3(c.to(tl.int32) & 0xFF)
         x = q * tl.load(sscale + soff, mask=mask, other=0.0)
         if ROUND_BF16:
             x = (_bf16_bits(x) << 16).to(tl.float32, bitcast=True)

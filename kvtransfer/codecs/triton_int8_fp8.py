@@ -13,7 +13,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kvtransfer.codecs.triton_common import TINY, _abs_bits_max, _from_e4m3, _load_src, _rne, _store_out, _to_e4m3
+from kvtransfer.codecs.triton_common import TINY, _load_src, _rne, _store_out, _to_e4m3, abs_bits_max, from_e4m3
 
 
 @triton.jit
@@ -30,7 +30,7 @@ def int8_encode_kernel(src, sscale, ids, payload, scales, bs, H, D, sb, st, sh, 
     for t0 in range(0, bs, BT):
         mask = ((t0 + t) < bs) & (d < D)
         x = _load_src(src, sscale, base + (t0 + t) * st + d * sd, sbase + (t0 + t) * sst, mask, SRC, ROUND_BF16)
-        m = tl.maximum(m, _abs_bits_max(x))
+        m = tl.maximum(m, abs_bits_max(x))
     amax = m.to(tl.float32, bitcast=True)
     scale = tl.math.div_rn(amax, 127.0)
     scale = tl.where(scale < TINY, TINY, scale)
@@ -80,7 +80,7 @@ def fp8_encode_kernel(src, sscale, ids, payload, scales, bs, H, D, sb, st, sh, s
         mask = ((t0 + t) < bs) & (e < H * D)
         x = _load_src(src, sscale, base + (t0 + t) * st + off_e, sbase + (t0 + t) * sst + soff_e, mask, SRC,
                       ROUND_BF16)
-        m = tl.maximum(m, _abs_bits_max(x))
+        m = tl.maximum(m, abs_bits_max(x))
     amax = m.to(tl.float32, bitcast=True)
     scale = tl.math.div_rn(amax, 448.0)
     scale = tl.where(scale < TINY, TINY, scale)
@@ -110,5 +110,5 @@ def fp8_decode_kernel(payload, scales, dst, ids, bs, H, D, sb, st, sh, sd,
     for t0 in range(0, bs, BT):
         mask = ((t0 + t) < bs) & (e < H * D)
         c = tl.load(src + (t0 + t) * (H * D) + e, mask=mask, other=0).to(tl.int32)
-        y = _from_e4m3(c) * s
+        y = from_e4m3(c) * s
         _store_out(base + (t0 + t) * st + off_e, y, mask, OUT_BF16)

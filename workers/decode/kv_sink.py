@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from kvtransfer.codecs import Codec, EncodedTensor, Kind, fused, get_codec
-from kvtransfer.codecs.encoded import CodecError
+from kvtransfer.codecs.encoded import CodecError, non_finite_landing
 from kvtransfer.cuda_ipc import DeviceParts
 from kvtransfer.receiver import WireParts
 from kvtransfer.staging import side_stream, to_device
@@ -196,9 +196,7 @@ def _requantise(storage: QuantizedLayerStorage, slots: torch.Tensor, c: Codec, k
     h, d = key.shape[2], key.shape[3]
     k, v = c.decode(key, torch.float32), c.decode(value, torch.float32)
     if not bool(torch.isfinite(k).all() and torch.isfinite(v).all()):
-        # the same words as workers.runtime.kernels.kv_requant (a test holds them equal)
-        raise CodecError(f"{c.name}: the received KV holds NaN or inf once decoded; refusing to land it in "
-                         f"the {storage.dtype_name} cache (nothing was written)")
+        raise non_finite_landing(c.name, storage.dtype_name)
     storage.write(slots, k.reshape(-1, h, d), v.reshape(-1, h, d))
 
 

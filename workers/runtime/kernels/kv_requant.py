@@ -25,11 +25,12 @@ import triton
 import triton.language as tl
 
 from kvtransfer.codecs import Codec, CodecError, EncodedTensor, Kind
+from kvtransfer.codecs.encoded import non_finite_landing
 from kvtransfer.codecs.int4 import key_group, value_group
-from kvtransfer.codecs.triton_common import _abs_bits_max, _from_e4m3
+from kvtransfer.codecs.triton_common import abs_bits_max, from_e4m3
 from workers.runtime.kernels.cache_views import DENSE, cache_tensors
 from workers.runtime.kernels.fused import EXACT
-from workers.runtime.kernels.kv_write import _quantize
+from workers.runtime.kernels.kv_write import quantize_codes
 from workers.runtime.kv_cache import QuantizedLayerStorage
 
 __all__ = ["CODECS", "land_requantised"]
@@ -47,7 +48,7 @@ def _decoded(payload, scales, zeros, i, h, t, c, mask, bs, H, D, G, CODEC: tl.co
         x = tl.load(payload + row * D + c, mask=mask, other=0).to(tl.float32) * tl.load(scales + i * H + h)
     elif CODEC == 1:  # fp8: the e4m3 value (NaN for its NaN codes) * the block's scale
         code = tl.load(payload + row * D + c, mask=mask, other=0).to(tl.int32) & 0xFF
-        x = _from_e4m3(code) * tl.load(scales + i)
+        x = from_e4m3(code) * tl.load(scales + i)
     elif CODEC == 2:  # int4: nibble * scale, then + zero (two roundings: fp-fusion is off), float16 groups
         packed = tl.load(payload + row * (D // 2) + c // 2, mask=mask, other=0).to(tl.int32)
         q = ((packed >> ((c % 2) * 4)) & 15).to(tl.float32)
@@ -94,11 +95,11 @@ def requant_kernel(payload, scales, zeros, codes, cscales, flag, ids, bs, H, D, 
             scale = tl.math.div_rn(tl.maximum(amax, 1e-12), qmax)
             slot = blk * bs + t1
             ok = tmask & ((t1 * 0 + refused) == 0)  # a tensor: the interpreter takes no scalar in a mask
-            tl.store(codes + slot[:, None] * stride_cs + h * stride_ch + c, _quantize(x, scale[:, None], qmax, KIND),
-                     mask=ok[:, None] & cmask)
+            tl.store(codes + slot[:, None] * stride_cs + h * stride_ch + c,
+                     quantize_codes(x, scale[:, None], qmax, KIND), mask=ok[:, None] & cmask)
             tl.store(cscales + slot * stride_ss + h, scale, mask=ok)
         else:
-            worst = tl.maximum(worst, _abs_bits_max(x))
+            worst = tl.maximum(worst, abs_bits_max(x))
     if not WRITE:
         tl.atomic_max(flag, 1, mask=worst >= 0x7F800000)
 
@@ -146,8 +147,7 @@ def land_requantised(codec: Codec, key: EncodedTensor, value: EncodedTensor, sto
                 cache.qmax, CODEC=CODECS[codec.name], IS_KEY=is_key, KIND=cache.kind, WRITE=write, BT=bt, BD=bd,
                 **EXACT)
     if bool(flag[0]):
-        raise CodecError(f"{codec.name}: the received KV holds NaN or inf once decoded; refusing to land it in "
-                         f"the {storage.dtype_name} cache (nothing was written)")
+        raise non_finite_landing(codec.name, storage.dtype_name)
 
 
 def _payload_view(name: str, payload: torch.Tensor) -> torch.Tensor:

@@ -73,7 +73,7 @@ def write_kv(cache: CacheTensors, slots: torch.Tensor, k: torch.Tensor, v: torch
 
 
 @triton.jit
-def _quantize(x, scale, qmax, KIND: tl.constexpr):
+def quantize_codes(x, scale, qmax, KIND: tl.constexpr):
     q = tl.math.div_rn(x, scale)
     if KIND == 1:
         out = tl.minimum(tl.maximum(rint(q), -qmax), qmax).to(tl.int8)
@@ -95,8 +95,8 @@ def _store_head(c_ptr, s_ptr, slot, kh, lo, hi, i, mask, stride_cs, stride_ch, s
         hi = hi.to(tl.float32)
         amax = tl.maximum(tl.max(tl.abs(lo), 0), tl.max(tl.abs(hi), 0))
         scale = tl.math.div_rn(tl.maximum(amax, 1e-12), qmax)
-        tl.store(dst + i, _quantize(lo, scale, qmax, KIND), mask=mask)
-        tl.store(dst + HALF + i, _quantize(hi, scale, qmax, KIND), mask=mask)
+        tl.store(dst + i, quantize_codes(lo, scale, qmax, KIND), mask=mask)
+        tl.store(dst + HALF + i, quantize_codes(hi, scale, qmax, KIND), mask=mask)
         # the scale goes through lane 0, so the store is masked like the data (slot < 0: nothing)
         tl.store(s_ptr + slot * stride_ss + kh + i * 0, scale + i * 0.0, mask=mask & (i == 0))
 

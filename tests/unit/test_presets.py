@@ -30,6 +30,9 @@ def test_model_init_preset_writes_a_loadable_folder(tmp_path, capsys) -> None:
     p = PRESETS["tiny"]
     assert (hf["hidden_size"], hf["num_hidden_layers"], hf["num_key_value_heads"], hf["vocab_size"]) == (
         p.hidden_size, p.num_layers, p.num_kv_heads, p.vocab_size)
+    # every file as readable as config.json (safetensors alone writes its file 0600)
+    modes = {f.name: f.stat().st_mode & 0o777 for f in folder.iterdir() if f.is_file()}
+    assert modes["model.safetensors"] == modes["config.json"], modes
     bundle = load_model(folder)
     assert sum(t.numel() for t in bundle.model.parameters()) == p.num_parameters
     engine = Engine(bundle.model, bundle.tokenizer, EngineConfig(kv_cache_bytes=1 << 22), bundle.eos_token_ids)

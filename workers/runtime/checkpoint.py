@@ -9,6 +9,7 @@ any error.
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -256,13 +257,31 @@ def model_to_hf_tensors(model: DecoderModel) -> dict[str, torch.Tensor]:
     return {k: v.detach().contiguous().clone() for k, v in out.items()}
 
 
+def _umask() -> int:
+    """The process's umask, read without changing it (Linux); 0o022 where it cannot be read."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    return 0o022
+
+
+def save_weights(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """``safetensors.torch.save_file``, leaving the file as readable as any other file this process writes:
+    safetensors 0.8 writes through a private temporary file (mode 0600), which another user serving the
+    folder (a container, a service account) could not read."""
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    os.chmod(path, 0o666 & ~_umask())
+
+
 def save_hf_weights(model: DecoderModel, folder: Path, max_shard_bytes: int | None = None) -> None:
     """Write model weights as ``model.safetensors`` or, past ``max_shard_bytes``, as indexed shards."""
     tensors = model_to_hf_tensors(model)
     folder.mkdir(parents=True, exist_ok=True)
-    meta = {"format": "pt"}
     if max_shard_bytes is None:
-        save_file(tensors, str(folder / "model.safetensors"), metadata=meta)
+        save_weights(tensors, folder / "model.safetensors")
         return
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
@@ -276,7 +295,7 @@ def save_hf_weights(model: DecoderModel, folder: Path, max_shard_bytes: int | No
     weight_map = {}
     for i, shard in enumerate(shards):
         fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(folder / fname), metadata=meta)
+        save_weights(shard, folder / fname)
         weight_map.update({name: fname for name in shard})
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     (folder / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},

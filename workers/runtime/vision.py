@@ -16,10 +16,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 from torch import Tensor, nn
 
-from workers.runtime.checkpoint import check_finite
+from workers.runtime.checkpoint import check_finite, save_weights
 from workers.runtime.errors import CheckpointError, UnsupportedArchitectureError
 from workers.runtime.fingerprint import module_fingerprint
 
@@ -206,7 +205,7 @@ def save_vision(directory: Path, encoder: VisionEncoder) -> None:
     }
     state = {k: v.detach().to("cpu").contiguous() for k, v in encoder.state_dict().items()}
     for name, prefix in _FILES:
-        save_file({k: v for k, v in state.items() if k.startswith(prefix)}, str(out / name), metadata={"format": "pt"})
+        save_weights({k: v for k, v in state.items() if k.startswith(prefix)}, out / name)
     (out / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
     (out / "epd_vision.json").write_text(json.dumps(epd, indent=2) + "\n")
 

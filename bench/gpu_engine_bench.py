@@ -1,6 +1,7 @@
 """``epd bench engine --device cuda``: the engine on a GPU beside transformers on the same GPU.
 
 Same checkpoint, dtype and GPU, same run; every timer is bracketed by ``torch.cuda.synchronize``.
+On a CPU device the same flow runs (no figure of it is meaningful): that is how its test checks it.
 Figures (each the best of ``--repeats``):
   roofline  weight bytes a decode step reads (every parameter but the embedding table, which is only
             gathered from) over the device's copy rate measured here (a device-to-device copy moves
@@ -42,11 +43,16 @@ class GpuRow:
         return self.epd_tok_s / self.ref_tok_s if self.ref_tok_s else None
 
 
-def _timed(fn: Callable[[], object]) -> float:
-    torch.cuda.synchronize()
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(fn: Callable[[], object], device: torch.device) -> float:
+    _sync(device)
     start = time.perf_counter()
     fn()
-    torch.cuda.synchronize()
+    _sync(device)
     return time.perf_counter() - start
 
 
@@ -59,7 +65,7 @@ def copy_rate(device: torch.device, nbytes: int = 2**30, repeats: int = 10) -> f
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     dst.copy_(src)
-    secs = _best(lambda: _timed(lambda: dst.copy_(src)), repeats)
+    secs = _best(lambda: _timed(lambda: dst.copy_(src), device), repeats)
     return nbytes / secs  # src and dst go with this frame; the caller empties the cache
 
 
@@ -96,7 +102,7 @@ def _engine_decode_seconds(engine: Engine, vocab: int, batch: int, tokens: int) 
         while engine.has_unfinished():
             engine.step()
             steps += 1
-    secs = _timed(decode)
+    secs = _timed(decode, torch.device(engine.config.device))
     assert steps == tokens - 1, f"expected {tokens - 1} decode steps, ran {steps}"
     return secs
 
@@ -107,20 +113,20 @@ def _engine_prefill_seconds(engine: Engine, vocab: int, length: int) -> float:
     def prefill() -> None:
         while engine.has_unfinished():
             engine.step()
-    return _timed(prefill)
+    return _timed(prefill, torch.device(engine.config.device))
 
 
 @torch.inference_mode()
 def _hf_generate_seconds(hf: Any, batch: int, new_tokens: int, vocab: int) -> float:  # hf: a transformers model
-    ids = torch.tensor([_prompt(PROMPT_TOKENS, vocab, i) for i in range(batch)], device="cuda")
+    ids = torch.tensor([_prompt(PROMPT_TOKENS, vocab, i) for i in range(batch)], device=hf.device)
     return _timed(lambda: hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                                      min_new_tokens=new_tokens, do_sample=False, pad_token_id=0))
+                                      min_new_tokens=new_tokens, do_sample=False, pad_token_id=0), hf.device)
 
 
 @torch.inference_mode()
 def _hf_forward_seconds(hf: Any, length: int, vocab: int) -> float:  # hf: a transformers model
-    ids = torch.tensor([_prompt(length, vocab)], device="cuda")
-    return _timed(lambda: hf(ids, use_cache=False, logits_to_keep=1))
+    ids = torch.tensor([_prompt(length, vocab)], device=hf.device)
+    return _timed(lambda: hf(ids, use_cache=False, logits_to_keep=1), hf.device)
 
 
 def run_cuda(args: argparse.Namespace, batches: list[int], lengths: list[int]) -> int:
@@ -129,12 +135,15 @@ def run_cuda(args: argparse.Namespace, batches: list[int], lengths: list[int]) -
     from controlplane.cli_args import UsageError, model_dir
 
     device = torch.device(args.device)
-    torch.cuda.set_device(device)
+    cuda = device.type == "cuda"  # else the flow's test on CPU: a small copy, no GPU memory figures
+    if cuda:
+        torch.cuda.set_device(device)
     path = model_dir(args.model)
     dtype = DTYPES[args.dtype]
     tokens, repeats = args.decode_tokens, args.repeats
-    rate = copy_rate(device)
-    torch.cuda.empty_cache()
+    rate = copy_rate(device, 2**30 if cuda else 2**24)
+    if cuda:
+        torch.cuda.empty_cache()
     bundle = load_model(path, dtype=dtype, device=args.device, with_vision=False)
     vocab = bundle.config.vocab_size
     context = bundle.config.max_position_embeddings
@@ -144,34 +153,48 @@ def run_cuda(args: argparse.Namespace, batches: list[int], lengths: list[int]) -
     weights = decode_weight_bytes(bundle.model)
     roofline = 2 * rate / weights
     hf = None if args.no_hf else load_hf_model(path, dtype).to(device)
-    torch.cuda.reset_peak_memory_stats(device)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
     cfg = EngineConfig(dtype=args.dtype, device=args.device, max_num_seqs=max(batches),
                        max_num_batched_tokens=max(max(lengths), max(batches)), prefill_chunk_size=max(lengths),
                        gpu_memory_utilization=0.8)
     engine = Engine(bundle.model, None, cfg, bundle.eos_token_ids)
     capture = engine.graphs.capture_seconds if engine.graphs is not None else 0.0
+    ref_failed: list[str] = []
+
+    def reference(fn: Callable[[], float]) -> float | None:
+        """A transformers figure, or None once one has failed: the engine's figures are still printed."""
+        if hf is None or ref_failed:
+            return None
+        try:
+            return fn()
+        except Exception as exc:  # a failing reference (out of memory, an API change) must not lose the run
+            ref_failed.append(repr(exc))
+            return None
+
     _engine_decode_seconds(engine, vocab, 1, 4)  # warm-up: allocator, lazy inits
     _engine_prefill_seconds(engine, vocab, min(lengths))
-    if hf is not None:
-        _hf_generate_seconds(hf, 1, 4, vocab)
+    reference(lambda: _hf_generate_seconds(hf, 1, 4, vocab))
+
+    def hf_decode(b: int) -> float:
+        full = _best(lambda: _hf_generate_seconds(hf, b, tokens, vocab), repeats)
+        first = _best(lambda: _hf_generate_seconds(hf, b, 1, vocab), repeats)
+        return b * (tokens - 1) / max(full - first, 1e-9)
 
     rows: list[GpuRow] = []
     for b in batches:
         secs = _best(lambda: _engine_decode_seconds(engine, vocab, b, tokens), repeats)
-        ref = None
-        if hf is not None:
-            full = _best(lambda: _hf_generate_seconds(hf, b, tokens, vocab), repeats)
-            first = _best(lambda: _hf_generate_seconds(hf, b, 1, vocab), repeats)
-            ref = b * (tokens - 1) / max(full - first, 1e-9)
-        rows.append(GpuRow(f"decode batch {b}", b * (tokens - 1) / secs, f"HF generate batch {b}", ref))
+        rows.append(GpuRow(f"decode batch {b}", b * (tokens - 1) / secs, f"HF generate batch {b}",
+                           reference(lambda: hf_decode(b))))
     for n in lengths:
         secs = _best(lambda: _engine_prefill_seconds(engine, vocab, n), repeats)
-        ref = n / _best(lambda: _hf_forward_seconds(hf, n, vocab), repeats) if hf is not None else None
-        rows.append(GpuRow(f"prefill {n} tokens", n / secs, f"HF forward {n} tokens", ref))
-    peak = torch.cuda.max_memory_allocated(device)
+        rows.append(GpuRow(f"prefill {n} tokens", n / secs, f"HF forward {n} tokens",
+                           reference(lambda: n / _best(lambda: _hf_forward_seconds(hf, n, vocab), repeats))))
+    peak = torch.cuda.max_memory_allocated(device) if cuda else 0
+    device_name = torch.cuda.get_device_name(device) if cuda else "cpu"
 
     print(f"model {path.name}: {sum(p.numel() for p in bundle.model.parameters()) / 1e6:.1f}M params, "
-          f"{args.dtype}, {torch.cuda.get_device_name(device)}, torch {torch.__version__}")
+          f"{args.dtype}, {device_name}, torch {torch.__version__}")
     print(f"device copy {rate / 1e9:.0f} GB/s one way ({2 * rate / 1e9:.0f} GB/s read+write); decode reads "
           f"{weights / 1e9:.2f} GB of weights a step: roofline {roofline:.0f} tok/s at batch 1")
     print(f"{'figure':<22}{'epd tok/s':>12}  {'reference':<24}{'ref tok/s':>12}{'ratio':>9}")
@@ -187,15 +210,17 @@ def run_cuda(args: argparse.Namespace, batches: list[int], lengths: list[int]) -
     print(f"KV pool {engine.cache.nbytes / 2**30:.2f} GiB ({engine.cache.num_blocks} blocks of "
           f"{engine.cache.block_size} tokens); peak GPU memory {peak / 2**30:.2f} GiB; CUDA graphs "
           f"{_graphs_line(engine, capture)}")
+    for line in ref_failed:
+        print(f"FAILED the transformers reference: {line} (the rows after it have none)")
     if args.json:
-        meta = {"model": str(path), "dtype": args.dtype, "device": torch.cuda.get_device_name(device),
+        meta = {"model": str(path), "dtype": args.dtype, "device": device_name,
                 "torch": torch.__version__, "copy_bytes_per_s": rate, "decode_weight_bytes": weights,
                 "roofline_tok_s": roofline, "kv_pool_bytes": engine.cache.nbytes, "peak_gpu_bytes": peak,
                 "graph_capture_s": capture, "graphs": _graphs_line(engine, capture), "decode_tokens": tokens,
-                "repeats": repeats}
+                "repeats": repeats, "reference_failed": ref_failed}
         args.json.write_text(json.dumps({"meta": meta, "rows": [asdict(r) | {"ratio": r.ratio} for r in rows]},
                                         indent=2))
-    return 0
+    return 1 if ref_failed else 0
 
 
 def _graphs_line(engine: Engine, capture_s: float) -> str:

@@ -43,16 +43,18 @@ class GpuRow:
         return self.epd_tok_s / self.ref_tok_s if self.ref_tok_s else None
 
 
-def _sync(device: torch.device) -> None:
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (a CUDA device; a CPU's work is done when the call returns)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
-def _timed(fn: Callable[[], object], device: torch.device) -> float:
-    _sync(device)
+def timed(fn: Callable[[], object], device: torch.device) -> float:
+    """Seconds ``fn`` takes, with the device's work before and after it synchronised."""
+    synchronize(device)
     start = time.perf_counter()
     fn()
-    _sync(device)
+    synchronize(device)
     return time.perf_counter() - start
 
 
@@ -65,7 +67,7 @@ def copy_rate(device: torch.device, nbytes: int = 2**30, repeats: int = 10) -> f
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     dst.copy_(src)
-    secs = _best(lambda: _timed(lambda: dst.copy_(src), device), repeats)
+    secs = _best(lambda: timed(lambda: dst.copy_(src), device), repeats)
     return nbytes / secs  # src and dst go with this frame; the caller empties the cache
 
 
@@ -102,7 +104,7 @@ def _engine_decode_seconds(engine: Engine, vocab: int, batch: int, tokens: int) 
         while engine.has_unfinished():
             engine.step()
             steps += 1
-    secs = _timed(decode, torch.device(engine.config.device))
+    secs = timed(decode, torch.device(engine.config.device))
     assert steps == tokens - 1, f"expected {tokens - 1} decode steps, ran {steps}"
     return secs
 
@@ -113,20 +115,20 @@ def _engine_prefill_seconds(engine: Engine, vocab: int, length: int) -> float:
     def prefill() -> None:
         while engine.has_unfinished():
             engine.step()
-    return _timed(prefill, torch.device(engine.config.device))
+    return timed(prefill, torch.device(engine.config.device))
 
 
 @torch.inference_mode()
 def _hf_generate_seconds(hf: Any, batch: int, new_tokens: int, vocab: int) -> float:  # hf: a transformers model
     ids = torch.tensor([_prompt(PROMPT_TOKENS, vocab, i) for i in range(batch)], device=hf.device)
-    return _timed(lambda: hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+    return timed(lambda: hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
                                       min_new_tokens=new_tokens, do_sample=False, pad_token_id=0), hf.device)
 
 
 @torch.inference_mode()
 def _hf_forward_seconds(hf: Any, length: int, vocab: int) -> float:  # hf: a transformers model
     ids = torch.tensor([_prompt(length, vocab)], device=hf.device)
-    return _timed(lambda: hf(ids, use_cache=False, logits_to_keep=1), hf.device)
+    return timed(lambda: hf(ids, use_cache=False, logits_to_keep=1), hf.device)
 
 
 def run_cuda(args: argparse.Namespace, batches: list[int], lengths: list[int]) -> int:

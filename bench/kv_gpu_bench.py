@@ -9,7 +9,9 @@ Figures (bf16 cache on the GPU):
                  GB/s against a raw TCP socket moving the logical bytes on loopback;
   TTFT           a 4,096-token prompt on the 1b preset (random bf16 weights) with layer-wise streaming
                  until the decode side holds the whole cache, per transport, against prefill alone.
-The receiver is a second process (CUDA IPC handles open only in another process).
+The receiver is a second process (CUDA IPC handles open only in another process). ``figures`` takes the
+device and the sizes, so the whole flow also runs on a CPU device at small sizes without cuda_ipc (how its
+test checks it; no figure of such a run means anything).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import json
 import secrets
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from multiprocessing.connection import Connection
@@ -28,7 +31,7 @@ from typing import Any
 import torch
 
 from bench import kv_references as references
-from bench.gpu_engine_bench import copy_rate
+from bench.gpu_engine_bench import copy_rate, synchronize, timed
 from bench.kv_bench import ReceiverProcess
 from kvtransfer.auth import TransferSecurity
 from kvtransfer.layout import KVLayout
@@ -77,14 +80,15 @@ def _receiver_main(conn: Connection, token: str) -> None:
         while True:
             cmd, *args = conn.recv()
             if cmd == "setup":
-                layout, blocks, ipc_bytes = args
+                layout, blocks, ipc_bytes, device = args
                 stop()  # the old server's threads must not outlive it holding the old cache
                 spec = KVCacheSpec(layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.block_size)
-                cache = PagedKVCache(spec, blocks, ("bfloat16",) * layout.num_layers, "cuda")
+                cache = PagedKVCache(spec, blocks, ("bfloat16",) * layout.num_layers, device)
                 receiver = KVReceiver(layout, CacheSink(cache), max_chunk_bytes=256 * MiB)
                 server, port = start_server([kv_transfer_handler(receiver)], "127.0.0.1:0", security)
                 receiver.enable_bulk("127.0.0.1")
-                receiver.enable_cuda_ipc(cache.device, segment_bytes=ipc_bytes, num_segments=2)
+                if cache.device.type == "cuda":
+                    receiver.enable_cuda_ipc(cache.device, segment_bytes=ipc_bytes, num_segments=2)
                 current = (server, receiver)
                 conn.send(port)
             elif cmd == "expect" and current is not None:
@@ -100,14 +104,6 @@ def _receiver_main(conn: Connection, token: str) -> None:
                 break
     finally:
         stop()
-
-
-def _timed(fn: Callable[[], object]) -> float:
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    fn()
-    torch.cuda.synchronize()
-    return time.perf_counter() - start
 
 
 def codec_figures(device: torch.device, nbytes: int, repeats: int, copy_gbps: float) -> list[GpuFigure]:
@@ -126,8 +122,8 @@ def codec_figures(device: torch.device, nbytes: int, repeats: int, copy_gbps: fl
         payload = torch.empty(c.payload_nbytes((n, bs, h, d), Kind.VALUE), dtype=torch.uint8, device=device)
         enc = encode_blocks(c, cache, ids, Kind.VALUE, payload)
         decode_blocks(c, enc, dest, ids)
-        t_enc = min(_timed(lambda: encode_blocks(c, cache, ids, Kind.VALUE, payload)) for _ in range(repeats))
-        t_dec = min(_timed(lambda: decode_blocks(c, enc, dest, ids)) for _ in range(repeats))
+        t_enc = min(timed(lambda: encode_blocks(c, cache, ids, Kind.VALUE, payload), device) for _ in range(repeats))
+        t_dec = min(timed(lambda: decode_blocks(c, enc, dest, ids), device) for _ in range(repeats))
         out.append(GpuFigure(f"{name} encode (by block index)", nbytes / t_enc / 1e9, "GB/s logical",
                              "device copy", copy_gbps))
         out.append(GpuFigure(f"{name} decode (into blocks)", nbytes / t_dec / 1e9, "GB/s logical",
@@ -140,7 +136,7 @@ def _push(sender: KVSender, target: str, layout: KVLayout, tokens: int, keys: li
           rid: str) -> float:
     blocks = layout.blocks_for(tokens)
     assert rx.call("expect", rid, blocks) == "ok"
-    torch.cuda.synchronize()
+    synchronize(keys[0].device)
     start = time.perf_counter()
     stream = sender.open_stream(target, rid, layout, tokens, timeout_s=120)
     for layer in range(layout.num_layers):
@@ -153,23 +149,40 @@ def _push(sender: KVSender, target: str, layout: KVLayout, tokens: int, keys: li
     return elapsed
 
 
-def push_figures(rx: ReceiverProcess, token: str, repeats: int, copy_gbps: float) -> list[GpuFigure]:
-    """A 256 MiB cache (16 layers, 8 kv heads of 128, 4,096 tokens) from GPU memory: bf16 over cuda_ipc
-    against the device copy; int8 over tcp against a raw TCP socket."""
-    layers, h, d, tokens, bs = 16, 8, 128, 4096, 16
+@dataclass(frozen=True)
+class Sizes:
+    """What the run moves; ``CUDA`` is the benchmark's, a test's are smaller."""
+    codec_bytes: int = 128 * MiB
+    push_layers: int = 16
+    push_tokens: int = 4096
+    pushes: tuple[tuple[str, TransportChoice], ...] = (("bf16", "cuda_ipc"), ("int8", "tcp"))
+    ttft_tokens: int = 4096
+    ttft_preset: str = "1b"
+    ttft_transports: tuple[TransportChoice, ...] = ("grpc", "tcp", "shm", "cuda_ipc")
+
+
+CUDA = Sizes()
+
+
+def push_figures(rx: ReceiverProcess, token: str, repeats: int, copy_gbps: float, device: torch.device,
+                 sizes: Sizes = CUDA) -> list[GpuFigure]:
+    """A 256 MiB cache (16 layers, 8 kv heads of 128, 4,096 tokens) in the device's memory: bf16 over cuda_ipc
+    against the device copy; int8 over tcp against a raw TCP socket (any transport but cuda_ipc is measured
+    against the socket)."""
+    layers, h, d, tokens, bs = sizes.push_layers, 8, 128, sizes.push_tokens, 16
     blocks = tokens // bs
     logical = layers * blocks * bs * h * d * 2 * 2
-    g = torch.Generator(device="cuda").manual_seed(0)
-    keys = [torch.randn(blocks, bs, h, d, device="cuda", generator=g).to(torch.bfloat16) for _ in range(layers)]
-    values = [torch.randn(blocks, bs, h, d, device="cuda", generator=g).to(torch.bfloat16) for _ in range(layers)]
+    g = torch.Generator(device=device).manual_seed(0)
+    keys = [torch.randn(blocks, bs, h, d, device=device, generator=g).to(torch.bfloat16) for _ in range(layers)]
+    values = [torch.randn(blocks, bs, h, d, device=device, generator=g).to(torch.bfloat16) for _ in range(layers)]
     socket = references.tcp_socket(logical, repeats=repeats).gbps
     out = []
-    runs: list[tuple[str, TransportChoice, str, float]] = [("bf16", "cuda_ipc", "device copy", copy_gbps),
-                                                           ("int8", "tcp", "tcp socket (logical bytes)", socket)]
-    for codec, transport, ref, ref_gbps in runs:
+    for codec, transport in sizes.pushes:
+        ref, ref_gbps = ("device copy", copy_gbps) if transport == "cuda_ipc" else ("tcp socket (logical bytes)",
+                                                                                     socket)
         layout = KVLayout(layers, h, d, bs, (codec,) * layers, "bench", "bfloat16")
-        port = rx.call("setup", layout, blocks, logical + 64 * MiB)
-        sender = KVSender(TransferSecurity(token=token), transport=transport, device="cuda",
+        port = rx.call("setup", layout, blocks, logical + 64 * MiB, str(device))
+        sender = KVSender(TransferSecurity(token=token), transport=transport, device=str(device),
                           stream_budget_bytes=256 * MiB, sender_budget_bytes=1024 * MiB)
         try:
             target = f"127.0.0.1:{port}"
@@ -177,28 +190,32 @@ def push_figures(rx: ReceiverProcess, token: str, repeats: int, copy_gbps: float
             best = min(_push(sender, target, layout, tokens, keys, values, rx, f"r{i}") for i in range(repeats))
         finally:
             sender.close()
-        out.append(GpuFigure(f"256 MiB cache, {codec} over {transport}", logical / best / 1e9, "GB/s logical",
-                             ref, ref_gbps))
+        out.append(GpuFigure(f"{logical // MiB} MiB cache, {codec} over {transport}", logical / best / 1e9,
+                             "GB/s logical", ref, ref_gbps))
     return out
 
 
-def ttft_figures(rx: ReceiverProcess, token: str, tokens: int, repeats: int, codec: str) -> list[GpuFigure]:
+def ttft_figures(rx: ReceiverProcess, token: str, repeats: int, codec: str, device: torch.device,
+                 sizes: Sizes = CUDA) -> list[GpuFigure]:
+    """TTFT of a ``sizes.ttft_tokens`` prompt with layer-wise streaming until the receiver holds the whole
+    cache, per transport, against the same prefill alone."""
     from workers.prefill.kv_stream import LayerStreamer
     from workers.runtime.engine import Engine, EngineConfig
     from workers.runtime.model import DecoderModel
     from workers.runtime.presets import PRESETS
     from workers.runtime.sampler import SamplingParams
 
-    cfg = PRESETS["1b"].config(1, (2,))
+    tokens = sizes.ttft_tokens
+    cfg = PRESETS[sizes.ttft_preset].config(1, (2,))
     torch.manual_seed(0)
-    model = DecoderModel(cfg, torch.bfloat16, "cuda")
-    engine = Engine(model, None, EngineConfig(dtype="bfloat16", device="cuda", prefill_chunk_size=tokens,
+    model = DecoderModel(cfg, torch.bfloat16, str(device))
+    engine = Engine(model, None, EngineConfig(dtype="bfloat16", device=str(device), prefill_chunk_size=tokens,
                                               max_num_batched_tokens=tokens, kv_cache_bytes=512 * MiB))
     prompt = torch.randint(10, cfg.vocab_size, (tokens,), generator=torch.Generator().manual_seed(1)).tolist()
     params = SamplingParams(max_tokens=1, temperature=0.0)
 
     def prefill_alone() -> float:
-        torch.cuda.synchronize()
+        synchronize(device)
         start = time.perf_counter()
         engine.add_request("alone", prompt, params)
         while engine.has_unfinished():
@@ -208,17 +225,17 @@ def ttft_figures(rx: ReceiverProcess, token: str, tokens: int, repeats: int, cod
     prefill_alone()
     alone = min(prefill_alone() for _ in range(repeats))
     out = []
-    for transport in ("grpc", "tcp", "shm", "cuda_ipc"):
-        sender = KVSender(TransferSecurity(token=token), transport=transport, device="cuda")
+    for transport in sizes.ttft_transports:
+        sender = KVSender(TransferSecurity(token=token), transport=transport, device=str(device))
         streamer = LayerStreamer(engine, sender, (codec,) * cfg.num_layers)
         blocks = engine.cache.blocks_for(tokens)
-        port = rx.call("setup", streamer.layout, blocks, 512 * MiB)
+        port = rx.call("setup", streamer.layout, blocks, 512 * MiB, str(device))
         target = f"127.0.0.1:{port}"
 
         def streamed(i: int) -> float:
             rid = f"ttft-{transport}-{i}"
             assert rx.call("expect", rid, blocks) == "ok"
-            torch.cuda.synchronize()
+            synchronize(device)
             start = time.perf_counter()
             streamer.start(rid, target, tokens, timeout_s=120)
             engine.add_request(rid, prompt, params)
@@ -236,19 +253,25 @@ def ttft_figures(rx: ReceiverProcess, token: str, tokens: int, repeats: int, cod
         streamed(-1)
         with_kv = min(streamed(i) for i in range(repeats))
         sender.close()
-        out.append(GpuFigure(f"TTFT {tokens}-token prompt (1b), {codec} over {transport}", with_kv * 1e3, "ms",
+        out.append(GpuFigure(f"TTFT {tokens}-token prompt ({sizes.ttft_preset}), {codec} over {transport}",
+                             with_kv * 1e3, "ms",
                              "prefill alone", alone * 1e3, higher_is_better=False))
     return out
 
 
 def run(args: argparse.Namespace) -> int:
-    """All figures; a section that fails is reported by name and the others still run (rc 1)."""
+    """``epd bench kv --device cuda``: every figure at the benchmark's sizes (rc 1 if a section failed)."""
     if not torch.cuda.is_available():
         raise SystemExit("epd bench kv --device cuda: no CUDA device is visible here")
-    device = torch.device("cuda")
-    repeats = max(1, args.repeats)
+    return run_on(torch.device("cuda"), max(1, args.repeats), args.ttft_codec, args.json)
+
+
+def run_on(device: torch.device, repeats: int, ttft_codec: str, json_path: Path | None,
+           sizes: Sizes = CUDA) -> int:
+    """All figures; a section that fails is reported by name, with its traceback, and the others still run
+    (rc 1)."""
     token = secrets.token_urlsafe(24)
-    copy_gbps = copy_rate(device, 256 * MiB) / 1e9
+    copy_gbps = copy_rate(device, min(256 * MiB, sizes.codec_bytes * 2)) / 1e9
     print(f"device copy: {copy_gbps:.0f} GB/s one way", flush=True)
     figures: list[GpuFigure] = []
     failed: list[str] = []
@@ -258,13 +281,14 @@ def run(args: argparse.Namespace) -> int:
         try:
             figures.extend(fn())
         except Exception as exc:  # a bench run reports every section it can
+            traceback.print_exc()
             failed.append(f"{name}: {exc!r}")
 
-    section("codec kernels", lambda: codec_figures(device, 128 * MiB, repeats, copy_gbps))
+    section("codec kernels", lambda: codec_figures(device, sizes.codec_bytes, repeats, copy_gbps))
     rx = ReceiverProcess(token, _receiver_main)
     try:
-        section("pushes", lambda: push_figures(rx, token, repeats, copy_gbps))
-        section("TTFT", lambda: ttft_figures(rx, token, 4096, repeats, args.ttft_codec))
+        section("pushes", lambda: push_figures(rx, token, repeats, copy_gbps, device, sizes))
+        section("TTFT", lambda: ttft_figures(rx, token, repeats, ttft_codec, device, sizes))
     finally:
         rx.close()
     print()
@@ -273,8 +297,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"{f.name:<52}{f.value:9.1f} {f.unit.split()[0]:<3} {f.reference:<28}{f.ref_value:9.1f}{f.ratio:7.3f}x")
     for line in failed:
         print(f"FAILED {line}")
-    if args.json:
-        Path(args.json).write_text(json.dumps({"device_copy_gbps": copy_gbps,
+    if json_path:
+        Path(json_path).write_text(json.dumps({"device_copy_gbps": copy_gbps,
                                                "figures": [asdict(f) | {"ratio": f.ratio} for f in figures],
                                                "failed": failed}, indent=2))
     return 1 if failed else 0

@@ -1,0 +1,43 @@
+"""`epd bench kv --device cuda` had never run where it is written (no GPU), and gpu-check gets one try on
+a lent GPU: so its whole flow (the fused codecs by block index, pushes into a receiver process's cache,
+TTFT with layer-wise streaming per transport, the report and the JSON) runs here on the CPU at small sizes,
+without cuda_ipc, the codec kernels through Triton's interpreter (tests.unit.triton_env). The figures of such
+a run mean nothing; what is checked is that every section runs and every figure is there."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.unit.triton_env import DEVICE  # first: the codec kernels are interpreted without CUDA
+
+# isort: split
+from bench.kv_gpu_bench import Sizes, run_on
+
+pytestmark = [pytest.mark.integration]
+
+SMALL = Sizes(codec_bytes=1 << 20, push_layers=2, push_tokens=256, pushes=(("int8", "tcp"), ("bf16", "shm")),
+              ttft_tokens=64, ttft_preset="tiny", ttft_transports=("grpc", "tcp", "shm"))
+
+
+def test_every_section_of_the_gpu_kv_bench_runs_on_cpu(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "kv.json"
+    assert DEVICE.type == "cpu" or torch.cuda.is_available()
+    rc = run_on(torch.device("cpu"), 1, "int8", out, SMALL)
+    text = capsys.readouterr().out
+    report = json.loads(out.read_text())
+    assert report["failed"] == [] and rc == 0, text
+    names = [f["name"] for f in report["figures"]]
+    assert names[:8] == [f"{c} {op}" for c in ("int8", "fp8", "int4", "bf16")
+                         for op in ("encode (by block index)", "decode (into blocks)")]
+    assert names[8:] == ["2 MiB cache, int8 over tcp", "2 MiB cache, bf16 over shm",
+                         "TTFT 64-token prompt (tiny), int8 over grpc", "TTFT 64-token prompt (tiny), int8 over tcp",
+                         "TTFT 64-token prompt (tiny), int8 over shm"]
+    for f in report["figures"]:
+        assert f["value"] > 0 and f["ref_value"] > 0 and f["name"] in text
+    refs = {f["name"]: f["reference"] for f in report["figures"]}
+    assert refs["2 MiB cache, int8 over tcp"] == "tcp socket (logical bytes)"
+    assert refs["TTFT 64-token prompt (tiny), int8 over shm"] == "prefill alone"

@@ -16,6 +16,8 @@
 #   bench      `epd bench engine --device cuda`: decode batch 1 and 128, prefill 2,048, roofline, KV pool,
 #              peak memory, graph capture time
 #   bench-kv   `epd bench kv --device cuda`
+# GPU_CHECK_STEPS (a comma list of the step names above; default all) runs only those, for a second, shorter
+# call after a first one named what failed; the preset is written only when cuda or bench is asked for.
 # Every step has a hard time limit (the smaller of its own and what is left of the budget; pytest also
 # stops any one test after --timeout seconds), a step that fails does not stop the next, and the end prints
 # a summary: each step's status and time, every failed test, and the benchmarks' figures.
@@ -43,6 +45,14 @@ export COLUMNS=250  # pytest's FAILED lines keep their message (cut to the termi
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 USE_HUB_KERNELS=0
 PYTEST=(pytest -q -p no:cacheprovider -W default -ra)
 
+STEPS=",${GPU_CHECK_STEPS:-kernels,kv-unit,kv-cuda,cuda,bench,bench-kv},"
+for s in ${STEPS//,/ }; do
+  case $s in kernels|kv-unit|kv-cuda|cuda|bench|bench-kv) ;;
+    *) echo "gpu-check: GPU_CHECK_STEPS names '$s', which is not a step (kernels, kv-unit, kv-cuda, cuda, bench," \
+         "bench-kv)"; exit 2 ;;
+  esac
+done
+wanted() { [[ $STEPS == *",$1,"* ]]; }
 NAMES=() STATUS=() TIMES=()
 note() { NAMES+=("$1"); STATUS+=("$2"); TIMES+=("$3"); }
 left() { echo $((BUDGET - (SECONDS - START))); }
@@ -51,6 +61,7 @@ left() { echo $((BUDGET - (SECONDS - START))); }
 # summary), its output shown and kept in $LOGS/NAME.log; records ok / rc N / timeout / skipped.
 step() {
   local name=$1 cap=$2; shift 2
+  wanted "$name" || return 0
   local t; t=$(left); t=$((t - 20 < cap ? t - 20 : cap))
   echo "== $name ($((SECONDS - START)) s so far, limit ${t} s)"
   if [ "$t" -lt 10 ]; then
@@ -74,6 +85,7 @@ step() {
 BG=() BG_PIDS=()
 start() {
   local name=$1 cap=$2; shift 2
+  wanted "$name" || return 0
   local t; t=$(left); t=$((t - 20 < cap ? t - 20 : cap))
   if [ "$t" -lt 10 ]; then
     echo "gpu-check: $name skipped, the time budget ($BUDGET s) is spent"
@@ -180,7 +192,9 @@ fi
 
 MODEL=${GPU_CHECK_MODEL_DIR:-$PWD/$DIR/preset-1b}
 MODEL_PID=""
-if [ ! -f "$MODEL/config.json" ]; then
+if ! wanted cuda && ! wanted bench; then
+  :  # neither step that uses the preset was asked for
+elif [ ! -f "$MODEL/config.json" ]; then
   echo "== model: writing the 1b preset into $MODEL in the background"
   t=$(($(left) - 20 < 240 ? $(left) - 20 : 240))
   model_t0=$SECONDS
@@ -215,7 +229,9 @@ fi
 if [ -f "$MODEL/config.json" ]; then
   export GPU_CHECK_MODEL_DIR=$MODEL
 else
-  echo "gpu-check: no 1b preset; tests/cuda use the tiny preset and the engine benchmark is skipped"
+  if wanted cuda || wanted bench; then
+    echo "gpu-check: no 1b preset; tests/cuda use the tiny preset and the engine benchmark is skipped"
+  fi
   unset GPU_CHECK_MODEL_DIR
 fi
 

@@ -27,7 +27,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${GPU_CHECK_PYTHON:-python3}
-DIR=.gpu-check
+DIR=${GPU_CHECK_DIR:-$PWD/.gpu-check}  # what it writes (a test points it elsewhere)
 LOGS=$DIR/logs
 mkdir -p "$LOGS"
 rm -f "$LOGS"/* "$DIR"/bench.json "$DIR"/bench-kv.json "$DIR"/summary.txt
@@ -190,7 +190,7 @@ else
   WIRE=(false)
 fi
 
-MODEL=${GPU_CHECK_MODEL_DIR:-$PWD/$DIR/preset-1b}
+MODEL=${GPU_CHECK_MODEL_DIR:-$DIR/preset-1b}
 MODEL_PID=""
 if ! wanted cuda && ! wanted bench; then
   :  # neither step that uses the preset was asked for

@@ -80,6 +80,9 @@ class Int4Codec(BlockwiseCodec):
         assert zeros is not None
         xg, gdim = _grouped(xf, kind)
         lo, hi = xg.amin(gdim), xg.amax(gdim)
+        # the minimum of a group of signed zeros is either zero, by implementation (torch, numpy and a GPU
+        # each pick theirs): +0 always, so every implementation puts the same zero point on the wire
+        lo.masked_fill_(lo == 0, 0.0)
         if not (torch.isfinite(lo).all() and torch.isfinite(hi).all()):
             raise_non_finite(self.name)
         if lo.abs().amax() > _F16_MAX:

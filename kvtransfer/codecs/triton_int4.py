@@ -30,7 +30,9 @@ def _bad(xe, xo):
 @triton.jit
 def _quant_pair(bad, lo, hi, mask):
     """Zero and scale float16 bits of groups with min ``lo`` and max ``hi``, and the program's flags."""
-    lo_ok = tl.where(lo == lo, lo, 0.0)  # NaN (refused by ``bad``) would only warn further on
+    # NaN (refused by ``bad``) would only warn further on; a zero minimum is +0 whatever the sign of the
+    # zeros it came from, as the torch codec stores it (which zero min() returns is the implementation's)
+    lo_ok = tl.where((lo == lo) & (lo != 0.0), lo, 0.0)
     zb = _round_down_f16(lo_ok)
     s = tl.math.div_rn(tl.where(hi == hi, hi, 0.0) - _f16_value(zb), 15.0)
     sb = _round_up_f16(s)

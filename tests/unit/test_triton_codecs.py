@@ -68,6 +68,17 @@ def test_bytes_equal_the_torch_codec(codec: str, shape: tuple[int, int, int, int
         _assert_same_bytes(codec, _cache(shape, dtype, seed), _ids(shape[0]), kind)
 
 
+@pytest.mark.parametrize("codec", CODECS)
+def test_signed_zeros_keep_their_sign_as_the_torch_codec_does(codec: str) -> None:
+    """-0.0 and +0.0 side by side, in blocks whose other values set the scales: encoded and decoded bits
+    equal the torch codec's (a negation lowered to 0 - x, as triton 3.6 does, turns a decoded -0 into +0)."""
+    for dtype, kind, seed in ((torch.float32, Kind.KEY, 3), (torch.bfloat16, Kind.VALUE, 4)):
+        cache = _cache((4, 4, 2, 8), torch.float32, seed).cpu()
+        cache[..., 0::3] = -0.0
+        cache[..., 1::3] = 0.0
+        _assert_same_bytes(codec, cache.to(dtype).to(DEVICE), _ids(4), kind)
+
+
 def test_round_half_to_even_and_subnormals() -> None:
     """Exact ties for int8 (scale 1), fp8 midpoints between neighbouring codes and fp8 subnormals."""
     int8_block = torch.tensor([127.0, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 126.5] * 4).view(1, 4, 1, 8)

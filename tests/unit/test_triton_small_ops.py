@@ -116,6 +116,28 @@ def test_fp8_conversions_match_torch_bit_for_bit() -> None:
     assert torch.equal(encoded.cpu(), x.to(torch.float8_e4m3fn).view(torch.uint8))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_gives_zeros_the_sign_torch_gives_them(dtype: torch.dtype) -> None:
+    """Where both halves of a pair are signed zeros the rotated value is a zero whose sign follows IEEE's
+    rules for x1 * cos - x2 * sin; the kernel must give torch's sign (a negation lowered to 0 - x, as
+    triton 3.6 does, makes -(+0) +0 and flips some of them)."""
+    rotary = RotaryEmbedding(RopeConfig(), 16, DEVICE)
+    positions = torch.tensor([0, 2, 3, 5], device=DEVICE)  # cos and sin of both signs among them
+    cos, sin = rotary.cos_sin(positions, dtype)
+    signs = torch.tensor([[a, b] for a in (0.0, -0.0) for b in (0.0, -0.0)])  # every (x1, x2) pair of zeros
+    x = torch.zeros(4, 2, 16)
+    for h in range(2):
+        for i in range(8):
+            x[:, h, i], x[:, h, 8 + i] = signs[(h * 8 + i) % 4]
+    x = x.to(DEVICE, dtype)
+    want = RotaryEmbedding.apply(x.clone(), cos, sin)
+    got = x.clone()
+    rope_(got, cos, sin)
+    assert bool((want == 0).all()) and bool((got == 0).all())
+    assert torch.equal(torch.signbit(got).cpu(), torch.signbit(want).cpu())
+    assert bool(torch.signbit(want).any()) and not bool(torch.signbit(want).all())
+
+
 @pytest.mark.parametrize("cache_dtype,dtype", [("float32", torch.float32), ("bfloat16", torch.bfloat16),
                                                ("int8", torch.float32), ("int8", torch.bfloat16),
                                                ("fp8", torch.bfloat16)])

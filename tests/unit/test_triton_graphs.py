@@ -6,9 +6,16 @@ graphs, alone, in a padded bucket and with sequences joining and leaving."""
 
 from __future__ import annotations
 
+import collections
 import logging
+import sys
+from pathlib import Path
+from types import FrameType
+from typing import Any
 
 import pytest
+import torch
+from torch.overrides import TorchFunctionMode
 
 from tests.unit.triton_env import DEVICE  # first: sets TRITON_INTERPRET before the kernels are imported
 from workers.runtime.cuda_graphs import DecodeGraphs
@@ -116,3 +123,76 @@ def test_a_failed_capture_is_logged_and_every_step_runs_eager(model, solo, caplo
         engine.add_request(str(i), PROMPTS[i], _params(i))
     assert token_ids(run_to_completion(engine)) == {str(i): solo[str(i)] for i in range(2)}
     assert engine.graphs.replays == 0
+
+
+# What a captured region must not do on a GPU: wait for the device (a value read back to the host), make a
+# shape from data (nonzero, boolean-mask indexing), or copy host data in (torch.tensor of a list).
+HOST_ROUND_TRIPS = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy", "nonzero",
+                    "masked_select", "unique", "tensor", "as_tensor", "synchronize"}
+ROOT = str(Path(__file__).resolve().parents[2])
+
+
+def _has_mask(x: Any) -> bool:
+    if isinstance(x, torch.Tensor):
+        return x.dtype == torch.bool
+    return isinstance(x, (tuple, list)) and any(_has_mask(i) for i in x)
+
+
+class _ProjectCalls(TorchFunctionMode):
+    """Counts each torch function or tensor method this checkout's code calls (not Triton's interpreter, nor
+    torch's own internals), and whether one indexed by a boolean mask."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: collections.Counter[str] = collections.Counter()
+        self.mask_index = False
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        caller: FrameType | None = sys._getframe(1)
+        while caller is not None and "/torch/" in caller.f_code.co_filename:
+            caller = caller.f_back
+        where = caller.f_code.co_filename if caller is not None else ""
+        if where.startswith(ROOT) and "site-packages" not in where:
+            name = getattr(func, "__name__", str(func))
+            self.calls[name] += 1
+            if name in ("__getitem__", "__setitem__", "index_put", "index_put_") and _has_mask(args[1:]):
+                self.mask_index = True
+        return func(*args, **(kwargs or {}))
+
+
+def _captured_calls(engine: Engine) -> _ProjectCalls:
+    assert engine.graphs is not None
+    with _ProjectCalls() as project:
+        engine.graphs.capture()  # the stand-ins run each captured call once, as torch.cuda.graph records it
+    assert engine.graphs.capture_error is None, engine.graphs.capture_error
+    return project
+
+
+@pytest.mark.parametrize("cache_dtype", ["bfloat16", "int8", "fp8"])
+def test_the_captured_decode_step_never_waits_for_the_device(model, cache_dtype: str) -> None:
+    """Every variant's captured call, as this checkout's code runs it: no value read back to the host, no
+    shape made from data, no host data copied in. On a GPU each of these fails the capture or freezes a value
+    into the graph; the stand-in runs the same code, so it is checked here."""
+    engine = _engine(model, max_batch=4, graph_len=1024, kv_cache_dtype=cache_dtype)
+    project = _captured_calls(engine)
+    assert project.calls["linear"] > 0  # the model ran under the check
+    found = HOST_ROUND_TRIPS & set(project.calls)
+    assert not found, {k: project.calls[k] for k in found}
+    assert not project.mask_index
+
+
+def test_the_capture_check_sees_a_value_read_back(model, monkeypatch) -> None:
+    """The check above can fail: a decode step that reads one value back (as a gather path's max length
+    did) or indexes by a mask is caught."""
+    from workers.runtime import model as model_module
+
+    engine = _engine(model, max_batch=2)
+    original = model_module.DecoderModel.forward
+
+    def reads_back(self: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
+        int(batch.positions.max().item())
+        _ = batch.positions[batch.positions > 0]
+        return original(self, batch, *args, **kwargs)
+    monkeypatch.setattr(model_module.DecoderModel, "forward", reads_back)
+    project = _captured_calls(engine)
+    assert project.calls["item"] > 0 and project.mask_index

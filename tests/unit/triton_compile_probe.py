@@ -16,7 +16,7 @@ from workers.runtime.kernels import paged_attention as pa
 from workers.runtime.kernels import split_decode as sd
 
 TARGET = GPUTarget("cuda", 90, 32)
-COUNTED = ("fma.", "div.full", "div.approx", "mma")
+COUNTED = ("fma.", "div.full", "div.approx", "mma", "cvt.rz.")
 
 
 def compiled(fn, sig: dict[str, str], const: Mapping[str, object], opts: Mapping[str, object]) -> dict[str, int]:

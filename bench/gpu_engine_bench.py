@@ -194,6 +194,7 @@ def run_cuda(args: argparse.Namespace, batches: list[int], lengths: list[int]) -
                            reference(lambda: n / _best(lambda: _hf_forward_seconds(hf, n, vocab), repeats))))
     peak = torch.cuda.max_memory_allocated(device) if cuda else 0
     device_name = torch.cuda.get_device_name(device) if cuda else "cpu"
+    graphs = _graphs_line(engine, capture)
 
     print(f"model {path.name}: {sum(p.numel() for p in bundle.model.parameters()) / 1e6:.1f}M params, "
           f"{args.dtype}, {device_name}, torch {torch.__version__}")
@@ -211,14 +212,14 @@ def run_cuda(args: argparse.Namespace, batches: list[int], lengths: list[int]) -
         print(f"decode batch 1 at {shares['decode batch 1']:.1%} of the roofline{hf_share}")
     print(f"KV pool {engine.cache.nbytes / 2**30:.2f} GiB ({engine.cache.num_blocks} blocks of "
           f"{engine.cache.block_size} tokens); peak GPU memory {peak / 2**30:.2f} GiB; CUDA graphs "
-          f"{_graphs_line(engine, capture)}")
+          f"{graphs}")
     for line in ref_failed:
         print(f"FAILED the transformers reference: {line} (the rows after it have none)")
     if args.json:
         meta = {"model": str(path), "dtype": args.dtype, "device": device_name,
                 "torch": torch.__version__, "copy_bytes_per_s": rate, "decode_weight_bytes": weights,
                 "roofline_tok_s": roofline, "kv_pool_bytes": engine.cache.nbytes, "peak_gpu_bytes": peak,
-                "graph_capture_s": capture, "graphs": _graphs_line(engine, capture), "decode_tokens": tokens,
+                "graph_capture_s": capture, "graphs": graphs, "decode_tokens": tokens,
                 "repeats": repeats, "reference_failed": ref_failed}
         args.json.write_text(json.dumps({"meta": meta, "rows": [asdict(r) | {"ratio": r.ratio} for r in rows]},
                                         indent=2))

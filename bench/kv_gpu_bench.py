@@ -9,7 +9,7 @@ Figures (bf16 cache on the GPU):
                  GB/s against a raw TCP socket moving the logical bytes on loopback;
   TTFT           a 4,096-token prompt on the 1b preset (random bf16 weights) with layer-wise streaming
                  until the decode side holds the whole cache, per transport, against prefill alone.
-The receiver is a second process (CUDA IPC handles open only in another process). ``figures`` takes the
+The receiver is a second process (CUDA IPC handles open only in another process). ``run_on`` takes the
 device and the sizes, so the whole flow also runs on a CPU device at small sizes without cuda_ipc (how its
 test checks it; no figure of such a run means anything).
 """
@@ -166,9 +166,9 @@ CUDA = Sizes()
 
 def push_figures(rx: ReceiverProcess, token: str, repeats: int, copy_gbps: float, device: torch.device,
                  sizes: Sizes = CUDA) -> list[GpuFigure]:
-    """A 256 MiB cache (16 layers, 8 kv heads of 128, 4,096 tokens) in the device's memory: bf16 over cuda_ipc
-    against the device copy; int8 over tcp against a raw TCP socket (any transport but cuda_ipc is measured
-    against the socket)."""
+    """By default a 256 MiB cache (16 layers, 8 kv heads of 128, 4,096 tokens) in the device's memory: bf16
+    over cuda_ipc against the device copy; int8 over tcp against a raw TCP socket (any transport but cuda_ipc
+    is measured against the socket)."""
     layers, h, d, tokens, bs = sizes.push_layers, 8, 128, sizes.push_tokens, 16
     blocks = tokens // bs
     logical = layers * blocks * bs * h * d * 2 * 2

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -77,4 +78,15 @@ def run_joining(engine: Engine, requests: list[tuple[list[int], SamplingParams]]
         for out in engine.step():
             got.setdefault(out.request_id, []).extend(out.new_token_ids)
         step += 1
+    return got
+
+
+def run_alone(make_engine: Callable[[], Engine],
+              requests: list[tuple[list[int], SamplingParams]]) -> dict[str, list[int]]:
+    """Each request i (id ``str(i)``) alone in a fresh engine; returns request id -> its token ids."""
+    got: dict[str, list[int]] = {}
+    for i, (prompt, params) in enumerate(requests):
+        engine = make_engine()
+        engine.add_request(str(i), prompt, params)
+        got.update(token_ids(run_to_completion(engine)))
     return got

@@ -23,7 +23,7 @@ from workers.runtime.engine import Engine, EngineConfig
 from workers.runtime.loader import load_model
 from workers.runtime.sampler import SamplingParams
 
-from engine_helpers import assert_no_leaks, run_joining, run_to_completion, token_ids
+from engine_helpers import assert_no_leaks, run_alone, run_joining, run_to_completion, token_ids
 
 pytestmark = [pytest.mark.unit, pytest.mark.transformers]
 
@@ -55,12 +55,7 @@ def _params(i: int) -> SamplingParams:
 
 @pytest.fixture(scope="module")
 def solo(model) -> dict[str, list[int]]:
-    want = {}
-    for i, p in enumerate(PROMPTS):
-        engine = _engine(model)
-        engine.add_request(str(i), p, _params(i))
-        want.update(token_ids(run_to_completion(engine)))
-    return want
+    return run_alone(lambda: _engine(model), [(p, _params(i)) for i, p in enumerate(PROMPTS)])
 
 
 def test_padded_buckets_with_sequences_joining_and_leaving_give_the_solotoken_ids(model, solo) -> None:

@@ -2,9 +2,10 @@
 
 Figures (bf16 cache on the GPU):
   codec kernels  each fused codec's encode (blocks read from a paged cache by index) and decode (written
-                 into blocks by index), logical bf16 GB/s, against a device copy of the same bytes;
+                 into blocks by index), logical bf16 GB/s, and the device checksum that both ends of
+                 cuda_ipc take of each chunk, against a device copy of the same bytes;
   cuda_ipc       a 256 MiB cache pushed device to device into a receiver process's cache, against the
-                 device copy;
+                 device copy, and a one-block push's time (the fixed cost of a push) beside it;
   int8 over tcp  the same cache from GPU memory, int8 on the wire, into the receiver's GPU cache, logical
                  GB/s against a raw TCP socket moving the logical bytes on loopback;
   TTFT           a 4,096-token prompt on the 1b preset (random bf16 weights) with layer-wise streaming
@@ -107,9 +108,11 @@ def _receiver_main(conn: Connection, token: str) -> None:
 
 
 def codec_figures(device: torch.device, nbytes: int, repeats: int, copy_gbps: float) -> list[GpuFigure]:
-    """Each fused codec's encode and decode of ``nbytes`` of bf16 cache, by block index."""
+    """Each fused codec's encode and decode of ``nbytes`` of bf16 cache, by block index; then the device checksum
+    over ``nbytes``."""
     from kvtransfer.codecs import Kind, get_codec
     from kvtransfer.codecs.fused import decode_blocks, encode_blocks
+    from kvtransfer.device_checksum import device_checksum
 
     bs, h, d = 16, 8, 128
     n = nbytes // (bs * h * d * 2)
@@ -128,6 +131,10 @@ def codec_figures(device: torch.device, nbytes: int, repeats: int, copy_gbps: fl
                              "device copy", copy_gbps))
         out.append(GpuFigure(f"{name} decode (into blocks)", nbytes / t_dec / 1e9, "GB/s logical",
                              "device copy", copy_gbps))
+    data = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=device)  # as cuda_ipc checks a chunk's bytes
+    device_checksum(data)
+    t_sum = min(timed(lambda: device_checksum(data), device) for _ in range(repeats))
+    out.append(GpuFigure("device checksum (cuda_ipc chunks)", nbytes / t_sum / 1e9, "GB/s", "device copy", copy_gbps))
     return out
 
 
@@ -168,7 +175,8 @@ def push_figures(rx: ReceiverProcess, token: str, repeats: int, copy_gbps: float
                  sizes: Sizes = CUDA) -> list[GpuFigure]:
     """By default a 256 MiB cache (16 layers, 8 kv heads of 128, 4,096 tokens) in the device's memory: bf16
     over cuda_ipc against the device copy; int8 over tcp against a raw TCP socket (any transport but cuda_ipc
-    is measured against the socket)."""
+    is measured against the socket). Each is followed by the time of a one-block push over the same path (what
+    every push pays whatever its size), beside the big push's time."""
     layers, h, d, tokens, bs = sizes.push_layers, 8, 128, sizes.push_tokens, 16
     blocks = tokens // bs
     logical = layers * blocks * bs * h * d * 2 * 2
@@ -184,14 +192,19 @@ def push_figures(rx: ReceiverProcess, token: str, repeats: int, copy_gbps: float
         port = rx.call("setup", layout, blocks, logical + 64 * MiB, str(device))
         sender = KVSender(TransferSecurity(token=token), transport=transport, device=str(device),
                           stream_budget_bytes=256 * MiB, sender_budget_bytes=1024 * MiB)
+        one_k, one_v = [k[:1] for k in keys], [v[:1] for v in values]
         try:
             target = f"127.0.0.1:{port}"
             _push(sender, target, layout, tokens, keys, values, rx, "warm")
             best = min(_push(sender, target, layout, tokens, keys, values, rx, f"r{i}") for i in range(repeats))
+            fixed = min(_push(sender, target, layout, bs, one_k, one_v, rx, f"one{i}") for i in range(repeats))
         finally:
             sender.close()
         out.append(GpuFigure(f"{logical // MiB} MiB cache, {codec} over {transport}", logical / best / 1e9,
                              "GB/s logical", ref, ref_gbps))
+        # what a push costs whatever its size (RPCs, a chunk per layer): beside the big push's time
+        out.append(GpuFigure(f"1-block cache, {codec} over {transport}", fixed * 1e3, "ms",
+                             f"the {logical // MiB} MiB push", best * 1e3, higher_is_better=False))
     return out
 
 

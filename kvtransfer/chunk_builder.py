@@ -25,7 +25,7 @@ from kvtransfer.chunks import (
     writes_in_place,
 )
 from kvtransfer.codecs import Codec, CodecError
-from kvtransfer.cuda_ipc import MappedSegment, device_checksum
+from kvtransfer.cuda_ipc import MappedSegment
 from kvtransfer.device_chunks import DeviceChunk, to_device_checked, to_host_checked
 from kvtransfer.layout import KVLayout
 from kvtransfer.shm import SharedSegment
@@ -97,8 +97,7 @@ class ChunkBuilder:
             return Built(message, chunk.checksum, nbytes, logical)
         if isinstance(segment, MappedSegment):
             dest_t = segment.tensor[offset:offset + nbytes]
-            to_device_checked(staged, dest_t)
-            chunk.checksum = device_checksum(dest_t)
+            chunk.checksum = to_device_checked(staged, dest_t)
         else:
             view = segment.view(offset, nbytes)
             to_host_checked(staged, torch.frombuffer(view, dtype=torch.uint8))

@@ -19,7 +19,7 @@ import torch
 
 from kvtransfer.checksum import ChunkHasher, chunk_checksum
 from kvtransfer.codecs import Codec, EncodedTensor, Kind
-from kvtransfer.cuda_ipc import device_checksum
+from kvtransfer.device_checksum import device_checksum
 from kvtransfer.staging import side_stream, to_host
 from kvtransfer.wire import encode_chunk_parts, pb
 

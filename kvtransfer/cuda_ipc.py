@@ -28,16 +28,18 @@ import torch
 
 from kvtransfer.codecs import WireLayout
 from kvtransfer.codecs.encoded import cut_pair
+from kvtransfer.device_checksum import device_checksum
 from kvtransfer.errors import TransferRefused
 from kvtransfer.wire import pb
 
 Code = grpc.StatusCode
 
-__all__ = ["DeviceParts", "IpcError", "IpcMappings", "IpcPool", "MappedSegment", "device_checksum",
-           "device_chunk_parts", "device_uuid"]
+__all__ = ["IPC_ALIGNMENT", "DeviceParts", "IpcError", "IpcMappings", "IpcPool", "MappedSegment", "device_chunk_parts",
+           "device_uuid"]
 
-_MASK64 = (1 << 64) - 1
 
+# Where each chunk starts in a segment: a multiple of this, so its scales are viewed as float32 in place
+IPC_ALIGNMENT = 16
 
 # Pools of this process by epoch (weakly: a stopped receiver's pool goes). CUDA refuses to open an IPC
 # handle in the process that exported it, so a sender next to its receiver (DisaggPair) maps nothing.
@@ -53,23 +55,6 @@ def device_uuid(device: torch.device) -> str:
     if device.type != "cuda":
         return ""
     return str(torch.cuda.get_device_properties(device).uuid)
-
-
-def device_checksum(data: torch.Tensor) -> int:
-    """A 64-bit checksum of a 1-D uint8 tensor computed where it lies (GPU or CPU), equal on both.
-
-    sum over 32-bit little-endian words w_i of w_i * (2 * (i * 0x9E3779B1 mod 2**32) + 1), mod 2**64,
-    mixed with the length: integer sums are exact in any order, so every device gets the same value,
-    and any change of one word changes it (the factors are odd)."""
-    n = data.numel()
-    pad = (-n) % 4
-    if pad:
-        data = torch.cat([data, torch.zeros(pad, dtype=torch.uint8, device=data.device)])
-    words = data.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
-    idx = torch.arange(words.numel(), dtype=torch.int64, device=data.device)
-    factors = ((idx * 0x9E3779B1) & 0xFFFFFFFF) * 2 + 1
-    total = int((words * factors).sum()) & _MASK64
-    return (total ^ (n * 0xC2B2AE3D27D4EB4F)) & _MASK64
 
 
 @dataclass
@@ -247,12 +232,15 @@ def lease_request(request_id: str, min_bytes: int) -> bytes:
 def device_chunk_parts(segment: torch.Tensor, c: pb.KVChunk, where: str, codec_name: str, k_lay: WireLayout,
                        v_lay: WireLayout, want_scales: int, want_payload: int) -> tuple[DeviceParts, DeviceParts]:
     """A TRANSPORT_CUDA_IPC chunk's keys' and values' parts in the leased ``segment``, after checking where
-    they lie: the range against the segment and the codec's sizes, the device checksum, finite scales (and
-    no NaN fp8 byte). Raises TransferRefused naming ``where``."""
+    they lie: the range against the segment and the codec's sizes, the offset's alignment, the device checksum,
+    finite scales (and no NaN fp8 byte). Raises TransferRefused naming ``where``."""
     if c.shm.length != want_scales + want_payload or c.shm.offset + c.shm.length > segment.numel():
         raise TransferRefused(Code.OUT_OF_RANGE, f"{where}: bytes {c.shm.offset}+{c.shm.length} do not fit the "
                                                  f"{segment.numel()}-byte IPC segment or the codec's "
                                                  f"{want_scales}+{want_payload} bytes")
+    if c.shm.offset % IPC_ALIGNMENT:
+        raise TransferRefused(Code.INVALID_ARGUMENT, f"{where}: offset {c.shm.offset} in the IPC segment is not a "
+                                                     f"multiple of {IPC_ALIGNMENT} (scales are read in place)")
     data = segment[c.shm.offset:c.shm.offset + c.shm.length]
     if device_checksum(data) != c.checksum:
         raise TransferRefused(Code.DATA_LOSS, f"{where}: checksum mismatch, the data was corrupted")

@@ -9,9 +9,9 @@ before anything later can overwrite them; the buffer is the chunk's snapshot, sm
 An encoder thread then finishes the chunk on the side stream (after the encode's event):
 ``to_host_checked`` copies the bytes into a host buffer (pinned, or a shared-memory segment) and checks the
 refusals there (NaN/inf input, int4 out of range) with the torch codec's message; ``to_device_checked``
-copies them into a mapped CUDA IPC segment instead. A CPU cache (or a GPU without Triton) encodes through
-the codec itself from a gathered copy (the same bytes). A quantised cache layer (``QuantizedBlocks``) is
-read the same way, its codes and scales dequantised as the kernels read them.
+copies them into a mapped CUDA IPC segment instead, and takes their checksum there. A CPU cache (or a GPU
+without Triton) encodes through the codec itself from a gathered copy (the same bytes). A quantised cache
+layer (``QuantizedBlocks``) is read the same way, its codes and scales dequantised as the kernels read them.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import torch
 
 from kvtransfer.codecs import Codec, EncodedTensor, Kind, fused
 from kvtransfer.codecs.paged import QuantizedBlocks
+from kvtransfer.device_checksum import device_checksum
 from kvtransfer.staging import side_stream, to_host, wait_for_current
 
 __all__ = ["CacheBlocks", "DeviceChunk", "block_nbytes", "encode_from_cache", "to_device_checked", "to_host_checked"]
@@ -92,13 +93,16 @@ def to_host_checked(chunk: DeviceChunk, host: torch.Tensor) -> None:
     _refuse(chunk, host, flags)
 
 
-def to_device_checked(chunk: DeviceChunk, dest: torch.Tensor) -> None:
-    """``to_host_checked`` into device memory ``dest`` (a mapped CUDA IPC segment's range)."""
+def to_device_checked(chunk: DeviceChunk, dest: torch.Tensor) -> int:
+    """``to_host_checked`` into device memory ``dest`` (a mapped CUDA IPC segment's range), on the side stream
+    too; returns the ``device_checksum`` of what landed there."""
     with side_stream(chunk.data.device, chunk.ready):
         dest.copy_(chunk.data)
+        checksum = device_checksum(dest)
         scales = chunk.data[:chunk.scales_nbytes].to("cpu")
         flags = [None if f is None else f.to("cpu") for f in chunk.flags]
     _refuse(chunk, scales, flags)
+    return checksum
 
 
 def _refuse(chunk: DeviceChunk, host: torch.Tensor, flags: list[torch.Tensor | None]) -> None:

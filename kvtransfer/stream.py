@@ -41,7 +41,7 @@ from kvtransfer.checksum import StreamChecksum
 from kvtransfer.chunk_builder import Built, ChunkBuilder
 from kvtransfer.chunks import chunk_nbytes
 from kvtransfer.codecs import Codec, CodecError, get_codec
-from kvtransfer.cuda_ipc import IpcError, MappedSegment, lease_request
+from kvtransfer.cuda_ipc import IPC_ALIGNMENT, IpcError, MappedSegment, lease_request
 from kvtransfer.device_chunks import CacheBlocks, block_nbytes, encode_from_cache
 from kvtransfer.errors import TransferFailed
 from kvtransfer.layout import KVLayout
@@ -487,7 +487,7 @@ class KVStream:
         nbytes = chunk_nbytes(codec, shape)
         offset = self._shm_offset
         if isinstance(segment, MappedSegment):  # aligned, so the receiver views scales as float32 in place
-            offset = -(-offset // 16) * 16
+            offset = -(-offset // IPC_ALIGNMENT) * IPC_ALIGNMENT
         if offset + nbytes > segment.size:
             raise TransferFailed(f"chunk of {nbytes} bytes does not fit the {segment.size}-byte shared "
                                  f"segment at offset {offset} (more blocks sent than the stream announced?)")

@@ -6,8 +6,8 @@
 #   model      the 1b preset (random weights, TinyLlama-1.1B's shape) written here, unless GPU_CHECK_MODEL_DIR
 #              names a folder that holds one; made on the CPU in the background while the next three run, all
 #              four at once (none of those tests sizes its KV pool from free memory)
-#   kernels    the Triton kernel tests, compiled for this GPU; kv-unit: the codec and re-quantise kernels and
-#              device placement
+#   kernels    the Triton kernel tests, compiled for this GPU; kv-unit: the codec, re-quantise and checksum
+#              kernels and device placement
 #   kv-cuda    the cuda-marked KV tests (DisaggPair on cuda for every codec and transport, CUDA IPC, an IPC
 #              handle mapped by a second process, the sink's re-quantising kernel, the torch quantised write
 #              and codecs giving the CPU's bits on CUDA)
@@ -210,7 +210,7 @@ mapfile -t FILES < <(existing tests/unit/test_triton_attention.py tests/unit/tes
 start kernels 150 "${RUN[@]}" "${PYTEST[@]}" --timeout=60 "${FILES[@]}"
 if [ "${WIRE[0]:-}" != false ]; then
   mapfile -t FILES < <(existing tests/unit/test_triton_codecs.py tests/unit/test_kv_devices.py \
-    tests/unit/test_triton_requant.py)
+    tests/unit/test_triton_requant.py tests/unit/test_triton_checksum.py)
   start kv-unit 120 "${WIRE[@]}" "${RUN[@]}" "${PYTEST[@]}" --timeout=60 "${FILES[@]}"
   mapfile -t FILES < <(existing tests/integration/test_kv_gpu_pair.py tests/integration/test_kv_cuda_ipc.py \
     tests/integration/test_kv_requant.py tests/cuda/test_cuda_ipc_handles.py tests/unit/test_kv_cache.py \

@@ -18,7 +18,8 @@ from kvtransfer.auth import TransferSecurity
 from kvtransfer.checksum import StreamChecksum
 from kvtransfer.chunks import chunk_nbytes
 from kvtransfer.codecs import Kind, get_codec
-from kvtransfer.cuda_ipc import IpcError, IpcMappings, IpcPool, device_checksum
+from kvtransfer.cuda_ipc import IpcError, IpcMappings, IpcPool
+from kvtransfer.device_checksum import device_checksum
 from kvtransfer.options import CHANNEL_OPTIONS
 from kvtransfer.receiver import KVReceiver, TransferOutcome
 from kvtransfer.sender import KVSender
@@ -96,11 +97,11 @@ def _handshake(rid: str, layout, lease: pb.CudaIpcLease, epoch: int | None = Non
     return encode_control(pb.PushMessage(handshake=hs))
 
 
-def _write_chunks(d: Decode, rid: str, segment: torch.Tensor, corrupt: bool = False):
+def _write_chunks(d: Decode, rid: str, segment: torch.Tensor, corrupt: bool = False, first_offset: int = 0):
     """Encode every layer's 3 blocks into the segment, as a mapped sender does; the control frames and the
     sent tensors."""
     frames, sent, stream = [], [], StreamChecksum()
-    offset, total = 0, 0
+    offset, total = first_offset, 0
     gen = torch.Generator().manual_seed(7)
     for layer, name in enumerate(CODECS):
         c = get_codec(name)
@@ -161,6 +162,17 @@ def test_a_corrupted_segment_is_refused_by_its_checksum(decode: Decode) -> None:
     with pytest.raises(grpc.RpcError) as err:
         decode.push([_handshake("c", decode.layout, lease)] + frames)
     assert err.value.code() == grpc.StatusCode.DATA_LOSS and "checksum" in err.value.details()
+
+
+def test_a_chunk_off_the_segment_alignment_is_refused_by_name(decode: Decode) -> None:
+    decode.reserve("a")
+    lease = decode.lease("a")
+    frames, _ = _write_chunks(decode, "a", decode.receiver.ipc.segments[lease.segment], first_offset=8)
+    with pytest.raises(grpc.RpcError) as err:  # bytes and checksum right, but where no sender puts a chunk
+        decode.push([_handshake("a", decode.layout, lease)] + frames)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "offset 8 in the IPC segment is not a multiple of 16" in err.value.details()
+    assert not decode.outcomes["a"].ok
 
 
 def test_a_lease_needs_the_token(decode: Decode) -> None:

@@ -33,7 +33,9 @@ def test_every_section_of_the_gpu_kv_bench_runs_on_cpu(tmp_path: Path, capsys) -
     names = [f["name"] for f in report["figures"]]
     assert names[:8] == [f"{c} {op}" for c in ("int8", "fp8", "int4", "bf16")
                          for op in ("encode (by block index)", "decode (into blocks)")]
-    assert names[8:] == ["2 MiB cache, int8 over tcp", "2 MiB cache, bf16 over shm",
+    assert names[8] == "device checksum (cuda_ipc chunks)"
+    assert names[9:] == ["2 MiB cache, int8 over tcp", "1-block cache, int8 over tcp", "2 MiB cache, bf16 over shm",
+                         "1-block cache, bf16 over shm",
                          "TTFT 64-token prompt (tiny), int8 over grpc", "TTFT 64-token prompt (tiny), int8 over tcp",
                          "TTFT 64-token prompt (tiny), int8 over shm"]
     for f in report["figures"]:
@@ -41,3 +43,4 @@ def test_every_section_of_the_gpu_kv_bench_runs_on_cpu(tmp_path: Path, capsys) -
     refs = {f["name"]: f["reference"] for f in report["figures"]}
     assert refs["2 MiB cache, int8 over tcp"] == "tcp socket (logical bytes)"
     assert refs["TTFT 64-token prompt (tiny), int8 over shm"] == "prefill alone"
+    assert refs["1-block cache, bf16 over shm"] == "the 2 MiB push"

@@ -1,7 +1,8 @@
-"""The fused codec kernels compile for a Hopper GPU (sm_90) without one, and their PTX rounds as the torch
-codecs do: no fused multiply-add (``enable_fp_fusion`` off, as ``fused._launch`` passes it) and no
-approximate division. Triton compiles ahead of time with its bundled ptxas; a subprocess runs it, since
-the interpreter tests in the same session switch ``triton.jit`` to interpreted functions."""
+"""The fused codec kernels (and the device checksum's) compile for a Hopper GPU (sm_90) without one, and
+their PTX rounds as the torch codecs do: no fused multiply-add (``enable_fp_fusion`` off, as
+``fused._launch`` passes it) and no approximate division. Triton compiles ahead of time with its bundled
+ptxas; a subprocess runs it, since the interpreter tests in the same session switch ``triton.jit`` to
+interpreted functions."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import json
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from kvtransfer import triton_checksum as kc
 from kvtransfer.codecs import triton_bf16 as kb, triton_fp32 as kf, triton_int4 as k4, triton_int8_fp8 as k8
 
 rows = {"bs": "i32", "H": "i32", "D": "i32"}
@@ -71,6 +73,7 @@ cases = [
      {"BT": 4, "BE": 1024, "IN_BF16": False, "SRC": 2, "ROUND_BF16": False}),
     (kf.fp32_decode_kernel, {"payload": "*i32", "dst": "*i16", "ids": "*i64", **rows, **strides, "BT": "constexpr",
                              "BE": "constexpr", "OUT_BF16": "constexpr"}, {"BT": 4, "BE": 1024, "OUT_BF16": True}),
+    (kc.checksum_kernel, {"words": "*i32", "partial": "*i64", "n_words": "i32", "BLOCK": "constexpr"}, {"BLOCK": 4096}),
 ]
 import inspect
 if "constexprs" not in inspect.signature(ASTSource).parameters:  # the ahead-of-time API of Triton >= 3.3
@@ -90,7 +93,7 @@ def test_kernels_compile_for_sm90_with_exact_rounding() -> None:
     counts = run_json(["-c", _SCRIPT], timeout=300)
     if "skip" in counts:
         pytest.skip(counts["skip"])
-    assert len(counts) == 13
+    assert len(counts) == 14
     for name, c in counts.items():
         assert c["fma."] == 0, f"{name}: a fused multiply-add rounds differently from the torch codec"
         assert c["div.full"] == 0 and c["div.approx"] == 0, f"{name}: approximate division"

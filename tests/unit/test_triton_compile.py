@@ -42,7 +42,8 @@ def test_every_launch_of_the_1b_preset_compiles_for_sm90(tmp_path: Path) -> None
                                          interpret=True)))
     names = {s["name"] for s in json.loads(specs.read_text())}
     assert {"_decode_kernel", "_split_kernel", "_merge_kernel", "_prefill_kernel", "_rope_kv_kernel", "_rmsnorm_kernel",
-            "_silu_mul_kernel", "int8_encode_kernel", "int4_decode_kernel", "fp32_decode_kernel"} <= names
+            "_silu_mul_kernel", "int8_encode_kernel", "int4_decode_kernel", "fp32_decode_kernel",
+            "checksum_kernel"} <= names
     code = ("import json, sys; from triton_launches import compile_all; "
             f"print(json.dumps(compile_all(json.load(open({str(specs)!r})))))")
     failures = run_json(["-c", code], timeout=900, path=(ROOT / "tests" / "unit",))

@@ -18,7 +18,7 @@ import pytest
 pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[2]
-KERNEL_DIRS = [ROOT / "workers" / "runtime" / "kernels", ROOT / "kvtransfer" / "codecs"]
+KERNEL_DIRS = [ROOT / "workers" / "runtime" / "kernels", ROOT / "kvtransfer" / "codecs", ROOT / "kvtransfer"]
 # expression -> why its operand's sign of zero cannot change what is stored
 ALLOWED = {
     "-qmax": "qmax is the cache's largest code (127 or 448), never zero",

@@ -10,7 +10,7 @@ prefill (a chunk over cached context goes through the paged prefill kernel), eag
 decode graphs' variants (``cuda_graphs.graph_variants``: padded buckets at the short and the long context
 bound, the latter through the split kernels); the warm-up's profile step is a fresh prompt of the same
 kernels. Then each fused codec encodes a float32 and a bfloat16 cache and an int8 and an fp8 quantised one,
-as keys and as values, and decodes into both float dtypes.
+as keys and as values, and decodes into both float dtypes, and the device checksum reads each payload.
 """
 
 from __future__ import annotations
@@ -85,6 +85,7 @@ def codec_launches(bs: int, heads: int, dim: int) -> None:
     from kvtransfer.codecs.fused import FUSED_CODECS, decode_blocks, encode_blocks
     from kvtransfer.codecs.paged import QuantizedBlocks
     from kvtransfer.codecs.registry import get_codec
+    from kvtransfer.device_checksum import kernel_checksum
 
     blocks = 3
     gen = torch.Generator().manual_seed(0)
@@ -104,6 +105,7 @@ def codec_launches(bs: int, heads: int, dim: int) -> None:
                 enc = encode_blocks(codec, src, ids, kind, payload)
                 for dtype in (torch.float32, torch.bfloat16):
                     decode_blocks(codec, enc, torch.zeros((blocks, bs, heads, dim), dtype=dtype), ids)
+                kernel_checksum(payload)  # as a CUDA IPC chunk's bytes are checked
 
 
 def main() -> list[dict[str, Any]]:

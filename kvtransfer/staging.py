@@ -24,7 +24,7 @@ import torch
 
 from kvtransfer.memory import BufferPool
 
-__all__ = ["PinnedPool", "side_stream", "to_device", "to_host", "wait_for_current"]
+__all__ = ["PinnedPool", "index_on", "side_stream", "to_device", "to_host", "wait_for_current"]
 
 _streams: dict[torch.device, torch.cuda.Stream] = {}
 _streams_lock = threading.Lock()
@@ -66,6 +66,17 @@ def wait_for_current(device: torch.device) -> torch.cuda.Event | None:
     event = torch.cuda.Event()
     event.record(torch.cuda.current_stream(device))
     return event
+
+
+def index_on(device: torch.device, values: list[int]) -> torch.Tensor:
+    """``values`` as a 1-D long tensor on ``device``, without waiting for the device: on CUDA the list goes
+    into pinned host memory and is copied on the current stream with ``non_blocking`` (``torch.tensor(values,
+    device=cuda)`` copies from pageable memory, which waits for everything queued on the stream first: in a
+    layer hook, that stalls the engine's launches behind the GPU). Later work on that stream sees the values;
+    PyTorch keeps the pinned memory until the copy is done."""
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=torch.long, device=device)
+    return torch.tensor(values, dtype=torch.long, device="cpu", pin_memory=True).to(device, non_blocking=True)
 
 
 class PinnedPool(BufferPool):

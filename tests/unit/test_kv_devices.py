@@ -14,7 +14,7 @@ import torch
 from kvtransfer.chunks import _encode_on_device, _sizes, chunk_nbytes, frame_chunk_into
 from kvtransfer.codecs import Kind, get_codec
 from kvtransfer.receiver import WireParts
-from kvtransfer.staging import PinnedPool, side_stream, to_device, to_host
+from kvtransfer.staging import PinnedPool, index_on, side_stream, to_device, to_host
 from kvtransfer.wire import pb
 from tests.device_audit import DeviceAudit
 from tests.unit.triton_env import DEVICE
@@ -129,3 +129,20 @@ def test_pinned_pool_reuses_buffers_and_to_host_checks_sizes() -> None:
     assert dest.tolist() == list(range(16))
     with pytest.raises(ValueError, match="host destination of 16 bytes"):
         to_host(src, torch.empty(8, dtype=torch.uint8, device="cpu"))
+
+
+def test_index_on_puts_the_values_on_the_device_without_waiting_for_it() -> None:
+    with DeviceAudit() as audit:
+        ids = index_on(DEVICE, BLOCKS)
+    assert audit.no_device == [] and audit.mixed == []
+    assert ids.device == DEVICE and ids.dtype == torch.long and ids.tolist() == BLOCKS
+    if DEVICE.type != "cuda":
+        return
+    torch.cuda.set_sync_debug_mode("error")  # any copy that waits for the stream raises
+    try:
+        with pytest.raises(RuntimeError):
+            torch.tensor(BLOCKS, device=DEVICE)  # from pageable memory: the wait the layer hook must not make
+        ids = index_on(DEVICE, [7, 3])
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert ids.tolist() == [7, 3]

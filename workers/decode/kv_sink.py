@@ -25,7 +25,7 @@ from kvtransfer.codecs import Codec, EncodedTensor, Kind, fused, get_codec
 from kvtransfer.codecs.encoded import CodecError, non_finite_landing
 from kvtransfer.cuda_ipc import DeviceParts
 from kvtransfer.receiver import WireParts
-from kvtransfer.staging import side_stream, to_device
+from kvtransfer.staging import index_on, side_stream, to_device
 from workers.runtime.kv_cache import DenseLayerStorage, KVLayerStorage, PagedKVCache, QuantizedLayerStorage, block_slots
 
 _RAW = {("fp32", torch.float32), ("bf16", torch.bfloat16)}
@@ -111,7 +111,7 @@ class CacheSink:
         if blocks and (min(blocks) < 0 or max(blocks) >= self.cache.num_blocks):
             # the kernels write where the ids point: checked here, on the host list, before any launch
             raise ValueError(f"block ids {min(blocks)}..{max(blocks)} outside the cache's {self.cache.num_blocks}")
-        ids = torch.tensor(blocks, dtype=torch.long, device=dev)
+        ids = index_on(dev, list(blocks))  # on the side stream, with the kernels that read it
         kp, ks, kz, vp, vs, vz = parts
         assert kp is not None and ks is not None and vp is not None and vs is not None  # only zeros may be absent
         if isinstance(storage, DenseLayerStorage) and (codec, storage.k.dtype) in _RAW:

@@ -20,6 +20,7 @@ from kvtransfer.device_chunks import CacheBlocks
 from kvtransfer.errors import TransferFailed
 from kvtransfer.layout import KVLayout
 from kvtransfer.sender import KVSender
+from kvtransfer.staging import index_on
 from kvtransfer.stream import KVStream, PushResult
 from workers.runtime.engine import ChunkRef, Engine, LayerKVReady
 from workers.runtime.kv_cache import DenseLayerStorage, QuantizedLayerStorage, block_slots
@@ -128,7 +129,7 @@ class LayerStreamer:
         if scales:
             k = QuantizedBlocks(k_cache, scales[0], self.engine.model.dtype)
             v = QuantizedBlocks(v_cache, scales[1], self.engine.model.dtype)
-        ids = torch.tensor(chunk.blocks[lo:hi], dtype=torch.long, device=k_cache.device)
+        ids = index_on(k_cache.device, list(chunk.blocks[lo:hi]))  # no wait for the GPU inside the hook
         try:
             act.stream.send_blocks(layer, lo, k, v, ids)
         except TransferFailed as exc:

@@ -40,22 +40,30 @@ def _side(device: torch.device) -> torch.cuda.Stream:
 
 
 @contextmanager
-def side_stream(device: torch.device, after: torch.cuda.Event | None = None) -> Iterator[None]:
-    """Run the block's device work on this device's side stream; on exit, wait until it is done.
+def side_stream(device: torch.device, after: torch.cuda.Event | None = None, *,
+                independent: bool = False) -> Iterator[None]:
+    """Run the block's device work on this device's side stream; on exit (an exception too), wait until it
+    is done.
 
     ``after``: a ``torch.cuda.Event`` the side stream waits for first (recorded where the inputs were
-    produced); None waits for everything the current stream had queued. A CPU device runs as is."""
+    produced); None waits for everything the current stream had queued, unless ``independent``: the block
+    reads nothing the current stream produced and writes nothing its queued work uses (bytes received from
+    the host or another process, landing in reserved blocks no queued work touches), so it waits for none
+    of it: a receiver on a decode worker then never waits for the engine's step in flight. Tensors the
+    block allocates come from the side stream's memory. A CPU device runs as is."""
     if device.type != "cuda":
         yield
         return
     stream = _side(device)
-    if after is None:
-        stream.wait_stream(torch.cuda.current_stream(device))
-    else:
+    if after is not None:
         stream.wait_event(after)
-    with torch.cuda.stream(stream):
-        yield
-    stream.synchronize()
+    elif not independent:
+        stream.wait_stream(torch.cuda.current_stream(device))
+    try:
+        with torch.cuda.stream(stream):
+            yield
+    finally:
+        stream.synchronize()
 
 
 def wait_for_current(device: torch.device) -> torch.cuda.Event | None:

@@ -146,3 +146,26 @@ def test_index_on_puts_the_values_on_the_device_without_waiting_for_it() -> None
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert ids.tolist() == [7, 3]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_landing_a_chunk_does_not_wait_for_the_engines_queued_work() -> None:
+    """A decode worker's receiver lands received bytes into reserved blocks on its side stream without
+    waiting for the steps the engine has queued on its own stream (hundreds of ms of matmuls here)."""
+    shape = (len(BLOCKS), SPEC.block_size, SPEC.num_kv_heads, SPEC.head_dim)
+    k = torch.randn(shape, generator=torch.Generator().manual_seed(4))
+    kw, vw = _wire("int8", k, Kind.KEY), _wire("int8", k, Kind.VALUE)
+    cache = PagedKVCache(SPEC, 12, ("float32", "float32"), "cuda")
+    sink = CacheSink(cache)
+    sink.write(0, BLOCKS, "int8", shape, kw, vw)  # once first: kernels loaded, pinned memory allocated
+    engine = torch.cuda.current_stream()
+    x = torch.randn(4096, 4096, device="cuda")
+    for _ in range(100):
+        x = x @ x / 64
+    sink.write(1, BLOCKS, "int8", shape, kw, vw)
+    assert not engine.query(), "the landing waited for the work queued on the engine's stream"
+    torch.cuda.synchronize()
+    got, _ = cache.read_tokens(1, BLOCKS, len(BLOCKS) * SPEC.block_size, torch.float32)
+    want = get_codec("int8").decode(get_codec("int8").encode(k, Kind.KEY), torch.float32)
+    assert torch.equal(got.cpu().view(shape), want)

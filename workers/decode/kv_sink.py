@@ -56,7 +56,9 @@ class CacheSink:
               key: WireParts, value: WireParts) -> None:
         storage = self.cache.layers[layer]
         if self.staged:
-            with side_stream(self.cache.device):  # done (synchronised) before the receiver counts the chunk
+            # done (synchronised) before the receiver counts the chunk; received bytes into reserved blocks
+            # only, so the engine's queued steps are not waited for
+            with side_stream(self.cache.device, independent=True):
                 self._write_device(storage, blocks, codec, shape, key, value)
             return
         if isinstance(storage, DenseLayerStorage) and (codec, storage.k.dtype) in _RAW:
@@ -90,7 +92,7 @@ class CacheSink:
         parts = (key.payload, key.scales, key.zeros, value.payload, value.scales, value.zeros)
         if any(p is not None and p.device != dev for p in parts):
             raise ValueError(f"received parts must be on the cache's device {dev}")
-        with side_stream(dev):
+        with side_stream(dev, independent=True):  # checked there on the same stream (cuda_ipc.device_chunk_parts)
             self._land_device(self.cache.layers[layer], blocks, codec, shape, parts)
 
     def _write_device(self, storage: KVLayerStorage, blocks: Sequence[int], codec: str,

@@ -106,7 +106,7 @@ def codec_launches(bs: int, heads: int, dim: int) -> None:
                 enc = encode_blocks(codec, src, ids, kind, payload)
                 for dtype in (torch.float32, torch.bfloat16):
                     decode_blocks(codec, enc, torch.zeros((blocks, bs, heads, dim), dtype=dtype), ids)
-                kernel_checksum(payload)  # as a CUDA IPC chunk's bytes are checked
+            kernel_checksum(payload)  # as a CUDA IPC chunk's bytes are checked (its size is the kind's, any source)
 
 
 def main(part: str = "all") -> list[dict[str, Any]]:

@@ -26,24 +26,27 @@ from kvtransfer.memory import BufferPool
 
 __all__ = ["PinnedPool", "index_on", "side_stream", "to_device", "to_host", "wait_for_current"]
 
-_streams: dict[torch.device, torch.cuda.Stream] = {}
-_streams_lock = threading.Lock()
+_threads = threading.local()
 
 
 def _side(device: torch.device) -> torch.cuda.Stream:
-    with _streams_lock:
-        stream = _streams.get(device)
-        if stream is None:
-            stream = torch.cuda.Stream(device=device)
-            _streams[device] = stream
-        return stream
+    """This thread's side stream on ``device``: one per (thread, device), so a thread's wait at the end of
+    its block never includes another thread's work (an encoder's copy queued behind the prefill engine's
+    layers, a receiver's landing)."""
+    streams: dict[torch.device, torch.cuda.Stream] | None = getattr(_threads, "streams", None)
+    if streams is None:
+        streams = _threads.streams = {}
+    stream = streams.get(device)
+    if stream is None:
+        stream = streams[device] = torch.cuda.Stream(device=device)
+    return stream
 
 
 @contextmanager
 def side_stream(device: torch.device, after: torch.cuda.Event | None = None, *,
                 independent: bool = False) -> Iterator[None]:
-    """Run the block's device work on this device's side stream; on exit (an exception too), wait until it
-    is done.
+    """Run the block's device work on this thread's side stream for the device; on exit (an exception too),
+    wait until it is done.
 
     ``after``: a ``torch.cuda.Event`` the side stream waits for first (recorded where the inputs were
     produced); None waits for everything the current stream had queued, unless ``independent``: the block

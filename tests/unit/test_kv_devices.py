@@ -8,9 +8,12 @@ these tests run on a GPU unchanged."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
+from kvtransfer import staging
 from kvtransfer.chunks import _encode_on_device, _sizes, chunk_nbytes, frame_chunk_into
 from kvtransfer.codecs import Kind, get_codec
 from kvtransfer.receiver import WireParts
@@ -166,6 +169,68 @@ def test_landing_a_chunk_does_not_wait_for_the_engines_queued_work() -> None:
     sink.write(1, BLOCKS, "int8", shape, kw, vw)
     assert not engine.query(), "the landing waited for the work queued on the engine's stream"
     torch.cuda.synchronize()
+    got, _ = cache.read_tokens(1, BLOCKS, len(BLOCKS) * SPEC.block_size, torch.float32)
+    want = get_codec("int8").decode(get_codec("int8").encode(k, Kind.KEY), torch.float32)
+    assert torch.equal(got.cpu().view(shape), want)
+
+
+def test_side_streams_are_one_per_thread_and_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``side_stream`` waits for its own stream at the end of a block: a stream shared by threads would make
+    a receiver's landing wait for an encoder's copies (queued behind the prefill engine's layers)."""
+    made: list[torch.device] = []
+
+    class Stream:  # torch.cuda.Stream needs a GPU; only which stream each (thread, device) gets is checked
+        def __init__(self, device: torch.device) -> None:
+            made.append(device)
+
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(staging._threads, "streams", {}, raising=False)  # this thread's real ones kept aside
+    first, second = torch.device("cuda", 0), torch.device("cuda", 1)
+    mine = staging._side(first)
+    assert staging._side(first) is mine  # reused by its thread
+    assert staging._side(second) is not mine
+    theirs: list[object] = []
+    worker = threading.Thread(target=lambda: theirs.extend([staging._side(first), staging._side(first)]))
+    worker.start()
+    worker.join()
+    assert theirs[0] is theirs[1] and theirs[0] is not mine
+    assert made == [first, second, first]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_landing_a_chunk_does_not_wait_for_another_threads_side_stream_work() -> None:
+    """An encoder thread's side-stream work (here seconds of matmuls, still queued) does not hold up a
+    receiver thread's landing in the same process (DisaggPair, a worker running both pools)."""
+    shape = (len(BLOCKS), SPEC.block_size, SPEC.num_kv_heads, SPEC.head_dim)
+    k = torch.randn(shape, generator=torch.Generator().manual_seed(5))
+    kw, vw = _wire("int8", k, Kind.KEY), _wire("int8", k, Kind.VALUE)
+    cache = PagedKVCache(SPEC, 12, ("float32", "float32"), "cuda")
+    sink = CacheSink(cache)
+    sink.write(0, BLOCKS, "int8", shape, kw, vw)  # once first: kernels loaded, pinned memory allocated
+    queued, landed = threading.Event(), threading.Event()
+    busy: list[torch.cuda.Event] = []
+
+    def encoder() -> None:
+        with side_stream(DEVICE):
+            x = torch.randn(4096, 4096, device="cuda")
+            for _ in range(100):
+                x = x @ x / 64
+            done = torch.cuda.Event()
+            done.record()
+            busy.append(done)
+            queued.set()
+            landed.wait(60)  # the block (and its wait) ends only after the landing below
+
+    worker = threading.Thread(target=encoder)
+    worker.start()
+    try:
+        assert queued.wait(60)
+        sink.write(1, BLOCKS, "int8", shape, kw, vw)
+        assert not busy[0].query(), "the landing waited for another thread's side-stream work"
+    finally:
+        landed.set()
+        worker.join()
     got, _ = cache.read_tokens(1, BLOCKS, len(BLOCKS) * SPEC.block_size, torch.float32)
     want = get_codec("int8").decode(get_codec("int8").encode(k, Kind.KEY), torch.float32)
     assert torch.equal(got.cpu().view(shape), want)

@@ -305,6 +305,7 @@ def ttft_figure(rx: ReceiverProcess, token: str, tokens: int, repeats: int, code
     streamed(-1)
     alone = min(prefill_alone() for _ in range(repeats))
     with_kv = min(streamed(i) for i in range(repeats))
+    streamer.close()
     sender.close()
     transport = sender.choose_transport(target)
     return [Figure(f"TTFT {tokens}-token prompt, {codec} over {transport}", with_kv * 1e3, "ms",

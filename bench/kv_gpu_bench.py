@@ -265,6 +265,7 @@ def ttft_figures(rx: ReceiverProcess, token: str, repeats: int, codec: str, devi
 
         streamed(-1)
         with_kv = min(streamed(i) for i in range(repeats))
+        streamer.close()  # the next transport's streamer is the engine's only hook
         sender.close()
         out.append(GpuFigure(f"TTFT {tokens}-token prompt ({sizes.ttft_preset}), {codec} over {transport}",
                              with_kv * 1e3, "ms",

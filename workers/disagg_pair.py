@@ -68,6 +68,7 @@ class DisaggPair:
         self.streamer = LayerStreamer(self.prefill, self.sender, codecs, from_cache=device_path)
 
     def close(self) -> None:
+        self.streamer.close()
         self.sender.close()  # channels first, so the server's shutdown does not GOAWAY live connections
         self.server.stop(0)
         self.receiver.stop()

@@ -8,12 +8,16 @@ GPU, for every codec and transport."""
 
 from __future__ import annotations
 
+import threading
+import time
 from pathlib import Path
 from typing import Literal
 
+import grpc
 import pytest
 import torch
 
+from kvtransfer.receiver import TransferOutcome
 from kvtransfer.sender import TransportChoice
 from tests.device_audit import DeviceAudit
 from tests.integration.kv_helpers import tiny_model
@@ -134,6 +138,34 @@ def test_the_layer_hook_and_calibration_name_their_device(device_path: bool) -> 
         engine = Engine(bundle.model, None, EngineConfig(block_size=4, kv_cache_bytes=KV_BYTES), (0,))
         resolve_codecs("auto", engine, PROMPTS)
     assert audit.no_device == [] and audit.mixed == []
+
+
+def test_closing_the_streamer_cancels_its_open_streams_and_detaches_it() -> None:
+    """A prefill worker shutting down (or a benchmark moving to the next transport) closes its streamer:
+    a push still open is cancelled on both sides, so the decode side frees its reserved blocks at once, and
+    the engine's later layers no longer reach it."""
+    bundle = _bundle()
+    cfg = EngineConfig(block_size=4, kv_cache_bytes=KV_BYTES)
+    with DisaggPair(bundle, ("fp32", "fp32"), prefill=cfg, decode=cfg) as pair:
+        reserved = pair.decode.reserve("open", len(PROMPTS[0]))
+        ended: list[TransferOutcome] = []
+        done = threading.Event()
+        pair.receiver.expect("open", reserved.blocks, lambda o: (ended.append(o), done.set()), 30)
+        stream = pair.streamer.start("open", pair.target, len(PROMPTS[0]), 30)
+        pair.prefill.add_request("open", PROMPTS[0], SamplingParams(max_tokens=1, ignore_eos=True))
+        pair.prefill.step()  # the prompt's layers go out; the finish never will
+        deadline = time.monotonic() + 10
+        while not pair.decode.cache.read_tokens(0, list(reserved.blocks), 4, torch.float32)[0].any():
+            assert time.monotonic() < deadline, "the first layer never landed"
+            time.sleep(0.01)  # the push reached the receiver (a call cancelled before that only ends at its deadline)
+        pair.streamer.close()
+        assert stream.error is not None and stream.error.code == grpc.StatusCode.CANCELLED
+        assert "streamer closed" in stream.error.message
+        assert done.wait(10) and not ended[0].ok, "the receiver still holds the cancelled push's blocks"
+        pair.decode.release(reserved)
+        with pytest.raises(ValueError):  # the hook is gone: nothing to remove
+            pair.prefill.remove_layer_hook(pair.streamer._on_layer)
+        pair.streamer.close()  # again: nothing left to do
 
 
 # ---------------------------------------------------------------------------------------------- CUDA

@@ -5,7 +5,7 @@ layer hook then hands each finished layer's newly completed blocks to the stream
 the engine may free or reuse its blocks at once); ``finish`` sends the first token and waits for
 the receiver's ack. A block is sent once it is full, or at the prompt's end; each (layer, block)
 goes exactly once. A transfer failure never breaks the engine step: the request is marked and
-the caller aborts it (``failed``).
+the caller aborts it (``failed``). ``close`` detaches the streamer and cancels the streams still open.
 """
 
 from __future__ import annotations
@@ -55,6 +55,7 @@ class LayerStreamer:
         self.from_cache = engine.cache.device.type != "cpu" if from_cache is None else from_cache
         self._active: dict[str, _Active] = {}
         self._lock = threading.Lock()
+        self._attached = True
         engine.add_layer_hook(self._on_layer)
 
     def start(self, request_id: str, target: str, num_tokens: int, timeout_s: float = 30.0) -> KVStream:
@@ -79,6 +80,17 @@ class LayerStreamer:
         with self._lock:
             act = self._active.pop(request_id, None)
         if act is not None:
+            act.stream.cancel(reason)
+
+    def close(self, reason: str = "the prefill worker's streamer closed") -> None:
+        """Detach from the engine (its later layers reach no stream) and cancel the streams still open, with
+        ``reason``. Idempotent; call it between engine steps."""
+        with self._lock:
+            attached, self._attached = self._attached, False
+            active, self._active = self._active, {}
+        if attached:
+            self.engine.remove_layer_hook(self._on_layer)
+        for act in active.values():
             act.stream.cancel(reason)
 
     def _on_layer(self, event: LayerKVReady) -> None:

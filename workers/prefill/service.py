@@ -60,6 +60,7 @@ class PrefillService(wgrpc.PrefillWorkerServicer):
     def close(self) -> None:
         self.embeddings.expectations.stop()
         self.loop.stop()
+        self.streamer.close()
         self.sender.close()
 
     def Prefill(self, request: wpb.PrefillRequest, context: grpc.ServicerContext) -> wpb.PrefillReply:

@@ -150,7 +150,12 @@ def test_closing_the_streamer_cancels_its_open_streams_and_detaches_it() -> None
         reserved = pair.decode.reserve("open", len(PROMPTS[0]))
         ended: list[TransferOutcome] = []
         done = threading.Event()
-        pair.receiver.expect("open", reserved.blocks, lambda o: (ended.append(o), done.set()), 30)
+
+        def on_done(outcome: TransferOutcome) -> None:
+            ended.append(outcome)
+            done.set()
+
+        pair.receiver.expect("open", reserved.blocks, on_done, 30)
         stream = pair.streamer.start("open", pair.target, len(PROMPTS[0]), 30)
         pair.prefill.add_request("open", PROMPTS[0], SamplingParams(max_tokens=1, ignore_eos=True))
         pair.prefill.step()  # the prompt's layers go out; the finish never will

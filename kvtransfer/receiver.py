@@ -263,10 +263,10 @@ class KVReceiver:
                 raise TransferRefused(Code.INVALID_ARGUMENT, "a push must open with a handshake")
             exp = self.expectations.claim(hs.request_id)
             bound.append(exp)
-            if hs.transport not in (pb.TRANSPORT_TCP, pb.TRANSPORT_SHARED_MEMORY):
+            if hs.transport not in (pb.TRANSPORT_TCP, pb.TRANSPORT_SHARED_MEMORY, pb.TRANSPORT_CUDA_IPC):
                 raise TransferRefused(Code.INVALID_ARGUMENT, "a push on a bulk TCP connection must say "
-                                                             "TRANSPORT_TCP or TRANSPORT_SHARED_MEMORY in its "
-                                                             "handshake")
+                                                             "TRANSPORT_TCP, TRANSPORT_SHARED_MEMORY or "
+                                                             "TRANSPORT_CUDA_IPC in its handshake")
             if hs.timeout_ms == 0:
                 raise TransferRefused(Code.INVALID_ARGUMENT, "a handshake on a bulk TCP connection must carry "
                                                              "timeout_ms, the push's deadline")
@@ -283,7 +283,7 @@ class KVReceiver:
         codes = {"closed": Code.CANCELLED, "timeout": Code.DEADLINE_EXCEEDED, "protocol": Code.INVALID_ARGUMENT}
         if transport == pb.TRANSPORT_TCP:  # chunks carry their bytes: read the next while this one lands
             frames = conn.read_frames(self.max_chunk_bytes + 4096, deadline)  # + the chunk's header fields
-        else:  # shared memory: frames are control messages only, read on this thread as they come
+        else:  # shared memory, CUDA IPC: frames are control messages only, read on this thread as they come
             frames = conn.read_frames(CONTROL_BYTES, deadline, ahead=False)
         while True:
             try:
@@ -372,6 +372,8 @@ class KVReceiver:
             raise TransferRefused(Code.INVALID_ARGUMENT, f"{where} is {want_scales + want_payload} bytes, over "
                                                          f"this receiver's limit of {self.max_chunk_bytes}")
         if s.device_segment is not None:  # TRANSPORT_CUDA_IPC: checked and read where it lies, on the device
+            if frame.payload.nbytes or frame.scales.nbytes:
+                raise TransferRefused(Code.INVALID_ARGUMENT, f"{where}: inline bytes on a CUDA IPC stream")
             key: WireParts | DeviceParts
             value: WireParts | DeviceParts
             key, value = device_chunk_parts(s.device_segment, c, where, codec_name, k_lay, v_lay, want_scales,

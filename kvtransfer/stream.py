@@ -109,11 +109,12 @@ class KVStream:
         elif transport == "tcp":
             self._bulk = self._open_bulk(target, timeout_s)
             hs.transport = pb.TRANSPORT_TCP
-        elif transport == "cuda_ipc":  # control on Push; the chunks' bytes go device to device
+        elif transport == "cuda_ipc":  # the chunks' bytes go device to device; control as for shm
             self._segment = self._lease_ipc(target, timeout_s)
             hs.transport = pb.TRANSPORT_CUDA_IPC
             hs.ipc_epoch = self._segment.epoch
             hs.ipc_segment = self._segment.index
+            self._bulk = self._control_connection(target, timeout_s)
         if self._bulk is not None:
             self._bulk.bind(self, timeout_s)  # a write blocked longer than the whole deadline fails
         if self._bulk is not None:
@@ -170,8 +171,8 @@ class KVStream:
         return MappedSegment(tensor, lease.pool_epoch, lease.segment)
 
     def _control_connection(self, target: str, timeout_s: float) -> BulkConnection | None:
-        """A shm push's bulk connection for its control messages, or None to send them on gRPC (the
-        receiver has no bulk listener, or could not give a connection lately)."""
+        """A shm or cuda_ipc push's bulk connection for its control messages, or None to send them on gRPC
+        (the receiver has no bulk listener, or could not give a connection lately)."""
         if not self.ctx.bulk_control.usable(target):
             return None
         try:

@@ -252,10 +252,15 @@ def test_pool_epochs_differ_and_mappings_need_cuda() -> None:
             IpcMappings().open("t", foreign)
 
 
+@pytest.mark.parametrize("control", ["bulk", "grpc"])
 @pytest.mark.parametrize("how", ["send_layer", "send_blocks"])
-def test_a_sender_pushes_through_a_leased_segment(decode: Decode, how: str) -> None:
+def test_a_sender_pushes_through_a_leased_segment(decode: Decode, how: str, control: str) -> None:
     """KVSender over cuda_ipc, its receiver in this process (so on CPU the pool is host memory and nothing
-    is mapped): lease, encode into the segment, device checksum, land by block index, lease released."""
+    is mapped): lease, encode into the segment, device checksum, land by block index, lease released. The
+    control messages go over the receiver's bulk TCP connection when it has a listener (as for shm: a gRPC
+    stream per push costs more than a small push's data), and on the Push stream when it has none."""
+    if control == "bulk":
+        decode.receiver.enable_bulk("127.0.0.1")
     res = decode.reserve(how)
     sender = KVSender(decode.security, transport="cuda_ipc", shm_chunk_bytes=1500)  # several chunks a layer
     gen = torch.Generator().manual_seed(11)
@@ -270,6 +275,9 @@ def test_a_sender_pushes_through_a_leased_segment(decode: Decode, how: str) -> N
                 stream.send_blocks(layer, 0, k, v, torch.arange(3))
             sent.append((k, v))
         result = stream.finish(4)
+        # the connection that carried the control messages is back in the sender's pool (bulk), or none was made
+        assert sender.bulk.idle(decode.target) == (1 if control == "bulk" else 0)
+        assert sender.bulk_control_usable(decode.target) == (control == "bulk")
     finally:
         sender.close()
     assert result.transport == "cuda_ipc" and result.num_chunks > decode.layout.num_layers

@@ -28,8 +28,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from kvtransfer.codecs import available_codecs  # noqa: E402
 from controlplane.settings import Settings  # noqa: E402
+from kvtransfer.codecs import available_codecs  # noqa: E402
 
 OUTPUT = ROOT / "helm" / "epd" / "values.schema.json"
 POOLS = ("encode", "prefill", "decode")

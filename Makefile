@@ -100,7 +100,7 @@ test-unit: setup
 	$(PY) -m pytest -q -p no:cacheprovider -m unit tests
 
 # ruff and mypy, configured in pyproject.toml; fails on any finding.
-LINT_PATHS := controlplane workers kvtransfer bench tests
+LINT_PATHS := controlplane workers kvtransfer bench tests scripts
 lint: setup
 	$(PY) -m ruff check $(LINT_PATHS)
 	$(PY) -m mypy $(LINT_PATHS)

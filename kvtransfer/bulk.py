@@ -54,6 +54,7 @@ ID_BYTES, SECRET_BYTES = 16, 32
 FRAME = struct.Struct("<BI")  # kind, length of the message that follows
 KIND_HANDSHAKE, KIND_CHUNK, KIND_FINISH = 1, 2, 3  # sender -> receiver: PushMessage bytes (its oneof's numbers)
 KIND_RESULT = 4  # receiver -> sender: a PushResult
+KIND_LEASE, KIND_LEASE_RESULT = 5, 6  # a CudaIpcLeaseRequest, and its CudaIpcLeaseResult (before a cuda_ipc push)
 CONTROL_BYTES = 64 * 2**10  # the most a handshake or a result may take
 # TCP keepalive: an idle connection whose peer host vanished (no FIN, no reset) is found dead after
 # ~60 s instead of holding the receiver's thread for it, and its place under max_connections, for good.

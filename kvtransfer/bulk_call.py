@@ -16,12 +16,11 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from kvtransfer.bulk import KIND_RESULT, BulkConnection, BulkError
-from kvtransfer.errors import TransferFailed
+from kvtransfer.errors import TransferFailed, status_code
 from kvtransfer.reused_threads import ReusedThreads
 from kvtransfer.wire import pb
 
 _READERS = ReusedThreads("kv-bulk-result")
-_CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 
 class BulkCall:
@@ -92,7 +91,7 @@ class BulkCall:
                 ack = result.ack
             else:
                 error = TransferFailed(f"receiver refused the KV push: {result.message}",
-                                       _CODES.get(result.code, grpc.StatusCode.UNKNOWN))
+                                       status_code(result.code))
         except BulkError as exc:
             error = (TransferFailed("no result from the receiver within the transfer's deadline",
                                     grpc.StatusCode.DEADLINE_EXCEEDED) if exc.kind == "timeout" else

@@ -21,3 +21,11 @@ class TransferFailed(Exception):
         super().__init__(message)
         self.code = code
         self.message = message
+
+
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def status_code(value: int) -> grpc.StatusCode:
+    """The gRPC status a result message's numeric ``code`` names (UNKNOWN for a number gRPC has not)."""
+    return _CODES.get(value, grpc.StatusCode.UNKNOWN)

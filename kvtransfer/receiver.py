@@ -29,7 +29,16 @@ from typing import Protocol
 import grpc
 import torch
 
-from kvtransfer.bulk import CONTROL_BYTES, KIND_CHUNK, KIND_HANDSHAKE, KIND_RESULT, BulkConnection, BulkError
+from kvtransfer.bulk import (
+    CONTROL_BYTES,
+    KIND_CHUNK,
+    KIND_HANDSHAKE,
+    KIND_LEASE,
+    KIND_LEASE_RESULT,
+    KIND_RESULT,
+    BulkConnection,
+    BulkError,
+)
 from kvtransfer.bulk_listener import BulkListener
 from kvtransfer.checksum import StreamChecksum, chunk_checksum
 from kvtransfer.chunks import non_finite_values
@@ -121,19 +130,27 @@ class KVReceiver:
 
     def open_cuda_ipc(self, request: bytes, context: grpc.ServicerContext) -> bytes:
         """Handler for KVTransfer.OpenCudaIpc: lease a device segment to an expected request's push."""
+        try:
+            return self._lease(request).SerializeToString()
+        except TransferRefused as exc:
+            context.abort(exc.code, exc.message)
+        raise AssertionError("unreachable: context.abort raises")
+
+    def _lease(self, request: bytes) -> pb.CudaIpcLease:
+        """A device segment leased to an expected request's push (``request``: CudaIpcLeaseRequest bytes,
+        from OpenCudaIpc or a bulk connection); TransferRefused names why not."""
         if self.ipc is None:
-            context.abort(Code.FAILED_PRECONDITION, "this receiver has no CUDA IPC pool; use another transport")
+            raise TransferRefused(Code.FAILED_PRECONDITION, "this receiver has no CUDA IPC pool; use another transport")
         try:
             req = pb.CudaIpcLeaseRequest.FromString(request)
         except Exception:  # protobuf's DecodeError
-            context.abort(Code.INVALID_ARGUMENT, "malformed CudaIpcLeaseRequest")
+            raise TransferRefused(Code.INVALID_ARGUMENT, "malformed CudaIpcLeaseRequest") from None
         if req.request_id not in self.expectations:
-            context.abort(Code.NOT_FOUND, f"no reservation for request {req.request_id!r}")
+            raise TransferRefused(Code.NOT_FOUND, f"no reservation for request {req.request_id!r}")
         try:
-            return self.ipc.lease(req.request_id, req.min_bytes).SerializeToString()
+            return self.ipc.lease(req.request_id, req.min_bytes)
         except IpcError as exc:
-            context.abort(Code.RESOURCE_EXHAUSTED, str(exc))
-        raise AssertionError("unreachable: context.abort raises")
+            raise TransferRefused(Code.RESOURCE_EXHAUSTED, str(exc)) from None
 
     # ------------------------------------------------------------------ control (decode worker side)
     def expect(self, request_id: str, blocks: Sequence[int], on_done: Callable[[TransferOutcome], None],
@@ -234,12 +251,18 @@ class KVReceiver:
         while True:
             conn.unbind()  # idle: wait for the next handshake as long as the sender keeps the connection
             try:
-                _, data = conn.read_message((KIND_HANDSHAKE,))
+                kind, data = conn.read_message((KIND_HANDSHAKE, KIND_LEASE))
             except BulkError as exc:
                 if exc.kind != "protocol":
                     return  # the sender closed it, or the listener is closing
                 code, message, ack = Code.INVALID_ARGUMENT, f"a push must open with a handshake: {exc}", None
             else:
+                if kind == KIND_LEASE:  # a cuda_ipc push's segment, asked for here instead of by OpenCudaIpc
+                    try:
+                        conn.send_frame(KIND_LEASE_RESULT, [self._lease_result(data).SerializeToString()])
+                    except BulkError:
+                        return
+                    continue
                 code, message, ack = self._bulk_push(conn, data)
             result = pb.PushResult(code=code.value[0], message=message, ack=ack)
             try:
@@ -249,6 +272,12 @@ class KVReceiver:
             if code is not Code.OK:
                 conn.drain(DRAIN_S)
                 return
+
+    def _lease_result(self, request: bytes) -> pb.CudaIpcLeaseResult:
+        try:
+            return pb.CudaIpcLeaseResult(code=Code.OK.value[0], lease=self._lease(request))
+        except TransferRefused as exc:
+            return pb.CudaIpcLeaseResult(code=exc.code.value[0], message=exc.message)
 
     def _bulk_push(self, conn: BulkConnection, data: bytes) -> tuple[grpc.StatusCode, str, pb.PushAck | None]:
         """One push on a bulk connection, from its handshake: (status, message, ack). Refusals fail the

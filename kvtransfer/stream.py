@@ -33,9 +33,18 @@ from typing import Any
 
 import grpc
 import torch
+from google.protobuf.message import DecodeError
 
 from kvtransfer.budget import ByteBudget
-from kvtransfer.bulk import KIND_CHUNK, KIND_FINISH, KIND_HANDSHAKE, BulkConnection, BulkError
+from kvtransfer.bulk import (
+    KIND_CHUNK,
+    KIND_FINISH,
+    KIND_HANDSHAKE,
+    KIND_LEASE,
+    KIND_LEASE_RESULT,
+    BulkConnection,
+    BulkError,
+)
 from kvtransfer.bulk_call import BulkCall
 from kvtransfer.checksum import StreamChecksum
 from kvtransfer.chunk_builder import Built, ChunkBuilder
@@ -43,7 +52,7 @@ from kvtransfer.chunks import chunk_nbytes
 from kvtransfer.codecs import Codec, CodecError, get_codec
 from kvtransfer.cuda_ipc import IPC_ALIGNMENT, IpcError, MappedSegment, lease_request
 from kvtransfer.device_chunks import CacheBlocks, block_nbytes, encode_from_cache
-from kvtransfer.errors import TransferFailed
+from kvtransfer.errors import TransferFailed, status_code
 from kvtransfer.layout import KVLayout
 from kvtransfer.reused_threads import ReusedThreads
 from kvtransfer.shm import SharedSegment, ShmError
@@ -110,11 +119,17 @@ class KVStream:
             self._bulk = self._open_bulk(target, timeout_s)
             hs.transport = pb.TRANSPORT_TCP
         elif transport == "cuda_ipc":  # the chunks' bytes go device to device; control as for shm
-            self._segment = self._lease_ipc(target, timeout_s)
+            self._bulk = self._control_connection(target, timeout_s)
+            try:
+                self._segment = self._lease_ipc(target, timeout_s)  # on that connection when there is one
+            except TransferFailed:
+                if self._bulk is not None:  # refused, or not mappable here: the connection is clean, reusable
+                    self._bulk.unbind()
+                    self.ctx.bulk.give(target, self._bulk)
+                raise
             hs.transport = pb.TRANSPORT_CUDA_IPC
             hs.ipc_epoch = self._segment.epoch
             hs.ipc_segment = self._segment.index
-            self._bulk = self._control_connection(target, timeout_s)
         if self._bulk is not None:
             self._bulk.bind(self, timeout_s)  # a write blocked longer than the whole deadline fails
         if self._bulk is not None:
@@ -155,20 +170,45 @@ class KVStream:
             raise TransferFailed(f"cannot open the bulk TCP connection to {target}: {exc}", code) from None
 
     def _lease_ipc(self, target: str, timeout_s: float) -> MappedSegment:
-        """Lease a device segment of the receiver (OpenCudaIpc) and map it (once per receiver epoch)."""
-        call: Any = self.ctx.channel(target).unary_unary(OPEN_CUDA_IPC_METHOD, request_serializer=None,
-                                                    response_deserializer=pb.CudaIpcLease.FromString)
-        try:
-            lease = call(lease_request(self.request_id, self._segment_size()), timeout=min(timeout_s, 10.0),
-                         metadata=self.ctx.security.call_metadata())
-        except grpc.RpcError as exc:
-            raise self._as_failure(exc) from None
+        """Lease a device segment of the receiver and map it (once per receiver epoch). The lease is asked
+        for on the push's bulk connection when it has one (no RPC), else with OpenCudaIpc."""
+        request = lease_request(self.request_id, self._segment_size())
+        lease = self._lease_on_bulk(target, request, timeout_s) if self._bulk is not None else None
+        if lease is None:
+            call: Any = self.ctx.channel(target).unary_unary(OPEN_CUDA_IPC_METHOD, request_serializer=None,
+                                                        response_deserializer=pb.CudaIpcLease.FromString)
+            try:
+                lease = call(request, timeout=min(timeout_s, 10.0), metadata=self.ctx.security.call_metadata())
+            except grpc.RpcError as exc:
+                raise self._as_failure(exc) from None
         try:
             tensor = self.ctx.ipc.open(target, lease)
         except (IpcError, RuntimeError) as exc:
             raise TransferFailed(f"cannot map the receiver's CUDA IPC segment: {exc}",
                                  grpc.StatusCode.FAILED_PRECONDITION) from None
         return MappedSegment(tensor, lease.pool_epoch, lease.segment)
+
+    def _lease_on_bulk(self, target: str, request: bytes, timeout_s: float) -> pb.CudaIpcLease | None:
+        """The lease asked for on ``_bulk``; a refusal raises TransferFailed with OpenCudaIpc's code. None
+        when the receiver does not take leases there (it predates them) or the connection broke: it is
+        closed, this push's control goes on gRPC, and the lease is asked for with OpenCudaIpc."""
+        bulk = self._bulk
+        assert bulk is not None
+        limit = min(timeout_s, 10.0)
+        bulk.bind(self, limit)
+        try:
+            bulk.send_frame(KIND_LEASE, [request])
+            _, data = bulk.read_message((KIND_LEASE_RESULT,), deadline=time.monotonic() + limit)
+            result = pb.CudaIpcLeaseResult.FromString(data)
+        except (BulkError, DecodeError) as exc:
+            bulk.close()
+            self._bulk = None
+            self.ctx.bulk_control.failed(target, TransferFailed(f"no CUDA IPC lease on its bulk connection: {exc}"))
+            return None
+        if result.code != grpc.StatusCode.OK.value[0]:
+            raise TransferFailed(f"receiver refused a CUDA IPC lease: {result.message}",
+                                 status_code(result.code))
+        return result.lease
 
     def _control_connection(self, target: str, timeout_s: float) -> BulkConnection | None:
         """A shm or cuda_ipc push's bulk connection for its control messages, or None to send them on gRPC

@@ -44,13 +44,13 @@ class ChunkSizes:
 
 
 class BulkControl:
-    """Which receivers give a push an optional path (a bulk connection for a shm push's control
-    messages; a CUDA IPC segment); one that did not is skipped for ``BULK_RETRY_S`` (the push then
+    """Which receivers give a push an optional path (a bulk connection for a shm or cuda_ipc push's
+    control messages; a CUDA IPC segment); one that did not is skipped for ``BULK_RETRY_S`` (the push then
     takes the plain path). Thread-safe."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic,
-                 what: str = "gave no bulk TCP connection", then: str = "shared-memory pushes to it carry their "
-                 "control on gRPC (slower per push)") -> None:
+                 what: str = "gave no bulk TCP connection", then: str = "shared-memory and CUDA IPC pushes to it "
+                 "carry their control on gRPC (slower per push)") -> None:
         self._no_bulk: dict[str, float] = {}  # target -> when to ask it again
         self._clock = clock
         self._lock = threading.Lock()

@@ -8,6 +8,7 @@ GPU and push through ``KVSender`` (skipped without a GPU)."""
 from __future__ import annotations
 
 import secrets
+import socket
 from typing import Any
 
 import grpc
@@ -15,16 +16,30 @@ import pytest
 import torch
 
 from kvtransfer.auth import TransferSecurity
+from kvtransfer.bulk import (
+    FRAME,
+    HELLO,
+    KIND_CHUNK,
+    KIND_FINISH,
+    KIND_HANDSHAKE,
+    KIND_LEASE,
+    KIND_LEASE_RESULT,
+    KIND_RESULT,
+    OK,
+    BulkConnection,
+    BulkError,
+)
 from kvtransfer.checksum import StreamChecksum
 from kvtransfer.chunks import chunk_nbytes
 from kvtransfer.codecs import Kind, get_codec
-from kvtransfer.cuda_ipc import IpcError, IpcMappings, IpcPool
+from kvtransfer.cuda_ipc import IpcError, IpcMappings, IpcPool, lease_request
 from kvtransfer.device_checksum import device_checksum
+from kvtransfer.errors import TransferFailed
 from kvtransfer.options import CHANNEL_OPTIONS
 from kvtransfer.receiver import KVReceiver, TransferOutcome
 from kvtransfer.sender import KVSender
 from kvtransfer.server import kv_transfer_handler, start_server
-from kvtransfer.wire import OPEN_CUDA_IPC_METHOD, PROTOCOL_VERSION, PUSH_METHOD, encode_control, pb
+from kvtransfer.wire import OPEN_BULK_METHOD, OPEN_CUDA_IPC_METHOD, PROTOCOL_VERSION, PUSH_METHOD, encode_control, pb
 from tests.integration.kv_helpers import tiny_model
 from workers.decode.kv_sink import CacheSink
 from workers.prefill.kv_stream import engine_layout
@@ -90,11 +105,44 @@ def decode():
     assert d.receiver.ipc is not None and d.receiver.ipc.leased == 0, "an IPC lease outlived its push"
 
 
-def _handshake(rid: str, layout, lease: pb.CudaIpcLease, epoch: int | None = None) -> bytes:
+def _handshake(rid: str, layout, lease: pb.CudaIpcLease, epoch: int | None = None, timeout_ms: int = 0) -> bytes:
     hs = pb.PushHandshake(protocol_version=PROTOCOL_VERSION, request_id=rid, layout=layout.to_proto(),
                           num_tokens=NUM_TOKENS, transport=pb.TRANSPORT_CUDA_IPC, sender_host="test",
-                          ipc_epoch=lease.pool_epoch if epoch is None else epoch, ipc_segment=lease.segment)
+                          ipc_epoch=lease.pool_epoch if epoch is None else epoch, ipc_segment=lease.segment,
+                          timeout_ms=timeout_ms)
     return encode_control(pb.PushMessage(handshake=hs))
+
+
+def _bulk_socket(d: Decode) -> socket.socket:
+    """A raw bulk TCP connection to the decode side (ticket from OpenBulk, hello answered OK)."""
+    call: Any = d.channel.unary_unary(OPEN_BULK_METHOD, request_serializer=None,
+                                      response_deserializer=pb.BulkTicket.FromString)
+    ticket = call(b"", metadata=d.auth, timeout=5)
+    sock = socket.create_connection(("127.0.0.1", ticket.port), timeout=5)
+    sock.sendall(HELLO + ticket.connection_id + ticket.secret)
+    assert sock.recv(1) == OK
+    return sock
+
+
+def _frame(kind: int, message: bytes) -> bytes:
+    return FRAME.pack(kind, len(message)) + message
+
+
+def _read(sock: socket.socket, kind: int) -> bytes:
+    """The next message on ``sock``, which must be of ``kind``."""
+    head = b""
+    while len(head) < FRAME.size:
+        got = sock.recv(FRAME.size - len(head))
+        assert got, "the connection closed"
+        head += got
+    got_kind, n = FRAME.unpack(head)
+    assert got_kind == kind, f"message kind {got_kind}, expected {kind}"
+    data = b""
+    while len(data) < n:
+        more = sock.recv(n - len(data))
+        assert more, "the connection closed mid-message"
+        data += more
+    return data
 
 
 def _write_chunks(d: Decode, rid: str, segment: torch.Tensor, corrupt: bool = False, first_offset: int = 0):
@@ -287,6 +335,102 @@ def test_a_sender_pushes_through_a_leased_segment(decode: Decode, how: str, cont
         got_k, got_v = decode.engine.cache.read_tokens(layer, res.blocks, 12, torch.float32)
         assert torch.equal(got_k.view(k.shape), c.decode(c.encode(k, Kind.KEY), torch.float32))
         assert torch.equal(got_v.view(v.shape), c.decode(c.encode(v, Kind.VALUE), torch.float32))
+    decode.engine.release(res)
+
+
+def test_a_lease_asked_for_on_the_bulk_connection_serves_the_push_on_it(decode: Decode) -> None:
+    """A cuda_ipc sender asks for its segment on the bulk connection that then carries the push's control
+    messages (no OpenCudaIpc RPC). Refusals come back by name, as OpenCudaIpc's would, and leave the
+    connection usable."""
+    decode.receiver.enable_bulk("127.0.0.1")
+    res = decode.reserve("bl")
+    with _bulk_socket(decode) as sock:
+        refusals = ((lease_request("nobody", 1000), grpc.StatusCode.NOT_FOUND, "no reservation for request 'nobody'"),
+                    (b"\xff\xff\xff", grpc.StatusCode.INVALID_ARGUMENT, "malformed CudaIpcLeaseRequest"),
+                    (lease_request("bl", 2 << 20), grpc.StatusCode.RESOURCE_EXHAUSTED, "hold 1048576"))
+        for request, code, says in refusals:
+            sock.sendall(_frame(KIND_LEASE, request))
+            refused = pb.CudaIpcLeaseResult.FromString(_read(sock, KIND_LEASE_RESULT))
+            assert refused.code == code.value[0] and says in refused.message, refused
+            assert decode.receiver.ipc.leased == 0
+        sock.sendall(_frame(KIND_LEASE, lease_request("bl", 1000)))
+        got = pb.CudaIpcLeaseResult.FromString(_read(sock, KIND_LEASE_RESULT))
+        assert got.code == 0 and got.lease.pool_epoch == decode.receiver.ipc.epoch
+        assert decode.receiver.ipc.leased == 1
+        frames, sent = _write_chunks(decode, "bl", decode.receiver.ipc.segments[got.lease.segment])
+        sock.sendall(_frame(KIND_HANDSHAKE, _handshake("bl", decode.layout, got.lease, timeout_ms=10_000))
+                     + b"".join(_frame(KIND_CHUNK, f) for f in frames[:-1]) + _frame(KIND_FINISH, frames[-1]))
+        result = pb.PushResult.FromString(_read(sock, KIND_RESULT))
+    assert result.code == 0 and result.ack.num_chunks == 2, result
+    assert decode.outcomes["bl"].ok and decode.receiver.ipc.leased == 0
+    for layer, (name, k, v) in enumerate(sent):
+        c = get_codec(name)
+        got_k, got_v = decode.engine.cache.read_tokens(layer, res.blocks, 12, torch.float32)
+        assert torch.equal(got_k.view(k.shape), c.decode(c.encode(k, Kind.KEY), torch.float32))
+        assert torch.equal(got_v.view(v.shape), c.decode(c.encode(v, Kind.VALUE), torch.float32))
+    decode.engine.release(res)
+
+
+def test_a_refused_lease_on_the_bulk_connection_hands_the_connection_back(decode: Decode) -> None:
+    """Both segments leased: the sender's lease on its bulk connection is refused with OpenCudaIpc's code
+    (``auto`` falls back on it), and the connection, clean, goes back to the sender's pool."""
+    decode.receiver.enable_bulk("127.0.0.1")
+    for rid in ("x1", "x2", "x3"):
+        decode.reserve(rid)
+    decode.lease("x1")
+    decode.lease("x2")
+    sender = KVSender(decode.security, transport="cuda_ipc")
+    try:
+        with pytest.raises(TransferFailed) as err:
+            sender.open_stream(decode.target, "x3", decode.layout, NUM_TOKENS)
+        assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "in use" in err.value.message
+        assert sender.bulk.idle(decode.target) == 1 and sender.bulk_control_usable(decode.target)
+    finally:
+        sender.close()
+    for rid in ("x1", "x2", "x3"):
+        decode.receiver.cancel(rid)
+    decode.receiver.ipc.release_stale(decode.receiver.expectations.__contains__)
+
+
+def test_a_receiver_that_takes_no_lease_on_its_bulk_connection_still_gets_the_push(
+        decode: Decode, caplog: pytest.LogCaptureFixture) -> None:
+    """A receiver from before leases on the bulk connection answers one as a push that did not open with a
+    handshake, and ends the connection. The sender closes it, leases with OpenCudaIpc, sends this push's
+    control on gRPC, says so once, and stops asking that receiver for a connection for a while."""
+    real = decode.receiver.serve_bulk
+
+    def serve_as_before(conn: BulkConnection) -> None:
+        try:
+            conn.read_message((KIND_HANDSHAKE,))
+        except BulkError as exc:  # what serve_bulk answered then to any other first message
+            if exc.kind == "protocol":
+                conn.send_frame(KIND_RESULT, [pb.PushResult(code=grpc.StatusCode.INVALID_ARGUMENT.value[0],
+                                                            message=f"a push must open with a handshake: {exc}")
+                                              .SerializeToString()])
+                conn.drain(1.0)
+            return
+        raise AssertionError("the sender opened with a handshake, not a lease")
+
+    decode.receiver.serve_bulk = serve_as_before  # type: ignore[method-assign]  # the listener serves with it
+    decode.receiver.enable_bulk("127.0.0.1")
+    decode.receiver.serve_bulk = real  # type: ignore[method-assign]
+    res = decode.reserve("old")
+    sender = KVSender(decode.security, transport="cuda_ipc")
+    k = torch.randn(decode.layout.block_shape(3), generator=torch.Generator().manual_seed(3))
+    try:
+        with caplog.at_level("WARNING", logger="kvtransfer.stream_context"):
+            stream = sender.open_stream(decode.target, "old", decode.layout, NUM_TOKENS)
+            for layer in range(decode.layout.num_layers):
+                stream.send_layer(layer, 0, k, k)
+            result = stream.finish(4)
+        assert result.transport == "cuda_ipc" and decode.outcomes["old"].ok
+        assert not sender.bulk_control_usable(decode.target) and sender.bulk.idle(decode.target) == 0
+        said = [r.getMessage() for r in caplog.records if "no CUDA IPC lease on its bulk connection" in r.getMessage()]
+        assert len(said) == 1, said
+    finally:
+        sender.close()
+    got, _ = decode.engine.cache.read_tokens(1, res.blocks, 12, torch.float32)  # layer 1: fp32, exact
+    assert torch.equal(got.view(k.shape), k)
     decode.engine.release(res)
 
 

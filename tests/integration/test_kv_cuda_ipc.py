@@ -437,8 +437,11 @@ def test_a_receiver_that_takes_no_lease_on_its_bulk_connection_still_gets_the_pu
 # ---------------------------------------------------------------------------------------------- CUDA
 @CUDA
 @pytest.mark.cuda
-def test_cuda_sender_maps_the_segment_and_a_restarted_receiver_is_mapped_afresh() -> None:
+@pytest.mark.parametrize("control", ["bulk", "grpc"])
+def test_cuda_sender_maps_the_segment_and_a_restarted_receiver_is_mapped_afresh(control: str) -> None:
     first = Decode("cuda")
+    if control == "bulk":  # the lease and the control messages on the bulk connection
+        first.receiver.enable_bulk("127.0.0.1")
     sender = KVSender(first.security, transport="cuda_ipc", device="cuda")
     try:
         res = first.reserve("g1")
@@ -448,6 +451,7 @@ def test_cuda_sender_maps_the_segment_and_a_restarted_receiver_is_mapped_afresh(
             k, v = (torch.randn(first.layout.block_shape(3), generator=gen).cuda() for _ in range(2))
             stream.send_layer(layer, 0, k, v)
         assert stream.finish(5).num_chunks >= 2 and first.outcomes["g1"].ok
+        assert sender.bulk.idle(first.target) == (1 if control == "bulk" else 0)
         first.engine.release(res)
         old_epoch = first.receiver.ipc.epoch
         # "restart": a new receiver (new pool, new epoch); a handshake with the old epoch is refused

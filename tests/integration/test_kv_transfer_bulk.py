@@ -348,6 +348,14 @@ def test_under_mtls_the_connection_runs_tls_and_needs_a_certificate(make_rig: Ca
         assert shm.bulk.idle(rig.target) == 1 and shm.bulk.ssl_context is not None
     finally:
         shm.close()
+    rig.receiver.enable_cuda_ipc(torch.device("cpu"), segment_bytes=1 << 20, num_segments=2)  # host pool: no GPU
+    ipc = KVSender(client, transport="cuda_ipc")  # its lease and control on a TLS bulk connection
+    try:
+        for _ in range(2):
+            assert rig.send_good(rig.reserve(), ipc).transport == "cuda_ipc"
+        assert ipc.bulk.idle(rig.target) == 1 and ipc.bulk_control_usable(rig.target)
+    finally:
+        ipc.close()
     with client.open_channel(rig.target) as channel:
         ticket = open_bulk(channel, metadata=())  # mTLS is the credential: no token
     rogue = TransferSecurity(tls_ca=pki.ca, tls_cert=other.client_cert, tls_key=other.client_key)

@@ -1,7 +1,8 @@
 """The CUDA IPC transport: KV chunks written device to device into the receiver's GPU memory.
 
 Receiver (decode worker): ``IpcPool`` holds a few device segments and a random ``epoch``. A push leases
-one segment for its request id (``OpenCudaIpc``, on the authenticated gRPC channel), its handshake
+one segment for its request id (on the push's authenticated bulk connection, or ``OpenCudaIpc`` on the
+authenticated gRPC channel), its handshake
 names the epoch and the segment, its chunks name offsets into it (``KVChunk.shm``) and a
 ``device_checksum``; the receiver checks each chunk there, on the GPU, and decodes it by block index
 into the reserved blocks. The lease ends with the push (``release``). A restarted decode worker has a

@@ -113,6 +113,15 @@ def _handshake(rid: str, layout, lease: pb.CudaIpcLease, epoch: int | None = Non
     return encode_control(pb.PushMessage(handshake=hs))
 
 
+def _assert_landed(d: Decode, blocks, sent: list[tuple[str, torch.Tensor, torch.Tensor]]) -> None:
+    """Each layer's reserved blocks hold what its codec makes of the keys and values sent (name, k, v)."""
+    for layer, (name, k, v) in enumerate(sent):
+        c = get_codec(name)
+        got_k, got_v = d.engine.cache.read_tokens(layer, blocks, 12, torch.float32)
+        assert torch.equal(got_k.view(k.shape), c.decode(c.encode(k, Kind.KEY), torch.float32))
+        assert torch.equal(got_v.view(v.shape), c.decode(c.encode(v, Kind.VALUE), torch.float32))
+
+
 def _bulk_socket(d: Decode) -> socket.socket:
     """A raw bulk TCP connection to the decode side (ticket from OpenBulk, hello answered OK)."""
     call: Any = d.channel.unary_unary(OPEN_BULK_METHOD, request_serializer=None,
@@ -184,11 +193,7 @@ def test_a_leased_segment_lands_by_block_index_and_the_lease_ends_with_the_push(
     frames, sent = _write_chunks(decode, "a", segment)
     ack = decode.push([_handshake("a", decode.layout, lease)] + frames)
     assert ack.num_chunks == 2 and decode.outcomes["a"].ok and decode.outcomes["a"].first_token == 3
-    for layer, (name, k, v) in enumerate(sent):
-        c = get_codec(name)
-        got_k, got_v = decode.engine.cache.read_tokens(layer, res.blocks, 12, torch.float32)
-        assert torch.equal(got_k.view(k.shape), c.decode(c.encode(k, Kind.KEY), torch.float32))
-        assert torch.equal(got_v.view(v.shape), c.decode(c.encode(v, Kind.VALUE), torch.float32))
+    _assert_landed(decode, res.blocks, sent)
     assert decode.receiver.ipc.leased == 0
     decode.engine.release(res)
 
@@ -330,11 +335,7 @@ def test_a_sender_pushes_through_a_leased_segment(decode: Decode, how: str, cont
         sender.close()
     assert result.transport == "cuda_ipc" and result.num_chunks > decode.layout.num_layers
     assert decode.outcomes[how].ok and decode.receiver.ipc.leased == 0
-    for layer, (name, (k, v)) in enumerate(zip(CODECS, sent)):
-        c = get_codec(name)
-        got_k, got_v = decode.engine.cache.read_tokens(layer, res.blocks, 12, torch.float32)
-        assert torch.equal(got_k.view(k.shape), c.decode(c.encode(k, Kind.KEY), torch.float32))
-        assert torch.equal(got_v.view(v.shape), c.decode(c.encode(v, Kind.VALUE), torch.float32))
+    _assert_landed(decode, res.blocks, [(name, k, v) for name, (k, v) in zip(CODECS, sent)])
     decode.engine.release(res)
 
 
@@ -363,11 +364,7 @@ def test_a_lease_asked_for_on_the_bulk_connection_serves_the_push_on_it(decode: 
         result = pb.PushResult.FromString(_read(sock, KIND_RESULT))
     assert result.code == 0 and result.ack.num_chunks == 2, result
     assert decode.outcomes["bl"].ok and decode.receiver.ipc.leased == 0
-    for layer, (name, k, v) in enumerate(sent):
-        c = get_codec(name)
-        got_k, got_v = decode.engine.cache.read_tokens(layer, res.blocks, 12, torch.float32)
-        assert torch.equal(got_k.view(k.shape), c.decode(c.encode(k, Kind.KEY), torch.float32))
-        assert torch.equal(got_v.view(v.shape), c.decode(c.encode(v, Kind.VALUE), torch.float32))
+    _assert_landed(decode, res.blocks, sent)
     decode.engine.release(res)
 
 

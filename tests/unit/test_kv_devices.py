@@ -151,27 +151,46 @@ def test_index_on_puts_the_values_on_the_device_without_waiting_for_it() -> None
     assert ids.tolist() == [7, 3]
 
 
+class _CudaLanding:
+    """An int8 chunk landing in layer 1 of a CUDA cache through the staged sink (layer 0 landed once first:
+    kernels loaded, pinned memory allocated)."""
+
+    def __init__(self, seed: int) -> None:
+        self.shape = (len(BLOCKS), SPEC.block_size, SPEC.num_kv_heads, SPEC.head_dim)
+        self.k = torch.randn(self.shape, generator=torch.Generator().manual_seed(seed))
+        self.wire = _wire("int8", self.k, Kind.KEY), _wire("int8", self.k, Kind.VALUE)
+        self.cache = PagedKVCache(SPEC, 12, ("float32", "float32"), "cuda")
+        self.sink = CacheSink(self.cache)
+        self.sink.write(0, BLOCKS, "int8", self.shape, *self.wire)
+
+    def land(self) -> None:
+        self.sink.write(1, BLOCKS, "int8", self.shape, *self.wire)
+
+    def check_landed(self) -> None:
+        torch.cuda.synchronize()
+        got, _ = self.cache.read_tokens(1, BLOCKS, len(BLOCKS) * SPEC.block_size, torch.float32)
+        want = get_codec("int8").decode(get_codec("int8").encode(self.k, Kind.KEY), torch.float32)
+        assert torch.equal(got.cpu().view(self.shape), want)
+
+
+def _queue_matmuls() -> None:
+    """Hundreds of ms of GPU work on the current stream, launched without waiting for it."""
+    x = torch.randn(4096, 4096, device="cuda")
+    for _ in range(100):
+        x = x @ x / 64
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_landing_a_chunk_does_not_wait_for_the_engines_queued_work() -> None:
     """A decode worker's receiver lands received bytes into reserved blocks on its side stream without
     waiting for the steps the engine has queued on its own stream (hundreds of ms of matmuls here)."""
-    shape = (len(BLOCKS), SPEC.block_size, SPEC.num_kv_heads, SPEC.head_dim)
-    k = torch.randn(shape, generator=torch.Generator().manual_seed(4))
-    kw, vw = _wire("int8", k, Kind.KEY), _wire("int8", k, Kind.VALUE)
-    cache = PagedKVCache(SPEC, 12, ("float32", "float32"), "cuda")
-    sink = CacheSink(cache)
-    sink.write(0, BLOCKS, "int8", shape, kw, vw)  # once first: kernels loaded, pinned memory allocated
+    landing = _CudaLanding(seed=4)
     engine = torch.cuda.current_stream()
-    x = torch.randn(4096, 4096, device="cuda")
-    for _ in range(100):
-        x = x @ x / 64
-    sink.write(1, BLOCKS, "int8", shape, kw, vw)
+    _queue_matmuls()
+    landing.land()
     assert not engine.query(), "the landing waited for the work queued on the engine's stream"
-    torch.cuda.synchronize()
-    got, _ = cache.read_tokens(1, BLOCKS, len(BLOCKS) * SPEC.block_size, torch.float32)
-    want = get_codec("int8").decode(get_codec("int8").encode(k, Kind.KEY), torch.float32)
-    assert torch.equal(got.cpu().view(shape), want)
+    landing.check_landed()
 
 
 def test_side_streams_are_one_per_thread_and_device(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -202,20 +221,13 @@ def test_side_streams_are_one_per_thread_and_device(monkeypatch: pytest.MonkeyPa
 def test_landing_a_chunk_does_not_wait_for_another_threads_side_stream_work() -> None:
     """An encoder thread's side-stream work (here seconds of matmuls, still queued) does not hold up a
     receiver thread's landing in the same process (DisaggPair, a worker running both pools)."""
-    shape = (len(BLOCKS), SPEC.block_size, SPEC.num_kv_heads, SPEC.head_dim)
-    k = torch.randn(shape, generator=torch.Generator().manual_seed(5))
-    kw, vw = _wire("int8", k, Kind.KEY), _wire("int8", k, Kind.VALUE)
-    cache = PagedKVCache(SPEC, 12, ("float32", "float32"), "cuda")
-    sink = CacheSink(cache)
-    sink.write(0, BLOCKS, "int8", shape, kw, vw)  # once first: kernels loaded, pinned memory allocated
+    landing = _CudaLanding(seed=5)
     queued, landed = threading.Event(), threading.Event()
     busy: list[torch.cuda.Event] = []
 
     def encoder() -> None:
         with side_stream(DEVICE):
-            x = torch.randn(4096, 4096, device="cuda")
-            for _ in range(100):
-                x = x @ x / 64
+            _queue_matmuls()
             done = torch.cuda.Event()
             done.record()
             busy.append(done)
@@ -226,11 +238,9 @@ def test_landing_a_chunk_does_not_wait_for_another_threads_side_stream_work() ->
     worker.start()
     try:
         assert queued.wait(60)
-        sink.write(1, BLOCKS, "int8", shape, kw, vw)
+        landing.land()
         assert not busy[0].query(), "the landing waited for another thread's side-stream work"
     finally:
         landed.set()
         worker.join()
-    got, _ = cache.read_tokens(1, BLOCKS, len(BLOCKS) * SPEC.block_size, torch.float32)
-    want = get_codec("int8").decode(get_codec("int8").encode(k, Kind.KEY), torch.float32)
-    assert torch.equal(got.cpu().view(shape), want)
+    landing.check_landed()

@@ -5,8 +5,10 @@ Figures (bf16 cache on the GPU):
                  into blocks by index), logical bf16 GB/s, and the device checksum that both ends of
                  cuda_ipc take of each chunk, against a device copy of the same bytes;
   cuda_ipc       a 256 MiB cache pushed device to device into a receiver process's cache, against the
-                 device copy, a one-block push's time (the fixed cost of a push) beside it, and the rate
-                 past that fixed cost (the 256 MiB over the difference of the two times);
+                 device copy, a one-block push's time (the fixed cost of a push) beside it, the rate
+                 past that fixed cost (the 256 MiB over the difference of the two times), and the
+                 aggregate rate of two such pushes at once (steady state: one's fixed cost overlaps the
+                 other's data);
   int8 over tcp  the same cache from GPU memory, int8 on the wire, into the receiver's GPU cache, logical
                  GB/s against a raw TCP socket moving the logical bytes on loopback;
   TTFT           a 4,096-token prompt on the 1b preset (random bf16 weights) with layer-wise streaming
@@ -25,6 +27,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -82,26 +85,33 @@ def _receiver_main(conn: Connection, token: str) -> None:
         while True:
             cmd, *args = conn.recv()
             if cmd == "setup":
-                layout, blocks, ipc_bytes, device = args
+                layout, blocks, ipc_bytes, device, *pushes = args  # blocks for each of ``pushes`` at once
+                at_once = pushes[0] if pushes else 1
                 stop()  # the old server's threads must not outlive it holding the old cache
                 spec = KVCacheSpec(layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.block_size)
-                cache = PagedKVCache(spec, blocks, ("bfloat16",) * layout.num_layers, device)
+                cache = PagedKVCache(spec, blocks * at_once, ("bfloat16",) * layout.num_layers, device)
                 receiver = KVReceiver(layout, CacheSink(cache), max_chunk_bytes=256 * MiB)
                 server, port = start_server([kv_transfer_handler(receiver)], "127.0.0.1:0", security)
                 receiver.enable_bulk("127.0.0.1")
                 if cache.device.type == "cuda":
-                    receiver.enable_cuda_ipc(cache.device, segment_bytes=ipc_bytes, num_segments=2)
+                    receiver.enable_cuda_ipc(cache.device, segment_bytes=ipc_bytes, num_segments=max(2, at_once))
                 current = (server, receiver)
                 conn.send(port)
-            elif cmd == "expect" and current is not None:
-                rid, nblocks = args
+            elif cmd == "expect" and current is not None:  # one push, or several at once into other blocks
+                rids, nblocks = args
                 event.clear()
                 outcomes.clear()
-                current[1].expect(rid, list(range(nblocks)), on_done, 120)
+                for i, rid in enumerate([rids] if isinstance(rids, str) else rids):
+                    current[1].expect(rid, list(range(i * nblocks, (i + 1) * nblocks)), on_done, 120)
                 conn.send("ok")
-            elif cmd == "wait":
-                event.wait(120)
-                conn.send((outcomes[0].ok, outcomes[0].error) if outcomes else (False, "no outcome within 120 s"))
+            elif cmd == "wait":  # for every push expected last
+                want = args[0] if args else 1
+                deadline = time.monotonic() + 120
+                while len(outcomes) < want and event.wait(max(0.0, deadline - time.monotonic())):
+                    event.clear()
+                failed = [o for o in outcomes if not o.ok]
+                conn.send((False, failed[0].error) if failed else (True, None) if len(outcomes) >= want else
+                          (False, f"{len(outcomes)} of {want} outcomes within 120 s"))
             elif cmd == "stop":
                 break
     finally:
@@ -140,18 +150,25 @@ def codec_figures(device: torch.device, nbytes: int, repeats: int, copy_gbps: fl
 
 
 def _push(sender: KVSender, target: str, layout: KVLayout, tokens: int, keys: list[torch.Tensor],
-          values: list[torch.Tensor], rx: ReceiverProcess,
-          rid: str) -> float:
-    blocks = layout.blocks_for(tokens)
-    assert rx.call("expect", rid, blocks) == "ok"
+          values: list[torch.Tensor], rx: ReceiverProcess, rid: str, at_once: int = 1) -> float:
+    """Seconds from opening the stream to the receiver's ack; ``at_once`` pushes of the same cache, each
+    from its own thread into its own blocks, until the last ack."""
+    rids = [f"{rid}-{i}" for i in range(at_once)]
+    assert rx.call("expect", rids, layout.blocks_for(tokens)) == "ok"
+
+    def one(request_id: str) -> None:
+        stream = sender.open_stream(target, request_id, layout, tokens, timeout_s=120)
+        for layer in range(layout.num_layers):
+            stream.send_layer(layer, 0, keys[layer], values[layer])
+        stream.finish(0)
+
     synchronize(keys[0].device)
     start = time.perf_counter()
-    stream = sender.open_stream(target, rid, layout, tokens, timeout_s=120)
-    for layer in range(layout.num_layers):
-        stream.send_layer(layer, 0, keys[layer], values[layer])
-    stream.finish(0)
+    with ThreadPoolExecutor(max_workers=at_once) as pool:
+        for f in [pool.submit(one, r) for r in rids]:
+            f.result()
     elapsed = time.perf_counter() - start
-    ok, error = rx.call("wait")
+    ok, error = rx.call("wait", at_once)
     if not ok:
         raise RuntimeError(f"push failed: {error}")
     return elapsed
@@ -164,6 +181,7 @@ class Sizes:
     push_layers: int = 16
     push_tokens: int = 4096
     pushes: tuple[tuple[str, TransportChoice], ...] = (("bf16", "cuda_ipc"), ("int8", "tcp"))
+    in_flight: int = 2  # pushes at once for the steady-state figure
     ttft_tokens: int = 4096
     ttft_preset: str = "1b"
     ttft_transports: tuple[TransportChoice, ...] = ("grpc", "tcp", "shm", "cuda_ipc")
@@ -177,7 +195,8 @@ def push_figures(rx: ReceiverProcess, token: str, repeats: int, copy_gbps: float
     """By default a 256 MiB cache (16 layers, 8 kv heads of 128, 4,096 tokens) in the device's memory: bf16
     over cuda_ipc against the device copy; int8 over tcp against a raw TCP socket (any transport but cuda_ipc
     is measured against the socket). Each is followed by the time of a one-block push over the same path (what
-    every push pays whatever its size), beside the big push's time, and the big push's rate past that time."""
+    every push pays whatever its size), beside the big push's time, the big push's rate past that time, and
+    the aggregate rate of ``sizes.in_flight`` big pushes at once, each from its own thread into its own blocks."""
     layers, h, d, tokens, bs = sizes.push_layers, 8, 128, sizes.push_tokens, 16
     blocks = tokens // bs
     logical = layers * blocks * bs * h * d * 2 * 2
@@ -190,7 +209,7 @@ def push_figures(rx: ReceiverProcess, token: str, repeats: int, copy_gbps: float
         ref, ref_gbps = ("device copy", copy_gbps) if transport == "cuda_ipc" else ("tcp socket (logical bytes)",
                                                                                      socket)
         layout = KVLayout(layers, h, d, bs, (codec,) * layers, "bench", "bfloat16")
-        port = rx.call("setup", layout, blocks, logical + 64 * MiB, str(device))
+        port = rx.call("setup", layout, blocks, logical + 64 * MiB, str(device), sizes.in_flight)
         sender = KVSender(TransferSecurity(token=token), transport=transport, device=str(device),
                           stream_budget_bytes=256 * MiB, sender_budget_bytes=1024 * MiB)
         one_k, one_v = [k[:1] for k in keys], [v[:1] for v in values]
@@ -199,6 +218,9 @@ def push_figures(rx: ReceiverProcess, token: str, repeats: int, copy_gbps: float
             _push(sender, target, layout, tokens, keys, values, rx, "warm")
             best = min(_push(sender, target, layout, tokens, keys, values, rx, f"r{i}") for i in range(repeats))
             fixed = min(_push(sender, target, layout, bs, one_k, one_v, rx, f"one{i}") for i in range(repeats))
+            n = sizes.in_flight
+            steady = min(_push(sender, target, layout, tokens, keys, values, rx, f"many{i}", n)
+                         for i in range(repeats))
         finally:
             sender.close()
         out.append(GpuFigure(f"{logical // MiB} MiB cache, {codec} over {transport}", logical / best / 1e9,
@@ -209,6 +231,9 @@ def push_figures(rx: ReceiverProcess, token: str, repeats: int, copy_gbps: float
         if best > fixed:  # the rate the data alone moves at, once the fixed cost is paid: what kernels can change
             out.append(GpuFigure(f"{logical // MiB} MiB cache, {codec} over {transport}, past the fixed cost",
                                  logical / (best - fixed) / 1e9, "GB/s logical", ref, ref_gbps))
+        # steady state: one push's fixed cost overlaps the others' data
+        out.append(GpuFigure(f"{logical // MiB} MiB cache, {codec} over {transport}, {n} pushes at once",
+                             n * logical / steady / 1e9, "GB/s logical", ref, ref_gbps))
     return out
 
 

@@ -34,9 +34,10 @@ def test_every_section_of_the_gpu_kv_bench_runs_on_cpu(tmp_path: Path, capsys) -
     assert names[:8] == [f"{c} {op}" for c in ("int8", "fp8", "int4", "bf16")
                          for op in ("encode (by block index)", "decode (into blocks)")]
     assert names[8] == "device checksum (cuda_ipc chunks)"
-    assert names[9:] == ["2 MiB cache, int8 over tcp", "1-block cache, int8 over tcp",
-                         "2 MiB cache, int8 over tcp, past the fixed cost", "2 MiB cache, bf16 over shm",
-                         "1-block cache, bf16 over shm", "2 MiB cache, bf16 over shm, past the fixed cost",
+    pushes = [name for path in ("int8 over tcp", "bf16 over shm")
+              for name in (f"2 MiB cache, {path}", f"1-block cache, {path}",
+                           f"2 MiB cache, {path}, past the fixed cost", f"2 MiB cache, {path}, 2 pushes at once")]
+    assert names[9:] == [*pushes,
                          "TTFT 64-token prompt (tiny), int8 over grpc", "TTFT 64-token prompt (tiny), int8 over tcp",
                          "TTFT 64-token prompt (tiny), int8 over shm"]
     for f in report["figures"]:
@@ -46,6 +47,7 @@ def test_every_section_of_the_gpu_kv_bench_runs_on_cpu(tmp_path: Path, capsys) -
     assert refs["TTFT 64-token prompt (tiny), int8 over shm"] == "prefill alone"
     assert refs["1-block cache, bf16 over shm"] == "the 2 MiB push"
     assert refs["2 MiB cache, bf16 over shm, past the fixed cost"] == "tcp socket (logical bytes)"
+    assert refs["2 MiB cache, int8 over tcp, 2 pushes at once"] == "tcp socket (logical bytes)"
     by_name = {f["name"]: f["value"] for f in report["figures"]}
     for path in ("int8 over tcp", "bf16 over shm"):  # the data's rate is above the whole push's, by the fixed cost
         assert by_name[f"2 MiB cache, {path}, past the fixed cost"] > by_name[f"2 MiB cache, {path}"]

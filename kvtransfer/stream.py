@@ -190,8 +190,9 @@ class KVStream:
 
     def _lease_on_bulk(self, target: str, request: bytes, timeout_s: float) -> pb.CudaIpcLease | None:
         """The lease asked for on ``_bulk``; a refusal raises TransferFailed with OpenCudaIpc's code. None
-        when the receiver does not take leases there (it predates them) or the connection broke: it is
-        closed, this push's control goes on gRPC, and the lease is asked for with OpenCudaIpc."""
+        when the receiver does not take leases there (it predates them: its connections are not asked for
+        again for a while) or the connection broke: it is closed, this push's control goes on gRPC, and the
+        lease is asked for with OpenCudaIpc."""
         bulk = self._bulk
         assert bulk is not None
         limit = min(timeout_s, 10.0)
@@ -203,7 +204,9 @@ class KVStream:
         except (BulkError, DecodeError) as exc:
             bulk.close()
             self._bulk = None
-            self.ctx.bulk_control.failed(target, TransferFailed(f"no CUDA IPC lease on its bulk connection: {exc}"))
+            if isinstance(exc, DecodeError) or exc.kind == "protocol":  # not a broken connection: an older peer
+                self.ctx.bulk_control.failed(target, TransferFailed(f"no CUDA IPC lease on its bulk connection: "
+                                                                    f"{exc}"))
             return None
         if result.code != grpc.StatusCode.OK.value[0]:
             raise TransferFailed(f"receiver refused a CUDA IPC lease: {result.message}",

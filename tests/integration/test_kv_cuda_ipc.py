@@ -389,14 +389,19 @@ def test_a_refused_lease_on_the_bulk_connection_hands_the_connection_back(decode
     decode.receiver.ipc.release_stale(decode.receiver.expectations.__contains__)
 
 
-def test_a_receiver_that_takes_no_lease_on_its_bulk_connection_still_gets_the_push(
-        decode: Decode, caplog: pytest.LogCaptureFixture) -> None:
+@pytest.mark.parametrize("receiver", ["older", "connection breaks"])
+def test_a_receiver_that_gives_no_lease_on_its_bulk_connection_still_gets_the_push(
+        decode: Decode, caplog: pytest.LogCaptureFixture, receiver: str) -> None:
     """A receiver from before leases on the bulk connection answers one as a push that did not open with a
     handshake, and ends the connection. The sender closes it, leases with OpenCudaIpc, sends this push's
-    control on gRPC, says so once, and stops asking that receiver for a connection for a while."""
+    control on gRPC, says so once, and stops asking that receiver for a connection for a while. A
+    connection that breaks instead costs only this push its bulk path."""
     real = decode.receiver.serve_bulk
 
     def serve_as_before(conn: BulkConnection) -> None:
+        if receiver == "connection breaks":
+            conn.close()
+            return
         try:
             conn.read_message((KIND_HANDSHAKE,))
         except BulkError as exc:  # what serve_bulk answered then to any other first message
@@ -421,9 +426,10 @@ def test_a_receiver_that_takes_no_lease_on_its_bulk_connection_still_gets_the_pu
                 stream.send_layer(layer, 0, k, k)
             result = stream.finish(4)
         assert result.transport == "cuda_ipc" and decode.outcomes["old"].ok
-        assert not sender.bulk_control_usable(decode.target) and sender.bulk.idle(decode.target) == 0
+        assert sender.bulk.idle(decode.target) == 0
         said = [r.getMessage() for r in caplog.records if "no CUDA IPC lease on its bulk connection" in r.getMessage()]
-        assert len(said) == 1, said
+        assert sender.bulk_control_usable(decode.target) == (receiver == "connection breaks")
+        assert len(said) == (1 if receiver == "older" else 0), said
     finally:
         sender.close()
     got, _ = decode.engine.cache.read_tokens(1, res.blocks, 12, torch.float32)  # layer 1: fp32, exact

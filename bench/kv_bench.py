@@ -16,6 +16,9 @@ cache) and this process as the sender. Figures:
                transfer, over shared memory (kept) with a memcpy. The median of the pairs' ratios,
                which the machine's drift between minutes moves far less than a best-of against a
                best-of;
+  fixed cost   the median time of a push of one block per layer (16 layers, and 1), bf16 over each
+               transport: what every push pays whatever its size (RPCs, a message per layer, the ack),
+               against a one-byte TCP round trip between two processes;
   TTFT         a 2k-token prompt: prefill alone, and prefill streaming its KV layer by layer until
                the decode side holds all of it (what decode waits for before its first step).
 """
@@ -205,6 +208,34 @@ def transfer_figures(shape: Shape, codecs: list[tuple[str, TransportChoice, str,
     return out
 
 
+ROUND_TRIP = "tcp round trip"  # the fixed-cost figures' reference
+
+
+def fixed_cost_figures(rx: ReceiverProcess, token: str, pushes: int, round_trip_s: float) -> list[Figure]:
+    """The median of ``pushes`` pushes of one block per layer (16 layers, then 1), bf16 into a bf16 cache,
+    per transport, in ms, against ``round_trip_s``."""
+    out = []
+    for layers in (16, 1):
+        shape = Shape(f"1-block cache, {layers} layer{'s' if layers > 1 else ''}", layers=layers, kv_heads=8,
+                      head_dim=128, tokens=16)
+        keys, values = random_cache(shape)
+        layout = KVLayout(layers, shape.kv_heads, shape.head_dim, shape.block_size, ("bf16",) * layers, "bench",
+                          "bfloat16")
+        for transport in ("grpc", "tcp", "shm"):
+            port = rx.call("setup", layout, "bfloat16", shape.blocks)
+            sender = KVSender(TransferSecurity(token=token), transport=transport)
+            try:
+                target = f"127.0.0.1:{port}"
+                for i in range(3):  # connections, mappings and code paths warmed up
+                    _push_once(sender, target, layout, shape, keys, values, rx, f"w{i}")
+                times = [_push_once(sender, target, layout, shape, keys, values, rx, f"r{i}") for i in range(pushes)]
+            finally:
+                sender.close()
+            out.append(Figure(f"{shape.name}: bf16 over {transport}", statistics.median(times) * 1e3, "ms",
+                              ROUND_TRIP, round_trip_s * 1e3))
+    return out
+
+
 @dataclass
 class Paired:
     name: str
@@ -377,6 +408,9 @@ def run(args: argparse.Namespace) -> int:
             figures += transfer_figures(shape, plan, rx, token, args.repeats, refs)
         if pairs > 0:
             paired = paired_figures(shapes[-1], rx, token, pairs)
+        print("fixed cost of a push ...", flush=True)
+        round_trip = references.tcp_round_trip()
+        figures += fixed_cost_figures(rx, token, 10 if args.quick else 40, round_trip)
         print("TTFT ...", flush=True)
         figures += ttft_figure(rx, token, args.ttft_tokens, args.repeats, args.ttft_codec)
     finally:
@@ -391,6 +425,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"{'reference':<34}{'GB/s':>8}")
     for m in refs.values():
         print(f"{m.name:<34}{m.gbps:8.2f}")
+    print(f"{ROUND_TRIP:<34}{round_trip * 1e3:8.3f} ms")
     print()
     print(f"{'figure':<46}{'value':>12}  {'reference':<30}{'ref':>9}{'ratio':>8}")
     for f in figures:
@@ -399,6 +434,7 @@ def run(args: argparse.Namespace) -> int:
         _print_paired(paired)
     if args.json:
         Path(args.json).write_text(json.dumps({"references": {k: m.gbps for k, m in refs.items()},
+                                               "latency_references_ms": {ROUND_TRIP: round_trip * 1e3},
                                                "figures": [asdict(f) | {"ratio": f.ratio} for f in figures],
                                                "paired": [asdict(pf) | {"median": pf.median} for pf in paired]},
                                               indent=2))

@@ -35,6 +35,7 @@ import multiprocessing
 import os
 import shutil
 import socket
+import statistics
 import struct
 import sys
 import tempfile
@@ -177,6 +178,47 @@ def _socket_stream(name: str, family: int, bind_to: Any, nbytes: int, chunk: int
         piece.release()
     view.release()
     return Measurement(name, nbytes, best)
+
+
+def tcp_round_trip(repeats: int = 200) -> float:
+    """Median seconds of a one-byte ping-pong over 127.0.0.1 with a receiver process (TCP_NODELAY both
+    ways): the least any request and its answer between two processes cost here."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be at least 1, got {repeats}")
+    times: list[float] = []
+    with _Child(_echo_receiver, socket.AF_INET, ("127.0.0.1", 0)) as child:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            _tune(sock)
+            sock.settimeout(_IO_TIMEOUT_S)
+            sock.connect(child.address)
+            for i in range(repeats + 10):  # the first 10 warm the path up
+                t0 = time.perf_counter()
+                try:
+                    sock.sendall(b"x")
+                    echo = sock.recv(1)
+                except OSError as exc:
+                    child.raise_failure(f"tcp round trip: {exc!r}")
+                if echo != b"x":
+                    child.raise_failure(f"tcp round trip: the receiver echoed {echo!r}")
+                if i >= 10:
+                    times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _echo_receiver(conn: Any, family: int, bind_to: Any) -> None:
+    """Child: accept one connection and send back each byte until it closes."""
+    with socket.socket(family, socket.SOCK_STREAM) as listener:
+        listener.bind(bind_to)
+        listener.listen(1)
+        listener.settimeout(_START_TIMEOUT_S)
+        conn.send(("ready", listener.getsockname(), _heavy_modules()))
+        peer, _ = listener.accept()
+    with peer:
+        _tune(peer)
+        peer.settimeout(_IO_TIMEOUT_S)
+        while byte := peer.recv(1):
+            peer.sendall(byte)
+    _wait_for_stop(conn)
 
 
 def _socket_receiver(conn: Any, family: int, bind_to: Any, nbytes: int) -> None:

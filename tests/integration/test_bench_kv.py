@@ -33,9 +33,13 @@ def test_quick_run_reports_every_figure_and_the_pairs(tmp_path: Path) -> None:
                  "int8 over shm, kept int8"):
         assert f"demo 4k-token cache: {want}" in names, names
     assert any(n.startswith("TTFT 256-token prompt") for n in names)
+    for layers in ("16 layers", "1 layer"):  # the fixed cost of a push, per transport
+        for transport in ("grpc", "tcp", "shm"):
+            assert f"1-block cache, {layers}: bf16 over {transport}" in names, names
     assert all(f["value"] > 0 and f["ref_value"] > 0 for f in raw["figures"])
-    assert all(f["reference"] in raw["references"] or f["reference"] == "prefill compute alone"
-               for f in raw["figures"])
+    assert all(f["reference"] in raw["references"] or f["reference"] in raw["latency_references_ms"]
+               or f["reference"] == "prefill compute alone" for f in raw["figures"])
+    assert raw["latency_references_ms"]["tcp round trip"] > 0 and "tcp round trip" in proc.stdout
     assert [p["name"] for p in raw["paired"]] == ["demo 4k-token cache: int8 over tcp, kept int8",
                                                   "demo 4k-token cache: int8 over tcp, bf16 cache",
                                                   "demo 4k-token cache: int8 over shm, kept int8"]

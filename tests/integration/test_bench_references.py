@@ -123,6 +123,20 @@ def test_receiver_fails_loudly_on_a_short_transfer() -> None:
             child.verify(nbytes, 0)
 
 
+def test_tcp_round_trip_is_an_echo_between_two_processes() -> None:
+    """The fixed-cost figures' reference: each byte comes back from the other process (the echo child
+    answers what it got, byte for byte); the median is a time (no speed is asserted)."""
+    with references._Child(references._echo_receiver, socket.AF_INET, ("127.0.0.1", 0)) as child:
+        with socket.create_connection(child.address, timeout=10) as sock:
+            for byte in (b"a", b"\x00", b"\xff"):
+                sock.sendall(byte)
+                assert sock.recv(1) == byte
+    seconds = references.tcp_round_trip(repeats=20)
+    assert seconds > 0
+    with pytest.raises(ValueError, match="repeats must be at least 1"):
+        references.tcp_round_trip(repeats=0)
+
+
 def test_main_prints_the_table(capsys: pytest.CaptureFixture[str]) -> None:
     assert references.main(["--bytes", str(MiB), "--repeats", "1"]) == 0
     out = capsys.readouterr().out

@@ -162,11 +162,15 @@ def _push(sender: KVSender, target: str, layout: KVLayout, tokens: int, keys: li
             stream.send_layer(layer, 0, keys[layer], values[layer])
         stream.finish(0)
 
+    pool = ThreadPoolExecutor(max_workers=at_once) if at_once > 1 else None  # one push: on this thread
     synchronize(keys[0].device)
     start = time.perf_counter()
-    with ThreadPoolExecutor(max_workers=at_once) as pool:
-        for f in [pool.submit(one, r) for r in rids]:
-            f.result()
+    if pool is None:
+        one(rids[0])
+    else:
+        with pool:
+            for f in [pool.submit(one, r) for r in rids]:
+                f.result()
     elapsed = time.perf_counter() - start
     ok, error = rx.call("wait", at_once)
     if not ok:

@@ -205,15 +205,21 @@ def tcp_round_trip(repeats: int = 200) -> float:
     return statistics.median(times)
 
 
-def _echo_receiver(conn: Any, family: int, bind_to: Any) -> None:
-    """Child: accept one connection and send back each byte until it closes."""
+def _accept_one(conn: Any, family: int, bind_to: Any) -> socket.socket:
+    """Child: listen on ``bind_to``, tell the parent where ("ready"), and accept its one connection."""
     with socket.socket(family, socket.SOCK_STREAM) as listener:
+        _tune(listener)  # accepted sockets inherit the buffers and TCP_NODELAY
         listener.bind(bind_to)
         listener.listen(1)
         listener.settimeout(_START_TIMEOUT_S)
         conn.send(("ready", listener.getsockname(), _heavy_modules()))
         peer, _ = listener.accept()
-    with peer:
+    return peer
+
+
+def _echo_receiver(conn: Any, family: int, bind_to: Any) -> None:
+    """Child: accept one connection and send back each byte until it closes."""
+    with _accept_one(conn, family, bind_to) as peer:
         _tune(peer)
         peer.settimeout(_IO_TIMEOUT_S)
         while byte := peer.recv(1):
@@ -225,14 +231,7 @@ def _socket_receiver(conn: Any, family: int, bind_to: Any, nbytes: int) -> None:
     """Child: accept one connection, then per transfer ``recv_into`` nbytes, ack, and verify."""
     buf = bytearray(nbytes)  # allocated (and zero-filled, so faulted in) before anything is timed
     view = memoryview(buf)
-    with socket.socket(family, socket.SOCK_STREAM) as listener:
-        _tune(listener)  # accepted sockets inherit the buffers
-        listener.bind(bind_to)
-        listener.listen(1)
-        listener.settimeout(_START_TIMEOUT_S)
-        conn.send(("ready", listener.getsockname(), _heavy_modules()))
-        peer, _ = listener.accept()
-    with peer:
+    with _accept_one(conn, family, bind_to) as peer:
         peer.settimeout(_IO_TIMEOUT_S)
         while True:
             got = 0

@@ -221,8 +221,8 @@ def fixed_cost_figures(rx: ReceiverProcess, token: str, pushes: int, round_trip_
         keys, values = random_cache(shape)
         layout = KVLayout(layers, shape.kv_heads, shape.head_dim, shape.block_size, ("bf16",) * layers, "bench",
                           "bfloat16")
+        port = rx.call("setup", layout, "bfloat16", shape.blocks)  # one receiver takes every transport
         for transport in ("grpc", "tcp", "shm"):
-            port = rx.call("setup", layout, "bfloat16", shape.blocks)
             sender = KVSender(TransferSecurity(token=token), transport=transport)
             try:
                 target = f"127.0.0.1:{port}"

@@ -101,7 +101,7 @@ def _receiver_main(conn: Connection, token: str) -> None:
                 rids, nblocks = args
                 event.clear()
                 outcomes.clear()
-                for i, rid in enumerate([rids] if isinstance(rids, str) else rids):
+                for i, rid in enumerate(rids):
                     current[1].expect(rid, list(range(i * nblocks, (i + 1) * nblocks)), on_done, 120)
                 conn.send("ok")
             elif cmd == "wait":  # for every push expected last
@@ -280,7 +280,7 @@ def ttft_figures(rx: ReceiverProcess, token: str, repeats: int, codec: str, devi
 
         def streamed(i: int) -> float:
             rid = f"ttft-{transport}-{i}"
-            assert rx.call("expect", rid, blocks) == "ok"
+            assert rx.call("expect", [rid], blocks) == "ok"
             synchronize(device)
             start = time.perf_counter()
             streamer.start(rid, target, tokens, timeout_s=120)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import queue
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -18,6 +19,7 @@ import pytest
 import torch
 
 from kvtransfer.auth import TransferSecurity
+from kvtransfer.bulk import FRAME, HELLO
 from kvtransfer.checksum import StreamChecksum, chunk_checksum
 from kvtransfer.codecs import Kind, get_codec
 from kvtransfer.cuda_ipc import DeviceParts
@@ -27,7 +29,7 @@ from kvtransfer.receiver import KVReceiver, TransferOutcome, WireParts
 from kvtransfer.sender import KVSender
 from kvtransfer.server import kv_transfer_handler, start_server
 from kvtransfer.stream import PushResult
-from kvtransfer.wire import PROTOCOL_VERSION, PUSH_METHOD, encode_chunk, encode_control, pb
+from kvtransfer.wire import OPEN_BULK_METHOD, PROTOCOL_VERSION, PUSH_METHOD, encode_chunk, encode_control, pb
 from workers.decode.kv_sink import CacheSink
 from workers.prefill.kv_stream import engine_layout
 from workers.runtime.config import ModelConfig
@@ -299,6 +301,41 @@ class OpenPush:
 
     def result(self, timeout: float = 5.0) -> pb.PushAck:
         return self.future.result(timeout=timeout)
+
+
+# ---------------------------------------------------------------------- raw bulk TCP connections
+def open_bulk(channel: grpc.Channel, metadata: Sequence[tuple[str, str]] = AUTH) -> pb.BulkTicket:
+    call: grpc.UnaryUnaryMultiCallable[bytes, pb.BulkTicket] = channel.unary_unary(
+        OPEN_BULK_METHOD, request_serializer=None, response_deserializer=pb.BulkTicket.FromString)
+    return call(b"", metadata=tuple(metadata), timeout=5)
+
+
+def connect(ticket: pb.BulkTicket, secret: bytes | None = None) -> tuple[socket.socket, bytes]:
+    """Connect with ``ticket`` (or a wrong ``secret``); returns the socket and the receiver's answer."""
+    sock = socket.create_connection(("127.0.0.1", ticket.port), timeout=5)
+    sock.sendall(HELLO + ticket.connection_id + (secret if secret is not None else ticket.secret))
+    try:
+        answer = sock.recv(1)
+    except ConnectionResetError:
+        answer = b""
+    return sock, answer
+
+
+def frame(kind: int, message: bytes) -> bytes:
+    return FRAME.pack(kind, len(message)) + message
+
+
+def read_message(sock: socket.socket, kind: int, timeout: float = 5.0) -> bytes:
+    """The next whole message on ``sock``, which must be of ``kind``."""
+    sock.settimeout(timeout)
+    data = b""
+    while len(data) < FRAME.size or len(data) < FRAME.size + FRAME.unpack(data[:FRAME.size])[1]:
+        got = sock.recv(65536)
+        assert got, f"the connection closed after {len(data)} bytes, before a whole message"
+        data += got
+    got_kind, n = FRAME.unpack(data[:FRAME.size])
+    assert got_kind == kind and len(data) == FRAME.size + n, f"message kind {got_kind} of {n} bytes, expected {kind}"
+    return data[FRAME.size:]
 
 
 def wait_until(predicate: Callable[[], bool], timeout: float, what: str) -> None:

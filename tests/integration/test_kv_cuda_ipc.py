@@ -17,8 +17,6 @@ import torch
 
 from kvtransfer.auth import TransferSecurity
 from kvtransfer.bulk import (
-    FRAME,
-    HELLO,
     KIND_CHUNK,
     KIND_FINISH,
     KIND_HANDSHAKE,
@@ -39,8 +37,8 @@ from kvtransfer.options import CHANNEL_OPTIONS
 from kvtransfer.receiver import KVReceiver, TransferOutcome
 from kvtransfer.sender import KVSender
 from kvtransfer.server import kv_transfer_handler, start_server
-from kvtransfer.wire import OPEN_BULK_METHOD, OPEN_CUDA_IPC_METHOD, PROTOCOL_VERSION, PUSH_METHOD, encode_control, pb
-from tests.integration.kv_helpers import tiny_model
+from kvtransfer.wire import OPEN_CUDA_IPC_METHOD, PROTOCOL_VERSION, PUSH_METHOD, encode_control, pb
+from tests.integration.kv_helpers import connect, frame, open_bulk, read_message, tiny_model
 from workers.decode.kv_sink import CacheSink
 from workers.prefill.kv_stream import engine_layout
 from workers.runtime.engine import Engine, EngineConfig
@@ -124,34 +122,9 @@ def _assert_landed(d: Decode, blocks, sent: list[tuple[str, torch.Tensor, torch.
 
 def _bulk_socket(d: Decode) -> socket.socket:
     """A raw bulk TCP connection to the decode side (ticket from OpenBulk, hello answered OK)."""
-    call: Any = d.channel.unary_unary(OPEN_BULK_METHOD, request_serializer=None,
-                                      response_deserializer=pb.BulkTicket.FromString)
-    ticket = call(b"", metadata=d.auth, timeout=5)
-    sock = socket.create_connection(("127.0.0.1", ticket.port), timeout=5)
-    sock.sendall(HELLO + ticket.connection_id + ticket.secret)
-    assert sock.recv(1) == OK
+    sock, answer = connect(open_bulk(d.channel, d.auth))
+    assert answer == OK
     return sock
-
-
-def _frame(kind: int, message: bytes) -> bytes:
-    return FRAME.pack(kind, len(message)) + message
-
-
-def _read(sock: socket.socket, kind: int) -> bytes:
-    """The next message on ``sock``, which must be of ``kind``."""
-    head = b""
-    while len(head) < FRAME.size:
-        got = sock.recv(FRAME.size - len(head))
-        assert got, "the connection closed"
-        head += got
-    got_kind, n = FRAME.unpack(head)
-    assert got_kind == kind, f"message kind {got_kind}, expected {kind}"
-    data = b""
-    while len(data) < n:
-        more = sock.recv(n - len(data))
-        assert more, "the connection closed mid-message"
-        data += more
-    return data
 
 
 def _write_chunks(d: Decode, rid: str, segment: torch.Tensor, corrupt: bool = False, first_offset: int = 0):
@@ -350,18 +323,18 @@ def test_a_lease_asked_for_on_the_bulk_connection_serves_the_push_on_it(decode: 
                     (b"\xff\xff\xff", grpc.StatusCode.INVALID_ARGUMENT, "malformed CudaIpcLeaseRequest"),
                     (lease_request("bl", 2 << 20), grpc.StatusCode.RESOURCE_EXHAUSTED, "hold 1048576"))
         for request, code, says in refusals:
-            sock.sendall(_frame(KIND_LEASE, request))
-            refused = pb.CudaIpcLeaseResult.FromString(_read(sock, KIND_LEASE_RESULT))
+            sock.sendall(frame(KIND_LEASE, request))
+            refused = pb.CudaIpcLeaseResult.FromString(read_message(sock, KIND_LEASE_RESULT))
             assert refused.code == code.value[0] and says in refused.message, refused
             assert decode.receiver.ipc.leased == 0
-        sock.sendall(_frame(KIND_LEASE, lease_request("bl", 1000)))
-        got = pb.CudaIpcLeaseResult.FromString(_read(sock, KIND_LEASE_RESULT))
+        sock.sendall(frame(KIND_LEASE, lease_request("bl", 1000)))
+        got = pb.CudaIpcLeaseResult.FromString(read_message(sock, KIND_LEASE_RESULT))
         assert got.code == 0 and got.lease.pool_epoch == decode.receiver.ipc.epoch
         assert decode.receiver.ipc.leased == 1
         frames, sent = _write_chunks(decode, "bl", decode.receiver.ipc.segments[got.lease.segment])
-        sock.sendall(_frame(KIND_HANDSHAKE, _handshake("bl", decode.layout, got.lease, timeout_ms=10_000))
-                     + b"".join(_frame(KIND_CHUNK, f) for f in frames[:-1]) + _frame(KIND_FINISH, frames[-1]))
-        result = pb.PushResult.FromString(_read(sock, KIND_RESULT))
+        sock.sendall(frame(KIND_HANDSHAKE, _handshake("bl", decode.layout, got.lease, timeout_ms=10_000))
+                     + b"".join(frame(KIND_CHUNK, f) for f in frames[:-1]) + frame(KIND_FINISH, frames[-1]))
+        result = pb.PushResult.FromString(read_message(sock, KIND_RESULT))
     assert result.code == 0 and result.ack.num_chunks == 2, result
     assert decode.outcomes["bl"].ok and decode.receiver.ipc.leased == 0
     _assert_landed(decode, res.blocks, sent)

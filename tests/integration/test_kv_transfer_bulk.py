@@ -20,9 +20,24 @@ from kvtransfer.bulk import FRAME, HELLO, KEEPALIVE_IDLE_S, KIND_CHUNK, KIND_FIN
 from kvtransfer.bulk_listener import BulkListener
 from kvtransfer.errors import TransferFailed
 from kvtransfer.sender import KVSender
-from kvtransfer.wire import OPEN_BULK_METHOD, encode_control, pb
+from kvtransfer.wire import encode_control, pb
 
-from kv_helpers import AUTH, SECURITY, Frames, OpenPush, Pending, Rig, make_pki, make_rig, model, wait_until  # noqa: F401  (fixtures)
+from kv_helpers import (  # noqa: F401  (fixtures)
+    AUTH,
+    SECURITY,
+    Frames,
+    OpenPush,
+    Pending,
+    Rig,
+    connect,
+    frame,
+    make_pki,
+    make_rig,
+    model,
+    open_bulk,
+    read_message,
+    wait_until,
+)
 
 pytestmark = [pytest.mark.integration]
 
@@ -36,23 +51,6 @@ def rig(make_rig: Callable[..., Rig]) -> Rig:
     return rig
 
 
-def open_bulk(channel: grpc.Channel, metadata=AUTH) -> pb.BulkTicket:
-    call: grpc.UnaryUnaryMultiCallable[bytes, pb.BulkTicket] = channel.unary_unary(
-        OPEN_BULK_METHOD, request_serializer=None, response_deserializer=pb.BulkTicket.FromString)
-    return call(b"", metadata=tuple(metadata), timeout=5)
-
-
-def connect(ticket: pb.BulkTicket, secret: bytes | None = None) -> tuple[socket.socket, bytes]:
-    """Connect with ``ticket`` (or a wrong ``secret``); returns the socket and the receiver's answer."""
-    sock = socket.create_connection(("127.0.0.1", ticket.port), timeout=5)
-    sock.sendall(HELLO + ticket.connection_id + (secret if secret is not None else ticket.secret))
-    try:
-        answer = sock.recv(1)
-    except ConnectionResetError:
-        answer = b""
-    return sock, answer
-
-
 def send_good_with(rig: Rig, transport: str, pending: Pending | None = None) -> None:
     """A good push from a fresh sender on ``transport``, closed afterwards."""
     sender = KVSender(SECURITY, transport=transport)  # type: ignore[arg-type]  # parametrized as str
@@ -60,10 +58,6 @@ def send_good_with(rig: Rig, transport: str, pending: Pending | None = None) -> 
         rig.send_good(pending or rig.reserve(), sender)
     finally:
         sender.close()
-
-
-def frame(kind: int, message: bytes) -> bytes:
-    return FRAME.pack(kind, len(message)) + message
 
 
 def bulk_push(rig: Rig, rid: str, *, timeout: float = 10.0) -> tuple[socket.socket, Frames]:
@@ -78,15 +72,7 @@ def bulk_push(rig: Rig, rid: str, *, timeout: float = 10.0) -> tuple[socket.sock
 
 def read_result(sock: socket.socket, timeout: float = 5.0) -> pb.PushResult:
     """The receiver's PushResult, the one message it writes per push."""
-    sock.settimeout(timeout)
-    data = b""
-    while len(data) < FRAME.size or len(data) < FRAME.size + FRAME.unpack(data[:FRAME.size])[1]:
-        got = sock.recv(65536)
-        assert got, f"the connection closed after {len(data)} bytes, before a whole result"
-        data += got
-    kind, n = FRAME.unpack(data[:FRAME.size])
-    assert kind == KIND_RESULT and len(data) == FRAME.size + n
-    return pb.PushResult.FromString(data[FRAME.size:])
+    return pb.PushResult.FromString(read_message(sock, KIND_RESULT, timeout))
 
 
 def assert_closed_after_result(sock: socket.socket) -> None:

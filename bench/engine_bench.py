@@ -3,6 +3,8 @@
 Same checkpoint, same dtype, same thread count, same process, same run. Figures:
   decode   aggregate tokens/s at each batch size (prefill excluded), vs transformers ``generate()``
            at batch 1 (its prefill subtracted the same way);
+  sampled  the same at the largest batch with temperature 0.8 and top_p 0.95 (``bench.sampled``), vs
+           transformers sampling with them at batch 1;
   prefill  prompt tokens/s for one prompt, vs one transformers forward over the same tokens.
 Each figure is the best of ``--repeats`` runs. Peak RSS and the KV pool's bytes against its budget
 are reported too.
@@ -22,6 +24,7 @@ from typing import Any
 import torch
 
 from bench.hf_reference import load_hf_model
+from bench.sampled import decode_params, hf_sampling
 from workers.runtime.engine import DEFAULT_KV_CACHE_BYTES, DTYPES, Engine, EngineConfig
 from workers.runtime.loader import LoadedModel, load_model
 from workers.runtime.sampler import SamplingParams
@@ -49,12 +52,12 @@ def _prompt(length: int, vocab: int, salt: int = 0) -> list[int]:
     return torch.randint(10, vocab, (length,), generator=g).tolist()
 
 
-def _engine_decode_seconds(bundle: LoadedModel, cfg: EngineConfig, batch: int, tokens: int) -> float:
+def _engine_decode_seconds(bundle: LoadedModel, cfg: EngineConfig, batch: int, tokens: int,
+                           sampled: bool = False) -> float:
     """Seconds for ``tokens - 1`` decode steps of ``batch`` sequences (prefill not timed)."""
     engine = Engine(bundle.model, bundle.tokenizer, cfg, bundle.eos_token_ids)
-    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
     for i in range(batch):
-        engine.add_request(str(i), _prompt(32, bundle.config.vocab_size, i), params)
+        engine.add_request(str(i), _prompt(32, bundle.config.vocab_size, i), decode_params(tokens, sampled, i))
     while engine.stats().num_waiting or any(s.num_computed < len(s.prompt_ids) for s in engine.scheduler.running):
         engine.step()
     start = time.perf_counter()
@@ -78,11 +81,12 @@ def _engine_prefill_seconds(bundle: LoadedModel, cfg: EngineConfig, length: int)
 
 
 @torch.inference_mode()
-def _hf_generate_seconds(hf: Any, prompt: list[int], new_tokens: int) -> float:  # hf: a transformers model
+def _hf_generate_seconds(hf: Any, prompt: list[int], new_tokens: int,
+                         sampled: bool = False) -> float:  # hf: a transformers model
     ids = torch.tensor([prompt])
     start = time.perf_counter()
     hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                do_sample=False, pad_token_id=0)
+                pad_token_id=0, **hf_sampling(sampled))
     return time.perf_counter() - start
 
 
@@ -120,15 +124,21 @@ def run(args: argparse.Namespace) -> int:
         _hf_generate_seconds(hf, _prompt(32, bundle.config.vocab_size), 4)
 
     rows: list[Row] = []
-    hf_decode = None
-    if hf is not None:
+
+    def hf_decode(sampled: bool) -> float | None:
+        if hf is None:
+            return None
         prompt = _prompt(32, bundle.config.vocab_size)
-        full = _best(lambda: _hf_generate_seconds(hf, prompt, tokens), args.repeats)
-        first = _best(lambda: _hf_generate_seconds(hf, prompt, 1), args.repeats)
-        hf_decode = (tokens - 1) / max(full - first, 1e-9)
+        full = _best(lambda: _hf_generate_seconds(hf, prompt, tokens, sampled), args.repeats)
+        first = _best(lambda: _hf_generate_seconds(hf, prompt, 1, sampled), args.repeats)
+        return (tokens - 1) / max(full - first, 1e-9)
+    greedy_ref = hf_decode(False)
     for b in batches:
         secs = _best(lambda: _engine_decode_seconds(bundle, cfg, b, tokens), args.repeats)
-        rows.append(Row(f"decode batch {b}", b * (tokens - 1) / secs, "HF generate batch 1", hf_decode))
+        rows.append(Row(f"decode batch {b}", b * (tokens - 1) / secs, "HF generate batch 1", greedy_ref))
+    b = max(batches)
+    secs = _best(lambda: _engine_decode_seconds(bundle, cfg, b, tokens, sampled=True), args.repeats)
+    rows.append(Row(f"sampled batch {b}", b * (tokens - 1) / secs, "HF sampled batch 1", hf_decode(True)))
     for n in lengths:
         secs = _best(lambda: _engine_prefill_seconds(bundle, cfg, n), args.repeats)
         ref = None

@@ -9,6 +9,8 @@ Figures (each the best of ``--repeats``):
   decode    aggregate tokens/s at each ``--batches`` size (prefill excluded), vs transformers
             ``generate()`` at the same batch (its one-token run subtracted the same way); batch 1
             is also shown as a share of the roofline;
+  sampled   the same at the largest batch with ``bench.sampled``'s temperature and top_p, vs
+            transformers sampling with them at that batch;
   prefill   prompt tokens/s of one ``--prefill-lengths`` prompt, vs one transformers forward;
 and the KV pool's size, peak GPU memory and the CUDA graphs' capture time.
 """
@@ -24,6 +26,7 @@ from typing import Any
 
 import torch
 
+from bench.sampled import decode_params, hf_sampling
 from workers.runtime.engine import DTYPES, Engine, EngineConfig
 from workers.runtime.loader import load_model
 from workers.runtime.sampler import SamplingParams
@@ -91,10 +94,9 @@ def _prompt(length: int, vocab: int, salt: int = 0) -> list[int]:
     return torch.randint(10, min(vocab, 2000), (length,), generator=g).tolist()
 
 
-def _engine_decode_seconds(engine: Engine, vocab: int, batch: int, tokens: int) -> float:
-    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+def _engine_decode_seconds(engine: Engine, vocab: int, batch: int, tokens: int, sampled: bool = False) -> float:
     for i in range(batch):
-        engine.add_request(f"d{i}", _prompt(PROMPT_TOKENS, vocab, i), params)
+        engine.add_request(f"d{i}", _prompt(PROMPT_TOKENS, vocab, i), decode_params(tokens, sampled, i))
     while engine.stats().num_waiting or any(s.num_computed < len(s.prompt_ids) for s in engine.scheduler.running):
         engine.step()
     steps = 0
@@ -119,10 +121,12 @@ def _engine_prefill_seconds(engine: Engine, vocab: int, length: int) -> float:
 
 
 @torch.inference_mode()
-def _hf_generate_seconds(hf: Any, batch: int, new_tokens: int, vocab: int) -> float:  # hf: a transformers model
+def _hf_generate_seconds(hf: Any, batch: int, new_tokens: int, vocab: int,
+                         sampled: bool = False) -> float:  # hf: a transformers model
     ids = torch.tensor([_prompt(PROMPT_TOKENS, vocab, i) for i in range(batch)], device=hf.device)
     return timed(lambda: hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                                      min_new_tokens=new_tokens, do_sample=False, pad_token_id=0), hf.device)
+                                      min_new_tokens=new_tokens, pad_token_id=0, **hf_sampling(sampled)),
+                 hf.device)
 
 
 @torch.inference_mode()
@@ -178,9 +182,9 @@ def run_cuda(args: argparse.Namespace, batches: list[int], lengths: list[int]) -
     _engine_prefill_seconds(engine, vocab, min(lengths))
     reference(lambda: _hf_generate_seconds(hf, 1, 4, vocab))
 
-    def hf_decode(b: int) -> float:
-        full = _best(lambda: _hf_generate_seconds(hf, b, tokens, vocab), repeats)
-        first = _best(lambda: _hf_generate_seconds(hf, b, 1, vocab), repeats)
+    def hf_decode(b: int, sampled: bool = False) -> float:
+        full = _best(lambda: _hf_generate_seconds(hf, b, tokens, vocab, sampled), repeats)
+        first = _best(lambda: _hf_generate_seconds(hf, b, 1, vocab, sampled), repeats)
         return b * (tokens - 1) / max(full - first, 1e-9)
 
     rows: list[GpuRow] = []
@@ -188,6 +192,10 @@ def run_cuda(args: argparse.Namespace, batches: list[int], lengths: list[int]) -
         secs = _best(lambda: _engine_decode_seconds(engine, vocab, b, tokens), repeats)
         rows.append(GpuRow(f"decode batch {b}", b * (tokens - 1) / secs, f"HF generate batch {b}",
                            reference(lambda: hf_decode(b))))
+    b = max(batches)
+    secs = _best(lambda: _engine_decode_seconds(engine, vocab, b, tokens, sampled=True), repeats)
+    rows.append(GpuRow(f"sampled batch {b}", b * (tokens - 1) / secs, f"HF sampled batch {b}",
+                       reference(lambda: hf_decode(b, sampled=True))))
     for n in lengths:
         secs = _best(lambda: _engine_prefill_seconds(engine, vocab, n), repeats)
         rows.append(GpuRow(f"prefill {n} tokens", n / secs, f"HF forward {n} tokens",

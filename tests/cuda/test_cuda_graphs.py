@@ -96,8 +96,22 @@ def test_kv_pool_is_sized_from_free_memory(model) -> None:
     assert sizes[0.6] > sizes[0.3] + 0.25 * torch.cuda.mem_get_info()[1]
 
 
+def test_the_kv_pool_leaves_room_for_sampling_a_full_batch(model) -> None:
+    """Sampling runs on the GPU: the pool of an engine that may sample 16,384 sequences at once is smaller by
+    at least four float32 copies of their logits (a top_p step sorts each row in full and sums its CDF)."""
+    sizes = {}
+    for rows in (1, 16384):
+        gc.collect()
+        torch.cuda.empty_cache()
+        engine = Engine(model, None, EngineConfig(device="cuda", gpu_memory_utilization=0.3, max_num_seqs=rows,
+                                                  cuda_graphs=False))
+        sizes[rows] = engine.cache.nbytes
+        del engine
+    assert sizes[1] - sizes[16384] >= 16384 * model.cfg.vocab_size * 4 * 4
+
+
 def test_seeded_sampling_on_cuda_is_batch_invariant(model) -> None:
-    """Sampled rows are drawn on the host with the request's own generator, so a seeded request gives
+    """Each sampled row draws with one uniform from the request's own generator, so a seeded request gives
     the same tokens alone and in a batch, graphs or not."""
     def params(i: int) -> SamplingParams:
         return SamplingParams(max_tokens=8, temperature=0.8, top_p=0.9, top_k=50, seed=100 + i, ignore_eos=True)

@@ -36,7 +36,8 @@ def test_the_gpu_bench_flow_gives_every_row_beside_transformers(tiny: Path, tmp_
     text = capsys.readouterr().out
     report = json.loads(out.read_text())
     rows = {r["name"]: r for r in report["rows"]}
-    assert list(rows) == ["decode batch 1", "decode batch 3", "prefill 16 tokens"]
+    assert list(rows) == ["decode batch 1", "decode batch 3", "sampled batch 3", "prefill 16 tokens"]
+    assert rows["sampled batch 3"]["ref_name"] == "HF sampled batch 3"
     for r in rows.values():
         assert r["epd_tok_s"] > 0 and r["ref_tok_s"] > 0
         assert r["ratio"] == pytest.approx(r["epd_tok_s"] / r["ref_tok_s"])
@@ -54,6 +55,7 @@ def test_without_transformers_the_rows_have_no_reference(tiny: Path, tmp_path: P
     assert run_cuda(_args(tiny, out, no_hf=True), [1], [8]) == 0
     rows = json.loads(out.read_text())["rows"]
     assert [(r["name"], r["ref_tok_s"], r["ratio"]) for r in rows] == [("decode batch 1", None, None),
+                                                                       ("sampled batch 1", None, None),
                                                                        ("prefill 8 tokens", None, None)]
     text = capsys.readouterr().out
     assert "of the roofline\n" in text and "; transformers" not in text
@@ -70,9 +72,9 @@ def test_a_failing_reference_keeps_the_engine_figures(tiny: Path, tmp_path: Path
     out = tmp_path / "bench.json"
     assert run_cuda(_args(tiny, out), [1], [16]) == 1
     report = json.loads(out.read_text())
-    assert [r["name"] for r in report["rows"]] == ["decode batch 1", "prefill 16 tokens"]
-    assert report["rows"][0]["ref_tok_s"] > 0 and report["rows"][1]["ref_tok_s"] is None
-    assert report["rows"][1]["epd_tok_s"] > 0
+    assert [r["name"] for r in report["rows"]] == ["decode batch 1", "sampled batch 1", "prefill 16 tokens"]
+    assert report["rows"][0]["ref_tok_s"] > 0 and report["rows"][1]["ref_tok_s"] > 0
+    assert report["rows"][2]["ref_tok_s"] is None and report["rows"][2]["epd_tok_s"] > 0
     assert "FAILED the transformers reference: RuntimeError('CUDA out of memory (a stand-in)')" in \
         capsys.readouterr().out
 

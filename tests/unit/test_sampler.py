@@ -4,12 +4,22 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from typing import Any
 
 import pytest
 import torch
 
 from workers.runtime.errors import InvalidRequestError
-from workers.runtime.sampler import GREEDY_BELOW, SamplingParams, draw_seed, sample, seed_draw
+from workers.runtime.sampler import (
+    GREEDY_BELOW,
+    TOP_P_CANDIDATES,
+    SamplingParams,
+    _apply_top_k_top_p,
+    _inverse_cdf,
+    draw_seed,
+    sample,
+    seed_draw,
+)
 
 pytestmark = [pytest.mark.unit]
 
@@ -185,3 +195,78 @@ def test_a_row_whose_logits_are_not_finite_does_not_fail_the_others() -> None:
     alone = sample(logits[:1], params[:1], [_gen(5)])
     assert got[0] == alone[0]  # the finite row is sampled as it would be alone
     assert got[1] == 7 and 0 <= got[2] < VOCAB
+
+
+# ---------------------------------------------------------------- cuts by value, on large vocabularies
+def _kept_by_definition(row: list[float], top_k: int, top_p: float) -> set[int]:
+    """The documented filters, by brute force: top_k keeps logits >= the k-th largest; top_p keeps, in order
+    of falling logit, tokens while the mass before them is below p, and every token equal to the last kept."""
+    vocab = len(row)
+    kth = sorted(row, reverse=True)[top_k - 1] if 0 < top_k < vocab else -math.inf
+    kept = [x for x in row if x >= kth]
+    if top_p < 1.0:
+        top = max(kept)
+        weights = sorted((math.exp(x - top) for x in kept), reverse=True)
+        total, before, last = sum(weights), 0.0, 0
+        for i, w in enumerate(weights):
+            if before / total >= top_p:
+                break
+            last, before = i, before + w
+        kth = max(kth, top + math.log(weights[last]))
+    return {i for i, x in enumerate(row) if x >= kth - 1e-4}
+
+
+@pytest.mark.parametrize("vocab", [50, 5000])
+def test_filters_keep_what_the_definition_keeps_with_ties_and_flat_rows(vocab: int,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Logits on a coarse grid (many ties, as bf16 logits have), some rows flat enough that top_p's cut lies past
+    the first TOP_P_CANDIDATES tokens (the full-sort path), against the definition worked out in Python."""
+    import workers.runtime.sampler as sampler
+
+    looked_at = []  # candidates per call
+    thresholds = sampler._thresholds
+
+    def spy(x: torch.Tensor, *args: Any) -> torch.Tensor:
+        looked_at.append(args[3])
+        return thresholds(x, *args)
+    monkeypatch.setattr(sampler, "_thresholds", spy)
+    g = _gen(21)
+    rows, cases = [], []
+    for i in range(24):
+        scale = 0.2 if i % 2 == 0 else 3.0  # flat and peaked rows
+        rows.append((torch.randn(vocab, generator=g) * scale * 4).round() / 4)
+        cases.append(([0, 1, 5, 40, vocab][i // 2 % 5], [1.0, 0.95, 0.5, 1e-3][i // 2 % 4]))
+    x = torch.stack(rows)
+    got = _apply_top_k_top_p(x, [k for k, _ in cases], [p for _, p in cases])
+    for row, kept_row, (k, p) in zip(x, got, cases):
+        kept = set(torch.isfinite(kept_row).nonzero().squeeze(1).tolist())
+        assert kept == _kept_by_definition(row.tolist(), k, p), (k, p)
+        assert torch.equal(kept_row[list(kept)], row[list(kept)])
+    # the large vocabulary looks among TOP_P_CANDIDATES first, and the flat rows are sorted in full again
+    assert looked_at == ([TOP_P_CANDIDATES, vocab] if vocab >= 4 * TOP_P_CANDIDATES else [vocab])
+
+
+def test_a_row_whose_cut_lies_past_the_candidates_is_batch_invariant(monkeypatch: pytest.MonkeyPatch) -> None:
+    vocab = 4 * TOP_P_CANDIDATES
+    flat, peaked = torch.randn(vocab, generator=_gen(3)) * 0.1, torch.randn(vocab, generator=_gen(4)) * 4
+    p = SamplingParams(temperature=1.0, top_p=0.9, seed=9)
+    others = [SamplingParams(temperature=0.7, top_k=30, seed=1), SamplingParams(temperature=0.0)]
+
+    def draws() -> tuple[list[int], list[int]]:
+        alone = [sample(flat[None], [p], [_gen(s)])[0] for s in range(30)]
+        rows = torch.stack([peaked, flat, peaked])
+        batched = [sample(rows, [others[0], p, others[1]], [_gen(0), _gen(s), _gen(0)])[1] for s in range(30)]
+        return alone, batched
+    alone, batched = draws()
+    assert alone == batched and len(set(alone)) > 20
+    monkeypatch.setattr("workers.runtime.sampler.TOP_P_CANDIDATES", vocab)  # every row sorted in full
+    assert draws() == (alone, batched)
+
+
+def test_the_draw_never_lands_on_a_token_without_mass() -> None:
+    x = torch.tensor([[float("-inf"), 0.0, 1.0, float("-inf"), float("-inf")]] * 3)
+    u = torch.tensor([0.0, 0.5, 1.0 - 2.0**-53], dtype=torch.float64)
+    drawn, usable = _inverse_cdf(x, u)
+    assert drawn.tolist() == [1, 2, 2] and usable.all()
+    drawn, usable = _inverse_cdf(torch.tensor([[0.0, float("nan")], [float("inf"), 0.0]]), u[:2])
+    assert not usable.any()

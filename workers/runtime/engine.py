@@ -171,7 +171,8 @@ class Engine:
             from workers.runtime.gpu_memory import kv_budget_from_free_memory
 
             budget = kv_budget_from_free_memory(model, spec, layer_dtypes, config.gpu_memory_utilization,
-                                                min(config.max_num_batched_tokens, self.max_model_len), self._ops)
+                                                min(config.max_num_batched_tokens, self.max_model_len), self._ops,
+                                                config.max_num_seqs)
         self.cache = PagedKVCache.from_budget(spec, budget or DEFAULT_KV_CACHE_BYTES, layer_dtypes, model.device)
         self.scheduler = Scheduler(config.scheduler_config(), self.cache.allocator, config.block_size)
         self.graphs: DecodeGraphs | None = None

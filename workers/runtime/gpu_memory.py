@@ -1,8 +1,9 @@
 """Sizing the KV pool from the GPU's free memory, as vLLM's ``gpu_memory_utilization`` does.
 
 budget = total * utilization - (memory outside torch's allocator) - (torch's peak during a profile
-forward of the largest step, less the profile's own KV blocks). The profile runs once at start-up,
-after the weights are loaded, over a temporary cache that is freed before the pool is allocated.
+forward of the largest step, less the profile's own KV blocks, or during sampling a full batch, whichever
+is higher). The profile runs once at start-up, after the weights are loaded, over a temporary cache that
+is freed before the pool is allocated.
 """
 
 from __future__ import annotations
@@ -15,14 +16,17 @@ from workers.runtime.attention import PrefillItem, build_step_batch
 from workers.runtime.errors import CapacityError
 from workers.runtime.kv_cache import CacheDType, KVCacheSpec, PagedKVCache
 from workers.runtime.model import DecoderModel
+from workers.runtime.sampler import SamplingParams, sample
 
 if TYPE_CHECKING:
     from workers.runtime.kernels.ops import TritonOps
 
 
 def kv_budget_from_free_memory(model: DecoderModel, spec: KVCacheSpec, layer_dtypes: tuple[CacheDType, ...],
-                               utilization: float, profile_tokens: int, ops: TritonOps | None) -> int:
-    """Bytes the KV pool may take on ``model.device`` (CUDA); CapacityError when not one block fits."""
+                               utilization: float, profile_tokens: int, ops: TritonOps | None,
+                               sample_rows: int = 1) -> int:
+    """Bytes the KV pool may take on ``model.device`` (CUDA); CapacityError when not one block fits.
+    ``sample_rows``: the most sequences a step samples (``max_num_seqs``)."""
     device = model.device
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
@@ -32,9 +36,15 @@ def kv_budget_from_free_memory(model: DecoderModel, spec: KVCacheSpec, layer_dty
     batch = build_step_batch([], [PrefillItem([0] * profile_tokens, 0, list(range(blocks)), want_logits=True)],
                              scratch, paged_kernels=ops is not None)
     model(batch, scratch, None, ops)
+    del batch
+    # Sampling runs on the device: a full batch of top_p rows over flat logits is its worst case (full sorts).
+    flat = torch.zeros(sample_rows, model.cfg.vocab_size, device=device)
+    sample(flat, [SamplingParams(temperature=1.0, top_p=0.9)] * sample_rows,
+           [torch.Generator().manual_seed(i) for i in range(sample_rows)])
+    del flat
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - scratch.nbytes
-    del scratch, batch
+    del scratch
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
     outside_torch = total - free - torch.cuda.memory_reserved(device)

@@ -78,36 +78,93 @@ def seed_draw(generator: torch.Generator, seed: int, index: int) -> None:
     generator.manual_seed(draw_seed(seed, index))
 
 
+# A top-p row without top_k first looks for its cut among this many of its most likely tokens; only a row whose
+# candidates all fall inside the cut is sorted in full. The result is the same either way. Vocabularies under
+# four times this are sorted in full at once.
+TOP_P_CANDIDATES = 1024
+
+
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]) -> list[int]:
-    """Pick one token per row of ``logits`` [n, vocab] (float32)."""
-    out = logits.argmax(dim=-1).tolist()
+    """Pick one token per row of ``logits`` [n, vocab] (float32).
+
+    Everything runs on the logits' device and the host reads the tokens once. Each sampled row takes one
+    uniform number from its own (CPU) generator and draws by inverse CDF over its filtered distribution in
+    token-id order, so a seeded request draws the same token from the same logits whatever else shares the
+    batch. A row whose logits are not finite keeps its argmax: one row must not fail the batch."""
+    out = logits.argmax(dim=-1)
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if not rows:
-        return out
-    # The sampled rows move to the host (a no-op on CPU): the per-request generators are CPU ones, so a
-    # seeded request draws the same token from the same logits on any device.
-    x = logits[torch.tensor(rows, device=logits.device)].cpu()
-    x = x / torch.tensor([params[i].temperature for i in rows], dtype=x.dtype)[:, None]
-    if any(params[i].top_k or params[i].top_p < 1.0 for i in rows):
-        x = _apply_top_k_top_p(x, [params[i].top_k for i in rows], [params[i].top_p for i in rows])
-    probs = torch.softmax(x, dim=-1)
-    usable = torch.isfinite(probs).all(dim=-1).tolist()
-    for j, i in enumerate(rows):
-        if usable[j]:  # else (non-finite logits) the row keeps its argmax: one row must not fail the batch
-            out[i] = int(torch.multinomial(probs[j], 1, generator=generators[i]).item())
-    return out
+        return out.tolist()
+    device = logits.device
+    picked = [params[i] for i in rows]
+    index = _on(device, torch.tensor(rows))
+    x = logits.index_select(0, index) / _on(device, torch.tensor([p.temperature for p in picked]))[:, None]
+    if any(p.top_k or p.top_p < 1.0 for p in picked):
+        x = _apply_top_k_top_p(x, [p.top_k for p in picked], [p.top_p for p in picked])
+    u = _on(device, torch.stack([torch.rand((), dtype=torch.float64, generator=generators[i]) for i in rows]))
+    drawn, usable = _inverse_cdf(x, u)
+    out[index] = torch.where(usable, drawn, out[index])
+    return out.tolist()
+
+
+def _on(device: torch.device, host: torch.Tensor) -> torch.Tensor:
+    """A small host tensor on ``device``; to a GPU through pinned memory without waiting (a pageable copy
+    would first wait for the step's forward to finish, leaving the GPU idle while sampling launches)."""
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+def _inverse_cdf(x: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each row of logits ``x``, the token whose CDF interval (in token-id order) holds ``u`` times the
+    row's mass (``u`` in [0, 1)), and whether the row's probabilities are finite. The CDF is summed in
+    float64; a token of zero probability is never drawn."""
+    cdf = torch.softmax(x, dim=-1).double().cumsum(dim=-1)
+    total = cdf[:, -1:]  # NaN when any probability is (softmax gives NaN, never inf)
+    # u <= 1 - 2^-53, so u * total rounds below total: the first index whose CDF passes it is a token with mass
+    drawn = torch.searchsorted(cdf, u[:, None] * total, right=True).squeeze(1)
+    return drawn, torch.isfinite(total[:, 0])
 
 
 def _apply_top_k_top_p(x: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """``x`` with the tokens each row's filters drop set to -inf. top_k keeps the tokens whose logit is at least
+    the k-th largest (ties at that value all stay); top_p then keeps the most likely tokens of what is left
+    until their mass reaches p (the first token always stays, and so do ties at the last kept value). Both cut
+    by value, so which of two equal logits comes first never changes the outcome."""
+    rows, vocab = x.shape
+    device = x.device
+    ks = [k if 0 < k < vocab else vocab for k in top_k]
+    cut_by_p = [p < 1.0 for p in top_p]  # top_p == 1 means off: never cut, even by float rounding
+    first_look = TOP_P_CANDIDATES if vocab >= 4 * TOP_P_CANDIDATES else vocab
+    need = max(k if k < vocab else (first_look if by_p else 1) for k, by_p in zip(ks, cut_by_p))
+    threshold = _thresholds(x, _on(device, torch.tensor(ks)), _on(device, torch.tensor(top_p, dtype=torch.float64)),
+                            _on(device, torch.tensor(cut_by_p)), need, any(cut_by_p))
+    return x.masked_fill(x < threshold, float("-inf"))
+
+
+def _thresholds(x: torch.Tensor, ks: torch.Tensor, top_p: torch.Tensor, cut_by_p: torch.Tensor,
+                candidates: int, any_p: bool = True) -> torch.Tensor:
+    """Each row's lowest kept logit [rows, 1], looking at its ``candidates`` largest logits; rows whose top_p cut
+    may lie past them are done again over the whole row."""
     vocab = x.shape[-1]
-    sorted_x, order = x.sort(dim=-1, descending=True)
-    ks = torch.tensor([k if 0 < k < vocab else vocab for k in top_k])
-    ranks = torch.arange(vocab)[None, :]
-    drop = ranks >= ks[:, None]
-    probs = torch.softmax(sorted_x.masked_fill(drop, float("-inf")), dim=-1)
-    # Keep the smallest prefix whose mass reaches top_p; the first token always survives.
-    mass_before = probs.cumsum(dim=-1) - probs
-    p = torch.tensor(top_p, dtype=x.dtype)[:, None]
-    drop |= (mass_before >= p) & (p < 1.0)  # top_p == 1 means off: never cut, even by float rounding
-    sorted_x = sorted_x.masked_fill(drop, float("-inf"))
-    return torch.empty_like(x).scatter_(-1, order, sorted_x)
+    vals = x.topk(candidates, dim=-1).values  # sorted, largest first
+    neg_inf = torch.full_like(vals[:, :1], float("-inf"))
+    by_k = ks[:, None] < vocab
+    kth = torch.where(by_k, vals.gather(1, (ks.clamp(max=candidates) - 1)[:, None]), neg_inf)
+    if not any_p:
+        return kth
+    # The top-k filtered distribution, normalised over the whole row (ties at the k-th value may lie past
+    # the candidates), read at the candidates in order.
+    log_z = torch.logsumexp(x.masked_fill(x < kth, float("-inf")), dim=-1, keepdim=True)
+    probs = torch.exp(vals - log_z).masked_fill(vals < kth, 0.0).double()
+    mass_before = torch.nn.functional.pad(probs.cumsum(dim=-1)[:, :-1], (1, 0))  # exact prefix sums: monotone
+    within = (mass_before < top_p[:, None]) & (vals >= kth)
+    last = (within.sum(dim=-1, keepdim=True) - 1).clamp(min=0)
+    tau = vals.gather(1, last)
+    threshold = torch.where(cut_by_p[:, None], torch.maximum(tau, kth), kth)
+    # A top_p row with no top_k whose every candidate is within the cut: its cut may lie further on.
+    again = cut_by_p & ~by_k[:, 0] & within[:, -1] if candidates < vocab else None
+    if again is not None and bool(again.any()):
+        rows = again.nonzero().squeeze(1)
+        threshold[rows] = _thresholds(x[rows], ks[rows], top_p[rows], cut_by_p[rows], vocab)
+    return threshold

@@ -21,6 +21,34 @@ def test_bucket_ladder() -> None:
     assert bucket_ladder(40) == (1, 2, 4, 8, 16, 32, 40)
 
 
+def test_staging_writes_each_row_the_block_table_it_holds_now() -> None:
+    """Staging writes only a table's new entries when a row holds the same (growing) table as last step; a
+    row that takes another sequence's table, or a sequence's new table after preemption, is written whole."""
+    pytest.importorskip("triton")
+    import torch
+
+    from workers.runtime.attention import DecodeItem
+    from workers.runtime.cuda_graphs import DecodeBuffers
+
+    buf = DecodeBuffers(4, 6, 16, torch.device("cpu"))
+    a, b = [3, 9], [5]
+
+    def stage(*items: tuple[list[int], int]) -> list[list[int]]:
+        buf.stage([DecodeItem(1, pos, table) for table, pos in items], 4)
+        assert torch.equal(buf.dev["tables"], buf.host["tables"])
+        return [buf.dev["tables"][i, :len(t)].tolist() for i, (t, _) in enumerate(items)]
+
+    assert stage((a, 20), (b, 3)) == [[3, 9], [5]]
+    a.append(11)  # a grows into a third block
+    assert stage((a, 32), (b, 4)) == [[3, 9, 11], [5]]
+    assert buf.dev["slots"][:2].tolist() == [11 * 16, 5 * 16 + 4]
+    assert stage((b, 5), (a, 33)) == [[5], [3, 9, 11]]  # the rows swap sequences
+    a = [7]  # a preempted and recomputed: a new table
+    assert stage((a, 0), (b, 6)) == [[7], [5]]
+    b.extend([8, 2, 4, 6])
+    assert stage((b, 70), (a, 1)) == [[5, 8, 2, 4, 6], [7]]
+
+
 @pytest.mark.parametrize("value", [0.0, -0.1, 1.01, float("nan")])
 def test_gpu_memory_utilization_outside_0_1_is_refused(value: float) -> None:
     with pytest.raises(InvalidRequestError, match=r"gpu_memory_utilization must be in \(0, 1\]"):

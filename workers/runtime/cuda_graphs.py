@@ -72,6 +72,9 @@ class DecodeBuffers:
         self.dev["slots"].fill_(-1)  # what capture runs over: padding only
         self._np = {name: t.numpy() for name, t in self.host.items()}
         self._rows = torch.arange(max_batch, device=device)
+        # Per row: the block table last written there and how many of its entries. Tables only grow by
+        # appending (``Sequence.block_table``), so a row holding the same list needs only its new entries.
+        self._tables: list[tuple[list[int] | None, int]] = [(None, 0)] * max_batch
 
     def batch(self, b: int, max_context: int) -> StepBatch:
         """The step metadata over the first ``b`` rows of the device buffers, for contexts of at most
@@ -89,13 +92,20 @@ class DecodeBuffers:
         bs = self.block_size
         ids, pos, slots, lens, tables = (self._np[k] for k in _FIELDS)
         width = tables.shape[1]
+        written = self._tables
         for i, d in enumerate(decodes):
+            table = d.block_table
             ids[i] = d.token_id
             pos[i] = d.position
-            slots[i] = d.block_table[d.position // bs] * bs + d.position % bs
+            slots[i] = table[d.position // bs] * bs + d.position % bs
             lens[i] = d.position + 1
-            used = min(len(d.block_table), width)
-            tables[i, :used] = d.block_table[:used]
+            used = min(len(table), width)
+            held, done = written[i]
+            if held is not table:
+                done = 0
+            if used > done:
+                tables[i, done:used] = table[done:used]
+            written[i] = (table, used)
         ids[n:bucket] = 0
         pos[n:bucket] = 0
         slots[n:bucket] = -1

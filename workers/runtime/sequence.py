@@ -49,6 +49,8 @@ class Sequence:
     mm: MultimodalInput | None = None
     detok: IncrementalDetokenizer | None = None
     output_ids: list[int] = field(default_factory=list)
+    # Grows by appending only; when the blocks are given back it is replaced, never edited in place (the
+    # CUDA graphs' staging writes only a table's new entries: workers.runtime.cuda_graphs.DecodeBuffers).
     block_table: list[int] = field(default_factory=list)
     num_computed: int = 0
     status: SequenceStatus = SequenceStatus.WAITING

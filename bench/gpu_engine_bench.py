@@ -187,32 +187,35 @@ def run_cuda(args: argparse.Namespace, batches: list[int], lengths: list[int]) -
         first = _best(lambda: _hf_generate_seconds(hf, b, 1, vocab, sampled), repeats)
         return b * (tokens - 1) / max(full - first, 1e-9)
 
-    rows: list[GpuRow] = []
-    for b in batches:
-        secs = _best(lambda: _engine_decode_seconds(engine, vocab, b, tokens), repeats)
-        rows.append(GpuRow(f"decode batch {b}", b * (tokens - 1) / secs, f"HF generate batch {b}",
-                           reference(lambda: hf_decode(b))))
-    b = max(batches)
-    secs = _best(lambda: _engine_decode_seconds(engine, vocab, b, tokens, sampled=True), repeats)
-    rows.append(GpuRow(f"sampled batch {b}", b * (tokens - 1) / secs, f"HF sampled batch {b}",
-                       reference(lambda: hf_decode(b, sampled=True))))
-    for n in lengths:
-        secs = _best(lambda: _engine_prefill_seconds(engine, vocab, n), repeats)
-        rows.append(GpuRow(f"prefill {n} tokens", n / secs, f"HF forward {n} tokens",
-                           reference(lambda: n / _best(lambda: _hf_forward_seconds(hf, n, vocab), repeats))))
-    peak = torch.cuda.max_memory_allocated(device) if cuda else 0
     device_name = torch.cuda.get_device_name(device) if cuda else "cpu"
-    graphs = _graphs_line(engine, capture)
-
+    # Each row prints as soon as it is measured (flushed): a run stopped at a time limit keeps what it took.
     print(f"model {path.name}: {sum(p.numel() for p in bundle.model.parameters()) / 1e6:.1f}M params, "
           f"{args.dtype}, {device_name}, torch {torch.__version__}")
     print(f"device copy {rate / 1e9:.0f} GB/s one way ({2 * rate / 1e9:.0f} GB/s read+write); decode reads "
           f"{weights / 1e9:.2f} GB of weights a step: roofline {roofline:.0f} tok/s at batch 1")
-    print(f"{'figure':<22}{'epd tok/s':>12}  {'reference':<24}{'ref tok/s':>12}{'ratio':>9}")
-    for r in rows:
+    print(f"{'figure':<22}{'epd tok/s':>12}  {'reference':<24}{'ref tok/s':>12}{'ratio':>9}", flush=True)
+    rows: list[GpuRow] = []
+
+    def add(r: GpuRow) -> None:
+        rows.append(r)
         ref_s = f"{r.ref_tok_s:12.1f}" if r.ref_tok_s else f"{'-':>12}"
         ratio = f"{r.ratio:8.2f}x" if r.ratio else f"{'-':>9}"
-        print(f"{r.name:<22}{r.epd_tok_s:12.1f}  {r.ref_name:<24}{ref_s}{ratio}")
+        print(f"{r.name:<22}{r.epd_tok_s:12.1f}  {r.ref_name:<24}{ref_s}{ratio}", flush=True)
+
+    for b in batches:
+        secs = _best(lambda: _engine_decode_seconds(engine, vocab, b, tokens), repeats)
+        add(GpuRow(f"decode batch {b}", b * (tokens - 1) / secs, f"HF generate batch {b}",
+                   reference(lambda: hf_decode(b))))
+    b = max(batches)
+    secs = _best(lambda: _engine_decode_seconds(engine, vocab, b, tokens, sampled=True), repeats)
+    add(GpuRow(f"sampled batch {b}", b * (tokens - 1) / secs, f"HF sampled batch {b}",
+               reference(lambda: hf_decode(b, sampled=True))))
+    for n in lengths:
+        secs = _best(lambda: _engine_prefill_seconds(engine, vocab, n), repeats)
+        add(GpuRow(f"prefill {n} tokens", n / secs, f"HF forward {n} tokens",
+                   reference(lambda: n / _best(lambda: _hf_forward_seconds(hf, n, vocab), repeats))))
+    peak = torch.cuda.max_memory_allocated(device) if cuda else 0
+    graphs = _graphs_line(engine, capture)
     shares = {r.name: r.epd_tok_s / roofline for r in rows if r.name == "decode batch 1"}
     hf1 = next((r.ref_tok_s for r in rows if r.name == "decode batch 1" and r.ref_tok_s), None)
     if shares:

@@ -13,8 +13,8 @@
 #              and codecs giving the CPU's bits on CUDA)
 #   cuda       tests/cuda on the preset: HF parity with graphs on, batching invariance, eager past the largest
 #              bucket, pool sizing
-#   bench      `epd bench engine --device cuda`: decode batch 1 and 128, prefill 2,048, roofline, KV pool,
-#              peak memory, graph capture time
+#   bench      `epd bench engine --device cuda`: decode batch 1 and 128 (and sampled at 128), prefill 2,048,
+#              roofline, KV pool, peak memory, graph capture time
 #   bench-kv   `epd bench kv --device cuda`
 # GPU_CHECK_STEPS (a comma list of the step names above; default all) runs only those, for a second, shorter
 # call after a first one named what failed; the preset is written only when cuda or bench is asked for.
@@ -141,7 +141,7 @@ summary() {
     done
     if [ -f "$LOGS/bench.log" ]; then
       echo "-- bench engine"
-      grep -E '^(model |device copy|figure|decode |prefill |KV pool|FAILED)' "$LOGS/bench.log"
+      grep -E '^(model |device copy|figure|decode |sampled |prefill |KV pool|FAILED)' "$LOGS/bench.log"
     fi
     if [ -f "$LOGS/bench-kv.log" ]; then
       echo "-- bench kv"

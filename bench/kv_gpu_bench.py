@@ -319,17 +319,24 @@ def run_on(device: torch.device, repeats: int, ttft_codec: str, json_path: Path 
     (rc 1)."""
     token = secrets.token_urlsafe(24)
     copy_gbps = copy_rate(device, min(256 * MiB, sizes.codec_bytes * 2)) / 1e9
-    print(f"device copy: {copy_gbps:.0f} GB/s one way", flush=True)
+    print(f"device copy: {copy_gbps:.0f} GB/s one way")
+    # Each section's figures print as soon as it ends (flushed): a run stopped at a time limit keeps them.
+    print(f"{'figure':<58}{'value':>10}  {'reference':<28}{'ref':>9}{'ratio':>8}", flush=True)
     figures: list[GpuFigure] = []
     failed: list[str] = []
 
     def section(name: str, fn: Callable[[], list[GpuFigure]]) -> None:
-        print(f"{name} ...", flush=True)
         try:
-            figures.extend(fn())
+            got = fn()
         except Exception as exc:  # a bench run reports every section it can
             traceback.print_exc()
             failed.append(f"{name}: {exc!r}")
+            print(f"FAILED {name}: {exc!r}", flush=True)
+            return
+        figures.extend(got)
+        for f in got:
+            print(f"{f.name:<58}{f.value:9.1f} {f.unit.split()[0]:<3} {f.reference:<28}{f.ref_value:9.1f}"
+                  f"{f.ratio:7.3f}x", flush=True)
 
     section("codec kernels", lambda: codec_figures(device, sizes.codec_bytes, repeats, copy_gbps))
     rx = ReceiverProcess(token, _receiver_main)
@@ -338,12 +345,6 @@ def run_on(device: torch.device, repeats: int, ttft_codec: str, json_path: Path 
         section("TTFT", lambda: ttft_figures(rx, token, repeats, ttft_codec, device, sizes))
     finally:
         rx.close()
-    print()
-    print(f"{'figure':<58}{'value':>10}  {'reference':<28}{'ref':>9}{'ratio':>8}")
-    for f in figures:
-        print(f"{f.name:<58}{f.value:9.1f} {f.unit.split()[0]:<3} {f.reference:<28}{f.ref_value:9.1f}{f.ratio:7.3f}x")
-    for line in failed:
-        print(f"FAILED {line}")
     if json_path:
         Path(json_path).write_text(json.dumps({"device_copy_gbps": copy_gbps,
                                                "figures": [asdict(f) | {"ratio": f.ratio} for f in figures],

@@ -145,7 +145,7 @@ summary() {
     fi
     if [ -f "$LOGS/bench-kv.log" ]; then
       echo "-- bench kv"
-      sed -n '/^figure/,$p' "$LOGS/bench-kv.log" | head -40
+      sed -n '/^figure/,$p' "$LOGS/bench-kv.log" | grep -E '^(figure|FAILED )|[0-9]x$' | head -40  # no tracebacks
       grep -E '^device copy' "$LOGS/bench-kv.log"
     fi
   } | tee "$DIR/summary.txt"

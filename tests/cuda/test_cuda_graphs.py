@@ -104,7 +104,7 @@ def test_the_kv_pool_leaves_room_for_sampling_a_full_batch(model) -> None:
         gc.collect()
         torch.cuda.empty_cache()
         engine = Engine(model, None, EngineConfig(device="cuda", gpu_memory_utilization=0.3, max_num_seqs=rows,
-                                                  cuda_graphs=False))
+                                                  max_num_batched_tokens=16384, cuda_graphs=False))
         sizes[rows] = engine.cache.nbytes
         del engine
     assert sizes[1] - sizes[16384] >= 16384 * model.cfg.vocab_size * 4 * 4

@@ -7,8 +7,10 @@ client's calls concurrently against it, ``chat_concurrently`` a batch of chat co
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -88,10 +90,29 @@ def chat_concurrently(client: Any, model: str, prompts: list[str], max_tokens: i
     return texts
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
+    """A free loopback port between Ray's worker ports (10002-19999) and the kernel's ephemeral range, never
+    the same one twice in a session. An ephemeral port (what binding port 0 gives) can be taken by one of the
+    many sockets Ray and gRPC open while a deployment starts, before `epd serve` binds its API to it."""
+    low = 32768
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for port in random.sample(range(20000, low), k=min(200, max(0, low - 20000))):
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
+    with socket.socket() as s:  # no ephemeral range above 20000 here: the kernel's choice
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        return int(s.getsockname()[1])
 
 
 def descendants(pid: int) -> set[int]:

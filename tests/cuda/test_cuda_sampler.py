@@ -20,14 +20,13 @@ def test_cuda_draws_the_tokens_the_cpu_draws() -> None:
     logits[5, 7] = float("nan")
     params = [SamplingParams(temperature=[0.0, 0.7, 1.0, 1.3][i % 4], top_k=[0, 1, 40, 0][i // 4 % 4],
                              top_p=[1.0, 0.95, 0.5][i // 16 % 3], seed=i) for i in range(rows)]
-    for step in range(4):
-        gens = []
-        for i in range(rows):
-            gens.append(torch.Generator())
-            seed_draw(gens[-1], i, step)
-        on_cpu = sample(logits, params, gens)
+    def generators(step: int) -> list[torch.Generator]:
+        gens = [torch.Generator() for _ in range(rows)]
         for i, gen in enumerate(gens):
             seed_draw(gen, i, step)
-        assert sample(logits.cuda(), params, gens) == on_cpu
+        return gens
+    for step in range(4):
+        on_cpu = sample(logits, params, generators(step))
+        assert sample(logits.cuda(), params, generators(step)) == on_cpu
     assert on_cpu[5] == 7  # a NaN row keeps its argmax, which is the NaN's index
     assert len(set(on_cpu)) > rows // 2  # really sampling

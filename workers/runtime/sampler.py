@@ -131,7 +131,7 @@ def _apply_top_k_top_p(x: torch.Tensor, top_k: list[int], top_p: list[float]) ->
     the k-th largest (ties at that value all stay); top_p then keeps the most likely tokens of what is left
     until their mass reaches p (the first token always stays, and so do ties at the last kept value). Both cut
     by value, so which of two equal logits comes first never changes the outcome."""
-    rows, vocab = x.shape
+    vocab = x.shape[-1]
     device = x.device
     ks = [k if 0 < k < vocab else vocab for k in top_k]
     cut_by_p = [p < 1.0 for p in top_p]  # top_p == 1 means off: never cut, even by float rounding

@@ -28,7 +28,7 @@ import time
 import traceback
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -253,6 +253,8 @@ def ttft_figures(rx: ReceiverProcess, token: str, repeats: int, codec: str, devi
 
     tokens = sizes.ttft_tokens
     cfg = PRESETS[sizes.ttft_preset].config(1, (2,))
+    # room for the prompt and its one sampled token, whatever the preset's default length
+    cfg = replace(cfg, max_position_embeddings=max(cfg.max_position_embeddings, tokens + 1))
     torch.manual_seed(0)
     model = DecoderModel(cfg, torch.bfloat16, str(device))
     engine = Engine(model, None, EngineConfig(dtype="bfloat16", device=str(device), prefill_chunk_size=tokens,

@@ -166,11 +166,13 @@ def encode_into_device_segment(chunk: pb.KVChunk, codec: Codec, key: torch.Tenso
     with side_stream(work, ready):
         if key.device == dest.device:
             _encode_parts_to(codec, key, value, dest, s_len, k_len)
+            chunk.checksum = device_checksum(dest)
         else:  # another device (or the host): encode where the input is, then one copy
             local = torch.empty(dest.numel(), dtype=torch.uint8, device=key.device)
             _encode_parts_to(codec, key, value, local, s_len, k_len)
             dest.copy_(local)
-        chunk.checksum = device_checksum(dest)
+            # summed on the stream that did the work: the local bytes on another GPU, else what landed
+            chunk.checksum = device_checksum(local if work == key.device else dest)
 
 
 def _encode_parts_to(codec: Codec, key: torch.Tensor, value: torch.Tensor, dev: torch.Tensor, s_len: int,

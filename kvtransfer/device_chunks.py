@@ -98,7 +98,8 @@ def to_device_checked(chunk: DeviceChunk, dest: torch.Tensor) -> int:
     too; returns the ``device_checksum`` of what landed there."""
     with side_stream(chunk.data.device, chunk.ready):
         dest.copy_(chunk.data)
-        checksum = device_checksum(dest)
+        # summed on this stream's device: what landed, or the same bytes here when dest is on another GPU
+        checksum = device_checksum(dest if dest.device == chunk.data.device else chunk.data)
         scales = chunk.data[:chunk.scales_nbytes].to("cpu")
         flags = [None if f is None else f.to("cpu") for f in chunk.flags]
     _refuse(chunk, scales, flags)

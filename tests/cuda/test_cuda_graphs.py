@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import logging
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -60,6 +61,28 @@ def test_joining_and_leaving_give_the_solotoken_ids(model, solo) -> None:
     assert engine.graphs is not None and engine.graphs.replays > 0
     assert got == solo
     assert_no_leaks(engine)
+
+
+def test_a_plain_cuda_device_is_the_index_the_tensors_report(model) -> None:
+    engine = _engine(model)
+    index = torch.cuda.current_device()
+    assert model.device == engine.cache.device == engine.cache.layers[0].k.device == torch.device("cuda", index)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_a_second_gpu_driven_from_another_thread_gives_the_same_tokens(tiny_hf, solo) -> None:
+    # Triton launches and graph capture follow the thread's current device (0 in a new thread), not the tensors'
+    second = load_model(tiny_hf("llama-gqa"), device="cuda:1", require_tokenizer=False).model
+
+    def run() -> dict[str, list[int]]:
+        def make() -> Engine:
+            engine = Engine(second, None, EngineConfig(device="cuda:1", kv_cache_bytes=1 << 26, max_num_seqs=8))
+            assert engine.graphs is not None and engine.graphs.capture_error is None
+            return engine
+        return run_alone(make, [(p, _params(i)) for i, p in enumerate(PROMPTS)])
+
+    with ThreadPoolExecutor(1) as pool:
+        assert pool.submit(run).result() == solo
 
 
 def test_past_the_largest_bucket_runs_eager_and_says_so(model, solo, caplog) -> None:

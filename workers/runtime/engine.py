@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Literal
 import torch
 
 from workers.runtime.attention import DecodeItem, PrefillItem, build_step_batch
+from workers.runtime.devices import on_device
 from workers.runtime.errors import DuplicateRequestError, InvalidRequestError, PromptTooLongError, RequestTooLargeError
 from workers.runtime.kv_cache import CACHE_DTYPES, CacheDType, KVCacheSpec, PagedKVCache
 from workers.runtime.model import DecoderModel
@@ -166,25 +167,26 @@ class Engine:
                                       f"{cfg.num_layers}")
         spec = KVCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, config.block_size)
         self._ops = _kernel_ops(config, model.device)
-        budget = config.kv_cache_bytes
-        if budget is None and model.device.type == "cuda":
-            from workers.runtime.gpu_memory import kv_budget_from_free_memory
-
-            budget = kv_budget_from_free_memory(model, spec, layer_dtypes, config.gpu_memory_utilization,
-                                                min(config.max_num_batched_tokens, self.max_model_len), self._ops,
-                                                config.max_num_seqs)
-        self.cache = PagedKVCache.from_budget(spec, budget or DEFAULT_KV_CACHE_BYTES, layer_dtypes, model.device)
-        self.scheduler = Scheduler(config.scheduler_config(), self.cache.allocator, config.block_size)
         self.graphs: DecodeGraphs | None = None
-        if self._ops is not None and config.cuda_graphs and model.device.type == "cuda":
-            from workers.runtime.cuda_graphs import DecodeGraphs
+        with on_device(model.device):  # Triton launches and graph capture follow the current device
+            budget = config.kv_cache_bytes
+            if budget is None and model.device.type == "cuda":
+                from workers.runtime.gpu_memory import kv_budget_from_free_memory
 
-            max_batch = min(config.cuda_graph_max_batch or config.max_num_seqs, config.max_num_seqs)
-            self.graphs = DecodeGraphs(model, self.cache, self._ops, max_batch, self.max_model_len)
-            self.graphs.capture()
-            if self.graphs.capture_error is None:  # a failed capture has logged its own error
-                log.info("captured %d decode CUDA graphs (batch buckets up to %d) in %.2f s",
-                         len(self.graphs.buckets), self.graphs.max_batch, self.graphs.capture_seconds)
+                budget = kv_budget_from_free_memory(model, spec, layer_dtypes, config.gpu_memory_utilization,
+                                                    min(config.max_num_batched_tokens, self.max_model_len), self._ops,
+                                                    config.max_num_seqs)
+            self.cache = PagedKVCache.from_budget(spec, budget or DEFAULT_KV_CACHE_BYTES, layer_dtypes, model.device)
+            self.scheduler = Scheduler(config.scheduler_config(), self.cache.allocator, config.block_size)
+            if self._ops is not None and config.cuda_graphs and model.device.type == "cuda":
+                from workers.runtime.cuda_graphs import DecodeGraphs
+
+                max_batch = min(config.cuda_graph_max_batch or config.max_num_seqs, config.max_num_seqs)
+                self.graphs = DecodeGraphs(model, self.cache, self._ops, max_batch, self.max_model_len)
+                self.graphs.capture()
+                if self.graphs.capture_error is None:  # a failed capture has logged its own error
+                    log.info("captured %d decode CUDA graphs (batch buckets up to %d) in %.2f s",
+                             len(self.graphs.buckets), self.graphs.max_batch, self.graphs.capture_seconds)
         self._seqs: dict[str, Sequence] = {}
         self._rng = random.Random(config.seed)
         self._hooks: list[LayerHook] = []
@@ -200,9 +202,10 @@ class Engine:
         with self._lock:
             if self.scheduler.has_work() or self._reservations:
                 raise RuntimeError("warm_up runs before the engine serves: it holds requests or blocks")
-            shapes = warm_up(self.model, self.cache, self._ops, max_num_batched_tokens=cfg.max_num_batched_tokens,
-                             prefill_chunk_size=cfg.prefill_chunk_size, max_num_seqs=cfg.max_num_seqs,
-                             max_model_len=self.max_model_len)
+            with on_device(self.model.device):
+                shapes = warm_up(self.model, self.cache, self._ops, max_num_batched_tokens=cfg.max_num_batched_tokens,
+                                 prefill_chunk_size=cfg.prefill_chunk_size, max_num_seqs=cfg.max_num_seqs,
+                                 max_model_len=self.max_model_len)
         log.info("warm-up: prefill chunks %s (first after %d tokens), decode %d x %d tokens, in %.2f s",
                  shapes.prefill_chunks, shapes.prefill_context, shapes.decode_seqs, shapes.decode_context,
                  shapes.seconds)
@@ -343,7 +346,7 @@ class Engine:
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
-        with self._lock:
+        with self._lock, on_device(self.model.device):
             return self._step()
 
     def _step(self) -> list[RequestOutput]:

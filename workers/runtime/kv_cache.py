@@ -20,6 +20,7 @@ from typing import Literal, Protocol
 
 import torch
 
+from workers.runtime.devices import resolve_device
 from workers.runtime.errors import CapacityError, InvalidRequestError
 
 CacheDType = Literal["float32", "bfloat16", "float16", "int8", "fp8"]
@@ -219,7 +220,7 @@ class PagedKVCache:
             raise InvalidRequestError(
                 f"layer_dtypes names {len(layer_dtypes)} layers, the model has {spec.num_layers}")
         self.spec = spec
-        self.device = torch.device(device)
+        self.device = resolve_device(device)
         self.layer_dtypes = layer_dtypes
         self.allocator = BlockAllocator(num_blocks)
         self.layers: list[KVLayerStorage] = [

@@ -16,6 +16,7 @@ from torch import nn
 
 from workers.runtime.attention import StepBatch, paged_attention
 from workers.runtime.config import ModelConfig
+from workers.runtime.devices import resolve_device
 from workers.runtime.fingerprint import module_fingerprint
 from workers.runtime.kv_cache import KVLayerStorage, PagedKVCache
 from workers.runtime.rope import RotaryEmbedding
@@ -102,7 +103,7 @@ class DecoderModel(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu") -> None:
         super().__init__()
-        device = torch.device(device)
+        device = resolve_device(device)
         self.cfg = cfg
         self.dtype = dtype
         self.device = device

@@ -1,0 +1,33 @@
+"""Device names as the engine holds them, and the CUDA device its work is launched on.
+
+A configured ``cuda`` names no index, while every CUDA tensor reports one (``cuda:0``), and the two
+compare unequal. So the model and the KV cache hold the resolved device, and a check that a tensor is
+on the cache's device compares like with like.
+
+Triton kernels and CUDA graph capture run on the thread's *current* CUDA device, not on their tensors'
+device, and each thread starts on device 0. ``on_device`` makes the engine's device current around its
+work, so ``cuda:1`` runs on GPU 1 whichever thread calls the engine.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, nullcontext
+
+import torch
+
+
+def resolve_device(device: torch.device | str) -> torch.device:
+    """``device`` with its index: ``cuda`` becomes the current CUDA device (``cuda:0`` unless a thread set
+    another). Unchanged when it names an index, is not CUDA, or CUDA is not available here."""
+    resolved = torch.device(device)
+    if resolved.type == "cuda" and resolved.index is None and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return resolved
+
+
+def on_device(device: torch.device) -> AbstractContextManager[object]:
+    """A context making ``device`` the thread's current CUDA device (restored on exit); does nothing for
+    any other device type."""
+    if device.type == "cuda":
+        return torch.cuda.device(device)
+    return nullcontext()

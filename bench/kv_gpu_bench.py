@@ -39,6 +39,7 @@ from bench import kv_references as references
 from bench.gpu_engine_bench import copy_rate, synchronize, timed
 from bench.kv_bench import ReceiverProcess
 from kvtransfer.auth import TransferSecurity
+from kvtransfer.cuda_ipc import IpcPool
 from kvtransfer.layout import KVLayout
 from kvtransfer.sender import KVSender, TransportChoice
 
@@ -94,7 +95,7 @@ def _receiver_main(conn: Connection, token: str) -> None:
                 server, port = start_server([kv_transfer_handler(receiver)], "127.0.0.1:0", security)
                 receiver.enable_bulk("127.0.0.1")
                 if cache.device.type == "cuda":
-                    receiver.enable_cuda_ipc(cache.device, segment_bytes=ipc_bytes, num_segments=max(2, at_once))
+                    receiver.enable_cuda_ipc(IpcPool(cache.device, ipc_bytes, num_segments=max(2, at_once)))
                 current = (server, receiver)
                 conn.send(port)
             elif cmd == "expect" and current is not None:  # one push, or several at once into other blocks

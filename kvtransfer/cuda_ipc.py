@@ -36,8 +36,8 @@ from kvtransfer.wire import pb
 
 Code = grpc.StatusCode
 
-__all__ = ["IPC_ALIGNMENT", "DeviceParts", "IpcError", "IpcMappings", "IpcPool", "MappedSegment", "device_chunk_parts",
-           "device_uuid"]
+__all__ = ["IPC_ALIGNMENT", "IPC_SEGMENTS", "IPC_SEGMENT_BYTES", "DeviceParts", "IpcError", "IpcMappings", "IpcPool",
+           "MappedSegment", "device_chunk_parts", "device_uuid"]
 
 
 # Where each chunk starts in a segment: a multiple of this, so its scales are viewed as float32 in place
@@ -65,10 +65,16 @@ class _Lease:
     request_id: str
 
 
+# A decode worker's pool: four pushes at once of up to 256 MiB of encoded KV each.
+IPC_SEGMENT_BYTES = 256 * 2**20
+IPC_SEGMENTS = 4
+
+
 class IpcPool:
     """Device segments leased one per push. ``epoch`` is random per pool: a new process, a new epoch."""
 
-    def __init__(self, device: torch.device, segment_bytes: int, num_segments: int = 4) -> None:
+    def __init__(self, device: torch.device, segment_bytes: int = IPC_SEGMENT_BYTES,
+                 num_segments: int = IPC_SEGMENTS) -> None:
         if segment_bytes <= 0 or num_segments <= 0:
             raise IpcError(f"an IPC pool needs positive sizes, got {num_segments} x {segment_bytes} bytes")
         self.device = device

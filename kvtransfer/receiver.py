@@ -122,11 +122,12 @@ class KVReceiver:
             self.bulk = BulkListener(host, self.serve_bulk, port, ssl_context=ssl_context)
         return self.bulk.port
 
-    def enable_cuda_ipc(self, device: torch.device, segment_bytes: int = 256 * 2**20, num_segments: int = 4) -> None:
-        """Accept TRANSPORT_CUDA_IPC pushes into ``num_segments`` device segments on ``device`` (the cache's);
-        without this, OpenCudaIpc is refused and senders use another transport."""
+    def enable_cuda_ipc(self, pool: IpcPool) -> None:
+        """Accept TRANSPORT_CUDA_IPC pushes into ``pool``'s device segments (on the cache's device); without
+        this, OpenCudaIpc is refused and senders use another transport. A worker allocates the pool before its
+        engine sizes the KV pool from free memory, so that sizing counts the segments."""
         if self.ipc is None:
-            self.ipc = IpcPool(device, segment_bytes, num_segments)
+            self.ipc = pool
 
     def open_cuda_ipc(self, request: bytes, context: grpc.ServicerContext) -> bytes:
         """Handler for KVTransfer.OpenCudaIpc: lease a device segment to an expected request's push."""

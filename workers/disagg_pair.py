@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from kvtransfer.auth import TransferSecurity
+from kvtransfer.cuda_ipc import IpcPool
 from kvtransfer.receiver import KVReceiver, TransferOutcome
 from kvtransfer.sender import KVSender, TransportChoice
 from kvtransfer.server import kv_transfer_handler, start_server
@@ -61,7 +62,7 @@ class DisaggPair:
             self.receiver.enable_bulk("127.0.0.1")
         if transport == "cuda_ipc" or (transport == "auto" and self.decode.cache.device.type == "cuda"):
             # on a CPU cache the pool is host memory: the transport's logic, tested without a GPU
-            self.receiver.enable_cuda_ipc(self.decode.cache.device, segment_bytes=64 * 2**20)
+            self.receiver.enable_cuda_ipc(IpcPool(self.decode.cache.device, segment_bytes=64 * 2**20))
         self.server, port = start_server([kv_transfer_handler(self.receiver)], "127.0.0.1:0", self.security)
         self.target = f"127.0.0.1:{port}"
         self.sender = KVSender(self.security, transport=transport, device=self.prefill.cache.device)

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Literal
 import grpc
 
 from kvtransfer.auth import TransferSecurity
+from kvtransfer.cuda_ipc import IpcPool
 from kvtransfer.sender import KVSender, TransportChoice
 from workers.decode.kv_sink import KVStore
 from workers.runtime.engine import EngineConfig
@@ -44,6 +45,7 @@ def start_worker(pool: Pool, bundle: LoadedModel, security: TransferSecurity, *,
     decodes whole requests in one engine (workers.colocated) instead of taking KV pushes."""
     identity = WorkerIdentity(pool)
     decode: DecodeService | None = None  # a KV-receiving decode worker (not a colocated one)
+    ipc: IpcPool | None = None  # its CUDA IPC segments, on a GPU
     codecs = codecs or ("bf16",) * bundle.config.num_layers
     if colocated:
         from workers.colocated.service import ColocatedService
@@ -62,6 +64,10 @@ def start_worker(pool: Pool, bundle: LoadedModel, security: TransferSecurity, *,
         service = PrefillService(bundle, config, codecs, sender, identity)
     elif pool == "decode":
         from workers.decode.service import DecodeService
+        device = bundle.model.device
+        if device.type == "cuda" and transport in ("auto", "cuda_ipc"):  # same-host GPU pushes, device to device
+            # allocated before the engine sizes its KV pool from free memory, which then counts them
+            ipc = IpcPool(device)
         service = decode = DecodeService(bundle, config, codecs, store, identity, max_streams=max_streams)
     else:
         raise ValueError(f"unknown pool {pool!r}; one of encode, prefill, decode")
@@ -71,7 +77,6 @@ def start_worker(pool: Pool, bundle: LoadedModel, security: TransferSecurity, *,
     if decode is not None:
         # the bulk TCP transport's listener, on the gRPC server's host; TLS with the same certificates under mTLS
         decode.receiver.enable_bulk(host, ssl_context=security.ssl_context(server_side=True))
-        cache_device = decode.engine.cache.device
-        if cache_device.type == "cuda" and transport in ("auto", "cuda_ipc"):  # same-host GPU pushes, device to device
-            decode.receiver.enable_cuda_ipc(cache_device)
+        if ipc is not None:
+            decode.receiver.enable_cuda_ipc(ipc)
     return RunningWorker(pool, identity, server, service)

@@ -61,7 +61,7 @@ class Decode:
         self.engine = Engine(model, None, EngineConfig(block_size=4, kv_cache_bytes=48 * 2048, device=device))
         self.layout = engine_layout(self.engine, CODECS)
         self.receiver = KVReceiver(self.layout, CacheSink(self.engine.cache, staged=True))
-        self.receiver.enable_cuda_ipc(self.engine.cache.device, segment_bytes=1 << 20, num_segments=2)
+        self.receiver.enable_cuda_ipc(IpcPool(self.engine.cache.device, segment_bytes=1 << 20, num_segments=2))
         self.server, port = start_server([kv_transfer_handler(self.receiver)], "127.0.0.1:0", self.security)
         self.target = f"127.0.0.1:{port}"
         self.channel = grpc.insecure_channel(self.target, options=CHANNEL_OPTIONS)

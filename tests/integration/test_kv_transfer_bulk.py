@@ -18,6 +18,7 @@ import torch
 from kvtransfer.auth import TransferSecurity
 from kvtransfer.bulk import FRAME, HELLO, KEEPALIVE_IDLE_S, KIND_CHUNK, KIND_FINISH, KIND_HANDSHAKE, KIND_RESULT, OK
 from kvtransfer.bulk_listener import BulkListener
+from kvtransfer.cuda_ipc import IpcPool
 from kvtransfer.errors import TransferFailed
 from kvtransfer.sender import KVSender
 from kvtransfer.wire import encode_control, pb
@@ -334,7 +335,7 @@ def test_under_mtls_the_connection_runs_tls_and_needs_a_certificate(make_rig: Ca
         assert shm.bulk.idle(rig.target) == 1 and shm.bulk.ssl_context is not None
     finally:
         shm.close()
-    rig.receiver.enable_cuda_ipc(torch.device("cpu"), segment_bytes=1 << 20, num_segments=2)  # host pool: no GPU
+    rig.receiver.enable_cuda_ipc(IpcPool(torch.device("cpu"), 1 << 20, num_segments=2))  # host pool: no GPU
     ipc = KVSender(client, transport="cuda_ipc")  # its lease and control on a TLS bulk connection
     try:
         for _ in range(2):

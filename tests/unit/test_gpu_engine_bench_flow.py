@@ -85,3 +85,20 @@ def test_decode_weight_bytes_leave_out_the_embedding_table_unless_tied(tiny: Pat
     embed = model.embed_tokens.weight
     tied = embed is model.lm_head.weight
     assert decode_weight_bytes(model) == every - (0 if tied else embed.numel() * embed.element_size())
+
+
+def test_decode_counts_the_tokens_of_the_timed_window_when_admission_takes_several_steps(
+        tiny: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """At batch 128 the 32-token prompts take more than one step to admit, so the first sequences are a few
+    tokens ahead when the timer starts: the rate counts what came out while it ran, not batch x steps."""
+    import bench.gpu_engine_bench as gb
+    from workers.runtime.engine import Engine, EngineConfig
+
+    monkeypatch.setattr(gb, "timed", lambda fn, device: (fn(), 1.0)[1])  # one "second": the rate is the count
+    bundle = load_model(tiny, with_vision=False)
+
+    def rate(max_num_batched_tokens: int) -> float:
+        engine = Engine(bundle.model, None, EngineConfig(max_num_seqs=4, max_num_batched_tokens=max_num_batched_tokens))
+        return gb._engine_decode_rate(engine, bundle.config.vocab_size, 4, 8)
+    assert rate(128) == 4 * 7  # admitted in one step: each sequence's 7 decode tokens
+    assert 0 < rate(64) < 4 * 7  # two prompts a step: the first ones decoded while the others were admitted

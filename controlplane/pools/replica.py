@@ -62,15 +62,33 @@ def calibration_prompts(bundle: LoadedModel, block_size: int) -> list[list[int]]
 
 
 def resolve_pool_codecs(spec: str, bundle: LoadedModel, pool: PoolSettings) -> tuple[str, ...]:
-    """The codec per layer for ``spec``; "auto" runs the calibration prompts on a throwaway engine."""
-    from kvtransfer.policy import AutoPolicy, parse_policy
+    """The codec per layer for ``spec``. "auto" runs the calibration prompts on a throwaway engine with a KV
+    pool just big enough for them and no CUDA graphs (on a GPU, a pool sized from free memory and the graphs'
+    capture would double the replica's start-up, all to be thrown away); explicit policies need no engine."""
+    import dataclasses
+
+    from kvtransfer.policy import ExplicitPolicy, parse_policy
     from workers.prefill.calibrate import resolve_codecs
     from workers.runtime.engine import Engine
+    from workers.runtime.kv_cache import KVCacheSpec
 
-    engine = Engine(bundle.model, bundle.tokenizer, pool.engine.engine_config(), bundle.eos_token_ids)
-    prompts = (calibration_prompts(bundle, pool.engine.block_size)
-               if isinstance(parse_policy(spec), AutoPolicy) else None)
-    return resolve_codecs(spec, engine, prompts).codecs
+    policy = parse_policy(spec)
+    cfg = bundle.config
+    if isinstance(policy, ExplicitPolicy):
+        return policy.resolve(cfg.num_layers)
+    prompts = calibration_prompts(bundle, pool.engine.block_size)
+    kv = KVCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, pool.engine.block_size)
+    blocks = sum(len(p) // kv.block_size + 2 for p in prompts)  # each prompt and its sampled token, whole blocks
+    config = dataclasses.replace(pool.engine.engine_config(), cuda_graphs=False, warmup=False,
+                                 kv_cache_bytes=blocks * kv.layer_bytes_per_block("float32") * cfg.num_layers)
+    engine = Engine(bundle.model, bundle.tokenizer, config, bundle.eos_token_ids)
+    try:
+        return resolve_codecs(spec, engine, prompts).codecs
+    finally:
+        del engine
+        if bundle.model.device.type == "cuda":
+            import torch
+            torch.cuda.empty_cache()  # the real engine sizes its pool from free memory next
 
 
 def build_worker(pool: Pool, settings: Settings, folder: Path, security: TransferSecurity,

@@ -55,6 +55,11 @@ def fit_pools(settings: Settings, info: ModelInfo, model_dir: Path) -> tuple[Set
         return settings, {p: f"colocated mode has no {p} pool; its decode workers run whole requests: scale decode"
                           for p in ("encode", "prefill")}
     if info.image_token_id is not None:
+        e, p = settings.encode.engine.dtype, settings.prefill.engine.dtype
+        if e != p:
+            raise SettingsError(f"encode.engine.dtype ({e}) and prefill.engine.dtype ({p}) must match for a vision "
+                                f"model: an image's embeddings move only between workers whose vision towers' "
+                                f"fingerprints, over their weights as loaded, are equal")
         return settings, {}
     encode = settings.encode
     if "replicas" in encode.model_fields_set and encode.replicas > 0:

@@ -184,6 +184,16 @@ class PoolSettings(_Model):
         return v
     engine: EngineSettings = EngineSettings()
 
+    @model_validator(mode="after")
+    def _visible_gpu(self) -> PoolSettings:
+        device = parse_device(self.engine.device)
+        visible = max(1, int(self.num_gpus))  # what Ray shows a replica that reserves num_gpus
+        if device.type == "cuda" and self.num_gpus > 0 and (device.index or 0) >= visible:
+            choice = "cuda" if visible == 1 else f"cuda, or cuda:0 to cuda:{visible - 1}"
+            raise ValueError(f"engine.device {self.engine.device} with num_gpus {self.num_gpus}: Ray shows a replica "
+                             f"only the GPUs it reserves, numbered from 0; use {choice}")
+        return self
+
     def process_env(self) -> dict[str, str]:
         """Environment variables a replica's process starts with (they must be set before it starts:
         glibc reads MALLOC_ARENA_MAX once, at its first allocation)."""
@@ -356,6 +366,15 @@ class Settings(BaseSettings):
             raise ValueError("prefill.engine.max_model_len and decode.engine.max_model_len must match")
         if self.wire_codec_policy().strip().startswith("fp32") and "bfloat16" in (p.dtype, d.dtype):
             raise ValueError("the fp32 codec needs float32 engines; use bf16 for bfloat16 engines")
+        if self.mode == "disaggregated":
+            if p.dtype != d.dtype:  # the encode pool's, for a vision model: controlplane.serve.fit_pools
+                raise ValueError(f"prefill.engine.dtype ({p.dtype}) and decode.engine.dtype ({d.dtype}) must match: a "
+                                 f"worker's model fingerprint covers its weights as loaded, and KV caches move only "
+                                 f"between equal fingerprints")
+            if self.transfer.transport == "cuda_ipc" and "cpu" in (parse_device(p.device).type,
+                                                                    parse_device(d.device).type):
+                raise ValueError(f"transfer.transport cuda_ipc moves KV between GPUs; prefill.engine.device is "
+                                 f"{p.device} and decode.engine.device is {d.device} (use auto, or cuda on both)")
         if self.mode == "colocated":
             for name in ("encode", "prefill"):
                 pool = self.pool(name)

@@ -65,6 +65,19 @@ def test_an_explicit_zero_is_fine_and_a_multimodal_model_keeps_its_encode_pool(f
     assert fitted.encode.replicas == 2 and not_needed == {}
 
 
+def test_a_vision_models_encode_pool_needs_the_prefill_pools_dtype(folders, no_epd_env):
+    """The prefill worker checks the encoder's fingerprint, which covers the vision tower's weights as loaded."""
+    bf16 = {"engine": {"dtype": "bfloat16"}}
+    mm = Settings.load(None, {"model": str(folders["llava"]), "prefill": bf16, "decode": bf16})
+    with pytest.raises(SettingsError, match=r"encode.engine.dtype \(float32\) and prefill.engine.dtype \(bfloat16\) "
+                                            r"must match for a vision model"):
+        fit_pools(mm, model_info(mm, folders["llava"]), folders["llava"])
+    mm = Settings.load(None, {"model": str(folders["llava"]), "encode": bf16, "prefill": bf16, "decode": bf16})
+    assert fit_pools(mm, model_info(mm, folders["llava"]), folders["llava"])[1] == {}
+    text = Settings.load(None, {"model": str(folders["llama"]), "prefill": bf16, "decode": bf16})  # no encode pool
+    assert fit_pools(text, model_info(text, folders["llama"]), folders["llama"])[0].encode.replicas == 0
+
+
 def test_colocated_mode_still_names_its_missing_pools(folders, no_epd_env):
     s = Settings.load(None, {"model": str(folders["llava"]), "mode": "colocated"})
     assert set(fit_pools(s, model_info(s, folders["llava"]), folders["llava"])[1]) == {"encode", "prefill"}
@@ -84,10 +97,10 @@ def test_the_default_wire_codec_is_lossless_for_the_cache(no_epd_env, engines, e
     assert s.transfer.codec_policy == LOSSLESS and s.wire_codec_policy() == expected
 
 
-def test_a_bfloat16_decode_cache_gets_bf16_even_from_a_float32_prefill(no_epd_env):
-    """The decode cache rounds to bf16 on arrival either way; fp32 would cost twice the bytes for nothing
-    (and the fp32 codec refuses bfloat16 engines)."""
-    s = Settings.load(None, {"decode": {"engine": {"dtype": "bfloat16"}}})
+def test_a_bfloat16_decode_cache_gets_bf16_even_from_a_float32_prefill_cache(no_epd_env):
+    """The decode cache rounds to bf16 on arrival either way; fp32 would cost twice the bytes for nothing.
+    (The engines' own dtypes must match: tests/unit/test_settings.py.)"""
+    s = Settings.load(None, {"decode": {"engine": {"kv_cache_dtype": "bfloat16"}}})
     assert s.wire_codec_policy() == "bf16"
 
 

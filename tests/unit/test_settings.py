@@ -55,11 +55,31 @@ def test_precedence_yaml_then_env_then_cli(tmp_path, monkeypatch):
     ({"mode": "colocated", "encode": {"replicas": 1}}, "colocated mode has no encode pool"),
     ({"mode": "aggregated"}, "mode: Input should be 'disaggregated' or 'colocated'"),
     ({"decode": {"ray_resources": {"epd-decode": -1}}}, "ray_resources need a name and an amount >= 0"),
+    ({"decode": {"engine": {"dtype": "bfloat16"}}},
+     "prefill.engine.dtype (float32) and decode.engine.dtype (bfloat16) must match"),
+    ({"transfer": {"transport": "cuda_ipc"}, "prefill": {"engine": {"device": "cuda"}}},
+     "transfer.transport cuda_ipc moves KV between GPUs; prefill.engine.device is cuda and decode.engine.device "
+     "is cpu"),
+    ({"decode": {"num_gpus": 1, "engine": {"device": "cuda:1"}}},
+     "decode: engine.device cuda:1 with num_gpus 1.0: Ray shows a replica only the GPUs it reserves, numbered "
+     "from 0; use cuda"),
 ])
 def test_bad_settings_are_refused_with_the_field_named(overrides, message):
     with pytest.raises(SettingsError) as err:
         Settings.load(None, overrides)
     assert message in str(err.value)
+
+
+def test_pools_on_gpus_that_ray_shows_them_are_accepted():
+    s = Settings.load(None, {"encode": {"replicas": 0}, **{pool: {"num_gpus": 2, "engine": {"device": "cuda:1",
+                                                                                              "dtype": "bfloat16"}}
+                                                           for pool in ("prefill", "decode")},
+                             "transfer": {"transport": "cuda_ipc"}})
+    assert s.decode.engine.device == "cuda:1"
+    # the encode pool's dtype is checked once the model is known to have a vision tower (serve.fit_pools)
+    Settings.load(None, {"prefill": {"engine": {"dtype": "bfloat16"}}, "decode": {"engine": {"dtype": "bfloat16"}}})
+    Settings.load(None, {"mode": "colocated", "decode": {"num_gpus": 0.5, "engine": {"device": "cuda:0",
+                                                                                      "dtype": "bfloat16"}}})
 
 
 def test_colocated_mode_needs_only_the_decode_pool():

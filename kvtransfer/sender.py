@@ -112,11 +112,12 @@ class KVSender:
         self.pinned.clear()
         self.context.ipc.close()
 
-    def choose_transport(self, target: str) -> str:
+    def choose_transport(self, target: str, ipc: bool = True) -> str:
+        """The transport of the next push to ``target``; ``ipc=False``: not cuda_ipc (auto's fallback)."""
         if self.transport in ("grpc", "shm", "tcp", "cuda_ipc"):
             return self.transport
         local = is_local_target(target)
-        if local and self.device.type == "cuda" and self.ipc_control.usable(target):
+        if ipc and local and self.device.type == "cuda" and self.ipc_control.usable(target):
             return "cuda_ipc"
         return "shm" if local and shm_available() else "grpc"
 
@@ -132,5 +133,9 @@ class KVSender:
         except TransferFailed as exc:
             if self.transport != "auto" or transport != "cuda_ipc" or exc.code not in _NO_IPC:
                 raise
-            self.ipc_control.failed(target, exc)  # auto: fall back for this push and for a while
-        return KVStream(self.context, target, request_id, layout, num_tokens, timeout_s, self.choose_transport(target))
+            # auto falls back. Every segment busy, or this push larger than one (RESOURCE_EXHAUSTED): for this
+            # push only. No pool there, or none this process can map: for a while.
+            if exc.code != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                self.ipc_control.failed(target, exc)
+        return KVStream(self.context, target, request_id, layout, num_tokens, timeout_s,
+                        self.choose_transport(target, ipc=False))

@@ -362,6 +362,38 @@ def test_a_refused_lease_on_the_bulk_connection_hands_the_connection_back(decode
     decode.receiver.ipc.release_stale(decode.receiver.expectations.__contains__)
 
 
+@pytest.mark.parametrize("busy", ["every segment leased", "the push larger than a segment"])
+def test_auto_falls_back_for_one_push_when_the_segments_cannot_take_it(decode: Decode, busy: str) -> None:
+    """A push the receiver's segments cannot take now (all leased, or too large for one) goes over another
+    transport, and the next push to that receiver still asks for a segment: a busy moment, or one long
+    prompt, must not turn CUDA IPC off for everyone (only a receiver without a pool, or one this process
+    cannot map, does). The sender says its cache is on CUDA (only its transport choice reads that)."""
+    decode.receiver.enable_bulk("127.0.0.1")
+    pool = decode.receiver.ipc
+    assert pool is not None
+    if busy == "every segment leased":
+        for rid in ("x1", "x2"):
+            decode.reserve(rid)
+            decode.lease(rid)
+    else:
+        decode.receiver.ipc = IpcPool(torch.device("cpu"), 256, num_segments=1)  # smaller than this push
+    res = decode.reserve("one")
+    sender = KVSender(decode.security, transport="auto", device="cuda")
+    try:
+        assert sender.choose_transport(decode.target) == "cuda_ipc"
+        stream = sender.open_stream(decode.target, "one", decode.layout, NUM_TOKENS)
+        assert stream.transport == "shm"
+        stream.cancel("test")
+        assert sender.ipc_control.usable(decode.target) and sender.choose_transport(decode.target) == "cuda_ipc"
+    finally:
+        sender.close()
+        decode.receiver.ipc = pool
+    for rid in ("x1", "x2", "one"):
+        decode.receiver.cancel(rid)
+    pool.release_stale(decode.receiver.expectations.__contains__)
+    assert pool.leased == 0
+
+
 @pytest.mark.parametrize("receiver", ["older", "connection breaks"])
 def test_a_receiver_that_gives_no_lease_on_its_bulk_connection_still_gets_the_push(
         decode: Decode, caplog: pytest.LogCaptureFixture, receiver: str) -> None:

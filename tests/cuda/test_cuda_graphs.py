@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
+import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -120,6 +123,47 @@ def test_kv_pool_is_sized_from_free_memory(model) -> None:
         assert total - free <= util * total + 512 * 2**20, "the engine took more than gpu_memory_utilization"
         del engine
     assert sizes[0.6] > sizes[0.3] + 0.25 * torch.cuda.mem_get_info()[1]
+
+
+# A fresh process: its memory baseline is what the GPU holds when it loads the model (workers.runtime.devices).
+POOL_CHILD = """
+import sys
+from workers.runtime.engine import Engine, EngineConfig
+from workers.runtime.loader import load_model
+model = load_model(sys.argv[1], device="cuda", require_tokenizer=False).model
+engine = Engine(model, None, EngineConfig(device="cuda", gpu_memory_utilization=0.3, max_num_seqs=4, cuda_graphs=False))
+print(engine.cache.nbytes)
+"""
+HOLDER = ("import sys, torch; x = torch.empty(int(sys.argv[1]), dtype=torch.uint8, device='cuda'); "
+          "torch.cuda.synchronize(); print('ready', flush=True); sys.stdin.read()")
+
+
+def test_memory_another_process_held_first_leaves_this_engines_share_alone(tiny_hf) -> None:
+    """gpu_memory_utilization is the share of the card this process takes (vLLM's meaning), so engines sharing
+    a GPU each get theirs: with another process holding a fifth of the card, an engine at 0.3 gets the pool
+    it gets alone (the old whole-card meaning took the fifth out of it)."""
+    env = os.environ | {"PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    folder = str(tiny_hf("llama-gqa"))
+
+    def pool_bytes() -> int:
+        out = subprocess.run([sys.executable, "-c", POOL_CHILD, folder], capture_output=True, text=True, timeout=120,
+                             env=env)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return int(out.stdout.strip().splitlines()[-1])
+
+    gc.collect()
+    torch.cuda.empty_cache()
+    alone = pool_bytes()
+    fifth = torch.cuda.mem_get_info()[1] // 5
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(fifth)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "ready"
+        shared = pool_bytes()
+    finally:
+        holder.kill()
+        holder.wait(30)
+    assert shared >= alone - 512 * 2**20, f"{shared} bytes beside a holder of {fifth}, {alone} alone"
 
 
 def test_the_kv_pool_leaves_room_for_sampling_a_full_batch(model) -> None:

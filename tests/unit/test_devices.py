@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from workers.runtime.devices import on_device, resolve_device
+from workers.runtime.devices import memory_baseline, note_memory_baseline, on_device, resolve_device
+from workers.runtime.gpu_memory import own_outside_torch
 
 pytestmark = [pytest.mark.unit]
 
@@ -31,3 +32,33 @@ def test_on_device_leaves_the_cpu_alone() -> None:
     with on_device(torch.device("cpu")) as entered:
         assert entered is None
     assert isinstance(on_device(torch.device("cuda", 1)), torch.cuda.device)
+
+
+GiB = 2**30
+
+
+def test_memory_other_processes_held_first_is_not_this_processs() -> None:
+    """gpu_memory_utilization is this process's share of the card (vLLM's meaning): memory outside torch is
+    counted from what the device held when this process first loaded a model there."""
+    # another process held 20 GiB when this one started; now this one adds its context (0.5) and 30 in torch
+    assert own_outside_torch(used=int(50.5 * GiB), reserved=30 * GiB, used_then=20 * GiB, reserved_then=0) == GiB // 2
+    # no baseline noted: everything in use outside torch counts as this process's
+    assert own_outside_torch(used=int(50.5 * GiB), reserved=30 * GiB, used_then=0, reserved_then=0) == int(20.5 * GiB)
+    # what torch reserved before the baseline (an earlier model in this process) is still torch's, never negative
+    assert own_outside_torch(used=40 * GiB, reserved=40 * GiB, used_then=10 * GiB, reserved_then=10 * GiB) == 0
+    assert own_outside_torch(used=10 * GiB, reserved=12 * GiB, used_then=10 * GiB, reserved_then=0) == 0
+
+
+def test_the_memory_baseline_is_noted_once_per_device(monkeypatch) -> None:
+    from workers.runtime import devices
+
+    monkeypatch.setattr(devices, "_memory_baselines", {})
+    used = {"now": 20 * GiB}
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda index: (80 * GiB - used["now"], 80 * GiB))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda index: 0)
+    note_memory_baseline(torch.device("cuda", 1))
+    used["now"] = 60 * GiB  # this process loaded its weights: a second note (another model) changes nothing
+    note_memory_baseline(torch.device("cuda", 1))
+    note_memory_baseline(torch.device("cpu"))
+    assert memory_baseline(torch.device("cuda", 1)) == (20 * GiB, 0)
+    assert memory_baseline(torch.device("cuda", 0)) == (0, 0)  # never noted

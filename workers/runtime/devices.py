@@ -31,3 +31,26 @@ def on_device(device: torch.device) -> AbstractContextManager[object]:
     if device.type == "cuda":
         return torch.cuda.device(device)
     return nullcontext()
+
+
+# Per CUDA device index: (bytes in use on the device, bytes torch's allocator reserved in this process) when
+# this process first put a model on it. What others held then is not this process's to count.
+_memory_baselines: dict[int, tuple[int, int]] = {}
+
+
+def note_memory_baseline(device: torch.device) -> None:
+    """Record, once per process and CUDA device, the device's memory in use before this process loads a model
+    there (``memory_baseline``); nothing for other devices."""
+    if device.type != "cuda":
+        return
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _memory_baselines:
+        free, total = torch.cuda.mem_get_info(index)
+        _memory_baselines[index] = (total - free, torch.cuda.memory_reserved(index))
+
+
+def memory_baseline(device: torch.device) -> tuple[int, int]:
+    """(bytes in use on the device, bytes torch reserved here) when this process first loaded a model on it;
+    (0, 0) when it never noted one, which counts everything in use as this process's."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _memory_baselines.get(index, (0, 0))

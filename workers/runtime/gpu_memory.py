@@ -1,9 +1,12 @@
-"""Sizing the KV pool from the GPU's free memory, as vLLM's ``gpu_memory_utilization`` does.
+"""Sizing the KV pool from the GPU's free memory, as vLLM's ``gpu_memory_utilization`` does: the share of
+the card this process may take, whatever other processes hold.
 
-budget = total * utilization - (memory outside torch's allocator) - (torch's peak during a profile
-forward of the largest step, less the profile's own KV blocks, or during sampling a full batch, whichever
-is higher). The profile runs once at start-up, after the weights are loaded, over a temporary cache that
-is freed before the pool is allocated.
+budget = total * utilization - (this process's memory outside torch's allocator) - (torch's peak during a
+profile forward of the largest step, less the profile's own KV blocks, or during sampling a full batch,
+whichever is higher). The profile runs once at start-up, after the weights are loaded, over a temporary cache
+that is freed before the pool is allocated. Memory outside torch is counted from what the device held when
+this process first put a model on it (``devices.note_memory_baseline``): what other processes held then is
+theirs; what they allocate later counts here too (never less than this process's own).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from workers.runtime.attention import PrefillItem, build_step_batch
+from workers.runtime.devices import memory_baseline
 from workers.runtime.errors import CapacityError
 from workers.runtime.kv_cache import CacheDType, KVCacheSpec, PagedKVCache
 from workers.runtime.model import DecoderModel
@@ -20,6 +24,12 @@ from workers.runtime.sampler import SamplingParams, sample
 
 if TYPE_CHECKING:
     from workers.runtime.kernels.ops import TritonOps
+
+
+def own_outside_torch(used: int, reserved: int, used_then: int, reserved_then: int) -> int:
+    """Bytes this process holds on the device outside torch's allocator (CUDA context, libraries): what the
+    device gained since the baseline (``used_then``, ``reserved_then``) less what torch reserved since."""
+    return max(0, (used - used_then) - (reserved - reserved_then))
 
 
 def kv_budget_from_free_memory(model: DecoderModel, spec: KVCacheSpec, layer_dtypes: tuple[CacheDType, ...],
@@ -47,12 +57,13 @@ def kv_budget_from_free_memory(model: DecoderModel, spec: KVCacheSpec, layer_dty
     del scratch
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
-    outside_torch = total - free - torch.cuda.memory_reserved(device)
+    used_then, reserved_then = memory_baseline(device)
+    outside_torch = own_outside_torch(total - free, torch.cuda.memory_reserved(device), used_then, reserved_then)
     budget = int(total * utilization) - outside_torch - peak
     per_block = spec.bytes_per_block(layer_dtypes)
     if budget < per_block:
         raise CapacityError(
             f"no GPU memory left for the KV cache: {total * utilization / 2**30:.2f} GiB allowed "
             f"(gpu_memory_utilization={utilization}), weights and activations peak at {peak / 2**30:.2f} GiB, "
-            f"{outside_torch / 2**30:.2f} GiB used outside torch")
+            f"{outside_torch / 2**30:.2f} GiB used outside torch by this process")
     return budget

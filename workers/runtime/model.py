@@ -16,7 +16,7 @@ from torch import nn
 
 from workers.runtime.attention import StepBatch, paged_attention
 from workers.runtime.config import ModelConfig
-from workers.runtime.devices import resolve_device
+from workers.runtime.devices import note_memory_baseline, resolve_device
 from workers.runtime.fingerprint import module_fingerprint
 from workers.runtime.kv_cache import KVLayerStorage, PagedKVCache
 from workers.runtime.rope import RotaryEmbedding
@@ -104,6 +104,7 @@ class DecoderModel(nn.Module):
                  device: torch.device | str = "cpu") -> None:
         super().__init__()
         device = resolve_device(device)
+        note_memory_baseline(device)  # before the weights: what the GPU held then is not this engine's
         self.cfg = cfg
         self.dtype = dtype
         self.device = device

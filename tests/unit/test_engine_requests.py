@@ -3,6 +3,9 @@ and the per-layer KV-ready hook."""
 
 from __future__ import annotations
 
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import torch
 
@@ -12,7 +15,7 @@ from workers.runtime.kv_cache import KVCacheSpec
 from workers.runtime.sampler import SamplingParams
 from workers.runtime.sequence import FinishReason, MultimodalInput
 
-from engine_helpers import assert_no_leaks, run_to_completion
+from engine_helpers import assert_no_leaks, run_to_completion, token_ids
 
 pytestmark = [pytest.mark.unit]
 
@@ -29,6 +32,31 @@ def _engine(tiny_bundle, blocks: int | None = None, **kw) -> Engine:
 
 def _greedy(n: int) -> SamplingParams:
     return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+
+
+def test_stats_answer_while_a_step_waits_in_a_layer_hook(tiny_bundle):
+    """A worker's status (its heartbeat) reads the engine's stats: a step held up in a prefill layer hook
+    (a transfer waiting for budget) must not hold it up too."""
+    engine = _engine(tiny_bundle)
+    inside, release = threading.Event(), threading.Event()
+
+    def hook(event: LayerKVReady) -> None:
+        inside.set()
+        release.wait(30)
+    engine.add_layer_hook(hook)
+    engine.add_request("r", [5] * 20, _greedy(1))
+    stepping = threading.Thread(target=engine.step)
+    stepping.start()
+    try:
+        assert inside.wait(30)
+        with ThreadPoolExecutor(1) as pool:
+            stats = pool.submit(engine.stats).result(timeout=5)
+        assert stats.num_running == 1 and stats.num_waiting == 0
+    finally:
+        release.set()
+        stepping.join(30)
+    engine.remove_layer_hook(hook)
+    assert token_ids(run_to_completion(engine)) == {} and engine.stats().num_running == 0
 
 
 def test_prompt_longer_than_context_is_refused_before_allocation(tiny_bundle):

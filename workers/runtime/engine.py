@@ -339,10 +339,12 @@ class Engine:
         self._hooks.remove(hook)
 
     def stats(self) -> EngineStats:
-        with self._lock:
-            return EngineStats(len(self.scheduler.waiting), len(self.scheduler.running), self.cache.num_blocks,
-                               self.cache.allocator.num_free, self._preemptions, self._steps,
-                               num_reservations=len(self._reservations))
+        """Read without the engine's lock, so a status call never waits for a step in flight (one may take
+        long: a prefill layer hook waiting for transfer budget, a kernel's first compile). Each number is
+        current when read; together they may straddle a step."""
+        return EngineStats(len(self.scheduler.waiting), len(self.scheduler.running), self.cache.num_blocks,
+                           self.cache.allocator.num_free, self._preemptions, self._steps,
+                           num_reservations=len(self._reservations))
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:

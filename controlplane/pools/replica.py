@@ -106,9 +106,10 @@ def build_worker(pool: Pool, settings: Settings, folder: Path, security: Transfe
     configure_process(settings.observability, f"epd-{pool}")  # spans of traced RPCs go where OTEL_* says
     colocated = settings.mode == "colocated" and pool == "decode"
     # a disaggregated decode worker never sees an image; prefill keeps the encoder for its fingerprint
-    # (embedding handshake); a colocated worker encodes images itself
+    # (embedding handshake), on the CPU; an encode worker holds no text model; a colocated worker does it all
     bundle = load_model(folder, dtype=DTYPES[ps.engine.dtype], device=ps.engine.device,
-                        with_vision=pool != "decode" or colocated)
+                        with_vision=pool != "decode" or colocated, with_text=pool != "encode",
+                        vision_device="cpu" if pool == "prefill" else None)
     codecs = (None if pool == "encode" or colocated
               else resolve_pool_codecs(settings.wire_codec_policy(), bundle, ps))
     return start_worker(pool, bundle, security, config=ps.engine.engine_config(), codecs=codecs,

@@ -333,3 +333,17 @@ def test_a_sharded_llava_checkpoint_loads_the_same_model(llava_dirs, tmp_path):
     whole, sharded = load_model(llava_dirs["llama"]), load_model(folder)
     assert whole.model.fingerprint() == sharded.model.fingerprint()
     assert whole.vision.fingerprint() == sharded.vision.fingerprint()
+
+
+def test_an_encode_worker_loads_no_text_weights_and_a_prefill_worker_its_tower_where_asked(tmp_path: Path) -> None:
+    """An encode worker's bundle holds the text model as shapes only (meta: no memory, no weights read), and
+    a prefill worker, which only needs the tower's fingerprint, may keep the tower on the CPU: the
+    fingerprints the embedding handshake compares stay what a full load gives."""
+    folder = write_llava(tmp_path / "llava")
+    full = load_model(folder)
+    encode = load_model(folder, with_text=False)
+    prefill = load_model(folder, vision_device="cpu")
+    assert full.vision is not None and encode.vision is not None and prefill.vision is not None
+    assert all(p.device.type == "meta" for p in encode.model.parameters())
+    assert encode.vision.fingerprint() == prefill.vision.fingerprint() == full.vision.fingerprint()
+    assert encode.config == full.config and encode.tokenizer is not None

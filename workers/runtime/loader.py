@@ -108,8 +108,13 @@ def read_generation_eos(folder: Path, vocab_size: int | None = None) -> tuple[in
 
 
 def load_model(folder: Path | str, dtype: torch.dtype = torch.float32, device: str = "cpu",
-               require_tokenizer: bool = True, with_vision: bool = True) -> LoadedModel:
-    """Read a checkpoint folder; any problem raises CheckpointError naming the file or tensor."""
+               require_tokenizer: bool = True, with_vision: bool = True, with_text: bool = True,
+               vision_device: str | None = None) -> LoadedModel:
+    """Read a checkpoint folder; any problem raises CheckpointError naming the file or tensor.
+
+    ``with_text=False``: the text model is built on the ``meta`` device (shapes only: no memory, no weights
+    read), for a worker that only encodes images. ``vision_device``: where the vision tower goes (default
+    ``device``), e.g. the CPU for a prefill worker that only needs its fingerprint."""
     folder = Path(folder)
     if not folder.exists():
         raise CheckpointError(f"{folder}: not a checkpoint folder (it does not exist)")
@@ -118,10 +123,13 @@ def load_model(folder: Path | str, dtype: torch.dtype = torch.float32, device: s
     raw = read_json_object(folder / "config.json")
     cfg = ModelConfig.from_hf_dict(raw)
     llava_folder = is_llava(raw)
-    tensors = read_hf_tensors(folder, cfg, rename=llava.text_tensor_name if llava_folder else None)
-    model = DecoderModel(cfg, dtype=dtype, device=device)
-    load_into(model, tensors)
-    del tensors
+    if with_text:
+        tensors = read_hf_tensors(folder, cfg, rename=llava.text_tensor_name if llava_folder else None)
+        model = DecoderModel(cfg, dtype=dtype, device=device)
+        load_into(model, tensors)
+        del tensors
+    else:
+        model = DecoderModel(cfg, dtype=dtype, device="meta")
     tokenizer = None
     if require_tokenizer or (folder / "tokenizer.json").exists():
         tokenizer = Tokenizer.from_folder(folder)
@@ -134,8 +142,9 @@ def load_model(folder: Path | str, dtype: torch.dtype = torch.float32, device: s
     if with_vision and needs_encoder(folder):
         images = image_input(folder, tokenizer)
         assert images is not None
-        encoder = (llava.load_llava_vision(folder, images.vision, device=device, dtype=dtype) if llava_folder
-                   else load_vision(folder, device=device, dtype=dtype))
+        where = device if vision_device is None else vision_device
+        encoder = (llava.load_llava_vision(folder, images.vision, device=where, dtype=dtype) if llava_folder
+                   else load_vision(folder, device=where, dtype=dtype))
     elif llava_folder and tokenizer is not None:
         image_input(folder, tokenizer)  # the tokenizer learns the image token (prompts expand it)
     return LoadedModel(folder, cfg, model, tokenizer, eos, encoder)

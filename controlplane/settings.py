@@ -219,7 +219,8 @@ class TransferSettings(_Model):
     tls_ca: Path | None = None
     tls_cert: Path | None = None
     tls_key: Path | None = None
-    timeout_s: float = Field(30.0, gt=0, description="deadline of one transfer, seconds")
+    timeout_s: float = Field(30.0, gt=0, description="the longest one KV push may take, seconds (a request's own "
+                                                     "deadline may end it sooner)")
     stream_budget_bytes: int = Field(64 * MiB, ge=MiB, description="queued bytes per stream at most")
     sender_budget_bytes: int = Field(512 * MiB, ge=MiB, description="queued bytes per prefill worker at most")
     max_streams: int = Field(64, ge=1, le=4096, description="concurrent inbound streams per worker; also the "

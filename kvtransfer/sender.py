@@ -58,10 +58,12 @@ class KVSender:
                  shm_chunk_bytes: int = 16 * 2**20,
                  transport: TransportChoice = "auto", encode_threads: int = 2,
                  bulk_chunk_bytes: int = 8 * 2**20, inline_build_bytes: int = 512 * 2**10,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", max_timeout_s: float | None = None) -> None:
         """``device``: where the KV cache it sends from lives; ``auto`` picks cuda_ipc for a CUDA cache
-        and a receiver on this host that leases a CUDA IPC segment (else shm, else gRPC)."""
+        and a receiver on this host that leases a CUDA IPC segment (else shm, else gRPC). ``max_timeout_s``:
+        the longest deadline a push gets, whatever its caller asks (the settings' ``transfer.timeout_s``)."""
         self.security = security
+        self.max_timeout_s = max_timeout_s
         self.transport = transport
         self.device = torch.device(device)
         # Receivers that leased no CUDA IPC segment (no pool, all in use, another GPU): skipped a while.
@@ -128,6 +130,8 @@ class KVSender:
     def open_stream(self, target: str, request_id: str, layout: KVLayout, num_tokens: int,
                     timeout_s: float = 30.0) -> KVStream:
         transport = self.choose_transport(target)
+        if self.max_timeout_s is not None:
+            timeout_s = min(timeout_s, self.max_timeout_s)
         try:
             return KVStream(self.context, target, request_id, layout, num_tokens, timeout_s, transport)
         except TransferFailed as exc:

@@ -40,9 +40,11 @@ class RunningWorker:
 def start_worker(pool: Pool, bundle: LoadedModel, security: TransferSecurity, *, config: EngineConfig = EngineConfig(),
                  codecs: tuple[str, ...] | None = None, store: KVStore = "dequantize",
                  transport: TransportChoice = "auto", host: str = "127.0.0.1", port: int = 0,
-                 max_streams: int = 64, colocated: bool = False) -> RunningWorker:
+                 max_streams: int = 64, colocated: bool = False, transfer_timeout_s: float | None = None,
+                 stream_budget_bytes: int = 64 * 2**20, sender_budget_bytes: int = 512 * 2**20) -> RunningWorker:
     """Start ``pool``'s worker. ``colocated`` (decode pool only): a worker that encodes, prefills and
-    decodes whole requests in one engine (workers.colocated) instead of taking KV pushes."""
+    decodes whole requests in one engine (workers.colocated) instead of taking KV pushes. A prefill worker's
+    pushes take at most ``transfer_timeout_s`` and queue at most the two budgets' bytes (``KVSender``)."""
     identity = WorkerIdentity(pool)
     decode: DecodeService | None = None  # a KV-receiving decode worker (not a colocated one)
     ipc: IpcPool | None = None  # its CUDA IPC segments, on a GPU
@@ -60,7 +62,8 @@ def start_worker(pool: Pool, bundle: LoadedModel, security: TransferSecurity, *,
         service = EncodeService(bundle.vision, security, identity)
     elif pool == "prefill":
         from workers.prefill.service import PrefillService
-        sender = KVSender(security, transport=transport, device=bundle.model.device)
+        sender = KVSender(security, transport=transport, device=bundle.model.device, max_timeout_s=transfer_timeout_s,
+                          stream_budget_bytes=stream_budget_bytes, sender_budget_bytes=sender_budget_bytes)
         service = PrefillService(bundle, config, codecs, sender, identity)
     elif pool == "decode":
         from workers.decode.service import DecodeService

@@ -114,7 +114,10 @@ def build_worker(pool: Pool, settings: Settings, folder: Path, security: Transfe
               else resolve_pool_codecs(settings.wire_codec_policy(), bundle, ps))
     return start_worker(pool, bundle, security, config=ps.engine.engine_config(), codecs=codecs,
                         store=settings.transfer.decode_store, transport=settings.transfer.transport,
-                        host=host, port=0, max_streams=settings.transfer.max_streams, colocated=colocated)
+                        host=host, port=0, max_streams=settings.transfer.max_streams, colocated=colocated,
+                        transfer_timeout_s=settings.transfer.timeout_s,
+                        stream_budget_bytes=settings.transfer.stream_budget_bytes,
+                        sender_budget_bytes=settings.transfer.sender_budget_bytes)
 
 
 def worker_status(worker: RunningWorker) -> wpb.WorkerStatus:

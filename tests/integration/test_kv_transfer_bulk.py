@@ -450,6 +450,25 @@ def test_a_stalled_sender_hits_the_deadline_and_frees_the_reservation(rig: Rig) 
     rig.assert_clean()
 
 
+def test_the_senders_deadline_cap_holds_whatever_the_caller_asks(rig: Rig) -> None:
+    """transfer.timeout_s reaches the prefill worker's sender as its cap: a push asked for 10 s that stalls
+    after its first layer fails at the cap's 1 s, not at 10, and the reservation is freed."""
+    pending = rig.reserve()
+    sender = KVSender(SECURITY, transport="tcp", max_timeout_s=1.0)
+    try:
+        stream, _ = first_layer_landed(rig, sender, pending, timeout_s=10)
+        assert stream.deadline - stream.started == pytest.approx(1.0)
+        start = time.monotonic()
+        wait_until(pending.done.is_set, 5, "the receiver's deadline to free the reservation")
+        assert time.monotonic() - start < 3
+        outcome = pending.outcome()  # whichever side's deadline acts first: the sender's closes the connection
+        assert not outcome.ok and outcome.code in (Code.DEADLINE_EXCEEDED, Code.CANCELLED), outcome
+    finally:
+        sender.close()
+    rig.good_transfer()
+    rig.assert_clean()
+
+
 def test_a_sender_cancel_mid_stream_frees_both_sides(rig: Rig) -> None:
     pending = rig.reserve()
     sender = KVSender(SECURITY, transport="tcp")

@@ -151,16 +151,32 @@ def export_handle(t: torch.Tensor) -> pb.CudaIpcHandle:
 
 
 class IpcMappings:
-    """The sender's open mappings, per (target, epoch, segment)."""
+    """The sender's open mappings, per (target, epoch, segment), for the ``max_targets`` receivers pushed to
+    most recently: a mapping keeps its memory alive, so those of receivers replaced long ago (a new worker has
+    a new address, so the old one is never asked again) are dropped rather than kept for the process's life."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_targets: int = 64) -> None:
+        self.max_targets = max_targets
         self._maps: dict[tuple[str, int, int], torch.Tensor] = {}
+        self._recent: dict[str, None] = {}  # targets, least recently pushed to first
         self._lock = threading.Lock()
+
+    @property
+    def targets(self) -> tuple[str, ...]:
+        """The targets with open mappings, least recently pushed to first."""
+        with self._lock:
+            return tuple(t for t in self._recent if any(k[0] == t for k in self._maps))
 
     def open(self, target: str, lease: pb.CudaIpcLease) -> torch.Tensor:
         """The leased segment as a 1-D uint8 tensor on this process's view of the receiver's GPU."""
         key = (target, lease.pool_epoch, lease.segment)
         with self._lock:
+            self._recent.pop(target, None)
+            self._recent[target] = None
+            for gone in list(self._recent)[:-self.max_targets]:
+                del self._recent[gone]
+                for k in [k for k in self._maps if k[0] == gone]:
+                    del self._maps[k]
             seg = self._maps.get(key)
             if seg is not None:
                 return seg
@@ -178,6 +194,7 @@ class IpcMappings:
     def close(self) -> None:
         with self._lock:
             self._maps.clear()
+            self._recent.clear()
 
 
 def _local_device(uuid: str) -> torch.device:

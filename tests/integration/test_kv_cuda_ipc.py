@@ -251,6 +251,21 @@ def test_a_receiver_without_a_pool_refuses_and_auto_senders_fall_back() -> None:
         receiver.stop()
 
 
+def test_mappings_of_receivers_not_pushed_to_lately_are_dropped() -> None:
+    """A mapping keeps the receiver's memory alive: a long-lived prefill worker whose decode peers are replaced
+    (each at a new address) keeps those of the most recent ``max_targets`` only. A host-memory pool in this
+    process stands in for the receivers' segments."""
+    pool = IpcPool(torch.device("cpu"), 64, num_segments=1)
+    lease = pool.lease("r", 8)
+    maps = IpcMappings(max_targets=3)
+    for target in ("a", "b", "c", "a", "d"):
+        assert maps.open(target, lease).data_ptr() == pool.segments[0].data_ptr()
+    assert maps.targets == ("c", "a", "d")  # b, pushed to least recently, was dropped
+    maps.close()
+    assert maps.targets == ()
+    pool.release("r")
+
+
 def test_device_checksum_is_exact_and_sees_every_word() -> None:
     data = torch.randint(0, 256, (1003,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
     padded = data.tolist() + [0] * ((-len(data)) % 4)
@@ -377,7 +392,7 @@ def test_auto_falls_back_for_one_push_when_the_segments_cannot_take_it(decode: D
             decode.lease(rid)
     else:
         decode.receiver.ipc = IpcPool(torch.device("cpu"), 256, num_segments=1)  # smaller than this push
-    res = decode.reserve("one")
+    decode.reserve("one")
     sender = KVSender(decode.security, transport="auto", device="cuda")
     try:
         assert sender.choose_transport(decode.target) == "cuda_ipc"

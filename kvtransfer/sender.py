@@ -10,6 +10,7 @@ over the bulk TCP connection too when the receiver has one, and over the gRPC Pu
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import socket
 from concurrent.futures import ThreadPoolExecutor
@@ -38,16 +39,30 @@ TransportChoice = Literal["auto", "grpc", "shm", "tcp", "cuda_ipc"]
 
 
 def is_local_target(target: str) -> bool:
-    """True when ``target`` (host:port or unix:path) is on this host's loopback."""
+    """True when ``target`` (host:port or unix:path) is on this host: its loopback, or an address of this
+    host's own (workers in an external Ray cluster bind their node's IP, and two on one node are local)."""
     if target.startswith("unix:"):
         return True
     host = target.rsplit(":", 1)[0].strip("[]")
     if host == "localhost":
         return True
     try:
-        return ipaddress.ip_address(host).is_loopback
+        return ipaddress.ip_address(host).is_loopback or own_address(host)
     except ValueError:
         return False
+
+
+@functools.lru_cache(maxsize=256)
+def own_address(host: str) -> bool:
+    """Whether the IP literal ``host`` is an address of this host (its network namespace): a socket binds to
+    one only then. Nothing listens or is sent; the socket closes at once."""
+    family = socket.AF_INET6 if ipaddress.ip_address(host).version == 6 else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.bind((host, 0))
+        except OSError:
+            return False
+    return True
 
 
 class KVSender:

@@ -1,0 +1,41 @@
+"""Which KV targets are on this host (auto picks shared memory or CUDA IPC for those): loopback, a Unix
+socket, and any address of this host's own, which is what workers in an external Ray cluster bind."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvtransfer.sender import is_local_target, own_address
+
+pytestmark = [pytest.mark.unit]
+
+
+@pytest.mark.parametrize("target, local", [
+    ("127.0.0.1:50051", True), ("localhost:50051", True), ("[::1]:50051", True), ("unix:/tmp/epd.sock", True),
+    ("127.0.0.5:50051", True),  # all of 127/8 is this host's
+    ("192.0.2.1:50051", False),  # TEST-NET-1: routable nowhere, never an address of this host
+    ("[2001:db8::1]:50051", False),  # the IPv6 documentation prefix
+    ("decode-0.epd.svc:50051", False),  # a name: not resolved, so not taken as local
+])
+def test_local_targets_are_this_hosts_addresses(target: str, local: bool) -> None:
+    assert is_local_target(target) is local
+
+
+def test_an_address_counts_as_this_hosts_when_a_socket_can_bind_it() -> None:
+    assert own_address("127.0.0.2") and not own_address("192.0.2.7") and not own_address("2001:db8::7")
+
+
+def test_this_hosts_own_network_address_is_local() -> None:
+    """What an external Ray cluster's workers bind: the node's address, found here as the source address of a
+    route out (a UDP connect sends nothing)."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("192.0.2.1", 9))
+        except OSError:
+            pytest.skip("no route out of this host: no address of its own but loopback")
+        ip = s.getsockname()[0]
+    if ip.startswith("127."):
+        pytest.skip("this host's only address is loopback")
+    assert is_local_target(f"{ip}:50051")

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from workers.runtime.devices import memory_baseline, note_memory_baseline, on_device, resolve_device
-from workers.runtime.gpu_memory import own_outside_torch
+from workers.runtime.gpu_memory import kv_budget, own_outside_torch
 
 pytestmark = [pytest.mark.unit]
 
@@ -62,3 +62,12 @@ def test_the_memory_baseline_is_noted_once_per_device(monkeypatch) -> None:
     note_memory_baseline(torch.device("cpu"))
     assert memory_baseline(torch.device("cuda", 1)) == (20 * GiB, 0)
     assert memory_baseline(torch.device("cuda", 0)) == (0, 0)  # never noted
+
+
+def test_the_pool_takes_its_share_unless_what_is_free_cannot_hold_it() -> None:
+    # alone on an 80 GiB card at 0.9: 2 GiB of weights live, 1 GiB more at the profile's peak, 0.5 outside torch
+    budget, share = kv_budget(80 * GiB, 77 * GiB, 0.9, GiB // 2, 3 * GiB, 2 * GiB)
+    assert budget == share == int(80 * GiB * 0.9) - GiB // 2 - 3 * GiB
+    # another process holds 30 GiB: the share stays, the pool gets what is free less the step's activations
+    budget, share = kv_budget(80 * GiB, 47 * GiB, 0.9, GiB // 2, 3 * GiB, 2 * GiB)
+    assert share == int(80 * GiB * 0.9) - GiB // 2 - 3 * GiB and budget == 47 * GiB - GiB

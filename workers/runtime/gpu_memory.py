@@ -11,6 +11,7 @@ theirs; what they allocate later counts here too (never less than this process's
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 import torch
@@ -25,11 +26,23 @@ from workers.runtime.sampler import SamplingParams, sample
 if TYPE_CHECKING:
     from workers.runtime.kernels.ops import TritonOps
 
+log = logging.getLogger(__name__)
+
 
 def own_outside_torch(used: int, reserved: int, used_then: int, reserved_then: int) -> int:
     """Bytes this process holds on the device outside torch's allocator (CUDA context, libraries): what the
     device gained since the baseline (``used_then``, ``reserved_then``) less what torch reserved since."""
     return max(0, (used - used_then) - (reserved - reserved_then))
+
+
+def kv_budget(total: int, free: int, utilization: float, outside_torch: int, peak: int,
+              allocated: int) -> tuple[int, int]:
+    """(bytes the pool may take, bytes the share allows). The share is ``total * utilization`` less this
+    process's memory outside torch and torch's ``peak``; the pool takes less when what is ``free`` now (other
+    processes' memory taken out) cannot hold it and the largest step's activations (``peak - allocated``:
+    freed after the profile, needed again by the first such step)."""
+    share = int(total * utilization) - outside_torch - peak
+    return min(share, free - max(0, peak - allocated)), share
 
 
 def kv_budget_from_free_memory(model: DecoderModel, spec: KVCacheSpec, layer_dtypes: tuple[CacheDType, ...],
@@ -59,11 +72,15 @@ def kv_budget_from_free_memory(model: DecoderModel, spec: KVCacheSpec, layer_dty
     free, total = torch.cuda.mem_get_info(device)
     used_then, reserved_then = memory_baseline(device)
     outside_torch = own_outside_torch(total - free, torch.cuda.memory_reserved(device), used_then, reserved_then)
-    budget = int(total * utilization) - outside_torch - peak
-    per_block = spec.bytes_per_block(layer_dtypes)
-    if budget < per_block:
+    budget, share = kv_budget(total, free, utilization, outside_torch, peak, torch.cuda.memory_allocated(device))
+    gib = 2**30
+    if budget < spec.bytes_per_block(layer_dtypes):
         raise CapacityError(
-            f"no GPU memory left for the KV cache: {total * utilization / 2**30:.2f} GiB allowed "
-            f"(gpu_memory_utilization={utilization}), weights and activations peak at {peak / 2**30:.2f} GiB, "
-            f"{outside_torch / 2**30:.2f} GiB used outside torch by this process")
+            f"no GPU memory left for the KV cache: {total * utilization / gib:.2f} GiB allowed "
+            f"(gpu_memory_utilization={utilization}), weights and activations peak at {peak / gib:.2f} GiB, "
+            f"{outside_torch / gib:.2f} GiB used outside torch by this process, {free / gib:.2f} GiB free now")
+    if budget < share:
+        log.warning("the KV pool gets %.2f GiB, not the %.2f GiB gpu_memory_utilization=%s allows: only %.2f GiB "
+                    "of the GPU are free (other processes hold the rest)", budget / gib, share / gib, utilization,
+                    free / gib)
     return budget

@@ -219,8 +219,10 @@ class TransferSettings(_Model):
     tls_ca: Path | None = None
     tls_cert: Path | None = None
     tls_key: Path | None = None
-    timeout_s: float = Field(30.0, gt=0, description="the longest one KV push may take, seconds (a request's own "
-                                                     "deadline may end it sooner)")
+    timeout_s: float = Field(600.0, gt=0, description="the longest one KV push may take, seconds, from the start of "
+                                                      "its prefill (it streams while the prompt computes, so a "
+                                                      "queued or long prefill counts); a request's own deadline "
+                                                      "may end it sooner")
     stream_budget_bytes: int = Field(64 * MiB, ge=MiB, description="queued bytes per stream at most")
     sender_budget_bytes: int = Field(512 * MiB, ge=MiB, description="queued bytes per prefill worker at most")
     max_streams: int = Field(64, ge=1, le=4096, description="concurrent inbound streams per worker; also the "
@@ -372,8 +374,8 @@ class Settings(BaseSettings):
                 raise ValueError(f"prefill.engine.dtype ({p.dtype}) and decode.engine.dtype ({d.dtype}) must match: a "
                                  f"worker's model fingerprint covers its weights as loaded, and KV caches move only "
                                  f"between equal fingerprints")
-            if self.transfer.transport == "cuda_ipc" and "cpu" in (parse_device(p.device).type,
-                                                                    parse_device(d.device).type):
+            if self.transfer.transport == "cuda_ipc" and {parse_device(p.device).type,
+                                                          parse_device(d.device).type} != {"cuda"}:
                 raise ValueError(f"transfer.transport cuda_ipc moves KV between GPUs; prefill.engine.device is "
                                  f"{p.device} and decode.engine.device is {d.device} (use auto, or cuda on both)")
         if self.mode == "colocated":

@@ -171,14 +171,9 @@ class IpcMappings:
         """The leased segment as a 1-D uint8 tensor on this process's view of the receiver's GPU."""
         key = (target, lease.pool_epoch, lease.segment)
         with self._lock:
-            self._recent.pop(target, None)
-            self._recent[target] = None
-            for gone in list(self._recent)[:-self.max_targets]:
-                del self._recent[gone]
-                for k in [k for k in self._maps if k[0] == gone]:
-                    del self._maps[k]
             seg = self._maps.get(key)
             if seg is not None:
+                self._touch(target)
                 return seg
             for old in [k for k in self._maps if k[0] == target and k[1] != lease.pool_epoch]:
                 del self._maps[old]  # that receiver restarted: its old memory is gone
@@ -187,9 +182,19 @@ class IpcMappings:
             seg = local.segments[lease.segment]  # the receiver is in this process: CUDA opens no handle here
         else:
             seg = _rebuild(lease, _local_device(lease.device_uuid))
-        with self._lock:
+        with self._lock:  # recorded only once mapped, so a failed open evicts no other target
             self._maps[key] = seg
+            self._touch(target)
         return seg
+
+    def _touch(self, target: str) -> None:
+        """Under the lock: ``target`` is the most recent; the mappings of targets past ``max_targets`` go."""
+        self._recent.pop(target, None)
+        self._recent[target] = None
+        for gone in list(self._recent)[:-self.max_targets]:
+            del self._recent[gone]
+            for k in [k for k in self._maps if k[0] == gone]:
+                del self._maps[k]
 
     def close(self) -> None:
         with self._lock:

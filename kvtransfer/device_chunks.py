@@ -95,7 +95,8 @@ def to_host_checked(chunk: DeviceChunk, host: torch.Tensor) -> None:
 
 def to_device_checked(chunk: DeviceChunk, dest: torch.Tensor) -> int:
     """``to_host_checked`` into device memory ``dest`` (a mapped CUDA IPC segment's range), on the side stream
-    too; returns the ``device_checksum`` of what landed there."""
+    too; returns the ``device_checksum`` of what landed there (of the same bytes here when ``dest`` is on
+    another GPU; the receiver checks what landed)."""
     with side_stream(chunk.data.device, chunk.ready):
         dest.copy_(chunk.data)
         # summed on this stream's device: what landed, or the same bytes here when dest is on another GPU

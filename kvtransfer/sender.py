@@ -57,11 +57,11 @@ def own_address(host: str) -> bool:
     """Whether the IP literal ``host`` is an address of this host (its network namespace): a socket binds to
     one only then. Nothing listens or is sent; the socket closes at once."""
     family = socket.AF_INET6 if ipaddress.ip_address(host).version == 6 else socket.AF_INET
-    with socket.socket(family, socket.SOCK_DGRAM) as probe:
-        try:
+    try:
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
             probe.bind((host, 0))
-        except OSError:
-            return False
+    except OSError:  # not this host's, or no such address family (or socket) here: not local
+        return False
     return True
 
 

@@ -213,8 +213,8 @@ if [ "${WIRE[0]:-}" != false ]; then
     tests/unit/test_triton_requant.py tests/unit/test_triton_checksum.py)
   start kv-unit 120 "${WIRE[@]}" "${RUN[@]}" "${PYTEST[@]}" --timeout=60 "${FILES[@]}"
   mapfile -t FILES < <(existing tests/integration/test_kv_gpu_pair.py tests/integration/test_kv_cuda_ipc.py \
-    tests/integration/test_kv_requant.py tests/cuda/test_cuda_ipc_handles.py tests/cuda/test_cuda_decode_worker.py \
-    tests/unit/test_kv_cache.py tests/unit/test_codecs.py)
+    tests/integration/test_kv_requant.py tests/cuda/test_cuda_ipc_handles.py tests/unit/test_kv_cache.py \
+    tests/unit/test_codecs.py)
   start kv-cuda 150 "${WIRE[@]}" "${RUN[@]}" "${PYTEST[@]}" --timeout=90 -m cuda "${FILES[@]}"
 fi
 finish
@@ -239,7 +239,7 @@ fi
 CUDA_WIRE=()
 [ "${WIRE[0]:-}" = env ] && CUDA_WIRE=("${WIRE[@]}")
 step cuda 150 "${CUDA_WIRE[@]}" "${RUN[@]}" "${PYTEST[@]}" --timeout=120 tests/cuda \
-  --ignore=tests/cuda/test_cuda_ipc_handles.py --ignore=tests/cuda/test_cuda_decode_worker.py
+  --ignore=tests/cuda/test_cuda_ipc_handles.py
 if [ -n "${GPU_CHECK_MODEL_DIR:-}" ]; then
   step bench 110 "${RUN[@]}" bench engine --device cuda --dtype bfloat16 --model "$MODEL" --batches 1,128 \
     --prefill-lengths 2048 --decode-tokens 64 --repeats 3 --json "$DIR/bench.json"

@@ -1,6 +1,6 @@
-"""A decode worker on CUDA: its CUDA IPC segments count within gpu_memory_utilization. Apart from
-test_cuda_graphs.py because it imports the wire's generated code: gpu-check runs it in the KV steps, which
-have it (docs/gpu.md)."""
+"""A decode worker on CUDA: its CUDA IPC segments count within gpu_memory_utilization. It sizes pools from
+free memory, so gpu-check runs it in the cuda step, alone on the GPU; it imports the wire's generated code,
+and skips, saying so, where that does not import (docs/gpu.md)."""
 
 from __future__ import annotations
 
@@ -9,11 +9,7 @@ import gc
 import pytest
 import torch
 
-from kvtransfer.auth import TransferSecurity
-from kvtransfer.cuda_ipc import IPC_SEGMENT_BYTES, IPC_SEGMENTS
 from tests.cuda.helpers import CUDA
-from workers.decode.service import DecodeService
-from workers.run import start_worker
 from workers.runtime.engine import EngineConfig
 from workers.runtime.loader import load_model
 
@@ -22,7 +18,14 @@ pytestmark = [*CUDA, pytest.mark.transformers]
 
 def test_a_decode_workers_cuda_ipc_segments_count_in_its_kv_budget(tiny_hf) -> None:
     """The worker allocates its CUDA IPC segments before the engine sizes the pool, so gpu_memory_utilization
-    holds them too: with them the pool is smaller by their bytes (less a little measurement noise)."""
+    holds them too: with them the pool is smaller by their bytes (give or take a little measurement noise)."""
+    try:
+        from kvtransfer.auth import TransferSecurity
+        from kvtransfer.cuda_ipc import IPC_SEGMENT_BYTES, IPC_SEGMENTS
+        from workers.decode.service import DecodeService
+        from workers.run import start_worker
+    except Exception as e:  # noqa: BLE001  # any import failure of the generated code skips, named
+        pytest.skip(f"the generated wire code does not import here: {e!r}")
     bundle = load_model(tiny_hf("llama-gqa"), device="cuda", require_tokenizer=False)
     sizes = {}
     for transport in ("grpc", "cuda_ipc"):
@@ -38,4 +41,5 @@ def test_a_decode_workers_cuda_ipc_segments_count_in_its_kv_budget(tiny_hf) -> N
         finally:
             worker.stop()
         del worker, service
-    assert sizes["grpc"] - sizes["cuda_ipc"] >= IPC_SEGMENTS * IPC_SEGMENT_BYTES - 64 * 2**20
+    segments = IPC_SEGMENTS * IPC_SEGMENT_BYTES
+    assert segments - 64 * 2**20 <= sizes["grpc"] - sizes["cuda_ipc"] <= segments + 256 * 2**20, sizes

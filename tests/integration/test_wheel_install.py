@@ -68,7 +68,8 @@ def test_a_fresh_venv_with_the_wheel_serves_a_request(wheel: Path, tmp_path: Pat
     venv = tmp_path / "venv"
     _run([sys.executable, "-m", "venv", str(venv)], 120)
     find_links = ["--find-links", "/opt/wheels"] if Path("/opt/wheels").is_dir() else []
-    _run([str(venv / "bin" / "pip"), "install", "--quiet", "--no-compile", "torch==2.13.0", *find_links], 900)  # CPU torch first
+    # CPU torch first; no bytecode compiled (nothing here depends on it, and it is a tenth of the test's time)
+    _run([str(venv / "bin" / "pip"), "install", "--quiet", "--no-compile", "torch==2.13.0", *find_links], 900)
     _run([str(venv / "bin" / "pip"), "install", "--quiet", "--no-compile", str(wheel), *find_links], 900)
     # the installed package is the wheel's, not this checkout's
     where = _run([str(venv / "bin" / "python"), "-c", "import epd.worker.v1.worker_pb2 as m, controlplane as c; "

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from workers.runtime.devices import memory_baseline, note_memory_baseline, on_device, resolve_device
+from workers.runtime.errors import CapacityError
 from workers.runtime.gpu_memory import kv_budget, own_outside_torch
 
 pytestmark = [pytest.mark.unit]
@@ -40,7 +41,8 @@ GiB = 2**30
 def test_memory_other_processes_held_first_is_not_this_processs() -> None:
     """gpu_memory_utilization is this process's share of the card (vLLM's meaning): memory outside torch is
     counted from what the device held when this process first loaded a model there."""
-    # another process held 20 GiB when this one started; now this one adds its context (0.5) and 30 in torch
+    # another process held 20 GiB when this one started; since then this one added 0.5 outside torch (libraries'
+    # memory; its CUDA context came before the baseline) and 30 in torch
     assert own_outside_torch(used=int(50.5 * GiB), reserved=30 * GiB, used_then=20 * GiB, reserved_then=0) == GiB // 2
     # no baseline noted: everything in use outside torch counts as this process's
     assert own_outside_torch(used=int(50.5 * GiB), reserved=30 * GiB, used_then=0, reserved_then=0) == int(20.5 * GiB)
@@ -64,10 +66,15 @@ def test_the_memory_baseline_is_noted_once_per_device(monkeypatch) -> None:
     assert memory_baseline(torch.device("cuda", 0)) == (0, 0)  # never noted
 
 
-def test_the_pool_takes_its_share_unless_what_is_free_cannot_hold_it() -> None:
+def test_the_pool_takes_its_share_and_a_share_that_is_not_free_is_refused() -> None:
+    block = 2**20
     # alone on an 80 GiB card at 0.9: 2 GiB of weights live, 1 GiB more at the profile's peak, 0.5 outside torch
-    budget, share = kv_budget(80 * GiB, 77 * GiB, 0.9, GiB // 2, 3 * GiB, 2 * GiB)
-    assert budget == share == int(80 * GiB * 0.9) - GiB // 2 - 3 * GiB
-    # another process holds 30 GiB: the share stays, the pool gets what is free less the step's activations
-    budget, share = kv_budget(80 * GiB, 47 * GiB, 0.9, GiB // 2, 3 * GiB, 2 * GiB)
-    assert share == int(80 * GiB * 0.9) - GiB // 2 - 3 * GiB and budget == 47 * GiB - GiB
+    share = int(80 * GiB * 0.9) - GiB // 2 - 3 * GiB
+    assert kv_budget(80 * GiB, 77 * GiB, 0.9, GiB // 2, 3 * GiB, 2 * GiB, block) == share
+    # another process holds 30 GiB: the 68.5 GiB share and the step's 1 GiB do not fit the 47 free
+    with pytest.raises(CapacityError, match=r"needs 69.50 GiB, but only 47.00 GiB of the GPU are free .* lower "
+                                            r"gpu_memory_utilization or set kv_cache_bytes"):
+        kv_budget(80 * GiB, 47 * GiB, 0.9, GiB // 2, 3 * GiB, 2 * GiB, block)
+    assert kv_budget(80 * GiB, 47 * GiB, 0.5, GiB // 2, 3 * GiB, 2 * GiB, block) == 40 * GiB - GiB // 2 - 3 * GiB
+    with pytest.raises(CapacityError, match="no GPU memory left for the KV cache"):
+        kv_budget(80 * GiB, 77 * GiB, 0.04, GiB // 2, 3 * GiB, 2 * GiB, block)

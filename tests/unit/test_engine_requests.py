@@ -42,7 +42,7 @@ def test_stats_answer_while_a_step_waits_in_a_layer_hook(tiny_bundle):
 
     def hook(event: LayerKVReady) -> None:
         inside.set()
-        release.wait(30)
+        release.wait(10)
     engine.add_layer_hook(hook)
     engine.add_request("r", [5] * 20, _greedy(1))
     stepping = threading.Thread(target=engine.step)

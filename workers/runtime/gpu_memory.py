@@ -11,7 +11,6 @@ theirs; what they allocate later counts here too (never less than this process's
 
 from __future__ import annotations
 
-import logging
 from typing import TYPE_CHECKING
 
 import torch
@@ -26,8 +25,6 @@ from workers.runtime.sampler import SamplingParams, sample
 if TYPE_CHECKING:
     from workers.runtime.kernels.ops import TritonOps
 
-log = logging.getLogger(__name__)
-
 
 def own_outside_torch(used: int, reserved: int, used_then: int, reserved_then: int) -> int:
     """Bytes this process holds on the device outside torch's allocator (CUDA context, libraries): what the
@@ -35,14 +32,27 @@ def own_outside_torch(used: int, reserved: int, used_then: int, reserved_then: i
     return max(0, (used - used_then) - (reserved - reserved_then))
 
 
-def kv_budget(total: int, free: int, utilization: float, outside_torch: int, peak: int,
-              allocated: int) -> tuple[int, int]:
-    """(bytes the pool may take, bytes the share allows). The share is ``total * utilization`` less this
-    process's memory outside torch and torch's ``peak``; the pool takes less when what is ``free`` now (other
-    processes' memory taken out) cannot hold it and the largest step's activations (``peak - allocated``:
-    freed after the profile, needed again by the first such step)."""
-    share = int(total * utilization) - outside_torch - peak
-    return min(share, free - max(0, peak - allocated)), share
+def kv_budget(total: int, free: int, utilization: float, outside_torch: int, peak: int, allocated: int,
+              per_block: int) -> int:
+    """Bytes the KV pool may take: ``total * utilization`` less this process's memory outside torch and torch's
+    ``peak``. CapacityError, naming the numbers, when that leaves no block, or when what is ``free`` now
+    (other processes' memory taken out) cannot hold it and the largest step's activations (``peak -
+    allocated``: freed after the profile, needed again by the first such step), as vLLM refuses a share that
+    is not free."""
+    gib = 2**30
+    budget = int(total * utilization) - outside_torch - peak
+    if budget < per_block:
+        raise CapacityError(
+            f"no GPU memory left for the KV cache: {total * utilization / gib:.2f} GiB allowed "
+            f"(gpu_memory_utilization={utilization}), weights and activations peak at {peak / gib:.2f} GiB, "
+            f"{outside_torch / gib:.2f} GiB used outside torch by this process")
+    needed = budget + max(0, peak - allocated)
+    if needed > free:
+        raise CapacityError(
+            f"gpu_memory_utilization={utilization} gives the KV cache {budget / gib:.2f} GiB, and with the largest "
+            f"step's activations that needs {needed / gib:.2f} GiB, but only {free / gib:.2f} GiB of the GPU are "
+            f"free (other processes hold the rest): lower gpu_memory_utilization or set kv_cache_bytes")
+    return budget
 
 
 def kv_budget_from_free_memory(model: DecoderModel, spec: KVCacheSpec, layer_dtypes: tuple[CacheDType, ...],
@@ -72,15 +82,6 @@ def kv_budget_from_free_memory(model: DecoderModel, spec: KVCacheSpec, layer_dty
     free, total = torch.cuda.mem_get_info(device)
     used_then, reserved_then = memory_baseline(device)
     outside_torch = own_outside_torch(total - free, torch.cuda.memory_reserved(device), used_then, reserved_then)
-    budget, share = kv_budget(total, free, utilization, outside_torch, peak, torch.cuda.memory_allocated(device))
-    gib = 2**30
-    if budget < spec.bytes_per_block(layer_dtypes):
-        raise CapacityError(
-            f"no GPU memory left for the KV cache: {total * utilization / gib:.2f} GiB allowed "
-            f"(gpu_memory_utilization={utilization}), weights and activations peak at {peak / gib:.2f} GiB, "
-            f"{outside_torch / gib:.2f} GiB used outside torch by this process, {free / gib:.2f} GiB free now")
-    if budget < share:
-        log.warning("the KV pool gets %.2f GiB, not the %.2f GiB gpu_memory_utilization=%s allows: only %.2f GiB "
-                    "of the GPU are free (other processes hold the rest)", budget / gib, share / gib, utilization,
-                    free / gib)
+    budget = kv_budget(total, free, utilization, outside_torch, peak, torch.cuda.memory_allocated(device),
+                       spec.bytes_per_block(layer_dtypes))
     return budget

@@ -23,8 +23,9 @@ from typing import Any
 
 import torch
 
+from bench.gpu_engine_bench import engine_decode_rate
 from bench.hf_reference import load_hf_model
-from bench.sampled import decode_params, hf_sampling
+from bench.sampled import hf_sampling
 from workers.runtime.engine import DEFAULT_KV_CACHE_BYTES, DTYPES, Engine, EngineConfig
 from workers.runtime.loader import LoadedModel, load_model
 from workers.runtime.sampler import SamplingParams
@@ -54,21 +55,11 @@ def _prompt(length: int, vocab: int, salt: int = 0) -> list[int]:
 
 def _engine_decode_rate(bundle: LoadedModel, cfg: EngineConfig, batch: int, tokens: int,
                         sampled: bool = False) -> float:
-    """Decode tokens/s of ``batch`` sequences of ``tokens`` tokens each, prefill not timed. Counted as they come
-    out: when the prompts take more than one step to admit, the first ones are a few tokens ahead."""
+    """``engine_decode_rate`` on a fresh engine, which must end with every block free."""
     engine = Engine(bundle.model, bundle.tokenizer, cfg, bundle.eos_token_ids)
-    for i in range(batch):
-        engine.add_request(str(i), _prompt(32, bundle.config.vocab_size, i), decode_params(tokens, sampled, i))
-    while engine.stats().num_waiting or any(s.num_computed < len(s.prompt_ids) for s in engine.scheduler.running):
-        engine.step()
-    start = time.perf_counter()
-    produced = 0
-    while engine.has_unfinished():
-        produced += sum(len(o.new_token_ids) for o in engine.step())
-    elapsed = time.perf_counter() - start
-    assert batch <= produced <= batch * (tokens - 1), f"{produced} tokens from {batch} sequences"
+    rate = engine_decode_rate(engine, bundle.config.vocab_size, batch, tokens, sampled)
     assert engine.cache.allocator.num_free == engine.cache.num_blocks
-    return produced / elapsed
+    return rate
 
 
 def _engine_prefill_seconds(bundle: LoadedModel, cfg: EngineConfig, length: int) -> float:

@@ -95,7 +95,7 @@ def _prompt(length: int, vocab: int, salt: int = 0) -> list[int]:
     return torch.randint(10, min(vocab, 2000), (length,), generator=g).tolist()
 
 
-def _engine_decode_rate(engine: Engine, vocab: int, batch: int, tokens: int, sampled: bool = False) -> float:
+def engine_decode_rate(engine: Engine, vocab: int, batch: int, tokens: int, sampled: bool = False) -> float:
     """Decode tokens/s of ``batch`` sequences of ``tokens`` tokens each, prefill not timed. Counted as they come
     out: when the prompts take more than one step to admit, the first ones are a few tokens ahead."""
     for i in range(batch):
@@ -180,7 +180,7 @@ def run_cuda(args: argparse.Namespace, batches: list[int], lengths: list[int]) -
             ref_failed.append(repr(exc))
             return None
 
-    _engine_decode_rate(engine, vocab, 1, 4)  # warm-up: allocator, lazy inits
+    engine_decode_rate(engine, vocab, 1, 4)  # warm-up: allocator, lazy inits
     _engine_prefill_seconds(engine, vocab, min(lengths))
     reference(lambda: _hf_generate_seconds(hf, 1, 4, vocab))
 
@@ -205,11 +205,11 @@ def run_cuda(args: argparse.Namespace, batches: list[int], lengths: list[int]) -
         print(f"{r.name:<22}{r.epd_tok_s:12.1f}  {r.ref_name:<24}{ref_s}{ratio}", flush=True)
 
     for b in batches:
-        tok_s = max(_engine_decode_rate(engine, vocab, b, tokens) for _ in range(repeats))
+        tok_s = max(engine_decode_rate(engine, vocab, b, tokens) for _ in range(repeats))
         add(GpuRow(f"decode batch {b}", tok_s, f"HF generate batch {b}",
                    reference(lambda: hf_decode(b))))
     b = max(batches)
-    tok_s = max(_engine_decode_rate(engine, vocab, b, tokens, sampled=True) for _ in range(repeats))
+    tok_s = max(engine_decode_rate(engine, vocab, b, tokens, sampled=True) for _ in range(repeats))
     add(GpuRow(f"sampled batch {b}", tok_s, f"HF sampled batch {b}",
                reference(lambda: hf_decode(b, sampled=True))))
     for n in lengths:

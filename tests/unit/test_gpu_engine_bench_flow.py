@@ -99,6 +99,6 @@ def test_decode_counts_the_tokens_of_the_timed_window_when_admission_takes_sever
 
     def rate(max_num_batched_tokens: int) -> float:
         engine = Engine(bundle.model, None, EngineConfig(max_num_seqs=4, max_num_batched_tokens=max_num_batched_tokens))
-        return gb._engine_decode_rate(engine, bundle.config.vocab_size, 4, 8)
+        return gb.engine_decode_rate(engine, bundle.config.vocab_size, 4, 8)
     assert rate(128) == 4 * 7  # admitted in one step: each sequence's 7 decode tokens
     assert 0 < rate(64) < 4 * 7  # two prompts a step: the first ones decoded while the others were admitted

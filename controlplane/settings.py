@@ -159,6 +159,11 @@ class PoolSettings(_Model):
     num_cpus: float = Field(0.25, ge=0,
                             description="Ray CPUs reserved per replica (0 = none); 0.25 lets 8 replicas share 2 cores")
     num_gpus: float = Field(0.0, ge=0, description="Ray GPUs per replica")
+    gpu_visibility: Literal["host", "reserved"] = Field(
+        "host", description="with num_gpus and a cuda device: 'host' shows each replica every GPU of its node and "
+                            "runs it on the ones Ray reserved (as vLLM does), so replicas on different GPUs of one "
+                            "host can push KV by CUDA IPC; 'reserved' is Ray's default (CUDA_VISIBLE_DEVICES narrowed "
+                            "to the reserved GPUs; cuda_ipc then works only between replicas sharing a GPU)")
     cpu_affinity: list[int] = Field(default_factory=list, description="pin replica i to core cpu_affinity[i % n] "
                                                                      "(Linux; empty = no pinning)")
     ray_resources: dict[str, float] = Field(
@@ -187,17 +192,29 @@ class PoolSettings(_Model):
     @model_validator(mode="after")
     def _visible_gpu(self) -> PoolSettings:
         device = parse_device(self.engine.device)
-        visible = max(1, int(self.num_gpus))  # what Ray shows a replica that reserves num_gpus
-        if device.type == "cuda" and self.num_gpus > 0 and (device.index or 0) >= visible:
-            choice = "cuda" if visible == 1 else f"cuda, or cuda:0 to cuda:{visible - 1}"
-            raise ValueError(f"engine.device {self.engine.device} with num_gpus {self.num_gpus}: Ray shows a replica "
-                             f"only the GPUs it reserves, numbered from 0; use {choice}")
+        reserved = max(1, int(self.num_gpus))  # the GPUs Ray reserves for a replica that asks num_gpus
+        if device.type == "cuda" and self.num_gpus > 0 and (device.index or 0) >= reserved:
+            choice = "cuda" if reserved == 1 else f"cuda, or cuda:0 to cuda:{reserved - 1}"
+            raise ValueError(f"engine.device {self.engine.device} with num_gpus {self.num_gpus}: under Ray, cuda:k is "
+                             f"the k-th GPU Ray reserves for the replica, numbered from 0; use {choice}")
         return self
+
+    @property
+    def sees_host_gpus(self) -> bool:
+        """Whether a replica sees every GPU of its node and maps its engine device onto the GPUs Ray reserved
+        for it (``controlplane.ray_env.reserved_cuda_device``), rather than Ray narrowing CUDA_VISIBLE_DEVICES."""
+        return (self.gpu_visibility == "host" and self.num_gpus > 0
+                and parse_device(self.engine.device).type == "cuda")
 
     def process_env(self) -> dict[str, str]:
         """Environment variables a replica's process starts with (they must be set before it starts:
-        glibc reads MALLOC_ARENA_MAX once, at its first allocation)."""
-        return {} if self.malloc_arena_max is None else {"MALLOC_ARENA_MAX": str(self.malloc_arena_max)}
+        glibc reads MALLOC_ARENA_MAX once, at its first allocation; Ray reads the GPU switch as the actor
+        process starts)."""
+        env = {} if self.malloc_arena_max is None else {"MALLOC_ARENA_MAX": str(self.malloc_arena_max)}
+        if self.sees_host_gpus:
+            from controlplane.ray_env import NOSET_CUDA_VAR
+            env[NOSET_CUDA_VAR] = "1"
+        return env
 
 
 class TransferSettings(_Model):

@@ -65,9 +65,12 @@ class WorkerActor:
         core = core_for(settings.pool(pool).cpu_affinity, index)
         if core is not None:
             pin_process(core)  # before the model loads, so torch's threads start on the core
+        device = replica.reserved_device(settings.pool(pool))  # sees the node's GPUs: runs on its reserved one
+        if device is not None:
+            log.info("%s replica %d: engine on %s (the GPU Ray reserved, of all the node's)", pool, index, device)
         self._conn = connect(redis_url, redis_prefix)
         try:
-            self.worker = replica.build_worker(pool, settings, folder, security, host)
+            self.worker = replica.build_worker(pool, settings, folder, security, host, device)
         except BaseException:
             self._conn.close()
             raise

@@ -40,7 +40,7 @@ from controlplane.pools.actor import WorkerActor
 from controlplane.pools.pending import explain
 from controlplane.pools.ray_runtime import RayRuntime
 from controlplane.pools.status import PendingReplica, PoolStatus, ReplicaStatus, WorkerStartError
-from controlplane.settings import Settings
+from controlplane.settings import PoolSettings, Settings
 from controlplane.state import Pool, PoolTargets, StateConnection, StateError, WorkerRegistry, connect
 from controlplane.state.pools import validate_replicas
 
@@ -316,9 +316,8 @@ class PoolManager:
             self._next_index[pool] += 1
             name = f"{self.prefix}-{pool.value}-{self._uid}-{index}"
             actor = self._remote_cls.options(
-                name=name, namespace=self.settings.ray.namespace, num_cpus=ps.num_cpus, num_gpus=ps.num_gpus,
-                resources=dict(ps.ray_resources) or None, max_concurrency=ACTOR_CONCURRENCY, max_restarts=0,
-                runtime_env={"env_vars": env} if (env := ps.process_env()) else None,
+                name=name, namespace=self.settings.ray.namespace, max_concurrency=ACTOR_CONCURRENCY, max_restarts=0,
+                **placement_options(ps),
             ).remote(pool.value, self._model_dir, self._settings_json, self._token, self.redis_url,
                      self.prefix, index, host)
             pending.append((name, actor, actor.info.remote()))
@@ -428,6 +427,13 @@ def _kill_quietly(actor: ActorHandle) -> None:
         ray.kill(actor, no_restart=True)
     except Exception as exc:  # already gone
         log.debug("kill: %s", exc)
+
+
+def placement_options(ps: PoolSettings) -> dict[str, Any]:
+    """The Ray actor options that place one replica of a pool: its reservations and its process's environment."""
+    env = ps.process_env()
+    return {"num_cpus": ps.num_cpus, "num_gpus": ps.num_gpus, "resources": dict(ps.ray_resources) or None,
+            "runtime_env": {"env_vars": env} if env else None}
 
 
 def _describe(exc: BaseException, num_cpus: float, num_gpus: float, timeout_s: float) -> str:

@@ -49,11 +49,13 @@ def _reload_ray_auth() -> None:
 
 class RayRuntime:
     def __init__(self, address: str | None, namespace: str, num_cpus: int | None = None,
-                 loopback_only: bool = True) -> None:
+                 loopback_only: bool = True, num_gpus: int | None = None) -> None:
+        """``num_cpus``/``num_gpus``: what a private cluster declares (default: every CPU; the GPUs Ray finds)."""
         self.address = address
         self.loopback_only = loopback_only
         self.namespace = namespace
         self.num_cpus = num_cpus or os.cpu_count() or 1
+        self.num_gpus = num_gpus
         self.temp_dir: Path | None = None  # the private cluster's, while it runs
         self.owns_connection = False
         self._saved_env: dict[str, str | None] | None = None
@@ -71,7 +73,7 @@ class RayRuntime:
             self._private_token()
             if loopback_environment(False, self.loopback_only):  # Ray's child processes read it too
                 self._saved_env = {**(self._saved_env or {}), LOOPBACK_VAR: None}
-            ray.init(num_cpus=self.num_cpus, namespace=self.namespace, include_dashboard=False,
+            ray.init(num_cpus=self.num_cpus, num_gpus=self.num_gpus, namespace=self.namespace, include_dashboard=False,
                      _temp_dir=str(self.temp_dir), log_to_driver=False, logging_level=logging.WARNING,
                      object_store_memory=OBJECT_STORE_BYTES)
         except BaseException:

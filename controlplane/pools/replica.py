@@ -91,15 +91,34 @@ def resolve_pool_codecs(spec: str, bundle: LoadedModel, pool: PoolSettings) -> t
             torch.cuda.empty_cache()  # the real engine sizes its pool from free memory next
 
 
+def reserved_device(ps: PoolSettings) -> str | None:
+    """For a replica that sees every GPU of its node (``PoolSettings.sees_host_gpus``; call inside the Ray
+    actor): its engine device mapped onto the GPU(s) Ray reserved for it. None for any other replica."""
+    if not ps.sees_host_gpus:
+        return None
+    import os
+
+    import ray
+
+    from controlplane.ray_env import reserved_cuda_device
+    return reserved_cuda_device(ps.engine.device, ray.get_gpu_ids(), os.environ.get("CUDA_VISIBLE_DEVICES"))
+
+
 def build_worker(pool: Pool, settings: Settings, folder: Path, security: TransferSecurity,
-                 host: str) -> RunningWorker:
-    """Load the model and start ``pool``'s gRPC worker on ``host`` (a free port)."""
+                 host: str, device: str | None = None) -> RunningWorker:
+    """Load the model and start ``pool``'s gRPC worker on ``host`` (a free port). ``device``, when given,
+    replaces the pool's ``engine.device`` (a replica that sees every GPU of its node runs on the one Ray
+    reserved for it) and becomes this thread's current CUDA device."""
     import torch
 
     from workers.runtime.engine import DTYPES
     from workers.runtime.loader import load_model
 
     ps = settings.pool(pool)
+    if device is not None:
+        ps = ps.model_copy(update={"engine": ps.engine.model_copy(update={"device": device})})
+        if torch.device(device).type == "cuda":
+            torch.cuda.set_device(torch.device(device))
     if ps.engine.threads:
         torch.set_num_threads(ps.engine.threads)
     from controlplane.observability.deploy import configure_process

@@ -61,8 +61,10 @@ def test_precedence_yaml_then_env_then_cli(tmp_path, monkeypatch):
      "transfer.transport cuda_ipc moves KV between GPUs; prefill.engine.device is cuda and decode.engine.device "
      "is cpu"),
     ({"decode": {"num_gpus": 1, "engine": {"device": "cuda:1"}}},
-     "decode: engine.device cuda:1 with num_gpus 1.0: Ray shows a replica only the GPUs it reserves, numbered "
-     "from 0; use cuda"),
+     "decode: engine.device cuda:1 with num_gpus 1.0: under Ray, cuda:k is the k-th GPU Ray reserves for the "
+     "replica, numbered from 0; use cuda"),
+    ({"decode": {"num_gpus": 1, "gpu_visibility": "all"}},
+     "decode.gpu_visibility: Input should be 'host' or 'reserved'"),
 ])
 def test_bad_settings_are_refused_with_the_field_named(overrides, message):
     with pytest.raises(SettingsError) as err:

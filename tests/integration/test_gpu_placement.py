@@ -1,0 +1,65 @@
+"""A real local Ray that declares two GPUs (none exist here: Ray hands out GPU ids all the same) places
+replicas the way the pool manager asks (``placement_options``) and each finds its device as a replica does
+(``replica.reserved_device``). With ``gpu_visibility: host`` (the default) Ray leaves CUDA_VISIBLE_DEVICES
+alone, so both replicas see the node's GPUs and run on different ones of them: what lets a prefill replica
+open a decode replica's CUDA IPC handles. With ``reserved`` Ray narrows the variable, as it does by default."""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import pytest
+import ray
+
+from controlplane.pools import replica
+from controlplane.pools.manager import placement_options
+from controlplane.pools.ray_runtime import RayRuntime
+from controlplane.settings import PoolSettings
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+
+@ray.remote
+class Probe:
+    """What a replica's process sees of its GPUs, found the way WorkerActor finds them."""
+
+    def __init__(self, ps_json: str) -> None:
+        self.ps = PoolSettings.model_validate_json(ps_json)
+
+    def sees(self) -> tuple[str | None, str | None, list[str]]:
+        return (replica.reserved_device(self.ps), os.environ.get("CUDA_VISIBLE_DEVICES"),
+                sorted(str(i) for i in ray.get_gpu_ids()))
+
+
+@pytest.fixture(scope="module")
+def two_gpu_ray():
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("CUDA_VISIBLE_DEVICES", raising=False)  # the raylet's view: every declared GPU, by index
+        runtime = RayRuntime(None, f"gpu-placement-{uuid.uuid4().hex[:8]}", num_cpus=2, num_gpus=2)
+        runtime.start()
+        try:
+            assert runtime.owns_connection, "another test left Ray running in this process"
+            yield runtime
+        finally:
+            runtime.stop()
+
+
+def probe_two(ps: PoolSettings) -> list[tuple[str | None, str | None, list[str]]]:
+    actors = [Probe.options(**placement_options(ps)).remote(ps.model_dump_json()) for _ in range(2)]  # type: ignore[attr-defined]  # ray.remote's options
+    try:
+        return sorted(ray.get([a.sees.remote() for a in actors], timeout=120), key=lambda s: s[2])
+    finally:
+        for a in actors:
+            ray.kill(a)
+
+
+def test_replicas_that_see_the_host_run_on_their_reserved_gpus(two_gpu_ray):
+    ps = PoolSettings.model_validate({"num_cpus": 0, "num_gpus": 1, "engine": {"device": "cuda"}})
+    assert probe_two(ps) == [("cuda:0", None, ["0"]), ("cuda:1", None, ["1"])]
+
+
+def test_reserved_visibility_leaves_ray_to_narrow_the_gpus(two_gpu_ray):
+    ps = PoolSettings.model_validate({"num_cpus": 0, "num_gpus": 1, "engine": {"device": "cuda"},
+                                      "gpu_visibility": "reserved"})
+    assert probe_two(ps) == [(None, "0", ["0"]), (None, "1", ["1"])]

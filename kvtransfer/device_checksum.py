@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from kvtransfer.codecs import fused
+from kvtransfer.staging import on_device
 
 __all__ = ["device_checksum", "kernel_checksum", "reference_checksum"]
 
@@ -67,8 +68,9 @@ def kernel_checksum(data: torch.Tensor) -> int:
     if n_words:
         programs = -(-n_words // _BLOCK)
         partial = torch.empty(programs, dtype=torch.int64, device=data.device)
-        checksum_kernel[(programs,)](data[:n_words * 4].view(torch.int32), partial, n_words, BLOCK=_BLOCK,
-                                     num_warps=8)
+        with on_device(data.device):  # Triton launches on the current device
+            checksum_kernel[(programs,)](data[:n_words * 4].view(torch.int32), partial, n_words, BLOCK=_BLOCK,
+                                         num_warps=8)
         total = int(partial.sum())  # int64 addition wraps: the partials' sum modulo 2**64
     if n % 4:  # the last word, padded with zero bytes
         tail = int.from_bytes(bytes(data[n_words * 4:].tolist()), "little")

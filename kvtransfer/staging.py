@@ -17,14 +17,14 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 import numpy as np
 import torch
 
 from kvtransfer.memory import BufferPool
 
-__all__ = ["PinnedPool", "index_on", "side_stream", "to_device", "to_host", "wait_for_current"]
+__all__ = ["PinnedPool", "index_on", "on_device", "side_stream", "to_device", "to_host", "wait_for_current"]
 
 _threads = threading.local()
 
@@ -40,6 +40,15 @@ def _side(device: torch.device) -> torch.cuda.Stream:
     if stream is None:
         stream = streams[device] = torch.cuda.Stream(device=device)
     return stream
+
+
+def on_device(device: torch.device) -> AbstractContextManager[object]:
+    """A context making ``device`` the thread's current CUDA device (restored on exit, without creating a
+    CUDA context on the device restored); does nothing for any other device type. Triton launches, graph
+    capture and device-less CUDA calls follow the current device, which is 0 in every new thread."""
+    if device.type == "cuda":
+        return torch.cuda.device(device)
+    return nullcontext()
 
 
 @contextmanager
@@ -63,7 +72,9 @@ def side_stream(device: torch.device, after: torch.cuda.Event | None = None, *,
     elif not independent:
         stream.wait_stream(torch.cuda.current_stream(device))
     try:
-        with torch.cuda.stream(stream):
+        # the device first: leaving a bare stream context sets the thread's previous device (0) with
+        # cudaSetDevice, which creates a CUDA context there in a process that works on another GPU
+        with on_device(device), torch.cuda.stream(stream):
             yield
     finally:
         stream.synchronize()

@@ -29,6 +29,7 @@ import torch
 from kvtransfer.codecs.base import Codec, raise_non_finite
 from kvtransfer.codecs.encoded import CodecError, EncodedTensor, Kind
 from kvtransfer.codecs.paged import QuantizedBlocks
+from kvtransfer.staging import on_device
 
 __all__ = ["FUSED_CODECS", "decode_blocks", "decodes_into", "encode_blocks", "encode_blocks_unchecked", "encodes_from",
            "refuse", "usable"]
@@ -63,10 +64,13 @@ def _tokens(bs: int, width: int) -> int:
 
 
 def _launch(kernel: Any, grid: tuple[int, ...], *args: object, **meta: object) -> None:  # a @triton.jit kernel
+    """Launch on the first tensor argument's device (Triton launches on the thread's current device)."""
     # fp-fusion off: a multiply then add must round twice, as the torch codecs do (see triton_common)
     if os.environ.get("TRITON_INTERPRET") != "1":
         meta["enable_fp_fusion"] = False
-    kernel[grid](*args, **meta)
+    device = next(a.device for a in args if isinstance(a, torch.Tensor))
+    with on_device(device):
+        kernel[grid](*args, **meta)
 
 
 def encodes_from(codec: Codec, cache: torch.Tensor | QuantizedBlocks) -> bool:

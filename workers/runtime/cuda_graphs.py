@@ -192,9 +192,12 @@ class DecodeGraphs:
                 self._graphs[(b, bound)] = (stand_in, stand_in.out)
             return
         pool = torch.cuda.graph_pool_handle()
+        # a capture stream on the cache's device: torch.cuda.graph's default one is made once per process,
+        # on whatever device was current at the first capture (two engines on two GPUs would share it)
+        stream = torch.cuda.Stream(self.cache.device)
         for b, bound in reversed(self._variants):
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            with torch.cuda.graph(graph, pool=pool, stream=stream):
                 logits = self.model(self.buffers.batch(b, bound), self.cache, None, self.ops)
             self._graphs[(b, bound)] = (graph, logits)
         torch.cuda.synchronize(self.cache.device)

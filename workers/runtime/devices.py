@@ -6,14 +6,17 @@ on the cache's device compares like with like.
 
 Triton kernels and CUDA graph capture run on the thread's *current* CUDA device, not on their tensors'
 device, and each thread starts on device 0. ``on_device`` makes the engine's device current around its
-work, so ``cuda:1`` runs on GPU 1 whichever thread calls the engine.
+work (``kvtransfer.staging.on_device``, shared with the KV path), so ``cuda:1`` runs on GPU 1 whichever
+thread calls the engine.
 """
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager, nullcontext
-
 import torch
+
+from kvtransfer.staging import on_device
+
+__all__ = ["memory_baseline", "note_memory_baseline", "on_device", "resolve_device"]
 
 
 def resolve_device(device: torch.device | str) -> torch.device:
@@ -23,14 +26,6 @@ def resolve_device(device: torch.device | str) -> torch.device:
     if resolved.type == "cuda" and resolved.index is None and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return resolved
-
-
-def on_device(device: torch.device) -> AbstractContextManager[object]:
-    """A context making ``device`` the thread's current CUDA device (restored on exit); does nothing for
-    any other device type."""
-    if device.type == "cuda":
-        return torch.cuda.device(device)
-    return nullcontext()
 
 
 # Per CUDA device index: (bytes in use on the device, bytes torch's allocator reserved in this process) when

@@ -28,6 +28,7 @@ from kvtransfer.codecs import Codec, CodecError, EncodedTensor, Kind
 from kvtransfer.codecs.encoded import non_finite_landing
 from kvtransfer.codecs.int4 import key_group, value_group
 from kvtransfer.codecs.triton_common import abs_bits_max, from_e4m3
+from kvtransfer.staging import on_device
 from workers.runtime.kernels.cache_views import DENSE, cache_tensors
 from workers.runtime.kernels.fused import EXACT
 from workers.runtime.kernels.kv_write import quantize_codes
@@ -137,15 +138,16 @@ def land_requantised(codec: Codec, key: EncodedTensor, value: EncodedTensor, sto
     bt = max(1, min(triton.next_power_of_2(bs), 4096 // bd))  # a tile of about 4096 elements
     flag = torch.zeros(1, dtype=torch.int32, device=dev)
     launches = ((key, cache.k, cache.k_scale), (value, cache.v, cache.v_scale))
-    for write in (False, True):
-        for enc, codes, cscales in launches:
-            is_key = enc.kind is Kind.KEY
-            group = (key_group(bs) if is_key else value_group(d)) if codec.name == "int4" else 1
-            requant_kernel[(n, h)](
-                _payload_view(codec.name, enc.payload), enc.scales, enc.scales if enc.zeros is None else enc.zeros,
-                codes, cscales, flag, ids, bs, h, d, group, codes.stride(0), codes.stride(1), cscales.stride(0),
-                cache.qmax, CODEC=CODECS[codec.name], IS_KEY=is_key, KIND=cache.kind, WRITE=write, BT=bt, BD=bd,
-                **EXACT)
+    with on_device(dev):  # Triton launches on the current device, whichever thread lands
+        for write in (False, True):
+            for enc, codes, cscales in launches:
+                is_key = enc.kind is Kind.KEY
+                group = (key_group(bs) if is_key else value_group(d)) if codec.name == "int4" else 1
+                requant_kernel[(n, h)](
+                    _payload_view(codec.name, enc.payload), enc.scales,
+                    enc.scales if enc.zeros is None else enc.zeros, codes, cscales, flag, ids, bs, h, d, group,
+                    codes.stride(0), codes.stride(1), cscales.stride(0), cache.qmax, CODEC=CODECS[codec.name],
+                    IS_KEY=is_key, KIND=cache.kind, WRITE=write, BT=bt, BD=bd, **EXACT)
     if bool(flag[0]):
         raise non_finite_landing(codec.name, storage.dtype_name)
 

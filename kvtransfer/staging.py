@@ -60,8 +60,9 @@ def side_stream(device: torch.device, after: torch.cuda.Event | None = None, *,
     ``after``: a ``torch.cuda.Event`` the side stream waits for first (recorded where the inputs were
     produced); None waits for everything the current stream had queued, unless ``independent``: the block
     reads nothing the current stream produced and writes nothing its queued work uses (bytes received from
-    the host or another process, landing in reserved blocks no queued work touches), so it waits for none
-    of it: a receiver on a decode worker then never waits for the engine's step in flight. Tensors the
+    the host or another process, landing in reserved blocks), so it waits for none of it: a receiver on a
+    decode worker then never waits for the engine's step in flight. A landing passes the cache's
+    ``free_fence`` as ``after``: the engine's work queued before its blocks were freed. Tensors the
     block allocates come from the side stream's memory. A CPU device runs as is."""
     if device.type != "cuda":
         yield

@@ -108,6 +108,21 @@ def test_share_keeps_a_block_until_every_holder_frees() -> None:
     assert a.num_free == 3
 
 
+def test_on_free_runs_before_released_blocks_can_be_allocated_again() -> None:
+    seen: list[int] = []  # free blocks at each call: the released ones are not back yet
+    a = BlockAllocator(3, on_free=lambda: seen.append(a.num_free))
+    blocks = a.allocate(2)
+    a.share(blocks[:1])
+    a.free(blocks)  # blocks[1] released, blocks[0] still held
+    assert seen == [1] and a.num_free == 2
+    with pytest.raises(ValueError, match="double free"):
+        a.free(blocks[1:])
+    a.free([])
+    assert seen == [1]  # a refused or empty free releases nothing and calls nothing
+    a.free(blocks[:1])
+    assert seen == [1, 2] and a.num_free == 3
+
+
 def test_double_free_raises_and_changes_nothing() -> None:
     a = BlockAllocator(4)
     b0, b1 = a.allocate(2)

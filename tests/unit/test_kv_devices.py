@@ -22,7 +22,7 @@ from kvtransfer.wire import pb
 from tests.device_audit import DeviceAudit
 from tests.unit.triton_env import DEVICE
 from workers.decode.kv_sink import CacheSink
-from workers.runtime.kv_cache import KVCacheSpec, PagedKVCache, block_slots
+from workers.runtime.kv_cache import DenseLayerStorage, KVCacheSpec, PagedKVCache, block_slots
 
 pytestmark = pytest.mark.unit
 
@@ -191,6 +191,30 @@ def test_landing_a_chunk_does_not_wait_for_the_engines_queued_work() -> None:
     landing.land()
     assert not engine.query(), "the landing waited for the work queued on the engine's stream"
     landing.check_landed()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_landing_in_blocks_freed_behind_queued_work_waits_for_that_work() -> None:
+    """The engine's queued step may still write blocks it has freed (a step that sampled nothing is not
+    waited for); a landing in them once reserved again waits for that work (the cache's free fence), so the
+    landed values are what stays."""
+    landing = _CudaLanding(seed=6)
+    storage = landing.cache.layers[1]
+    assert isinstance(storage, DenseLayerStorage)
+    held = landing.cache.allocator.allocate(landing.cache.num_blocks)  # the engine's sequence holds them all
+    _queue_matmuls()
+    storage.k[block_slots(BLOCKS, SPEC.block_size, landing.cache.device)] = 7.0  # its step, queued behind
+    landing.cache.allocator.free(held)  # the sequence ends before that step ran
+    assert landing.cache.free_fence is not None and not landing.cache.free_fence.query()
+    landing.land()  # into blocks reserved again
+    landing.check_landed()
+
+
+def test_only_a_cuda_cache_fences_its_frees() -> None:
+    cache = PagedKVCache(SPEC, 4, ("float32", "float32"))
+    cache.allocator.free(cache.allocator.allocate(2))
+    assert cache.allocator.on_free is None and cache.free_fence is None
 
 
 def test_side_streams_are_one_per_thread_and_device(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -57,8 +57,9 @@ class CacheSink:
         storage = self.cache.layers[layer]
         if self.staged:
             # done (synchronised) before the receiver counts the chunk; received bytes into reserved blocks
-            # only, so the engine's queued steps are not waited for
-            with side_stream(self.cache.device, independent=True):
+            # only, so the engine's queued steps are not waited for: only what it queued before the blocks
+            # were last freed (PagedKVCache.free_fence)
+            with side_stream(self.cache.device, after=self.cache.free_fence, independent=True):
                 self._write_device(storage, blocks, codec, shape, key, value)
             return
         if isinstance(storage, DenseLayerStorage) and (codec, storage.k.dtype) in _RAW:
@@ -92,7 +93,8 @@ class CacheSink:
         parts = (key.payload, key.scales, key.zeros, value.payload, value.scales, value.zeros)
         if any(p is not None and p.device != dev for p in parts):
             raise ValueError(f"received parts must be on the cache's device {dev}")
-        with side_stream(dev, independent=True):  # checked there on the same stream (cuda_ipc.device_chunk_parts)
+        # checked there on the same stream (cuda_ipc.device_chunk_parts); after the last free, as in write
+        with side_stream(dev, after=self.cache.free_fence, independent=True):
             self._land_device(self.cache.layers[layer], blocks, codec, shape, parts)
 
     def _write_device(self, storage: KVLayerStorage, blocks: Sequence[int], codec: str,

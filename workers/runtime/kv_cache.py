@@ -15,6 +15,7 @@ holder (prefix sharing), ``free`` drops one; a block returns to the free list at
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
@@ -154,12 +155,14 @@ def block_slots(blocks: list[int], block_size: int, device: torch.device) -> tor
 
 
 class BlockAllocator:
-    """A free list of block ids with refcounts. Pure bookkeeping: it never touches tensors."""
+    """A free list of block ids with refcounts. Pure bookkeeping: it never touches tensors. ``on_free`` is
+    called before blocks that lost their last holder return to the free list."""
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, on_free: Callable[[], None] | None = None) -> None:
         if num_blocks <= 0:
             raise CapacityError(f"the KV pool must hold at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
+        self.on_free = on_free
         # Pop from the end: low block ids are handed out first, which keeps tests readable.
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
         self._refcount = [0] * num_blocks
@@ -202,17 +205,26 @@ class BlockAllocator:
                 raise ValueError(f"block {b} is not in the pool of {self.num_blocks}")
             if self._refcount[b] < n:
                 raise ValueError(f"double free of block {b}")
+        released = []
         for b in blocks:
             self._refcount[b] -= 1
             if self._refcount[b] == 0:
-                self._free.append(b)
+                released.append(b)
+        if released and self.on_free is not None:
+            self.on_free()
+        self._free.extend(released)
 
     def refcount(self, block: int) -> int:
         return self._refcount[block]
 
 
 class PagedKVCache:
-    """The preallocated pool: allocator plus one storage per layer."""
+    """The preallocated pool: allocator plus one storage per layer.
+
+    ``free_fence`` (CUDA): an event recorded on the device's default stream, where the engine runs, each
+    time blocks return to the free list. Work the engine queued before a free may still write those blocks
+    (a step that sampled nothing is not waited for), so a side stream that lands received KV in blocks it
+    reserved since waits for the fence first (a device-side wait, done at once in the usual case)."""
 
     def __init__(self, spec: KVCacheSpec, num_blocks: int, layer_dtypes: tuple[CacheDType, ...],
                  device: torch.device | str = "cpu") -> None:
@@ -222,9 +234,15 @@ class PagedKVCache:
         self.spec = spec
         self.device = resolve_device(device)
         self.layer_dtypes = layer_dtypes
-        self.allocator = BlockAllocator(num_blocks)
+        self.free_fence: torch.cuda.Event | None = None
+        self.allocator = BlockAllocator(num_blocks, self._fence_frees if self.device.type == "cuda" else None)
         self.layers: list[KVLayerStorage] = [
             make_layer_storage(spec, num_blocks, d, self.device) for d in layer_dtypes]
+
+    def _fence_frees(self) -> None:
+        fence = torch.cuda.Event()
+        fence.record(torch.cuda.default_stream(self.device))
+        self.free_fence = fence
 
     @classmethod
     def from_budget(cls, spec: KVCacheSpec, budget_bytes: int, layer_dtypes: tuple[CacheDType, ...],

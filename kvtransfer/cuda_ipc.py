@@ -20,6 +20,7 @@ from __future__ import annotations
 import secrets
 import socket
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -68,13 +69,19 @@ class _Lease:
 # A decode worker's pool: four pushes at once of up to 256 MiB of encoded KV each.
 IPC_SEGMENT_BYTES = 256 * 2**20
 IPC_SEGMENTS = 4
+# A segment whose push ended before its finish (refused, cancelled, expired) rests this long before it is
+# leased again: its sender may still be writing the chunk it had in hand (it learns of the end only at its
+# next message), and those writes must not land in the next push's bytes.
+IPC_QUARANTINE_S = 5.0
 
 
 class IpcPool:
-    """Device segments leased one per push. ``epoch`` is random per pool: a new process, a new epoch."""
+    """Device segments leased one per push. ``epoch`` is random per pool: a new process, a new epoch.
+    A lease ends clean (the push's finish arrived: its sender wrote everything it will) or not; a segment
+    whose lease did not end clean is leased again only ``quarantine_s`` seconds later."""
 
     def __init__(self, device: torch.device, segment_bytes: int = IPC_SEGMENT_BYTES,
-                 num_segments: int = IPC_SEGMENTS) -> None:
+                 num_segments: int = IPC_SEGMENTS, quarantine_s: float = IPC_QUARANTINE_S) -> None:
         if segment_bytes <= 0 or num_segments <= 0:
             raise IpcError(f"an IPC pool needs positive sizes, got {num_segments} x {segment_bytes} bytes")
         self.device = device
@@ -86,6 +93,8 @@ class IpcPool:
         # Exported once per segment: each export takes a slot in torch's IPC ref-counter file
         self._handles: dict[int, pb.CudaIpcHandle] = {}
         self._free = list(range(num_segments - 1, -1, -1))
+        self._resting: list[tuple[float, int]] = []  # (monotonic time it may be leased again, segment)
+        self.quarantine_s = quarantine_s
         self._leases: dict[str, _Lease] = {}
         self._lock = threading.Lock()
         _LOCAL_POOLS[self.epoch] = self  # a sender in this process uses the segments as they are
@@ -97,8 +106,13 @@ class IpcPool:
         with self._lock:
             if request_id in self._leases:
                 raise IpcError(f"request {request_id!r} already holds an IPC segment")
+            now = time.monotonic()
+            self._free.extend(seg for until, seg in self._resting if until <= now)
+            self._resting = [(until, seg) for until, seg in self._resting if until > now]
             if not self._free:
-                raise IpcError(f"all {len(self.segments)} IPC segments are in use; retry or use another transport")
+                resting = f" ({len(self._resting)} resting after an unfinished push)" if self._resting else ""
+                raise IpcError(f"all {len(self.segments)} IPC segments are in use{resting}; retry or use another "
+                               "transport")
             seg = self._free.pop()
             self._leases[request_id] = _Lease(seg, request_id)
             handle = self._handles.get(seg)
@@ -118,11 +132,17 @@ class IpcPool:
             raise IpcError(f"request {request_id!r} holds no lease on IPC segment {segment}")
         return self.segments[segment]
 
-    def release(self, request_id: str) -> None:
+    def release(self, request_id: str, clean: bool = False) -> None:
+        """End ``request_id``'s lease, if it holds one. ``clean``: its push's finish arrived, so no write
+        of its sender can still be on its way; otherwise the segment rests ``quarantine_s`` first."""
         with self._lock:
             lease = self._leases.pop(request_id, None)
-            if lease is not None:
+            if lease is None:
+                return
+            if clean or self.quarantine_s <= 0:
                 self._free.append(lease.segment)
+            else:
+                self._resting.append((time.monotonic() + self.quarantine_s, lease.segment))
 
     def release_stale(self, alive: Callable[[str], bool]) -> None:
         """Release the leases of requests no longer alive (refused before their push began, expired)."""
@@ -130,6 +150,13 @@ class IpcPool:
             stale = [rid for rid in self._leases if not alive(rid)]
         for rid in stale:
             self.release(rid)
+
+    @property
+    def resting(self) -> int:
+        """Segments resting after a push that ended before its finish."""
+        with self._lock:
+            now = time.monotonic()
+            return sum(until > now for until, _ in self._resting)
 
     @property
     def leased(self) -> int:

@@ -237,6 +237,7 @@ class KVReceiver:
                 if frame.kind == "chunk":
                     self._chunk(exp, session, frame)
                 elif frame.kind == "finish":
+                    session.finished = True  # the sender sends it after its last write, whatever comes of it
                     return self._finish(exp, session, frame.header)
                 else:
                     raise TransferRefused(Code.INVALID_ARGUMENT, "a second handshake on the same stream")
@@ -364,7 +365,7 @@ class KVReceiver:
                 ipc.release(hs.request_id)
                 raise TransferRefused(Code.FAILED_PRECONDITION, str(exc)) from None
             return _Session(sender, hs.num_tokens, nblocks, None, self.segments, device_segment,
-                            lambda: ipc.release(hs.request_id))
+                            lambda clean: ipc.release(hs.request_id, clean))
         if hs.transport == pb.TRANSPORT_SHARED_MEMORY:
             try:
                 segment = self.segments.attach(hs.shm_name, hs.shm_size)
@@ -461,9 +462,10 @@ class _Session:
 
     def __init__(self, layout: KVLayout, num_tokens: int, num_blocks: int, segment: SharedSegment | None,
                  cache: SegmentCache | None = None, device_segment: torch.Tensor | None = None,
-                 on_close: Callable[[], None] | None = None) -> None:
+                 on_close: Callable[[bool], None] | None = None) -> None:
         self.device_segment = device_segment  # TRANSPORT_CUDA_IPC: the leased device segment
-        self._on_close = on_close
+        self._on_close = on_close  # called with whether the push's finish arrived
+        self.finished = False
         self.cache = cache
         self.layout = layout
         self.num_tokens = num_tokens
@@ -489,7 +491,7 @@ class _Session:
 
     def close(self) -> None:
         if self._on_close is not None:
-            self._on_close()  # the IPC lease ends with the push
+            self._on_close(self.finished)  # the IPC lease ends with the push
             self._on_close = None
         if self.segment is not None and self.cache is not None:
             self.cache.release(self.segment)  # the mapping stays cached for the next stream

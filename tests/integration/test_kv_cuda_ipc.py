@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import secrets
 import socket
+import time
 from typing import Any
 
 import grpc
@@ -188,6 +189,44 @@ def test_a_corrupted_segment_is_refused_by_its_checksum(decode: Decode) -> None:
     with pytest.raises(grpc.RpcError) as err:
         decode.push([_handshake("c", decode.layout, lease)] + frames)
     assert err.value.code() == grpc.StatusCode.DATA_LOSS and "checksum" in err.value.details()
+
+
+def test_a_segment_rests_after_a_push_that_ended_before_its_finish(decode: Decode) -> None:
+    """A push refused mid-stream may still have a chunk's write on its way into the segment (its sender learns
+    of the refusal at its next message), so the segment is not leased again until it has rested; a push that
+    reached its finish hands its segment straight back."""
+    decode.receiver.ipc = pool = IpcPool(torch.device("cpu"), 1 << 20, num_segments=2, quarantine_s=1.0)
+    decode.reserve("c")
+    lease = decode.lease("c")
+    frames, _ = _write_chunks(decode, "c", pool.segments[lease.segment], corrupt=True)
+    with pytest.raises(grpc.RpcError) as err:
+        decode.push([_handshake("c", decode.layout, lease)] + frames[:1])  # refused at its first chunk
+    assert err.value.code() == grpc.StatusCode.DATA_LOSS
+    assert pool.leased == 0 and pool.resting == 1
+    for rid in ("e1", "e2"):
+        decode.reserve(rid)
+    other = decode.lease("e1")
+    assert other.segment != lease.segment
+    with pytest.raises(grpc.RpcError) as err:
+        decode.lease("e2")
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "(1 resting after an unfinished push)" in err.value.details()
+
+    frames, _ = _write_chunks(decode, "e1", pool.segments[other.segment])
+    decode.push([_handshake("e1", decode.layout, other)] + frames)  # reached its finish: straight back
+    assert decode.outcomes["e1"].ok and pool.resting == 1
+    assert decode.lease("e2").segment == other.segment
+    decode.receiver.cancel("e2")  # expired before its push: rests too
+    pool.release_stale(decode.receiver.expectations.__contains__)
+    assert pool.resting == 2
+
+    time.sleep(1.1)  # both rested: leased again
+    for rid in ("g1", "g2"):
+        decode.reserve(rid)
+    assert {decode.lease("g1").segment, decode.lease("g2").segment} == {0, 1}
+    for rid in ("g1", "g2"):
+        decode.receiver.cancel(rid)
+    pool.release_stale(decode.receiver.expectations.__contains__)
 
 
 def test_a_chunk_off_the_segment_alignment_is_refused_by_name(decode: Decode) -> None:

@@ -30,25 +30,31 @@ def loopback_environment(joins_cluster: bool, loopback_only: bool) -> bool:
     return True
 
 
-def reserved_cuda_device(device: str, gpu_ids: Sequence[str | int], visible: str | None) -> str:
+def reserved_cuda_device(device: str, gpu_ids: Sequence[str | int], visible: str | None, reserved: int) -> str:
     """The torch device, in this process's view of the node's GPUs, of ``device`` ("cuda" or "cuda:k": the
-    k-th GPU Ray reserved). ``gpu_ids`` is ``ray.get_gpu_ids()``: entries of the node's
-    ``CUDA_VISIBLE_DEVICES`` (indexes or UUIDs) when the raylet started with it, else indexes;
-    ``visible`` is this process's ``CUDA_VISIBLE_DEVICES`` (None: unset, every GPU in CUDA's order).
-    ``ValueError`` naming the mismatch when Ray reserved fewer GPUs than ``device`` needs, or one that
-    ``visible`` does not list."""
-    ids = sorted((str(i).strip() for i in gpu_ids), key=lambda i: (not i.isdigit(), int(i) if i.isdigit() else 0, i))
+    k-th of the ``reserved`` GPUs Ray reserved, in the node's order). ``gpu_ids`` is ``ray.get_gpu_ids()``:
+    entries of the node's ``CUDA_VISIBLE_DEVICES`` (indexes or UUIDs) when the raylet started with it, else
+    indexes; ``visible`` is this process's ``CUDA_VISIBLE_DEVICES`` (None: unset, every GPU in CUDA's order).
+    ``ValueError`` naming the mismatch when Ray reports another number of GPUs than the replica reserved
+    (Ray reports every listed GPU when the node declared more than it lists), fewer than ``device`` needs,
+    or one that ``visible`` does not list."""
+    ids = [str(i).strip() for i in gpu_ids]
+    if len(ids) != reserved:
+        raise ValueError(f"Ray reports GPUs {sorted(ids)} for this replica, which reserved {reserved}: the node "
+                         "declares more GPUs than its CUDA_VISIBLE_DEVICES lists; fix the node's --num-gpus, or set "
+                         "the pool's gpu_visibility: reserved")
     k = int(device.partition(":")[2] or 0)
     if k >= len(ids):
         raise ValueError(f"engine.device {device} needs {k + 1} GPU(s) but Ray reserved {len(ids)} for this replica "
-                         f"({ids}): set the pool's num_gpus")
-    chosen = ids[k]
+                         f"({sorted(ids)}): set the pool's num_gpus")
     if visible is None:
-        if not chosen.isdigit():
-            raise ValueError(f"Ray reserved GPU {chosen!r}, which is not an index, and CUDA_VISIBLE_DEVICES is unset")
-        return f"cuda:{int(chosen)}"
+        bad = [i for i in ids if not i.isdigit()]
+        if bad:
+            raise ValueError(f"Ray reserved GPU {bad[0]!r}, which is not an index, and CUDA_VISIBLE_DEVICES is unset")
+        return f"cuda:{sorted(int(i) for i in ids)[k]}"
     order = [v.strip() for v in visible.split(",") if v.strip()]
-    if chosen not in order:
-        raise ValueError(f"Ray reserved GPU {chosen!r}, which this process's CUDA_VISIBLE_DEVICES={visible!r} "
+    missing = [i for i in ids if i not in order]
+    if missing:
+        raise ValueError(f"Ray reserved GPU {missing[0]!r}, which this process's CUDA_VISIBLE_DEVICES={visible!r} "
                          "does not list")
-    return f"cuda:{order.index(chosen)}"
+    return f"cuda:{sorted(order.index(i) for i in ids)[k]}"

@@ -64,14 +64,15 @@ def device_uuid(device: torch.device) -> str:
 class _Lease:
     segment: int
     request_id: str
+    in_push: bool = False  # a handshake named it: the push's own end releases it (_Session.close)
 
 
 # A decode worker's pool: four pushes at once of up to 256 MiB of encoded KV each.
 IPC_SEGMENT_BYTES = 256 * 2**20
 IPC_SEGMENTS = 4
-# A segment whose push ended before its finish (refused, cancelled, expired) rests this long before it is
-# leased again: its sender may still be writing the chunk it had in hand (it learns of the end only at its
-# next message), and those writes must not land in the next push's bytes.
+# A segment whose push ended before its finish (refused, cancelled, expired) rests this long, from the end
+# of its stream, before it is leased again: its sender's encoder threads write ahead and learn of the end
+# from the receiver's answer, and a late write must not land in the next push's bytes.
 IPC_QUARANTINE_S = 5.0
 
 
@@ -128,8 +129,9 @@ class IpcPool:
                            f"is {self.epoch:#x} (it restarted); lease a segment again")
         with self._lock:
             lease = self._leases.get(request_id)
-        if lease is None or lease.segment != segment:
-            raise IpcError(f"request {request_id!r} holds no lease on IPC segment {segment}")
+            if lease is None or lease.segment != segment:
+                raise IpcError(f"request {request_id!r} holds no lease on IPC segment {segment}")
+            lease.in_push = True
         return self.segments[segment]
 
     def release(self, request_id: str, clean: bool = False) -> None:
@@ -145,9 +147,11 @@ class IpcPool:
                 self._resting.append((time.monotonic() + self.quarantine_s, lease.segment))
 
     def release_stale(self, alive: Callable[[str], bool]) -> None:
-        """Release the leases of requests no longer alive (refused before their push began, expired)."""
+        """Release the leases of requests no longer alive whose push never began (refused, expired, the
+        sender gone). A lease a push holds ends with that push (its stream may still be receiving, and its
+        sender writing, after the request is over), so its rest starts only then."""
         with self._lock:
-            stale = [rid for rid in self._leases if not alive(rid)]
+            stale = [rid for rid, lease in self._leases.items() if not lease.in_push and not alive(rid)]
         for rid in stale:
             self.release(rid)
 

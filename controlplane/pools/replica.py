@@ -101,7 +101,8 @@ def reserved_device(ps: PoolSettings) -> str | None:
     import ray
 
     from controlplane.ray_env import reserved_cuda_device
-    return reserved_cuda_device(ps.engine.device, ray.get_gpu_ids(), os.environ.get("CUDA_VISIBLE_DEVICES"))
+    return reserved_cuda_device(ps.engine.device, ray.get_gpu_ids(), os.environ.get("CUDA_VISIBLE_DEVICES"),
+                                max(1, int(ps.num_gpus)))
 
 
 def build_worker(pool: Pool, settings: Settings, folder: Path, security: TransferSecurity,

@@ -78,8 +78,7 @@ def test_a_plain_cuda_device_is_the_index_the_tensors_report(model) -> None:
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
 def test_a_second_gpu_driven_from_another_thread_gives_the_same_tokens(tiny_hf, solo) -> None:
-    # Triton launches and graph capture follow the thread's current device (0 in a new thread), not the tensors';
-    # the engines of this module on GPU 0 captured first (torch.cuda.graph's default stream is on GPU 0)
+    # Triton launches and graph capture follow the thread's current device (0 in a new thread), not the tensors'
     second = load_model(tiny_hf("llama-gqa"), device="cuda:1", require_tokenizer=False).model
 
     def run() -> dict[str, list[int]]:

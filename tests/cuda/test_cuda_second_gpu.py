@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from kvtransfer.codecs import Kind
+from kvtransfer.codecs import Kind, get_codec
 from kvtransfer.device_checksum import kernel_checksum, reference_checksum
 from kvtransfer.policy import relative_error
 from tests.cuda.helpers import CUDA
@@ -27,11 +27,23 @@ def in_new_thread(fn):
 
 
 def test_codec_kernels_run_on_their_tensors_gpu() -> None:
+    """As an encoder or a receiver thread calls them: the bytes equal the torch codec's on the CPU."""
     x = torch.randn(4, 16, 4, 64, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
-    for codec in ("int8", "fp8", "int4"):
-        want = relative_error(codec, x, Kind.KEY)
-        got = in_new_thread(lambda c=codec: relative_error(c, x.to("cuda:1"), Kind.KEY))
-        assert got == pytest.approx(want, rel=1e-5), codec
+    for name in ("int8", "fp8", "int4"):
+        codec = get_codec(name)
+        want = codec.encode(x, Kind.KEY)
+        got = in_new_thread(lambda c=codec: c.encode(x.to("cuda:1"), Kind.KEY))
+        assert torch.equal(got.payload.cpu(), want.payload) and torch.equal(got.scales.cpu(), want.scales), name
+        back = in_new_thread(lambda c=codec, e=got: c.decode(e, torch.float32))
+        assert back.device == torch.device("cuda:1") and torch.equal(back.cpu(), codec.decode(want, torch.float32))
+
+
+def test_calibration_round_trips_run_on_their_tensors_gpu() -> None:
+    x = torch.randn(4, 16, 4, 64, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    for name in ("int8", "fp8"):
+        want = relative_error(name, x, Kind.VALUE)
+        assert in_new_thread(lambda c=name: relative_error(c, x.to("cuda:1"), Kind.VALUE)) == pytest.approx(want,
+                                                                                                             rel=1e-5)
 
 
 def test_the_checksum_kernel_runs_on_its_tensors_gpu() -> None:

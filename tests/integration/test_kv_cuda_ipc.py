@@ -317,6 +317,19 @@ def test_device_checksum_is_exact_and_sees_every_word() -> None:
         assert device_checksum(bad) != device_checksum(data)
 
 
+def test_the_janitor_leaves_a_lease_whose_push_is_still_open_to_that_push() -> None:
+    """A request can be over (expired, cancelled, its finish already counted) while its stream is still open
+    and its sender maybe writing: the lease it holds ends with the stream, so its rest starts only then."""
+    pool = IpcPool(torch.device("cpu"), 64, num_segments=2, quarantine_s=60.0)
+    named = pool.lease("in-push", 8)
+    pool.lease("never-pushed", 8)
+    pool.check("in-push", named.pool_epoch, named.segment)  # a handshake named it
+    pool.release_stale(lambda rid: False)  # neither request is alive any more
+    assert pool.leased == 1 and pool.resting == 1  # only the lease no push took was released (and rests)
+    pool.release("in-push", clean=True)  # its push reached its finish
+    assert pool.leased == 0 and pool.resting == 1 and pool.lease("next", 8).segment == named.segment
+
+
 def test_pool_epochs_differ_and_mappings_need_cuda() -> None:
     a, b = IpcPool(torch.device("cpu"), 64, 1), IpcPool(torch.device("cpu"), 64, 1)
     assert a.epoch != b.epoch

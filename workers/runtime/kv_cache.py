@@ -210,9 +210,11 @@ class BlockAllocator:
             self._refcount[b] -= 1
             if self._refcount[b] == 0:
                 released.append(b)
-        if released and self.on_free is not None:
-            self.on_free()
-        self._free.extend(released)
+        try:
+            if released and self.on_free is not None:
+                self.on_free()
+        finally:  # the blocks are free whatever the hook raised (a CUDA error): never lost to the pool
+            self._free.extend(released)
 
     def refcount(self, block: int) -> int:
         return self._refcount[block]

@@ -122,10 +122,11 @@ def test_redis_benchmark_in_process_leaves_no_server_behind() -> None:
 @pytest.mark.slow
 @pytest.mark.transformers
 def test_whole_suite_smoke_run(tmp_path: Path) -> None:
-    """The CI smoke run: every benchmark at --quick sizes, no thresholds; all must produce results."""
+    """The CI smoke run: every benchmark at --quick sizes and the fewest repeats, no thresholds; all must produce
+    results."""
     pytest.importorskip("transformers")
     path = tmp_path / "all.json"
-    proc = micro("--quick", "--json", str(path), timeout=420)
+    proc = micro("--quick", "--repeats", "2", "--json", str(path), timeout=420)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     raw = json.loads(path.read_text())
     assert raw["errors"] == {}

@@ -21,7 +21,7 @@ from workers.runtime.presets import PRESETS
 
 pytestmark = [pytest.mark.integration]
 
-SMALL = Sizes(codec_bytes=1 << 20, push_layers=2, push_tokens=256, pushes=(("int8", "tcp"), ("bf16", "shm")),
+SMALL = Sizes(codec_bytes=1 << 18, push_layers=2, push_tokens=256, pushes=(("int8", "tcp"), ("bf16", "shm")),
               ttft_tokens=64, ttft_preset="tiny", ttft_transports=("grpc", "tcp", "shm"))
 
 

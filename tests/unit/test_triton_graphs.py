@@ -91,6 +91,16 @@ def test_past_the_largest_bucket_runs_eager_and_says_so(model, solo, caplog) -> 
     assert engine.graphs is not None and engine.graphs.replays > 0
 
 
+def test_every_graph_writes_one_shared_logits_buffer(model) -> None:
+    """Graphs that each kept their own logits would hold the sum over the buckets of [bucket, vocab] float32,
+    none of it counted when the KV pool was sized."""
+    graphs = _engine(model, max_batch=4).graphs
+    assert graphs is not None
+    outs = [out for _, out in graphs._graphs.values()]
+    assert len(outs) >= 3 and {o.shape[0] for o in outs} == {1, 2, 4}
+    assert {o.data_ptr() for o in outs} == {outs[0].untyped_storage().data_ptr()}
+
+
 def test_int8_cache_layers_run_in_the_graphs(model) -> None:
     want = _engine(model, kv_cache_dtype="int8")
     got = _engine(model, max_batch=4, kv_cache_dtype="int8")

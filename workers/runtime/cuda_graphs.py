@@ -7,7 +7,10 @@ A decode step of ``n`` sequences replays the graph of the smallest bucket >= n:
      rows n..bucket are padding: slot -1 (the KV write skips it) and length 0 (attention reads
      nothing and returns zeros), so a padded row never touches the cache;
   2. one ``non_blocking`` copy per buffer moves the bucket's rows into the static device buffers;
-  3. the graph replays the whole model over them; logits [n, vocab] float32 are read from its output.
+  3. the graph replays the whole model over them and copies the logits into one static output buffer,
+     [max_batch, vocab] float32, shared by every graph: each graph's own logits are then a temporary of
+     the shared memory pool (reused by the next capture) rather than a tensor kept per graph, which for a
+     large vocabulary and many buckets would be gigabytes the KV pool's sizing never counted.
 Sampling stays outside the graph. A batch past the largest bucket, any step with a prefill, and
 steps with layer hooks run eagerly. Graphs need the kernel path (``TritonOps``): the torch path
 reads lengths back to the host and cannot be captured.
@@ -129,7 +132,9 @@ class EagerStandIn:
 
     @torch.inference_mode()  # the output is an inference tensor, as the model made it
     def replay(self) -> None:
-        self.out.copy_(self._fn())
+        out = self._fn()
+        if out is not self.out:  # a call that writes its own static output needs no copy
+            self.out.copy_(out)
 
 
 class DecodeGraphs:
@@ -149,6 +154,7 @@ class DecodeGraphs:
         self.short_context = short_context(cache.block_size)
         self._variants = graph_variants(self.buckets, model.cfg.num_kv_heads, max_model_len, cache.block_size)
         self._graphs: dict[tuple[int, int], tuple[Replayable, torch.Tensor]] = {}
+        self._logits: torch.Tensor | None = None  # [max_batch, vocab] float32: every graph's output
         self.capture_seconds = 0.0
         self.capture_error: str | None = None  # why capture failed (every step then runs eager)
         self.replays = 0  # decode steps served by a graph
@@ -184,11 +190,21 @@ class DecodeGraphs:
                 self.model(self.buffers.batch(b, bound), self.cache, None, self.ops)
         torch.cuda.current_stream(self.cache.device).wait_stream(stream)
 
+    def _forward(self, b: int, bound: int) -> torch.Tensor:
+        """The captured call: the model over bucket ``b``'s static buffers, its logits copied into the shared
+        output's first ``b`` rows (returned)."""
+        assert self._logits is not None
+        out = self._logits[:b]
+        out.copy_(self.model(self.buffers.batch(b, bound), self.cache, None, self.ops))
+        return out
+
     def _capture_all(self) -> None:
+        # outside the graphs' pool, before any capture
+        self._logits = torch.empty(self.max_batch, self.model.cfg.vocab_size, dtype=torch.float32,
+                                   device=self.cache.device)
         if self._stand_in:
             for b, bound in reversed(self._variants):
-                stand_in = EagerStandIn(functools.partial(self.model, self.buffers.batch(b, bound), self.cache, None,
-                                                          self.ops))
+                stand_in = EagerStandIn(functools.partial(self._forward, b, bound))
                 self._graphs[(b, bound)] = (stand_in, stand_in.out)
             return
         pool = torch.cuda.graph_pool_handle()
@@ -198,7 +214,7 @@ class DecodeGraphs:
         for b, bound in reversed(self._variants):
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool, stream=stream):
-                logits = self.model(self.buffers.batch(b, bound), self.cache, None, self.ops)
+                logits = self._forward(b, bound)
             self._graphs[(b, bound)] = (graph, logits)
         torch.cuda.synchronize(self.cache.device)
 

@@ -200,6 +200,12 @@ class PoolSettings(_Model):
         return self
 
     @property
+    def shares_gpu(self) -> bool:
+        """Whether a replica reserves a fraction of a GPU, so others may run on the same one (the pool manager
+        then starts them one after another)."""
+        return 0 < self.num_gpus < 1
+
+    @property
     def sees_host_gpus(self) -> bool:
         """Whether a replica sees every GPU of its node and maps its engine device onto the GPUs Ray reserved
         for it (``controlplane.ray_env.reserved_cuda_device``), rather than Ray narrowing CUDA_VISIBLE_DEVICES."""

@@ -56,6 +56,7 @@ class WorkerActor:
 
         self.state = ReplicaState.STARTING
         self.index = index
+        self.starting_at = time.time()  # wall clock: when this replica began loading, and when it served
         settings = Settings.model_validate_json(settings_json)  # no env or file sources: exactly the driver's
         security = replica.security_for(settings, token)
         folder = Path(model_dir) if model_dir else replica.model_dir(settings)
@@ -87,12 +88,14 @@ class WorkerActor:
         from controlplane.heap import freeze_startup_heap
         freeze_startup_heap(f"{pool} replica {index}")  # the model and imports: out of the GC's way
         self.state = ReplicaState.SERVING
+        self.serving_at = time.time()
         log.info("%s replica %d serving at %s", pool, index, self.worker.address)
 
     # ------------------------------------------------------------------ plain-data answers
     def info(self) -> dict:
         return {"worker_id": self.worker.identity.worker_id, "pool": self.worker.pool,
-                "address": self.worker.address, "index": self.index}
+                "address": self.worker.address, "index": self.index, "starting_at": self.starting_at,
+                "serving_at": self.serving_at}
 
     def pid(self) -> int:
         return os.getpid()

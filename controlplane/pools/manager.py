@@ -309,6 +309,35 @@ class PoolManager:
     # ------------------------------------------------------------------ starting
     def _start_replicas(self, pool: Pool, n: int) -> None:
         ps = self.settings.pool(pool.value)
+        # Replicas that share a GPU start one after another: each sizes its KV pool from what the GPU holds
+        # (workers.runtime.gpu_memory), and another loading beside it would count against it.
+        waves = [1] * n if ps.shares_gpu else [n]
+        errors: list[str] = []
+        for i, size in enumerate(waves):
+            if i and not self._wants_more(pool):
+                log.info("%s: %d replica start(s) not begun (the manager stops, or the target dropped)", pool.value,
+                         n - i)
+                break
+            errors += self._start_wave(pool, ps, size)
+        if errors:
+            self._problem[pool] = (f"{len(errors)} of {n} replicas failed to start; last: "
+                                   f"{errors[-1].splitlines()[0]}")
+            raise WorkerStartError(f"{len(errors)} of {n} {pool.value} replicas failed to start:\n"
+                                   + "\n".join(errors))
+        self._problem[pool] = None
+
+    def _wants_more(self, pool: Pool) -> bool:
+        """Whether the manager runs and ``pool``'s target is above what serves (Redis away: assumed so)."""
+        if self._stop.is_set():
+            return False
+        try:
+            target = self.targets.get_target(pool)
+        except StateError:
+            return True
+        return target is None or target > len(self._replicas[pool])
+
+    def _start_wave(self, pool: Pool, ps: PoolSettings, n: int) -> list[str]:
+        """Start ``n`` replicas at once and wait for each to serve; what failed, one line per replica."""
         host = "127.0.0.1" if self.runtime.temp_dir is not None else ""  # "": the actor's own node IP
         pending = []
         for _ in range(n):
@@ -323,7 +352,7 @@ class PoolManager:
             pending.append((name, actor, actor.info.remote()))
             self._starting[pool][name] = time.monotonic()
         deadline = time.monotonic() + self.start_timeout_s
-        errors = []
+        errors: list[str] = []
         try:
             for i, (name, actor, info_ref) in enumerate(pending):
                 try:
@@ -347,12 +376,7 @@ class PoolManager:
         finally:
             for name, _, _ in pending:
                 self._starting[pool].pop(name, None)
-        if errors:
-            self._problem[pool] = (f"{len(errors)} of {n} replicas failed to start; last: "
-                                   f"{errors[-1].splitlines()[0]}")
-            raise WorkerStartError(f"{len(errors)} of {n} {pool.value} replicas failed to start:\n"
-                                   + "\n".join(errors))
-        self._problem[pool] = None
+        return errors
 
     def _await_start(self, pool: Pool, info_ref: ray.ObjectRef, deadline: float, unfinished: int) -> dict:
         """The replica's ``info`` once it serves. Gives up (``_Cancelled``) as soon as the manager stops or the

@@ -2,20 +2,27 @@
 replicas the way the pool manager asks (``placement_options``) and each finds its device as a replica does
 (``replica.reserved_device``). With ``gpu_visibility: host`` (the default) Ray leaves CUDA_VISIBLE_DEVICES
 alone, so both replicas see the node's GPUs and run on different ones of them: what lets a prefill replica
-open a decode replica's CUDA IPC handles. With ``reserved`` Ray narrows the variable, as it does by default."""
+open a decode replica's CUDA IPC handles. With ``reserved`` Ray narrows the variable, as it does by default.
+Replicas that reserve a fraction of a GPU start one after another (each sizes its KV pool from what the GPU
+holds)."""
 
 from __future__ import annotations
 
 import os
+import secrets
 import uuid
+from pathlib import Path
 
 import pytest
 import ray
 
-from controlplane.pools import replica
+from controlplane.pools import PoolManager, replica
 from controlplane.pools.manager import placement_options
 from controlplane.pools.ray_runtime import RayRuntime
-from controlplane.settings import PoolSettings
+from controlplane.settings import MiB, PoolSettings, Settings
+from controlplane.state import LocalRedis
+
+from redis_fixture import redis_server  # noqa: F401  (fixture)
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -63,3 +70,17 @@ def test_reserved_visibility_leaves_ray_to_narrow_the_gpus(two_gpu_ray):
     ps = PoolSettings.model_validate({"num_cpus": 0, "num_gpus": 1, "engine": {"device": "cuda"},
                                       "gpu_visibility": "reserved"})
     assert probe_two(ps) == [(None, "0", ["0"]), (None, "1", ["1"])]
+
+
+def test_replicas_sharing_a_gpu_start_one_after_another(two_gpu_ray, redis_server: LocalRedis,  # noqa: F811
+                                                         default_ckpt: Path) -> None:
+    # on the CPU (the declared GPUs do not exist), as the manager would start two replicas on half a GPU each
+    token = secrets.token_urlsafe(16)
+    settings = Settings(model=default_ckpt, mode="colocated", transfer={"token": token},
+                        decode={"replicas": 2, "num_cpus": 0.25, "num_gpus": 0.5,
+                                "engine": {"kv_cache_bytes": 32 * MiB}})
+    with PoolManager(settings, redis_server.url, f"waves-{uuid.uuid4().hex[:8]}", token) as manager:
+        infos = sorted(ray.get([r.actor.info.remote() for r in manager.replicas("decode")], timeout=30),
+                       key=lambda i: i["index"])
+    assert len(infos) == 2
+    assert infos[1]["starting_at"] >= infos[0]["serving_at"], infos  # the second began once the first served

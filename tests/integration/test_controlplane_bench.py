@@ -32,49 +32,38 @@ def _children() -> set[int]:
     return out
 
 
-def test_bench_core_runs_and_cleans_up() -> None:
+def test_a_run_reports_every_figure_exports_spans_and_cleans_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One stack for everything (each start of one costs about 40 s here). The core figures; then
+    --observability-cost: spans reach the OTLP receiver from the control plane and the prefill replica, and
+    the figure is the median of each round's own on/off ratio. With --observability-tokens 3 the rounds'
+    requests go through prefill, the KV transfer and decode, and each answers exactly 3 tokens. Then nothing
+    the benchmark started is left running."""
     import ray
 
     from bench.controlplane_bench import BenchResult, format_table, measure
-
-    before = _children()
-    res = measure(requests=10, throughput_requests=10, concurrency=4)
-
-    assert isinstance(res, BenchResult)
-    assert res.failures == []  # every request: HTTP 200 with exactly one completion token
-    assert res.ok_requests == 10 + 3 * 10  # sequential, then three throughput rounds
-    for name in ("e2e_median_ms", "e2e_p90_ms", "compute_median_ms", "worker_engine_median_ms", "throughput_rps",
-                 "serve_median_ms", "serve_p90_ms", "serve_rps"):
-        value = getattr(res, name)
-        assert isinstance(value, float) and value > 0, (name, value)
-    assert "added latency median" in format_table(res)
-    # every response named its engine time, and the added latency is what is left of each request
-    assert 0 < res.worker_engine_median_ms < res.e2e_p90_ms
-    assert 0 < res.added_median_ms < res.e2e_p90_ms
-
-    assert not ray.is_initialized()
-    deadline = time.monotonic() + 15
-    while (left := _children() - before) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not left, f"processes started by the benchmark still running: {sorted(left)}"
-
-
-def test_the_observability_rounds_export_from_every_process_and_pair_their_ratios(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """--observability-cost: spans reach the OTLP receiver from the control plane and the prefill replica,
-    and the figure is the median of each round's own on/off ratio. With --observability-tokens 3 the
-    rounds' requests go through prefill, the KV transfer and decode, and each answers exactly 3 tokens."""
-    from bench.controlplane_bench import format_table, measure
 
     # every request traced (the default samples one in ten: a handful of requests might export nothing);
     # parent-based, since this process's provider (made once) serves the later tracing tests too;
     # Ray, started inside, hands the variable to the replicas
     monkeypatch.setenv("OTEL_TRACES_SAMPLER", "parentbased_always_on")
+    before = _children()
+    res = measure(requests=10, throughput_requests=16, concurrency=4, observability_rounds=2, observability_tokens=3)
 
-    res = measure(requests=5, throughput_requests=16, concurrency=4, observability_rounds=2, observability_tokens=3)
-    assert res.failures == []  # every response of every round: HTTP 200 with exactly its token count
-    assert res.obs_tokens == 3 and "3-token requests" in format_table(res)
-    assert res.ok_requests == 5 + 3 * 16 + 2 * 2 * 12  # the rounds: 3 requests per connection, on and off
+    assert isinstance(res, BenchResult)
+    assert res.failures == []  # every response: HTTP 200 with exactly its token count
+    # sequential, then three throughput rounds, then the observability rounds: 3 requests per connection, on and off
+    assert res.ok_requests == 10 + 3 * 16 + 2 * 2 * 12
+    for name in ("e2e_median_ms", "e2e_p90_ms", "compute_median_ms", "worker_engine_median_ms", "throughput_rps",
+                 "serve_median_ms", "serve_p90_ms", "serve_rps"):
+        value = getattr(res, name)
+        assert isinstance(value, float) and value > 0, (name, value)
+    table = format_table(res)
+    assert "added latency median" in table and "3-token requests" in table
+    # every response named its engine time, and the added latency is what is left of each request
+    assert 0 < res.worker_engine_median_ms < res.e2e_p90_ms
+    assert 0 < res.added_median_ms < res.e2e_p90_ms
+
+    assert res.obs_tokens == 3
     assert len(res.obs_on_rps) == len(res.obs_off_rps) == len(res.obs_round_ratios) == 2
     assert res.obs_round_ratios == [on / off for on, off in zip(res.obs_on_rps, res.obs_off_rps)]
     assert min(res.obs_round_ratios) <= res.obs_ratio <= max(res.obs_round_ratios)
@@ -82,3 +71,9 @@ def test_the_observability_rounds_export_from_every_process_and_pair_their_ratio
     # process installed the global tracer provider under its own service name)
     assert res.spans_exported > 0 and {"epd-prefill", "epd-decode"} <= set(res.span_services)
     assert len(res.span_services) >= 3
+
+    assert not ray.is_initialized()
+    deadline = time.monotonic() + 15
+    while (left := _children() - before) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not left, f"processes started by the benchmark still running: {sorted(left)}"

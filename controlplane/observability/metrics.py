@@ -110,6 +110,9 @@ KV_LOGICAL_BYTES = Counter(f"{PREFIX}kv_transfer_logical_bytes",
                            registry=REGISTRY)
 KV_WIRE_BYTES = Counter(f"{PREFIX}kv_transfer_wire_bytes", "KV moved prefill -> decode as sent (payload + scales), "
                         "bytes.", [*_M, "codec"], registry=REGISTRY)
+KV_TRANSFERS = Counter(f"{PREFIX}kv_transfers", "KV pushes prefill -> decode that finished, by the transport the "
+                       "prefill worker used (auto picks cuda_ipc, shm, tcp or grpc per push, and falls back).",
+                       [*_M, "transport"], registry=REGISTRY)
 KV_FAILURES = Counter(f"{PREFIX}kv_transfer_failures", "Requests whose KV transfer failed, by gRPC status.",
                       [*_M, "code"], registry=REGISTRY)
 ADMISSION_REJECTIONS = Counter(f"{PREFIX}admission_rejections", "Requests refused with 429, by reason.",
@@ -230,14 +233,16 @@ def stage(request_id: str, name: str, seconds: float) -> None:
         rec.stages[name] = rec.stages.get(name, 0.0) + seconds
 
 
-def kv_transfer(request_id: str, seconds: float, per_codec: Iterable[tuple[str, int, int]]) -> None:
-    """A KV push finished: ``per_codec`` holds (codec, wire bytes, logical bytes)."""
+def kv_transfer(request_id: str, seconds: float, per_codec: Iterable[tuple[str, int, int]],
+                transport: str = "") -> None:
+    """A KV push finished over ``transport``: ``per_codec`` holds (codec, wire bytes, logical bytes)."""
     if not OBSERVABILITY.metrics:
         return
     per_codec = list(per_codec)
     label = "+".join(sorted(c for c, _, _ in per_codec)) or "none"
     model = MODEL.value
     KV_SECONDS.labels(model, label).observe(seconds)
+    KV_TRANSFERS.labels(model, transport or "unknown").inc()
     wire = logical = 0
     for codec, w, lg in per_codec:
         KV_WIRE_BYTES.labels(model, codec).inc(w)

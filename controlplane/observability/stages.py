@@ -94,12 +94,13 @@ class Stage:
     def _reply(self, reply: Any) -> None:
         if isinstance(reply, wpb.PrefillReply) and reply.kv_codecs:
             stats = [(c.codec, c.wire_bytes, c.logical_bytes) for c in reply.kv_codecs]
-            metrics.kv_transfer(self.obs.request_id, reply.kv_seconds, stats)
+            metrics.kv_transfer(self.obs.request_id, reply.kv_seconds, stats, reply.transport)
             if self.span is not None:
                 self.span.set_attribute("epd.kv.wire_bytes", reply.kv_bytes)
                 self.span.set_attribute("epd.kv.logical_bytes", reply.kv_logical_bytes)
                 self.span.set_attribute("epd.kv.seconds", reply.kv_seconds)
                 self.span.set_attribute("epd.kv.codec", "+".join(c for c, _, _ in stats))
+                self.span.set_attribute("epd.kv.transport", reply.transport)
         elif isinstance(reply, wpb.EncodeReply):
             metrics.encoder(self.images, reply.cache_hits)
             if self.span is not None:

@@ -30,7 +30,8 @@ EPD_FAMILIES = {  # family name -> type, as the parser reports them
     "epd:inter_token_latency_seconds": "histogram", "epd:e2e_request_latency_seconds": "histogram",
     "epd:request_stage_seconds": "histogram", "epd:kv_transfer_seconds": "histogram",
     "epd:requests": "counter", "epd:kv_transfer_logical_bytes": "counter", "epd:kv_transfer_wire_bytes": "counter",
-    "epd:kv_transfer_failures": "counter", "epd:admission_rejections": "counter", "epd:encoder_images": "counter",
+    "epd:kv_transfer_failures": "counter", "epd:kv_transfers": "counter", "epd:admission_rejections": "counter",
+    "epd:encoder_images": "counter",
     "epd:encoder_cache_hits": "counter", "epd:prompt_tokens": "counter", "epd:generation_tokens": "counter",
     "epd:queue_depth": "gauge", "epd:scheduler_queue_depth": "gauge", "epd:requests_cut_short": "counter",
 }
@@ -118,6 +119,8 @@ def test_counters_and_histogram_counts_equal_the_workload(e2e_stack: Stack) -> N
     assert delta("epd:kv_transfer_seconds_count", codec="fp32") == ok  # the stack's codec for every layer
     assert delta("epd:kv_transfer_wire_bytes_total", codec="fp32") > 0
     assert delta("epd:kv_transfer_logical_bytes_total", codec="fp32") > 0
+    # auto on one host, CPU caches: every push through shared memory
+    assert delta("epd:kv_transfers_total", transport="shm") == ok
     assert delta("epd:encoder_images_total") == 1
     assert delta("epd:kv_transfer_failures_total", code="UNAVAILABLE") == 0
     # a histogram's +Inf bucket is its count, and the buckets never decrease

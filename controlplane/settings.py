@@ -201,9 +201,10 @@ class PoolSettings(_Model):
 
     @property
     def shares_gpu(self) -> bool:
-        """Whether a replica reserves a fraction of a GPU, so others may run on the same one (the pool manager
-        then starts them one after another)."""
-        return 0 < self.num_gpus < 1
+        """Whether other replicas may run on this replica's GPU: it reserves a fraction of one, or none while
+        its engine is on CUDA (Ray then leaves every replica the same GPUs). The pool manager starts such
+        replicas one after another."""
+        return 0 < self.num_gpus < 1 or (self.num_gpus == 0 and parse_device(self.engine.device).type == "cuda")
 
     @property
     def sees_host_gpus(self) -> bool:

@@ -111,7 +111,8 @@ KV_LOGICAL_BYTES = Counter(f"{PREFIX}kv_transfer_logical_bytes",
 KV_WIRE_BYTES = Counter(f"{PREFIX}kv_transfer_wire_bytes", "KV moved prefill -> decode as sent (payload + scales), "
                         "bytes.", [*_M, "codec"], registry=REGISTRY)
 KV_TRANSFERS = Counter(f"{PREFIX}kv_transfers", "KV pushes prefill -> decode that finished, by the transport the "
-                       "prefill worker used (auto picks cuda_ipc, shm, tcp or grpc per push, and falls back).",
+                       "prefill worker used (auto picks cuda_ipc, shm or grpc per push, and falls back; tcp when "
+                       "configured; unknown from a worker that did not say).",
                        [*_M, "transport"], registry=REGISTRY)
 KV_FAILURES = Counter(f"{PREFIX}kv_transfer_failures", "Requests whose KV transfer failed, by gRPC status.",
                       [*_M, "code"], registry=REGISTRY)

@@ -112,6 +112,7 @@ class PoolManager:
         self._conn: StateConnection | None = None
         self._remote_cls: Any = None  # ray.remote(WorkerActor), made once Ray is up
         self._starting: dict[Pool, dict[str, float]] = {p: {} for p in Pool}  # actor name -> monotonic asked at
+        self._queued = {p: 0 for p in Pool}  # replicas sharing a GPU waiting for the one starting before them
         self._problem: dict[Pool, str | None] = {p: None for p in Pool}  # the last failed start, until one works
         self._suspects: set[str] = set()  # worker ids routing lost a request on, probed at the next reconcile
         self._suspects_lock = threading.Lock()
@@ -196,11 +197,15 @@ class PoolManager:
 
     def pending(self, pool: Pool | str) -> tuple[PendingReplica, ...]:
         """Replicas of ``pool`` asked of Ray and not serving yet, oldest first, each with its reason
-        (``pending.explain``). Without Ray (stopped) nothing is pending."""
+        (``pending.explain``), then those queued behind them (replicas sharing a GPU start one after another).
+        Without Ray (stopped) nothing is pending."""
         pool = Pool(pool)
         starting = list(self._starting[pool].items())
         if not starting or not ray.is_initialized():
             return ()
+        queued = tuple(PendingReplica(f"{pool.value} replica (queued {i + 1})", 0.0, self.needs(pool), False,
+                                      "queued: replicas sharing a GPU start one after another")
+                       for i in range(self._queued[pool]))
         try:
             total, free = ray.cluster_resources(), ray.available_resources()
         except Exception:  # Ray going away under us: say nothing rather than fail a status call
@@ -209,7 +214,7 @@ class PoolManager:
         for p in Pool:
             for k, v in self.needs(p).items():
                 held[k] = held.get(k, 0.0) + v * len(self._replicas[p])
-        return explain(starting, self.needs(pool), held, total, free, time.monotonic())
+        return explain(starting, self.needs(pool), held, total, free, time.monotonic()) + queued
 
     def problem(self, pool: Pool | str) -> str | None:
         """The last failed start of ``pool``'s replicas (first line), until a start succeeds."""
@@ -313,12 +318,16 @@ class PoolManager:
         # (workers.runtime.gpu_memory), and another loading beside it would count against it.
         waves = [1] * n if ps.shares_gpu else [n]
         errors: list[str] = []
-        for i, size in enumerate(waves):
-            if i and not self._wants_more(pool):
-                log.info("%s: %d replica start(s) not begun (the manager stops, or the target dropped)", pool.value,
-                         n - i)
-                break
-            errors += self._start_wave(pool, ps, size)
+        try:
+            for i, size in enumerate(waves):
+                if i and (errors or not self._wants_more(pool)):
+                    why = "a start failed" if errors else "the manager stops, or the target dropped"
+                    log.info("%s: %d replica start(s) not begun (%s)", pool.value, n - i, why)
+                    break
+                self._queued[pool] = len(waves) - i - 1  # after this wave
+                errors += self._start_wave(pool, ps, size)
+        finally:
+            self._queued[pool] = 0
         if errors:
             self._problem[pool] = (f"{len(errors)} of {n} replicas failed to start; last: "
                                    f"{errors[-1].splitlines()[0]}")

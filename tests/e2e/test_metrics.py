@@ -119,7 +119,7 @@ def test_counters_and_histogram_counts_equal_the_workload(e2e_stack: Stack) -> N
     assert delta("epd:kv_transfer_seconds_count", codec="fp32") == ok  # the stack's codec for every layer
     assert delta("epd:kv_transfer_wire_bytes_total", codec="fp32") > 0
     assert delta("epd:kv_transfer_logical_bytes_total", codec="fp32") > 0
-    # auto on one host, CPU caches: every push through shared memory
+    # auto on one host, CPU caches: every push through shared memory (with the count above: none went elsewhere)
     assert delta("epd:kv_transfers_total", transport="shm") == ok
     assert delta("epd:encoder_images_total") == 1
     assert delta("epd:kv_transfer_failures_total", code="UNAVAILABLE") == 0

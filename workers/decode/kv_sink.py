@@ -16,6 +16,7 @@ Per layer, by what the cache stores there:
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from typing import Literal
 
 import numpy as np
@@ -56,10 +57,7 @@ class CacheSink:
               key: WireParts, value: WireParts) -> None:
         storage = self.cache.layers[layer]
         if self.staged:
-            # done (synchronised) before the receiver counts the chunk; received bytes into reserved blocks
-            # only, so the engine's queued steps are not waited for: only what it queued before the blocks
-            # were last freed (PagedKVCache.free_fence)
-            with side_stream(self.cache.device, after=self.cache.free_fence, independent=True):
+            with self._landing():  # done (synchronised) before the receiver counts the chunk
                 self._write_device(storage, blocks, codec, shape, key, value)
             return
         if isinstance(storage, DenseLayerStorage) and (codec, storage.k.dtype) in _RAW:
@@ -93,9 +91,14 @@ class CacheSink:
         parts = (key.payload, key.scales, key.zeros, value.payload, value.scales, value.zeros)
         if any(p is not None and p.device != dev for p in parts):
             raise ValueError(f"received parts must be on the cache's device {dev}")
-        # checked there on the same stream (cuda_ipc.device_chunk_parts); after the last free, as in write
-        with side_stream(dev, after=self.cache.free_fence, independent=True):
+        with self._landing():  # checked there on the same stream (cuda_ipc.device_chunk_parts)
             self._land_device(self.cache.layers[layer], blocks, codec, shape, parts)
+
+    def _landing(self) -> AbstractContextManager[None]:
+        """The side stream received bytes land on: into reserved blocks only, so it waits for none of the
+        engine's queued steps, only for what it queued before the blocks were last freed
+        (``PagedKVCache.free_fence``)."""
+        return side_stream(self.cache.device, after=self.cache.free_fence, independent=True)
 
     def _write_device(self, storage: KVLayerStorage, blocks: Sequence[int], codec: str,
                       shape: tuple[int, int, int, int], key: WireParts, value: WireParts) -> None:

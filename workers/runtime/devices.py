@@ -38,7 +38,8 @@ def note_memory_baseline(device: torch.device) -> None:
     there (``memory_baseline``); nothing for other devices."""
     if device.type != "cuda":
         return
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = resolve_device(device).index
+    assert index is not None
     if index not in _memory_baselines:
         free, total = torch.cuda.mem_get_info(index)
         _memory_baselines[index] = (total - free, torch.cuda.memory_reserved(index))
@@ -47,5 +48,4 @@ def note_memory_baseline(device: torch.device) -> None:
 def memory_baseline(device: torch.device) -> tuple[int, int]:
     """(bytes in use on the device, bytes torch reserved here) when this process first loaded a model on it;
     (0, 0) when it never noted one, which counts everything in use as this process's."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return _memory_baselines.get(index, (0, 0))
+    return _memory_baselines.get(resolve_device(device).index or 0, (0, 0))

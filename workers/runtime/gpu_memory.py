@@ -82,6 +82,5 @@ def kv_budget_from_free_memory(model: DecoderModel, spec: KVCacheSpec, layer_dty
     free, total = torch.cuda.mem_get_info(device)
     used_then, reserved_then = memory_baseline(device)
     outside_torch = own_outside_torch(total - free, torch.cuda.memory_reserved(device), used_then, reserved_then)
-    budget = kv_budget(total, free, utilization, outside_torch, peak, torch.cuda.memory_allocated(device),
-                       spec.bytes_per_block(layer_dtypes))
-    return budget
+    return kv_budget(total, free, utilization, outside_torch, peak, torch.cuda.memory_allocated(device),
+                     spec.bytes_per_block(layer_dtypes))

@@ -54,15 +54,22 @@ def is_local_target(target: str) -> bool:
 
 @functools.lru_cache(maxsize=256)
 def own_address(host: str) -> bool:
-    """Whether the IP literal ``host`` is an address of this host (its network namespace): a socket binds to
-    one only then. Nothing listens or is sent; the socket closes at once."""
-    family = socket.AF_INET6 if ipaddress.ip_address(host).version == 6 else socket.AF_INET
+    """Whether the IP literal ``host`` is an address of this host (its network namespace). A UDP socket is
+    connected to it (nothing is sent) and the kernel picks the source address: for an address of this host's,
+    its route is the local table's, whose source is that same address; for any other, an address of this host.
+    A bind probe would not do: with ``net.ipv4.ip_nonlocal_bind=1`` every address binds, and ``auto`` would
+    then pick shared memory for a receiver on another host."""
+    addr = ipaddress.ip_address(host)
+    if addr.is_loopback:
+        return True
+    family = socket.AF_INET6 if addr.version == 6 else socket.AF_INET
     try:
         with socket.socket(family, socket.SOCK_DGRAM) as probe:
-            probe.bind((host, 0))
-    except OSError:  # not this host's, or no such address family (or socket) here: not local
+            probe.connect((host, 9))
+            source = probe.getsockname()[0]
+    except OSError:  # no route there, or no such address family (or socket) here: not local
         return False
-    return True
+    return ipaddress.ip_address(source.split("%", 1)[0]) == addr
 
 
 class KVSender:

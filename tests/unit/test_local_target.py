@@ -21,8 +21,37 @@ def test_local_targets_are_this_hosts_addresses(target: str, local: bool) -> Non
     assert is_local_target(target) is local
 
 
-def test_an_address_counts_as_this_hosts_when_a_socket_can_bind_it() -> None:
+def test_an_address_counts_as_this_hosts_only_when_it_is_one() -> None:
     assert own_address("127.0.0.2") and not own_address("192.0.2.7") and not own_address("2001:db8::7")
+
+
+_NONLOCAL_BIND_PROBE = """
+import socket, sys
+from kvtransfer.sender import is_local_target
+with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+    s.bind(("10.9.9.9", 0))  # not this namespace's address, yet it binds: ip_nonlocal_bind is on
+print(is_local_target("10.9.9.1:50051"), is_local_target("10.9.9.9:50051"))
+"""
+
+
+def test_an_address_that_only_binds_is_not_this_hosts() -> None:
+    """With net.ipv4.ip_nonlocal_bind=1 every address binds; a receiver on another host must still not be
+    taken for local (auto would pick shared memory, which cannot cross hosts). Run in a network namespace of
+    its own (unshare), where the sysctl is set without touching this host's."""
+    import shutil
+    import subprocess
+    import sys
+
+    if shutil.which("unshare") is None or shutil.which("ip") is None:
+        pytest.skip("needs unshare and ip (util-linux, iproute2)")
+    setup = "ip link set lo up && ip addr add 10.9.9.1/24 dev lo && sysctl -qw net.ipv4.ip_nonlocal_bind=1"
+    made = subprocess.run(["unshare", "-rn", "sh", "-c", setup], capture_output=True, text=True, timeout=30)
+    if made.returncode != 0:
+        pytest.skip(f"cannot make a network namespace here: {made.stderr.strip()}")
+    out = subprocess.run(["unshare", "-rn", "sh", "-c", f'{setup} && exec "$0" -c "$1"', sys.executable,
+                          _NONLOCAL_BIND_PROBE], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["True", "False"]  # its own address is local; the other, bindable, is not
 
 
 def test_this_hosts_own_network_address_is_local() -> None:

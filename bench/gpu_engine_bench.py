@@ -223,6 +223,9 @@ def run_cuda(args: argparse.Namespace, batches: list[int], lengths: list[int]) -
     if shares:
         hf_share = f"; transformers {hf1 / roofline:.1%}" if hf1 else ""
         print(f"decode batch 1 at {shares['decode batch 1']:.1%} of the roofline{hf_share}")
+        breakdown = step_breakdown(engine, vocab, tokens, roofline)
+        if breakdown:
+            print(breakdown)
     print(f"KV pool {engine.cache.nbytes / 2**30:.2f} GiB ({engine.cache.num_blocks} blocks of "
           f"{engine.cache.block_size} tokens); peak GPU memory {peak / 2**30:.2f} GiB (the process: transformers "
           f"too); CUDA graphs "
@@ -238,6 +241,28 @@ def run_cuda(args: argparse.Namespace, batches: list[int], lengths: list[int]) -
         args.json.write_text(json.dumps({"meta": meta, "rows": [asdict(r) | {"ratio": r.ratio} for r in rows]},
                                         indent=2))
     return 1 if ref_failed else 0
+
+
+def step_breakdown(engine: Engine, vocab: int, tokens: int, roofline: float) -> str | None:
+    """One more batch-1 decode run, its graph replays timed on the GPU: how much of a step is the graph (the
+    kernels) and how much the rest (scheduling, staging the inputs, sampling, reading the token back). None
+    without captured graphs (a CPU run, graphs off, a failed capture)."""
+    graphs = engine.graphs
+    if graphs is None or graphs.capture_error is not None:
+        return None
+    graphs.replay_events = []
+    try:
+        step_s = 1.0 / engine_decode_rate(engine, vocab, 1, tokens)
+        graph_s = graphs.replay_seconds()
+    except Exception as exc:  # a diagnostic: it must not lose the figures already printed
+        return f"batch-1 step breakdown unavailable: {exc!r}"
+    finally:
+        graphs.replay_events = None
+    if graph_s is None:
+        return "batch-1 step breakdown unavailable: no decode step replayed a graph"
+    return (f"batch-1 step {step_s * 1e6:.0f} us: its graph {graph_s * 1e6:.0f} us on the GPU ("
+            f"{1.0 / roofline / graph_s:.1%} of the roofline), {max(step_s - graph_s, 0.0) * 1e6:.0f} us outside "
+            f"it (scheduling, staging, sampling)")
 
 
 def _graphs_line(engine: Engine, capture_s: float) -> str:

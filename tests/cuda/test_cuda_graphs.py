@@ -197,3 +197,18 @@ def test_seeded_sampling_on_cuda_is_batch_invariant(model) -> None:
     for i in range(3):
         engine.add_request(str(i), PROMPTS[i], params(i))
     assert token_ids(run_to_completion(engine)) == alone
+
+
+def test_the_benchmarks_step_breakdown_times_the_graphs_on_the_gpu(model) -> None:
+    """What ``epd bench engine --device cuda`` prints under its batch-1 row: the graph's device time (CUDA
+    events around each replay) is part of the step's wall time, and the timing stops afterwards."""
+    from bench.gpu_engine_bench import step_breakdown
+
+    engine = _engine(model)
+    line = step_breakdown(engine, model.cfg.vocab_size, 8, roofline=1e6)
+    assert line is not None and line.startswith("batch-1 step "), line
+    step_us = float(line.split()[2])
+    graph_us = float(line.split(" its graph ")[1].split()[0])
+    assert 0 < graph_us <= step_us, line
+    assert engine.graphs is not None and engine.graphs.replay_events is None
+    assert_no_leaks(engine)

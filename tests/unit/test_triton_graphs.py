@@ -201,3 +201,41 @@ def test_the_capture_check_sees_a_value_read_back(model, monkeypatch) -> None:
     monkeypatch.setattr(model_module.DecoderModel, "forward", reads_back)
     project = _captured_calls(engine)
     assert project.calls["item"] > 0 and project.mask_index
+
+
+def test_the_benchmarks_step_breakdown_times_the_replays_and_then_stops(model) -> None:
+    """``epd bench engine --device cuda`` splits a batch-1 step into its graph and the rest. With stand-ins the
+    replays are timed on the wall clock: every decode step of the run is timed, each for less than its whole
+    step, and the timing is off again afterwards (no events kept, none recorded)."""
+    from bench.gpu_engine_bench import step_breakdown
+
+    engine = _engine(model, max_batch=2)
+    graphs = engine.graphs
+    assert graphs is not None
+    replays = graphs.replays
+    recorded: list[int] = []
+    timed = graphs._timed_replay
+
+    def counting(graph: Any, events: list) -> None:
+        timed(graph, events)
+        recorded.append(len(events))
+    graphs._timed_replay = counting  # type: ignore[method-assign]  # count what the real timer recorded
+    line = step_breakdown(engine, model.cfg.vocab_size, 6, roofline=1e6)
+    assert line is not None and line.startswith("batch-1 step "), line
+    step_us, graph_us, outside_us = (float(w) for w in
+                                     (line.split()[2], line.split(" its graph ")[1].split()[0],
+                                      line.split("), ")[1].split()[0]))
+    assert 0 < graph_us < step_us and outside_us == pytest.approx(step_us - graph_us, abs=1.0)
+    assert recorded == list(range(1, graphs.replays - replays + 1))  # 6 tokens: the 5 after the prefill's
+    assert graphs.replays - replays == 5
+    assert graphs.replay_events is None
+    engine.add_request("after", PROMPTS[0], _params(0))
+    run_to_completion(engine)
+    assert len(recorded) == 5  # timing is off after the breakdown
+    assert_no_leaks(engine)
+
+
+def test_the_step_breakdown_needs_captured_graphs(model) -> None:
+    from bench.gpu_engine_bench import step_breakdown
+
+    assert step_breakdown(_engine(model), model.cfg.vocab_size, 4, roofline=1e6) is None

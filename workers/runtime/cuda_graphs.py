@@ -22,7 +22,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -137,6 +137,28 @@ class EagerStandIn:
             self.out.copy_(out)
 
 
+class ReplayEvent(Protocol):
+    def synchronize(self) -> None: ...
+    def elapsed_time(self, end: Any) -> float: ...
+
+
+class WallEvent:
+    """A stand-in replay's timer, with the part of ``torch.cuda.Event``'s interface ``replay_seconds`` uses."""
+
+    def __init__(self) -> None:
+        self.at = 0.0
+
+    def record(self) -> None:
+        self.at = time.perf_counter()
+
+    def synchronize(self) -> None:
+        pass
+
+    def elapsed_time(self, end: WallEvent) -> float:
+        """Milliseconds from this event to ``end``, as ``torch.cuda.Event.elapsed_time`` gives them."""
+        return (end.at - self.at) * 1e3
+
+
 class DecodeGraphs:
     """The captured graphs of one engine (its model, cache and kernel ops). ``stand_in``: no capture, each
     graph an ``EagerStandIn`` (any device; for tests)."""
@@ -158,6 +180,9 @@ class DecodeGraphs:
         self.capture_seconds = 0.0
         self.capture_error: str | None = None  # why capture failed (every step then runs eager)
         self.replays = 0  # decode steps served by a graph
+        # Benchmarks set a list here: each replay then appends its (start, end) CUDA events, so the device time
+        # of the graphs alone can be told from a step's wall time. None (the default) records nothing.
+        self.replay_events: list[tuple[ReplayEvent, ReplayEvent]] | None = None
 
     @property
     def max_batch(self) -> int:
@@ -239,6 +264,33 @@ class DecodeGraphs:
         short = (bucket, self.short_context)
         graph, logits = self._graphs[short] if longest <= self.short_context and short in self._graphs else \
             self._graphs[(bucket, self.max_model_len)]
-        graph.replay()
+        if self.replay_events is None:
+            graph.replay()
+        else:
+            self._timed_replay(graph, self.replay_events)
         self.replays += 1
         return logits[:len(decodes)]
+
+    def _timed_replay(self, graph: Replayable, events: list[tuple[ReplayEvent, ReplayEvent]]) -> None:
+        if self._stand_in:  # no CUDA: the wall time of the eager stand-in
+            begun, ended = WallEvent(), WallEvent()
+            begun.record()
+            graph.replay()
+            ended.record()
+            events.append((begun, ended))
+            return
+        stream = torch.cuda.current_stream(self.cache.device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(stream)
+        graph.replay()
+        end.record(stream)
+        events.append((start, end))
+
+    def replay_seconds(self) -> float | None:
+        """Mean device seconds of the replays ``replay_events`` recorded (synchronising with the last), or None
+        when it recorded none."""
+        events = self.replay_events
+        if not events:
+            return None
+        events[-1][1].synchronize()
+        return sum(start.elapsed_time(end) for start, end in events) / len(events) / 1e3

@@ -90,8 +90,32 @@ def mask_url(url: str) -> str:
     return masked
 
 
+def _numeric(annotation: Any) -> bool:
+    """Whether a field of this type holds a number (int or float, optional or not) and never a bool."""
+    args = {annotation, *typing.get_args(annotation)}
+    return bool(args & {int, float}) and bool not in args
+
+
 class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_default=True, allow_inf_nan=False)  # a NaN deadline never passes
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_bools_for_numbers(cls, data: Any) -> Any:
+        """pydantic reads true as 1 and false as 0 for a number; in a settings file that is a slip (``replicas:
+        true``), refused by name. Lists of numbers (``cpu_affinity``) are checked item by item."""
+        if not isinstance(data, dict):
+            return data
+        for name, field in cls.model_fields.items():
+            value = data.get(name)
+            annotation = field.annotation
+            if typing.get_origin(annotation) is list:
+                (item,) = typing.get_args(annotation) or (Any,)
+                if isinstance(value, list) and _numeric(item) and any(isinstance(v, bool) for v in value):
+                    raise ValueError(f"{name} takes a list of numbers, not {json.dumps(value, default=str)}")
+            elif isinstance(value, bool) and _numeric(annotation):
+                raise ValueError(f"{name} takes a number, not {json.dumps(value)}")
+        return data
 
 
 class EngineSettings(_Model):
@@ -553,9 +577,35 @@ def _json_expected(path: list[str]) -> str | None:
             f"time: EPD_{'__'.join(path).upper()}__{first.upper()}=...)")
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping (plain YAML keeps the last silently, so a
+    setting written twice would take whichever came later in the file)."""
+
+
+def _unique_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+    seen: dict[Any, int] = {}
+    for key_node, _ in node.value:
+        if key_node.tag == "tag:yaml.org,2002:merge":  # "<<: *anchor": keys given beside it override its own
+            continue
+        key = loader.construct_object(key_node, deep=deep)
+        line = key_node.start_mark.line + 1
+        try:
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"the key {key!r} appears twice in one mapping (lines {seen[key]} and {line}); "
+                                "keep one")
+        except TypeError:  # an unhashable key (a list): construct_mapping refuses it with its own message
+            continue
+        seen[key] = line
+    return loader.construct_mapping(node, deep=deep)
+
+
+_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _unique_mapping)
+
+
 def _check_yaml(path: Path) -> None:
     try:
-        data = yaml.safe_load(Path(path).read_text())
+        data = yaml.load(Path(path).read_text(), Loader=_UniqueKeyLoader)  # noqa: S506  # a SafeLoader subclass
     except OSError as exc:
         raise SettingsError(f"cannot read the config file {path}: {exc.strerror}") from None
     except yaml.YAMLError as exc:

@@ -290,3 +290,43 @@ def test_numbers_must_be_finite(monkeypatch, name, value):
     monkeypatch.setenv(name, value)
     with pytest.raises(SettingsError, match="finite number"):
         Settings.load()
+
+
+def test_a_key_given_twice_in_the_file_is_refused_with_both_lines(tmp_path):
+    path = tmp_path / "epd.yaml"
+    path.write_text("decode:\n  replicas: 1\n  engine: {dtype: float32}\n  replicas: 2\n")
+    with pytest.raises(SettingsError, match=r"the key 'replicas' appears twice in one mapping \(lines 2 and 4\)"):
+        Settings.load(path)
+    path.write_text("decode: {replicas: 1}\nprefill: {replicas: 1}\ndecode: {replicas: 2}\n")
+    with pytest.raises(SettingsError, match=r"'decode' appears twice .*lines 1 and 3"):
+        Settings.load(path)
+    # one key in each of two mappings, and a merge key's keys overridden beside it, are not duplicates
+    path.write_text("prefill: &pool {replicas: 2, num_cpus: 0.5}\ndecode:\n  <<: *pool\n  replicas: 3\n")
+    s = Settings.load(path)
+    assert (s.prefill.replicas, s.decode.replicas, s.decode.num_cpus) == (2, 3, 0.5)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("decode:\n  replicas: true\n", "decode: replicas takes a number, not true"),
+    ("prefill:\n  num_gpus: false\n", "prefill: num_gpus takes a number, not false"),
+    ("decode:\n  engine: {kv_cache_bytes: true}\n", "decode.engine: kv_cache_bytes takes a number, not true"),
+    ("encode:\n  cpu_affinity: [0, true]\n", "encode: cpu_affinity takes a list of numbers, not [0, true]"),
+    ("scheduler:\n  queue_timeout_s: true\n", "scheduler: queue_timeout_s takes a number, not true"),
+])
+def test_a_boolean_for_a_number_is_refused_by_name(tmp_path, text: str, message: str):
+    """pydantic would read true as 1 (one replica, a one-byte pool, a one-second timeout)."""
+    path = tmp_path / "epd.yaml"
+    path.write_text(text)
+    with pytest.raises(SettingsError) as info:
+        Settings.load(path)
+    assert message in str(info.value)
+
+
+def test_numbers_and_switches_still_load_from_the_file_and_the_environment(tmp_path, monkeypatch):
+    path = tmp_path / "epd.yaml"
+    path.write_text("decode: {replicas: 2, num_gpus: 0.5, cpu_affinity: [0, 1], engine: {kv_cache_bytes: null}}\n"
+                    "observability: {metrics: false}\n")
+    monkeypatch.setenv("EPD_PREFILL__REPLICAS", "3")
+    s = Settings.load(path)
+    assert (s.decode.replicas, s.decode.num_gpus, s.decode.cpu_affinity) == (2, 0.5, [0, 1])
+    assert s.prefill.replicas == 3 and s.observability.metrics is False

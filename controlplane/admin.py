@@ -3,7 +3,9 @@
   GET  /admin/pools                    every pool: target replicas, ready replicas, each worker's load
   PUT  /admin/pools/{pool}             {"replicas": N}: set the target; the pool manager reconciles. 0 for a
                                        pool the model needs is refused (409) unless {"force": true}
-  POST /admin/workers/{worker_id}/drain  stop routing to a worker; its in-flight requests finish
+  POST /admin/workers/{worker_id}/drain    stop routing to a worker; its in-flight requests finish
+  DELETE /admin/workers/{worker_id}/drain  undo it: the worker takes new work again (409 while a
+                                           scale-down is stopping it)
 
 Targets live in Redis, so ``epd scale`` from any machine that reaches the API takes effect, and the
 pool manager's reconcile loop is the only thing that starts or stops replicas. Scaling one pool
@@ -60,11 +62,13 @@ class PoolView:
 
 
 class PoolStarts(Protocol):
-    """What the pool manager of this process says about replicas it is starting (``PoolManager``)."""
+    """What the pool manager of this process says about replicas it is starting or stopping (``PoolManager``)."""
 
     def pending(self, pool: str) -> tuple[PendingReplica, ...]: ...
 
     def problem(self, pool: str) -> str | None: ...
+
+    def stopping(self, worker_id: str) -> bool: ...
 
 
 def pools_status(conn: StateConnection, registry: WorkerRegistry, starts: PoolStarts | None = None,
@@ -84,8 +88,8 @@ def pools_status(conn: StateConnection, registry: WorkerRegistry, starts: PoolSt
     return out
 
 
-def drain_over_rpc(registry: WorkerRegistry, security: TransferSecurity) -> Callable[[str], bool]:
-    """``on_drain`` for a live deployment: tell the worker itself (its Drain RPC) to refuse new work."""
+def _worker_rpc(registry: WorkerRegistry, security: TransferSecurity, method: str) -> Callable[[str], str | None]:
+    """Call ``method`` (Drain or Resume) on a live worker's own service: None when it answered, else why not."""
     import grpc
 
     from epd.worker.v1 import worker_pb2 as wpb
@@ -94,19 +98,32 @@ def drain_over_rpc(registry: WorkerRegistry, security: TransferSecurity) -> Call
     # the generated stubs are untyped: their methods are Any
     stubs: dict[str, Callable[[grpc.Channel], Any]] = {
         "encode": wgrpc.EncodeWorkerStub, "prefill": wgrpc.PrefillWorkerStub, "decode": wgrpc.DecodeWorkerStub}
+    request = wpb.DrainRequest() if method == "Drain" else wpb.ResumeRequest()
 
-    def drain(worker_id: str) -> bool:
+    def call(worker_id: str) -> str | None:
         record = registry.find(worker_id)
         if record is None:
-            return False
+            return "it holds no live lease"
         with security.open_channel(record.info.address) as channel:
             try:
-                stubs[record.info.pool.value](channel).Drain(wpb.DrainRequest(), metadata=security.call_metadata(),
-                                                            timeout=5)
-            except grpc.RpcError:
-                return False  # routing already skips it; the worker may be gone
-        return True
-    return drain
+                getattr(stubs[record.info.pool.value](channel), method)(
+                    request, metadata=security.call_metadata(), timeout=5)
+            except grpc.RpcError as exc:
+                return f"{exc.code().name}: {exc.details()}"
+        return None
+    return call
+
+
+def drain_over_rpc(registry: WorkerRegistry, security: TransferSecurity) -> Callable[[str], bool]:
+    """``on_drain`` for a live deployment: tell the worker itself (its Drain RPC) to refuse new work."""
+    call = _worker_rpc(registry, security, "Drain")
+    return lambda worker_id: call(worker_id) is None  # routing already skips it; the worker may be gone
+
+
+def resume_over_rpc(registry: WorkerRegistry, security: TransferSecurity) -> Callable[[str], str | None]:
+    """``on_resume`` for a live deployment: tell the worker itself (its Resume RPC) to take new work again;
+    None when it did, else why not."""
+    return _worker_rpc(registry, security, "Resume")
 
 
 class ScaleBody(BaseModel):
@@ -129,6 +146,7 @@ def _scale_body(raw: bytes) -> ScaleBody:
 def admin_router(conn: StateConnection, registry: WorkerRegistry, admin_token: str,
                  on_scale: Callable[[str, int], None] | None = None,
                  on_drain: Callable[[str], bool] | None = None,
+                 on_resume: Callable[[str], str | None] | None = None,
                  fixed_pools: dict[str, str] | None = None, starts: PoolStarts | None = None) -> APIRouter:
     """``fixed_pools``: pool -> why it cannot be scaled in this deployment (409 with that reason).
     ``starts``: the pool manager, for replicas not serving yet and why (None: none shown)."""
@@ -178,5 +196,22 @@ def admin_router(conn: StateConnection, registry: WorkerRegistry, admin_token: s
         registry.set_draining(worker_id, record.info.pool)
         drained = on_drain(worker_id) if on_drain is not None else False
         return {"worker_id": worker_id, "draining": True, "stopped": drained}
+
+    @router.delete("/workers/{worker_id}/drain")
+    def resume(worker_id: str, authorization: str | None = Header(None)) -> dict:
+        """Undo a drain. The worker itself takes work again first, then routing is told, so no request is
+        routed to a worker that still refuses it."""
+        check(authorization)
+        record = registry.find(worker_id)
+        if record is None:
+            raise HTTPException(404, f"no live worker {worker_id!r}")
+        if starts is not None and starts.stopping(worker_id):
+            raise HTTPException(409, f"worker {worker_id} is being stopped by a scale-down of the "
+                                     f"{record.info.pool.value} pool; scale the pool up for another replica")
+        why = on_resume(worker_id) if on_resume is not None else None
+        if why is not None:
+            raise HTTPException(502, f"worker {worker_id} did not resume ({why}); routing still skips it")
+        registry.set_draining(worker_id, record.info.pool, False)
+        return {"worker_id": worker_id, "draining": False}
 
     return router

@@ -181,9 +181,16 @@ def cmd_scale(args: argparse.Namespace) -> int:
 
 
 def cmd_drain(args: argparse.Namespace) -> int:
+    from urllib.parse import quote
+
     from controlplane.admin_client import call
-    call(_settings(args), "POST", f"/admin/workers/{args.worker}/drain", {}, url=args.url)
-    print(f"{args.worker}: draining (no new work; in-flight requests finish)")
+    path = f"/admin/workers/{quote(args.worker, safe='')}/drain"
+    if args.undo:
+        call(_settings(args), "DELETE", path, None, url=args.url)
+        print(f"{args.worker}: serving (takes new work again)")
+        return 0
+    call(_settings(args), "POST", path, {}, url=args.url)
+    print(f"{args.worker}: draining (no new work; in-flight requests finish; undo with `epd drain --undo`)")
     return 0
 
 
@@ -275,7 +282,7 @@ def build_parser() -> argparse.ArgumentParser:
             ("scale", "set a pool's replica count", "Set a pool's target replica count; the pool manager starts "
              "or drains replicas to reach it (watch with `epd status`)."),
             ("drain", "stop routing to one worker", "Stop routing new work to one worker; its in-flight "
-             "requests finish.")):
+             "requests finish. A drained worker stops first on a scale-down; --undo puts it back in service.")):
         p = sub.add_parser(name, help=helptext, description=f"{what} {admin}")
         p.add_argument("--config", type=Path, default=None, help="YAML settings file (API address, admin token)")
         p.add_argument("--url", default=None, help="the epd API (default: http://<api.host>:<api.port>)")
@@ -290,6 +297,8 @@ def build_parser() -> argparse.ArgumentParser:
             p.set_defaults(func=cmd_scale)
         else:
             p.add_argument("worker", help="worker id, as `epd status` shows it")
+            p.add_argument("--undo", action="store_true",
+                           help="undo a drain: the worker takes new work again (refused while a scale-down stops it)")
             p.set_defaults(func=cmd_drain)
 
     config = sub.add_parser("config", help="settings").add_subparsers(dest="config_command", required=True,

@@ -160,7 +160,7 @@ def build(settings: Settings) -> Deployment:
     from controlplane.ray_env import loopback_environment
 
     loopback_environment(settings.ray.address is not None, settings.ray.loopback_only)  # before Ray is imported
-    from controlplane.admin import admin_router, drain_over_rpc
+    from controlplane.admin import admin_router, drain_over_rpc, resume_over_rpc
     from controlplane.admin_client import ensure_admin_token
     from controlplane.api.app import create_app
     from controlplane.dispatch import Dispatcher
@@ -236,6 +236,7 @@ def build(settings: Settings) -> Deployment:
         dep.add("the metrics' sources", uninstrument)
         dep.app = create_app(scheduler, keys, admin=admin_router(conn, registry, admin_token,
                                                                  on_drain=drain_over_rpc(registry, security),
+                                                                 on_resume=resume_over_rpc(registry, security),
                                                                  fixed_pools=fixed, starts=manager),
                              routers=routers,
                              ops_token=settings.api.ops_token.get_secret_value() if settings.api.ops_token else None)

@@ -44,6 +44,24 @@ class WorkerIdentity:
             self.worker_id = f"{self.pool}-{socket.gethostname()}-{uuid.uuid4().hex[:8]}"
 
 
+class Drainable:
+    """Drain and Resume, the same for every worker service (each has an ``identity`` and a ``Status``): a
+    draining worker refuses new work (its request RPCs answer UNAVAILABLE), and what it runs finishes."""
+
+    identity: WorkerIdentity
+
+    def Status(self, request: wpb.StatusRequest, context: grpc.ServicerContext) -> wpb.WorkerStatus:
+        raise NotImplementedError  # each service's own
+
+    def Drain(self, request: wpb.DrainRequest, context: grpc.ServicerContext) -> wpb.WorkerStatus:
+        self.identity.draining = True
+        return self.Status(wpb.StatusRequest(), context)
+
+    def Resume(self, request: wpb.ResumeRequest, context: grpc.ServicerContext) -> wpb.WorkerStatus:
+        self.identity.draining = False
+        return self.Status(wpb.StatusRequest(), context)
+
+
 DEFAULT_TIMEOUT_S = 30.0  # a request's timeout_s of 0 (proto3's "unset")
 MAX_TIMEOUT_S = 24 * 3600.0
 MAX_REQUEST_ID_CHARS = 256  # the control plane sends uuids (36)

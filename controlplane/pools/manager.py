@@ -114,6 +114,7 @@ class PoolManager:
         self._starting: dict[Pool, dict[str, float]] = {p: {} for p in Pool}  # actor name -> monotonic asked at
         self._queued = {p: 0 for p in Pool}  # replicas sharing a GPU waiting for the one starting before them
         self._problem: dict[Pool, str | None] = {p: None for p in Pool}  # the last failed start, until one works
+        self._stopping: set[str] = set()  # worker ids a scale-down is draining and stopping
         self._suspects: set[str] = set()  # worker ids routing lost a request on, probed at the next reconcile
         self._suspects_lock = threading.Lock()
         self._listeners: list[AddressListener] = []
@@ -220,6 +221,10 @@ class PoolManager:
         """The last failed start of ``pool``'s replicas (first line), until a start succeeds."""
         return self._problem[Pool(pool)]
 
+    def stopping(self, worker_id: str) -> bool:
+        """Whether a scale-down is draining ``worker_id`` to stop it (so it must not take work again)."""
+        return worker_id in self._stopping
+
     # ------------------------------------------------------------------ reconciling
     def reconcile(self, pool: Pool | str) -> None:
         """Bring one pool to its target (blocking while it drains). Raises ``WorkerStartError``."""
@@ -243,6 +248,7 @@ class PoolManager:
             draining = {rec.info.worker_id for rec in self.registry.live_workers(pool) if rec.info.draining}
             ordered = sorted(self._replicas[pool], key=lambda r: (r.worker_id in draining, r.started_at))
             victims = ordered[target:]
+            self._stopping.update(r.worker_id for r in victims)  # before they leave the replica list
             self._replicas[pool] = ordered[:target]
             self._drain_and_stop(victims)
 
@@ -412,16 +418,19 @@ class PoolManager:
 
     # ------------------------------------------------------------------ stopping
     def _drain_and_stop(self, victims: list[Replica]) -> None:
-        drains = [(r, r.actor.drain.remote(self.drain_timeout_s)) for r in victims]  # all at once
-        for r, ref in drains:
-            try:
-                clean = ray.get(ref, timeout=self.drain_timeout_s + PROBE_TIMEOUT_S)
-            except Exception as exc:
-                clean = False
-                log.warning("drain of %s failed: %s", r.worker_id, exc)
-            if not clean:
-                log.warning("%s stops with work still in flight", r.worker_id)
-        self._stop_replicas(victims)
+        try:
+            drains = [(r, r.actor.drain.remote(self.drain_timeout_s)) for r in victims]  # all at once
+            for r, ref in drains:
+                try:
+                    clean = ray.get(ref, timeout=self.drain_timeout_s + PROBE_TIMEOUT_S)
+                except Exception as exc:
+                    clean = False
+                    log.warning("drain of %s failed: %s", r.worker_id, exc)
+                if not clean:
+                    log.warning("%s stops with work still in flight", r.worker_id)
+            self._stop_replicas(victims)
+        finally:
+            self._stopping.difference_update(r.worker_id for r in victims)
 
     def _stop_replicas(self, victims: list[Replica]) -> None:
         stops = [(r, r.actor.stop.remote()) for r in victims]

@@ -82,7 +82,7 @@ def test_scaling_decode_while_requests_stream(served, default_bundle):
     assert results == [long_ref] * 32
 
 
-def test_drain_stops_routing_to_a_worker_and_requests_go_on(served):
+def test_drain_stops_routing_to_a_worker_and_requests_go_on_and_undo_brings_it_back(served):
     from openai import OpenAI
 
     decode = next(p for p in served.status()["pools"] if p["pool"] == "decode")
@@ -97,6 +97,20 @@ def test_drain_stops_routing_to_a_worker_and_requests_go_on(served):
         reply = client.completions.create(model=model, prompt="Hello", max_tokens=4, temperature=0)
         assert reply.usage.completion_tokens == 4
     bad = served.cli("drain", "no-such-worker")
+    assert bad.returncode == 2 and "no live worker" in bad.stderr
+
+    # undo: the drained worker serves again. Drain the other one; only the resumed worker can serve then.
+    other = next(w["worker_id"] for w in decode["workers"] if w["worker_id"] != victim)
+    out = served.cli("drain", "--undo", victim)
+    assert out.returncode == 0 and "serving" in out.stdout, out.stderr
+    assert served.cli("drain", other).returncode == 0
+    workers = {w["worker_id"]: w for w in next(p for p in served.status()["pools"] if p["pool"] == "decode")["workers"]}
+    assert (workers[victim]["draining"], workers[other]["draining"]) == (False, True)
+    for _ in range(4):
+        reply = client.completions.create(model=model, prompt="Hello", max_tokens=4, temperature=0)
+        assert reply.usage.completion_tokens == 4
+    assert served.cli("drain", "--undo", other).returncode == 0
+    bad = served.cli("drain", "--undo", "no-such-worker")
     assert bad.returncode == 2 and "no live worker" in bad.stderr
 
 

@@ -1,4 +1,4 @@
-"""The admin API over a real Redis: status, scaling targets, draining, and the admin token."""
+"""The admin API over a real Redis: status, scaling targets, draining and its undo, and the admin token."""
 
 from __future__ import annotations
 
@@ -99,6 +99,77 @@ def test_every_admin_route_needs_the_token(admin, headers):
     assert client.post("/admin/workers/decode-a/drain", headers=headers).status_code == 401
     assert PoolTargets(conn).get_target("decode") is None and drained == []
     assert registry.get("decode-a", "decode").info.draining is False
+    registry.set_draining("decode-a", "decode")
+    assert client.delete("/admin/workers/decode-a/drain", headers=headers).status_code == 401
+    assert registry.get("decode-a", "decode").info.draining is True
+
+
+class _Manager:
+    """What the pool manager tells the admin API: here, only which workers a scale-down is stopping."""
+
+    def __init__(self) -> None:
+        self.stopping_ids: set[str] = set()
+
+    def pending(self, pool: str) -> tuple:
+        return ()
+
+    def problem(self, pool: str) -> str | None:
+        return None
+
+    def stopping(self, worker_id: str) -> bool:
+        return worker_id in self.stopping_ids
+
+
+@pytest.fixture
+def resumable(state_conn):  # noqa: F811
+    """An admin API whose Resume calls are recorded and answered with ``answers`` (None: the worker resumed)."""
+    registry = WorkerRegistry(state_conn, ttl=30)
+    calls: list[str] = []
+    answers: dict[str, str] = {}
+    manager = _Manager()
+
+    def resume(worker_id: str) -> str | None:
+        calls.append(worker_id)
+        return answers.get(worker_id)
+
+    app = FastAPI()
+    install_error_handlers(app)
+    app.include_router(admin_router(state_conn, registry, TOKEN, on_resume=resume, starts=manager))
+    for wid in ("decode-a", "decode-b"):
+        registry.register(WorkerInfo(wid, Pool.DECODE, "127.0.0.1:5001", draining=True))
+    yield TestClient(app), registry, calls, answers, manager
+    for wid in ("decode-a", "decode-b"):
+        registry.deregister(wid, "decode")
+
+
+def test_undoing_a_drain_puts_the_worker_back_in_routing(resumable):
+    client, registry, calls, _, _ = resumable
+    reply = client.delete("/admin/workers/decode-a/drain", headers=AUTH)
+    assert reply.status_code == 200 and reply.json() == {"worker_id": "decode-a", "draining": False}
+    assert calls == ["decode-a"]
+    assert registry.get("decode-a", "decode").info.draining is False
+    assert registry.get("decode-b", "decode").info.draining is True  # only that worker
+    pools = {p["pool"]: p for p in client.get("/admin/pools", headers=AUTH).json()["pools"]}
+    assert pools["decode"]["ready"] == 1
+    assert client.delete("/admin/workers/nobody/drain", headers=AUTH).status_code == 404
+
+
+def test_a_worker_that_does_not_resume_stays_out_of_routing(resumable):
+    """The worker is told first: routing must not send work to a worker that still refuses it."""
+    client, registry, calls, answers, _ = resumable
+    answers["decode-a"] = "UNAVAILABLE: failed to connect"
+    reply = client.delete("/admin/workers/decode-a/drain", headers=AUTH)
+    assert reply.status_code == 502, reply.text
+    assert "did not resume (UNAVAILABLE: failed to connect); routing still skips it" in reply.json()["error"]["message"]
+    assert calls == ["decode-a"] and registry.get("decode-a", "decode").info.draining is True
+
+
+def test_a_worker_a_scale_down_is_stopping_is_not_resumed(resumable):
+    client, registry, calls, _, manager = resumable
+    manager.stopping_ids.add("decode-b")
+    reply = client.delete("/admin/workers/decode-b/drain", headers=AUTH)
+    assert reply.status_code == 409 and "being stopped by a scale-down of the decode pool" in reply.text
+    assert calls == [] and registry.get("decode-b", "decode").info.draining is True
 
 
 def test_redis_away_is_a_503_that_says_so_on_every_route():
@@ -114,7 +185,8 @@ def test_redis_away_is_a_503_that_says_so_on_every_route():
     down.close()  # Redis goes away under a running API
     try:
         for method, path, body in (("GET", "/admin/pools", None), ("PUT", "/admin/pools/decode", {"replicas": 2}),
-                                   ("POST", "/admin/workers/decode-a/drain", None)):
+                                   ("POST", "/admin/workers/decode-a/drain", None),
+                                   ("DELETE", "/admin/workers/decode-a/drain", None)):
             reply = client.request(method, path, json=body, headers=AUTH)
             assert reply.status_code == 503, (path, reply.text)
             assert "Redis" in reply.json()["error"]["message"] and reply.headers["retry-after"] == "1"

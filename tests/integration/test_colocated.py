@@ -152,7 +152,7 @@ def test_kv_push_rpcs_are_refused(colocated):
         assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "colocated" in info.value.details()
 
 
-def test_a_draining_worker_refuses_new_requests(default_bundle):
+def test_a_draining_worker_refuses_new_requests_until_it_resumes(default_bundle):
     worker = start_worker("decode", default_bundle, SECURITY, config=EngineConfig(kv_cache_bytes=16 * 2**20),
                           colocated=True)
     dispatcher = Dispatcher(SECURITY)
@@ -163,6 +163,14 @@ def test_a_draining_worker_refuses_new_requests(default_bundle):
         with pytest.raises(DispatchError) as info:
             run_request(dispatcher, Route(worker.address), WorkerRequest("co-drain", [5, 6, 7], GREEDY))
         assert info.value.code == grpc.StatusCode.UNAVAILABLE and "draining" in info.value.message
+        with SECURITY.open_channel(worker.address) as ch:  # resumed, it serves again
+            stub = wgrpc.DecodeWorkerStub(ch)
+            with pytest.raises(grpc.RpcError) as refused:  # the KV-transfer token guards Resume as every RPC
+                stub.Resume(wpb.ResumeRequest(), timeout=5)
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            assert not stub.Resume(wpb.ResumeRequest(), metadata=SECURITY.call_metadata(), timeout=5).draining
+        tokens, _, last = run_request(dispatcher, Route(worker.address), WorkerRequest("co-resumed", [5, 6, 7], GREEDY))
+        assert tokens and last is not None and last.finished
     finally:
         dispatcher.close()
         worker.stop()

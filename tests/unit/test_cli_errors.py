@@ -181,7 +181,7 @@ def test_readme_lists_the_admin_commands_flags():
     commands = commands.split("\n## ", 1)[0]
     for line in ("epd status [--json] [--url URL] [--config FILE]",
                  "epd scale POOL N [--force] [--url URL] [--config FILE]",
-                 "epd drain WORKER [--url URL] [--config FILE]"):
+                 "epd drain WORKER [--undo] [--url URL] [--config FILE]"):
         assert line in commands
 
 

@@ -75,3 +75,29 @@ def test_no_wave_begins_once_the_target_drops_or_the_manager_stops() -> None:
     m, got = manager({"num_gpus": 0.5}, target=3, after_wave=lambda m: m._stop.set())
     m._start_replicas(Pool.DECODE, 3)
     assert got == [(1, 2)]
+
+
+def test_a_scale_down_says_which_workers_it_is_stopping_until_they_are_stopped(monkeypatch) -> None:
+    """The admin API refuses to resume (undo the drain of) a worker a scale-down is stopping: the manager says
+    so from before the replicas leave its list until they are stopped, and of those only."""
+    from types import SimpleNamespace
+
+    import controlplane.pools.manager as manager_module
+
+    m, _ = manager({}, target=1)
+    calls = SimpleNamespace(remote=lambda *args: None)
+    replicas = [SimpleNamespace(worker_id=f"w{i}", started_at=float(i), actor=SimpleNamespace(drain=calls, stop=calls),
+                                pool=Pool.DECODE, name=f"r{i}") for i in range(3)]
+    m._replicas[Pool.DECODE] = list(replicas)  # type: ignore[arg-type]  # stand-ins
+    m._remove_dead = lambda pool: None  # type: ignore[method-assign]
+    m.registry = SimpleNamespace(live_workers=lambda pool: [])  # type: ignore[assignment]  # none drained
+    monkeypatch.setattr(manager_module.ray, "get", lambda ref, timeout=None: True)  # each drain ends clean
+    during_drain: list[list[bool]] = []
+    during_stop: list[list[bool]] = []
+    drain = SimpleNamespace(remote=lambda t: during_drain.append([m.stopping(r.worker_id) for r in replicas]))
+    for r in replicas:
+        r.actor.drain = drain
+    m._stop_replicas = lambda victims: during_stop.append([m.stopping(r.worker_id) for r in replicas])  # type: ignore[method-assign]
+    m._reconcile_locked(Pool.DECODE)
+    assert during_drain == [[False, True, True]] * 2 and during_stop == [[False, True, True]]  # the newest two
+    assert not any(m.stopping(r.worker_id) for r in replicas) and list(m.replicas("decode")) == [replicas[0]]

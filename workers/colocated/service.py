@@ -31,6 +31,7 @@ from workers.runtime.loader import LoadedModel
 from workers.runtime.sequence import MultimodalInput
 from workers.runtime.vision import encode_images, preprocess_images
 from workers.service_base import (
+    Drainable,
     WorkerIdentity,
     request_id_of,
     sampling_from_proto,
@@ -40,7 +41,7 @@ from workers.service_base import (
 )
 
 
-class ColocatedService(wgrpc.DecodeWorkerServicer):
+class ColocatedService(Drainable, wgrpc.DecodeWorkerServicer):
     def __init__(self, bundle: LoadedModel, config: EngineConfig, identity: WorkerIdentity | None = None) -> None:
         self.identity = identity or WorkerIdentity("decode")
         self.bundle = bundle
@@ -108,6 +109,3 @@ class ColocatedService(wgrpc.DecodeWorkerServicer):
                                 kv_blocks_total=s.blocks_total, kv_blocks_free=s.blocks_free,
                                 reservations=s.num_reservations, model_fingerprint=self.engine.model.fingerprint())
 
-    def Drain(self, request: wpb.DrainRequest, context: grpc.ServicerContext) -> wpb.WorkerStatus:
-        self.identity.draining = True
-        return self.Status(wpb.StatusRequest(), context)

@@ -33,6 +33,7 @@ from workers.runtime.errors import EngineError
 from workers.runtime.loader import LoadedModel
 from workers.runtime.sampler import SamplingParams
 from workers.service_base import (
+    Drainable,
     WorkerIdentity,
     request_id_of,
     sampling_from_proto,
@@ -54,7 +55,7 @@ class _Pending:
     claimed: bool = False
 
 
-class DecodeService(wgrpc.DecodeWorkerServicer):
+class DecodeService(Drainable, wgrpc.DecodeWorkerServicer):
     def __init__(self, bundle: LoadedModel, config: EngineConfig, codecs: tuple[str, ...],
                  store: KVStore = "dequantize", identity: WorkerIdentity | None = None, max_streams: int = 64) -> None:
         self.identity = identity or WorkerIdentity("decode")
@@ -158,10 +159,6 @@ class DecodeService(wgrpc.DecodeWorkerServicer):
                                 kv_blocks_total=s.blocks_total, kv_blocks_free=s.blocks_free,
                                 reservations=s.num_reservations,
                                 model_fingerprint=self.engine.model.fingerprint())
-
-    def Drain(self, request: wpb.DrainRequest, context: grpc.ServicerContext) -> wpb.WorkerStatus:
-        self.identity.draining = True
-        return self.Status(wpb.StatusRequest(), context)
 
     # ------------------------------------------------------------------ cleanup
     def _drop(self, rid: str) -> bool:

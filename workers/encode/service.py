@@ -22,11 +22,11 @@ from kvtransfer.embeddings import push_embeddings
 from kvtransfer.errors import TransferFailed
 from workers.runtime.errors import EngineError
 from workers.runtime.vision import VisionEncoder, encode_images, preprocess_images
-from workers.service_base import WorkerIdentity, request_id_of, status_code_for, timeout_of
+from workers.service_base import Drainable, WorkerIdentity, request_id_of, status_code_for, timeout_of
 from workers.tracing import current_span
 
 
-class EncodeService(wgrpc.EncodeWorkerServicer):
+class EncodeService(Drainable, wgrpc.EncodeWorkerServicer):
     def __init__(self, encoder: VisionEncoder, security: TransferSecurity, identity: WorkerIdentity | None = None,
                  cache_entries: int = 256) -> None:
         self.identity = identity or WorkerIdentity("encode")
@@ -98,6 +98,3 @@ class EncodeService(wgrpc.EncodeWorkerServicer):
         return wpb.WorkerStatus(worker_id=self.identity.worker_id, pool="encode", address=self.identity.address,
                                 draining=self.identity.draining, model_fingerprint=self.encoder.fingerprint())
 
-    def Drain(self, request: wpb.DrainRequest, context: grpc.ServicerContext) -> wpb.WorkerStatus:
-        self.identity.draining = True
-        return self.Status(wpb.StatusRequest(), context)

@@ -34,11 +34,18 @@ from workers.runtime.errors import EngineError, InvalidRequestError
 from workers.runtime.loader import LoadedModel
 from workers.runtime.sampler import SamplingParams
 from workers.runtime.sequence import MultimodalInput
-from workers.service_base import WorkerIdentity, request_id_of, sampling_from_proto, status_code_for, timeout_of
+from workers.service_base import (
+    Drainable,
+    WorkerIdentity,
+    request_id_of,
+    sampling_from_proto,
+    status_code_for,
+    timeout_of,
+)
 from workers.tracing import child_span, end_child, mark_kv_failure
 
 
-class PrefillService(wgrpc.PrefillWorkerServicer):
+class PrefillService(Drainable, wgrpc.PrefillWorkerServicer):
     def __init__(self, bundle: LoadedModel, config: EngineConfig, codecs: tuple[str, ...], sender: KVSender,
                  identity: WorkerIdentity | None = None) -> None:
         self.identity = identity or WorkerIdentity("prefill")
@@ -240,10 +247,6 @@ class PrefillService(wgrpc.PrefillWorkerServicer):
                                 draining=self.identity.draining, running=s.num_running, waiting=s.num_waiting,
                                 kv_blocks_total=s.blocks_total, kv_blocks_free=s.blocks_free,
                                 model_fingerprint=self.engine.model.fingerprint())
-
-    def Drain(self, request: wpb.DrainRequest, context: grpc.ServicerContext) -> wpb.WorkerStatus:
-        self.identity.draining = True
-        return self.Status(wpb.StatusRequest(), context)
 
 
 def kv_codec_stats(layout: KVLayout, num_tokens: int, push: PushResult) -> list[wpb.KVCodecStats]:

@@ -14,17 +14,16 @@ import contextvars
 import json
 import os
 import typing
-from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, YamlConfigSettingsSource
 from pydantic_settings import SettingsError as _SourceError
 
 from controlplane.scheduler.policies import available_policies
+from controlplane.settings_input import SettingsError, check_environment, check_yaml, describe, describe_env_error
 from kvtransfer.policy import PolicyError, parse_policy
 
 if TYPE_CHECKING:  # torch and the engine: imported where a device or config is built, not with the settings
@@ -55,10 +54,6 @@ ENV_OUTSIDE_SETTINGS: dict[str, str] = {
 DEVICE_TYPES = ("cpu", "cuda", "mps")
 
 _yaml_file: contextvars.ContextVar[Path | None] = contextvars.ContextVar("epd_yaml_file", default=None)
-
-
-class SettingsError(ValueError):
-    """Settings that do not load or validate; the message names the field and the problem."""
 
 
 def parse_device(value: str) -> torch.device:
@@ -470,15 +465,15 @@ class Settings(BaseSettings):
     def load(cls, config: Path | None = None, overrides: dict[str, Any] | None = None) -> Settings:
         """Defaults < ``config`` YAML < EPD_* environment < ``overrides`` (CLI flags, nested dicts)."""
         if config is not None:
-            _check_yaml(config)
-        _check_environment(os.environ)
+            check_yaml(config)
+        check_environment(os.environ, cls, ENV_OUTSIDE_SETTINGS)
         token = _yaml_file.set(config)
         try:
             return cls(**(overrides or {}))
         except _SourceError as exc:  # an EPD_* value that had to be JSON and is not
-            raise SettingsError(_describe_env_error(exc, os.environ)) from None
+            raise SettingsError(describe_env_error(exc, os.environ, cls)) from None
         except ValueError as exc:  # pydantic's ValidationError is a ValueError
-            raise SettingsError(_describe(exc)) from None
+            raise SettingsError(describe(exc)) from None
         finally:
             _yaml_file.reset(token)
 
@@ -489,140 +484,3 @@ class Settings(BaseSettings):
             if data[section][key] is not None:
                 data[section][key] = mask_url(data[section][key])
         return data
-
-
-def _env_settings(environ: Mapping[str, str]) -> list[str]:
-    """The non-empty EPD_* variable names in ``environ`` (matched like pydantic-settings: any case)."""
-    return sorted(name for name, value in environ.items() if name.upper().startswith("EPD_") and value != "")
-
-
-def _check_environment(environ: Mapping[str, str]) -> None:
-    """Refuse EPD_* variables that name no setting; suggest ``__`` where one ``_`` was meant."""
-    problems = []
-    for name in _env_settings(environ):
-        key = name.upper().removeprefix("EPD_")
-        if name.upper() in ENV_OUTSIDE_SETTINGS or key.split("__", 1)[0].lower() in Settings.model_fields:
-            continue  # a section's unknown field is refused by the model itself, with its path
-        meant = _nested_spelling(key.lower(), Settings)
-        section = next((f for f, info in Settings.model_fields.items()
-                        if _section_model(info.annotation) is not None and key.lower().startswith(f + "_")), None)
-        if meant is not None:
-            hint = f" (did you mean EPD_{meant.upper()}? nested settings use a double underscore)"
-        elif section is not None:
-            hint = f" (nested settings use a double underscore: EPD_{section.upper()}__<FIELD>)"
-        else:
-            hint = ""
-        problems.append(name + hint)
-    if problems:
-        raise SettingsError(f"unknown setting variable{'s' if len(problems) > 1 else ''}: {'; '.join(problems)}; "
-                            f"settings are EPD_<FIELD> or EPD_<SECTION>__<FIELD> (see `epd config schema`)")
-
-
-def _nested_spelling(key: str, model: type[BaseModel]) -> str | None:
-    """``decode_engine_dtype`` -> ``decode__engine__dtype`` when that is a setting of ``model``."""
-    for name, info in model.model_fields.items():
-        if key == name:
-            return name
-        sub = _section_model(info.annotation)
-        if sub is not None and key.startswith(name + "_"):
-            rest = _nested_spelling(key[len(name):].lstrip("_"), sub)
-            if rest is not None:
-                return f"{name}__{rest}"
-    return None
-
-
-def _section_model(annotation: Any) -> type[BaseModel] | None:
-    """The settings model that ``annotation`` (maybe ``X | None``) nests, if it nests one."""
-    return next((a for a in (annotation, *typing.get_args(annotation))
-                 if isinstance(a, type) and issubclass(a, BaseModel)), None)
-
-
-def _describe_env_error(exc: ValueError, environ: Mapping[str, str]) -> str:
-    """pydantic-settings names only the top-level field whose variable did not parse as JSON; name the
-    variable itself and say what it must hold. Values are never echoed (they may be secrets)."""
-    text = str(exc)
-    bad = []
-    for name in _env_settings(environ):
-        expected = _json_expected(name.upper().removeprefix("EPD_").lower().split("__"))
-        if expected is None:
-            continue
-        try:
-            json.loads(environ[name])
-        except ValueError:
-            bad.append(f"{name} must hold {expected}")
-    return "invalid settings: " + ("; ".join(bad) if bad else text)
-
-
-def _json_expected(path: list[str]) -> str | None:
-    """What JSON the variable for the setting at ``path`` must hold; None where a plain string will do."""
-    model: type[BaseModel] = Settings
-    for i, key in enumerate(path):
-        if key not in model.model_fields:
-            return None
-        annotation = model.model_fields[key].annotation
-        sub = _section_model(annotation)
-        if sub is not None:
-            model = sub
-            continue
-        if i != len(path) - 1:
-            return None
-        origins = {typing.get_origin(a) for a in (annotation, *typing.get_args(annotation))}
-        if list in origins:
-            return "a JSON list, e.g. '[0, 1]' or '[\"k-1\"]'"
-        if dict in origins:
-            return 'a JSON object, e.g. \'{"name": 1}\''
-        return None
-    first = next(iter(model.model_fields))
-    return (f"a JSON object of {'.'.join(path)} settings, e.g. '{{\"{first}\": ...}}' (or set one field at a "
-            f"time: EPD_{'__'.join(path).upper()}__{first.upper()}=...)")
-
-
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """YAML's safe loader, refusing a key given twice in one mapping (plain YAML keeps the last silently, so a
-    setting written twice would take whichever came later in the file)."""
-
-
-def _unique_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
-    seen: dict[Any, int] = {}
-    for key_node, _ in node.value:
-        if key_node.tag == "tag:yaml.org,2002:merge":  # "<<: *anchor": keys given beside it override its own
-            continue
-        key = loader.construct_object(key_node, deep=deep)
-        line = key_node.start_mark.line + 1
-        try:
-            if key in seen:
-                raise yaml.constructor.ConstructorError(
-                    None, None, f"the key {key!r} appears twice in one mapping (lines {seen[key]} and {line}); "
-                                "keep one")
-        except TypeError:  # an unhashable key (a list): construct_mapping refuses it with its own message
-            continue
-        seen[key] = line
-    return loader.construct_mapping(node, deep=deep)
-
-
-_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _unique_mapping)
-
-
-def _check_yaml(path: Path) -> None:
-    try:
-        data = yaml.load(Path(path).read_text(), Loader=_UniqueKeyLoader)  # noqa: S506  # a SafeLoader subclass
-    except OSError as exc:
-        raise SettingsError(f"cannot read the config file {path}: {exc.strerror}") from None
-    except yaml.YAMLError as exc:
-        raise SettingsError(f"{path} is not valid YAML: {exc}") from None
-    if data is not None and not isinstance(data, dict):
-        raise SettingsError(f"{path} must hold a mapping of settings at the top level")
-
-
-def _describe(exc: ValueError) -> str:
-    errors = getattr(exc, "errors", None)
-    if not callable(errors):
-        return str(exc)
-    lines = []
-    for e in errors():
-        where = ".".join(str(p) for p in e.get("loc", ())) or "settings"
-        msg = e.get("msg", "invalid").removeprefix("Value error, ")
-        if e.get("type") == "extra_forbidden":
-            msg = "unknown setting"
-        lines.append(f"{where}: {msg}")
-    return "invalid settings: " + "; ".join(lines)

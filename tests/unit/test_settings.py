@@ -200,7 +200,8 @@ def test_every_epd_variable_the_repository_reads_is_a_setting_or_allow_listed():
     import re
     from pathlib import Path
 
-    from controlplane.settings import ENV_OUTSIDE_SETTINGS, _nested_spelling
+    from controlplane.settings import ENV_OUTSIDE_SETTINGS
+    from controlplane.settings_input import nested_spelling
 
     root = Path(__file__).resolve().parents[2]
     reads = re.compile(r"""(?:environ(?:\.get)?\s*[\(\[]\s*|getenv\(\s*)["'](EPD_[A-Z0-9_]+)["']""")
@@ -216,7 +217,7 @@ def test_every_epd_variable_the_repository_reads_is_a_setting_or_allow_listed():
             found.setdefault(name, str(path.relative_to(root)))
     assert {"EPD_NATIVE_KERNELS", "EPD_STATE_DIR", "EPD_CACHE_DIR", "EPD_DEMO_PROMPT"} <= set(found)
     missing = {name: where for name, where in found.items()
-               if name not in ENV_OUTSIDE_SETTINGS and _nested_spelling(name.removeprefix("EPD_").lower()
+               if name not in ENV_OUTSIDE_SETTINGS and nested_spelling(name.removeprefix("EPD_").lower()
                                                                          .replace("__", "_"), Settings) is None}
     assert not missing, f"EPD_* variables read outside the settings model and not in ENV_OUTSIDE_SETTINGS: {missing}"
 

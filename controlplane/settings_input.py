@@ -1,0 +1,158 @@
+"""How settings arrive (the ``EPD_*`` environment, a YAML file) and how their errors read: the checks that run
+before the settings model validates, and the one-line messages ``SettingsError`` carries. The model itself is
+``controlplane.settings``; nothing here imports it (it passes itself as ``root``)."""
+
+from __future__ import annotations
+
+import json
+import typing
+from collections.abc import Collection, Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel
+
+
+class SettingsError(ValueError):
+    """Settings that do not load or validate; the message names the field and the problem."""
+
+
+def _env_settings(environ: Mapping[str, str]) -> list[str]:
+    """The non-empty EPD_* variable names in ``environ`` (matched like pydantic-settings: any case)."""
+    return sorted(name for name, value in environ.items() if name.upper().startswith("EPD_") and value != "")
+
+
+def check_environment(environ: Mapping[str, str], root: type[BaseModel], outside: Collection[str]) -> None:
+    """Refuse EPD_* variables that name no setting of ``root`` and are not among ``outside``; suggest ``__``
+    where one ``_`` was meant."""
+    problems = []
+    for name in _env_settings(environ):
+        key = name.upper().removeprefix("EPD_")
+        if name.upper() in outside or key.split("__", 1)[0].lower() in root.model_fields:
+            continue  # a section's unknown field is refused by the model itself, with its path
+        meant = nested_spelling(key.lower(), root)
+        section = next((f for f, info in root.model_fields.items()
+                        if _section_model(info.annotation) is not None and key.lower().startswith(f + "_")), None)
+        if meant is not None:
+            hint = f" (did you mean EPD_{meant.upper()}? nested settings use a double underscore)"
+        elif section is not None:
+            hint = f" (nested settings use a double underscore: EPD_{section.upper()}__<FIELD>)"
+        else:
+            hint = ""
+        problems.append(name + hint)
+    if problems:
+        raise SettingsError(f"unknown setting variable{'s' if len(problems) > 1 else ''}: {'; '.join(problems)}; "
+                            f"settings are EPD_<FIELD> or EPD_<SECTION>__<FIELD> (see `epd config schema`)")
+
+
+def nested_spelling(key: str, model: type[BaseModel]) -> str | None:
+    """``decode_engine_dtype`` -> ``decode__engine__dtype`` when that is a setting of ``model``."""
+    for name, info in model.model_fields.items():
+        if key == name:
+            return name
+        sub = _section_model(info.annotation)
+        if sub is not None and key.startswith(name + "_"):
+            rest = nested_spelling(key[len(name):].lstrip("_"), sub)
+            if rest is not None:
+                return f"{name}__{rest}"
+    return None
+
+
+def _section_model(annotation: Any) -> type[BaseModel] | None:
+    """The settings model that ``annotation`` (maybe ``X | None``) nests, if it nests one."""
+    return next((a for a in (annotation, *typing.get_args(annotation))
+                 if isinstance(a, type) and issubclass(a, BaseModel)), None)
+
+
+def describe_env_error(exc: ValueError, environ: Mapping[str, str], root: type[BaseModel]) -> str:
+    """pydantic-settings names only the top-level field whose variable did not parse as JSON; name the
+    variable itself and say what it must hold. Values are never echoed (they may be secrets)."""
+    text = str(exc)
+    bad = []
+    for name in _env_settings(environ):
+        expected = _json_expected(root, name.upper().removeprefix("EPD_").lower().split("__"))
+        if expected is None:
+            continue
+        try:
+            json.loads(environ[name])
+        except ValueError:
+            bad.append(f"{name} must hold {expected}")
+    return "invalid settings: " + ("; ".join(bad) if bad else text)
+
+
+def _json_expected(root: type[BaseModel], path: list[str]) -> str | None:
+    """What JSON the variable for the setting at ``path`` must hold; None where a plain string will do."""
+    model = root
+    for i, key in enumerate(path):
+        if key not in model.model_fields:
+            return None
+        annotation = model.model_fields[key].annotation
+        sub = _section_model(annotation)
+        if sub is not None:
+            model = sub
+            continue
+        if i != len(path) - 1:
+            return None
+        origins = {typing.get_origin(a) for a in (annotation, *typing.get_args(annotation))}
+        if list in origins:
+            return "a JSON list, e.g. '[0, 1]' or '[\"k-1\"]'"
+        if dict in origins:
+            return 'a JSON object, e.g. \'{"name": 1}\''
+        return None
+    first = next(iter(model.model_fields))
+    return (f"a JSON object of {'.'.join(path)} settings, e.g. '{{\"{first}\": ...}}' (or set one field at a "
+            f"time: EPD_{'__'.join(path).upper()}__{first.upper()}=...)")
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping (plain YAML keeps the last silently, so a
+    setting written twice would take whichever came later in the file)."""
+
+
+def _unique_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+    seen: dict[Any, int] = {}
+    for key_node, _ in node.value:
+        if key_node.tag == "tag:yaml.org,2002:merge":  # "<<: *anchor": keys given beside it override its own
+            continue
+        key = loader.construct_object(key_node, deep=deep)
+        line = key_node.start_mark.line + 1
+        try:
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"the key {key!r} appears twice in one mapping (lines {seen[key]} and {line}); "
+                                "keep one")
+        except TypeError:  # an unhashable key (a list): construct_mapping refuses it with its own message
+            continue
+        seen[key] = line
+    return loader.construct_mapping(node, deep=deep)
+
+
+_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _unique_mapping)
+
+
+def check_yaml(path: Path) -> None:
+    """Refuse a config file that cannot be read, is not YAML, repeats a key or does not hold a mapping."""
+    try:
+        data = yaml.load(Path(path).read_text(), Loader=_UniqueKeyLoader)  # noqa: S506  # a SafeLoader subclass
+    except OSError as exc:
+        raise SettingsError(f"cannot read the config file {path}: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise SettingsError(f"{path} is not valid YAML: {exc}") from None
+    if data is not None and not isinstance(data, dict):
+        raise SettingsError(f"{path} must hold a mapping of settings at the top level")
+
+
+def describe(exc: ValueError) -> str:
+    """pydantic's validation errors as one line: each field's dotted path and its problem."""
+    errors = getattr(exc, "errors", None)
+    if not callable(errors):
+        return str(exc)
+    lines = []
+    for e in errors():
+        where = ".".join(str(p) for p in e.get("loc", ())) or "settings"
+        msg = e.get("msg", "invalid").removeprefix("Value error, ")
+        if e.get("type") == "extra_forbidden":
+            msg = "unknown setting"
+        lines.append(f"{where}: {msg}")
+    return "invalid settings: " + "; ".join(lines)

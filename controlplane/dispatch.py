@@ -44,7 +44,7 @@ from epd.worker.v1 import worker_pb2_grpc as wgrpc
 from kvtransfer.auth import TransferSecurity
 from workers.runtime.sampler import SamplingParams
 from workers.service_base import sampling_to_proto
-from workers.tracing import FAILURE_KEY, KV_TRANSFER_FAILURE
+from workers.tracing import FAILURE_KEY
 
 
 @dataclass(frozen=True)
@@ -83,14 +83,15 @@ _BROKEN = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN)
 
 def _broke(exc: grpc.RpcError) -> bool:
     """The call broke under the worker (rather than the worker refusing it): a transport-level status,
-    without the mark a worker sets on a KV transfer that failed on the other end."""
+    without the mark a worker sets on a call it ended itself (a KV transfer that failed on the other end,
+    a refusal while draining)."""
     if exc.code() not in _BROKEN:
         return False
     try:
         trailers: Sequence[tuple[str, Any]] = exc.trailing_metadata() or ()  # type: ignore[assignment]  # grpc's stubs type each pair as _Metadatum; at run time it is a (key, value) tuple
     except Exception:  # no trailers on a call that never reached a server
         trailers = ()
-    return not any(k == FAILURE_KEY and v == KV_TRANSFER_FAILURE for k, v in trailers)
+    return not any(k == FAILURE_KEY for k, _ in trailers)
 
 
 def _error(stage: str, exc: BaseException | None, target: str | None) -> DispatchError:

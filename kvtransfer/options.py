@@ -30,3 +30,13 @@ def bulk_channel_options(window_bytes: int = DEFAULT_WINDOW_BYTES) -> tuple[tupl
 
 
 CHANNEL_OPTIONS = bulk_channel_options()
+
+
+def server_stream_options(max_streams: int) -> tuple[tuple[str, int], ...]:
+    """A server's HTTP/2 stream limit, as clients see it. grpc's overload protection (on by default) would
+    also count streams already closed on the wire whose call the Python server has not released yet, and
+    refuse new ones past the limit with RST_STREAM REFUSED_STREAM: a busy worker then refused calls its
+    clients had every right to make (they keep to the advertised limit, queueing past it), and a caller
+    took the refusal for a broken worker. Off, the limit is the one clients see and keep to."""
+    return (("grpc.max_concurrent_streams", max_streams), ("grpc.http.overload_protection", 0))
+

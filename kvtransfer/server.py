@@ -10,7 +10,7 @@ import grpc
 from kvtransfer.auth import TransferSecurity
 from kvtransfer.codecs import native
 from kvtransfer.memory import retain_freed_buffers
-from kvtransfer.options import CHANNEL_OPTIONS
+from kvtransfer.options import CHANNEL_OPTIONS, server_stream_options
 from kvtransfer.receiver import KVReceiver
 from kvtransfer.wire import SERVICE
 
@@ -34,7 +34,7 @@ def start_server(handlers: list[grpc.GenericRpcHandler], address: str, security:
     native.load_in_background()  # the receiver dequantises int8 with them
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_streams + 8, thread_name_prefix="kvtransfer"),
                          interceptors=security.interceptors(),
-                         options=CHANNEL_OPTIONS + (("grpc.max_concurrent_streams", max_streams),))
+                         options=CHANNEL_OPTIONS + server_stream_options(max_streams))
     server.add_generic_rpc_handlers(tuple(handlers))
     port = security.add_port(server, address)
     server.start()

@@ -17,7 +17,7 @@ import grpc
 
 from epd.worker.v1 import worker_pb2 as wpb
 from kvtransfer.auth import TransferSecurity
-from kvtransfer.options import CHANNEL_OPTIONS
+from kvtransfer.options import CHANNEL_OPTIONS, server_stream_options
 from workers.runtime.errors import (
     CapacityError,
     DuplicateRequestError,
@@ -60,6 +60,15 @@ class Drainable:
     def Resume(self, request: wpb.ResumeRequest, context: grpc.ServicerContext) -> wpb.WorkerStatus:
         self.identity.draining = False
         return self.Status(wpb.StatusRequest(), context)
+
+    def refuse_if_draining(self, context: grpc.ServicerContext) -> None:
+        """End a call for new work with UNAVAILABLE while draining, marked as the worker's own refusal (the
+        caller tries another worker and does not take this one for broken)."""
+        if self.identity.draining:
+            from workers.tracing import DRAINING_REFUSAL, mark_failure
+            mark_failure(context, DRAINING_REFUSAL)
+            context.abort(grpc.StatusCode.UNAVAILABLE,
+                          f"{self.identity.pool} worker {self.identity.worker_id} is draining")
 
 
 DEFAULT_TIMEOUT_S = 30.0  # a request's timeout_s of 0 (proto3's "unset")
@@ -154,8 +163,7 @@ def start_worker_server(register: list, generic_handlers: list[grpc.GenericRpcHa
     tracing = TracingInterceptor(pool, (lambda: identity.worker_id) if identity is not None else "")
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_streams + 16, thread_name_prefix="worker"),
                          interceptors=[*security.interceptors(), tracing],
-                         options=CHANNEL_OPTIONS + (("grpc.max_concurrent_streams", max_streams + 8),
-                                                    *KEEPALIVE_SERVER_OPTIONS))
+                         options=CHANNEL_OPTIONS + server_stream_options(max_streams + 8) + KEEPALIVE_SERVER_OPTIONS)
     for add, servicer in register:
         add(servicer, server)
     server.add_generic_rpc_handlers(tuple(generic_handlers))

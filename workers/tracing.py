@@ -179,11 +179,18 @@ def end_child(span: trace.Span | None, error: str | None = None,
 
 FAILURE_KEY = "epd-failure"  # trailing metadata naming what failed, e.g. "kv-transfer"
 KV_TRANSFER_FAILURE = "kv-transfer"
+DRAINING_REFUSAL = "draining"  # the worker is alive and refused new work (epd drain)
+
+
+def mark_failure(context: grpc.ServicerContext, what: str) -> None:
+    """Tell the caller (in trailing metadata) what this call failed on: the worker itself answered, so a
+    transport-level status it ends with (UNAVAILABLE) does not mean the worker broke."""
+    try:
+        context.set_trailing_metadata(((FAILURE_KEY, what),))
+    except Exception:  # an in-process call without a real context
+        pass
 
 
 def mark_kv_failure(context: grpc.ServicerContext) -> None:
     """Tell the caller (in trailing metadata) that this call failed in the KV transfer."""
-    try:
-        context.set_trailing_metadata(((FAILURE_KEY, KV_TRANSFER_FAILURE),))
-    except Exception:  # an in-process call without a real context
-        pass
+    mark_failure(context, KV_TRANSFER_FAILURE)

@@ -31,7 +31,7 @@ from controlplane.scheduler.admission import Admission, Ticket
 from controlplane.scheduler.attempt import Attempt
 from controlplane.scheduler.failures import Verdict, backend_error, verdict
 from controlplane.scheduler.health import WorkerHealth
-from controlplane.scheduler.policies import RoutingPolicy
+from controlplane.scheduler.policies import Candidate, RoutingPolicy
 from controlplane.scheduler.relay import Progress
 from controlplane.scheduler.selection import RETRY_AFTER_S, RouteSelector, Selection
 from controlplane.scheduler.worker_view import WorkerView
@@ -194,9 +194,9 @@ class Scheduler:
                 if ticket.routed():
                     queued_stage(rid, parent, admitted_ns, attempt_ns)
                 return attempt
-            if not [c for c in self.selector.candidates("decode")
-                    if c.worker_id not in lost and self.health.routable(c.worker_id)]:
-                raise BackendError("no live decode replica to serve the request", 503, retry_after_s=RETRY_AFTER_S)
+            candidates = self.selector.candidates("decode")
+            if not [c for c in candidates if c.worker_id not in lost and self.health.routable(c.worker_id)]:
+                raise BackendError(self._no_decode_replica(candidates, lost), 503, retry_after_s=RETRY_AFTER_S)
             if time.monotonic() + backoff > deadline:
                 self._record(rid, RequestState.FAILED, "no decode room in time")
                 metrics.rejected("queue_timeout")
@@ -205,6 +205,19 @@ class Scheduler:
             time.sleep(backoff)
             backoff = min(backoff * 2, 0.2)
             self.view.invalidate()
+
+    def _no_decode_replica(self, candidates: list[Candidate], lost: set[str]) -> str:
+        """Why no decode replica can take a request: none live, every one draining, or every live one lost
+        by this request or suspect (its circuit breaker open)."""
+        if candidates:
+            gone = sum(c.worker_id in lost for c in candidates)
+            return (f"no decode replica can take the request: of {len(candidates)} live, {gone} failed it and "
+                    f"{len(candidates) - gone} are suspect (recent failures; routed again once a probe succeeds)")
+        draining = self.view.draining("decode")
+        if draining:
+            return (f"every decode replica is draining ({draining}): none takes new work; put one back with "
+                    f"`epd drain --undo WORKER` or scale the decode pool up")
+        return "no live decode replica to serve the request"
 
     def _relay(self, rid: str, attempt: Attempt, progress: Progress) -> Iterator[Chunk]:
         """The attempt's chunks as the client's, until the request finished; _Lost when a worker was lost."""

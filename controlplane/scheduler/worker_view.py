@@ -39,6 +39,7 @@ from controlplane.state.errors import StateError
 from controlplane.state.registry import WorkerRegistry
 
 log = logging.getLogger(__name__)
+INVALIDATED = float("-inf")  # a snapshot's read time after ``invalidate``: due at once
 
 @dataclass(frozen=True)
 class Degraded:
@@ -60,6 +61,7 @@ class WorkerView:
         self.block_size = block_size
         self.empty_grace_s = empty_grace_s
         self._empty_since: dict[str, float] = {}  # pools that read as empty after having rows
+        self._draining: dict[str, int] = {}  # pool -> live workers its last read found draining
         self.refresh_s = refresh_s
         self.degraded_retry_s = degraded_retry_s
         self.clock = clock
@@ -71,6 +73,7 @@ class WorkerView:
         self._pools: dict[str, None] = {}  # every pool asked for, in order: what the background thread rereads
         self._refresher: tuple[threading.Thread, threading.Event] | None = None  # the background thread, its stop
         self._lock = threading.Lock()
+        self._read_done = threading.Condition(self._lock)  # notified when a reread ends (snapshotless threads wait)
 
     @property
     def degraded(self) -> Degraded | None:
@@ -103,15 +106,23 @@ class WorkerView:
             if cached is None:
                 self._pools.setdefault(pool, None)
                 stale = True
+            elif cached[0] == INVALIDATED:
+                stale = True  # a request waiting for room asked for fresh load reports: one thread rereads now
             elif self._refresher is not None:
                 stale = False  # the background thread keeps it fresh
             else:
                 stale = self._due(pool, cached[0], now)
             # one thread rereads a stale snapshot; the others route on it meanwhile (it is at most one
             # reread old), instead of every request thread decoding the whole pool from Redis at once
-            reread = stale and (cached is None or pool not in self._refreshing)
+            reread = stale and pool not in self._refreshing
             if reread:
                 self._refreshing.add(pool)
+            while cached is None and not reread:  # the pool's first read is in flight: wait for it
+                self._read_done.wait(timeout=1.0)  # a reread ends within its command budget; this only re-checks
+                cached = self._cache.get(pool)
+                if cached is None and pool not in self._refreshing:  # that read failed: try again here
+                    reread = True
+                    self._refreshing.add(pool)
         if reread:
             cached = self._reread(pool, cached, now)
         assert cached is not None
@@ -147,10 +158,12 @@ class WorkerView:
                 else:
                     self._empty_since.pop(pool, None)
                 self._cache[pool] = cached = (now, fresh)
+                self._draining[pool] = listed - len(fresh) if listed else 0
                 self._degraded = None
         finally:
             with self._lock:
                 self._refreshing.discard(pool)
+                self._read_done.notify_all()
         return cached
 
     def _refresh_loop(self, stop: threading.Event) -> None:
@@ -214,11 +227,18 @@ class WorkerView:
             if entry[1] <= 0:
                 del self._inflight[worker_id]
 
+    def draining(self, pool: str) -> int:
+        """Live workers of ``pool`` that its last read found draining (registered, never routed to)."""
+        with self._lock:
+            return self._draining.get(pool, 0)
+
     def invalidate(self) -> None:
-        """Reread every pool on next use (while degraded, rereads keep their own slower pace)."""
+        """Reread every pool on next use, by one thread while the others route on the snapshot it replaces
+        (while degraded, rereads keep their own slower pace). Every request waiting for decode room calls
+        this after each backoff: dropping the snapshots instead sent hundreds of threads to Redis at once."""
         with self._lock:
             if self._degraded is None:
-                self._cache.clear()
+                self._cache = {pool: (INVALIDATED, rows) for pool, (_, rows) in self._cache.items()}
 
 
 class Charge:

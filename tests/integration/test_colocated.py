@@ -163,6 +163,7 @@ def test_a_draining_worker_refuses_new_requests_until_it_resumes(default_bundle)
         with pytest.raises(DispatchError) as info:
             run_request(dispatcher, Route(worker.address), WorkerRequest("co-drain", [5, 6, 7], GREEDY))
         assert info.value.code == grpc.StatusCode.UNAVAILABLE and "draining" in info.value.message
+        assert info.value.lost == ()  # the worker's own refusal: not a broken worker to move away from
         with SECURITY.open_channel(worker.address) as ch:  # resumed, it serves again
             stub = wgrpc.DecodeWorkerStub(ch)
             with pytest.raises(grpc.RpcError) as refused:  # the KV-transfer token guards Resume as every RPC

@@ -130,6 +130,35 @@ def test_draining_replicas_get_no_new_work(cluster):
     assert all(drained.identity.worker_id not in d for d in details)
 
 
+def test_every_decode_replica_drained_is_a_503_that_says_so(cluster):
+    bundle, workers, registry, *_ = cluster
+    for w in workers[1:]:
+        registry.set_draining(w.identity.worker_id, "decode")
+    with pytest.raises(BackendError) as info:
+        _collect(_scheduler(cluster), WorkerRequest("all-drained", bundle.tokenizer.encode("hello"), GREEDY))
+    assert info.value.status == 503 and info.value.retry_after_s is not None
+    assert "every decode replica is draining (2)" in str(info.value) and "epd drain --undo" in str(info.value)
+
+
+def test_a_replica_that_refuses_because_it_drains_is_skipped_not_counted_lost(cluster):
+    """Between a replica starting to drain and routing hearing of it (the pool manager drains the service
+    before Redis), its Reserve refuses with UNAVAILABLE. That is the live worker's own answer: the request
+    goes to the other replica, and the refusing one is not marked suspect (its breaker stays closed)."""
+    bundle, workers, registry, dispatcher, *_ = cluster
+    refusing, other = workers[1], workers[2]
+    refusing.service.Drain(None, None)  # the service drains; the registry does not know yet
+    registry.register(WorkerInfo(other.identity.worker_id, Pool.DECODE, other.address,  # fewer free: tried second
+                                 load=WorkerLoad(free_kv_blocks=10, total_kv_blocks=20)))
+    scheduler = _scheduler(cluster)
+    for i in range(4):
+        _collect(scheduler, WorkerRequest(f"refused-{i}", bundle.tokenizer.encode("hello"), GREEDY))
+    details = [RequestJournal(cluster[5]).history(f"refused-{i}")[-2].detail for i in range(4)]
+    assert all(other.identity.worker_id in d and refusing.identity.worker_id not in d for d in details), details
+    assert scheduler.health.routable(refusing.identity.worker_id)
+    assert all(e.state != RequestState.MIGRATING for i in range(4)
+               for e in RequestJournal(cluster[5]).history(f"refused-{i}"))
+
+
 def test_a_request_no_decode_replica_can_ever_hold_is_refused_at_once(cluster):
     scheduler = _scheduler(cluster, queue_timeout_s=30.0)
     started = time.monotonic()

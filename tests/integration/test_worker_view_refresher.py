@@ -163,3 +163,55 @@ def test_close_leaves_no_thread_behind_even_while_redis_stalls():
         fast.close()
         conn.redis.flushdb()
         conn.close()
+
+
+class _SlowReads(_Reads):
+    """The real registry, each read held for ``delay_s`` (a pool of many workers, or a busy Redis)."""
+
+    def __init__(self, *args, delay_s: float = 0.2, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.delay_s = delay_s
+
+    def live_workers(self, pool):
+        time.sleep(self.delay_s)
+        return super().live_workers(pool)
+
+
+@pytest.mark.parametrize("started", [True, False])
+def test_requests_waiting_for_room_reread_redis_once_not_each(started: bool):
+    """Every request waiting for decode room invalidates the view after each backoff. Hundreds of them at
+    once each reread the pool (more connections than the client's pool holds: "Too many connections", a 503)
+    when invalidating dropped the snapshot; now one thread rereads and the rest route on the old rows. The
+    same for a pool's first read: one reads, the others wait for it."""
+    with LocalRedis() as server:
+        conn = connect(server.url, f"t-{uuid.uuid4().hex[:8]}")
+        WorkerRegistry(conn, ttl=60).register(_worker("d-0", 9000))
+        registry = _SlowReads(conn, ttl=60)
+        view = WorkerView(registry, refresh_s=3600.0)  # the refresher (when started) never finds it due
+        if started:
+            view.start()
+        seen: list[list[str]] = []
+        errors: list[BaseException] = []
+
+        def route() -> None:
+            try:
+                seen.append([c.worker_id for c in view.candidates("decode")])
+            except BaseException as exc:  # noqa: BLE001  # every thread's outcome is checked below
+                errors.append(exc)
+
+        try:
+            for round_ in range(2):  # the first read, then a read after invalidate
+                if round_:
+                    view.invalidate()
+                before = len(registry.readers)
+                threads = [threading.Thread(target=route) for _ in range(32)]
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join(timeout=30)
+                assert not errors and seen == [["d-0"]] * 32 * (round_ + 1)
+                assert len(registry.readers) - before == 1, registry.readers[before:]
+        finally:
+            view.close()
+            conn.redis.flushdb()
+            conn.close()

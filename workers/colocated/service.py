@@ -59,8 +59,7 @@ class ColocatedService(Drainable, wgrpc.DecodeWorkerServicer):
 
     # ------------------------------------------------------------------ RPCs
     def Complete(self, request: wpb.CompleteRequest, context: grpc.ServicerContext) -> Iterator[wpb.TokenChunk]:
-        if self.identity.draining:
-            context.abort(grpc.StatusCode.UNAVAILABLE, f"worker {self.identity.worker_id} is draining")
+        self.refuse_if_draining(context)
         prompt = list(request.prompt_token_ids)
         try:
             rid = request_id_of(request)

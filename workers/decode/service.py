@@ -84,8 +84,7 @@ class DecodeService(Drainable, wgrpc.DecodeWorkerServicer):
 
     # ------------------------------------------------------------------ RPCs
     def Reserve(self, request: wpb.ReserveRequest, context: grpc.ServicerContext) -> wpb.ReserveReply:
-        if self.identity.draining:
-            context.abort(grpc.StatusCode.UNAVAILABLE, f"decode worker {self.identity.worker_id} is draining")
+        self.refuse_if_draining(context)
         prompt = list(request.prompt_token_ids)
         try:
             rid, timeout = request_id_of(request), timeout_of(request)

@@ -64,8 +64,7 @@ class EncodeService(Drainable, wgrpc.EncodeWorkerServicer):
         return torch.cat([cached[k] for k in keys]), len(images) - len(todo)
 
     def Encode(self, request: wpb.EncodeRequest, context: grpc.ServicerContext) -> wpb.EncodeReply:
-        if self.identity.draining:
-            context.abort(grpc.StatusCode.UNAVAILABLE, f"encode worker {self.identity.worker_id} is draining")
+        self.refuse_if_draining(context)
         if not request.images:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "no images to encode")
         if not request.embeddings_target:

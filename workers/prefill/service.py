@@ -71,8 +71,7 @@ class PrefillService(Drainable, wgrpc.PrefillWorkerServicer):
         self.sender.close()
 
     def Prefill(self, request: wpb.PrefillRequest, context: grpc.ServicerContext) -> wpb.PrefillReply:
-        if self.identity.draining:
-            context.abort(grpc.StatusCode.UNAVAILABLE, f"prefill worker {self.identity.worker_id} is draining")
+        self.refuse_if_draining(context)
         prompt = list(request.prompt_token_ids)
         try:
             rid, timeout = request_id_of(request), timeout_of(request)

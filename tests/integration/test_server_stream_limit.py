@@ -1,0 +1,47 @@
+"""A worker's gRPC server refuses no call its clients may make. Clients keep to the server's advertised
+stream limit (queueing past it); grpc's overload protection would also count streams already closed on the
+wire whose call the server process has not released yet, and refuse new ones with RST_STREAM REFUSED_STREAM.
+Under load (a busy worker releasing calls late) that turned a burst past ~64 requests into "decode worker
+lost" and 503s. Here the server keeps every call's context alive, so released-late is certain."""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Callable
+
+import grpc
+import pytest
+
+from kvtransfer.auth import TransferSecurity
+from kvtransfer.server import start_server
+from workers.service_base import start_worker_server
+
+pytestmark = [pytest.mark.integration]
+SECURITY = TransferSecurity(token=secrets.token_urlsafe(24))
+MAX_STREAMS = 2
+
+
+def _kept_calls_handler(kept: list[grpc.ServicerContext]) -> grpc.GenericRpcHandler:
+    def echo(request: bytes, context: grpc.ServicerContext) -> bytes:
+        kept.append(context)  # the call stays referenced after it ends: its stream is released late
+        return request
+    return grpc.method_handlers_generic_handler("test.Kept", {"Echo": grpc.unary_unary_rpc_method_handler(echo)})
+
+
+@pytest.mark.parametrize("start", [
+    lambda handler: start_worker_server([], [handler], "127.0.0.1:0", SECURITY, max_streams=MAX_STREAMS),
+    lambda handler: start_server([handler], "127.0.0.1:0", SECURITY, max_streams=MAX_STREAMS),
+], ids=["worker-server", "kv-server"])
+def test_calls_past_the_stream_limit_whose_streams_are_released_late_are_served(
+        start: Callable[[grpc.GenericRpcHandler], tuple[grpc.Server, int]]) -> None:
+    kept: list[grpc.ServicerContext] = []
+    server, port = start(_kept_calls_handler(kept))
+    try:
+        with SECURITY.open_channel(f"127.0.0.1:{port}") as channel:
+            echo: grpc.UnaryUnaryMultiCallable = channel.unary_unary("/test.Kept/Echo")
+            for i in range(5 * (MAX_STREAMS + 8)):  # well past the limit, one call at a time
+                assert echo(b"%d" % i, metadata=SECURITY.call_metadata(), timeout=10) == b"%d" % i
+        assert len(kept) == 5 * (MAX_STREAMS + 8)
+    finally:
+        server.stop(0)
+        kept.clear()

@@ -313,7 +313,12 @@ class Dispatcher:
         that names ``target`` lost (the watch cancelled the call, which frees its request there)."""
         key, w = self._watch.watch(stream, self.first_token_timeout_s, self.token_idle_timeout_s)  # type: ignore[arg-type]  # a grpc stream call is Cancellable; its stub type says Iterator
         try:
-            for chunk in stream:
+            while True:
+                w.resume()  # the idle clock runs only while this waits for the worker
+                try:
+                    chunk = next(stream)
+                except StopIteration:
+                    return
                 w.touch()
                 yield chunk
         except grpc.RpcError:

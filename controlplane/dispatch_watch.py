@@ -15,6 +15,7 @@ must accept pings that often (workers.service_base sets its side).
 from __future__ import annotations
 
 import itertools
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -37,7 +38,12 @@ def keepalive_options(keepalive_s: float) -> tuple[tuple[str, int], ...]:
 
 
 class Watched:
-    """One watched call. ``touch`` after each message; ``expired`` says whether the watch cancelled it."""
+    """One watched call. ``touch`` after each message; ``expired`` says whether the watch cancelled it.
+
+    The clock runs only while the caller waits for the worker: ``touch`` stops it (the caller holds a
+    message) and ``resume`` starts it again when the caller asks for the next one. A caller slow to ask
+    (its consumer busy, its threads starved under a burst) reads messages the channel already buffered,
+    so its own pace never makes a worker look hung."""
 
     def __init__(self, call: Cancellable, first_s: float, idle_s: float, clock: Callable[[], float]) -> None:
         self.call = call
@@ -48,8 +54,13 @@ class Watched:
         self.limit_s = first_s
 
     def touch(self) -> None:
+        """A message arrived: the next limit is the idle one, and the clock stops until ``resume``."""
         self.limit_s = self.idle_s
-        self.deadline = self.clock() + self.idle_s
+        self.deadline = math.inf
+
+    def resume(self) -> None:
+        """The caller waits for the worker again: the current limit counts from now."""
+        self.deadline = self.clock() + self.limit_s
 
 
 class StreamWatch:

@@ -30,22 +30,26 @@ _END = object()
 
 
 class ThreadLanes:
-    """A capacity limiter per event loop for the threads that wait on backend chunks.
+    """Capacity limiters per event loop for the threads that wait on backend chunks, in two lanes.
 
-    Apart from anyio's default 40 threads: a request waiting for decode room (seconds) holds one,
-    and must not starve requests whose tokens are already flowing. One per loop, as a limiter is
-    bound to the loop that first waits on it."""
+    Apart from anyio's default 40 threads. A request's first step (admission, then waiting for decode
+    room: seconds) takes a thread of the ``first`` lane; every later step (a flowing stream's next chunk,
+    the close) one of the ``streaming`` lane. In one lane, a burst of requests waiting for room held every
+    thread, the running streams could not fetch their tokens, and their workers looked hung. One pair per
+    loop, as a limiter is bound to the loop that first waits on it."""
 
     def __init__(self, threads: int) -> None:
         self.threads = threads
-        self._by_loop: weakref.WeakKeyDictionary[object, anyio.CapacityLimiter] = weakref.WeakKeyDictionary()
+        self._by_loop: weakref.WeakKeyDictionary[object, tuple[anyio.CapacityLimiter, anyio.CapacityLimiter]] = \
+            weakref.WeakKeyDictionary()
 
-    def limiter(self) -> anyio.CapacityLimiter:
+    def limiters(self) -> tuple[anyio.CapacityLimiter, anyio.CapacityLimiter]:
+        """(the first lane, the streaming lane) of the running loop, ``threads`` each."""
         loop = asyncio.get_running_loop()
-        lim = self._by_loop.get(loop)
-        if lim is None:
-            lim = self._by_loop[loop] = anyio.CapacityLimiter(self.threads)
-        return lim
+        lanes = self._by_loop.get(loop)
+        if lanes is None:
+            lanes = self._by_loop[loop] = (anyio.CapacityLimiter(self.threads), anyio.CapacityLimiter(self.threads))
+        return lanes
 
 
 def _drive(backend: Backend, request: WorkerRequest) -> Generator[Chunk, None, None]:
@@ -106,12 +110,13 @@ class Relay:
     lanes: ThreadLanes
 
     async def chunks(self) -> AsyncGenerator[Chunk, None]:
-        limiter = self.lanes.limiter()
+        limiter, streaming = self.lanes.limiters()
         stepper = _Stepper(_drive(self.backend, self.request))
         ended = False
         try:
             while True:
                 item, ended = await anyio.to_thread.run_sync(stepper.step, limiter=limiter)
+                limiter = streaming  # the first step waited for room; the rest only fetch tokens
                 if item is _END:
                     raise BackendError("the backend ended the request without finishing it", status=502)
                 assert isinstance(item, Chunk)
@@ -121,4 +126,4 @@ class Relay:
         finally:
             if not ended:
                 with anyio.CancelScope(shield=True):
-                    await anyio.to_thread.run_sync(stepper.close, limiter=limiter)
+                    await anyio.to_thread.run_sync(stepper.close, limiter=streaming)

@@ -175,3 +175,24 @@ def test_a_draining_worker_refuses_new_requests_until_it_resumes(default_bundle)
     finally:
         dispatcher.close()
         worker.stop()
+
+
+def test_a_consumer_slower_than_the_idle_limit_does_not_make_its_worker_look_hung(default_bundle):
+    """The idle clock runs only while the dispatcher waits for the worker: a caller that holds each chunk
+    longer than ``token_idle_timeout_s`` (its relay threads starved under a burst) reads what the channel
+    buffered meanwhile. Counting its own pace made a healthy worker 'hung' and moved every stream away."""
+    worker = start_worker("decode", default_bundle, SECURITY, config=EngineConfig(kv_cache_bytes=16 * 2**20),
+                          colocated=True)
+    dispatcher = Dispatcher(SECURITY, token_idle_timeout_s=0.3, first_token_timeout_s=10.0)
+    try:
+        params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+        tokens = []
+        for chunk in dispatcher.run(WorkerRequest("slow-reader", [5, 6, 7], params), Route(worker.address)):
+            tokens.extend(chunk.token_ids)
+            time.sleep(0.8)  # longer than the idle limit, after every chunk
+        assert len(tokens) == 4
+        (reference,) = generate(default_bundle, [GenerateRequest(prompt_ids=[5, 6, 7], params=params)])
+        assert tokens == reference.token_ids
+    finally:
+        dispatcher.close()
+        worker.stop()

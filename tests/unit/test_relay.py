@@ -59,3 +59,52 @@ def test_a_task_cancelled_while_a_thread_waits_for_a_chunk_still_closes_the_back
     assert not backend.closed.is_set()  # the step is still inside next(): closing now would race it
     backend.release.set()
     assert backend.closed.wait(10), "the backend's generator was never closed"
+
+
+class RoomBackend:
+    """Requests named wait-* block in their first step (waiting for decode room) until ``room`` is set; others
+    stream three chunks at once."""
+
+    def __init__(self) -> None:
+        self.room = threading.Event()
+        self.waiting = threading.Semaphore(0)
+
+    def generate(self, request: WorkerRequest) -> Iterator[Chunk]:
+        if request.request_id.startswith("wait"):
+            self.waiting.release()
+            self.room.wait(10)
+        for i in range(3):
+            yield Chunk((i,), str(i), i == 2, "length" if i == 2 else None, 3, i + 1)
+
+
+def test_requests_waiting_for_room_do_not_starve_the_streams_already_flowing() -> None:
+    """Each lane has 2 threads. A running stream's first chunk is out; then two requests wait for room,
+    holding both threads of the first lane. The running stream still fetches its other chunks (the
+    streaming lane), instead of waiting for room to free up for someone else."""
+    backend = RoomBackend()
+    lanes = ThreadLanes(2)
+
+    def relay(rid: str) -> Relay:
+        return Relay(backend, WorkerRequest(rid, [1, 2, 3], SamplingParams(max_tokens=3)), lanes)  # type: ignore[arg-type]  # a backend double
+
+    async def main() -> list[int]:
+        running = relay("run").chunks()
+        first = await anext(running)
+        waiters = [asyncio.create_task(_drain(relay(f"wait-{i}"))) for i in range(2)]
+        for _ in range(2):
+            await asyncio.to_thread(backend.waiting.acquire, True, 10)  # both hold a first-lane thread
+        rest = await asyncio.wait_for(_drain_from(running), timeout=5)  # not behind the waiters
+        backend.room.set()
+        for w in waiters:
+            assert len(await w) == 3
+        return [*first.token_ids, *rest]
+
+    assert asyncio.run(main()) == [0, 1, 2]
+
+
+async def _drain(relay: Relay) -> list[int]:
+    return [t async for c in relay.chunks() for t in c.token_ids]
+
+
+async def _drain_from(chunks) -> list[int]:  # noqa: ANN001  # an async generator of Chunk
+    return [t async for c in chunks for t in c.token_ids]

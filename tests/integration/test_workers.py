@@ -211,3 +211,43 @@ def test_a_full_decode_pool_refuses_at_reserve(default_bundle):
             assert s.kv_blocks_free == s.kv_blocks_total and s.reservations == 0
     finally:
         decode.stop()
+
+
+def test_a_reservation_whose_kv_landed_with_nobody_to_generate_is_released(default_bundle):
+    """The caller reserved, prefill pushed the KV, and then the caller was gone (its Generate never came and
+    its Abort was lost, as under a burst that broke its calls). The blocks go back once the KV has waited
+    ``unclaimed_grace_s`` for a Generate, not at twice the request's timeout (20 minutes by default)."""
+    import time
+
+    codecs = ("fp32",) * default_bundle.config.num_layers
+    workers = {pool: start_worker(pool, default_bundle, SECURITY, codecs=codecs,
+                                  config=EngineConfig(kv_cache_bytes=16 * 2**20)) for pool in ("prefill", "decode")}
+    from workers.decode.service import DecodeService
+    service = workers["decode"].service
+    assert isinstance(service, DecodeService)
+    service.unclaimed_grace_s = 0.5
+    ids = default_bundle.tokenizer.encode("Hello there")
+    try:
+        with SECURITY.open_channel(workers["decode"].address) as dch, \
+                SECURITY.open_channel(workers["prefill"].address) as pch:
+            decode = wgrpc.DecodeWorkerStub(dch)
+            held = decode.Reserve(wpb.ReserveRequest(request_id="orphan", prompt_token_ids=ids,
+                                                     params=wpb.SamplingParams(max_tokens=8), timeout_s=600),
+                                  metadata=SECURITY.call_metadata(), timeout=5)
+            wgrpc.PrefillWorkerStub(pch).Prefill(wpb.PrefillRequest(
+                request_id="orphan", prompt_token_ids=ids, params=wpb.SamplingParams(max_tokens=8),
+                kv_target=held.kv_target, timeout_s=600), metadata=SECURITY.call_metadata(), timeout=30)
+            s = decode.Status(wpb.StatusRequest(), metadata=SECURITY.call_metadata(), timeout=5)
+            assert s.reservations == 1 and s.kv_blocks_free < s.kv_blocks_total  # landed, held for a Generate
+            deadline = time.monotonic() + 10
+            while (s.reservations, s.kv_blocks_free) != (0, s.kv_blocks_total):
+                assert time.monotonic() < deadline, f"the orphaned reservation is still held: {s}"
+                time.sleep(0.1)
+                s = decode.Status(wpb.StatusRequest(), metadata=SECURITY.call_metadata(), timeout=5)
+            with pytest.raises(grpc.RpcError) as late:  # a Generate after the grace finds nothing
+                list(decode.Generate(wpb.GenerateRequest(request_id="orphan"), metadata=SECURITY.call_metadata(),
+                                     timeout=5))
+            assert late.value.code() == grpc.StatusCode.NOT_FOUND
+    finally:
+        for w in workers.values():
+            w.stop()

@@ -9,7 +9,10 @@ A request's life here:
   3. Generate  waits for the push, joins the sequence to the running batch with prefill's first
                token, and streams tokens until it finishes. A failed push ends the stream with the
                transfer's status; a client that goes away aborts the request.
-  Blocks are released on finish, abort, a failed push, or a reservation nobody generated from.
+  Blocks are released on finish, abort, a failed push, or a reservation nobody generated from: one
+  whose KV landed (or failed) with no Generate for it within ``UNCLAIMED_GRACE_S`` (the dispatcher opens
+  Generate right after Reserve, before prefill computes, so by then its caller is gone and its Abort was
+  lost), else at twice the request's timeout.
 """
 
 from __future__ import annotations
@@ -43,6 +46,8 @@ from workers.service_base import (
 )
 from workers.tracing import mark_kv_failure
 
+UNCLAIMED_GRACE_S = 30.0
+
 
 @dataclass(eq=False)
 class _Pending:
@@ -53,6 +58,7 @@ class _Pending:
     done: threading.Event = field(default_factory=threading.Event)
     outcome: TransferOutcome | None = None
     claimed: bool = False
+    landed_at: float | None = None  # when the push ended (landed or failed), monotonic
 
 
 class DecodeService(Drainable, wgrpc.DecodeWorkerServicer):
@@ -69,6 +75,7 @@ class DecodeService(Drainable, wgrpc.DecodeWorkerServicer):
                                    max_streams=max_streams)
         self.receiver.start_janitor()
         self._pending: dict[str, _Pending] = {}
+        self.unclaimed_grace_s = UNCLAIMED_GRACE_S
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._janitor = threading.Thread(target=self._sweep_loop, name="decode-janitor", daemon=True)
@@ -107,6 +114,7 @@ class DecodeService(Drainable, wgrpc.DecodeWorkerServicer):
         if not outcome.ok:
             self.engine.release(pending.reservation)
         pending.outcome = outcome
+        pending.landed_at = time.monotonic()
         pending.done.set()
 
     def Generate(self, request: wpb.GenerateRequest, context: grpc.ServicerContext) -> Iterator[wpb.TokenChunk]:
@@ -177,6 +185,7 @@ class DecodeService(Drainable, wgrpc.DecodeWorkerServicer):
         while not self._stop.wait(0.25):
             now = time.monotonic()
             with self._lock:
-                stale = [rid for rid, p in self._pending.items() if not p.claimed and p.deadline <= now]
+                stale = [rid for rid, p in self._pending.items() if not p.claimed and (
+                    p.deadline <= now or (p.landed_at is not None and now - p.landed_at > self.unclaimed_grace_s))]
             for rid in stale:  # transferred (or failed) but nobody came to generate
                 self._drop(rid)

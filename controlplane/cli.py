@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from importlib.metadata import entry_points
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 from controlplane.cli_args import UsageError, add_engine_args, check_engine_args, model_dir
 
@@ -67,12 +67,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     bundle = load_model(model_dir(args.model), dtype=DTYPES[args.dtype], device=args.device)
+    prompt = DEFAULT_PROMPT if args.prompt is None else args.prompt
     if args.chat is not None or images:
-        text = args.chat if args.chat is not None else args.prompt
+        text = args.chat if args.chat is not None else prompt
         parts = [{"type": "image"} for _ in images] + [{"type": "text", "text": text}]
         req = GenerateRequest(messages=[{"role": "user", "content": parts}], images=images)
     else:
-        req = GenerateRequest(prompt=args.prompt)
+        req = GenerateRequest(prompt=prompt)
     ids, mm = build_prompt(bundle, req)
     engine = Engine(bundle.model, bundle.tokenizer, EngineConfig(dtype=args.dtype, device=args.device),
                     bundle.eos_token_ids)
@@ -92,7 +93,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     ttft = (first or end) - start
     tps = (n - 1) / (end - first) if first and n > 1 and end > first else 0.0
     reason_name = reason.value if reason is not None else "none"
-    print(f"\n[{n} tokens, prompt {len(ids)} tokens, finish={reason_name}, "
+    print(flush=True)  # the text ends its line on stdout, whatever stderr goes to
+    print(f"[{n} tokens, prompt {len(ids)} tokens, finish={reason_name}, "
           f"ttft={ttft * 1e3:.1f} ms, {tps:.1f} tok/s]", file=sys.stderr)
     return 0
 
@@ -184,6 +186,8 @@ def cmd_drain(args: argparse.Namespace) -> int:
     from urllib.parse import quote
 
     from controlplane.admin_client import call
+    if not args.worker.strip():
+        raise UsageError("a worker id is required: the id `epd status` lists for it")
     path = f"/admin/workers/{quote(args.worker, safe='')}/drain"
     if args.undo:
         call(_settings(args), "DELETE", path, None, url=args.url)
@@ -222,8 +226,20 @@ def _refuse(message: str) -> int:
     raise UsageError(message)
 
 
+DEFAULT_PROMPT = "Hello, world."  # epd generate without --prompt or --chat
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a malformed command line refused in one line as every other input error is (argparse
+    prints its usage block first), pointing at the command's ``--help``."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="epd", description="epd: disaggregated encode/prefill/decode serving.")
+    parser: argparse.ArgumentParser = _Parser(prog="epd", description="epd: disaggregated encode/prefill/decode "
+                                                                       "serving.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     model = sub.add_parser("model", help="model checkpoints").add_subparsers(dest="model_command", required=True,
@@ -245,8 +261,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate from a prompt in one process (the reference path)",
                          description="Run encode, prefill and decode in this process and stream the text.")
     add_engine_args(gen)
-    gen.add_argument("--prompt", default="Hello, world.", help="completion prompt (default: %(default)r)")
-    gen.add_argument("--chat", default=None, help="a user message, rendered with the model's chat template")
+    text = gen.add_mutually_exclusive_group()
+    text.add_argument("--prompt", default=None, help=f"completion prompt (default: {DEFAULT_PROMPT!r}); with "
+                                                     "--image, the text of the chat message")
+    text.add_argument("--chat", default=None, help="a user message, rendered with the model's chat template")
     gen.add_argument("--image", action="append", default=[], help="image file (PNG/JPEG) for the chat message; "
                                                                   "repeatable")
     gen.add_argument("--max-tokens", type=int, default=32, help="tokens to generate at most (default: %(default)s)")

@@ -11,9 +11,11 @@ Ctrl-C (or SIGTERM) stops them in reverse order; nothing is left running.
 
 from __future__ import annotations
 
+import errno
 import logging
 import secrets
 import signal
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -21,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from controlplane.backend import ModelInfo
+from controlplane.cli_args import UsageError
 from controlplane.settings import Settings, SettingsError
 
 if TYPE_CHECKING:
@@ -247,11 +250,31 @@ def build(settings: Settings) -> Deployment:
     return dep
 
 
+def check_port(host: str, port: int) -> None:
+    """Refuse, in one line and before anything starts, an API address this host cannot listen on (a port in
+    use, a host that is not this machine's): otherwise Redis, Ray and every replica came up first, and then
+    uvicorn failed. A probe bind, closed at once (uvicorn binds its own; one that loses the port meanwhile
+    is refused the same way)."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    except socket.gaierror as exc:
+        raise UsageError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: TIME_WAIT is no obstacle
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            hint = "; another epd serve (or another server) uses it: stop it or pick --port" \
+                if exc.errno == errno.EADDRINUSE else ""
+            raise UsageError(f"cannot listen on {host}:{port}: {exc.strerror}{hint}") from None
+
+
 def serve(settings: Settings) -> int:
     import uvicorn
 
     from controlplane.heap import freeze_startup_heap
 
+    check_port(settings.api.host, settings.api.port)
     dep = build(settings)
     freeze_startup_heap("control plane")
     config = uvicorn.Config(dep.app, host=settings.api.host, port=settings.api.port, log_level="info",
@@ -262,6 +285,10 @@ def serve(settings: Settings) -> int:
         print(f"epd: serving {dep.ready_line} on http://{settings.api.host}:{settings.api.port} (Ctrl-C to stop)",
               flush=True)
         server.run()
+    except SystemExit as exc:  # uvicorn's startup failure (3): the port taken after check_port, or the app's
+        if exc.code == 3:
+            check_port(settings.api.host, settings.api.port)  # the one-line refusal, when the port is why
+        raise
     finally:
         dep.close(say=lambda line: print(line, flush=True))
     return 0

@@ -54,11 +54,11 @@ def create_app(backend: Backend, api_keys: Sequence[str] = (), admin: APIRouter 
     lanes = ThreadLanes(relay_threads)
     started = int(time.time())
 
-    @app.get("/health", include_in_schema=False)
+    @app.api_route("/health", methods=["GET", "HEAD"], include_in_schema=False)  # HEAD: probes that send it
     async def health() -> dict[str, str]:
         return {"status": "ok"}
 
-    @app.get("/ready", include_in_schema=False)
+    @app.api_route("/ready", methods=["GET", "HEAD"], include_in_schema=False)
     async def ready() -> Response:
         try:
             ok = await anyio.to_thread.run_sync(backend.ready)  # may ask Redis; off the loop

@@ -95,6 +95,8 @@ def validation_error(exc: RequestValidationError) -> APIError:
     if not loc:
         if first.get("type") == "missing":
             return APIError(400, "The request body is missing: send a JSON object.")
+        if first.get("type") == "value_error":  # a rule over the whole body (two fields that exclude each other)
+            return APIError(400, f"{str(first.get('msg', 'invalid')).removeprefix('Value error, ')}.")
         return APIError(400, "The request body must be a JSON object, sent with Content-Type: application/json.")
     param = _param(loc)
     return APIError(400, f"Invalid value for '{param}': {first.get('msg', 'invalid')}.", param=param)
@@ -107,7 +109,7 @@ def _fields(loc: Sequence[Any]) -> list[str | int]:
     for i, part in enumerate(loc):
         if isinstance(part, int):
             out.append(part)
-        elif part == "body" or "[" in part or part in _TYPE_TAGS:
+        elif part == "body" or "[" in part or part in _TYPE_TAGS or part in _UNION_TAGS:
             continue
         elif part in CONTENT_PART_TAGS and i > 0 and isinstance(loc[i - 1], int) and i + 1 < len(loc):
             continue
@@ -117,6 +119,7 @@ def _fields(loc: Sequence[Any]) -> list[str | int]:
 
 
 _TYPE_TAGS = ("str", "int", "float", "bool", "none")
+_UNION_TAGS = ("tokenize-chat", "tokenize-prompt")  # controlplane.api.tokenize.UNION_TAGS (no import: a cycle)
 
 
 def _param(loc: list[str | int]) -> str:

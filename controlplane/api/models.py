@@ -70,7 +70,7 @@ class _GenerationFields(_Request):
     """What chat and text completions share."""
 
     model: Text
-    max_tokens: int | None = None  # None: the rest of the context
+    max_tokens: int | None = None  # None: the rest of the context (chat), 16 (completions)
     temperature: float | None = None  # None: 1.0
     top_p: float | None = None
     seed: int | None = None
@@ -82,7 +82,16 @@ class _GenerationFields(_Request):
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     user: Text | None = None
-    ignore_eos: bool | None = None  # vLLM/SGLang extension: run to max_tokens past end-of-sequence (benchmarks)
+    # vLLM/SGLang extensions. Served: ignore_eos (run to max_tokens past end-of-sequence, for benchmarks),
+    # top_k (0 or -1: off) and stop_token_ids; the others are refused unless they ask for the default.
+    ignore_eos: bool | None = None
+    top_k: int | None = None
+    stop_token_ids: list[int] | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    use_beam_search: bool | None = None
+    skip_special_tokens: bool | None = None
 
 
 class ChatCompletionRequest(_GenerationFields):
@@ -91,10 +100,16 @@ class ChatCompletionRequest(_GenerationFields):
     logprobs: bool | None = None
     top_logprobs: int | None = None
     tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None  # the deprecated form of tools
+    function_call: Any = None
     response_format: ResponseFormat | None = None
+    echo: bool | None = None  # vLLM extension (chat): refused
 
 
 class CompletionRequest(_GenerationFields):
+    """``max_tokens`` defaults to 16 here, as in OpenAI's API and vLLM (chat: the rest of the context)."""
+
     prompt: Text | list[int] | list[Text] | list[list[int]]
     echo: bool | None = None
     best_of: int | None = None

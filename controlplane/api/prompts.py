@@ -3,7 +3,8 @@
 Chat: the messages are rendered with the model's chat template (an ``image_url`` part becomes
 ``{"type": "image"}``), tokenised with ``encode_chat``, and each image placeholder is repeated
 ``tokens_per_image`` times; the image bytes and placeholder positions travel with the request.
-Completions: a string is tokenised with ``encode`` (special tokens added); token ids pass as is.
+Completions: a string is tokenised with ``encode`` (special tokens added); token ids pass as is;
+``max_tokens`` defaults to 16 (chat: the rest of the context).
 Every client fault raises ``APIError`` (400, or 404 for an unknown model) before any worker sees it.
 """
 
@@ -25,6 +26,8 @@ from workers.runtime.errors import InvalidRequestError
 from workers.runtime.multimodal import expand_image_tokens
 from workers.runtime.sampler import SamplingParams
 
+COMPLETION_MAX_TOKENS = 16  # /v1/completions without max_tokens, as OpenAI's API and vLLM default it
+
 _WHITESPACE = re.compile(r"\s+")
 
 
@@ -41,6 +44,14 @@ def prepare_chat(body: ChatCompletionRequest, model: ModelInfo) -> WorkerRequest
         raise APIError(400, "logprobs are not supported by this server.", param="logprobs")
     if body.tools:
         raise APIError(400, "tools are not supported by this server.", param="tools")
+    if body.functions:
+        raise APIError(400, "functions (tools) are not supported by this server.", param="functions")
+    for name in ("tool_choice", "function_call"):
+        if getattr(body, name) not in (None, "none"):
+            raise APIError(400, f"{name} needs tools, which this server does not support (only \"none\").",
+                           param=name)
+    if body.echo:
+        raise APIError(400, "echo is not supported by this server.", param="echo")
     if body.response_format is not None and body.response_format.type != "text":
         raise APIError(400, "response_format must be {\"type\": \"text\"}; structured output is not supported.",
                        param="response_format")
@@ -139,7 +150,7 @@ def prepare_completion(body: CompletionRequest, model: ModelInfo) -> WorkerReque
         raise APIError(400, "echo is not supported by this server.", param="echo")
     if body.suffix:
         raise APIError(400, "suffix is not supported by this server.", param="suffix")
-    if body.logprobs:
+    if body.logprobs is not None:  # 0 asks for the chosen token's own logprob
         raise APIError(400, "logprobs are not supported by this server.", param="logprobs")
     prompt = body.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
@@ -157,7 +168,8 @@ def prepare_completion(body: CompletionRequest, model: ModelInfo) -> WorkerReque
     if not ids:
         raise APIError(400, "The prompt is empty.", param="prompt")
     _expand_images(ids, model, 0, "prompt")  # a literal image placeholder without an image is refused
-    params = _sampling(body, body.max_tokens, "max_tokens", len(ids), model, "prompt")
+    max_tokens = COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens
+    params = _sampling(body, max_tokens, "max_tokens", len(ids), model, "prompt")
     return WorkerRequest(str(uuid.uuid4()), ids, params)
 
 
@@ -191,9 +203,26 @@ def _expand_images(ids: list[int], model: ModelInfo, num_images: int,
                        param=param) from None
 
 
+def _refuse_extensions(body: ChatCompletionRequest | CompletionRequest) -> None:
+    """vLLM's sampling extensions this server does not serve: refused unless they ask for the default."""
+    for name, default in (("min_p", 0.0), ("repetition_penalty", 1.0), ("min_tokens", 0)):
+        value = getattr(body, name)
+        if value is not None and value != default:
+            raise APIError(400, f"{name} is not supported by this server (only {default:g}).", param=name)
+    if body.use_beam_search:
+        raise APIError(400, "beam search is not supported by this server.", param="use_beam_search")
+    if body.skip_special_tokens is False:
+        raise APIError(400, "special tokens are always left out of the text; skip_special_tokens must be true.",
+                       param="skip_special_tokens")
+
+
 def _sampling(body: ChatCompletionRequest | CompletionRequest, max_tokens: int | None, max_param: str,
               prompt_len: int, model: ModelInfo, noun: str) -> SamplingParams:
     """``noun``: "messages" or "prompt", for the context-length message and its param."""
+    _refuse_extensions(body)
+    vocab = model.tokenizer.vocab_size
+    if body.stop_token_ids and any(not 0 <= t < vocab for t in body.stop_token_ids):
+        raise APIError(400, f"stop_token_ids must be in [0, {vocab}).", param="stop_token_ids")
     limit = model.max_model_len
     if max_tokens is None:
         if prompt_len >= limit:
@@ -208,7 +237,9 @@ def _sampling(body: ChatCompletionRequest | CompletionRequest, max_tokens: int |
     try:
         params = SamplingParams(max_tokens=max_tokens,
                                 temperature=1.0 if body.temperature is None else body.temperature,
-                                top_p=1.0 if body.top_p is None else body.top_p, seed=body.seed, stop=stop,
+                                top_p=1.0 if body.top_p is None else body.top_p,
+                                top_k=0 if body.top_k in (None, -1) else body.top_k,  # vLLM spells off -1
+                                seed=body.seed, stop=stop, stop_token_ids=tuple(body.stop_token_ids or ()),
                                 ignore_eos=bool(body.ignore_eos))
     except InvalidRequestError as exc:
         param = _param_of(str(exc), max_param)
@@ -229,4 +260,4 @@ def _param_of(message: str, max_param: str) -> str | None:
     name = message.split(" ", 1)[0]
     if name == "max_tokens":
         return max_param
-    return name if name in ("temperature", "top_p", "seed", "stop") else None
+    return name if name in ("temperature", "top_p", "top_k", "seed", "stop") else None

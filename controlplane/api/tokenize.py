@@ -13,8 +13,10 @@ beside /v1, so the API keys that guard /v1 do not apply; they run no model.
 
 from __future__ import annotations
 
+from typing import Annotated, Any
+
 from fastapi import APIRouter
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Discriminator, Field, Tag, model_validator
 from starlette.responses import Response
 
 from controlplane.api.errors import APIError
@@ -35,6 +37,24 @@ class TokenizeChat(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
     add_generation_prompt: bool = True
     return_token_strs: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_kind(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "prompt" in data:
+            raise ValueError("give a prompt or messages, not both")
+        return data
+
+
+def _kind(body: Any) -> str:
+    """A body with ``messages`` is a chat's; any other, a prompt's (so its errors name the prompt's fields)."""
+    return "tokenize-chat" if isinstance(body, dict) and "messages" in body else "tokenize-prompt"
+
+
+TokenizeBody = Annotated[Annotated[TokenizeChat, Tag("tokenize-chat")] | Annotated[TokenizeCompletion,
+                                                                                    Tag("tokenize-prompt")],
+                         Discriminator(_kind)]
+UNION_TAGS = ("tokenize-chat", "tokenize-prompt")  # in a validation error's location: not fields
 
 
 class Detokenize(_Request):
@@ -57,7 +77,7 @@ def tokenize_router(model: ModelInfo) -> APIRouter:
     router = APIRouter()
 
     @router.post("/tokenize")
-    async def tokenize(body: TokenizeChat | TokenizeCompletion) -> Response:
+    async def tokenize(body: TokenizeBody) -> Response:
         if body.model is not None:
             check_model(body.model, model)
         if isinstance(body, TokenizeChat):

@@ -96,6 +96,25 @@ def test_bad_arguments_give_a_clear_error(args, message):
     assert "Traceback" not in result.stderr
 
 
+def test_serve_on_a_port_in_use_is_refused_before_anything_starts(tmp_path):
+    """One line and status 2, before Redis, Ray or a replica starts (it used to start them all, say it was
+    serving, then fail in uvicorn with status 3)."""
+    import os
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = subprocess.run([sys.executable, "-m", "controlplane.cli", "serve", "--port", str(port)],
+                                capture_output=True, text=True, timeout=120,
+                                env={**os.environ, "EPD_STATE_DIR": str(tmp_path / "state")})
+    assert result.returncode == 2, result.stderr
+    assert result.stderr == (f"epd: error: cannot listen on 127.0.0.1:{port}: Address already in use; another epd "
+                             f"serve (or another server) uses it: stop it or pick --port\n")
+    assert "serving" not in result.stdout and "redis" not in result.stdout.lower()
+
+
 def test_undecodable_image_is_refused(model_dir, tmp_path):
     bad = tmp_path / "bad.png"
     bad.write_bytes(b"this is not an image")

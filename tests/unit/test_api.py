@@ -156,8 +156,9 @@ def events(resp: Response) -> list[Any]:
 def test_health_ready_and_models(client: TestClient, backend: FakeBackend) -> None:
     assert client.get("/health").status_code == 200
     assert client.get("/ready").status_code == 200
+    assert client.head("/health").status_code == 200 and client.head("/ready").status_code == 200  # HEAD probes
     backend.is_ready = False
-    assert client.get("/ready").status_code == 503
+    assert client.get("/ready").status_code == 503 and client.head("/ready").status_code == 503
     backend.is_ready = RuntimeError("redis is gone")
     assert client.get("/ready").status_code == 503
     backend.is_ready, backend.degraded_reason = True, "Redis is degraded: routing on its last good snapshot"
@@ -519,6 +520,18 @@ def test_missing_fields(client: TestClient) -> None:
     ({"response_format": {"type": "json_object"}}, "structured output is not supported", "response_format"),
     ({"stream_options": {"include_usage": True}}, "only allowed when 'stream' is enabled", "stream_options"),
     ({"messages": [{"role": "user"}]}, "messages[0].content is required", "messages[0].content"),
+    # vLLM's extensions: served (top_k, stop_token_ids) but checked, or refused unless at their default
+    ({"top_k": -5}, "top_k must be an integer >= 0", "top_k"),
+    ({"stop_token_ids": [1, 10**9]}, "stop_token_ids must be in [0,", "stop_token_ids"),
+    ({"min_p": 0.99}, "min_p is not supported by this server (only 0)", "min_p"),
+    ({"repetition_penalty": 100}, "repetition_penalty is not supported by this server (only 1)", "repetition_penalty"),
+    ({"min_tokens": 100}, "min_tokens is not supported by this server (only 0)", "min_tokens"),
+    ({"use_beam_search": True}, "beam search is not supported", "use_beam_search"),
+    ({"skip_special_tokens": False}, "skip_special_tokens must be true", "skip_special_tokens"),
+    ({"echo": True}, "echo is not supported", "echo"),
+    ({"functions": [{"name": "f"}]}, "functions (tools) are not supported", "functions"),
+    ({"function_call": {"name": "f"}}, "function_call needs tools", "function_call"),
+    ({"tool_choice": "required"}, "tool_choice needs tools", "tool_choice"),
 ])
 def test_bad_values(client: TestClient, backend: FakeBackend, body: dict[str, Any], fragment: str,
                     param: str) -> None:
@@ -528,6 +541,22 @@ def test_bad_values(client: TestClient, backend: FakeBackend, body: dict[str, An
 
 def test_n_1_and_zero_penalties_are_accepted(client: TestClient) -> None:
     assert chat(client, n=1, presence_penalty=0, frequency_penalty=0.0, user="u1", logprobs=False).status_code == 200
+
+
+def test_vllm_sampling_extensions_reach_the_request_or_ask_for_the_default(client: TestClient,
+                                                                          backend: FakeBackend) -> None:
+    assert chat(client, top_k=5, stop_token_ids=[3, 7], min_p=0, repetition_penalty=1.0, min_tokens=0,
+                use_beam_search=False, skip_special_tokens=True, tool_choice="none", echo=False).status_code == 200
+    assert chat(client, top_k=-1).status_code == 200  # vLLM's "off"
+    first, off = backend.requests[-2].params, backend.requests[-1].params
+    assert (first.top_k, first.stop_token_ids, off.top_k) == (5, (3, 7), 0)
+
+
+def test_a_completion_without_max_tokens_gets_16_as_in_openais_api(client: TestClient, backend: FakeBackend) -> None:
+    """A chat without it runs to the end of the context (as vLLM's chat does); a legacy completion stops at 16."""
+    assert client.post("/v1/completions", json={"model": NAME, "prompt": "x"}).status_code == 200
+    assert backend.requests[-1].params.max_tokens == 16
+    assert client.post("/v1/completions", json={"model": NAME, "prompt": "x", "logprobs": 0}).status_code == 400
 
 
 def test_unknown_model(client: TestClient, backend: FakeBackend) -> None:
@@ -667,3 +696,19 @@ def test_a_slow_backend_never_blocks_the_event_loop(backend: FakeBackend) -> Non
             assert results["chat"].status_code == 200
 
     anyio.run(main)
+
+
+def test_tokenize_errors_name_the_field_of_the_kind_of_body_sent(client: TestClient, tokenizer: Tokenizer) -> None:
+    """A body with messages is a chat's, any other a prompt's: a wrongly typed prompt is named as the prompt
+    (it used to read "Invalid value for 'TokenizeChat.messages': Field required"), and both at once are
+    refused rather than the prompt dropped."""
+    assert_error(client.post("/tokenize", json={"prompt": 5}), 400, "Invalid value for 'prompt'", param="prompt")
+    assert_error(client.post("/tokenize", json={}), 400, "Invalid value for 'prompt': Field required", param="prompt")
+    assert_error(client.post("/tokenize", json={"messages": [{"role": "user", "content": "Hi"}], "prompt": "x"}),
+                 400, "give a prompt or messages, not both")
+    assert_error(client.post("/tokenize", json={"messages": "Hi"}), 400, "Invalid value for 'messages'",
+                 param="messages")
+    ok = client.post("/tokenize", json={"prompt": "Hi there"})
+    assert ok.status_code == 200 and ok.json()["tokens"] == tokenizer.encode("Hi there")
+    chat = client.post("/tokenize", json={"messages": [{"role": "user", "content": "Hi"}]})
+    assert chat.status_code == 200 and chat.json()["count"] == len(chat.json()["tokens"]) > 0

@@ -188,6 +188,11 @@ def test_readme_lists_the_admin_commands_flags():
 @pytest.mark.parametrize("args, message", [
     (["generate", "--device", "gpu9"], "--device 'gpu9' is not a device epd runs on"),
     (["bench", "engine", "--batches", "a,b"], "--batches takes a comma list of integers"),  # raised in a bench module
+    # a malformed command line (argparse's own errors): one line too, pointing at the command's --help
+    (["scale", "decode", "abc"], "epd scale: error: argument replicas: invalid int value: 'abc' "
+                                 "(see `epd scale --help`)"),
+    (["config"], "epd config: error: the following arguments are required: ACTION (see `epd config --help`)"),
+    (["drain", ""], "epd: error: a worker id is required"),
 ])
 def test_usage_errors_are_one_line_when_run_as_a_module_too(args, message):
     """`python -m controlplane.cli` makes that module __main__: its errors and the bench modules' (which raise

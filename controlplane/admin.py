@@ -212,6 +212,12 @@ def admin_router(conn: StateConnection, registry: WorkerRegistry, admin_token: s
         if why is not None:
             raise HTTPException(502, f"worker {worker_id} did not resume ({why}); routing still skips it")
         registry.set_draining(worker_id, record.info.pool, False)
+        if starts is not None and starts.stopping(worker_id):  # a scale-down chose it meanwhile: it drains again
+            registry.set_draining(worker_id, record.info.pool)
+            if on_drain is not None:
+                on_drain(worker_id)
+            raise HTTPException(409, f"worker {worker_id} is being stopped by a scale-down of the "
+                                     f"{record.info.pool.value} pool; scale the pool up for another replica")
         return {"worker_id": worker_id, "draining": False}
 
     return router

@@ -44,7 +44,7 @@ from epd.worker.v1 import worker_pb2_grpc as wgrpc
 from kvtransfer.auth import TransferSecurity
 from workers.runtime.sampler import SamplingParams
 from workers.service_base import sampling_to_proto
-from workers.tracing import FAILURE_KEY
+from workers.tracing import DRAINING_REFUSAL, FAILURE_KEY
 
 
 @dataclass(frozen=True)
@@ -71,27 +71,32 @@ class WorkerRequest:
 
 
 class DispatchError(Exception):
-    """A stage failed with ``code``. ``lost``: addresses of the workers that died or hung under it."""
+    """A stage failed with ``code``. ``lost``: addresses of the workers that died or hung under it.
+    ``refused``: addresses of live workers that refused the call because they drain (try another)."""
 
-    def __init__(self, stage: str, code: grpc.StatusCode, message: str, lost: tuple[str, ...] = ()) -> None:
+    def __init__(self, stage: str, code: grpc.StatusCode, message: str, lost: tuple[str, ...] = (),
+                 refused: tuple[str, ...] = ()) -> None:
         super().__init__(f"{stage}: {message}")
-        self.stage, self.code, self.message, self.lost = stage, code, message, lost
+        self.stage, self.code, self.message, self.lost, self.refused = stage, code, message, lost, refused
 
 
 _BROKEN = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN)
+
+
+def _mark(exc: grpc.RpcError) -> str | None:
+    """What the worker said its call failed on (``workers.tracing.mark_failure``), or None."""
+    try:
+        trailers: Sequence[tuple[str, Any]] = exc.trailing_metadata() or ()  # type: ignore[assignment]  # grpc's stubs type each pair as _Metadatum; at run time it is a (key, value) tuple
+    except Exception:  # no trailers on a call that never reached a server
+        return None
+    return next((str(v) for k, v in trailers if k == FAILURE_KEY), None)
 
 
 def _broke(exc: grpc.RpcError) -> bool:
     """The call broke under the worker (rather than the worker refusing it): a transport-level status,
     without the mark a worker sets on a call it ended itself (a KV transfer that failed on the other end,
     a refusal while draining)."""
-    if exc.code() not in _BROKEN:
-        return False
-    try:
-        trailers: Sequence[tuple[str, Any]] = exc.trailing_metadata() or ()  # type: ignore[assignment]  # grpc's stubs type each pair as _Metadatum; at run time it is a (key, value) tuple
-    except Exception:  # no trailers on a call that never reached a server
-        trailers = ()
-    return not any(k == FAILURE_KEY for k, _ in trailers)
+    return exc.code() in _BROKEN and _mark(exc) is None
 
 
 def _error(stage: str, exc: BaseException | None, target: str | None) -> DispatchError:
@@ -99,7 +104,8 @@ def _error(stage: str, exc: BaseException | None, target: str | None) -> Dispatc
     if not isinstance(exc, grpc.RpcError):  # not a call's failure: nothing says the worker was lost
         return DispatchError(stage, grpc.StatusCode.UNKNOWN, f"{type(exc).__name__}: {exc}")
     lost = (target,) if target is not None and _broke(exc) else ()
-    return DispatchError(stage, exc.code(), exc.details() or exc.code().name, lost)
+    refused = (target,) if target is not None and _mark(exc) == DRAINING_REFUSAL else ()
+    return DispatchError(stage, exc.code(), exc.details() or exc.code().name, lost, refused)
 
 
 class Dispatcher:

@@ -259,14 +259,14 @@ def check_port(host: str, port: int) -> None:
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
     except socket.gaierror as exc:
         raise UsageError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
-    with socket.socket(family, socket.SOCK_STREAM) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: TIME_WAIT is no obstacle
-        try:
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: TIME_WAIT is no obstacle
             probe.bind((host, port))
-        except OSError as exc:
-            hint = "; another epd serve (or another server) uses it: stop it or pick --port" \
-                if exc.errno == errno.EADDRINUSE else ""
-            raise UsageError(f"cannot listen on {host}:{port}: {exc.strerror}{hint}") from None
+    except OSError as exc:
+        hint = "; another epd serve (or another server) uses it: stop it or pick --port" \
+            if exc.errno == errno.EADDRINUSE else ""
+        raise UsageError(f"cannot listen on {host}:{port}: {exc.strerror or exc}{hint}") from None
 
 
 def serve(settings: Settings) -> int:

@@ -54,22 +54,35 @@ def is_local_target(target: str) -> bool:
 
 @functools.lru_cache(maxsize=256)
 def own_address(host: str) -> bool:
-    """Whether the IP literal ``host`` is an address of this host (its network namespace). A UDP socket is
-    connected to it (nothing is sent) and the kernel picks the source address: for an address of this host's,
-    its route is the local table's, whose source is that same address; for any other, an address of this host.
-    A bind probe would not do: with ``net.ipv4.ip_nonlocal_bind=1`` every address binds, and ``auto`` would
-    then pick shared memory for a receiver on another host."""
+    """Whether the IP literal ``host`` is an address of this host (its network namespace). A socket binds to
+    one only then, unless ``ip_nonlocal_bind`` is on (every address binds; ``auto`` would then pick shared
+    memory for a receiver on another host). With it on, a UDP socket is also connected to the address
+    (nothing is sent): the kernel routes an address of this host's own from that same address, any other
+    from one of this host's. Nothing listens; the sockets close at once."""
     addr = ipaddress.ip_address(host)
     if addr.is_loopback:
         return True
     family = socket.AF_INET6 if addr.version == 6 else socket.AF_INET
     try:
         with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.bind((host, 0))
+        if not _nonlocal_bind(addr.version):
+            return True
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
             probe.connect((host, 9))
             source = probe.getsockname()[0]
-    except OSError:  # no route there, or no such address family (or socket) here: not local
+    except OSError:  # not this host's, no route there, or no such address family (or socket) here: not local
         return False
     return ipaddress.ip_address(source.split("%", 1)[0]) == addr
+
+
+def _nonlocal_bind(version: int) -> bool:
+    """Whether this network namespace lets a socket bind any address (unknown: assume it does)."""
+    try:
+        with open(f"/proc/sys/net/ipv{version}/ip_nonlocal_bind") as f:
+            return f.read().strip() != "0"
+    except OSError:
+        return True
 
 
 class KVSender:

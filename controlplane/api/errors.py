@@ -119,7 +119,9 @@ def _fields(loc: Sequence[Any]) -> list[str | int]:
 
 
 _TYPE_TAGS = ("str", "int", "float", "bool", "none")
-_UNION_TAGS = ("tokenize-chat", "tokenize-prompt")  # controlplane.api.tokenize.UNION_TAGS (no import: a cycle)
+# the tags a body's kind is validated under (controlplane.api.tokenize): in an error's location, not fields
+CHAT_BODY, PROMPT_BODY = "tokenize-chat", "tokenize-prompt"
+_UNION_TAGS = (CHAT_BODY, PROMPT_BODY)
 
 
 def _param(loc: list[str | int]) -> str:

@@ -19,7 +19,7 @@ from fastapi import APIRouter
 from pydantic import BaseModel, Discriminator, Field, Tag, model_validator
 from starlette.responses import Response
 
-from controlplane.api.errors import APIError
+from controlplane.api.errors import CHAT_BODY, PROMPT_BODY, APIError
 from controlplane.api.models import ChatMessage, Text, _Request
 from controlplane.api.prompts import chat_ids, check_model, tokenise
 from controlplane.backend import ModelInfo
@@ -48,13 +48,11 @@ class TokenizeChat(_Request):
 
 def _kind(body: Any) -> str:
     """A body with ``messages`` is a chat's; any other, a prompt's (so its errors name the prompt's fields)."""
-    return "tokenize-chat" if isinstance(body, dict) and "messages" in body else "tokenize-prompt"
+    return CHAT_BODY if isinstance(body, dict) and "messages" in body else PROMPT_BODY
 
 
-TokenizeBody = Annotated[Annotated[TokenizeChat, Tag("tokenize-chat")] | Annotated[TokenizeCompletion,
-                                                                                    Tag("tokenize-prompt")],
+TokenizeBody = Annotated[Annotated[TokenizeChat, Tag(CHAT_BODY)] | Annotated[TokenizeCompletion, Tag(PROMPT_BODY)],
                          Discriminator(_kind)]
-UNION_TAGS = ("tokenize-chat", "tokenize-prompt")  # in a validation error's location: not fields
 
 
 class Detokenize(_Request):

@@ -52,6 +52,15 @@ class _Lost(Exception):
         self.error, self.selection = error, selection
 
 
+class _Refused(Exception):
+    """Live workers refused an attempt because they drain (their addresses, on ``selection``): the request
+    tries others, with no move counted and no worker marked suspect."""
+
+    def __init__(self, error: DispatchError, selection: Selection) -> None:
+        super().__init__(str(error))
+        self.workers = [selection.worker_at(a) or a for a in error.refused]
+
+
 class Scheduler:
     def __init__(self, model: ModelInfo, view: WorkerView, dispatcher: Dispatcher, policy: RoutingPolicy,
                  settings: SchedulerSettings, journal: RequestJournal | BackgroundJournal | None = None, *,
@@ -117,7 +126,7 @@ class Scheduler:
             self._record(rid, RequestState.QUEUED)
             admitted = wait_from = time.monotonic()
             progress = Progress(request, self.model.tokenizer)
-            lost: set[str] = set()  # workers this request lost: never tried again for it
+            lost: set[str] = set()  # workers this request lost, or that refused it draining: never tried again
             moves = 0
             try:
                 while True:
@@ -136,6 +145,8 @@ class Scheduler:
                         self._moved(rid, exc, progress, lost, moves)
                         moves += 1
                         wait_from = time.monotonic()
+                    except _Refused as exc:  # refused at its start, nothing streamed: the next route, no move
+                        lost.update(exc.workers)
             except BackendError as exc:  # refused before streaming (no replica, Redis away): say so in the journal
                 if exc.status == 503:
                     self._record(rid, RequestState.FAILED, str(exc))
@@ -175,6 +186,9 @@ class Scheduler:
                 try:
                     attempt = Attempt.open(self.view, self.health, self.dispatcher, selection, request, left)
                 except DispatchError as exc:
+                    if exc.refused:  # live workers that drain: tried no more for this request, not suspect
+                        lost.update(selection.worker_at(a) or a for a in exc.refused)
+                        continue
                     v = verdict(exc, started=False)
                     if v is Verdict.REFUSED:
                         refused.add(selection.decode.worker_id)
@@ -220,15 +234,20 @@ class Scheduler:
         return "no live decode replica to serve the request"
 
     def _relay(self, rid: str, attempt: Attempt, progress: Progress) -> Iterator[Chunk]:
-        """The attempt's chunks as the client's, until the request finished; _Lost when a worker was lost."""
+        """The attempt's chunks as the client's, until the request finished; _Lost when a worker was lost,
+        _Refused when draining workers refused it before it streamed."""
+        streamed = False
         try:
             for wire in attempt.chunks():
+                streamed = True
                 chunk = progress.accept(wire)
                 if chunk is not None:
                     yield chunk
                 if progress.finished:  # a stop string the relay found ends it; closing the attempt aborts it
                     return
         except DispatchError as exc:
+            if exc.refused and not streamed:
+                raise _Refused(exc, attempt.selection) from None
             if verdict(exc, started=True) is Verdict.LOST:
                 raise _Lost(exc, attempt.selection) from None
             self._record(rid, RequestState.FAILED, f"{exc.stage}: {exc.message}")

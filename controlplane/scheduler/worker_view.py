@@ -62,6 +62,7 @@ class WorkerView:
         self.empty_grace_s = empty_grace_s
         self._empty_since: dict[str, float] = {}  # pools that read as empty after having rows
         self._draining: dict[str, int] = {}  # pool -> live workers its last read found draining
+        self._first_failure: dict[str, tuple[float, StateError]] = {}  # pool -> when its first read last failed
         self.refresh_s = refresh_s
         self.degraded_retry_s = degraded_retry_s
         self.clock = clock
@@ -106,8 +107,8 @@ class WorkerView:
             if cached is None:
                 self._pools.setdefault(pool, None)
                 stale = True
-            elif cached[0] == INVALIDATED:
-                stale = True  # a request waiting for room asked for fresh load reports: one thread rereads now
+            elif cached[0] == INVALIDATED:  # a request waiting for room asked for fresh load reports: one
+                stale = self._due(pool, cached[0], now)  # thread rereads now (while degraded, at the retry pace)
             elif self._refresher is not None:
                 stale = False  # the background thread keeps it fresh
             else:
@@ -120,8 +121,12 @@ class WorkerView:
             while cached is None and not reread:  # the pool's first read is in flight: wait for it
                 self._read_done.wait(timeout=1.0)  # a reread ends within its command budget; this only re-checks
                 cached = self._cache.get(pool)
-                if cached is None and pool not in self._refreshing:  # that read failed: try again here
-                    reread = True
+                if cached is None and pool not in self._refreshing:  # that read failed
+                    now = self.clock()
+                    failed = self._first_failure.get(pool)
+                    if failed is not None and now - failed[0] < self.degraded_retry_s:
+                        raise failed[1]  # as it did for the thread that read: the waiters fail together
+                    reread = True  # an older failure: try again here
                     self._refreshing.add(pool)
         if reread:
             cached = self._reread(pool, cached, now)
@@ -147,6 +152,8 @@ class WorkerView:
                 self._last_try[pool] = now
                 if self._degraded is None:
                     self._degraded = Degraded(now, str(exc))
+                if cached is None:
+                    self._first_failure[pool] = (self.clock(), exc)
             if cached is None:
                 raise
         else:

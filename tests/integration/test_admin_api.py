@@ -164,6 +164,21 @@ def test_a_worker_that_does_not_resume_stays_out_of_routing(resumable):
     assert calls == ["decode-a"] and registry.get("decode-a", "decode").info.draining is True
 
 
+def test_a_scale_down_that_chooses_the_worker_while_it_resumes_wins(resumable):
+    """The scale-down picked the worker between the check and the registry write: it drains again (409)."""
+    client, registry, calls, _, manager = resumable
+    checks: list[str] = []
+
+    def stopping(worker_id: str) -> bool:  # false at the first check; the reconcile chooses it right after
+        checks.append(worker_id)
+        return len(checks) > 1
+    manager.stopping = stopping
+    reply = client.delete("/admin/workers/decode-a/drain", headers=AUTH)
+    assert reply.status_code == 409 and "being stopped by a scale-down" in reply.text
+    assert calls == ["decode-a"] and checks == ["decode-a", "decode-a"]
+    assert registry.get("decode-a", "decode").info.draining is True
+
+
 def test_a_worker_a_scale_down_is_stopping_is_not_resumed(resumable):
     client, registry, calls, _, manager = resumable
     manager.stopping_ids.add("decode-b")

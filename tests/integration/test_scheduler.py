@@ -159,6 +159,41 @@ def test_a_replica_that_refuses_because_it_drains_is_skipped_not_counted_lost(cl
                for e in RequestJournal(cluster[5]).history(f"refused-{i}"))
 
 
+def test_a_prefill_replica_that_refuses_because_it_drains_costs_no_move(default_bundle, state_conn):  # noqa: F811
+    """The same for a prefill replica: its refusal comes inside the attempt (after Reserve). The request
+    goes to the other prefill replica without a move counted (three refusals used to reach the migration
+    limit and end in a 503) and without the refusing worker marked suspect."""
+    codecs = ("fp32",) * default_bundle.config.num_layers
+    workers = [start_worker("prefill", default_bundle, SECURITY, codecs=codecs),
+               start_worker("prefill", default_bundle, SECURITY, codecs=codecs),
+               start_worker("decode", default_bundle, SECURITY, codecs=codecs, config=SMALL_DECODE)]
+    refusing, other = workers[0], workers[1]
+    registry = WorkerRegistry(state_conn, ttl=30)
+    for w, queued in ((refusing, 0), (other, 500), (workers[2], 0)):  # routing tries the refusing one first
+        registry.register(WorkerInfo(w.identity.worker_id, Pool(w.pool), w.address,
+                                     load=WorkerLoad(queued_tokens=queued, free_kv_blocks=20, total_kv_blocks=20)))
+    refusing.service.Drain(None, None)  # type: ignore[attr-defined]  # every worker service drains; Redis not told
+    dispatcher = Dispatcher(SECURITY)
+    model = ModelInfo("demo", default_bundle.tokenizer, 8192, None, 64, default_bundle.eos_token_ids)
+    scheduler = Scheduler(model, WorkerView(registry, refresh_s=0.05), dispatcher, get_policy("least_loaded"),
+                          SchedulerSettings(migration_limit=0), RequestJournal(state_conn))
+    try:
+        for i in range(3):
+            assert len(_collect(scheduler, WorkerRequest(f"p-refused-{i}", default_bundle.tokenizer.encode("hello"),
+                                                         GREEDY))) == 12
+            history = RequestJournal(state_conn).history(f"p-refused-{i}")
+            assert RequestState.MIGRATING not in [e.state for e in history]
+            assert other.identity.worker_id in history[-2].detail, history[-2].detail
+        assert scheduler.health.routable(refusing.identity.worker_id)
+    finally:
+        dispatcher.close()
+        for w in workers:
+            registry.deregister(w.identity.worker_id, w.pool)
+            w.stop()
+        for key in state_conn.redis.scan_iter(match=state_conn.keys.pattern):
+            state_conn.redis.delete(key)
+
+
 def test_a_request_no_decode_replica_can_ever_hold_is_refused_at_once(cluster):
     scheduler = _scheduler(cluster, queue_timeout_s=30.0)
     started = time.monotonic()

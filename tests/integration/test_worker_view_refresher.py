@@ -215,3 +215,71 @@ def test_requests_waiting_for_room_reread_redis_once_not_each(started: bool):
             view.close()
             conn.redis.flushdb()
             conn.close()
+
+
+class _Failing(_SlowReads):
+    """Reads held for ``delay_s``; while ``failing``, each fails as a Redis that does not answer would."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.failing = False
+
+    def live_workers(self, pool):
+        if self.failing:
+            self.readers.append(threading.current_thread().name)
+            time.sleep(self.delay_s)
+            raise StateError("redis://127.0.0.1:1", "Timeout reading from socket")
+        return super().live_workers(pool)
+
+
+def test_a_first_read_that_fails_fails_its_waiters_too_not_one_after_another():
+    """Threads waiting on a pool's first read share its failure (Redis away: every request is told at
+    once), rather than each retrying in turn (the last of N waited N command budgets)."""
+    with LocalRedis() as server:
+        conn = connect(server.url, f"t-{uuid.uuid4().hex[:8]}")
+        registry = _Failing(conn, ttl=60, delay_s=0.3)
+        registry.failing = True
+        view = WorkerView(registry, refresh_s=3600.0, degraded_retry_s=60.0)
+        errors: list[BaseException] = []
+
+        def route() -> None:
+            try:
+                view.candidates("decode")
+            except BaseException as exc:  # noqa: BLE001  # every thread's outcome is checked below
+                errors.append(exc)
+        try:
+            threads = [threading.Thread(target=route) for _ in range(8)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(timeout=30)
+            assert len(errors) == 8 and all(isinstance(e, StateError) for e in errors)
+            assert len(registry.readers) == 1, registry.readers
+        finally:
+            conn.close()
+
+
+def test_while_degraded_an_invalidated_snapshot_is_reread_at_the_retry_pace_not_by_every_request():
+    """Requests waiting for room invalidate the view after each backoff; with Redis stalled, each would
+    otherwise reread (and wait out the command budget) in turn, forever."""
+    clock = [100.0]
+    with LocalRedis() as server:
+        conn = connect(server.url, f"t-{uuid.uuid4().hex[:8]}")
+        WorkerRegistry(conn, ttl=60).register(_worker("d-0", 9000))
+        registry = _Failing(conn, ttl=60, delay_s=0.0)
+        view = WorkerView(registry, refresh_s=0.2, degraded_retry_s=1.0, clock=lambda: clock[0])
+        try:
+            assert [c.worker_id for c in view.candidates("decode")] == ["d-0"]
+            registry.failing = True
+            reads = len(registry.readers)
+            view.invalidate()
+            for _ in range(5):  # the first rereads and fails; the view degrades and keeps its rows
+                assert [c.worker_id for c in view.candidates("decode")] == ["d-0"]
+                view.invalidate()  # as each waiting request does after its backoff
+            assert view.degraded is not None and len(registry.readers) - reads == 1
+            clock[0] += 1.5  # past the retry interval: one more try
+            view.candidates("decode")
+            assert len(registry.readers) - reads == 2
+        finally:
+            conn.redis.flushdb()
+            conn.close()

@@ -44,7 +44,9 @@ def test_an_address_that_only_binds_is_not_this_hosts() -> None:
 
     if shutil.which("unshare") is None or shutil.which("ip") is None:
         pytest.skip("needs unshare and ip (util-linux, iproute2)")
-    setup = "ip link set lo up && ip addr add 10.9.9.1/24 dev lo && sysctl -qw net.ipv4.ip_nonlocal_bind=1"
+    # 10.9.9.1 is this namespace's; the rest of 10.9.9.0/24 is routed (through lo), as another host's would be
+    setup = ("ip link set lo up && ip addr add 10.9.9.1/32 dev lo && ip route add 10.9.9.0/24 dev lo && "
+             "sysctl -qw net.ipv4.ip_nonlocal_bind=1")
     made = subprocess.run(["unshare", "-rn", "sh", "-c", setup], capture_output=True, text=True, timeout=30)
     if made.returncode != 0:
         pytest.skip(f"cannot make a network namespace here: {made.stderr.strip()}")

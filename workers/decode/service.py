@@ -174,18 +174,22 @@ class DecodeService(Drainable, wgrpc.DecodeWorkerServicer):
             pending = self._pending.pop(rid, None)
         if pending is None:
             return False
+        self._release(rid, pending)
+        return True
+
+    def _release(self, rid: str, pending: _Pending) -> None:
+        """Release a reservation already taken out of ``_pending`` (so no Generate can claim it now)."""
         self.receiver.cancel(rid, "request aborted")
         self.engine.release(pending.reservation)
         if pending.outcome is None:  # wake a Generate waiting for this KV
             pending.outcome = TransferOutcome(rid, False, code=grpc.StatusCode.CANCELLED, error="request aborted")
         pending.done.set()
-        return True
 
     def _sweep_loop(self) -> None:
         while not self._stop.wait(0.25):
             now = time.monotonic()
-            with self._lock:
-                stale = [rid for rid, p in self._pending.items() if not p.claimed and (
+            with self._lock:  # taken out under the lock Generate claims under: a claim and a sweep never cross
+                stale = [(rid, self._pending.pop(rid)) for rid, p in list(self._pending.items()) if not p.claimed and (
                     p.deadline <= now or (p.landed_at is not None and now - p.landed_at > self.unclaimed_grace_s))]
-            for rid in stale:  # transferred (or failed) but nobody came to generate
-                self._drop(rid)
+            for rid, pending in stale:  # transferred (or failed) but nobody came to generate
+                self._release(rid, pending)

@@ -49,6 +49,37 @@ def test_32_concurrent_requests_on_2_prefill_and_2_decode_replicas_all_match(ser
     assert {p["pool"]: p["ready"] for p in served.status()["pools"]} == {"encode": 1, "prefill": 2, "decode": 2}
 
 
+def test_a_burst_past_every_workers_call_budget_is_served_whole(served):
+    """300 streamed chats at once on 2 decode replicas of 64 calls each: every one ends with its tokens. A busy
+    worker's gRPC server used to refuse streams its clients were entitled to (REFUSED_STREAM, grpc's overload
+    protection), which read as a lost worker: 503 "no live decode replica" for a fifth of them; and the
+    requests waiting for room starved the running streams' relay threads."""
+    import asyncio
+    import json
+    from collections import Counter
+
+    async def one(client: httpx.AsyncClient, i: int) -> tuple[int, int]:
+        body = {"model": model, "messages": [{"role": "user", "content": f"burst {i}"}], "max_tokens": 32,
+                "temperature": 1.0, "seed": i, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}}
+        tokens = 0
+        async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: {") and (usage := json.loads(line[6:]).get("usage")):
+                    tokens = usage["completion_tokens"]
+            return r.status_code, tokens
+
+    async def burst() -> list[tuple[int, int]]:
+        async with httpx.AsyncClient(base_url=served.base, timeout=300,
+                                     limits=httpx.Limits(max_connections=600)) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(300)))
+
+    model = httpx.get(f"{served.base}/v1/models", timeout=10).json()["data"][0]["id"]
+    results = asyncio.run(burst())
+    assert Counter(results) == {(200, 32): 300}, Counter(results)
+    assert {p["pool"]: p["ready"] for p in served.status()["pools"]} == {"encode": 1, "prefill": 2, "decode": 2}
+
+
 def test_scaling_decode_while_requests_stream(served, default_bundle):
     from openai import OpenAI
 

@@ -47,12 +47,17 @@ def cluster(default_bundle, state_conn):  # noqa: F811
     dispatcher = Dispatcher(SECURITY)
     model = ModelInfo("demo", default_bundle.tokenizer, 8192, None, 64, default_bundle.eos_token_ids)
     yield default_bundle, workers, registry, dispatcher, model, state_conn
+    _stop_all(dispatcher, workers, registry, state_conn)
+
+
+def _stop_all(dispatcher: Dispatcher, workers: list, registry: WorkerRegistry, conn) -> None:  # noqa: ANN001
+    """Close the dispatcher, deregister and stop the workers, and leave no key of the test in Redis."""
     dispatcher.close()
     for w in workers:
         registry.deregister(w.identity.worker_id, w.pool)
         w.stop()
-    for key in state_conn.redis.scan_iter(match=state_conn.keys.pattern):
-        state_conn.redis.delete(key)
+    for key in conn.redis.scan_iter(match=conn.keys.pattern):
+        conn.redis.delete(key)
 
 
 def _scheduler(cluster, **settings) -> Scheduler:
@@ -186,12 +191,7 @@ def test_a_prefill_replica_that_refuses_because_it_drains_costs_no_move(default_
             assert other.identity.worker_id in history[-2].detail, history[-2].detail
         assert scheduler.health.routable(refusing.identity.worker_id)
     finally:
-        dispatcher.close()
-        for w in workers:
-            registry.deregister(w.identity.worker_id, w.pool)
-            w.stop()
-        for key in state_conn.redis.scan_iter(match=state_conn.keys.pattern):
-            state_conn.redis.delete(key)
+        _stop_all(dispatcher, workers, registry, state_conn)
 
 
 def test_a_request_no_decode_replica_can_ever_hold_is_refused_at_once(cluster):

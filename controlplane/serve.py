@@ -241,7 +241,7 @@ def build(settings: Settings) -> Deployment:
                                                                  on_drain=drain_over_rpc(registry, security),
                                                                  on_resume=resume_over_rpc(registry, security),
                                                                  fixed_pools=fixed, starts=manager),
-                             routers=routers,
+                             routers=routers, relay_wait_s=settings.scheduler.queue_timeout_s,
                              ops_token=settings.api.ops_token.get_secret_value() if settings.api.ops_token else None)
         dep.ready_line = f"{info.name} ({settings.mode}: {pools_line(manager, not_needed)})"
     except BaseException:

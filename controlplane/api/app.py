@@ -40,10 +40,11 @@ CLIENT_CLOSED = 499  # nginx's status for a client that left before the answer; 
 
 
 def create_app(backend: Backend, api_keys: Sequence[str] = (), admin: APIRouter | None = None, *,
-               relay_threads: int = 256, routers: Sequence[APIRouter] = (),
+               relay_threads: int = 256, relay_wait_s: float | None = None, routers: Sequence[APIRouter] = (),
                max_body_bytes: int = MAX_BODY_BYTES, ops_token: str | None = None) -> FastAPI:
     """The ingress app. ``api_keys``: bearer keys for /v1/* (empty: open). ``admin``: a router
-    mounted as is (it guards itself). ``relay_threads``: threads that may wait on backend chunks.
+    mounted as is (it guards itself). ``relay_threads``: threads that may wait on backend chunks (per lane,
+    ``relay.ThreadLanes``); ``relay_wait_s``: how long a request may wait for one to start on (then 429).
     ``routers``: more routers mounted as they are (the dashboard). ``GET /metrics`` is always served.
     ``max_body_bytes``: a larger request body is a 413 (``limits.BodyLimit``). ``ops_token``: /metrics and
     /dashboard need it (``auth.OpsAuth``; None: open)."""
@@ -51,7 +52,7 @@ def create_app(backend: Backend, api_keys: Sequence[str] = (), admin: APIRouter 
                   docs_url=None, redoc_url=None, **fastapi_kwargs())
     install_error_handlers(app)
     bind_model(backend.model.name)  # the model_name label of every epd: series
-    lanes = ThreadLanes(relay_threads)
+    lanes = ThreadLanes(relay_threads, relay_wait_s)
     started = int(time.time())
 
     @app.api_route("/health", methods=["GET", "HEAD"], include_in_schema=False)  # HEAD: probes that send it

@@ -15,16 +15,18 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import threading
 import weakref
-from collections.abc import AsyncGenerator, Generator, Iterator
+from collections.abc import AsyncGenerator, Callable, Generator, Iterator
 from dataclasses import dataclass
 
 import anyio
 import anyio.to_thread
 
-from controlplane.backend import Backend, BackendError, Chunk
+from controlplane.backend import Backend, BackendError, Chunk, Overloaded
 from controlplane.dispatch import WorkerRequest
+from controlplane.observability import metrics
 
 _END = object()
 
@@ -35,21 +37,46 @@ class ThreadLanes:
     Apart from anyio's default 40 threads. A request's first step (admission, then waiting for decode
     room: seconds) takes a thread of the ``first`` lane; every later step (a flowing stream's next chunk,
     the close) one of the ``streaming`` lane. In one lane, a burst of requests waiting for room held every
-    thread, the running streams could not fetch their tokens, and their workers looked hung. One pair per
-    loop, as a limiter is bound to the loop that first waits on it."""
+    thread, the running streams could not fetch their tokens, and their workers looked hung.
 
-    def __init__(self, threads: int) -> None:
+    ``first_wait_s``: how long a request may wait for a first-lane thread (all of them busy admitting or
+    waiting for room) before it is refused as overloaded (429); None waits without bound. One set of
+    limiters per loop, as a limiter is bound to the loop that first waits on it."""
+
+    def __init__(self, threads: int, first_wait_s: float | None = None) -> None:
         self.threads = threads
-        self._by_loop: weakref.WeakKeyDictionary[object, tuple[anyio.CapacityLimiter, anyio.CapacityLimiter]] = \
+        self.first_wait_s = first_wait_s
+        self._by_loop: weakref.WeakKeyDictionary[object, tuple[anyio.CapacityLimiter, ...]] = \
             weakref.WeakKeyDictionary()
 
     def limiters(self) -> tuple[anyio.CapacityLimiter, anyio.CapacityLimiter]:
         """(the first lane, the streaming lane) of the running loop, ``threads`` each."""
+        first, streaming, _ = self._lanes()
+        return first, streaming
+
+    def _lanes(self) -> tuple[anyio.CapacityLimiter, ...]:
         loop = asyncio.get_running_loop()
         lanes = self._by_loop.get(loop)
         if lanes is None:
-            lanes = self._by_loop[loop] = (anyio.CapacityLimiter(self.threads), anyio.CapacityLimiter(self.threads))
+            lanes = self._by_loop[loop] = (anyio.CapacityLimiter(self.threads), anyio.CapacityLimiter(self.threads),
+                                           anyio.CapacityLimiter(math.inf))
         return lanes
+
+    async def first_step(self, step: Callable[[], tuple[object, bool]]) -> tuple[object, bool]:
+        """Run a request's first step on a thread of the first lane, waiting at most ``first_wait_s`` for one."""
+        first, _, unbounded = self._lanes()
+        if self.first_wait_s is None:
+            return await anyio.to_thread.run_sync(step, limiter=first)
+        with anyio.move_on_after(self.first_wait_s) as waited:
+            await first.acquire()
+        if waited.cancelled_caught:  # no token came in time (a cancelled acquire holds none)
+            metrics.rejected("relay_busy")
+            raise Overloaded(f"all {self.threads} request threads are busy admitting requests or waiting for decode "
+                             f"room; retry later", max(1.0, self.first_wait_s))
+        try:  # the thread itself is counted by the token just taken
+            return await anyio.to_thread.run_sync(step, limiter=unbounded)
+        finally:
+            first.release()
 
 
 def _drive(backend: Backend, request: WorkerRequest) -> Generator[Chunk, None, None]:
@@ -110,13 +137,17 @@ class Relay:
     lanes: ThreadLanes
 
     async def chunks(self) -> AsyncGenerator[Chunk, None]:
-        limiter, streaming = self.lanes.limiters()
+        _, streaming = self.lanes.limiters()
         stepper = _Stepper(_drive(self.backend, self.request))
         ended = False
+        first = True
         try:
             while True:
-                item, ended = await anyio.to_thread.run_sync(stepper.step, limiter=limiter)
-                limiter = streaming  # the first step waited for room; the rest only fetch tokens
+                if first:  # admission and waiting for room; the rest only fetch tokens
+                    item, ended = await self.lanes.first_step(stepper.step)
+                    first = False
+                else:
+                    item, ended = await anyio.to_thread.run_sync(stepper.step, limiter=streaming)
                 if item is _END:
                     raise BackendError("the backend ended the request without finishing it", status=502)
                 assert isinstance(item, Chunk)

@@ -108,3 +108,33 @@ async def _drain(relay: Relay) -> list[int]:
 
 async def _drain_from(chunks) -> list[int]:  # noqa: ANN001  # an async generator of Chunk
     return [t async for c in chunks for t in c.token_ids]
+
+
+def test_a_request_that_finds_every_first_lane_thread_busy_past_the_wait_is_refused_as_overloaded() -> None:
+    """Past ``first_wait_s`` with every first-lane thread admitting or waiting for room, a request is refused
+    (429) instead of waiting in the event loop without a bound, uncounted by the queue. A request that gets a
+    thread in time runs, and the thread is given back."""
+    from controlplane.backend import Overloaded
+
+    backend = RoomBackend()
+    lanes = ThreadLanes(1, first_wait_s=0.3)
+
+    def relay(rid: str) -> Relay:
+        return Relay(backend, WorkerRequest(rid, [1, 2, 3], SamplingParams(max_tokens=3)), lanes)  # type: ignore[arg-type]  # a backend double
+
+    async def main() -> tuple[BaseException | None, list[int], list[int]]:
+        waiter = asyncio.create_task(_drain(relay("wait-0")))  # holds the only first-lane thread
+        await asyncio.to_thread(backend.waiting.acquire, True, 10)
+        refused: BaseException | None = None
+        try:
+            await asyncio.wait_for(_drain(relay("late")), timeout=5)  # unbounded, it would wait for the room
+        except (Overloaded, TimeoutError) as exc:
+            refused = exc
+        backend.room.set()
+        served = await waiter
+        after = await _drain(relay("after"))  # the token came back
+        return refused, served, after
+
+    refused, served, after = asyncio.run(main())
+    assert isinstance(refused, Overloaded) and "all 1 request threads are busy" in str(refused)
+    assert served == [0, 1, 2] and after == [0, 1, 2]

@@ -205,9 +205,10 @@ def admin_router(conn: StateConnection, registry: WorkerRegistry, admin_token: s
         record = registry.find(worker_id)
         if record is None:
             raise HTTPException(404, f"no live worker {worker_id!r}")
+        stopping = HTTPException(409, f"worker {worker_id} is being stopped by a scale-down of the "
+                                      f"{record.info.pool.value} pool; scale the pool up for another replica")
         if starts is not None and starts.stopping(worker_id):
-            raise HTTPException(409, f"worker {worker_id} is being stopped by a scale-down of the "
-                                     f"{record.info.pool.value} pool; scale the pool up for another replica")
+            raise stopping
         why = on_resume(worker_id) if on_resume is not None else None
         if why is not None:
             raise HTTPException(502, f"worker {worker_id} did not resume ({why}); routing still skips it")
@@ -216,8 +217,7 @@ def admin_router(conn: StateConnection, registry: WorkerRegistry, admin_token: s
             registry.set_draining(worker_id, record.info.pool)
             if on_drain is not None:
                 on_drain(worker_id)
-            raise HTTPException(409, f"worker {worker_id} is being stopped by a scale-down of the "
-                                     f"{record.info.pool.value} pool; scale the pool up for another replica")
+            raise stopping
         return {"worker_id": worker_id, "draining": False}
 
     return router

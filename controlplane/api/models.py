@@ -92,6 +92,7 @@ class _GenerationFields(_Request):
     min_tokens: int | None = None
     use_beam_search: bool | None = None
     skip_special_tokens: bool | None = None
+    echo: bool | None = None  # OpenAI's on completions, vLLM's on chat: refused
 
 
 class ChatCompletionRequest(_GenerationFields):
@@ -104,14 +105,12 @@ class ChatCompletionRequest(_GenerationFields):
     functions: list[Any] | None = None  # the deprecated form of tools
     function_call: Any = None
     response_format: ResponseFormat | None = None
-    echo: bool | None = None  # vLLM extension (chat): refused
 
 
 class CompletionRequest(_GenerationFields):
     """``max_tokens`` defaults to 16 here, as in OpenAI's API and vLLM (chat: the rest of the context)."""
 
     prompt: Text | list[int] | list[Text] | list[list[int]]
-    echo: bool | None = None
     best_of: int | None = None
     suffix: Text | None = None
     logprobs: int | None = None

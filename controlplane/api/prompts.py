@@ -39,7 +39,7 @@ def check_model(requested: str, model: ModelInfo) -> None:
 # ----------------------------------------------------------------------------------- chat
 def prepare_chat(body: ChatCompletionRequest, model: ModelInfo) -> WorkerRequest:
     check_model(body.model, model)
-    _refuse_unsupported(body.n, body.presence_penalty, body.frequency_penalty, body.logit_bias)
+    _refuse_unsupported(body)
     if body.logprobs or body.top_logprobs:
         raise APIError(400, "logprobs are not supported by this server.", param="logprobs")
     if body.tools:
@@ -50,8 +50,6 @@ def prepare_chat(body: ChatCompletionRequest, model: ModelInfo) -> WorkerRequest
         if getattr(body, name) not in (None, "none"):
             raise APIError(400, f"{name} needs tools, which this server does not support (only \"none\").",
                            param=name)
-    if body.echo:
-        raise APIError(400, "echo is not supported by this server.", param="echo")
     if body.response_format is not None and body.response_format.type != "text":
         raise APIError(400, "response_format must be {\"type\": \"text\"}; structured output is not supported.",
                        param="response_format")
@@ -143,11 +141,9 @@ def decode_data_url(url: str, param: str) -> bytes:
 # ----------------------------------------------------------------------------------- completions
 def prepare_completion(body: CompletionRequest, model: ModelInfo) -> WorkerRequest:
     check_model(body.model, model)
-    _refuse_unsupported(body.n, body.presence_penalty, body.frequency_penalty, body.logit_bias)
+    _refuse_unsupported(body)
     if body.best_of not in (None, 1):
         raise APIError(400, "best_of must be 1.", param="best_of")
-    if body.echo:
-        raise APIError(400, "echo is not supported by this server.", param="echo")
     if body.suffix:
         raise APIError(400, "suffix is not supported by this server.", param="suffix")
     if body.logprobs is not None:  # 0 asks for the chosen token's own logprob
@@ -174,15 +170,27 @@ def prepare_completion(body: CompletionRequest, model: ModelInfo) -> WorkerReque
 
 
 # ----------------------------------------------------------------------------------- shared
-def _refuse_unsupported(n: int | None, presence: float | None, frequency: float | None,
-                        logit_bias: dict[str, float] | None) -> None:
-    if n not in (None, 1):
+def _refuse_unsupported(body: ChatCompletionRequest | CompletionRequest) -> None:
+    """Fields chat and text completions share that this server does not serve (OpenAI's, and vLLM's
+    sampling extensions): refused unless they ask for the default."""
+    if body.n not in (None, 1):
         raise APIError(400, "n must be 1: this server returns one choice per request.", param="n")
-    for name, value in (("presence_penalty", presence), ("frequency_penalty", frequency)):
+    for name, value in (("presence_penalty", body.presence_penalty), ("frequency_penalty", body.frequency_penalty)):
         if value not in (None, 0.0):
             raise APIError(400, f"{name} is not supported by this server (only 0).", param=name)
-    if logit_bias:
+    if body.logit_bias:
         raise APIError(400, "logit_bias is not supported by this server.", param="logit_bias")
+    if body.echo:
+        raise APIError(400, "echo is not supported by this server.", param="echo")
+    for name, default in (("min_p", 0.0), ("repetition_penalty", 1.0), ("min_tokens", 0)):
+        value = getattr(body, name)
+        if value is not None and value != default:
+            raise APIError(400, f"{name} is not supported by this server (only {default:g}).", param=name)
+    if body.use_beam_search:
+        raise APIError(400, "beam search is not supported by this server.", param="use_beam_search")
+    if body.skip_special_tokens is False:
+        raise APIError(400, "special tokens are always left out of the text; skip_special_tokens must be true.",
+                       param="skip_special_tokens")
 
 
 def tokenise(run: Callable[[], list[int]]) -> list[int]:
@@ -203,23 +211,9 @@ def _expand_images(ids: list[int], model: ModelInfo, num_images: int,
                        param=param) from None
 
 
-def _refuse_extensions(body: ChatCompletionRequest | CompletionRequest) -> None:
-    """vLLM's sampling extensions this server does not serve: refused unless they ask for the default."""
-    for name, default in (("min_p", 0.0), ("repetition_penalty", 1.0), ("min_tokens", 0)):
-        value = getattr(body, name)
-        if value is not None and value != default:
-            raise APIError(400, f"{name} is not supported by this server (only {default:g}).", param=name)
-    if body.use_beam_search:
-        raise APIError(400, "beam search is not supported by this server.", param="use_beam_search")
-    if body.skip_special_tokens is False:
-        raise APIError(400, "special tokens are always left out of the text; skip_special_tokens must be true.",
-                       param="skip_special_tokens")
-
-
 def _sampling(body: ChatCompletionRequest | CompletionRequest, max_tokens: int | None, max_param: str,
               prompt_len: int, model: ModelInfo, noun: str) -> SamplingParams:
     """``noun``: "messages" or "prompt", for the context-length message and its param."""
-    _refuse_extensions(body)
     vocab = model.tokenizer.vocab_size
     if body.stop_token_ids and any(not 0 <= t < vocab for t in body.stop_token_ids):
         raise APIError(400, f"stop_token_ids must be in [0, {vocab}).", param="stop_token_ids")

@@ -49,12 +49,12 @@ class ThreadLanes:
         self._by_loop: weakref.WeakKeyDictionary[object, tuple[anyio.CapacityLimiter, ...]] = \
             weakref.WeakKeyDictionary()
 
-    def limiters(self) -> tuple[anyio.CapacityLimiter, anyio.CapacityLimiter]:
-        """(the first lane, the streaming lane) of the running loop, ``threads`` each."""
-        first, streaming, _ = self._lanes()
-        return first, streaming
+    def streaming(self) -> anyio.CapacityLimiter:
+        """The running loop's streaming lane (``threads`` threads)."""
+        return self._lanes()[1]
 
     def _lanes(self) -> tuple[anyio.CapacityLimiter, ...]:
+        """(the first lane, the streaming lane, an unbounded one) of the running loop."""
         loop = asyncio.get_running_loop()
         lanes = self._by_loop.get(loop)
         if lanes is None:
@@ -137,7 +137,7 @@ class Relay:
     lanes: ThreadLanes
 
     async def chunks(self) -> AsyncGenerator[Chunk, None]:
-        _, streaming = self.lanes.limiters()
+        streaming = self.lanes.streaming()
         stepper = _Stepper(_drive(self.backend, self.request))
         ended = False
         first = True

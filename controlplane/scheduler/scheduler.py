@@ -58,7 +58,7 @@ class _Refused(Exception):
 
     def __init__(self, error: DispatchError, selection: Selection) -> None:
         super().__init__(str(error))
-        self.workers = [selection.worker_at(a) or a for a in error.refused]
+        self.workers = selection.ids(error.refused)
 
 
 class Scheduler:
@@ -156,7 +156,7 @@ class Scheduler:
         """Mark the lost workers suspect; past ``migration_limit`` moves (``moves`` made so far), the
         retriable 503 naming the cause."""
         error, selection = lost_exc.error, lost_exc.selection
-        names = [selection.worker_at(a) or a for a in error.lost]
+        names = selection.ids(error.lost)
         for worker_id in names:
             lost.add(worker_id)
             self.health.failure(worker_id, f"{error.stage}: {error.message}", lost=True)
@@ -187,14 +187,14 @@ class Scheduler:
                     attempt = Attempt.open(self.view, self.health, self.dispatcher, selection, request, left)
                 except DispatchError as exc:
                     if exc.refused:  # live workers that drain: tried no more for this request, not suspect
-                        lost.update(selection.worker_at(a) or a for a in exc.refused)
+                        lost.update(selection.ids(exc.refused))
                         continue
                     v = verdict(exc, started=False)
                     if v is Verdict.REFUSED:
                         refused.add(selection.decode.worker_id)
-                        for address in exc.lost:  # refused because it is gone, not full
-                            lost.add(selection.worker_at(address) or address)
-                            self.health.failure(selection.worker_at(address) or address, exc.message, lost=True)
+                        for worker_id in selection.ids(exc.lost):  # refused because it is gone, not full
+                            lost.add(worker_id)
+                            self.health.failure(worker_id, exc.message, lost=True)
                         continue
                     if v is Verdict.BUSY:
                         break

@@ -42,6 +42,10 @@ class Selection:
         """The id of this selection's worker at ``address``."""
         return next((c.worker_id for c in self.workers if c.address == address), None)
 
+    def ids(self, addresses: tuple[str, ...]) -> list[str]:
+        """The ids of this selection's workers at ``addresses`` (an address it does not hold stands for itself)."""
+        return [self.worker_at(a) or a for a in addresses]
+
     def describe(self) -> str:
         """``decode=ID prefill=ID encode=ID`` (the journal's detail of the attempt)."""
         return " ".join(f"{name}={c.worker_id}" for name, c in (("decode", self.decode), ("prefill", self.prefill),

@@ -37,8 +37,7 @@ def cmd_model_init(args: argparse.Namespace) -> int:
         raise UsageError(f"{folder} exists and is not a folder")
     try:
         if folder.exists() and any(folder.iterdir()) and not args.force:
-            print(f"epd: {folder} exists and is not empty; pass --force to overwrite", file=sys.stderr)
-            return 2
+            raise UsageError(f"{folder} exists and is not empty; pass --force to overwrite")
         if args.preset is not None:
             from workers.runtime.presets import write_preset_checkpoint
             write_preset_checkpoint(folder, args.preset, seed=args.seed)

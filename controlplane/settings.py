@@ -337,7 +337,8 @@ class ApiSettings(_Model):
 class RedisSettings(_Model):
     url: str | None = Field(None, description="redis://host:port/db; unset = epd starts a local redis-server")
     prefix: str = Field("epd", pattern=r"^[A-Za-z0-9_.-]+$", description="prefix of every key")
-    heartbeat_ttl_s: float = Field(5.0, gt=0, description="a worker's lease; it leaves routing within 2 TTLs")
+    heartbeat_ttl_s: float = Field(5.0, gt=0, description="a worker's lease; a silent worker leaves "
+                                                             "routing within one TTL (its Redis key expires after two)")
     command_budget_s: float = Field(0.25, gt=0, description="on the request path, the time one Redis command may "
                                                              "take (one try); past it routing uses its last good "
                                                              "snapshot")

@@ -42,9 +42,10 @@ CLIENT_CLOSED = 499  # nginx's status for a client that left before the answer; 
 def create_app(backend: Backend, api_keys: Sequence[str] = (), admin: APIRouter | None = None, *,
                relay_threads: int = 256, relay_wait_s: float | None = None, routers: Sequence[APIRouter] = (),
                max_body_bytes: int = MAX_BODY_BYTES, ops_token: str | None = None) -> FastAPI:
-    """The ingress app. ``api_keys``: bearer keys for /v1/* (empty: open). ``admin``: a router
-    mounted as is (it guards itself). ``relay_threads``: threads that may wait on backend chunks (per lane,
-    ``relay.ThreadLanes``); ``relay_wait_s``: how long a request may wait for one to start on (then 429).
+    """The ingress app. ``api_keys``: bearer keys for /v1/*, /tokenize and /detokenize (empty: open).
+    ``admin``: a router mounted as is (it guards itself). ``relay_threads``: threads that may wait on backend
+    chunks (per lane, ``relay.ThreadLanes``); ``relay_wait_s``: how long a request may wait for one to start
+    on (then 429).
     ``routers``: more routers mounted as they are (the dashboard). ``GET /metrics`` is always served.
     ``max_body_bytes``: a larger request body is a 413 (``limits.BodyLimit``). ``ops_token``: /metrics and
     /dashboard need it (``auth.OpsAuth``; None: open)."""

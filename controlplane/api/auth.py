@@ -1,4 +1,6 @@
-"""API keys: with any configured, every /v1/* request needs ``Authorization: Bearer <key>``.
+"""API keys: with any configured, every /v1/*, /tokenize and /detokenize request needs
+``Authorization: Bearer <key>`` (the tokenizer endpoints run the served model's chat template on a caller's
+body, so they are part of the API a key guards).
 The ops token (``api.ops_token``): when set, /metrics and /dashboard (the page and its data) need it, as
 ``Authorization: Bearer <token>`` (Prometheus's ``authorization`` block) or, for a browser opening the page,
 ``?token=<token>`` (the page then sends it as a header on its own requests).
@@ -18,7 +20,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from controlplane.api.errors import APIError
 
-PROTECTED_PREFIX = "/v1"
+PROTECTED_PREFIXES = ("/v1", "/tokenize", "/detokenize")
 OPS_PATHS = ("/metrics", "/dashboard/api")
 OPS_PAGES = ("/dashboard", "/dashboard/")  # the page itself; its static JS and CSS hold no data
 
@@ -51,7 +53,7 @@ class BearerAuth:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path", "")
         if (not self.keys or scope["type"] != "http"
-                or not _under(path, PROTECTED_PREFIX)):
+                or not any(_under(path, p) for p in PROTECTED_PREFIXES)):
             await self.app(scope, receive, send)
             return
         header = dict(scope.get("headers") or []).get(b"authorization")

@@ -56,7 +56,7 @@ def test_model_init_refuses_a_non_empty_folder(model_dir):
     before = _digest(model_dir)
     result = epd("model", "init", str(model_dir))
     assert result.returncode == 2
-    assert "not empty" in result.stderr and "--force" in result.stderr
+    assert result.stderr.startswith("epd: error: ") and "not empty" in result.stderr and "--force" in result.stderr
     assert _digest(model_dir) == before
 
 

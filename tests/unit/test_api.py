@@ -593,7 +593,7 @@ def test_over_long_prompts(client: TestClient, backend: FakeBackend, tokenizer: 
 
 
 # ------------------------------------------------------------------------------ API keys
-def test_api_keys_guard_v1_only(backend: FakeBackend) -> None:
+def test_api_keys_guard_v1_and_the_tokenizer_only(backend: FakeBackend) -> None:
     with TestClient(create_app(backend, api_keys=["sk-one", "sk-two"])) as client:
         assert_error(chat(client), 401, "You didn't provide an API key", code="invalid_api_key")
         bad = client.post("/v1/chat/completions", headers={"Authorization": "Bearer sk-three"},
@@ -608,6 +608,12 @@ def test_api_keys_guard_v1_only(backend: FakeBackend) -> None:
         for key in ("sk-one", "sk-two"):
             ok = client.post("/v1/chat/completions", headers={"Authorization": f"Bearer {key}"},
                              json={"model": NAME, "messages": [{"role": "user", "content": "Hi"}]})
+            assert ok.status_code == 200, ok.text
+        tokenizer_calls = (("/tokenize", {"model": NAME, "prompt": "Hi"}),
+                           ("/detokenize", {"model": NAME, "tokens": [5]}))
+        for path, body in tokenizer_calls:
+            assert_error(client.post(path, json=body), 401, "You didn't provide an API key", code="invalid_api_key")
+            ok = client.post(path, json=body, headers={"Authorization": "Bearer sk-two"})
             assert ok.status_code == 200, ok.text
         assert client.get("/health").status_code == 200 and client.get("/ready").status_code == 200
 

@@ -38,7 +38,9 @@ ARG VARIANT=cpu
 LABEL org.opencontainers.image.title="epd" org.opencontainers.image.description="disaggregated encode/prefill/decode serving" \
       org.opencontainers.image.version="0.1.0" ai.epd.variant="${VARIANT}"
 # redis-server: `epd serve` without a Redis URL starts a private one (the chart runs its own Redis instead)
-RUN apt-get update && apt-get install -y --no-install-recommends redis-server && rm -rf /var/lib/apt/lists/*
+# wget: the KubeRay operator (1.1 up to its 2026 releases) injects liveness/readiness probes into the Ray head
+# and worker containers that run `wget`; without it KubeRay restarts the Ray containers forever.
+RUN apt-get update && apt-get install -y --no-install-recommends redis-server wget && rm -rf /var/lib/apt/lists/*
 COPY --from=build /opt/epd /opt/epd
 ENV PATH=/opt/epd/bin:$PATH PYTHONUNBUFFERED=1 EPD_STATE_DIR=/var/lib/epd
 RUN useradd --create-home --uid 1000 epd && mkdir -p /var/lib/epd && chown epd /var/lib/epd

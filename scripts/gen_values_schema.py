@@ -39,6 +39,7 @@ CHART_MANAGED: dict[tuple[str, str], str] = {
     ("api", "host"): "0.0.0.0 inside the control-plane pod",
     ("api", "admin_token"): "auth.adminToken / auth.existingSecret",
     ("api", "api_keys"): "auth.apiKeys / auth.existingSecret",
+    ("api", "ops_token"): "auth.opsToken / auth.existingSecret",
     ("transfer", "token"): "auth.transferToken / auth.existingSecret",
     ("transfer", "tls_ca"): "auth.mtls",
     ("transfer", "tls_cert"): "auth.mtls",
@@ -129,6 +130,7 @@ def _int(minimum: int | None = None, **extra: Any) -> dict[str, Any]:
 
 
 _BOOL = {"type": "boolean"}
+REDIS_PASSWORD_PATTERN = r"^(|[A-Za-z0-9._~!$&'()*+,;=-]{16,})$"  # 16+ characters, as the generated tokens
 _ANY_OBJ = {"type": "object"}  # a Kubernetes structure passed through (affinity, a volume source, ...)
 _STR_MAP = {"type": "object", "additionalProperties": {"type": "string"}}
 _QUANTITY = {"anyOf": [{"type": "string", "minLength": 1}, {"type": "number", "minimum": 0}]}
@@ -172,16 +174,19 @@ def chart_schema() -> dict[str, Any]:
     """The chart's own values (everything but ``settings:``), closed against unknown keys."""
     image = _obj({"repository": _str(minLength=1), "tag": {"type": ["string", "number"]},
                   "pullPolicy": {"enum": ["Always", "IfNotPresent", "Never"]}}, required=("repository",))
-    auth_keys = _obj({k: _str(f"the key holding the {d}", minLength=1) for k, d in
-                      (("transferToken", "KV-transfer token"), ("adminToken", "admin token"),
-                       ("apiKeys", "JSON list of API keys"))})
+    auth_keys = _obj({**{k: _str(f"the key holding the {d}", minLength=1) for k, d in
+                         (("transferToken", "KV-transfer token"), ("adminToken", "admin token"),
+                          ("apiKeys", "JSON list of API keys"))},
+                      "opsToken": _str("the key holding the ops token; empty = no ops token")})
     auth = _obj({
         "existingSecret": _str("a Secret you manage, holding existingSecretKeys"),
         "existingSecretKeys": auth_keys,
         "transferToken": _str("KV-transfer bearer token; empty = generated", pattern=r"^(|.{16,})$"),
-        "adminToken": _str("admin token; empty = generated"),
+        "adminToken": _str("admin token; empty = generated", pattern=r"^(|.{16,})$"),
         "apiKeys": {"type": "array", "items": _str(minLength=1)},
         "generateApiKey": _BOOL,
+        "opsToken": _str("bearer token for /metrics and /dashboard; empty = generated", pattern=r"^(|.{16,})$"),
+        "generateOpsToken": _BOOL,
         "mtls": _obj({"secretName": _str("a Secret with ca.crt, tls.crt and tls.key"),
                       "mountPath": _str(pattern="^/")}),
     }, required=("existingSecretKeys",),
@@ -189,7 +194,9 @@ def chart_schema() -> dict[str, Any]:
            "then": {"properties": {"existingSecretKeys": {"required": ["transferToken", "adminToken", "apiKeys"]}}}})
     redis_external = _obj({"url": _str(pattern=r"^(|rediss?://.+)$"), "existingSecret": _str(),
                            "existingSecretKey": _str()}, **_secret_ref("the Redis URL"))
-    redis_auth = _obj({"password": _str(), "existingSecret": _str(), "existingSecretKey": _str()},
+    # spelled into the Redis URL as it is: only characters a URL's userinfo takes unescaped (16 or more)
+    redis_auth = _obj({"password": _str("empty = generated", pattern=REDIS_PASSWORD_PATTERN), "existingSecret": _str(),
+                       "existingSecretKey": _str()},
                       **_secret_ref("the Redis password"))
     redis = _obj({
         "enabled": _BOOL, "external": redis_external,
@@ -226,6 +233,8 @@ def chart_schema() -> dict[str, Any]:
         "redis": redis,
         "auth": auth,
         "modelVolume": _obj({"volume": _ANY_OBJ, "mountPath": _str(pattern="^/")}),
+        "podSecurityContext": _ANY_OBJ,
+        "networkPolicy": _obj({"enabled": _BOOL, "extraIngressFrom": {"type": "array", "items": {"type": "object"}}}),
     }
 
 

@@ -30,10 +30,12 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm" / "epd"
 CRDS = Path(__file__).resolve().parent / "data" / "k8s-crds"
+TEXT_MODEL_VALUES = Path(__file__).resolve().parent / "data" / "text-model.yaml"
 # The oldest Kubernetes the chart claims (Chart.yaml kubeVersion) and the newest kubernetes-validate bundles.
 K8S_VERSIONS = ("1.28.0", "1.37.0")
 POOLS = ("encode", "prefill", "decode")
-CORE_KINDS = {"Deployment", "Service", "Secret", "StatefulSet", "PodDisruptionBudget", "Ingress", "ConfigMap"}
+CORE_KINDS = {"Deployment", "Service", "Secret", "StatefulSet", "PodDisruptionBudget", "Ingress", "ConfigMap",
+              "NetworkPolicy"}
 CRD_FILES = {"RayCluster": "ray.io_rayclusters.yaml", "RayService": "ray.io_rayservices.yaml"}
 
 
@@ -53,9 +55,15 @@ class Result:
     stderr: str
 
 
-def helm(*args: str, chart: Path = CHART) -> Result:
-    """Run helm with ``args`` (``{chart}`` in them is replaced by the chart path)."""
-    argv = [helm_binary(), *(str(chart) if a == "{chart}" else a for a in args)]
+def helm(*args: str, chart: Path = CHART, model: bool = True) -> Result:
+    """Run helm with ``args`` (``{chart}`` in them is replaced by the chart path). ``model``: a template,
+    lint or install gets ``-f data/text-model.yaml`` (settings.model) before the other flags, so they
+    override it; the chart refuses to render without a model, unless the demo model's encode pool runs."""
+    given = list(args)
+    if model and given and given[0] in ("template", "lint", "install") and "{chart}" in given:
+        at = given.index("{chart}") + 1
+        given[at:at] = ["-f", str(TEXT_MODEL_VALUES)]
+    argv = [helm_binary(), *(str(chart) if a == "{chart}" else a for a in given)]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=120,
                           env={**os.environ, "HELM_CACHE_HOME": "/tmp/epd-helm-cache",
                                "HELM_CONFIG_HOME": "/tmp/epd-helm-config", "HELM_DATA_HOME": "/tmp/epd-helm-data"})
@@ -70,9 +78,9 @@ def render(*args: str, chart: Path = CHART, release: str = "t") -> list[dict[str
     return [d for d in yaml.safe_load_all(r.stdout) if d]
 
 
-def refusal(*args: str) -> str:
+def refusal(*args: str, model: bool = True) -> str:
     """``helm template`` that must be refused; returns helm's message."""
-    r = helm("template", "t", "{chart}", *args)
+    r = helm("template", "t", "{chart}", *args, model=model)
     assert r.returncode != 0, f"helm accepted {args}; it rendered:\n{r.stdout[:2000]}"
     return r.stderr
 
@@ -150,9 +158,14 @@ def check_service_monitor(obj: dict[str, Any]) -> list[str]:
     if not isinstance(endpoints, list) or not endpoints:
         errors.append("spec.endpoints must be a non-empty list")
     for ep in endpoints or []:
-        unknown = set(ep) - {"port", "path", "interval", "scrapeTimeout", "scheme", "bearerTokenSecret"}
+        unknown = set(ep) - {"port", "path", "interval", "scrapeTimeout", "scheme", "bearerTokenSecret",
+                             "authorization"}
         if unknown or not isinstance(ep.get("port"), str) or not str(ep.get("path", "")).startswith("/"):
             errors.append(f"endpoint {ep} needs a named port and an absolute path (unknown: {sorted(unknown)})")
+        auth = ep.get("authorization")
+        if auth is not None and (auth.get("type") != "Bearer" or set(auth.get("credentials", {})) != {"name", "key"}
+                                 or not all(isinstance(v, str) and v for v in auth["credentials"].values())):
+            errors.append(f"endpoint authorization {auth} needs type Bearer and credentials {{name, key}} of a Secret")
     return errors
 
 
@@ -208,7 +221,8 @@ def settings_from_env(env: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> A
     """Load the real settings model from a container's env, as `epd serve` in that pod would: plain values
     as rendered, secretKeyRefs replaced by stand-ins, $(VAR) references expanded like the kubelet does."""
     stand_in = {"EPD_TRANSFER__TOKEN": "t" * 32, "EPD_API__ADMIN_TOKEN": "a" * 32,
-                "EPD_API__API_KEYS": '["k-0123456789abcdef"]', "EPD_CHART_REDIS_PASSWORD": "pw"}
+                "EPD_API__API_KEYS": '["k-0123456789abcdef"]', "EPD_API__OPS_TOKEN": "o" * 32,
+                "EPD_CHART_REDIS_PASSWORD": "pw"}
     for name in [k for k in os.environ if k.startswith("EPD_")]:
         monkeypatch.delenv(name)
     resolved: dict[str, str] = {}

@@ -42,6 +42,8 @@ def test_the_chart_runs_the_dockerfiles_image():
     dockerfile = (ROOT / "Dockerfile").read_text()
     assert re.search(r"^ARG VARIANT=cpu$", dockerfile, re.M) and "cuda)" in dockerfile
     assert "pip install /src" in dockerfile  # the package as pip builds it: the generated wire code comes along
+    # the probes KubeRay injects into Ray containers run wget
+    assert re.search(r"^RUN apt-get update && apt-get install .*\bwget\b", dockerfile, re.M)
     ignored = (ROOT / ".dockerignore").read_text().split()
     assert {".venv", ".git", "proto/epd/**/*_pb2.py"} <= set(ignored)
 

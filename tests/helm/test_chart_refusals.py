@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import yaml
 
-from chart_tools import control_plane_env, defaults, find, helm, refusal, render
+from chart_tools import CPU_VALUES, control_plane_env, defaults, find, helm, refusal, render
 
 pytestmark = pytest.mark.integration
 
@@ -31,6 +31,12 @@ pytestmark = pytest.mark.integration
     (("--set", "settings.decode.engine.kv_cache_byte=1"), "/settings/decode/engine", "kv_cache_byte"),
     (("--set", "settings.api.host=0.0.0.0"), "/settings/api", "host"),
     (("--set", "pools.decode.maxReplicas=-2"), "/pools/decode/maxReplicas", "minimum"),
+    # spelled into the Redis URL as it is: a '/' would end the URL's authority there
+    (("--set", "redis.auth.password=pass/word-0123456789"), "/redis/auth/password", "pattern"),
+    (("--set", "redis.auth.password=short"), "/redis/auth/password", "pattern"),
+    (("--set", "auth.adminToken=short"), "/auth/adminToken", "pattern"),
+    (("--set", "auth.opsToken=short"), "/auth/opsToken", "pattern"),
+    (("--set", "settings.api.ops_token=ops-token-0123456789ab"), "/settings/api", "ops_token"),
 ])
 def test_bad_values_are_refused_by_the_schema(args: tuple[str, ...], where: str, why: str) -> None:
     message = refusal(*args)
@@ -42,9 +48,31 @@ def test_bad_values_are_refused_by_the_schema(args: tuple[str, ...], where: str,
     (("--set", "settings.decode.replicas=9"), "settings.decode.replicas (9) is above pools.decode.maxReplicas (8)"),
     (("--set", "settings.prefill.engine.block_size=32"), "settings.prefill.engine.block_size (32) and"),
     (("--set", "redis.enabled=false"), "set redis.external.url"),
+    (("--set", "settings.prefill.replicas=0", "--set", "pools.prefill.minReplicas=0"),
+     "settings.prefill.replicas is 0: the prefill pool needs a replica"),
+    (("--set", "settings.encode.replicas=null"), "settings.encode.replicas is null"),
+    (("--set", "settings.decode.num_gpus=2"), "settings.decode.num_gpus (2) is more than the decode pods' "
+                                               "nvidia.com/gpu limit (1)"),
+    (("--set", "settings.encode.replicas=1", "--set", "settings.encode.num_gpus=1"),
+     "settings.encode.num_gpus (1) is more than the encode pods' nvidia.com/gpu limit (0)"),
+    (("--set", "settings.decode.num_cpus=9"), "settings.decode.num_cpus (9) is more than the decode pods' CPU limit"),
+    (("-f", CPU_VALUES, "--set", "settings.decode.num_cpus=2"), "the decode pods' CPU limit (1)"),
+    (("--set", "pools.decode.resources.limits.cpu=500m", "--set", "settings.decode.num_cpus=1"),
+     "the decode pods' CPU limit (500m)"),
+    (("--set", "pools.prefill.rayStartParams.resources=x"),
+     "pools.prefill.rayStartParams.resources is set by the chart"),
 ])
 def test_cross_field_mistakes_are_refused_by_name(args: tuple[str, ...], needle: str) -> None:
     assert needle in refusal(*args)
+
+
+def test_the_demo_model_without_its_encode_pool_is_refused() -> None:
+    """No settings.model: the pods would serve the demo model, which has a vision encoder; with no encode
+    replica the control plane would never be Ready. So the chart's bare defaults are refused, saying why."""
+    assert "settings.model is null" in refusal(model=False)
+    assert "settings.model is null" in refusal("--set", "settings.model=null")
+    assert render("-f", CPU_VALUES)  # the demo model with its encode pool
+    assert render("--set", "settings.mode=colocated", "--set", "settings.model=null")  # one engine encodes too
 
 
 def test_lint_refuses_a_bad_value_too() -> None:
@@ -84,11 +112,12 @@ def test_secrets_never_appear_in_notes(extra: tuple[str, ...]) -> None:
 def test_generated_secrets_are_long_and_distinct() -> None:
     secrets = {k: base64.b64decode(v).decode() for s in defaults() if s["kind"] == "Secret"
                for k, v in s["data"].items()}
-    assert set(secrets) == {"transfer-token", "admin-token", "api-keys", "redis-password"}
+    assert set(secrets) == {"transfer-token", "admin-token", "ops-token", "api-keys", "redis-password"}
     assert len(secrets["transfer-token"]) >= 32 and len(secrets["admin-token"]) >= 32
+    assert len(secrets["ops-token"]) >= 32
     keys = json.loads(secrets["api-keys"])
     assert len(keys) == 1 and len(keys[0]) >= 32
-    assert len(set(secrets.values())) == 4
+    assert len(set(secrets.values())) == 5
 
 
 def test_open_api_when_asked() -> None:

@@ -37,12 +37,14 @@ def test_lint_strict(extra: tuple[str, ...]) -> None:
 
 
 @pytest.mark.parametrize("extra,kinds", [
-    ((), {"RayCluster": 1, "Deployment": 1, "StatefulSet": 1, "Service": 3, "Secret": 2, "PodDisruptionBudget": 3}),
+    ((), {"RayCluster": 1, "Deployment": 1, "StatefulSet": 1, "Service": 3, "Secret": 2, "PodDisruptionBudget": 3,
+          "NetworkPolicy": 1}),
     (("-f", CPU_VALUES), {"RayCluster": 1, "Deployment": 1, "StatefulSet": 1, "Service": 3, "Secret": 2,
-                          "PodDisruptionBudget": 3}),
-    (EXTERNAL_REDIS, {"RayCluster": 1, "Deployment": 1, "Service": 1, "Secret": 1, "PodDisruptionBudget": 3}),
+                          "PodDisruptionBudget": 3, "NetworkPolicy": 1}),
+    (EXTERNAL_REDIS, {"RayCluster": 1, "Deployment": 1, "Service": 1, "Secret": 1, "PodDisruptionBudget": 3,
+                      "NetworkPolicy": 1}),
     (OPTIONAL, {"RayCluster": 1, "Deployment": 1, "StatefulSet": 1, "Service": 3, "Ingress": 1,
-                "ServiceMonitor": 1, "PodDisruptionBudget": 3}),
+                "ServiceMonitor": 1, "PodDisruptionBudget": 3, "NetworkPolicy": 1}),
 ], ids=["defaults", "cpu", "external-redis", "all-options"])
 def test_every_rendered_object_validates(extra: tuple[str, ...], kinds: dict[str, int]) -> None:
     objects = list(default_objects()) if not extra else render(*extra)

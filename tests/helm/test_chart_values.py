@@ -201,6 +201,24 @@ def test_probes_and_service_point_at_the_api_port() -> None:
     assert monitor["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
 
 
+@pytest.mark.parametrize("args,starting", [
+    ((), 2),
+    (("--set", "settings.encode.replicas=1"), 3),
+    (("--set", "settings.mode=colocated"), 1),
+    (("--set", "settings.ray.replica_start_timeout_s=60"), 2),
+])
+def test_the_startup_probe_outlasts_the_first_start_of_every_pool(args: tuple[str, ...], starting: int) -> None:
+    """`epd serve` opens the API after starting the pools one after another, each within the start timeout."""
+    objs = render(*args)
+    probe = find(objs, "Deployment")["spec"]["template"]["spec"]["containers"][0]["startupProbe"]
+    timeout = float(control_plane_env(objs)["EPD_RAY__REPLICA_START_TIMEOUT_S"])
+    assert probe["periodSeconds"] * probe["failureThreshold"] >= starting * timeout + 60
+    assert probe["failureThreshold"] >= 90  # never below what values ask for
+    longer = render(*args, "--set", "controlPlane.startupProbe.failureThreshold=1000")
+    c = find(longer, "Deployment")["spec"]["template"]["spec"]["containers"][0]
+    assert c["startupProbe"]["failureThreshold"] == 1000
+
+
 def test_colocated_runs_the_decode_group_only(monkeypatch: pytest.MonkeyPatch) -> None:
     objs = render("--set", "settings.mode=colocated")
     assert set(worker_groups(objs)) == {"decode"}

@@ -153,6 +153,16 @@ def test_passwords_in_the_redis_url_are_masked(url, shown, monkeypatch):
     assert "hunter2" not in json.dumps(s.redacted())
 
 
+@pytest.mark.parametrize("password", ["hunt/er2", "hunt#er2", "hunt?er2"])
+def test_a_password_that_breaks_the_url_is_refused_without_showing_it(password, monkeypatch):
+    """'/', '?' or '#' end a URL's authority, so the parser finds no password; the refusal masks it anyway."""
+    monkeypatch.setenv("EPD_REDIS__URL", f"redis://:{password}@h:6379/0")
+    with pytest.raises(SettingsError) as err:
+        Settings.load()
+    assert "not a Redis URL" in str(err.value) and "redis://:***@h:6379/0" in str(err.value)
+    assert "hunt" not in str(err.value) and "er2" not in str(err.value)
+
+
 def test_config_show_masks_the_redis_password():
     out = _config_show({"EPD_REDIS__URL": "redis://:hunter2@h:6379/0"}, "--json")
     assert out.returncode == 0, out.stderr

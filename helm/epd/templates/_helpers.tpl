@@ -45,6 +45,12 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- define "epd.authSecretName" -}}
 {{- default (printf "%s-auth" (include "epd.fullname" .)) .Values.auth.existingSecret -}}
 {{- end -}}
+{{/* "true" when /metrics and /dashboard sit behind an ops token held in the auth Secret, else "". */}}
+{{- define "epd.opsToken" -}}
+{{- if .Values.auth.existingSecret -}}
+{{- if .Values.auth.existingSecretKeys.opsToken -}}true{{- end -}}
+{{- else if or .Values.auth.opsToken .Values.auth.generateOpsToken -}}true{{- end -}}
+{{- end -}}
 {{- define "epd.redisName" -}}{{ include "epd.fullname" . }}-redis{{- end -}}
 {{- define "epd.redisSecretName" -}}
 {{- default (include "epd.redisName" .) .Values.redis.auth.existingSecret -}}
@@ -124,7 +130,7 @@ tests/helm checks this list against the model. Args: dict "prefix" "EPD" "values
 - name: mtls
   secret:
     secretName: {{ .Values.auth.mtls.secretName }}
-    defaultMode: 0400
+    defaultMode: 0440  # the group (podSecurityContext.fsGroup) reads it: epd runs as uid 1000, not root
 {{- end }}
 {{- end -}}
 
@@ -141,6 +147,29 @@ tests/helm checks this list against the model. Args: dict "prefix" "EPD" "values
   mountPath: {{ .Values.auth.mtls.mountPath }}
   readOnly: true
 {{- end }}
+{{- end -}}
+
+{{/*
+The control plane's startup probe: controlPlane.startupProbe, with failureThreshold raised where needed so
+the probe outlasts the first start. `epd serve` opens the API after starting the pools one after another,
+each allowed settings.ray.replica_start_timeout_s, so a probe shorter than that would kill a start that
+is still within its time.
+*/}}
+{{- define "epd.startupProbe" -}}
+{{- $probe := deepCopy .Values.controlPlane.startupProbe -}}
+{{- $period := int64 ($probe.periodSeconds | default 10) -}}
+{{- $timeout := int64 ((.Values.settings.ray | default dict).replica_start_timeout_s | default 180) -}}
+{{- $starting := 0 -}}
+{{- range $p := include "epd.pools" . | fromJsonArray -}}
+{{- if gt (int64 ((get $.Values.settings $p | default dict).replicas | default 0)) 0 -}}
+{{- $starting = add1 $starting -}}
+{{- end -}}
+{{- end -}}
+{{- $need := add (div (add (mul $starting $timeout) $period -1) $period) 6 -}}
+{{- if lt (int64 ($probe.failureThreshold | default 3)) $need -}}
+{{- $_ := set $probe "failureThreshold" $need -}}
+{{- end -}}
+{{- toYaml $probe -}}
 {{- end -}}
 
 {{/* Checks the schema cannot express (they cross fields); each message names the values to change. */}}
@@ -163,6 +192,35 @@ tests/helm checks this list against the model. Args: dict "prefix" "EPD" "values
 {{- if gt $n (int64 $g.maxReplicas) -}}
 {{- fail (printf "settings.%s.replicas (%d) is above pools.%s.maxReplicas (%d): raise maxReplicas too" $p $n $p (int64 $g.maxReplicas)) -}}
 {{- end -}}
+{{- end -}}
+{{- $pools := include "epd.pools" . | fromJsonArray -}}
+{{- range $p := $pools -}}
+{{- $ps := get $s $p | default dict -}}
+{{- if kindIs "invalid" $ps.replicas -}}
+{{- fail (printf "settings.%s.replicas is null: set it (0 or more); it is both the pool's target and its worker group's pod count" $p) -}}
+{{- end -}}
+{{- if and (ne $p "encode") (lt (int64 $ps.replicas) 1) -}}
+{{- fail (printf "settings.%s.replicas is 0: the %s pool needs a replica to serve anything (set 1 or more)" $p $p) -}}
+{{- end -}}
+{{- $g := get $.Values.pools $p -}}
+{{- $gpus := index ($g.resources.limits | default dict) "nvidia.com/gpu" | default 0 -}}
+{{- if gt (float64 ($ps.num_gpus | default 0)) (float64 $gpus) -}}
+{{- fail (printf "settings.%s.num_gpus (%v) is more than the %s pods' nvidia.com/gpu limit (%v): the replica would never be placed; give pools.%s.resources a GPU or lower num_gpus" $p $ps.num_gpus $p $gpus $p) -}}
+{{- end -}}
+{{- with ($g.resources.limits | default dict).cpu -}}
+{{- $cpu := toString . -}}
+{{- $cores := ternary (divf (trimSuffix "m" $cpu | float64) 1000) (float64 $cpu) (hasSuffix "m" $cpu) -}}
+{{- $ncpu := ternary 0.25 $ps.num_cpus (kindIs "invalid" $ps.num_cpus) -}}
+{{- if gt (float64 $ncpu) $cores -}}
+{{- fail (printf "settings.%s.num_cpus (%v) is more than the %s pods' CPU limit (%s): the replica would never be placed; lower num_cpus or raise pools.%s.resources.limits.cpu" $p $ncpu $p $cpu $p) -}}
+{{- end -}}
+{{- end -}}
+{{- if hasKey ($g.rayStartParams | default dict) "resources" -}}
+{{- fail (printf "pools.%s.rayStartParams.resources is set by the chart ({\"epd-%s\": 1}, what the pool's replicas ask for): remove it; a replica's extra resources go in settings.%s.ray_resources" $p $p $p) -}}
+{{- end -}}
+{{- end -}}
+{{- if and (eq (.Values.settings.mode | default "disaggregated") "disaggregated") (kindIs "invalid" $s.model) (lt (int64 ($s.encode.replicas | default 0)) 1) -}}
+{{- fail "settings.model is null, so the pods would serve the built-in demo model, which has a vision encoder and needs the encode pool: set settings.model to your checkpoint's folder (see modelVolume), or settings.encode.replicas to 1 or more (values-cpu.yaml runs the demo model that way)" -}}
 {{- end -}}
 {{- if and (not .Values.redis.enabled) (not .Values.redis.external.url) (not .Values.redis.external.existingSecret) -}}
 {{- fail "redis.enabled is false: set redis.external.url, or redis.external.existingSecret and existingSecretKey" -}}

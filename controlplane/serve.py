@@ -53,7 +53,9 @@ def fit_pools(settings: Settings, info: ModelInfo, model_dir: Path) -> tuple[Set
     """The pools this model needs. Returns the settings the pools start from and, for each pool not needed,
     why (the admin API refuses to scale it with that reason; status shows it). A text-only model (no vision
     tower) runs no encode pool; asking for encode replicas for one (encode.replicas > 0 in the YAML file, an
-    EPD_ENCODE__REPLICAS variable or a flag) is a ``SettingsError`` saying why, before anything starts."""
+    EPD_ENCODE__REPLICAS variable or a flag) is a ``SettingsError`` saying why, before anything starts. So is
+    encode.replicas=0 for a vision model: its image requests would have nowhere to go, and /ready waits for
+    every pool the model needs."""
     if settings.mode == "colocated":
         return settings, {p: f"colocated mode has no {p} pool; its decode workers run whole requests: scale decode"
                           for p in ("encode", "prefill")}
@@ -63,6 +65,10 @@ def fit_pools(settings: Settings, info: ModelInfo, model_dir: Path) -> tuple[Set
             raise SettingsError(f"encode.engine.dtype ({e}) and prefill.engine.dtype ({p}) must match for a vision "
                                 f"model: an image's embeddings move only between workers whose vision towers' "
                                 f"fingerprints, over their weights as loaded, are equal")
+        if settings.encode.replicas == 0:
+            raise SettingsError(f"encode.replicas=0: the model {info.name} has a vision tower, so image requests need "
+                                f"the encode pool (and the API is not ready without it); set encode.replicas to 1 or "
+                                f"more, or serve a text-only model")
         return settings, {}
     encode = settings.encode
     if "replicas" in encode.model_fields_set and encode.replicas > 0:

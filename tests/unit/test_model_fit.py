@@ -65,6 +65,16 @@ def test_an_explicit_zero_is_fine_and_a_multimodal_model_keeps_its_encode_pool(f
     assert fitted.encode.replicas == 2 and not_needed == {}
 
 
+def test_a_vision_model_without_an_encode_pool_is_refused(folders, no_epd_env):
+    """Before: it started, and /ready waited for an encode replica that would never come."""
+    mm = Settings.load(None, {"model": str(folders["llava"]), "encode": {"replicas": 0}})
+    with pytest.raises(SettingsError, match=r"encode.replicas=0: the model llava has a vision tower, so image "
+                                            r"requests need the encode pool"):
+        fit_pools(mm, model_info(mm, folders["llava"]), folders["llava"])
+    colocated = Settings.load(None, {"model": str(folders["llava"]), "mode": "colocated"})  # its engine encodes
+    assert fit_pools(colocated, model_info(colocated, folders["llava"]), folders["llava"])[0].mode == "colocated"
+
+
 def test_a_vision_models_encode_pool_needs_the_prefill_pools_dtype(folders, no_epd_env):
     """The prefill worker checks the encoder's fingerprint, which covers the vision tower's weights as loaded."""
     bf16 = {"engine": {"dtype": "bfloat16"}}

@@ -36,16 +36,18 @@ def model(tiny_hf):
     return load_model(tiny_hf("llama-gqa"), device=str(DEVICE), require_tokenizer=False).model
 
 
-def _engine(model, max_batch: int | None = None, graph_len: int | None = None, **config) -> Engine:
+def _engine(model, max_batch: int | None = None, graph_len: int | None = None, capture: bool = True,
+            **config) -> Engine:
     """An engine on the kernel path; with ``max_batch``, its decode graphs are stand-ins (up to that bucket,
-    for contexts up to ``graph_len``)."""
+    for contexts up to ``graph_len``), captured unless ``capture`` is False."""
     engine = Engine(model, None, EngineConfig(device=str(DEVICE), kv_cache_bytes=1 << 20, max_num_seqs=8,
                                               kernels="triton", cuda_graphs=False, **config))
     if max_batch is not None:
         assert engine._ops is not None
         engine.graphs = DecodeGraphs(model, engine.cache, engine._ops, max_batch, graph_len or engine.max_model_len,
                                      stand_in=True)
-        engine.graphs.capture()
+        if capture:
+            engine.graphs.capture()
     return engine
 
 
@@ -178,7 +180,7 @@ def test_the_captured_decode_step_never_waits_for_the_device(model, cache_dtype:
     """Every variant's captured call, as this checkout's code runs it: no value read back to the host, no
     shape made from data, no host data copied in. On a GPU each of these fails the capture or freezes a value
     into the graph; the stand-in runs the same code, so it is checked here."""
-    engine = _engine(model, max_batch=4, graph_len=1024, kv_cache_dtype=cache_dtype)
+    engine = _engine(model, max_batch=4, graph_len=1024, capture=False, kv_cache_dtype=cache_dtype)
     project = _captured_calls(engine)
     assert project.calls["linear"] > 0  # the model ran under the check
     found = HOST_ROUND_TRIPS & set(project.calls)
@@ -191,7 +193,7 @@ def test_the_capture_check_sees_a_value_read_back(model, monkeypatch) -> None:
     did) or indexes by a mask is caught."""
     from workers.runtime import model as model_module
 
-    engine = _engine(model, max_batch=2)
+    engine = _engine(model, max_batch=2, capture=False)
     original = model_module.DecoderModel.forward
 
     def reads_back(self: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:

@@ -51,10 +51,10 @@ def test_bad_values_are_refused_by_the_schema(args: tuple[str, ...], where: str,
     (("--set", "settings.prefill.replicas=0", "--set", "pools.prefill.minReplicas=0"),
      "settings.prefill.replicas is 0: the prefill pool needs a replica"),
     (("--set", "settings.encode.replicas=null"), "settings.encode.replicas is null"),
-    (("--set", "settings.decode.num_gpus=2"), "settings.decode.num_gpus (2) is more than the decode pods' "
-                                               "nvidia.com/gpu limit (1)"),
+    (("--set", "settings.decode.num_gpus=2"), "settings.decode.num_gpus (2) is more than the GPUs in the decode "
+                                               "pods' limits (1, any <vendor>/gpu)"),
     (("--set", "settings.encode.replicas=1", "--set", "settings.encode.num_gpus=1"),
-     "settings.encode.num_gpus (1) is more than the encode pods' nvidia.com/gpu limit (0)"),
+     "settings.encode.num_gpus (1) is more than the GPUs in the encode pods' limits (0,"),
     (("--set", "settings.decode.num_cpus=9"), "settings.decode.num_cpus (9) is more than the decode pods' CPU limit"),
     (("-f", CPU_VALUES, "--set", "settings.decode.num_cpus=2"), "the decode pods' CPU limit (1)"),
     (("--set", "pools.decode.resources.limits.cpu=500m", "--set", "settings.decode.num_cpus=1"),

@@ -203,9 +203,12 @@ is still within its time.
 {{- fail (printf "settings.%s.replicas is 0: the %s pool needs a replica to serve anything (set 1 or more)" $p $p) -}}
 {{- end -}}
 {{- $g := get $.Values.pools $p -}}
-{{- $gpus := index ($g.resources.limits | default dict) "nvidia.com/gpu" | default 0 -}}
-{{- if gt (float64 ($ps.num_gpus | default 0)) (float64 $gpus) -}}
-{{- fail (printf "settings.%s.num_gpus (%v) is more than the %s pods' nvidia.com/gpu limit (%v): the replica would never be placed; give pools.%s.resources a GPU or lower num_gpus" $p $ps.num_gpus $p $gpus $p) -}}
+{{- $gpus := 0.0 -}}
+{{- range $name, $n := ($g.resources.limits | default dict) -}}
+{{- if hasSuffix "/gpu" $name -}}{{- $gpus = addf $gpus (float64 $n) -}}{{- end -}}
+{{- end -}}
+{{- if gt (float64 ($ps.num_gpus | default 0)) $gpus -}}
+{{- fail (printf "settings.%s.num_gpus (%v) is more than the GPUs in the %s pods' limits (%v, any <vendor>/gpu): the replica would never be placed; give pools.%s.resources a GPU or lower num_gpus" $p $ps.num_gpus $p $gpus $p) -}}
 {{- end -}}
 {{- with ($g.resources.limits | default dict).cpu -}}
 {{- $cpu := toString . -}}

@@ -2,8 +2,10 @@
 
 Inter-arrival gaps are gamma(shape=burstiness, scale=1/(rate*burstiness)): the mean gap is 1/rate whatever
 the burstiness, and the squared coefficient of variation of the gaps is 1/burstiness. burstiness 1 is the
-exponential, i.e. a Poisson process; below 1 requests come in bursts, above 1 more evenly. A rate of
-``inf`` sends every request at time 0 (the load is then bounded only by ``--concurrency``).
+exponential, i.e. a Poisson process; below 1 requests come in bursts, above 1 more evenly. The gaps are
+then scaled so the last request goes at (n - 1) / rate, as vLLM rescales them: a draw of a hundred gaps
+sums 10-20% off its mean often enough that a point labelled R req/s would offer 0.84 R. A rate of ``inf``
+sends every request at time 0 (the load is then bounded only by ``--concurrency``).
 """
 
 from __future__ import annotations
@@ -27,4 +29,7 @@ def send_offsets(n: int, rate: float, burstiness: float = 1.0, seed: int = 0) ->
         return [0.0] * n
     rng = np.random.default_rng(seed)
     gaps = rng.gamma(shape=burstiness, scale=1.0 / (rate * burstiness), size=n - 1)
-    return [0.0] + np.cumsum(gaps).tolist()
+    offsets = np.cumsum(gaps)
+    if n > 1 and offsets[-1] > 0:
+        offsets *= (n - 1) / rate / offsets[-1]
+    return [0.0] + offsets.tolist()

@@ -1,12 +1,15 @@
 """A streaming OpenAI-compatible client that times every chunk (httpx, asyncio).
 
 One request's life: build the body (``stream: true``, ``stream_options.include_usage``), note the send time,
-read ``data:`` events line by line, time the first event that carries output text (TTFT) and every later one
-(ITL), take the token counts from the final usage event when the server sends one (else one token per
-text chunk), and stop at ``data: [DONE]``. Anything that goes wrong (an HTTP error status, an in-band
-``{"error": ...}`` event, a connection lost mid-stream, a timeout, a malformed event) becomes a failed
-``RequestOutcome`` with a short reason; nothing raises out of ``send_request``, so a server that errors
-mid-run is counted, not fatal.
+read ``data:`` events line by line, time the first event that carries output (TTFT: text, or on chat
+reasoning text or tool calls; an answer with no text at all, such as an immediate end-of-sequence, takes
+its time from the event that finishes it) and every later one (ITL), end the answer at the last event
+with a choice (E2E: the usage event and ``[DONE]`` that follow carry no token), take the token counts
+from the final usage event when the server sends one (else one token per output chunk), and stop at
+``data: [DONE]``. Anything that goes wrong (an HTTP error status, an in-band error event, a connection
+lost mid-stream, a timeout, a malformed event, a stream with no answer in it, a ``finish_reason`` other
+than an answer's end, such as ``abort``) becomes a failed ``RequestOutcome`` with a short reason; nothing
+raises out of ``send_request``, so a server that errors mid-run is counted, not fatal.
 """
 
 from __future__ import annotations
@@ -24,6 +27,22 @@ from bench.serve.datasets import BenchRequest
 from bench.serve.metrics import RequestOutcome
 
 _REASON_CHARS = 160  # failure reasons are grouped by text; keep them short and free of per-request detail
+# an answer that ended as it should; any other finish_reason (vLLM's and epd's "abort", "error") is a failure
+ANSWER_ENDS = frozenset({"stop", "length", "tool_calls", "function_call", "content_filter"})
+_CHAT_OUTPUT = ("content", "reasoning_content", "reasoning")  # delta fields holding generated text
+
+
+def _output(choice: dict[str, Any], chat: bool) -> bool | None:
+    """Whether a choice carries generated output; None when it is malformed."""
+    if not chat:
+        text = choice.get("text")
+        return bool(text) if text is None or isinstance(text, str) else None
+    delta = choice.get("delta")
+    if delta is None:
+        return False
+    if not isinstance(delta, dict):
+        return None
+    return any(isinstance(delta.get(k), str) and delta[k] for k in _CHAT_OUTPUT) or bool(delta.get("tool_calls"))
 
 
 def headers_for(api_key: str | None) -> dict[str, str]:
@@ -77,7 +96,8 @@ async def send_request(client: httpx.AsyncClient, url: str, body: dict[str, Any]
     ttft: float | None = None
     itl: list[float] = []
     usage: dict[str, Any] | None = None
-    done = finished = False
+    done = answered = False
+    finish: str | None = None
 
     def fail(reason: str) -> RequestOutcome:
         return RequestOutcome(False, ttft_s=ttft, e2e_s=clock() - start, itl_s=itl,
@@ -99,7 +119,7 @@ async def send_request(client: httpx.AsyncClient, url: str, body: dict[str, Any]
                     now = clock()
                     data = line[5:].strip()
                     if data == "[DONE]":
-                        done, last = True, now
+                        done = True
                         break
                     try:
                         event = json.loads(data)
@@ -107,21 +127,29 @@ async def send_request(client: httpx.AsyncClient, url: str, body: dict[str, Any]
                         return fail(f"malformed event: {data[:60]!r}")
                     if not isinstance(event, dict):
                         return fail(f"malformed event: {data[:60]!r}")
-                    if "error" in event:
+                    if event.get("error") or event.get("object") == "error":
                         return fail(f"error event: {_error_message(event)}")
-                    last = now
-                    choices = event.get("choices") or []
-                    if choices and isinstance(choices[0], dict):
+                    choices = event.get("choices")
+                    if choices is not None and not isinstance(choices, list):
+                        return fail(f"malformed event: choices is a {type(choices).__name__}")
+                    if choices:
                         choice = choices[0]
-                        text = (choice.get("delta") or {}).get("content") if endpoint_chat else choice.get("text")
-                        if text:
+                        output = _output(choice, endpoint_chat) if isinstance(choice, dict) else None
+                        if output is None:
+                            return fail(f"malformed event: {data[:60]!r}")
+                        answered, last = True, now
+                        if output:
                             if ttft is None:
                                 ttft = now - start
                             else:
                                 itl.append(now - prev)
                             prev = now
                             chunks += 1
-                        finished = finished or bool(choice.get("finish_reason"))
+                        reason = choice.get("finish_reason")
+                        if reason:
+                            finish = str(reason)
+                            if ttft is None:  # an answer with no text: its first (and only) token ends it
+                                ttft = now - start
                     if isinstance(event.get("usage"), dict):
                         usage = event["usage"]
     except TimeoutError:
@@ -132,8 +160,12 @@ async def send_request(client: httpx.AsyncClient, url: str, body: dict[str, Any]
         return fail(f"connection failed: {exc}")
     except httpx.HTTPError as exc:  # RemoteProtocolError, ReadError: the server went away mid-answer
         return fail(f"connection lost mid-stream ({type(exc).__name__})")
-    if not done and not finished:
+    if not done and finish is None:
         return fail("stream ended without [DONE] or a finish_reason")
+    if not answered:
+        return fail("stream carried no answer (no event with a choice)")
+    if finish is not None and finish not in ANSWER_ENDS:
+        return fail(f"finish_reason {finish}")
     out_tokens, in_tokens = chunks, prompt_len
     if usage is not None:
         if isinstance(usage.get("completion_tokens"), int):

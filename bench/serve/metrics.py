@@ -2,7 +2,7 @@
 
 For one request (times from ``perf_counter``, seconds):
   TTFT  send -> the first chunk that carries output text
-  E2E   send -> the end of the stream (the last event)
+  E2E   send -> the answer's last event (the last one with a choice; the usage event after it carries none)
   ITL   the gaps between consecutive output chunks (one per chunk, as vLLM; a chunk may hold >1 token)
   TPOT  (E2E - TTFT) / (output tokens - 1); undefined for a one-token answer (left out of the TPOT stats and
         counted as meeting a TPOT SLO, as vLLM does)
@@ -54,8 +54,10 @@ class RequestOutcome:
             v = values[name]
             if not self.success:
                 out[name] = False
-            elif v is None:  # only TPOT of a one-token answer: nothing to miss
+            elif v is None and name == "tpot":  # a one-token answer: nothing to miss
                 out[name] = True
+            elif v is None:  # a success always has a TTFT and an E2E; a caller's outcome without one misses
+                out[name] = False
             else:
                 out[name] = v * 1e3 <= bound
         return out

@@ -65,7 +65,8 @@ class BenchResult:
         started = datetime.fromisoformat(self.started_at)
         for p in self.points:
             flat = flat_keys(p.metrics, p.outcomes, self.config, self.model, self.endpoint, started)
-            entry = {**flat, **p.metrics.to_json()}  # vLLM's flat keys beside ours (same names, same values)
+            # vLLM's flat keys beside ours; where a name is both, vLLM's spelling of it ("inf" for request_rate)
+            entry = {**p.metrics.to_json(), **flat}
             if include_requests:
                 entry["requests"] = [_request_json(o) for o in p.outcomes]
             out["points"].append(entry)

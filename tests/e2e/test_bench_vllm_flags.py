@@ -45,6 +45,7 @@ def test_vllm_flags_flat_keys_and_exact_prompt_lengths(e2e_stack: Stack, tmp_pat
             assert isinstance(data[key], float) and data[key] >= 0, key
     assert data["mean_ttft_ms"] == pytest.approx(data["points"][0]["ttft_ms"]["mean"])  # next to our own
     assert data["points"][0]["p50_ttft_ms"] == data["p50_ttft_ms"]
+    assert data["points"][0]["request_rate"] == "inf"  # the same value as at the top, as vLLM spells it
     # exactly the asked length, as the server counted it in usage.prompt_tokens (chat: template included)
     assert data["input_lens"] == [40] * 6, data["input_lens"]
     assert data["output_lens"] == [3] * 6

@@ -32,6 +32,14 @@ def test_poisson_counts_per_window_have_variance_equal_to_mean():
     assert counts.var() / counts.mean() == pytest.approx(1.0, abs=0.1)
 
 
+@pytest.mark.parametrize("seed", range(5))
+@pytest.mark.parametrize("n", [24, 100])
+def test_the_offered_rate_is_the_rate_asked_for(n: int, seed: int):
+    """The gaps are rescaled as vLLM does: unscaled, seed 0's 100 requests at 2 req/s came at 1.68 req/s."""
+    offsets = send_offsets(n, 2.0, 1.0, seed=seed)
+    assert (n - 1) / offsets[-1] == pytest.approx(2.0)
+
+
 def test_same_seed_same_offsets_other_seed_other_offsets():
     assert send_offsets(100, 2.0, 0.5, seed=1) == send_offsets(100, 2.0, 0.5, seed=1)
     assert send_offsets(100, 2.0, 0.5, seed=1) != send_offsets(100, 2.0, 0.5, seed=2)

@@ -134,9 +134,9 @@ def test_client_times_first_token_gaps_and_end_and_takes_usage_tokens():
     assert o.success and o.error is None
     assert o.ttft_s == pytest.approx(0.25)
     assert o.itl_s == pytest.approx([0.05, 0.15])  # one gap per text chunk
-    assert o.e2e_s == pytest.approx(0.53)
+    assert o.e2e_s == pytest.approx(0.50)  # the finishing event: the usage event and [DONE] carry no token
     assert (o.output_tokens, o.prompt_tokens) == (5, 12)  # usage wins over the 3 chunks
-    assert o.tpot_s == pytest.approx((0.53 - 0.25) / 4)
+    assert o.tpot_s == pytest.approx((0.50 - 0.25) / 4)
 
 
 def test_chat_role_chunk_is_not_the_first_token_and_chunks_count_without_usage():
@@ -145,6 +145,57 @@ def test_chat_role_chunk_is_not_the_first_token_and_chunks_count_without_usage()
                           (0.35, _delta(None, finish="stop")), (0.4, "[DONE]")]), clock, chat=True)
     assert o.success and o.ttft_s == pytest.approx(0.2) and o.itl_s == pytest.approx([0.1])
     assert (o.output_tokens, o.prompt_tokens) == (2, 7)  # no usage: one token per text chunk, the client's length
+
+
+def test_an_answer_with_no_text_times_its_first_token_at_the_event_that_ends_it():
+    """An immediate end-of-sequence streams no text. Its TTFT is when that token's event came, not None: a
+    None TTFT left the request out of the TTFT figures and passed any TTFT SLO, whatever its latency."""
+    clock = _Clock()
+    usage = json.dumps({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 1}})
+    o = _run(_sse(clock, [(9.0, _text("", "stop")), (9.1, usage), (9.2, "[DONE]")]), clock)
+    assert o.success and o.ttft_s == pytest.approx(9.0) and o.e2e_s == pytest.approx(9.0)
+    assert o.meets(SLO(ttft_ms=500)) == {"ttft": False}
+    assert RequestOutcome(True, ttft_s=None, e2e_s=1.0).meets(SLO(ttft_ms=500)) == {"ttft": False}
+    assert RequestOutcome(True, ttft_s=0.1, e2e_s=1.0, output_tokens=1).meets(SLO(tpot_ms=1)) == {"tpot": True}
+
+
+def test_reasoning_and_tool_call_deltas_are_output_on_chat():
+    clock = _Clock()
+    reasoning = json.dumps({"choices": [{"index": 0, "delta": {"reasoning_content": "think"}}]})
+    tool = json.dumps({"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "id": "c"}]}}]})
+    o = _run(_sse(clock, [(0.1, reasoning), (0.2, reasoning), (0.3, tool), (0.4, _delta("x")),
+                          (0.5, _delta(None, finish="tool_calls")), (0.6, "[DONE]")]), clock, chat=True)
+    assert o.success and o.ttft_s == pytest.approx(0.1) and o.itl_s == pytest.approx([0.1, 0.1, 0.1])
+    assert o.output_tokens == 4
+
+
+def test_an_aborted_answer_and_a_stream_with_no_answer_are_failures():
+    clock = _Clock()
+    o = _run(_sse(clock, [(0.1, _text("a")), (0.2, _text("", "abort"))]), clock)
+    assert not o.success and o.error == "finish_reason abort"
+    o = _run(_sse(clock, [(0.1, _text("a")), (0.2, _text("", "abort")), (0.3, "[DONE]")]), clock)
+    assert not o.success and o.error == "finish_reason abort"
+    o = _run(_sse(clock, [(0.1, "[DONE]")]), clock)
+    assert not o.success and o.error == "stream carried no answer (no event with a choice)"
+
+
+@pytest.mark.parametrize("event, reason", [
+    ({"choices": "oops"}, "malformed event: choices is a str"),
+    ({"choices": [{"index": 0, "text": 7}]}, "malformed event"),
+    ({"choices": [5]}, "malformed event"),
+    ({"object": "error", "message": "model is overloaded"}, "error event: model is overloaded"),
+])
+def test_malformed_and_old_style_error_events_fail_the_request_without_raising(event, reason):
+    clock = _Clock()
+    o = _run(_sse(clock, [(0.1, json.dumps(event)), (0.2, "[DONE]")]), clock)
+    assert not o.success and o.error is not None and o.error.startswith(reason), o.error
+
+
+def test_a_chunk_with_a_null_error_field_is_a_normal_chunk():
+    clock = _Clock()
+    chunk = json.dumps({"choices": [{"index": 0, "text": "a", "finish_reason": "stop"}], "error": None})
+    o = _run(_sse(clock, [(0.1, chunk), (0.2, "[DONE]")]), clock)
+    assert o.success and o.ttft_s == pytest.approx(0.1)
 
 
 def test_client_counts_in_band_errors_and_broken_streams_as_failures():

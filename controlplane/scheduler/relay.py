@@ -81,9 +81,8 @@ class Progress:
         self.seams += 1
         self._skip = self.seam().replay
         if self._detok is None:
-            self._detok = IncrementalDetokenizer(self.tokenizer, self.request.params.stop)
-            self._detok.ids = list(self.token_ids)
-            self._detok.emitted = self.text_chars
+            self._detok = IncrementalDetokenizer.resume(self.tokenizer, self.request.params.stop,
+                                                        self.request.prompt_ids, self.token_ids, self.text_chars)
 
     def accept(self, c: wpb.TokenChunk) -> Chunk | None:
         """The client's chunk for worker chunk ``c``; None when it carries nothing new."""
@@ -102,8 +101,13 @@ class Progress:
     def _across_seam(self, ids: list[int], c: wpb.TokenChunk) -> Chunk | None:
         assert self._detok is not None
         text, taken, reason = "", [], c.finish_reason or None
-        for token in ids:
+        # after a seam the worker has no stop strings: a "stop" is a stop token or EOS, whose text is never
+        # output (as the engine leaves it out)
+        end_token = len(ids) - 1 if c.finished and c.finish_reason == "stop" else -1
+        for i, token in enumerate(ids):
             taken.append(token)
+            if i == end_token:
+                break
             step = self._detok.add(token)
             text += step.text
             if step.stopped:

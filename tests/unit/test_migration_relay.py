@@ -71,6 +71,24 @@ def test_across_a_seam_the_text_is_the_whole_output_decoded_once(default_bundle)
     assert text + c.text == tok.decode(ids) and c.completion_tokens == len(ids)
 
 
+def test_across_a_seam_a_stop_tokens_text_is_left_out_as_the_engine_leaves_it_out(default_bundle):
+    """A stop token id (or EOS) ends the answer without its text; the relay fed it to its detokenizer, so
+    the same request gave other text when it had moved."""
+    tok = default_bundle.tokenizer
+    ids = tok.encode(" Paris is the capital.", add_special_tokens=False)
+    period = ids[-1]
+    assert tok.decode([period]) == "."
+    req = WorkerRequest("r", [1], SamplingParams(max_tokens=50, temperature=0.0, stop_token_ids=(period,)))
+    p = Progress(req, tok)
+    first = p.accept(_chunk(ids[:2], tok.decode(ids[:2])))
+    assert first is not None
+    p.begin_attempt()
+    rest = p.accept(_chunk(ids[2:], "ignored after a seam", finished=True, reason="stop"))
+    assert rest is not None and rest.finished and rest.finish_reason == "stop"
+    assert first.text + rest.text == " Paris is the capital"
+    assert rest.completion_tokens == len(ids)  # the stop token is still one of the output's tokens
+
+
 def test_a_seeded_seam_moves_back_to_a_token_whose_shifted_seed_fits():
     seed = 2**63 - 1  # seed + k * GOLDEN overflows 2^63 for some k
     req = WorkerRequest("r", [1], SamplingParams(max_tokens=20, temperature=1.0, seed=seed))

@@ -228,7 +228,7 @@ class Engine:
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         detok = None
         if self.tokenizer is not None:
-            detok = IncrementalDetokenizer(self.tokenizer, params.stop)
+            detok = IncrementalDetokenizer(self.tokenizer, params.stop, prompt_ids=prompt_ids)
         return Sequence(request_id, list(prompt_ids), params, seed, time.monotonic(), mm, detok)
 
     def check_request(self, prompt_ids: list[int], params: SamplingParams, mm: MultimodalInput | None = None) -> None:

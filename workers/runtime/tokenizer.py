@@ -15,6 +15,7 @@ or ``preprocessor_config.json``, as LLaVA's) adds them unless the text already s
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -191,45 +192,100 @@ class DetokenizerStep:
     stopped: bool  # a stop string matched; text is cut before it
 
 
+PRIME_TOKENS = 5  # prompt ids decoded ahead of the output, as vLLM primes its detokenizer
+INCOMPLETE = "\ufffd"  # what decode gives for the bytes of a character not complete yet
+
+
 class IncrementalDetokenizer:
     """Turns a growing list of output ids into text deltas, holding back anything that might be the
-    start of a stop string or of an unfinished UTF-8 character."""
+    start of a stop string or of an unfinished UTF-8 character.
 
-    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...] = (), skip_special_tokens: bool = True) -> None:
+    Each step decodes a short window, not the whole output (vLLM's prefix/read offsets): the text of the
+    window's ids up to the last emitted token and the text of the whole window; the new text is the
+    difference. The window starts with the last ``PRIME_TOKENS`` prompt ids, so a tokenizer that strips
+    the leading space of a decoded text (SentencePiece's Metaspace: Llama-2, Mistral) keeps the first
+    generated token's space, as decoding the prompt and the output together would."""
+
+    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...] = (), skip_special_tokens: bool = True,
+                 prompt_ids: Sequence[int] = ()) -> None:
         self.tokenizer = tokenizer
         self.stop = tuple(s for s in stop if s)
         self.skip_special_tokens = skip_special_tokens
-        self.ids: list[int] = []
-        self.emitted = 0  # characters of the full text already emitted
-        self.text = ""
+        self.ids: list[int] = []  # the output ids given so far
+        self.emitted = 0  # characters of ``text`` already emitted
+        self.text = ""  # the output's text so far (emitted, and held back for a stop string)
         self._hold = max((len(s) for s in self.stop), default=1) - 1
         self.stopped = False
+        prime = list(prompt_ids[-PRIME_TOKENS:])
+        if prime and self._decode(prime).endswith(INCOMPLETE):  # the prompt ends inside a character
+            prime = []
+        self._window = prime  # the ids decoded at each step: from the prefix on
+        self._read = len(prime)  # window index past the last id whose text is in ``text``
+
+    @classmethod
+    def resume(cls, tokenizer: Tokenizer, stop: tuple[str, ...], prompt_ids: Sequence[int],
+               output_ids: Sequence[int], emitted: int) -> IncrementalDetokenizer:
+        """A detokenizer that has seen ``output_ids`` and emitted the first ``emitted`` characters of their
+        text (what another one, primed with the same prompt, sent): it goes on where that one stopped."""
+        detok = cls(tokenizer, (), prompt_ids=prompt_ids)
+        for token in output_ids:
+            detok.add(token)
+        detok.stop = tuple(s for s in stop if s)
+        detok._hold = max((len(s) for s in detok.stop), default=1) - 1
+        detok.emitted = emitted
+        return detok
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, self.skip_special_tokens)
+
+    def _pending(self) -> tuple[str, bool]:
+        """The text of the ids past the read offset, and whether it ends inside a character."""
+        new = self._decode(self._window)
+        return new[len(self._decode(self._window[:self._read])):], new.endswith(INCOMPLETE)
+
+    def _commit(self, tail: str) -> None:
+        self.text += tail
+        prefix = self._read  # the next step's known text starts at what is read now
+        del self._window[:prefix]
+        self._read = len(self._window)
+
+    def _stop_at(self, text: str) -> int | None:
+        """Where the first stop string in ``text`` begins (searching past what is emitted), or None."""
+        search_from = max(0, self.emitted - self._hold)
+        hits = [i for i in (text.find(s, search_from) for s in self.stop) if i >= 0]
+        return min(hits) if hits else None
+
+    def _cut(self, text: str, cut: int) -> DetokenizerStep:
+        delta = text[self.emitted:cut]
+        self.text = text[:cut]
+        self.emitted = cut
+        self.stopped = True
+        return DetokenizerStep(delta, True)
 
     def add(self, token_id: int) -> DetokenizerStep:
         self.ids.append(token_id)
-        text = self.tokenizer.decode(self.ids, self.skip_special_tokens)
-        if text.endswith("\ufffd"):  # a multi-byte character is not complete yet
+        self._window.append(token_id)
+        tail, incomplete = self._pending()
+        if incomplete:  # a multi-byte character is not complete yet: hold it, but not a stop string before it
+            if self.stop and (cut := self._stop_at(self.text + tail.rstrip(INCOMPLETE))) is not None:
+                return self._cut(self.text + tail, cut)
             return DetokenizerStep("", False)
-        self.text = text
-        if self.stop:
-            search_from = max(0, self.emitted - self._hold)
-            hits = [i for i in (text.find(s, search_from) for s in self.stop) if i >= 0]
-            if hits:
-                cut = min(hits)
-                delta = text[self.emitted:cut]
-                self.text = text[:cut]
-                self.emitted = cut
-                self.stopped = True
-                return DetokenizerStep(delta, True)
-        safe_end = max(self.emitted, len(text) - self._hold)
-        delta = text[self.emitted:safe_end]
+        self._commit(tail)
+        if self.stop and (cut := self._stop_at(self.text)) is not None:
+            return self._cut(self.text, cut)
+        safe_end = max(self.emitted, len(self.text) - self._hold)
+        delta = self.text[self.emitted:safe_end]
         self.emitted = safe_end
         return DetokenizerStep(delta, False)
 
     def flush(self) -> str:
-        """Emit what was held back, at the end of a sequence that did not stop on a string."""
+        """Emit what was held back, at the end of a sequence that did not stop on a string (a stop string in
+        it is still cut off, with what follows)."""
         if not self.stopped:
-            self.text = self.tokenizer.decode(self.ids, self.skip_special_tokens)
+            tail, _ = self._pending()
+            self._commit(tail)
+            if self.stop and (cut := self._stop_at(self.text)) is not None:
+                return self._cut(self.text, cut).text
         delta = self.text[self.emitted:]
         self.emitted = len(self.text)
         return delta

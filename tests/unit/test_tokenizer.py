@@ -361,3 +361,31 @@ def test_a_stop_string_before_an_unfinished_character_is_cut_even_when_the_outpu
         assert (detok.flush() if ended else "") == "" and detok.text == ""
     detok = IncrementalDetokenizer(tok, stop=("zz",))  # no stop: one character held back, then all of it
     assert [detok.add(i).text for i in (1, 2, 3)] == ["", "", "ab"] and detok.flush() == "æ"
+
+
+LLAMA3_TEMPLATE = (  # Meta-Llama-3-8B-Instruct's, for string content
+    "{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = '<|start_header_id|>' "
+    "+ message['role'] + '<|end_header_id|>\n\n'+ message['content'] | trim + '<|eot_id|>' %}{% if loop.index0 == 0 "
+    "%}{% set content = bos_token + content %}{% endif %}{{ content }}{% endfor %}{% if add_generation_prompt %}"
+    "{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}")
+
+
+def test_text_parts_reach_a_string_template_as_one_string(tok: Tokenizer) -> None:
+    """Llama-3's template prints ``message['content'] | trim``: given a list of parts it rendered their
+    Python repr without an error, so the fallback on errors never ran."""
+    llama3 = Tokenizer(tok.backend, bos_token="<|begin_of_text|>", chat_template=LLAMA3_TEMPLATE)
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}]}]
+    rendered = llama3.render_chat(parts)
+    assert "'type'" not in rendered
+    assert rendered == llama3.render_chat([{"role": "user", "content": "Hi\nthere"}])
+
+
+def test_a_template_that_loops_over_parts_gets_them_as_they_are(tok: Tokenizer) -> None:
+    from workers.runtime.tokenizer import iterates_content
+
+    assert not iterates_content(LLAMA3_TEMPLATE)
+    assert iterates_content(CHAT_TEMPLATE)  # the demo model's: text and image parts
+    assert iterates_content("{% for m in messages %}{% set c = m.content %}{% for p in c %}{{ p.text }}"
+                            "{% endfor %}{% endfor %}")
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}]}]
+    assert "user\nHithere<|im_end|>" in tok.render_chat(parts)  # the template's own joining, as transformers

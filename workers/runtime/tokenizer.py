@@ -49,6 +49,7 @@ class Tokenizer:
         self.image_token = image_token
         self.processor_chat = processor_chat  # tokenise chats as a transformers processor does (module doc)
         self._template: jinja2.Template | None = None
+        self._parts: bool | None = None  # whether the template loops over a message's content parts
 
     # ------------------------------------------------------------------ loading
     @classmethod
@@ -106,6 +107,10 @@ class Tokenizer:
             raise InvalidRequestError("this model has no chat template; use the completions API instead")
         if self._template is None:
             self._template = _compile_template(self.chat_template, None)
+        if self._parts is None:
+            self._parts = iterates_content(self.chat_template)
+        if not self._parts:  # a template for string content: text parts joined first, as vLLM does
+            messages = _flatten_text_parts(messages) or messages
         try:
             return self._render(messages, add_generation_prompt, extra)
         except (jinja2.TemplateError, TypeError, ValueError, KeyError, AttributeError) as exc:
@@ -143,6 +148,36 @@ def _flatten_text_parts(messages: list[Message]) -> list[Message] | None:
             changed = True
         out.append(m)
     return out if changed else None
+
+
+def iterates_content(source: str) -> bool:
+    """Whether a chat template loops over a message's content (OpenAI-style parts, as multimodal templates
+    do), rather than printing it as a string. A template for strings, given a list of text parts, renders
+    its Python repr without an error (Llama-3's ``message['content'] | trim``), so this is decided from the
+    template, as vLLM's content-format detection does: a ``for`` over ``x['content']`` / ``x.content``, or
+    over a variable set from one."""
+    from jinja2 import nodes
+
+    try:
+        tree = jinja2.Environment(extensions=[_GenerationBlock, "jinja2.ext.loopcontrols"]).parse(source)
+    except jinja2.TemplateError:
+        return False
+
+    def is_content(node: nodes.Node) -> bool:
+        while isinstance(node, nodes.Filter):  # message['content'] | list, ...
+            node = node.node
+        return ((isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Const) and node.arg.value == "content")
+                or (isinstance(node, nodes.Getattr) and node.attr == "content"))
+
+    aliases = {a.target.name for a in tree.find_all(nodes.Assign)
+               if isinstance(a.target, nodes.Name) and is_content(a.node)}
+    for loop in tree.find_all(nodes.For):
+        it = loop.iter
+        while isinstance(it, nodes.Filter):
+            it = it.node
+        if is_content(it) or (isinstance(it, nodes.Name) and it.name in aliases):
+            return True
+    return False
 
 
 def _raise_template_error(message: str) -> None:

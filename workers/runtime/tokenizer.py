@@ -163,18 +163,20 @@ def iterates_content(source: str) -> bool:
     except jinja2.TemplateError:
         return False
 
-    def is_content(node: nodes.Node) -> bool:
+    def unfiltered(node: nodes.Node | None) -> nodes.Node | None:
         while isinstance(node, nodes.Filter):  # message['content'] | list, ...
             node = node.node
+        return node
+
+    def is_content(node: nodes.Node | None) -> bool:
+        node = unfiltered(node)
         return ((isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Const) and node.arg.value == "content")
                 or (isinstance(node, nodes.Getattr) and node.attr == "content"))
 
     aliases = {a.target.name for a in tree.find_all(nodes.Assign)
                if isinstance(a.target, nodes.Name) and is_content(a.node)}
     for loop in tree.find_all(nodes.For):
-        it = loop.iter
-        while isinstance(it, nodes.Filter):
-            it = it.node
+        it = unfiltered(loop.iter)
         if is_content(it) or (isinstance(it, nodes.Name) and it.name in aliases):
             return True
     return False

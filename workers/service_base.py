@@ -121,12 +121,13 @@ def sampling_from_proto(p: wpb.SamplingParams) -> SamplingParams:
     a caller that forgot it used to get 16 tokens silently. top_p 0 (unset) is 1 (off)."""
     return SamplingParams(max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p or 1.0,
                           top_k=p.top_k, seed=p.seed if p.HasField("seed") else None, stop=tuple(p.stop),
-                          stop_token_ids=tuple(p.stop_token_ids), ignore_eos=p.ignore_eos)
+                          stop_token_ids=tuple(p.stop_token_ids), ignore_eos=p.ignore_eos, to_context=p.to_context)
 
 
 def sampling_to_proto(s: SamplingParams) -> wpb.SamplingParams:
     msg = wpb.SamplingParams(max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-                             stop=list(s.stop), stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos)
+                             stop=list(s.stop), stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos,
+                             to_context=s.to_context)
     if s.seed is not None:
         msg.seed = s.seed
     return msg

@@ -218,6 +218,7 @@ def _sampling(body: ChatCompletionRequest | CompletionRequest, max_tokens: int |
     if body.stop_token_ids and any(not 0 <= t < vocab for t in body.stop_token_ids):
         raise APIError(400, f"stop_token_ids must be in [0, {vocab}).", param="stop_token_ids")
     limit = model.max_model_len
+    to_context = max_tokens is None
     if max_tokens is None:
         if prompt_len >= limit:
             raise APIError(400, f"This model's maximum context length is {limit} tokens. However, your {noun} "
@@ -234,7 +235,7 @@ def _sampling(body: ChatCompletionRequest | CompletionRequest, max_tokens: int |
                                 top_p=1.0 if body.top_p is None else body.top_p,
                                 top_k=0 if body.top_k in (None, -1) else body.top_k,  # vLLM spells off -1
                                 seed=body.seed, stop=stop, stop_token_ids=tuple(body.stop_token_ids or ()),
-                                ignore_eos=bool(body.ignore_eos))
+                                ignore_eos=bool(body.ignore_eos), to_context=to_context)
     except InvalidRequestError as exc:
         param = _param_of(str(exc), max_param)
         message = str(exc)

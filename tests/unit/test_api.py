@@ -204,7 +204,8 @@ def test_defaults_and_max_completion_tokens(client: TestClient, backend: FakeBac
     req = backend.requests[-1]
     prompt = tokenizer.encode_chat([{"role": "user", "content": "Hi"}])
     assert req.prompt_ids == prompt
-    assert req.params == SamplingParams(max_tokens=CONTEXT - len(prompt), temperature=1.0, top_p=1.0)
+    assert req.params == SamplingParams(max_tokens=CONTEXT - len(prompt), temperature=1.0, top_p=1.0,
+                                       to_context=True)
     resp = chat(client, max_tokens=50, max_completion_tokens=3, stop=["a", "b"])
     assert backend.requests[-1].params.max_tokens == 3 and backend.requests[-1].params.stop == ("a", "b")
     assert resp.json()["choices"][0]["finish_reason"] == "length"
@@ -555,8 +556,14 @@ def test_vllm_sampling_extensions_reach_the_request_or_ask_for_the_default(clien
 def test_a_completion_without_max_tokens_gets_16_as_in_openais_api(client: TestClient, backend: FakeBackend) -> None:
     """A chat without it runs to the end of the context (as vLLM's chat does); a legacy completion stops at 16."""
     assert client.post("/v1/completions", json={"model": NAME, "prompt": "x"}).status_code == 200
-    assert backend.requests[-1].params.max_tokens == 16
+    assert backend.requests[-1].params.max_tokens == 16 and not backend.requests[-1].params.to_context
     assert client.post("/v1/completions", json={"model": NAME, "prompt": "x", "logprobs": 0}).status_code == 400
+    # the chat's ceiling is marked as the client's not setting one: a worker whose KV pool is smaller than the
+    # context runs it as far as the pool holds instead of refusing it (Engine.fit)
+    assert chat(client).status_code == 200
+    assert backend.requests[-1].params.to_context
+    assert chat(client, max_tokens=5).status_code == 200
+    assert not backend.requests[-1].params.to_context
 
 
 def test_unknown_model(client: TestClient, backend: FakeBackend) -> None:

@@ -3,6 +3,7 @@ and the per-layer KV-ready hook."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -74,6 +75,26 @@ def test_request_bigger_than_the_pool_is_refused(tiny_bundle):
     engine = _engine(tiny_bundle, blocks=4)  # 64 tokens
     with pytest.raises(RequestTooLargeError, match="needs 5 KV blocks .* the pool holds 4"):
         engine.add_request("big", [5] * 60, _greedy(10))
+    assert_no_leaks(engine)
+
+
+def test_a_request_without_max_tokens_runs_as_far_as_a_small_pool_holds(tiny_bundle):
+    """A chat without max_tokens asks for the rest of the model's context. A pool smaller than that context
+    refused every such request; it now runs to what the pool holds and finishes "length" there, as it
+    would at the context's end. A max_tokens the client set is still refused when the pool cannot hold it."""
+    engine = _engine(tiny_bundle, blocks=4)  # 64 tokens, less than the model's context
+    assert engine.max_model_len > 64
+    ceiling = dataclasses.replace(_greedy(engine.max_model_len - 10), to_context=True)
+    engine.add_request("chat", [5] * 10, ceiling)
+    (outs,) = run_to_completion(engine).values()
+    assert outs[-1].finish_reason == FinishReason.LENGTH and sum(len(o.new_token_ids) for o in outs) == 64 - 10
+    assert_no_leaks(engine)
+    with pytest.raises(RequestTooLargeError):
+        engine.add_request("explicit", [5] * 10, _greedy(engine.max_model_len - 10))
+    small = dataclasses.replace(_greedy(3), to_context=True)
+    assert engine.fit(10, small) is small  # a ceiling that fits is left as it is
+    with pytest.raises(RequestTooLargeError):  # the prompt alone is more than the pool: nothing to run
+        engine.add_request("long", [5] * 70, dataclasses.replace(_greedy(5), to_context=True))
     assert_no_leaks(engine)
 
 

@@ -275,3 +275,17 @@ def test_lying_outer_length_raises_wire_error(index: int, fake: int) -> None:
 
 
 _VALID = _valid_messages()
+
+
+def test_sampling_params_cross_the_wire_whole() -> None:
+    """Every field a worker acts on arrives as sent; to_context decides whether a small pool runs a request
+    without max_tokens or refuses it."""
+    from epd.worker.v1 import worker_pb2 as wpb
+    from workers.runtime.sampler import SamplingParams
+    from workers.service_base import sampling_from_proto, sampling_to_proto
+
+    for params in (SamplingParams(max_tokens=7, temperature=0.5, top_p=0.75, top_k=3, seed=11, stop=("x",),
+                                  stop_token_ids=(4,), ignore_eos=True, to_context=True),
+                   SamplingParams(max_tokens=1, temperature=0.0)):
+        wire = sampling_to_proto(params).SerializeToString()
+        assert sampling_from_proto(wpb.SamplingParams.FromString(wire)) == params

@@ -22,7 +22,7 @@ import random
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Literal
 
 import torch
@@ -224,6 +224,7 @@ class Engine:
                       mm: MultimodalInput | None) -> Sequence:
         if request_id in self._seqs or request_id in self._reservations:
             raise DuplicateRequestError(f"request id {request_id!r} is already in the engine")
+        params = self.fit(len(prompt_ids), params)
         self.check_request(prompt_ids, params, mm)
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         detok = None
@@ -231,8 +232,18 @@ class Engine:
             detok = IncrementalDetokenizer(self.tokenizer, params.stop, prompt_ids=prompt_ids)
         return Sequence(request_id, list(prompt_ids), params, seed, time.monotonic(), mm, detok)
 
+    def fit(self, prompt_len: int, params: SamplingParams) -> SamplingParams:
+        """``params`` with a ``to_context`` ceiling lowered to what this engine holds after the prompt: its
+        context and its KV pool (a pool smaller than the model's context would otherwise refuse every
+        request that did not set max_tokens). Anything else is returned as it is."""
+        if not params.to_context:
+            return params
+        room = min(self.max_model_len, self.cache.num_blocks * self.cache.block_size) - prompt_len
+        return replace(params, max_tokens=room) if 1 <= room < params.max_tokens else params
+
     def check_request(self, prompt_ids: list[int], params: SamplingParams, mm: MultimodalInput | None = None) -> None:
         """Raise the EngineError this request would get, without queueing or allocating anything."""
+        params = self.fit(len(prompt_ids), params)
         if not prompt_ids:
             raise InvalidRequestError("the prompt is empty")
         vocab = self.model.cfg.vocab_size

@@ -31,6 +31,10 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # max_tokens is a ceiling the client did not set (a chat without max_tokens: "the rest of the context"):
+    # an engine whose KV pool holds less than prompt + max_tokens runs the request as far as its pool holds
+    # (finishing "length" there) instead of refusing it
+    to_context: bool = False
     return_logits: bool = False  # attach each step's float32 logits to the output (tests, logprobs)
     # Teacher forcing: output token i is forced_tokens[i] whatever is sampled (with return_logits,
     # this scores a given continuation). Empty = off.

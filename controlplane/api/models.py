@@ -92,6 +92,7 @@ class _GenerationFields(_Request):
     min_tokens: int | None = None
     use_beam_search: bool | None = None
     skip_special_tokens: bool | None = None
+    include_stop_str_in_output: bool | None = None
     echo: bool | None = None  # OpenAI's on completions, vLLM's on chat: refused
 
 
@@ -105,6 +106,11 @@ class ChatCompletionRequest(_GenerationFields):
     functions: list[Any] | None = None  # the deprecated form of tools
     function_call: Any = None
     response_format: ResponseFormat | None = None
+    # vLLM's chat-template extensions: each changes the prompt, so each is refused unless it asks for the default
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
+    chat_template: Text | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class CompletionRequest(_GenerationFields):

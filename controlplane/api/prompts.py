@@ -53,6 +53,13 @@ def prepare_chat(body: ChatCompletionRequest, model: ModelInfo) -> WorkerRequest
     if body.response_format is not None and body.response_format.type != "text":
         raise APIError(400, "response_format must be {\"type\": \"text\"}; structured output is not supported.",
                        param="response_format")
+    if body.add_generation_prompt is False or body.continue_final_message:
+        name = "continue_final_message" if body.continue_final_message else "add_generation_prompt"
+        raise APIError(400, f"{name}: continuing the last message is not supported; the answer is always a new "
+                            f"assistant turn.", param=name)
+    if body.chat_template is not None or body.chat_template_kwargs:
+        name = "chat_template" if body.chat_template is not None else "chat_template_kwargs"
+        raise APIError(400, f"{name} is not supported: the model's own chat template is used as it is.", param=name)
     messages, images = _template_messages(body, model)
     ids = tokenise(lambda: model.tokenizer.encode_chat(messages))
     ids, positions = _expand_images(ids, model, len(images), "messages")
@@ -188,6 +195,9 @@ def _refuse_unsupported(body: ChatCompletionRequest | CompletionRequest) -> None
             raise APIError(400, f"{name} is not supported by this server (only {default:g}).", param=name)
     if body.use_beam_search:
         raise APIError(400, "beam search is not supported by this server.", param="use_beam_search")
+    if body.include_stop_str_in_output:
+        raise APIError(400, "include_stop_str_in_output is not supported: a stop string is left out of the text.",
+                       param="include_stop_str_in_output")
     if body.skip_special_tokens is False:
         raise APIError(400, "special tokens are always left out of the text; skip_special_tokens must be true.",
                        param="skip_special_tokens")

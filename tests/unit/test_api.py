@@ -533,6 +533,13 @@ def test_missing_fields(client: TestClient) -> None:
     ({"functions": [{"name": "f"}]}, "functions (tools) are not supported", "functions"),
     ({"function_call": {"name": "f"}}, "function_call needs tools", "function_call"),
     ({"tool_choice": "required"}, "tool_choice needs tools", "tool_choice"),
+    # vLLM's extensions that change the prompt or the text: ignoring them gave another answer than asked for
+    ({"include_stop_str_in_output": True}, "include_stop_str_in_output is not supported", "include_stop_str_in_output"),
+    ({"add_generation_prompt": False}, "continuing the last message is not supported", "add_generation_prompt"),
+    ({"continue_final_message": True}, "continuing the last message is not supported", "continue_final_message"),
+    ({"chat_template": "{{ messages }}"}, "chat_template is not supported", "chat_template"),
+    ({"chat_template_kwargs": {"enable_thinking": False}}, "chat_template_kwargs is not supported",
+     "chat_template_kwargs"),
 ])
 def test_bad_values(client: TestClient, backend: FakeBackend, body: dict[str, Any], fragment: str,
                     param: str) -> None:
@@ -542,6 +549,8 @@ def test_bad_values(client: TestClient, backend: FakeBackend, body: dict[str, An
 
 def test_n_1_and_zero_penalties_are_accepted(client: TestClient) -> None:
     assert chat(client, n=1, presence_penalty=0, frequency_penalty=0.0, user="u1", logprobs=False).status_code == 200
+    assert chat(client, include_stop_str_in_output=False, add_generation_prompt=True, continue_final_message=False,
+                chat_template_kwargs={}).status_code == 200  # the defaults, said out loud
 
 
 def test_vllm_sampling_extensions_reach_the_request_or_ask_for_the_default(client: TestClient,

@@ -53,6 +53,8 @@ BENCHMARKS: tuple[Benchmark, ...] = (
     Benchmark("sampler", "bench.micro.sampler:run",
               "one sampling step (temperature 0.8, top_p 0.95) of 1 and 32 rows over 32k tokens vs transformers' "
               "processors and multinomial"),
+    Benchmark("detokenizer", "bench.micro.detokenizer:run",
+              "streamed ids to text, per token, at 512 and 8,192 output tokens vs tokenizers' DecodeStream"),
 )
 NAMES: tuple[str, ...] = tuple(b.name for b in BENCHMARKS)
 _BY_NAME = {b.name: b for b in BENCHMARKS}

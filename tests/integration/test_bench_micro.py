@@ -131,7 +131,7 @@ def test_whole_suite_smoke_run(tmp_path: Path) -> None:
     raw = json.loads(path.read_text())
     assert raw["errors"] == {}
     assert raw["benchmarks"] == ["codec", "kv-grpc", "kv-tcp", "kv-shm", "scheduler", "engine", "engine-loop",
-                                 "redis", "tracing", "sampler"]
+                                 "redis", "tracing", "sampler", "detokenizer"]
     names = {r["name"] for r in raw["results"]}
     for codec in ("bf16", "fp8", "int8", "int4.key", "int4.value", "fp32"):
         assert {f"codec.{codec}.encode", f"codec.{codec}.decode"} <= names
@@ -139,5 +139,6 @@ def test_whole_suite_smoke_run(tmp_path: Path) -> None:
             "kv-shm.bf16",
             "engine.prefill",
             "engine.decode.b1", "engine.decode.b8", "engine.decode.b32", "engine-loop.handoff",
-            "engine-loop.run_here", "tracing.span", "tracing.encode", "sampler.b1", "sampler.b32"} <= names
+            "engine-loop.run_here", "tracing.span", "tracing.encode", "sampler.b1", "sampler.b32",
+            "detokenizer.t512"} <= names
     assert all(x > 0 for r in raw["results"] for x in r["ratios"])

@@ -42,15 +42,16 @@ INSTALL_HINT = ("install it with `apt-get install -y redis-server` (Debian/Ubunt
 
 
 def redact(url: str) -> str:
-    """``url`` with any password replaced by ``***``, for messages and logs. A password holding '/', '?' or
-    '#' ends the URL's authority early, so the parser sees none: then everything from the first ':' after
-    ``scheme://`` to the last '@' is masked."""
+    """``url`` with any password replaced by ``***``, for messages and logs: everything from the first ':'
+    after ``scheme://`` to the last '@'. Not the parser's idea of the password: one holding '/', '?' or '#'
+    ends the URL's authority early, and with an '@' as well the parser finds a fake one. An '@' in the
+    query of a URL without a password masks part of it too: garbling beats leaking."""
+    scheme, sep, rest = url.partition("://")
+    colon, at = rest.find(":"), rest.rfind("@")
+    if sep and 0 <= colon < at:
+        return f"{scheme}://{rest[:colon]}:***@{rest[at + 1:]}"
     parts = urlsplit(url)
     if parts.password is None:
-        scheme, sep, rest = url.partition("://")
-        colon, at = rest.find(":"), rest.rfind("@")
-        if sep and 0 <= colon < at:
-            return f"{scheme}://{rest[:colon]}:***@{rest[at + 1:]}"
         return url
     netloc = parts.netloc.rsplit("@", 1)[1]
     user = parts.username or ""

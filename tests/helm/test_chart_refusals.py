@@ -51,19 +51,33 @@ def test_bad_values_are_refused_by_the_schema(args: tuple[str, ...], where: str,
     (("--set", "settings.prefill.replicas=0", "--set", "pools.prefill.minReplicas=0"),
      "settings.prefill.replicas is 0: the prefill pool needs a replica"),
     (("--set", "settings.encode.replicas=null"), "settings.encode.replicas is null"),
-    (("--set", "settings.decode.num_gpus=2"), "settings.decode.num_gpus (2) is more than the GPUs in the decode "
-                                               "pods' limits (1, any <vendor>/gpu)"),
+    (("--set", "settings.decode.num_gpus=2"), "settings.decode.num_gpus (2) is more than one decode pod offers Ray "
+                                               "(1, the GPUs in its limits"),
     (("--set", "settings.encode.replicas=1", "--set", "settings.encode.num_gpus=1"),
-     "settings.encode.num_gpus (1) is more than the GPUs in the encode pods' limits (0,"),
-    (("--set", "settings.decode.num_cpus=9"), "settings.decode.num_cpus (9) is more than the decode pods' CPU limit"),
-    (("-f", CPU_VALUES, "--set", "settings.decode.num_cpus=2"), "the decode pods' CPU limit (1)"),
-    (("--set", "pools.decode.resources.limits.cpu=500m", "--set", "settings.decode.num_cpus=1"),
-     "the decode pods' CPU limit (500m)"),
+     "settings.encode.num_gpus (1) is more than one encode pod offers Ray (0,"),
+    (("--set", "settings.decode.num_cpus=9"), "settings.decode.num_cpus (9) is more than one decode pod offers Ray (8, "
+                                               "from its CPU limit 8)"),
+    (("-f", CPU_VALUES, "--set", "settings.decode.num_cpus=2"), "offers Ray (1, from its CPU limit 1)"),
+    (("--set", "pools.decode.resources.limits.cpu=1500m", "--set", "settings.decode.num_cpus=3"),
+     "offers Ray (2, from its CPU limit 1500m)"),  # KubeRay rounds the limit up
+    (("--set-string", "pools.decode.rayStartParams.num-cpus=2", "--set", "settings.decode.num_cpus=3"),
+     "offers Ray (2, from its rayStartParams num-cpus 2)"),
     (("--set", "pools.prefill.rayStartParams.resources=x"),
      "pools.prefill.rayStartParams.resources is set by the chart"),
 ])
 def test_cross_field_mistakes_are_refused_by_name(args: tuple[str, ...], needle: str) -> None:
     assert needle in refusal(*args)
+
+
+def test_what_ray_is_told_a_pod_has_is_what_replicas_are_checked_against() -> None:
+    """KubeRay starts Ray with num-cpus rounded up from the CPU limit, num-gpus from the limits' *gpu keys,
+    and either from rayStartParams when given (Intel's gpu.intel.com/i915 or a MIG slice need that)."""
+    assert render("--set", "pools.decode.resources.limits.cpu=1500m", "--set", "settings.decode.num_cpus=2")
+    intel = ("--set", "pools.decode.resources.limits.nvidia\\.com/gpu=null",
+             "--set", "pools.decode.resources.requests.nvidia\\.com/gpu=null",
+             "--set", "pools.decode.resources.limits.gpu\\.intel\\.com/i915=1")
+    assert "offers Ray (0," in refusal(*intel)
+    assert render(*intel, "--set-string", "pools.decode.rayStartParams.num-gpus=1")
 
 
 def test_the_demo_model_without_its_encode_pool_is_refused() -> None:

@@ -206,6 +206,8 @@ def test_probes_and_service_point_at_the_api_port() -> None:
     (("--set", "settings.encode.replicas=1"), 3),
     (("--set", "settings.mode=colocated"), 1),
     (("--set", "settings.ray.replica_start_timeout_s=60"), 2),
+    # replicas sharing a GPU start one after another, each within the timeout: 1 prefill + 4 decode
+    (("--set-json", "settings.decode.num_gpus=0.5", "--set", "settings.decode.replicas=4"), 5),
 ])
 def test_the_startup_probe_outlasts_the_first_start_of_every_pool(args: tuple[str, ...], starting: int) -> None:
     """`epd serve` opens the API after starting the pools one after another, each within the start timeout."""

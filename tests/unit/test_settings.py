@@ -163,6 +163,22 @@ def test_a_password_that_breaks_the_url_is_refused_without_showing_it(password, 
     assert "hunt" not in str(err.value) and "er2" not in str(err.value)
 
 
+@pytest.mark.parametrize("password", ["Qx7@Zw/K9v", "Qx7@Zw?K9v", "Qx7@Zw#K9v"])
+def test_a_password_with_an_at_sign_and_a_slash_is_masked_whole(password, monkeypatch):
+    """The parser takes "Qx7" for the password and "Zw" for the host: masking its idea of the password
+    showed the rest ("Zw/K9v@h...")."""
+    from controlplane.settings import mask_url
+
+    url = f"redis://:{password}@h:6379/0"
+    assert mask_url(url) == "redis://:***@h:6379/0"
+    monkeypatch.setenv("EPD_REDIS__URL", url)
+    try:
+        shown = json.dumps(Settings.load().redacted())
+    except SettingsError as exc:
+        shown = str(exc)
+    assert "Qx7" not in shown and "Zw" not in shown and "K9v" not in shown
+
+
 def test_config_show_masks_the_redis_password():
     out = _config_show({"EPD_REDIS__URL": "redis://:hunter2@h:6379/0"}, "--json")
     assert out.returncode == 0, out.stderr

@@ -302,10 +302,12 @@ def _metaspace() -> Tokenizer:
     from tokenizers import Tokenizer as HFTokenizer
     from tokenizers import decoders, models, pre_tokenizers
 
-    vocab = {"<unk>": 0, "▁The": 1, "▁capital": 2, "▁of": 3, "▁France": 4, "▁is": 5, "▁Paris": 6, ".": 7}
+    vocab = {"<unk>": 0, "▁The": 1, "▁capital": 2, "▁of": 3, "▁France": 4, "▁is": 5, "▁Paris": 6, ".": 7,
+             "<sep>": 8}
     backend = HFTokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.Metaspace()
     backend.decoder = decoders.Metaspace()
+    backend.add_special_tokens(["<sep>"])
     return Tokenizer(backend)
 
 
@@ -321,6 +323,11 @@ def test_the_first_generated_word_keeps_its_leading_space_with_a_sentencepiece_t
     assert text == " Paris." == tok.decode(prompt + out)[len(tok.decode(prompt)):]
     resumed = IncrementalDetokenizer.resume(tok, (), prompt, out[:1], emitted=len(" Paris"))
     assert resumed.add(out[1]).text == "."  # a relay going on after a seam emits what the worker would have
+    # a special token (skipped in the text) between two words keeps the second one's space
+    detok = IncrementalDetokenizer(tok, prompt_ids=prompt)
+    words = [6, 8, 4]  # "▁Paris", "<sep>", "▁France"
+    text = "".join(detok.add(i).text for i in words) + detok.flush()
+    assert text == " Paris France" == tok.decode(prompt + words)[len(tok.decode(prompt)):]
 
 
 def test_each_step_decodes_a_few_ids_not_the_whole_output(tok: Tokenizer) -> None:
@@ -389,3 +396,9 @@ def test_a_template_that_loops_over_parts_gets_them_as_they_are(tok: Tokenizer) 
                             "{% endfor %}{% endfor %}")
     parts = [{"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}]}]
     assert "user\nHithere<|im_end|>" in tok.render_chat(parts)  # the template's own joining, as transformers
+    # loops the detection does not see (a .get, a macro's argument) still get the parts as they are
+    for source in ("{% for m in messages %}[{% for p in m.get('content') %}{{ p['text'] }}{% endfor %}]{% endfor %}",
+                   "{% macro body(c) %}{% for p in c %}{{ p.text }}{% endfor %}{% endmacro %}"
+                   "{% for m in messages %}[{{ body(m['content']) }}]{% endfor %}"):
+        assert Tokenizer(tok.backend, chat_template=source).render_chat(parts, add_generation_prompt=False) == \
+            "[Hithere]"

@@ -109,10 +109,13 @@ class Tokenizer:
             self._template = _compile_template(self.chat_template, None)
         if self._parts is None:
             self._parts = iterates_content(self.chat_template)
-        if not self._parts:  # a template for string content: text parts joined first, as vLLM does
-            messages = _flatten_text_parts(messages) or messages
         try:
-            return self._render(messages, add_generation_prompt, extra)
+            text = self._render(messages, add_generation_prompt, extra)
+            if not self._parts and "'type': 'text'" in text:  # parts printed as a Python list: a template for
+                flat = _flatten_text_parts(messages)  # string content; text parts joined first, as vLLM does
+                if flat is not None:
+                    return self._render(flat, add_generation_prompt, extra)
+            return text
         except (jinja2.TemplateError, TypeError, ValueError, KeyError, AttributeError) as exc:
             flat = _flatten_text_parts(messages)
             if flat is not None:  # a template written for string content, given OpenAI text parts (as vLLM does)
@@ -282,8 +285,8 @@ class IncrementalDetokenizer:
 
     def _commit(self, tail: str) -> None:
         self.text += tail
-        prefix = self._read  # the next step's known text starts at what is read now
-        del self._window[:prefix]
+        if tail:  # the next step's known text starts at what was read before; a token with no text (a skipped
+            del self._window[:self._read]  # special one) keeps the window, or the next word would lose its space
         self._read = len(self._window)
 
     def _stop_at(self, text: str) -> int | None:

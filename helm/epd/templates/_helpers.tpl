@@ -51,6 +51,8 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- if .Values.auth.existingSecretKeys.opsToken -}}true{{- end -}}
 {{- else if or .Values.auth.opsToken .Values.auth.generateOpsToken -}}true{{- end -}}
 {{- end -}}
+{{/* The ops token's key in the auth Secret: existingSecretKeys.opsToken, "ops-token" in a generated one. */}}
+{{- define "epd.opsTokenKey" -}}{{ .Values.auth.existingSecretKeys.opsToken | default "ops-token" }}{{- end -}}
 {{- define "epd.redisName" -}}{{ include "epd.fullname" . }}-redis{{- end -}}
 {{- define "epd.redisSecretName" -}}
 {{- default (include "epd.redisName" .) .Values.redis.auth.existingSecret -}}
@@ -161,8 +163,16 @@ is still within its time.
 {{- $timeout := int64 ((.Values.settings.ray | default dict).replica_start_timeout_s | default 180) -}}
 {{- $starting := 0 -}}
 {{- range $p := include "epd.pools" . | fromJsonArray -}}
-{{- if gt (int64 ((get $.Values.settings $p | default dict).replicas | default 0)) 0 -}}
+{{- $ps := get $.Values.settings $p | default dict -}}
+{{- $n := int64 ($ps.replicas | default 0) -}}
+{{- if gt $n 0 -}}
+{{- $gpus := float64 ($ps.num_gpus | default 0) -}}
+{{- $cuda := hasPrefix "cuda" (toString (($ps.engine | default dict).device | default "cpu")) -}}
+{{- if or (and (gt $gpus 0.0) (lt $gpus 1.0)) (and (eq $gpus 0.0) $cuda) -}}
+{{- $starting = add $starting $n -}}{{/* replicas sharing a GPU start one after another */}}
+{{- else -}}
 {{- $starting = add1 $starting -}}
+{{- end -}}
 {{- end -}}
 {{- end -}}
 {{- $need := add (div (add (mul $starting $timeout) $period -1) $period) 6 -}}
@@ -203,20 +213,33 @@ is still within its time.
 {{- fail (printf "settings.%s.replicas is 0: the %s pool needs a replica to serve anything (set 1 or more)" $p $p) -}}
 {{- end -}}
 {{- $g := get $.Values.pools $p -}}
+{{- $start := $g.rayStartParams | default dict -}}
 {{- $gpus := 0.0 -}}
+{{- $gpuFrom := "the GPUs in its limits (keys ending in gpu)" -}}
+{{- if hasKey $start "num-gpus" -}}
+{{- $gpus = float64 (index $start "num-gpus") -}}
+{{- $gpuFrom = "its rayStartParams num-gpus" -}}
+{{- else -}}
 {{- range $name, $n := ($g.resources.limits | default dict) -}}
-{{- if hasSuffix "/gpu" $name -}}{{- $gpus = addf $gpus (float64 $n) -}}{{- end -}}
+{{- if hasSuffix "gpu" $name -}}{{- $gpus = addf $gpus (float64 $n) -}}{{- end -}}
+{{- end -}}
 {{- end -}}
 {{- if gt (float64 ($ps.num_gpus | default 0)) $gpus -}}
-{{- fail (printf "settings.%s.num_gpus (%v) is more than the GPUs in the %s pods' limits (%v, any <vendor>/gpu): the replica would never be placed; give pools.%s.resources a GPU or lower num_gpus" $p $ps.num_gpus $p $gpus $p) -}}
+{{- fail (printf "settings.%s.num_gpus (%v) is more than one %s pod offers Ray (%v, %s): the replica would never be placed; give pools.%s.resources a GPU (or rayStartParams num-gpus) or lower num_gpus" $p $ps.num_gpus $p $gpus $gpuFrom $p) -}}
 {{- end -}}
-{{- with ($g.resources.limits | default dict).cpu -}}
-{{- $cpu := toString . -}}
-{{- $cores := ternary (divf (trimSuffix "m" $cpu | float64) 1000) (float64 $cpu) (hasSuffix "m" $cpu) -}}
+{{- $cpu := "" -}}
+{{- $cores := 0.0 -}}
+{{- if hasKey $start "num-cpus" -}}
+{{- $cpu = printf "rayStartParams num-cpus %v" (index $start "num-cpus") -}}
+{{- $cores = float64 (index $start "num-cpus") -}}
+{{- else if ($g.resources.limits | default dict).cpu -}}
+{{- $limit := toString ($g.resources.limits | default dict).cpu -}}
+{{- $cpu = printf "CPU limit %s" $limit -}}
+{{- $cores = ceil (ternary (divf (trimSuffix "m" $limit | float64) 1000) (float64 $limit) (hasSuffix "m" $limit)) -}}
+{{- end -}}
 {{- $ncpu := ternary 0.25 $ps.num_cpus (kindIs "invalid" $ps.num_cpus) -}}
-{{- if gt (float64 $ncpu) $cores -}}
-{{- fail (printf "settings.%s.num_cpus (%v) is more than the %s pods' CPU limit (%s): the replica would never be placed; lower num_cpus or raise pools.%s.resources.limits.cpu" $p $ncpu $p $cpu $p) -}}
-{{- end -}}
+{{- if and $cpu (gt (float64 $ncpu) $cores) -}}
+{{- fail (printf "settings.%s.num_cpus (%v) is more than one %s pod offers Ray (%v, from its %s): the replica would never be placed; lower num_cpus or raise pools.%s.resources.limits.cpu" $p $ncpu $p $cores $cpu $p) -}}
 {{- end -}}
 {{- if hasKey ($g.rayStartParams | default dict) "resources" -}}
 {{- fail (printf "pools.%s.rayStartParams.resources is set by the chart ({\"epd-%s\": 1}, what the pool's replicas ask for): remove it; a replica's extra resources go in settings.%s.ray_resources" $p $p $p) -}}

@@ -21,7 +21,7 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, Response
 
 from controlplane.api.auth import BearerAuth, OpsAuth
-from controlplane.api.errors import CatchAll, install_error_handlers
+from controlplane.api.errors import CatchAll, as_api_error, install_error_handlers
 from controlplane.api.limits import MAX_BODY_BYTES, BodyLimit
 from controlplane.api.models import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, StreamOptions
 from controlplane.api.prompts import check_model, prepare_chat, prepare_completion
@@ -102,7 +102,8 @@ def create_app(backend: Backend, api_keys: Sequence[str] = (), admin: APIRouter 
     async def _answer(worker_request: WorkerRequest, shape: Shape, stream: bool | None,
                       stream_options: StreamOptions | None, request: Request) -> Response:
         chunks = watch(Relay(backend, worker_request, lanes).chunks(), worker_request.request_id,
-                       request.scope["path"], getattr(request.state, T0_KEY, None))  # not .url: it parses
+                       request.scope["path"], getattr(request.state, T0_KEY, None),  # not .url: it parses
+                       streamed=bool(stream), status_of=lambda exc: as_api_error(exc).status)
         first = await anext(chunks)  # Overloaded / BackendError here keep their own status
         if stream:
             include_usage = stream_options is not None and stream_options.include_usage

@@ -14,7 +14,7 @@ metrics of each answer.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
 from typing import Any
 
@@ -96,17 +96,20 @@ def _status_of(exc: BaseException) -> int:
 
 
 async def watch(chunks: AsyncGenerator[Chunk, None], request_id: str, route: str,
-                t0: float | None = None) -> AsyncGenerator[Chunk, None]:
+                t0: float | None = None, *, streamed: bool = False,
+                status_of: Callable[[Exception], int] | None = None) -> AsyncGenerator[Chunk, None]:
     """``chunks`` unchanged, timed. ``t0``: perf_counter() at the request's arrival. Closing this
-    closes ``chunks`` at once (so a client that leaves aborts the request on the workers)."""
-    timed = _timed(chunks, request_id, route, t0)
+    closes ``chunks`` at once (so a client that leaves aborts the request on the workers). ``streamed``:
+    the answer's status line (200) went out with its first token, so one cut short is an error the
+    dashboard would not see otherwise. ``status_of``: the HTTP status an exception maps to (the API's)."""
+    timed = _timed(chunks, request_id, route, t0, streamed, status_of or _status_of)
     async with aclosing(chunks), aclosing(timed):  # leaving closes timed (its records), then chunks
         async for chunk in timed:
             yield chunk
 
 
-async def _timed(chunks: AsyncGenerator[Chunk, None], request_id: str, route: str,
-                 t0: float | None) -> AsyncGenerator[Chunk, None]:
+async def _timed(chunks: AsyncGenerator[Chunk, None], request_id: str, route: str, t0: float | None,
+                 streamed: bool, status_of: Callable[[Exception], int]) -> AsyncGenerator[Chunk, None]:
     on = OBSERVABILITY.metrics
     model = metrics.MODEL.value
     if not (on or OBSERVABILITY.tracing):
@@ -119,6 +122,7 @@ async def _timed(chunks: AsyncGenerator[Chunk, None], request_id: str, route: st
     stream_span = None
     first_at = last_at = None
     status = 200
+    completed = False
     try:
         async for chunk in chunks:
             now = time.perf_counter()
@@ -140,18 +144,21 @@ async def _timed(chunks: AsyncGenerator[Chunk, None], request_id: str, route: st
                         itl.observe(gap)
                 last_at = now
             if chunk.finished:
+                completed = True
                 _finished(chunk, t0, now, first_at, record, on)
             yield chunk
     except BaseException as exc:
-        status = _status_of(exc) if isinstance(exc, Exception) else 499
+        status = status_of(exc) if isinstance(exc, Exception) else 499
         if on and first_at is not None:
             metrics.CUT_SHORT.labels(model, route, str(status)).inc()
+            if streamed:  # answered 200 as far as the middleware knows: the dashboard's error rate counts it here
+                metrics.TIMELINE.cut_short(status)
         end_span(stream_span, exc)
         stream_span = None
         raise
     finally:
         end = time.perf_counter()
-        if first_at is not None and on:
+        if first_at is not None and on and completed:  # as every other stage: answered requests only
             metrics.stage(request_id, "stream", end - first_at)
         end_span(stream_span, end_time=None)
         if record is not None:

@@ -68,12 +68,14 @@ REGISTRY = CollectorRegistry(auto_describe=True)
 ProcessCollector(registry=REGISTRY)
 PlatformCollector(registry=REGISTRY)
 
+# up to the longest a request may take (scheduler.request_timeout_s, 600 s by default), so p99 does not
+# clamp at the top bucket in exactly the incidents it is read in
 _LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-            20.0, 40.0, 80.0)
+            20.0, 40.0, 80.0, 120.0, 300.0, 600.0)
 _PER_TOKEN = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
               0.5, 0.75, 1.0, 2.5)
 _E2E = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
-        240.0, 480.0)
+        240.0, 480.0, 600.0, 900.0)
 
 # ---------------------------------------------------------------- histograms
 _M = [MODEL_LABEL]

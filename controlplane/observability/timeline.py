@@ -75,6 +75,16 @@ class Timeline:
             elif status >= 400:
                 slot.client_errors += 1
 
+    def cut_short(self, status: int) -> None:
+        """A streamed answer (counted by ``answered`` as its 200) that ended with ``status`` after its
+        first token: an error (5xx), or a client error (4xx, 499 when the client left)."""
+        with self._lock:
+            slot = self._slot(self.clock())
+            if status >= 500 or status == 429:
+                slot.errors += 1
+            elif status >= 400:
+                slot.client_errors += 1
+
     def depth(self, waiting: int, in_flight: int) -> None:
         with self._lock:
             slot = self._slot(self.clock())

@@ -213,8 +213,9 @@ class Scheduler:
                 raise BackendError(self._no_decode_replica(candidates, lost), 503, retry_after_s=RETRY_AFTER_S)
             if time.monotonic() + backoff > deadline:
                 self._record(rid, RequestState.FAILED, "no decode room in time")
-                metrics.rejected("queue_timeout")
-                queued_stage(rid, parent, admitted_ns, time.time_ns(), "no decode room in time")
+                if ticket.queued:  # a moved request's re-route is not an admission: its queue stage has ended
+                    metrics.rejected("queue_timeout")
+                    queued_stage(rid, parent, admitted_ns, time.time_ns(), "no decode room in time")
                 raise Overloaded("every replica that could take it is full; retry later", max(1.0, backoff * 10))
             time.sleep(backoff)
             backoff = min(backoff * 2, 0.2)

@@ -25,6 +25,7 @@ from controlplane.api import create_app
 from controlplane.backend import BackendError, Chunk, ModelInfo, Overloaded
 from controlplane.dispatch import WorkerRequest
 from workers.runtime.default_model import BOS, CHAT_TEMPLATE, IM_END, IMAGE, build_tokenizer
+from workers.runtime.errors import InvalidRequestError
 from workers.runtime.multimodal import expand_image_tokens
 from workers.runtime.sampler import SamplingParams
 from workers.runtime.tokenizer import Tokenizer
@@ -401,6 +402,46 @@ def test_an_error_after_the_stream_started_is_sent_in_band(client: TestClient, b
     assert chunks[-1] == {"error": {"message": "decode worker lost", "type": "server_error", "param": None,
                                     "code": None}}
     assert len(chunks) == 4 and all("choices" in c for c in chunks[:3])  # role, two tokens, then the error
+
+
+def _sample(name: str, **labels: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from controlplane.observability import metrics
+
+    return sum(s.value for fam in text_string_to_metric_families(metrics.exposition().decode()) for s in fam.samples
+               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+
+
+def test_a_cut_short_answer_is_counted_once_under_its_status_and_times_no_stream_stage(
+        client: TestClient, backend: FakeBackend) -> None:
+    """A stream cut short after its 200 status line was an error only /metrics' cut-short counter knew of:
+    the dashboard's timeline counted it as answered. A worker's refusal mid-answer was labelled 500 while
+    the client got 400, and a cut-short stream timed a "stream" stage no other stage times."""
+    from controlplane.observability import metrics
+
+    def errors() -> int:
+        return sum(slot.errors + slot.client_errors for slot in metrics.TIMELINE._slots.values())
+
+    body = {"model": NAME, "stream": True, "messages": [{"role": "user", "content": "Hi"}]}
+    stream_stage = ("epd:request_stage_seconds_count", {"stage": "stream"})
+    before = (errors(), _sample(stream_stage[0], **stream_stage[1]),
+              _sample("epd:requests_cut_short_total", status="502"))
+    backend.fail_after = 2
+    with client.stream("POST", "/v1/chat/completions", json=body) as resp:
+        resp.read()
+    assert resp.status_code == 200 and errors() == before[0] + 1
+    assert _sample("epd:requests_cut_short_total", status="502") == before[2] + 1
+    assert _sample(stream_stage[0], **stream_stage[1]) == before[1]
+    backend.fail_with = InvalidRequestError("the worker refused it")
+    refused = _sample("epd:requests_cut_short_total", status="400")
+    assert client.post("/v1/chat/completions", json={**body, "stream": False}).status_code == 400
+    assert _sample("epd:requests_cut_short_total", status="400") == refused + 1
+    assert errors() == before[0] + 2  # the non-streamed one by its own status (400), once
+    backend.fail_after = None
+    with client.stream("POST", "/v1/chat/completions", json=body) as resp:
+        resp.read()
+    assert _sample(stream_stage[0], **stream_stage[1]) == before[1] + 1  # an answered stream times its stage
 
 
 def test_refusals_keep_their_status_when_streaming(client: TestClient, backend: FakeBackend) -> None:

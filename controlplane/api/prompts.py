@@ -112,7 +112,10 @@ def _template_messages(body: HasMessages, model: ModelInfo) -> tuple[list[dict[s
                         raise APIError(400, f"the request's images come to more than {MAX_IMAGES_BYTES // MiB} MiB "
                                             "together; send fewer or smaller images.", param=where,
                                        code="image_too_large")
-        messages.append({"role": msg.role, "content": content})
+        message: dict[str, Any] = {"role": msg.role, "content": content}
+        if msg.name is not None:  # templates that print a speaker's name read it (as vLLM passes it)
+            message["name"] = msg.name
+        messages.append(message)
     return messages, images
 
 

@@ -7,6 +7,7 @@ it records every WorkerRequest, so the tests check what the workers would be ask
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
 import logging
 import threading
@@ -411,6 +412,16 @@ def _sample(name: str, **labels: str) -> float:
 
     return sum(s.value for fam in text_string_to_metric_families(metrics.exposition().decode()) for s in fam.samples
                if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+
+
+def test_a_messages_name_reaches_the_chat_template(backend: FakeBackend, tokenizer: Tokenizer) -> None:
+    named = Tokenizer(tokenizer.backend, chat_template="{% for m in messages %}{{ m.get('name', '-') }}: "
+                                                       "{{ m['content'] }}\n{% endfor %}")
+    backend.model = dataclasses.replace(backend.model, tokenizer=named)
+    with TestClient(create_app(backend)) as client:
+        assert chat(client, messages=[{"role": "user", "content": "Hi", "name": "ada"},
+                                      {"role": "user", "content": "Yo"}]).status_code == 200
+    assert named.decode(backend.requests[-1].prompt_ids) == "ada: Hi\n-: Yo\n"
 
 
 def test_a_cut_short_answer_is_counted_once_under_its_status_and_times_no_stream_stage(

@@ -28,7 +28,7 @@ no call is in flight on it, so a stream still running there ends broken, as UNAV
 
 from __future__ import annotations
 
-from collections.abc import Generator, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -155,21 +155,27 @@ class Dispatcher:
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._channels.close()
 
-    def run(self, req: WorkerRequest, route: Route) -> Generator[wpb.TokenChunk, None, None]:
+    def run(self, req: WorkerRequest, route: Route,
+            on_started: Callable[[], None] = lambda: None) -> Generator[wpb.TokenChunk, None, None]:
         """The request's chunks. The workers' call slots are taken on the first ``next()`` (a busy worker
-        fails it at once) and held until the generator ends or is closed."""
+        fails it at once) and held until the generator ends or is closed. ``on_started`` is called once the
+        request holds its place on the workers, before its first token: the decode worker's reservation
+        made (disaggregated), its call slots taken (colocated, one-token requests)."""
         with ExitStack() as stack:
             encode = self._take(stack, route.encode if req.images else None)
             if route.colocated:
-                yield from self._run_colocated(req, route.decode, self._take(stack, route.decode))
+                slot = self._take(stack, route.decode)
+                on_started()
+                yield from self._run_colocated(req, route.decode, slot)
             elif req.params.max_tokens == 1 and not req.params.forced_tokens:
                 prefill = self._take(stack, route.prefill)
+                on_started()
                 yield from self._run_prefill_only(req, route, {"prefill": prefill, "encode": encode})
             else:
                 prefill = self._take(stack, route.prefill)
                 decode = self._take(stack, route.decode)
                 yield from self._run_disaggregated(req, route, {"prefill": prefill, "encode": encode,
-                                                                "decode": decode})
+                                                                "decode": decode}, on_started)
 
     def _run_colocated(self, req: WorkerRequest, target: str, slot: Slot) -> Iterator[wpb.TokenChunk]:
         md = self.security.call_metadata()
@@ -234,7 +240,8 @@ class Dispatcher:
                              finish_reason=reply.finish_reason, prompt_tokens=len(req.prompt_ids), completion_tokens=1,
                              engine_seconds=reply.engine_seconds)
 
-    def _run_disaggregated(self, req: WorkerRequest, route: Route, slots: dict[str, Slot]) -> Iterator[wpb.TokenChunk]:
+    def _run_disaggregated(self, req: WorkerRequest, route: Route, slots: dict[str, Slot],
+                           on_started: Callable[[], None]) -> Iterator[wpb.TokenChunk]:
         """``slots``: the workers' call slots; encode's and prefill's are given back as soon as their call
         ends (the decode worker's is held until the last token)."""
         assert route.prefill is not None
@@ -252,6 +259,7 @@ class Dispatcher:
             st.end(exc)
             raise _error("reserve", exc, route.decode) from None
         st.end()
+        on_started()
         futures: list[tuple[str, Future]] = []
         if req.images:
             if route.encode is None:

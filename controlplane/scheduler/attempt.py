@@ -12,7 +12,7 @@ raises has already given everything back.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Generator, Iterator
+from collections.abc import Callable, Generator, Iterator
 from types import TracebackType
 
 from controlplane.dispatch import Dispatcher, WorkerRequest
@@ -35,13 +35,15 @@ class Attempt:
 
     @classmethod
     def open(cls, view: WorkerView, health: WorkerHealth, dispatcher: Dispatcher, selection: Selection,
-             request: WorkerRequest, timeout_s: float) -> Attempt:
+             request: WorkerRequest, timeout_s: float, on_started: Callable[[], None] = lambda: None) -> Attempt:
         """Start ``request`` on ``selection`` with ``timeout_s`` as every call's deadline; DispatchError
-        (everything given back) when it fails before its first chunk."""
+        (everything given back) when it fails before its first chunk. ``on_started``: ``Dispatcher.run``'s,
+        called once the workers hold the request (before its first token, which comes after prefill)."""
         attempt = cls(view, health, selection, len(request.prompt_ids))
         attempt._take()
         try:
-            attempt._stream = dispatcher.run(dataclasses.replace(request, timeout_s=timeout_s), selection.route)
+            attempt._stream = dispatcher.run(dataclasses.replace(request, timeout_s=timeout_s), selection.route,
+                                             on_started)
             attempt._first = next(attempt._stream)  # reserve happens before the first chunk
             for charge in attempt._charges[1:]:  # prefill and encode computed theirs
                 charge.release()

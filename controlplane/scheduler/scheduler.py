@@ -133,7 +133,7 @@ class Scheduler:
                     try:
                         progress.begin_attempt()
                         attempt = self._route(progress.continuation(), ticket, admitted, wait_from, lost,
-                                              parent, admitted_ns)
+                                              parent, admitted_ns, streamed=bool(progress.token_ids))
                         with attempt:
                             self._record(rid, RequestState.DECODING, attempt.selection.describe())
                             yield from self._relay(rid, attempt, progress)
@@ -171,9 +171,12 @@ class Scheduler:
         self._record(rid, RequestState.MIGRATING, f"after {len(progress.token_ids)} tokens; {cause}")
 
     def _route(self, request: WorkerRequest, ticket: Ticket, admitted: float, wait_from: float, lost: set[str],
-               parent: object, admitted_ns: int) -> Attempt:
+               parent: object, admitted_ns: int, *, streamed: bool = False) -> Attempt:
         """An opened attempt, waiting (backing off) for decode room up to ``queue_timeout_s`` after
-        ``wait_from``; _Lost when it lost a worker before its first chunk."""
+        ``wait_from``; _Lost when it lost a worker before its first chunk. The request leaves the queue (its
+        ``ticket``, the waiting count and the "queue" stage) once the workers hold it: the decode
+        reservation made, not its first token, which comes after prefill. ``streamed``: its client has
+        tokens already (a move): running out of room then is no admission refusal."""
         rid = request.request_id
         deadline = wait_from + self.settings.queue_timeout_s
         backoff = 0.01
@@ -181,10 +184,15 @@ class Scheduler:
             refused: set[str] = set()
             while (selection := self.selector.select(request, refused, lost)) is not None:
                 attempt_ns = time.time_ns()
+
+                def started(attempt_ns: int = attempt_ns) -> None:
+                    if ticket.routed():
+                        queued_stage(rid, parent, admitted_ns, attempt_ns)
                 # the request's deadline (scheduler.request_timeout_s) counts from admission
                 left = max(0.001, self.settings.request_timeout_s - (time.monotonic() - admitted))
                 try:
-                    attempt = Attempt.open(self.view, self.health, self.dispatcher, selection, request, left)
+                    attempt = Attempt.open(self.view, self.health, self.dispatcher, selection, request, left,
+                                           on_started=started)
                 except DispatchError as exc:
                     if exc.refused:  # live workers that drain: tried no more for this request, not suspect
                         lost.update(selection.ids(exc.refused))
@@ -205,16 +213,16 @@ class Scheduler:
                 except BaseException as exc:  # a bug or an interrupt: the attempt gave its counts back
                     self._record(rid, RequestState.FAILED, f"internal error: {type(exc).__name__}")
                     raise
-                if ticket.routed():
-                    queued_stage(rid, parent, admitted_ns, attempt_ns)
+                started()  # where the dispatch had no such moment to tell
                 return attempt
             candidates = self.selector.candidates("decode")
             if not [c for c in candidates if c.worker_id not in lost and self.health.routable(c.worker_id)]:
                 raise BackendError(self._no_decode_replica(candidates, lost), 503, retry_after_s=RETRY_AFTER_S)
             if time.monotonic() + backoff > deadline:
                 self._record(rid, RequestState.FAILED, "no decode room in time")
-                if ticket.queued:  # a moved request's re-route is not an admission: its queue stage has ended
+                if not streamed:  # a moved request's client has its 200 and tokens: no admission refusal
                     metrics.rejected("queue_timeout")
+                if ticket.queued:  # once the workers held it, its queue stage ended
                     queued_stage(rid, parent, admitted_ns, time.time_ns(), "no decode room in time")
                 raise Overloaded("every replica that could take it is full; retry later", max(1.0, backoff * 10))
             time.sleep(backoff)

@@ -253,7 +253,7 @@ def test_an_unexpected_error_in_dispatch_fails_the_request_and_drops_the_routing
     bundle, workers, registry, _, model, conn = cluster
 
     class Broken(Dispatcher):
-        def run(self, req, route):
+        def run(self, req, route, on_started=lambda: None):
             raise UnicodeEncodeError("utf-8", "\ud800", 0, 1, "surrogates not allowed")
 
     broken = Broken(SECURITY)

@@ -1,10 +1,12 @@
-"""What the scheduler counts when a request that already streamed moves workers and then finds no decode
-room: its client saw a 200 and tokens, so it is no admission refusal and its queue stage is long over. The
-dispatch and the route selection are stand-ins; what is checked is the scheduler's own accounting."""
+"""What the scheduler counts as waiting and as refused: a request leaves the queue once its workers hold it
+(not at its first token, after prefill), and one that already streamed, moved workers and then finds no
+decode room is no admission refusal (its client saw a 200 and tokens). The dispatch and the route
+selection are stand-ins; what is checked is the scheduler's own accounting."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from unittest import mock
 
 import grpc
@@ -88,3 +90,44 @@ def test_a_moved_request_that_finds_no_room_is_not_an_admission_refusal() -> Non
     assert len(got) == 1  # it had streamed a token when its worker was lost
     assert _rejections() == before
     assert scheduler.admission.waiting == 0  # and it holds no place in the queue
+
+
+class _PrefillingDispatcher:
+    """Reserves (tells ``on_started``), then holds the first token until ``release`` is set, as a long
+    prefill does."""
+
+    def __init__(self) -> None:
+        self.reserved = threading.Event()
+        self.release = threading.Event()
+
+    def run(self, req: WorkerRequest, route: object,
+            on_started: Callable[[], None] = lambda: None) -> Iterator[wpb.TokenChunk]:
+        on_started()
+        self.reserved.set()
+        assert self.release.wait(10)
+        yield wpb.TokenChunk(token_ids=[5], text="x", finished=True, finish_reason="stop", completion_tokens=1)
+
+
+def test_a_request_in_prefill_is_no_longer_waiting() -> None:
+    """The queue ticket was given back with the first token, which comes after prefill: a request being
+    prefilled counted in epd:num_requests_waiting and held one of scheduler.queue_size's places."""
+    dispatcher = _PrefillingDispatcher()
+    scheduler = sch.Scheduler.__new__(sch.Scheduler)
+    scheduler.model, scheduler.colocated, scheduler.journal = mock.Mock(), False, None
+    scheduler.view, scheduler.health, scheduler.dispatcher = mock.Mock(), mock.Mock(), dispatcher  # type: ignore[assignment]
+    scheduler.settings = SchedulerSettings(queue_timeout_s=5)
+    scheduler.admission, scheduler.selector = sch.Admission(8), _Selector()  # type: ignore[assignment]
+    with mock.patch.object(sch, "Progress") as progress:
+        progress.return_value.accept.side_effect = lambda chunk: chunk
+        progress.return_value.finished = True
+        request = WorkerRequest("r2", [1, 2, 3], SamplingParams(max_tokens=8))
+        progress.return_value.continuation.return_value = request
+        worker = threading.Thread(target=lambda: list(scheduler.generate(request)))
+        worker.start()
+        try:
+            assert dispatcher.reserved.wait(10)
+            assert scheduler.waiting == 0  # reserved on its decode worker, prefilling: not waiting
+        finally:
+            dispatcher.release.set()
+            worker.join(10)
+    assert not worker.is_alive()

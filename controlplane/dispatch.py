@@ -259,7 +259,11 @@ class Dispatcher:
             st.end(exc)
             raise _error("reserve", exc, route.decode) from None
         st.end()
-        on_started()
+        try:
+            on_started()
+        except BaseException:  # the reservation is given back, not left to its timeout
+            self._abort(req.request_id, route)
+            raise
         futures: list[tuple[str, Future]] = []
         if req.images:
             if route.encode is None:

@@ -33,6 +33,14 @@ class Ticket:
             self._admission._leave()
         return held
 
+    def requeue(self) -> None:
+        """Back into the queue after ``routed``: the attempt that took the request out failed before its
+        first token, so the request waits again (already admitted: ``queue_size`` is not checked again)."""
+        with self._lock:
+            held, self._held = self._held, True
+        if not held:
+            self._admission._return()
+
     def __enter__(self) -> Ticket:
         return self
 
@@ -62,3 +70,7 @@ class Admission:
     def _leave(self) -> None:
         with self._lock:
             self._waiting -= 1
+
+    def _return(self) -> None:
+        with self._lock:
+            self._waiting += 1

@@ -184,15 +184,21 @@ class Scheduler:
             refused: set[str] = set()
             while (selection := self.selector.select(request, refused, lost)) is not None:
                 attempt_ns = time.time_ns()
+                took: list[bool] = []  # whether this attempt took the request out of the queue
 
-                def started(attempt_ns: int = attempt_ns) -> None:
+                def started(took: list[bool] = took) -> None:
                     if ticket.routed():
-                        queued_stage(rid, parent, admitted_ns, attempt_ns)
+                        took.append(True)
                 # the request's deadline (scheduler.request_timeout_s) counts from admission
                 left = max(0.001, self.settings.request_timeout_s - (time.monotonic() - admitted))
                 try:
-                    attempt = Attempt.open(self.view, self.health, self.dispatcher, selection, request, left,
-                                           on_started=started)
+                    try:
+                        attempt = Attempt.open(self.view, self.health, self.dispatcher, selection, request, left,
+                                               on_started=started)
+                    except BaseException:
+                        if took:  # failed before its first token: it waits again, holding its place
+                            ticket.requeue()
+                        raise
                 except DispatchError as exc:
                     if exc.refused:  # live workers that drain: tried no more for this request, not suspect
                         lost.update(selection.ids(exc.refused))
@@ -214,6 +220,8 @@ class Scheduler:
                     self._record(rid, RequestState.FAILED, f"internal error: {type(exc).__name__}")
                     raise
                 started()  # where the dispatch had no such moment to tell
+                if took:
+                    queued_stage(rid, parent, admitted_ns, attempt_ns)
                 return attempt
             candidates = self.selector.candidates("decode")
             if not [c for c in candidates if c.worker_id not in lost and self.health.routable(c.worker_id)]:

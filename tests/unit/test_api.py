@@ -13,7 +13,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Iterator, MutableMapping
+from collections.abc import AsyncGenerator, Iterator, MutableMapping
 from typing import Any
 
 import anyio
@@ -786,3 +786,25 @@ def test_tokenize_errors_name_the_field_of_the_kind_of_body_sent(client: TestCli
     assert ok.status_code == 200 and ok.json()["tokens"] == tokenizer.encode("Hi there")
     chat = client.post("/tokenize", json={"messages": [{"role": "user", "content": "Hi"}]})
     assert chat.status_code == 200 and chat.json()["count"] == len(chat.json()["tokens"]) > 0
+
+
+def test_an_answer_whose_client_leaves_after_the_last_token_is_not_cut_short() -> None:
+    """The client closing the stream while its last event is sent: the answer was whole."""
+    import asyncio
+
+    from controlplane.observability.http import watch
+
+    async def chunks() -> AsyncGenerator[Chunk, None]:
+        yield Chunk((5,), "a", False, None, 3, 1)
+        yield Chunk((6,), "b", True, "stop", 3, 2)
+
+    async def leave_after_the_last() -> None:
+        stream = watch(chunks(), "whole-then-gone", "/v1/completions", streamed=True)
+        async for chunk in stream:
+            if chunk.finished:
+                await stream.aclose()  # the client went away as the last event was sent
+                return
+
+    before = _sample("epd:requests_cut_short_total", route="/v1/completions", status="499")
+    asyncio.run(leave_after_the_last())
+    assert _sample("epd:requests_cut_short_total", route="/v1/completions", status="499") == before

@@ -82,7 +82,13 @@ def test_a_moved_request_that_finds_no_room_is_not_an_admission_refusal() -> Non
     got = []
     with mock.patch.object(sch.Attempt, "open", staticmethod(open_attempt)), \
             mock.patch.object(sch, "Progress") as progress:
-        progress.return_value.accept.side_effect = lambda chunk: chunk
+        tokens: list[int] = []  # the real Progress's: what the client has had
+
+        def accept(chunk: wpb.TokenChunk) -> wpb.TokenChunk:
+            tokens.extend(chunk.token_ids)
+            return chunk
+        progress.return_value.accept.side_effect = accept
+        progress.return_value.token_ids = tokens
         progress.return_value.finished = False
         with pytest.raises(Overloaded):
             for chunk in scheduler.generate(WorkerRequest("r1", [1, 2, 3], SamplingParams(max_tokens=8))):
@@ -131,3 +137,48 @@ def test_a_request_in_prefill_is_no_longer_waiting() -> None:
             dispatcher.release.set()
             worker.join(10)
     assert not worker.is_alive()
+
+
+class _BusyOnceDispatcher:
+    """The first attempt reserves, then its prefill worker is busy (the request backs off and routes again);
+    the second notes how many requests wait as it starts, then answers."""
+
+    def __init__(self, scheduler: sch.Scheduler) -> None:
+        self.scheduler = scheduler
+        self.runs = 0
+        self.waiting_at_retry: int | None = None
+
+    def run(self, req: WorkerRequest, route: object,
+            on_started: Callable[[], None] = lambda: None) -> Iterator[wpb.TokenChunk]:
+        self.runs += 1
+        if self.runs == 1:
+            on_started()
+            raise DispatchError("prefill", grpc.StatusCode.ALREADY_EXISTS, "a request with this id is running", ())
+        self.waiting_at_retry = self.scheduler.waiting
+        on_started()
+        yield wpb.TokenChunk(token_ids=[5], text="x", finished=True, finish_reason="stop", completion_tokens=1)
+
+
+def test_an_attempt_that_fails_after_reserving_puts_the_request_back_in_the_queue() -> None:
+    """Taken out of the queue at its reservation, a request whose attempt then fails before its first token
+    waits again: it counts as waiting and holds its place in queue_size while it backs off."""
+    scheduler = sch.Scheduler.__new__(sch.Scheduler)
+    dispatcher = _BusyOnceDispatcher(scheduler)
+
+    class Always(_Selector):
+        def select(self, request: WorkerRequest, refused: set[str], lost: set[str]) -> Selection | None:
+            return SELECTION
+
+    scheduler.model, scheduler.colocated, scheduler.journal = mock.Mock(), False, None
+    scheduler.view, scheduler.health, scheduler.dispatcher = mock.Mock(), mock.Mock(), dispatcher  # type: ignore[assignment]
+    scheduler.settings = SchedulerSettings(queue_timeout_s=5)
+    scheduler.admission, scheduler.selector = sch.Admission(8), Always()  # type: ignore[assignment]
+    with mock.patch.object(sch, "Progress") as progress:
+        request = WorkerRequest("r3", [1, 2, 3], SamplingParams(max_tokens=8))
+        progress.return_value.continuation.return_value = request
+        progress.return_value.accept.side_effect = lambda chunk: chunk
+        progress.return_value.token_ids = []
+        progress.return_value.finished = True
+        assert len(list(scheduler.generate(request))) == 1
+    assert dispatcher.runs == 2 and dispatcher.waiting_at_retry == 1
+    assert scheduler.waiting == 0

@@ -402,3 +402,33 @@ def test_a_template_that_loops_over_parts_gets_them_as_they_are(tok: Tokenizer) 
                    "{% for m in messages %}[{{ body(m['content']) }}]{% endfor %}"):
         assert Tokenizer(tok.backend, chat_template=source).render_chat(parts, add_generation_prompt=False) == \
             "[Hithere]"
+
+
+def test_a_run_of_skipped_special_tokens_keeps_the_window_short(tok: Tokenizer) -> None:
+    """A model that keeps emitting a special token (with ignore_eos) grew the window by one id a token and
+    decoded all of it each time."""
+    special = _id(tok, BOS)
+    longest: list[int] = []
+    decode = tok.decode
+
+    def counting(ids: list[int], skip_special_tokens: bool = True) -> str:
+        longest.append(len(ids))
+        return decode(ids, skip_special_tokens)
+    tok.decode = counting  # type: ignore[method-assign]
+    try:
+        detok = IncrementalDetokenizer(tok)
+        text = "".join(detok.add(i).text for i in [special] * 500 + tok.encode(" done", add_special_tokens=False))
+    finally:
+        del tok.decode
+    assert text + detok.flush() == " done" and max(longest) <= 8
+
+
+@pytest.mark.parametrize("source", [
+    "{% for m in messages %}{{ m.content | tojson }}{% endfor %}",  # Llama-3.1's tool turns print content so
+    "{% for m in messages %}{% if m.content is string %}{{ m.content }}{% else %}{{ m.content[0].text }}"
+    "{% endif %}{% endfor %}",
+])
+def test_a_template_that_does_not_loop_over_parts_gets_them_joined(tok: Tokenizer, source: str) -> None:
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}]}]
+    rendered = Tokenizer(tok.backend, chat_template=source).render_chat(parts, add_generation_prompt=False)
+    assert "Hi" in rendered and "there" in rendered and "type" not in rendered

@@ -109,13 +109,10 @@ class Tokenizer:
             self._template = _compile_template(self.chat_template, None)
         if self._parts is None:
             self._parts = iterates_content(self.chat_template)
+        if not self._parts:  # a template for string content: text parts joined first, as vLLM does
+            messages = _flatten_text_parts(messages) or messages
         try:
-            text = self._render(messages, add_generation_prompt, extra)
-            if not self._parts and "'type': 'text'" in text:  # parts printed as a Python list: a template for
-                flat = _flatten_text_parts(messages)  # string content; text parts joined first, as vLLM does
-                if flat is not None:
-                    return self._render(flat, add_generation_prompt, extra)
-            return text
+            return self._render(messages, add_generation_prompt, extra)
         except (jinja2.TemplateError, TypeError, ValueError, KeyError, AttributeError) as exc:
             flat = _flatten_text_parts(messages)
             if flat is not None:  # a template written for string content, given OpenAI text parts (as vLLM does)
@@ -157,8 +154,8 @@ def iterates_content(source: str) -> bool:
     """Whether a chat template loops over a message's content (OpenAI-style parts, as multimodal templates
     do), rather than printing it as a string. A template for strings, given a list of text parts, renders
     its Python repr without an error (Llama-3's ``message['content'] | trim``), so this is decided from the
-    template, as vLLM's content-format detection does: a ``for`` over ``x['content']`` / ``x.content``, or
-    over a variable set from one."""
+    template, as vLLM's content-format detection does: a ``for`` over ``x['content']``, ``x.content`` or
+    ``x.get('content')``, over a variable set from one, or over a macro's argument (which may be one)."""
     from jinja2 import nodes
 
     try:
@@ -174,10 +171,13 @@ def iterates_content(source: str) -> bool:
     def is_content(node: nodes.Node | None) -> bool:
         node = unfiltered(node)
         return ((isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Const) and node.arg.value == "content")
-                or (isinstance(node, nodes.Getattr) and node.attr == "content"))
+                or (isinstance(node, nodes.Getattr) and node.attr == "content")
+                or (isinstance(node, nodes.Call) and isinstance(node.node, nodes.Getattr) and node.node.attr == "get"
+                    and bool(node.args) and isinstance(node.args[0], nodes.Const) and node.args[0].value == "content"))
 
     aliases = {a.target.name for a in tree.find_all(nodes.Assign)
                if isinstance(a.target, nodes.Name) and is_content(a.node)}
+    aliases |= {arg.name for m in tree.find_all(nodes.Macro) for arg in m.args}
     for loop in tree.find_all(nodes.For):
         it = unfiltered(loop.iter)
         if is_content(it) or (isinstance(it, nodes.Name) and it.name in aliases):
@@ -285,8 +285,8 @@ class IncrementalDetokenizer:
 
     def _commit(self, tail: str) -> None:
         self.text += tail
-        if tail:  # the next step's known text starts at what was read before; a token with no text (a skipped
-            del self._window[:self._read]  # special one) keeps the window, or the next word would lose its space
+        if tail:  # the next step's known text starts at what was read before (a token with no text keeps it)
+            del self._window[:self._read]
         self._read = len(self._window)
 
     def _stop_at(self, text: str) -> int | None:
@@ -306,6 +306,9 @@ class IncrementalDetokenizer:
         self.ids.append(token_id)
         self._window.append(token_id)
         tail, incomplete = self._pending()
+        if not tail and not incomplete and not self._decode([token_id]):  # no text of its own (a skipped special
+            self._window.pop()  # token): dropped, so the next word keeps its space and a run of them costs nothing
+            return DetokenizerStep("", False)
         if incomplete:  # a multi-byte character is not complete yet: hold it, but not a stop string before it
             if self.stop and (cut := self._stop_at(self.text + tail.rstrip(INCOMPLETE))) is not None:
                 return self._cut(self.text + tail, cut)

@@ -3,8 +3,10 @@ detokenizer emits exactly the decoded text, cuts stop strings exactly and never 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -330,24 +332,31 @@ def test_the_first_generated_word_keeps_its_leading_space_with_a_sentencepiece_t
     assert text == " Paris France" == tok.decode(prompt + words)[len(tok.decode(prompt)):]
 
 
+@contextlib.contextmanager
+def _decoded_lengths(tok: Tokenizer) -> Iterator[list[int]]:
+    """Within the block, the length of every id list ``tok`` decodes is appended to the yielded list."""
+    lengths: list[int] = []
+    decode = tok.decode
+
+    def counting(ids: list[int], skip_special_tokens: bool = True) -> str:
+        lengths.append(len(ids))
+        return decode(ids, skip_special_tokens)
+    tok.decode = counting  # type: ignore[method-assign]
+    try:
+        yield lengths
+    finally:
+        del tok.decode
+
+
 def test_each_step_decodes_a_few_ids_not_the_whole_output(tok: Tokenizer) -> None:
     """Decoding the whole output at every token made a step cost grow with the output's length (1 ms per
     token at 8,192 tokens), under the engine's lock."""
     ids = tok.encode(MIXED_TEXT * 20, add_special_tokens=False)
-    longest: list[int] = []
-    decode = tok.decode
-
-    def counting(ids: list[int], skip_special_tokens: bool = True) -> str:
-        longest.append(len(ids))
-        return decode(ids, skip_special_tokens)
-    tok.decode = counting  # type: ignore[method-assign]
-    try:
+    with _decoded_lengths(tok) as lengths:
         detok = IncrementalDetokenizer(tok, prompt_ids=ids[:50])
         emitted = "".join(detok.add(i).text for i in ids) + detok.flush()
-    finally:
-        del tok.decode
-    assert emitted == decode(ids)
-    assert max(longest) <= 5 + 8  # the prompt's prime, and the bytes of one character still incomplete
+    assert emitted == tok.decode(ids)
+    assert max(lengths) <= 5 + 8  # the prompt's prime, and the bytes of one character still incomplete
 
 
 def test_a_stop_string_before_an_unfinished_character_is_cut_even_when_the_output_ends_there() -> None:
@@ -408,19 +417,10 @@ def test_a_run_of_skipped_special_tokens_keeps_the_window_short(tok: Tokenizer) 
     """A model that keeps emitting a special token (with ignore_eos) grew the window by one id a token and
     decoded all of it each time."""
     special = _id(tok, BOS)
-    longest: list[int] = []
-    decode = tok.decode
-
-    def counting(ids: list[int], skip_special_tokens: bool = True) -> str:
-        longest.append(len(ids))
-        return decode(ids, skip_special_tokens)
-    tok.decode = counting  # type: ignore[method-assign]
-    try:
+    with _decoded_lengths(tok) as lengths:
         detok = IncrementalDetokenizer(tok)
         text = "".join(detok.add(i).text for i in [special] * 500 + tok.encode(" done", add_special_tokens=False))
-    finally:
-        del tok.decode
-    assert text + detok.flush() == " done" and max(longest) <= 8
+    assert text + detok.flush() == " done" and max(lengths) <= 8
 
 
 @pytest.mark.parametrize("source", [

@@ -148,12 +148,12 @@ async def _timed(chunks: AsyncGenerator[Chunk, None], request_id: str, route: st
                 _finished(chunk, t0, now, first_at, record, on)
             yield chunk
     except BaseException as exc:
-        if not completed:  # the last token went out before the client left: answered, not cut short
+        if not completed:  # else the last token went out before the client left: answered, not cut short
             status = status_of(exc) if isinstance(exc, Exception) else 499
-        if on and first_at is not None and not completed:
-            metrics.CUT_SHORT.labels(model, route, str(status)).inc()
-            if streamed:  # answered 200 as far as the middleware knows: the dashboard's error rate counts it here
-                metrics.TIMELINE.cut_short(status)
+            if on and first_at is not None:
+                metrics.CUT_SHORT.labels(model, route, str(status)).inc()
+                if streamed:  # answered 200 as far as the middleware knows: the dashboard's error rate counts it
+                    metrics.TIMELINE.cut_short(status)
         end_span(stream_span, exc)
         stream_span = None
         raise

@@ -36,6 +36,12 @@ class Slot:
     samples: dict[str, list[float]] = field(default_factory=dict)  # metric -> seconds
     seen: dict[str, int] = field(default_factory=dict)  # metric -> values offered
 
+    def count_status(self, status: int) -> None:
+        if status >= 500 or status == 429:
+            self.errors += 1
+        elif status >= 400:
+            self.client_errors += 1
+
     def sample(self, metric: str, value: float, rng: random.Random) -> None:
         n = self.seen.get(metric, 0) + 1
         self.seen[metric] = n
@@ -70,20 +76,13 @@ class Timeline:
         with self._lock:
             slot = self._slot(self.clock())
             slot.answered += 1
-            if status >= 500 or status == 429:
-                slot.errors += 1
-            elif status >= 400:
-                slot.client_errors += 1
+            slot.count_status(status)
 
     def cut_short(self, status: int) -> None:
         """A streamed answer (counted by ``answered`` as its 200) that ended with ``status`` after its
         first token: an error (5xx), or a client error (4xx, 499 when the client left)."""
         with self._lock:
-            slot = self._slot(self.clock())
-            if status >= 500 or status == 429:
-                slot.errors += 1
-            elif status >= 400:
-                slot.client_errors += 1
+            self._slot(self.clock()).count_status(status)
 
     def depth(self, waiting: int, in_flight: int) -> None:
         with self._lock:

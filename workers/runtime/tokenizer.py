@@ -159,7 +159,7 @@ def iterates_content(source: str) -> bool:
     from jinja2 import nodes
 
     try:
-        tree = jinja2.Environment(extensions=[_GenerationBlock, "jinja2.ext.loopcontrols"]).parse(source)
+        tree = jinja2.Environment(extensions=_EXTENSIONS).parse(source)
     except jinja2.TemplateError:
         return False
 
@@ -211,10 +211,13 @@ class _GenerationBlock(jinja2.ext.Extension):
         return parser.parse_statements(("name:endgeneration",), drop_needle=True)
 
 
+# the extensions transformers renders chat templates with
+_EXTENSIONS: tuple[type[jinja2.ext.Extension] | str, ...] = (_GenerationBlock, "jinja2.ext.loopcontrols")
+
+
 def _compile_template(source: str, origin: Path | None) -> jinja2.Template:
     """Compile as transformers does; ``origin`` (the file it came from) is named in any error."""
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[_GenerationBlock, "jinja2.ext.loopcontrols"])
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=_EXTENSIONS)
     env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(x, ensure_ascii=False, indent=indent)
     env.globals["raise_exception"] = _raise_template_error
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
@@ -249,12 +252,11 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...] = (), skip_special_tokens: bool = True,
                  prompt_ids: Sequence[int] = ()) -> None:
         self.tokenizer = tokenizer
-        self.stop = tuple(s for s in stop if s)
+        self._set_stop(stop)
         self.skip_special_tokens = skip_special_tokens
         self.ids: list[int] = []  # the output ids given so far
         self.emitted = 0  # characters of ``text`` already emitted
         self.text = ""  # the output's text so far (emitted, and held back for a stop string)
-        self._hold = max((len(s) for s in self.stop), default=1) - 1
         self.stopped = False
         prime = list(prompt_ids[-PRIME_TOKENS:])
         if prime and self._decode(prime).endswith(INCOMPLETE):  # the prompt ends inside a character
@@ -270,10 +272,13 @@ class IncrementalDetokenizer:
         detok = cls(tokenizer, (), prompt_ids=prompt_ids)
         for token in output_ids:
             detok.add(token)
-        detok.stop = tuple(s for s in stop if s)
-        detok._hold = max((len(s) for s in detok.stop), default=1) - 1
+        detok._set_stop(stop)
         detok.emitted = emitted
         return detok
+
+    def _set_stop(self, stop: tuple[str, ...]) -> None:
+        self.stop = tuple(s for s in stop if s)
+        self._hold = max((len(s) for s in self.stop), default=1) - 1  # characters a stop string may still need
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, self.skip_special_tokens)

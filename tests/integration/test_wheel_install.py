@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -21,6 +22,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+from packaging.requirements import Requirement
+from packaging.version import Version
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -60,6 +63,30 @@ def test_the_wheel_carries_the_generated_wire_code_and_the_dashboard(wheel: Path
     names = set(zipfile.ZipFile(wheel).namelist())
     missing = [n for n in (*GENERATED, "controlplane/api/dashboard/index.html") if n not in names]
     assert not missing, missing
+
+
+def _floor(requirement: Requirement) -> Version:
+    bounds = [Version(s.version) for s in requirement.specifier if s.operator in (">=", "==", "~=")]
+    assert bounds, f"{requirement} has no lower bound"
+    return max(bounds)
+
+
+def test_the_generated_code_imports_under_the_oldest_grpcio_and_protobuf_the_wheel_allows(wheel: Path):
+    """The generated code refuses to import under a grpcio older than the grpcio-tools that wrote it and a
+    protobuf older than its protoc: the wheel's own requirements must rule both out."""
+    with zipfile.ZipFile(wheel) as whl:
+        grpc_code = whl.read("epd/worker/v1/worker_pb2_grpc.py").decode()
+        pb2_code = whl.read("epd/worker/v1/worker_pb2.py").decode()
+        (metadata,) = [n for n in whl.namelist() if n.endswith(".dist-info/METADATA")]
+        requires = [Requirement(line.split(":", 1)[1].strip()) for line in whl.read(metadata).decode().splitlines()
+                    if line.startswith("Requires-Dist:")]
+    runtime = {r.name: r for r in requires if r.marker is None}
+    grpc_generated = re.search(r"GRPC_GENERATED_VERSION = '([^']+)'", grpc_code)
+    protoc = re.search(r"# Protobuf Python Version: (\S+)", pb2_code)
+    assert grpc_generated and protoc
+    assert _floor(runtime["grpcio"]) >= Version(grpc_generated[1]), (runtime["grpcio"], grpc_generated[1])
+    assert _floor(runtime["protobuf"]) >= Version(protoc[1]), (runtime["protobuf"], protoc[1])
+    assert "grpcio-tools" not in runtime, "grpcio-tools is only needed to build"
 
 
 def test_a_fresh_venv_with_the_wheel_serves_a_request(wheel: Path, tmp_path: Path):

@@ -8,6 +8,9 @@ PY := $(VENV)/bin/python
 TORCH_SPEC := torch==2.13.0
 STAMP := $(VENV)/.epd-installed
 PYTEST_ARGS ?=
+# pytest-xdist workers for `make test`: each takes whole modules (a module's servers start once), so two keep
+# both of CI's cores busy while the other waits on a stack starting; TEST_WORKERS=0 runs in this process.
+TEST_WORKERS ?= 2
 
 .PHONY: serve demo test test-image test-unit test-integration test-e2e lint bench gpu-check gpu-deps setup test-setup redis chromium clean help
 
@@ -88,7 +91,8 @@ demo: setup
 
 # ruff and mypy first (configured in pyproject.toml): a finding fails the run before the suite starts.
 test: test-setup lint
-	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS) tests
+	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile \
+	  $(PYTEST_ARGS) tests
 
 # The container image built with podman on a locally made Debian base and run (root; minutes).
 test-image: test-setup
@@ -97,7 +101,7 @@ test-image: test-setup
 	EPD_TEST_IMAGE=1 PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) -m pytest -q -p no:cacheprovider tests/e2e/test_image.py
 
 test-unit: setup
-	$(PY) -m pytest -q -p no:cacheprovider -m unit tests
+	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile -m unit tests
 
 # ruff and mypy, configured in pyproject.toml; fails on any finding.
 LINT_PATHS := controlplane workers kvtransfer bench tests scripts

@@ -15,13 +15,21 @@ package registers ``add_bench_parser`` under the ``epd.commands`` entry-point gr
 from __future__ import annotations
 
 import argparse
+import importlib
+from collections.abc import Callable
 from pathlib import Path
 
 from bench.chaos.cli import add_chaos_parser
 from bench.compare import add_compare_parser
 from bench.micro.cli import add_micro_parser
 from bench.serve.cli import add_serve_parser
-from controlplane.cli_args import add_engine_args
+from controlplane.cli_args import UsageError, add_engine_args
+
+# The bench extra's modules (pip install 'epd[bench]'; make setup installs it) a suite imports whatever its
+# flags, checked before it starts: a missing one is one line naming the install, not a traceback, and never
+# after a finished run whose report then could not be written.
+_BENCH_EXTRA_NEEDS: dict[str, tuple[str, ...]] = {
+    "serve": ("httpx",), "compare": ("httpx", "matplotlib"), "chaos": ("httpx",), "controlplane": ("httpx",)}
 
 
 def cmd_bench_engine(args: argparse.Namespace) -> int:
@@ -135,3 +143,30 @@ def add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     add_compare_parser(bench)
     add_serve_parser(bench)
     add_chaos_parser(bench)
+    for name, suite in bench.choices.items():
+        suite.set_defaults(func=_checking_bench_extra(name, suite.get_default("func")))
+
+
+def missing_from_bench_extra(suite: str, args: argparse.Namespace) -> list[str]:
+    """The bench extra's modules that ``epd bench <suite>`` with these arguments would import and cannot."""
+    needs = list(_BENCH_EXTRA_NEEDS.get(suite, ()))
+    if suite == "serve" and getattr(args, "plot_dir", None) is not None:
+        needs.append("matplotlib")
+    missing = []
+    for name in needs:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            missing.append(name)
+    return missing
+
+
+def _checking_bench_extra(suite: str, func: Callable[[argparse.Namespace], int]
+                          ) -> Callable[[argparse.Namespace], int]:
+    def run(args: argparse.Namespace) -> int:
+        missing = missing_from_bench_extra(suite, args)
+        if missing:
+            raise UsageError(f"epd bench {suite} needs {' and '.join(missing)}, from the bench extra: "
+                             "pip install 'epd[bench]' (make setup installs it)")
+        return func(args)
+    return run

@@ -221,3 +221,24 @@ def test_a_command_package_that_cannot_be_imported_leaves_epd_working(capsys, mo
     assert build_parser().parse_args(["status", "--json"]).json is True
     err = one_line_error(capsys, ["bench", "engine", "--batches", "1"])
     assert "epd bench cannot be imported here (No module named 'bench')" in err
+
+
+@pytest.mark.parametrize("argv, blocked, missing", [
+    (["bench", "serve", "--url", "http://127.0.0.1:1", "--num-prompts", "1"], ["httpx"], "httpx"),
+    (["bench", "serve", "--url", "http://127.0.0.1:1", "--plot-dir", "plots"], ["matplotlib"], "matplotlib"),
+    (["bench", "compare"], ["httpx", "matplotlib"], "httpx and matplotlib"),
+    (["bench", "chaos"], ["httpx"], "httpx"),
+    (["bench", "controlplane"], ["httpx"], "httpx"),
+])
+def test_a_bench_suite_without_the_bench_extra_names_the_install_before_it_starts(capsys, monkeypatch, tmp_path,
+                                                                                    argv, blocked, missing):
+    """An install without the bench extra (`pip install epd`): the suites that need it say so in one line
+    before they start anything, instead of a ModuleNotFoundError traceback (or one after a finished run)."""
+    import sys
+
+    for name in blocked:
+        monkeypatch.setitem(sys.modules, name, None)  # import raises ImportError, as when not installed
+    monkeypatch.chdir(tmp_path)
+    err = one_line_error(capsys, argv)
+    assert f"epd bench {argv[1]} needs {missing}, from the bench extra: pip install 'epd[bench]'" in err
+    assert list(tmp_path.iterdir()) == []  # no report, plot or results folder written

@@ -154,6 +154,10 @@ async def _timed(chunks: AsyncGenerator[Chunk, None], request_id: str, route: st
                 metrics.CUT_SHORT.labels(model, route, str(status)).inc()
                 if streamed:  # answered 200 as far as the middleware knows: the dashboard's error rate counts it
                     metrics.TIMELINE.cut_short(status)
+            if streamed and status >= 500 and parent is not None:  # the root span's status line said 200
+                root = trace.get_current_span(parent)
+                if root.is_recording():
+                    root.set_status(Status(StatusCode.ERROR, f"HTTP {status} after the stream began: {exc}"))
         end_span(stream_span, exc)
         stream_span = None
         raise

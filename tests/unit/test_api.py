@@ -455,6 +455,50 @@ def test_a_cut_short_answer_is_counted_once_under_its_status_and_times_no_stream
     assert _sample(stream_stage[0], **stream_stage[1]) == before[1] + 1  # an answered stream times its stage
 
 
+@pytest.mark.parametrize("fail_after, expected", [(2, "ERROR"), (None, "UNSET")])
+def test_a_stream_cut_short_by_a_server_error_marks_its_root_span(client: TestClient, backend: FakeBackend,
+                                                                    monkeypatch: pytest.MonkeyPatch,
+                                                                    fail_after: int | None, expected: str) -> None:
+    """The root span's status line said 200 before a worker was lost mid-answer: the span says ERROR (with
+    the status the error maps to), or a trace search for failed requests misses it. An answered stream stays
+    UNSET."""
+    from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+    from opentelemetry.trace import SpanKind, StatusCode
+
+    from controlplane.observability import tracing
+    from controlplane.observability.metrics import OBSERVABILITY
+
+    exporter = InMemorySpanExporter()
+
+    class Gate(SpanProcessor):  # the provider is the process's: forward only while this test runs
+        open = True
+
+        def on_end(self, span: ReadableSpan) -> None:
+            if self.open:
+                exporter.export([span])
+
+    gate = Gate()
+    tracing.add_span_processor(gate, "epd-test")
+    monkeypatch.setattr(OBSERVABILITY, "tracing", True)
+    trace_id = uuid.uuid4().int
+    try:
+        backend.fail_after = fail_after
+        with client.stream("POST", "/v1/chat/completions", headers={"traceparent": f"00-{trace_id:032x}-{1:016x}-01"},
+                           json={"model": NAME, "stream": True, "messages": [{"role": "user", "content": "Hi"}]}
+                           ) as resp:
+            resp.read()
+    finally:
+        gate.open = False
+    assert resp.status_code == 200
+    (root,) = [s for s in exporter.get_finished_spans() if s.kind is SpanKind.SERVER and s.context is not None
+               and s.context.trace_id == trace_id]
+    assert root.status.status_code is getattr(StatusCode, expected), root.status
+    if expected == "ERROR":
+        assert root.status.description is not None and "HTTP 502" in root.status.description
+        assert "decode worker lost" in root.status.description
+
+
 def test_refusals_keep_their_status_when_streaming(client: TestClient, backend: FakeBackend) -> None:
     backend.refuse = Overloaded("decode pool is full", retry_after_s=2.2)
     with client.stream("POST", "/v1/chat/completions", json={

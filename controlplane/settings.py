@@ -16,7 +16,7 @@ import os
 import typing
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
-from urllib.parse import parse_qsl, urlencode, urlsplit
+from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, YamlConfigSettingsSource
@@ -71,18 +71,14 @@ def parse_device(value: str) -> torch.device:
 
 
 def mask_url(url: str) -> str:
-    """``url`` with its password (in the authority or a ``password=`` query parameter) shown as ``***``."""
+    """``url`` with its password (in the authority or a ``password=`` query parameter) shown as ``***``;
+    ``***`` alone for what is not a URL at all."""
     from controlplane.state.client import redact
 
     try:
-        masked = redact(url)
+        return redact(url)
     except ValueError:  # not a URL at all: nothing recognisable to keep
         return "***"
-    base, sep, query = masked.partition("?")
-    pairs = parse_qsl(query, keep_blank_values=True)
-    if any(k.lower() == "password" for k, _ in pairs):
-        masked = base + sep + urlencode([(k, "***" if k.lower() == "password" else v) for k, v in pairs], safe="*")
-    return masked
 
 
 def _numeric(annotation: Any) -> bool:

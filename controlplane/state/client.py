@@ -26,7 +26,7 @@ import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import redis
 from redis import exceptions as redis_errors
@@ -43,19 +43,25 @@ INSTALL_HINT = ("install it with `apt-get install -y redis-server` (Debian/Ubunt
 
 def redact(url: str) -> str:
     """``url`` with any password replaced by ``***``, for messages and logs: everything from the first ':'
-    after ``scheme://`` to the last '@'. Not the parser's idea of the password: one holding '/', '?' or '#'
-    ends the URL's authority early, and with an '@' as well the parser finds a fake one. An '@' in the
-    query of a URL without a password masks part of it too: garbling beats leaking."""
+    after ``scheme://`` to the last '@', and a ``password=`` query parameter (redis-py reads one). Not the
+    parser's idea of the password: one holding '/', '?' or '#' ends the URL's authority early, and with an
+    '@' as well the parser finds a fake one. An '@' in the query of a URL without a password masks part of
+    it too: garbling beats leaking. Raises ValueError for what urlsplit cannot read."""
     scheme, sep, rest = url.partition("://")
     colon, at = rest.find(":"), rest.rfind("@")
     if sep and 0 <= colon < at:
-        return f"{scheme}://{rest[:colon]}:***@{rest[at + 1:]}"
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.rsplit("@", 1)[1]
-    user = parts.username or ""
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc}"))
+        masked = f"{scheme}://{rest[:colon]}:***@{rest[at + 1:]}"
+    else:
+        parts = urlsplit(url)
+        masked = url
+        if parts.password is not None:
+            netloc = parts.netloc.rsplit("@", 1)[1]
+            masked = urlunsplit(parts._replace(netloc=f"{parts.username or ''}:***@{netloc}"))
+    base, qmark, query = masked.partition("?")
+    pairs = parse_qsl(query, keep_blank_values=True)
+    if any(k.lower() == "password" for k, _ in pairs):
+        masked = base + qmark + urlencode([(k, "***" if k.lower() == "password" else v) for k, v in pairs], safe="*")
+    return masked
 
 
 @dataclass(frozen=True)

@@ -179,6 +179,23 @@ def test_a_password_with_an_at_sign_and_a_slash_is_masked_whole(password, monkey
     assert "Qx7" not in shown and "Zw" not in shown and "K9v" not in shown
 
 
+@pytest.mark.parametrize("url, shown", [
+    ("redis://h:6379/0?password=hunter2", "redis://h:6379/0?password=***"),
+    ("redis://u:hunter2@h:6379/0?PASSWORD=hunter2&db=1", "redis://u:***@h:6379/0?PASSWORD=***&db=1"),
+])
+def test_a_state_connection_names_its_url_without_the_password_in_any_place(url, shown):
+    """redis-py reads a `password=` query parameter too: the URL a StateConnection shows in its errors
+    and logs masks it as `epd config show` does."""
+    from controlplane.settings import mask_url
+    from controlplane.state import connect
+
+    conn = connect(url, "masked", verify=False)
+    try:
+        assert conn.url == shown == mask_url(url)
+    finally:
+        conn.close()
+
+
 def test_config_show_masks_the_redis_password():
     out = _config_show({"EPD_REDIS__URL": "redis://:hunter2@h:6379/0"}, "--json")
     assert out.returncode == 0, out.stderr

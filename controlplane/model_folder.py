@@ -22,8 +22,8 @@ def model_folder_problem(path: Path) -> str | None:
                 "tokenizer)")
     if path.exists():
         return f"{text}: not a checkpoint folder (it is a file)"
-    if HUB_ID.fullmatch(text):
-        return (f"{text} looks like a Hugging Face Hub id, and no such local folder exists: epd serves a local "
-                f"checkpoint folder and does not download. Fetch it first, e.g. "
-                f"`huggingface-cli download {text} --local-dir ./{path.name}`, then pass --model ./{path.name}")
+    if HUB_ID.fullmatch(text):  # "./org/name" reads the same here: the path parser drops "./"
+        return (f"{text}: not a checkpoint folder (it does not exist). epd serves a local checkpoint folder and "
+                f"does not download: if it is a Hugging Face Hub id, fetch it first, e.g. "
+                f"`hf download {text} --local-dir ./{path.name}`, then pass --model ./{path.name}")
     return f"{text}: not a checkpoint folder (it does not exist)"

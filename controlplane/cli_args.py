@@ -24,22 +24,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def check_engine_args(args: argparse.Namespace) -> None:
     """--device and --threads of a command that runs the engine here: ``UsageError`` before any loading."""
-    import torch
-
     from controlplane.settings import parse_device
+    from workers.runtime.devices import device_problem
     try:
         device = parse_device(args.device)
     except ValueError as exc:
         raise UsageError(f"--device {exc}") from None
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise UsageError(f"--device {args.device}: CUDA is not available here (this torch "
-                             f"{'sees no GPU' if torch.backends.cuda.is_built() else 'is built without CUDA'}); "
-                             f"use --device cpu")
-        if device.index is not None and device.index >= torch.cuda.device_count():
-            raise UsageError(f"--device {args.device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
-    if device.type == "mps" and not torch.backends.mps.is_available():
-        raise UsageError(f"--device {args.device}: MPS is not available here; use --device cpu")
+    problem = device_problem(device)
+    if problem is not None:
+        raise UsageError(f"--device {args.device}: {problem}")
     if args.threads is not None and args.threads < 1:
         raise UsageError(f"--threads must be >= 1, got {args.threads} (leave it out for torch's choice)")
 

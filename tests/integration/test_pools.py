@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 import ray
+import torch
 from PIL import Image
 
 from controlplane.dispatch import Dispatcher, Route, WorkerRequest
@@ -280,6 +281,12 @@ def test_a_replica_that_cannot_start_says_why(redis_server: LocalRedis, tmp_path
     unplaceable = PoolManager(greedy, redis_server.url, prefix, TOKEN, start_timeout_s=2)
     with pytest.raises(WorkerStartError, match="did not start within 2 s"):
         unplaceable.start()  # 64 CPUs asked of a 2-CPU Ray: pending until the timeout, then killed
+    if not torch.cuda.is_available():  # a cuda replica on a host whose torch has none says so in words
+        on_cuda = Settings(model=tmp_path, encode={"replicas": 1, "num_cpus": 0.25, "engine": {"device": "cuda"}},
+                           prefill={"replicas": 0}, decode={"replicas": 0},
+                           transfer={"codec_policy": "fp32", "token": TOKEN})
+        with pytest.raises(WorkerStartError, match="device cuda: CUDA is not available here"):
+            PoolManager(on_cuda, redis_server.url, prefix, TOKEN, start_timeout_s=120).start()
     conn = connect(redis_server.url, prefix)
     try:
         assert [k for k in keys_under(conn) if ":pool:" not in k] == []  # no lease left by the failed replica

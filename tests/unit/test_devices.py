@@ -78,3 +78,32 @@ def test_the_pool_takes_its_share_and_a_share_that_is_not_free_is_refused() -> N
     assert kv_budget(80 * GiB, 47 * GiB, 0.5, GiB // 2, 3 * GiB, 2 * GiB, block) == 40 * GiB - GiB // 2 - 3 * GiB
     with pytest.raises(CapacityError, match="no GPU memory left for the KV cache"):
         kv_budget(80 * GiB, 77 * GiB, 0.04, GiB // 2, 3 * GiB, 2 * GiB, block)
+
+
+@pytest.mark.parametrize("device, says", [
+    ("cuda", "CUDA is not available here"),
+    ("cuda:3", "CUDA is not available here"),
+    ("mps", "MPS is not available here"),
+])
+def test_a_device_this_process_lacks_is_refused_by_name_before_anything_loads(monkeypatch, tmp_path, device,
+                                                                              says) -> None:
+    """A replica configured for cuda on a host whose torch has no CUDA ended in a bare AssertionError
+    (`epd serve`: "1 of 1 decode replicas failed to start: ...: AssertionError")."""
+    from workers.runtime.errors import DeviceUnavailableError
+    from workers.runtime.loader import load_model
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
+    with pytest.raises(DeviceUnavailableError, match=f"device {device}: {says}"):
+        load_model(tmp_path / "not-read", device=device)  # refused before the folder is looked at
+    with pytest.raises(DeviceUnavailableError, match=f"device {device}: {says}"):
+        load_model(tmp_path / "not-read", vision_device=device)
+
+
+def test_a_gpu_index_past_the_count_is_refused_by_name(monkeypatch) -> None:
+    from workers.runtime.devices import device_problem
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert device_problem("cuda:2") == "this machine has 2 CUDA device(s)"
+    assert device_problem("cuda:1") is None and device_problem("cuda") is None and device_problem("cpu") is None

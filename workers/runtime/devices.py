@@ -16,7 +16,22 @@ import torch
 
 from kvtransfer.staging import on_device
 
-__all__ = ["memory_baseline", "note_memory_baseline", "on_device", "resolve_device"]
+__all__ = ["device_problem", "memory_baseline", "note_memory_baseline", "on_device", "resolve_device"]
+
+
+def device_problem(device: torch.device | str) -> str | None:
+    """None when this process can put tensors on ``device``; else why not, in words (CUDA missing or not
+    built into this torch, an index past the GPUs it sees, MPS missing)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            built = "sees no GPU" if torch.backends.cuda.is_built() else "is built without CUDA"
+            return f"CUDA is not available here (this torch {built})"
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            return f"this machine has {torch.cuda.device_count()} CUDA device(s)"
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        return "MPS is not available here"
+    return None
 
 
 def resolve_device(device: torch.device | str) -> torch.device:

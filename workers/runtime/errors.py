@@ -19,6 +19,10 @@ class UnsupportedArchitectureError(CheckpointError):
     """config.json names an architecture the engine does not implement."""
 
 
+class DeviceUnavailableError(EngineError):
+    """The configured device does not exist in this process (no CUDA, an index past the GPU count, no MPS)."""
+
+
 class InvalidRequestError(EngineError):
     """A request's parameters are out of range or inconsistent."""
 

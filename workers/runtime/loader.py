@@ -18,7 +18,8 @@ import torch
 from workers.runtime import llava
 from workers.runtime.checkpoint import load_into, read_hf_tensors
 from workers.runtime.config import ModelConfig, is_llava, parse_token_ids, read_json_object
-from workers.runtime.errors import CheckpointError
+from workers.runtime.devices import device_problem
+from workers.runtime.errors import CheckpointError, DeviceUnavailableError
 from workers.runtime.model import DecoderModel
 from workers.runtime.tokenizer import Tokenizer
 from workers.runtime.vision import (
@@ -115,6 +116,10 @@ def load_model(folder: Path | str, dtype: torch.dtype = torch.float32, device: s
     ``with_text=False``: the text model is built on the ``meta`` device (shapes only: no memory, no weights
     read), for a worker that only encodes images. ``vision_device``: where the vision tower goes (default
     ``device``), e.g. the CPU for a prefill worker that only needs its fingerprint."""
+    for where in {device, vision_device or device}:
+        problem = device_problem(where)
+        if problem is not None:
+            raise DeviceUnavailableError(f"device {where}: {problem}")
     folder = Path(folder)
     if not folder.exists():
         raise CheckpointError(f"{folder}: not a checkpoint folder (it does not exist)")

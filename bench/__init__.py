@@ -3,7 +3,7 @@
 Imports point one way: bench -> controlplane -> workers -> kvtransfer. Nothing below imports this package;
 ``epd``'s parser gets the ``bench`` subcommand through the ``epd.commands`` entry point (cli.py). Each
 benchmark prints its figure beside a reference measured in the same run. What only this package needs is
-the ``bench`` extra (``pip install -e '.[bench]'``).
+the ``bench`` extra (httpx, matplotlib, tqdm, transformers; ``make setup`` installs it).
 
   cli.py                 the ``epd bench`` subcommands
   engine_bench.py        engine prefill/decode throughput beside HF transformers (gpu_engine_bench.py on CUDA)

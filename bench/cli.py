@@ -167,6 +167,6 @@ def _checking_bench_extra(suite: str, func: Callable[[argparse.Namespace], int]
         missing = missing_from_bench_extra(suite, args)
         if missing:
             raise UsageError(f"epd bench {suite} needs {' and '.join(missing)}, from the bench extra: "
-                             "pip install 'epd[bench]' (make setup installs it)")
+                             f"pip install {' '.join(missing)} (make setup installs it)")
         return func(args)
     return run

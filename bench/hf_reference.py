@@ -16,8 +16,8 @@ def load_hf_model(path: Path, dtype: torch.dtype) -> Any:  # transformers is opt
         from transformers import AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
     except ImportError:
-        print("epd bench engine: transformers is not installed (pip install -e '.[bench]'); use --no-hf",
-              file=sys.stderr)
+        print("epd bench engine: transformers is not installed (the bench extra: pip install transformers); "
+              "use --no-hf", file=sys.stderr)
         raise SystemExit(2) from None
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()

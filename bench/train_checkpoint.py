@@ -72,7 +72,8 @@ def main(argv: list[str] | None = None) -> int:
         from tokenizers import Tokenizer
         from transformers import LlamaConfig, LlamaForCausalLM
     except ImportError as exc:
-        print(f"train_checkpoint needs transformers (pip install -e '.[dev]'): {exc}", file=sys.stderr)
+        print(f"train_checkpoint needs transformers (the bench extra: pip install transformers): {exc}",
+              file=sys.stderr)
         return 2
 
     from workers.runtime.default_model import ensure_default_checkpoint

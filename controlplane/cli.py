@@ -15,6 +15,8 @@ function that adds its subparsers (``bench.cli:add_bench_parser``). The control 
 from __future__ import annotations
 
 import argparse
+import os
+import shlex
 import sys
 import time
 from collections.abc import Callable
@@ -193,7 +195,8 @@ def cmd_drain(args: argparse.Namespace) -> int:
         print(f"{args.worker}: serving (takes new work again)")
         return 0
     call(_settings(args), "POST", path, {}, url=args.url)
-    print(f"{args.worker}: draining (no new work; in-flight requests finish; undo with `epd drain --undo`)")
+    print(f"{args.worker}: draining (no new work; in-flight requests finish; undo with "
+          f"`epd drain {shlex.quote(args.worker)} --undo`)")
     return 0
 
 
@@ -216,8 +219,8 @@ def _unavailable(name: str, exc: ImportError) -> Register:
     def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         p = sub.add_parser(name, help=f"(unavailable here: {exc})", add_help=False)
         p.add_argument("rest", nargs=argparse.REMAINDER)
-        p.set_defaults(func=lambda args: _refuse(f"epd {name} cannot be imported here ({exc}); install it with "
-                                                 f"pip install -e '.[{name}]'"))
+        p.set_defaults(func=lambda args: _refuse(f"epd {name} cannot be imported here ({exc}); install what it "
+                                                 "names (make setup installs every extra)"))
     return register
 
 
@@ -341,6 +344,10 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # `epd config schema | head`: the reader left; say nothing more (Python's recipe)
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # so the interpreter's last flush at exit has nowhere to fail
+        return 1
     except Exception as exc:  # errors caused by input name the problem themselves; anything else is a bug
         if not isinstance(exc, _user_errors()):
             raise

@@ -137,8 +137,11 @@ def check_yaml(path: Path) -> None:
         data = yaml.load(Path(path).read_text(), Loader=_UniqueKeyLoader)  # noqa: S506  # a SafeLoader subclass
     except OSError as exc:
         raise SettingsError(f"cannot read the config file {path}: {exc.strerror}") from None
-    except yaml.YAMLError as exc:
-        raise SettingsError(f"{path} is not valid YAML: {exc}") from None
+    except yaml.YAMLError as exc:  # its text spans lines: one line here, with where the parser stopped
+        mark = getattr(exc, "problem_mark", None)
+        where = "" if mark is None else f" (line {mark.line + 1}, column {mark.column + 1})"
+        problem = getattr(exc, "problem", None) or " ".join(str(exc).split())
+        raise SettingsError(f"{path} is not valid YAML{where}: {problem}") from None
     if data is not None and not isinstance(data, dict):
         raise SettingsError(f"{path} must hold a mapping of settings at the top level")
 

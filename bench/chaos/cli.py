@@ -11,7 +11,7 @@ DESCRIPTION = ("Drive a steady greedy load through a live `epd serve` (2+ replic
                "restarted, one replica of each pool is killed (kill -9) and one decode replica is stopped "
                "(SIGSTOP) for a while. Reports completed, failed and migrated requests, agreement with "
                "generate(), KV blocks left held, time to replace each replica and p50/p99 latency before, "
-               "during and after each fault. --soak MINUTES instead runs a steady 70%% load and reports RSS "
+               "during and after each fault. --soak MINUTES instead runs a steady 70% load and reports RSS "
                "and block drift. Linux only (it finds worker processes through /proc).")
 
 

@@ -95,8 +95,8 @@ class _HFSide:
             from transformers import AutoModelForCausalLM
             from transformers.utils import logging as hf_logging
         except ImportError:
-            raise TransformersMissing("HF transformers is not installed (pip install -e '.[dev]'); the engine "
-                                      "benchmark needs it as its reference") from None
+            raise TransformersMissing("HF transformers is not installed (the bench extra: pip install transformers); "
+                                      "the engine benchmark needs it as its reference") from None
         hf_logging.set_verbosity_error()
         hf_logging.disable_progress_bar()
         self.model: Any = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()

@@ -105,7 +105,9 @@ def run_suite(selected: list[Benchmark], plan: Plan, log: Callable[[str], None] 
                 raise RuntimeError("produced no results")
             run.results += results
         except Exception as exc:  # recorded and reported; the other benchmarks still run
-            run.errors[b.name] = f"{type(exc).__name__}: {exc}"
+            run.errors[b.name] = (f"needs {exc.name}, which is not installed (the bench extra: pip install {exc.name})"
+                                  if isinstance(exc, ModuleNotFoundError) and exc.name else
+                                  f"{type(exc).__name__}: {exc}")
             log(f"{b.name} FAILED: {run.errors[b.name]}")
         run.seconds[b.name] = round(time.perf_counter() - t0, 3)
         log(f"{b.name}: {run.seconds[b.name]:.1f} s")

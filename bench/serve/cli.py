@@ -36,7 +36,7 @@ vLLM's benchmark_serving flags work as they are (--base-url, --backend, --reques
 --dataset-name, --random-input-len, --random-output-len, --random-range-ratio, --save-result, --result-dir,
 --result-filename, --percentile-metrics, --metric-percentiles, --disable-tqdm), and its flat keys
 (mean_ttft_ms, p99_ttft_ms, ...) sit beside epd's own in the JSON:
-  epd bench serve --dataset-name random --random-input-len 256 --random-output-len 64 --request-rate 4 \
+  epd bench serve --dataset-name random --random-input-len 256 --random-output-len 64 --request-rate 4 \\
       --max-concurrency 8 --save-result --result-filename run.json --percentile-metrics ttft,tpot,itl,e2el
 The URL defaults to http://127.0.0.1:8000. Random prompts are exactly --input-len tokens as the server counts
 them (its /tokenize; chat prompts with the template).

@@ -232,7 +232,7 @@ def test_a_command_package_that_cannot_be_imported_leaves_epd_working(capsys, mo
 ])
 def test_a_bench_suite_without_the_bench_extra_names_the_install_before_it_starts(capsys, monkeypatch, tmp_path,
                                                                                     argv, blocked, missing):
-    """An install without the bench extra (`pip install epd`): the suites that need it say so in one line
+    """An install without the bench extra (a wheel, the container image): the suites that need it say so in one line
     before they start anything, instead of a ModuleNotFoundError traceback (or one after a finished run)."""
     import sys
 
@@ -240,5 +240,31 @@ def test_a_bench_suite_without_the_bench_extra_names_the_install_before_it_start
         monkeypatch.setitem(sys.modules, name, None)  # import raises ImportError, as when not installed
     monkeypatch.chdir(tmp_path)
     err = one_line_error(capsys, argv)
-    assert f"epd bench {argv[1]} needs {missing}, from the bench extra: pip install 'epd[bench]'" in err
+    assert f"epd bench {argv[1]} needs {missing}, from the bench extra: pip install {' '.join(blocked)} " in err
     assert list(tmp_path.iterdir()) == []  # no report, plot or results folder written
+
+
+def test_a_reader_that_leaves_early_gets_no_traceback():
+    """`epd config schema | head -1`: the pipe closes under epd's output; it stops quietly (exit 1), as
+    Python's own recipe does, instead of a BrokenPipeError traceback."""
+    import subprocess
+    import sys
+    proc = subprocess.Popen([sys.executable, "-m", "controlplane.cli", "config", "schema"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, cwd=Path(__file__).resolve().parents[2],
+                            env={"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/tmp")})
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # gone before epd writes its first byte
+    with proc.stderr:
+        err = proc.stderr.read().decode()
+    assert proc.wait(60) == 1 and err == "", err
+
+
+def test_the_drain_message_names_the_undo_command_whole(capsys, monkeypatch):
+    """"undo with `epd drain --undo`" was refused as written: the worker id is required."""
+    import controlplane.admin_client as admin_client
+
+    calls = []
+    monkeypatch.setattr(admin_client, "call", lambda *a, **k: calls.append(a[1:3]) or {})
+    assert main(["drain", "decode-vm1-ab12"]) == 0
+    assert calls == [("POST", "/admin/workers/decode-vm1-ab12/drain")]
+    assert "undo with `epd drain decode-vm1-ab12 --undo`" in capsys.readouterr().out

@@ -102,6 +102,15 @@ def test_bad_yaml_files_are_refused(tmp_path):
         Settings.load(bad)
 
 
+def test_a_yaml_syntax_error_says_where_in_one_line(tmp_path):
+    """PyYAML puts the line and column on a second line, which the CLI's one-line error dropped."""
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("mode: colocated\ndecode:\n  replicas: 1\n    num_cpus: 2\n")
+    with pytest.raises(SettingsError) as err:
+        Settings.load(bad)
+    assert str(err.value) == f"{bad} is not valid YAML (line 4, column 13): mapping values are not allowed here"
+
+
 def test_secrets_are_masked_in_the_effective_settings():
     s = Settings.load(None, {"transfer": {"token": "x" * 32}, "api": {"admin_token": "y" * 20}})
     data = s.redacted()

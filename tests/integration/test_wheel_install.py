@@ -63,6 +63,9 @@ def test_the_wheel_carries_the_generated_wire_code_and_the_dashboard(wheel: Path
     names = set(zipfile.ZipFile(wheel).namelist())
     missing = [n for n in (*GENERATED, "controlplane/api/dashboard/index.html") if n not in names]
     assert not missing, missing
+    # the licence pyproject.toml declares, as its text
+    (licence,) = [n for n in names if ".dist-info/" in n and n.endswith("/LICENSE")]
+    assert "Apache License" in zipfile.ZipFile(wheel).read(licence).decode()
 
 
 def _floor(requirement: Requirement) -> Version:

@@ -263,8 +263,13 @@ def test_the_drain_message_names_the_undo_command_whole(capsys, monkeypatch):
     """"undo with `epd drain --undo`" was refused as written: the worker id is required."""
     import controlplane.admin_client as admin_client
 
-    calls = []
-    monkeypatch.setattr(admin_client, "call", lambda *a, **k: calls.append(a[1:3]) or {})
+    calls: list[tuple[str, str]] = []
+
+    def call(settings, method: str, path: str, *rest, **kw) -> dict:
+        calls.append((method, path))
+        return {}
+
+    monkeypatch.setattr(admin_client, "call", call)
     assert main(["drain", "decode-vm1-ab12"]) == 0
     assert calls == [("POST", "/admin/workers/decode-vm1-ab12/drain")]
     assert "undo with `epd drain decode-vm1-ab12 --undo`" in capsys.readouterr().out

@@ -9,8 +9,10 @@ TORCH_SPEC := torch==2.13.0
 STAMP := $(VENV)/.epd-installed
 PYTEST_ARGS ?=
 # pytest-xdist workers for `make test`: each takes whole modules (a module's servers start once), so two keep
-# both of CI's cores busy while the other waits on a stack starting; TEST_WORKERS=0 runs in this process.
-TEST_WORKERS ?= 2
+# both of CI's cores busy while the other waits on a stack starting; TEST_WORKERS=0 runs in this process (for
+# --pdb or -s). On a machine with an NVIDIA GPU the default is 0: the CUDA tests size memory from what the GPU
+# has free, which another worker's tests would change under them.
+TEST_WORKERS ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo 0 || echo 2)
 
 .PHONY: serve demo test test-image test-unit test-integration test-e2e lint bench gpu-check gpu-deps setup test-setup redis chromium clean help
 

@@ -3,7 +3,7 @@
 Imports point one way: bench -> controlplane -> workers -> kvtransfer. Nothing below imports this package;
 ``epd``'s parser gets the ``bench`` subcommand through the ``epd.commands`` entry point (cli.py). Each
 benchmark prints its figure beside a reference measured in the same run. What only this package needs is
-the ``bench`` extra (httpx, matplotlib, tqdm, transformers; ``make setup`` installs it).
+the ``bench`` extra (``BENCH_EXTRA``; ``make setup`` installs it).
 
   cli.py                 the ``epd bench`` subcommands
   engine_bench.py        engine prefill/decode throughput beside HF transformers (gpu_engine_bench.py on CUDA)
@@ -20,3 +20,5 @@ the ``bench`` extra (httpx, matplotlib, tqdm, transformers; ``make setup`` insta
   otlp_sink.py           a minimal OTLP/gRPC receiver, for the tracing-cost benchmark and the tests
   train_checkpoint.py    trains the demo architecture for minutes, for accuracy figures a random model cannot give
 """
+
+BENCH_EXTRA = ("httpx", "matplotlib", "tqdm", "transformers")  # the modules of pyproject.toml's bench extra

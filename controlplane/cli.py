@@ -219,8 +219,8 @@ def _unavailable(name: str, exc: ImportError) -> Register:
     def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         p = sub.add_parser(name, help=f"(unavailable here: {exc})", add_help=False)
         p.add_argument("rest", nargs=argparse.REMAINDER)
-        p.set_defaults(func=lambda args: _refuse(f"epd {name} cannot be imported here ({exc}); install what it "
-                                                 "names (make setup installs every extra)"))
+        p.set_defaults(func=lambda args: _refuse(f"epd {name} cannot be imported here ({exc}); install epd with "
+                                                 f"its '{name}' extra (make setup installs every extra)"))
     return register
 
 
@@ -341,12 +341,15 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return args.func(args)
+        rc = args.func(args)
+        sys.stdout.flush()  # a reader that left shows here, not in the interpreter's last flush at exit
+        return rc
     except KeyboardInterrupt:
         return 130
-    except BrokenPipeError:  # `epd config schema | head`: the reader left; say nothing more (Python's recipe)
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())  # so the interpreter's last flush at exit has nowhere to fail
+    except BrokenPipeError:
+        if not _stdout_reader_left():  # another pipe (a benchmark's child): a bug, not the reader
+            raise
+        _silence_stdout()  # `epd config show | head -1`: stop quietly, as Python's recipe does
         return 1
     except Exception as exc:  # errors caused by input name the problem themselves; anything else is a bug
         if not isinstance(exc, _user_errors()):
@@ -370,6 +373,33 @@ _USER_ERRORS = (
     ("controlplane.state.errors", "RedisServerNotFound"),  # no redis-server to start a private one
     ("controlplane.pools.status", "PoolError"),  # a replica did not start (the pools are stopped again)
 )
+
+
+def _stdout_reader_left() -> bool:
+    """Whether the process's stdout is a pipe whose reader has closed it (poll reports POLLERR)."""
+    import select
+
+    try:
+        fd = sys.__stdout__.fileno() if sys.__stdout__ is not None else -1
+    except (OSError, ValueError):
+        return False
+    if fd < 0:
+        return False
+    poller = select.poll()
+    poller.register(fd, select.POLLOUT)
+    return any(events & select.POLLERR for _, events in poller.poll(0))
+
+
+def _silence_stdout() -> None:
+    """Point fd 1 at /dev/null, so the interpreter's flush at exit has nowhere to fail; only for the real
+    stdout (a caller that replaced sys.stdout, e.g. a test's capture, keeps its own)."""
+    if sys.stdout is not sys.__stdout__:
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, sys.__stdout__.fileno())
+    finally:
+        os.close(devnull)
 
 
 def _user_errors() -> tuple[type[Exception], ...]:

@@ -32,7 +32,8 @@ def check_engine_args(args: argparse.Namespace) -> None:
         raise UsageError(f"--device {exc}") from None
     problem = device_problem(device)
     if problem is not None:
-        raise UsageError(f"--device {args.device}: {problem}")
+        none_here = device_problem(device.type) is not None  # no such device at all, not just that index
+        raise UsageError(f"--device {args.device}: {problem}{'; use --device cpu' if none_here else ''}")
     if args.threads is not None and args.threads < 1:
         raise UsageError(f"--threads must be >= 1, got {args.threads} (leave it out for torch's choice)")
 

@@ -18,6 +18,17 @@ class SettingsError(ValueError):
     """Settings that do not load or validate; the message names the field and the problem."""
 
 
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    """PyYAML's context and problem with their marks, in one line ("while scanning a quoted scalar (line 2,
+    column 8): found unexpected end of stream (line 5, column 1)")."""
+    parts = []
+    for text, mark in ((getattr(exc, "context", None), getattr(exc, "context_mark", None)),
+                       (getattr(exc, "problem", None), getattr(exc, "problem_mark", None))):
+        if text:
+            parts.append(text if mark is None else f"{text} (line {mark.line + 1}, column {mark.column + 1})")
+    return ": ".join(parts) or " ".join(str(exc).split())
+
+
 def _env_settings(environ: Mapping[str, str]) -> list[str]:
     """The non-empty EPD_* variable names in ``environ`` (matched like pydantic-settings: any case)."""
     return sorted(name for name, value in environ.items() if name.upper().startswith("EPD_") and value != "")
@@ -137,11 +148,8 @@ def check_yaml(path: Path) -> None:
         data = yaml.load(Path(path).read_text(), Loader=_UniqueKeyLoader)  # noqa: S506  # a SafeLoader subclass
     except OSError as exc:
         raise SettingsError(f"cannot read the config file {path}: {exc.strerror}") from None
-    except yaml.YAMLError as exc:  # its text spans lines: one line here, with where the parser stopped
-        mark = getattr(exc, "problem_mark", None)
-        where = "" if mark is None else f" (line {mark.line + 1}, column {mark.column + 1})"
-        problem = getattr(exc, "problem", None) or " ".join(str(exc).split())
-        raise SettingsError(f"{path} is not valid YAML{where}: {problem}") from None
+    except yaml.YAMLError as exc:  # its text spans lines: one line here, each part with where it is
+        raise SettingsError(f"{path} is not valid YAML: {_yaml_problem(exc)}") from None
     if data is not None and not isinstance(data, dict):
         raise SettingsError(f"{path} must hold a mapping of settings at the top level")
 

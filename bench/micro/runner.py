@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from bench import BENCH_EXTRA
 from bench.micro.results import Result, SuiteRun
 from bench.micro.timing import Plan
 
@@ -92,6 +93,14 @@ def _meta(plan: Plan) -> dict[str, object]:
             "inner": plan.inner, "clock": plan.clock, "model": str(plan.model) if plan.model else "built-in demo model"}
 
 
+def _failure(exc: Exception) -> str:
+    """How a benchmark's failure is reported: a missing module of the bench extra by the package to install."""
+    missing = exc.name.partition(".")[0] if isinstance(exc, ModuleNotFoundError) and exc.name else None
+    if missing in BENCH_EXTRA:
+        return f"needs {missing}, which is not installed (the bench extra: pip install {missing})"
+    return f"{type(exc).__name__}: {exc}"
+
+
 def run_suite(selected: list[Benchmark], plan: Plan, log: Callable[[str], None] = lambda m: None) -> SuiteRun:
     """Run each selected benchmark; a failing one is recorded in ``errors`` and the rest still run."""
     run = SuiteRun(meta=_meta(plan))
@@ -105,9 +114,7 @@ def run_suite(selected: list[Benchmark], plan: Plan, log: Callable[[str], None] 
                 raise RuntimeError("produced no results")
             run.results += results
         except Exception as exc:  # recorded and reported; the other benchmarks still run
-            run.errors[b.name] = (f"needs {exc.name}, which is not installed (the bench extra: pip install {exc.name})"
-                                  if isinstance(exc, ModuleNotFoundError) and exc.name else
-                                  f"{type(exc).__name__}: {exc}")
+            run.errors[b.name] = _failure(exc)
             log(f"{b.name} FAILED: {run.errors[b.name]}")
         run.seconds[b.name] = round(time.perf_counter() - t0, 3)
         log(f"{b.name}: {run.seconds[b.name]:.1f} s")

@@ -11,12 +11,14 @@
 
 from __future__ import annotations
 
+import atexit
 import copy
 import functools
 import os
 import re
 import shutil
 import subprocess
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,6 +57,11 @@ class Result:
     stderr: str
 
 
+# helm's cache/config/data homes: this process's own (two test workers run helm at once), removed at exit
+_HELM_HOME = Path(tempfile.mkdtemp(prefix="epd-helm-"))
+atexit.register(shutil.rmtree, _HELM_HOME, True)
+
+
 def helm(*args: str, chart: Path = CHART, model: bool = True) -> Result:
     """Run helm with ``args`` (``{chart}`` in them is replaced by the chart path). ``model``: a template,
     lint or install gets ``-f data/text-model.yaml`` (settings.model) before the other flags, so they
@@ -65,8 +72,9 @@ def helm(*args: str, chart: Path = CHART, model: bool = True) -> Result:
         given[at:at] = ["-f", str(TEXT_MODEL_VALUES)]
     argv = [helm_binary(), *(str(chart) if a == "{chart}" else a for a in given)]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "HELM_CACHE_HOME": "/tmp/epd-helm-cache",
-                               "HELM_CONFIG_HOME": "/tmp/epd-helm-config", "HELM_DATA_HOME": "/tmp/epd-helm-data"})
+                          env={**os.environ, "HELM_CACHE_HOME": str(_HELM_HOME / "cache"),
+                               "HELM_CONFIG_HOME": str(_HELM_HOME / "config"),
+                               "HELM_DATA_HOME": str(_HELM_HOME / "data")})
     return Result(proc.returncode, proc.stdout, proc.stderr)
 
 

@@ -58,10 +58,19 @@ def test_tls_files_that_are_not_pem_are_refused(default_ckpt, tmp_path):
         validate(Settings.load(None, {"transfer": tls}), default_ckpt)
 
 
+def _port() -> str:
+    """A free loopback port for `epd serve`'s port check (a fixed one could be another worker's)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
 def _serve(env: dict[str, str], tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, float]:
     state = tmp_path / "state"
     start = time.monotonic()
-    result = subprocess.run([sys.executable, "-m", "controlplane.cli", "serve", "--port", "18130", *args],
+    result = subprocess.run([sys.executable, "-m", "controlplane.cli", "serve", "--port", _port(), *args],
                             capture_output=True, text=True, timeout=120, cwd=REPO,
                             env={"PATH": os.environ["PATH"], "HOME": str(tmp_path), "EPD_STATE_DIR": str(state),
                                  **env})

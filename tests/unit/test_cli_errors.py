@@ -51,7 +51,8 @@ def test_generate_refuses_bad_arguments_before_loading(args, message, capsys, no
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
 def test_generate_on_cuda_without_cuda_is_refused(capsys, no_loading):
-    assert "--device cuda: CUDA is not available here" in one_line_error(capsys, ["generate", "--device", "cuda"])
+    err = one_line_error(capsys, ["generate", "--device", "cuda"])
+    assert "--device cuda: CUDA is not available here" in err and err.endswith("; use --device cpu\n")
 
 
 def test_generate_on_a_cuda_index_that_does_not_exist_is_refused(capsys, no_loading):
@@ -102,6 +103,15 @@ def test_bench_kv_accuracy_checks_policy_layers_against_the_model_before_any_out
     assert "--policy 'int8,99=bf16': codec policy names layer 99, but the model has 4 layers" in err
 
 
+def _port() -> str:
+    """A free loopback port for `epd serve`'s port check (a fixed one could be another worker's)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
 def _serve_failing_with(monkeypatch, exc: Exception) -> None:
     import controlplane.serve as serve
 
@@ -117,7 +127,7 @@ def test_a_replica_that_fails_to_start_ends_serve_in_one_line(capsys, monkeypatc
               "  (raised while the actor started; Ray's report follows)\n"
               "Traceback (most recent call last):\n  File ...\nAssertionError: Torch not compiled with CUDA enabled")
     _serve_failing_with(monkeypatch, WorkerStartError(report))
-    err = one_line_error(capsys, ["serve", "--port", "18120"])
+    err = one_line_error(capsys, ["serve", "--port", _port()])
     assert err == ("epd: error: 1 of 2 decode replicas failed to start: epd-decode-abc123-0: AssertionError: "
                    "Torch not compiled with CUDA enabled\n")
 
@@ -125,20 +135,20 @@ def test_a_replica_that_fails_to_start_ends_serve_in_one_line(capsys, monkeypatc
 def test_an_unreachable_redis_ends_serve_in_one_line(capsys, monkeypatch):
     from controlplane.state.errors import RedisServerNotFound, StateUnavailable
     _serve_failing_with(monkeypatch, StateUnavailable("redis://127.0.0.1:1/0", "Connection refused"))
-    assert "cannot reach Redis at redis://127.0.0.1:1/0" in one_line_error(capsys, ["serve", "--port", "18120"])
+    assert "cannot reach Redis at redis://127.0.0.1:1/0" in one_line_error(capsys, ["serve", "--port", _port()])
     _serve_failing_with(monkeypatch, RedisServerNotFound("redis-server is not installed"))
-    assert "redis-server is not installed" in one_line_error(capsys, ["serve", "--port", "18120"])
+    assert "redis-server is not installed" in one_line_error(capsys, ["serve", "--port", _port()])
 
 
 def test_serve_refuses_a_redis_url_that_is_not_one(capsys):
-    err = one_line_error(capsys, ["serve", "--redis-url", "notaurl", "--port", "18120"])
+    err = one_line_error(capsys, ["serve", "--redis-url", "notaurl", "--port", _port()])
     assert "redis.url: 'notaurl' is not a Redis URL" in err
 
 
 def test_bugs_still_raise(monkeypatch):
     _serve_failing_with(monkeypatch, KeyError("a bug"))
     with pytest.raises(KeyError):
-        main(["serve", "--port", "18120"])
+        main(["serve", "--port", _port()])
 
 
 def _help(*command: str) -> str:
@@ -244,12 +254,13 @@ def test_a_bench_suite_without_the_bench_extra_names_the_install_before_it_start
     assert list(tmp_path.iterdir()) == []  # no report, plot or results folder written
 
 
-def test_a_reader_that_leaves_early_gets_no_traceback():
-    """`epd config schema | head -1`: the pipe closes under epd's output; it stops quietly (exit 1), as
-    Python's own recipe does, instead of a BrokenPipeError traceback."""
+@pytest.mark.parametrize("command", [["config", "schema"], ["config", "show"]])  # 30 KB; 2 KB (flushed at exit)
+def test_a_reader_that_leaves_early_gets_no_traceback(command):
+    """`epd config show | head -1`: the pipe closes under epd's output; it stops quietly (exit 1), as
+    Python's own recipe does, instead of a BrokenPipeError traceback (or "Exception ignored" at exit)."""
     import subprocess
     import sys
-    proc = subprocess.Popen([sys.executable, "-m", "controlplane.cli", "config", "schema"], stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-m", "controlplane.cli", *command], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, cwd=Path(__file__).resolve().parents[2],
                             env={"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/tmp")})
     assert proc.stdout is not None and proc.stderr is not None
@@ -257,6 +268,19 @@ def test_a_reader_that_leaves_early_gets_no_traceback():
     with proc.stderr:
         err = proc.stderr.read().decode()
     assert proc.wait(60) == 1 and err == "", err
+
+
+def test_a_broken_pipe_that_is_not_stdout_is_still_a_bug(monkeypatch):
+    """A BrokenPipeError from another pipe (a benchmark's child process that died) is not a reader that
+    left: it still raises, with its traceback."""
+    import controlplane.cli as cli
+
+    def broken(args):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(cli, "cmd_config_schema", broken)
+    with pytest.raises(BrokenPipeError):
+        main(["config", "schema"])
 
 
 def test_the_drain_message_names_the_undo_command_whole(capsys, monkeypatch):
@@ -273,3 +297,17 @@ def test_the_drain_message_names_the_undo_command_whole(capsys, monkeypatch):
     assert main(["drain", "decode-vm1-ab12"]) == 0
     assert calls == [("POST", "/admin/workers/decode-vm1-ab12/drain")]
     assert "undo with `epd drain decode-vm1-ab12 --undo`" in capsys.readouterr().out
+
+
+def test_a_micro_benchmark_missing_a_module_names_the_package_only_when_it_is_the_bench_extras(monkeypatch):
+    import sys
+
+    from bench.micro.runner import Benchmark, run_suite
+    from bench.micro.timing import Plan
+
+    monkeypatch.setitem(sys.modules, "transformers", None)  # as when the bench extra is not installed
+    run = run_suite([Benchmark("sampler", "bench.micro.sampler:run", ""),
+                     Benchmark("other", "no_such_module_here.sub:run", "")], Plan(repeats=2, quick=True))
+    assert run.errors["sampler"] == ("needs transformers, which is not installed (the bench extra: "
+                                     "pip install transformers)")
+    assert run.errors["other"].startswith("ModuleNotFoundError: No module named 'no_such_module_here'")

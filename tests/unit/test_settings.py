@@ -108,7 +108,12 @@ def test_a_yaml_syntax_error_says_where_in_one_line(tmp_path):
     bad.write_text("mode: colocated\ndecode:\n  replicas: 1\n    num_cpus: 2\n")
     with pytest.raises(SettingsError) as err:
         Settings.load(bad)
-    assert str(err.value) == f"{bad} is not valid YAML (line 4, column 13): mapping values are not allowed here"
+    assert str(err.value) == f"{bad} is not valid YAML: mapping values are not allowed here (line 4, column 13)"
+    bad.write_text("mode: colocated\napi: {host: 'x\n")  # the context says where the quote opened
+    with pytest.raises(SettingsError) as err:
+        Settings.load(bad)
+    assert str(err.value).startswith(f"{bad} is not valid YAML: while scanning a quoted scalar (line 2, column 13): ")
+    assert "\n" not in str(err.value)
 
 
 def test_secrets_are_masked_in_the_effective_settings():

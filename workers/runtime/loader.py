@@ -116,7 +116,7 @@ def load_model(folder: Path | str, dtype: torch.dtype = torch.float32, device: s
     ``with_text=False``: the text model is built on the ``meta`` device (shapes only: no memory, no weights
     read), for a worker that only encodes images. ``vision_device``: where the vision tower goes (default
     ``device``), e.g. the CPU for a prefill worker that only needs its fingerprint."""
-    for where in {device, vision_device or device}:
+    for where in {device, vision_device or device} if with_vision else {device}:
         problem = device_problem(where)
         if problem is not None:
             raise DeviceUnavailableError(f"device {where}: {problem}")

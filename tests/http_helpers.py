@@ -1,4 +1,4 @@
-"""Serve an ASGI app with uvicorn on a free loopback port, in a thread of the test process."""
+"""Serve an ASGI app with uvicorn on a free loopback port, in a thread of the test process; free ports."""
 
 from __future__ import annotations
 
@@ -10,6 +10,13 @@ from contextlib import contextmanager
 from typing import Any
 
 import uvicorn
+
+
+def free_loopback_port() -> int:
+    """A loopback port free now (the kernel's choice), for a server a test starts by port number."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 @contextmanager

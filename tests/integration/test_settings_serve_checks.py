@@ -14,6 +14,7 @@ import pytest
 from controlplane.serve import validate
 from controlplane.settings import Settings, SettingsError
 
+from http_helpers import free_loopback_port
 from kv_helpers import make_pki
 
 pytestmark = [pytest.mark.integration]
@@ -58,19 +59,11 @@ def test_tls_files_that_are_not_pem_are_refused(default_ckpt, tmp_path):
         validate(Settings.load(None, {"transfer": tls}), default_ckpt)
 
 
-def _port() -> str:
-    """A free loopback port for `epd serve`'s port check (a fixed one could be another worker's)."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
-
-
 def _serve(env: dict[str, str], tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, float]:
     state = tmp_path / "state"
     start = time.monotonic()
-    result = subprocess.run([sys.executable, "-m", "controlplane.cli", "serve", "--port", _port(), *args],
+    port = str(free_loopback_port())
+    result = subprocess.run([sys.executable, "-m", "controlplane.cli", "serve", "--port", port, *args],
                             capture_output=True, text=True, timeout=120, cwd=REPO,
                             env={"PATH": os.environ["PATH"], "HOME": str(tmp_path), "EPD_STATE_DIR": str(state),
                                  **env})

@@ -25,6 +25,8 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.version import Version
 
+from http_helpers import free_loopback_port
+
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -106,7 +108,7 @@ def test_a_fresh_venv_with_the_wheel_serves_a_request(wheel: Path, tmp_path: Pat
                   "print(m.__file__); print(c.__file__)"], 60, cwd=tmp_path).stdout.split()
     assert all(str(venv) in w for w in where), where
 
-    port = _free_port()
+    port = free_loopback_port()
     config = tmp_path / "epd.yaml"
     config.write_text(json.dumps({"mode": "colocated", "api": {"port": port},
                                   "decode": {"replicas": 1, "num_cpus": 0.25,
@@ -145,10 +147,3 @@ def test_a_fresh_venv_with_the_wheel_serves_a_request(wheel: Path, tmp_path: Pat
     stopped = (tmp_path / "serve.log").read_text()
     assert proc.returncode in (0, 130) and "epd: stopped in" in stopped, stopped[-3000:]  # 130: Ctrl-C's status
 
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

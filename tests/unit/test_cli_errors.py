@@ -11,6 +11,8 @@ import torch
 
 from controlplane.cli import build_parser, main
 
+from http_helpers import free_loopback_port
+
 pytestmark = [pytest.mark.unit]
 
 
@@ -103,15 +105,6 @@ def test_bench_kv_accuracy_checks_policy_layers_against_the_model_before_any_out
     assert "--policy 'int8,99=bf16': codec policy names layer 99, but the model has 4 layers" in err
 
 
-def _port() -> str:
-    """A free loopback port for `epd serve`'s port check (a fixed one could be another worker's)."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
-
-
 def _serve_failing_with(monkeypatch, exc: Exception) -> None:
     import controlplane.serve as serve
 
@@ -127,7 +120,7 @@ def test_a_replica_that_fails_to_start_ends_serve_in_one_line(capsys, monkeypatc
               "  (raised while the actor started; Ray's report follows)\n"
               "Traceback (most recent call last):\n  File ...\nAssertionError: Torch not compiled with CUDA enabled")
     _serve_failing_with(monkeypatch, WorkerStartError(report))
-    err = one_line_error(capsys, ["serve", "--port", _port()])
+    err = one_line_error(capsys, ["serve", "--port", str(free_loopback_port())])
     assert err == ("epd: error: 1 of 2 decode replicas failed to start: epd-decode-abc123-0: AssertionError: "
                    "Torch not compiled with CUDA enabled\n")
 
@@ -135,20 +128,21 @@ def test_a_replica_that_fails_to_start_ends_serve_in_one_line(capsys, monkeypatc
 def test_an_unreachable_redis_ends_serve_in_one_line(capsys, monkeypatch):
     from controlplane.state.errors import RedisServerNotFound, StateUnavailable
     _serve_failing_with(monkeypatch, StateUnavailable("redis://127.0.0.1:1/0", "Connection refused"))
-    assert "cannot reach Redis at redis://127.0.0.1:1/0" in one_line_error(capsys, ["serve", "--port", _port()])
+    port = str(free_loopback_port())
+    assert "cannot reach Redis at redis://127.0.0.1:1/0" in one_line_error(capsys, ["serve", "--port", port])
     _serve_failing_with(monkeypatch, RedisServerNotFound("redis-server is not installed"))
-    assert "redis-server is not installed" in one_line_error(capsys, ["serve", "--port", _port()])
+    assert "redis-server is not installed" in one_line_error(capsys, ["serve", "--port", port])
 
 
 def test_serve_refuses_a_redis_url_that_is_not_one(capsys):
-    err = one_line_error(capsys, ["serve", "--redis-url", "notaurl", "--port", _port()])
+    err = one_line_error(capsys, ["serve", "--redis-url", "notaurl", "--port", str(free_loopback_port())])
     assert "redis.url: 'notaurl' is not a Redis URL" in err
 
 
 def test_bugs_still_raise(monkeypatch):
     _serve_failing_with(monkeypatch, KeyError("a bug"))
     with pytest.raises(KeyError):
-        main(["serve", "--port", _port()])
+        main(["serve", "--port", str(free_loopback_port())])
 
 
 def _help(*command: str) -> str:

@@ -206,6 +206,12 @@ def build(settings: Settings) -> Deployment:
         dep.add(lambda: f"the pools ({pools_line(manager, not_needed)}; each replica gets up to 5 s to finish the "
                         f"RPCs it is serving){', then the local Ray' if manager.runtime.owns_connection else ''}",
                 manager.stop)
+        if settings.replicas_file is not None:  # a count changed in it becomes that pool's target, as epd scale
+            from controlplane.replicas_file import ReplicasFileWatch
+            from controlplane.state import PoolTargets
+            watch = ReplicasFileWatch(settings.replicas_file, PoolTargets(conn), colocated=settings.mode == "colocated",
+                                      not_needed=not_needed).start()
+            dep.add("the replicas file's watch", watch.close)
         if redis is not None:  # restarted on its port if it dies; still closed last, after the manager's goodbyes
             watchdog = PrivateRedisWatchdog(redis, lambda: rewrite_targets(conn, manager)).start()
             dep.replace(redis.close, watchdog.close)

@@ -170,7 +170,8 @@ class EngineSettings(_Model):
 
 
 class PoolSettings(_Model):
-    replicas: int = Field(1, ge=0, le=1000)
+    replicas: int = Field(1, ge=0, le=1000, description="replicas the pool starts with (replicas_file overrides it); "
+                                                        "epd scale changes the target while serving")
     num_cpus: float = Field(0.25, ge=0,
                             description="Ray CPUs reserved per replica (0 = none); 0.25 lets 8 replicas share 2 cores")
     num_gpus: float = Field(0.0, ge=0, description="Ray GPUs per replica")
@@ -392,6 +393,10 @@ class Settings(BaseSettings):
     encode: PoolSettings = PoolSettings()
     prefill: PoolSettings = PoolSettings()
     decode: PoolSettings = PoolSettings()
+    replicas_file: Path | None = Field(
+        None, description='JSON file of replica counts, {"decode": 3, ...}: they replace <pool>.replicas at start, '
+                          'and a count changed while serving becomes that pool\'s target (as epd scale); the '
+                          'helm chart mounts its ConfigMap here')
     transfer: TransferSettings = TransferSettings()
     scheduler: SchedulerSettings = SchedulerSettings()
     api: ApiSettings = ApiSettings()
@@ -401,6 +406,8 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _cross_field(self) -> Settings:
+        if self.replicas_file is not None:
+            self._apply_replicas_file(self.replicas_file)
         p, d = self.prefill.engine, self.decode.engine
         if p.block_size != d.block_size:
             raise ValueError(f"prefill.engine.block_size ({p.block_size}) and decode.engine.block_size "
@@ -424,14 +431,29 @@ class Settings(BaseSettings):
                 if "replicas" in pool.model_fields_set and pool.replicas > 0:
                     raise ValueError(f"colocated mode has no {name} pool (its decode workers encode, prefill and "
                                      f"decode whole requests): leave {name}.replicas unset or 0, and size the "
-                                     f"decode pool")
+                                     f"decode pool{self._counts_from()}")
                 setattr(self, name, pool.model_copy(update={"replicas": 0}))  # what status and workers see
         if self.mode == "disaggregated" and (self.prefill.replicas == 0) != (self.decode.replicas == 0):
-            raise ValueError("prefill and decode must both have replicas, or both be scaled to 0")
+            raise ValueError(f"prefill and decode must both have replicas, or both be scaled to 0"
+                             f"{self._counts_from()}")
         return self
 
     def pool(self, name: PoolName) -> PoolSettings:
         return getattr(self, name)
+
+    def _counts_from(self) -> str:
+        return "" if self.replicas_file is None else f" (replicas_file {self.replicas_file} gives the counts)"
+
+    def _apply_replicas_file(self, path: Path) -> None:
+        """The counts in ``replicas_file`` replace the pools' ``replicas``, as if each were set here."""
+        from controlplane.replicas_file import ReplicasFileError, read_replicas_file
+
+        try:
+            counts = read_replicas_file(path)
+        except ReplicasFileError as exc:
+            raise ValueError(f"replicas_file {path}: {exc}") from None
+        for name, count in counts.items():
+            setattr(self, name, self.pool(typing.cast(PoolName, name)).model_copy(update={"replicas": count}))
 
     def wire_codec_policy(self) -> str:
         """``transfer.codec_policy`` as ``kvtransfer.policy.parse_policy`` reads it, with 'lossless' resolved

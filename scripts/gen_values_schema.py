@@ -8,7 +8,8 @@ in the message. tests/helm regenerates the file and fails when it drifts from th
 
 What changes on the way from the model:
   - ``$defs``/``$ref`` are inlined (one self-contained draft-07 document that helm 3 and 4 both read);
-  - fields the chart sets itself are removed (CHART_MANAGED: the API host, secrets, Redis URL, Ray address);
+  - fields the chart sets itself are removed (CHART_MANAGED: the API host, secrets, Redis URL, Ray address;
+    CHART_MANAGED_TOP: the replicas file);
   - ``transfer.codec_policy`` (a free string in pydantic, checked by ``parse_policy``) gets CODEC_PATTERN;
   - titles and non-standard formats (``path``, ``password``) go; descriptions and defaults stay.
 
@@ -46,6 +47,10 @@ CHART_MANAGED: dict[tuple[str, str], str] = {
     ("transfer", "tls_key"): "auth.mtls",
     ("redis", "url"): "redis.enabled / redis.external",
     ("ray", "address"): "the RayCluster's head service (Ray client)",
+}
+# Top-level settings the chart sets itself, likewise removed.
+CHART_MANAGED_TOP: dict[str, str] = {
+    "replicas_file": "the chart's replicas ConfigMap, rendered from settings.<pool>.replicas",
 }
 
 
@@ -95,6 +100,8 @@ def settings_schema() -> dict[str, Any]:
     props = schema["properties"]
     for section, field in CHART_MANAGED:
         del props[section]["properties"][field]
+    for field in CHART_MANAGED_TOP:
+        del props[field]
     policy = props["transfer"]["properties"]["codec_policy"]
     policy["pattern"] = codec_pattern()
     policy["description"] = (policy.get("description", "") + "; codecs: " + ", ".join(available_codecs())

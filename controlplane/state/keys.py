@@ -10,7 +10,8 @@ names are their indexes.
 | ``{prefix}:workers:{pool}``           | zset   | 2 x lease TTL, extended per beat    | worker; pruned by readers  |
 |                                       |        | (member worker_id, score lease end) |                            |
 | ``{prefix}:pool:{pool}:target``       | string | none (desired state)                | control plane (scale)      |
-| ``{prefix}:pool:{pool}:configured``   | string | none (replicas the settings asked)  | pool manager (start)       |
+| ``{prefix}:pool:{pool}:configured``   | string | none (replicas the settings asked)  | pool manager (start),      |
+|                                       |        | or the replicas file, last          | replicas file watch        |
 | ``{prefix}:journal:{request_id}``     | list   | retention (default 3600), per write | scheduler                  |
 | ``{prefix}:journals``                 | zset   | retention, per write; capped length | scheduler                  |
 |                                       |        | (member request_id, score last at)  |                            |
@@ -89,7 +90,7 @@ KEY_LAYOUT: tuple[KeySpec, ...] = (
     KeySpec("{prefix}:worker:{pool}:{worker_id}", "hash", "2 x lease TTL", "worker"),
     KeySpec("{prefix}:workers:{pool}", "zset", "2 x lease TTL", "worker; readers prune"),
     KeySpec("{prefix}:pool:{pool}:target", "string", "none", "control plane"),
-    KeySpec("{prefix}:pool:{pool}:configured", "string", "none", "pool manager"),
+    KeySpec("{prefix}:pool:{pool}:configured", "string", "none", "pool manager; replicas file watch"),
     KeySpec("{prefix}:journal:{request_id}", "list", "retention", "scheduler"),
     KeySpec("{prefix}:journals", "zset", "retention", "scheduler"),
     KeySpec("{prefix}:counter:{name}", "string", "none", "control plane"),

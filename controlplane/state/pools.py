@@ -1,7 +1,8 @@
 """Pool targets: the replica count the operator wants for each pool. Desired state, so no TTL.
 
-A target changes by ``epd scale`` (the admin API) or by the settings when a pool manager starts with a
-replica count different from the last start's; ``apply_configured`` decides which."""
+A target changes by ``epd scale`` (the admin API), or by a configured count that differs from the one last
+applied: the settings' when a pool manager starts, or the replicas file's while it serves
+(controlplane/replicas_file.py); ``apply_configured`` decides which."""
 
 from __future__ import annotations
 
@@ -58,10 +59,10 @@ class PoolTargets:
         return bool(removed)
 
     def apply_configured(self, pool: Pool | str, replicas: int) -> int:
-        """The target a starting pool manager should use, with ``replicas`` from its settings: the most recent
-        intent wins. The settings' value when they changed since the last start (or on a first start);
-        otherwise the target already in Redis, so an ``epd scale`` survives a control-plane restart.
-        Returns the target now in effect."""
+        """The target to use given ``replicas`` configured (the settings at a pool manager's start, or the
+        replicas file): the most recent intent wins. The configured count when it changed since the last one
+        applied (or none was); otherwise the target already in Redis, so an ``epd scale`` survives a
+        control-plane restart and a replicas file whose count did not change. Returns the target now in effect."""
         pool = parse_pool(pool)
         validate_replicas(replicas)
         target_key, configured_key = self._keys.pool_target(pool), self._keys.pool_configured(pool)

@@ -25,14 +25,27 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, default_ckpt):
+    tmp = tmp_path_factory.mktemp("serve")
+    (tmp / "replicas.json").write_text('{"prefill": 2, "decode": 2}')  # as the helm chart mounts it
     settings = {
-        "model": str(default_ckpt), "transfer": {"codec_policy": "fp32"},
+        "model": str(default_ckpt), "transfer": {"codec_policy": "fp32"}, "replicas_file": str(tmp / "replicas.json"),
         "encode": {"num_cpus": 0.25, "engine": {"kv_cache_bytes": 32 * 2**20}},
-        "prefill": {"replicas": 2, "num_cpus": 0.25, "engine": {"kv_cache_bytes": 64 * 2**20}},
-        "decode": {"replicas": 2, "num_cpus": 0.25, "engine": {"kv_cache_bytes": 64 * 2**20}},
+        "prefill": {"num_cpus": 0.25, "engine": {"kv_cache_bytes": 64 * 2**20}},
+        "decode": {"num_cpus": 0.25, "engine": {"kv_cache_bytes": 64 * 2**20}},
     }
-    with serve_process(settings, tmp_path_factory.mktemp("serve")) as served:
+    with serve_process(settings, tmp) as served:
         yield served
+
+
+def _decode(served) -> dict[str, Any]:
+    return next(p for p in served.status()["pools"] if p["pool"] == "decode")
+
+
+def _wait_for_decode(served, target: int, ready: int, within_s: float) -> None:
+    deadline = time.monotonic() + within_s
+    while (decode := _decode(served))["target"] != target or decode["ready"] != ready:
+        assert time.monotonic() < deadline, f"decode did not reach target {target}, {ready} ready: {decode}"
+        time.sleep(0.5)
 
 
 def test_32_concurrent_requests_on_2_prefill_and_2_decode_replicas_all_match(served, default_bundle):
@@ -111,6 +124,28 @@ def test_scaling_decode_while_requests_stream(served, default_bundle):
                 time.sleep(0.5)
                 decode = next(p for p in served.status()["pools"] if p["pool"] == "decode")
     assert results == [long_ref] * 32
+
+
+def test_a_count_changed_in_the_replicas_file_scales_the_pool_while_it_serves(served):
+    """What `helm upgrade --set settings.decode.replicas=3` does to the pod: the mounted file changes, and the
+    running control plane scales decode (no restart: the other pools' workers stay the same)."""
+    replicas_file = served.tmp / "replicas.json"
+    prefill_before = {w["worker_id"] for p in served.status()["pools"] if p["pool"] == "prefill" for w in p["workers"]}
+    replicas_file.write_text('{"prefill": 2, "decode": 3}')
+    _wait_for_decode(served, 3, 3, within_s=120)
+    assert served.cli("scale", "decode", "2").returncode == 0  # epd scale after the file: it wins
+    _wait_for_decode(served, 2, 2, within_s=120)
+    replicas_file.write_text('{"prefill": 2, "decode": ')  # a bad edit: refused, logged, nothing changes
+    time.sleep(5)  # more than two of the watch's polls
+    assert "replicas file" in served.log_tail(20000) and "not JSON" in served.log_tail(20000)
+    replicas_file.write_text('{"prefill": 2, "decode": 3}')  # fixed, decode's count as applied before: the scale stays
+    time.sleep(5)
+    assert _decode(served)["target"] == 2
+    replicas_file.write_text('{"prefill": 2, "decode": 2}')
+    time.sleep(5)
+    assert _decode(served)["target"] == 2 and _decode(served)["ready"] == 2
+    prefill_after = {w["worker_id"] for p in served.status()["pools"] if p["pool"] == "prefill" for w in p["workers"]}
+    assert prefill_after == prefill_before and len(prefill_after) == 2
 
 
 def test_drain_stops_routing_to_a_worker_and_requests_go_on_and_undo_brings_it_back(served):

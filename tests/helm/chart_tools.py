@@ -120,6 +120,13 @@ def control_plane_env(objects: list[dict[str, Any]]) -> dict[str, Any]:
     return env_of(deploy["spec"]["template"]["spec"]["containers"][0])
 
 
+def replica_counts(objects: list[dict[str, Any]]) -> dict[str, int]:
+    """The replicas file the chart mounts in the control plane's pod, as the pool manager reads it."""
+    from controlplane.replicas_file import parse_replicas
+
+    return parse_replicas(find(objects, "ConfigMap", "-replicas")["data"]["replicas.json"])
+
+
 # ------------------------------------------------------------------ validation
 def _strict(schema: Any) -> Any:
     """Close every object schema that lists properties (unless it preserves unknown fields)."""
@@ -225,9 +232,18 @@ def defaults() -> list[dict[str, Any]]:
     return copy.deepcopy(list(default_objects()))
 
 
-def settings_from_env(env: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> Any:
+def settings_from_env(env: dict[str, Any], monkeypatch: pytest.MonkeyPatch,
+                      objects: list[dict[str, Any]] | None = None) -> Any:
     """Load the real settings model from a container's env, as `epd serve` in that pod would: plain values
-    as rendered, secretKeyRefs replaced by stand-ins, $(VAR) references expanded like the kubelet does."""
+    as rendered, secretKeyRefs replaced by stand-ins, $(VAR) references expanded like the kubelet does, and
+    the replicas file (EPD_REPLICAS_FILE) written from the rendered ConfigMap in ``objects``."""
+    if "EPD_REPLICAS_FILE" in env:
+        assert objects is not None, "this env reads the replicas file: pass the rendered objects too"
+        folder = tempfile.mkdtemp(prefix="epd-replicas-")
+        atexit.register(shutil.rmtree, folder, True)
+        path = Path(folder) / "replicas.json"
+        path.write_text(find(objects, "ConfigMap", "-replicas")["data"]["replicas.json"])
+        env = {**env, "EPD_REPLICAS_FILE": str(path)}
     stand_in = {"EPD_TRANSFER__TOKEN": "t" * 32, "EPD_API__ADMIN_TOKEN": "a" * 32,
                 "EPD_API__API_KEYS": '["k-0123456789abcdef"]', "EPD_API__OPS_TOKEN": "o" * 32,
                 "EPD_CHART_REDIS_PASSWORD": "pw"}

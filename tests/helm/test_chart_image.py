@@ -9,7 +9,7 @@ import tomllib
 import pytest
 import yaml
 
-from chart_tools import CHART, ROOT, control_plane_env, defaults, worker_groups
+from chart_tools import CHART, ROOT, control_plane_env, defaults, replica_counts, worker_groups
 
 pytestmark = [pytest.mark.unit]
 
@@ -57,7 +57,7 @@ def test_defaults_fit_a_text_only_model():
     assert "nvidia.com/gpu" not in {**resources.get("requests", {}), **resources.get("limits", {})}
     assert not any("nvidia" in str(t) for t in spec.get("tolerations", []))
     env = control_plane_env(objs)
-    assert env["EPD_ENCODE__REPLICAS"] == "0" and env["EPD_ENCODE__NUM_GPUS"] in ("0", "0.0")
+    assert replica_counts(objs)["encode"] == 0 and env["EPD_ENCODE__NUM_GPUS"] in ("0", "0.0")
     assert env["EPD_TRANSFER__CODEC_POLICY"] == "lossless"  # exact unless the operator opts into a quantised wire
     for pool in ("prefill", "decode"):  # the language model's pools keep their GPU
         limits = worker_groups(objs)[pool]["template"]["spec"]["containers"][0]["resources"]["limits"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -38,18 +39,18 @@ def test_lint_strict(extra: tuple[str, ...]) -> None:
 
 @pytest.mark.parametrize("extra,kinds", [
     ((), {"RayCluster": 1, "Deployment": 1, "StatefulSet": 1, "Service": 3, "Secret": 2, "PodDisruptionBudget": 3,
-          "NetworkPolicy": 1}),
+          "NetworkPolicy": 1, "ConfigMap": 1}),
     (("-f", CPU_VALUES), {"RayCluster": 1, "Deployment": 1, "StatefulSet": 1, "Service": 3, "Secret": 2,
-                          "PodDisruptionBudget": 3, "NetworkPolicy": 1}),
+                          "PodDisruptionBudget": 3, "NetworkPolicy": 1, "ConfigMap": 1}),
     (EXTERNAL_REDIS, {"RayCluster": 1, "Deployment": 1, "Service": 1, "Secret": 1, "PodDisruptionBudget": 3,
-                      "NetworkPolicy": 1}),
+                      "NetworkPolicy": 1, "ConfigMap": 1}),
     (OPTIONAL, {"RayCluster": 1, "Deployment": 1, "StatefulSet": 1, "Service": 3, "Ingress": 1,
-                "ServiceMonitor": 1, "PodDisruptionBudget": 3, "NetworkPolicy": 1}),
+                "ServiceMonitor": 1, "PodDisruptionBudget": 3, "NetworkPolicy": 1, "ConfigMap": 1}),
 ], ids=["defaults", "cpu", "external-redis", "all-options"])
 def test_every_rendered_object_validates(extra: tuple[str, ...], kinds: dict[str, int]) -> None:
     objects = list(default_objects()) if not extra else render(*extra)
     if list((CHART / "dashboards").glob("*.json")):  # the Grafana dashboard, once the chart has one
-        kinds = {**kinds, "ConfigMap": 1}
+        kinds = {**kinds, "ConfigMap": kinds["ConfigMap"] + 1}  # beside the replicas file
     assert validate_objects(objects) == kinds
 
 
@@ -77,7 +78,7 @@ def test_in_chart_redis_url_carries_the_password_from_its_secret(monkeypatch: py
     objs = defaults()
     env = control_plane_env(objs)
     assert env["EPD_CHART_REDIS_PASSWORD"] == {"secretKeyRef": {"name": "t-epd-redis", "key": "redis-password"}}
-    assert settings_from_env(env, monkeypatch).redis.url == "redis://:pw@t-epd-redis.epd.svc:6379/0"
+    assert settings_from_env(env, monkeypatch, objs).redis.url == "redis://:pw@t-epd-redis.epd.svc:6379/0"
     redis = find(objs, "StatefulSet")["spec"]
     assert redis["volumeClaimTemplates"][0]["spec"]["resources"]["requests"]["storage"] == "8Gi"
     assert "$(REDIS_PASSWORD)" in redis["template"]["spec"]["containers"][0]["args"]
@@ -89,7 +90,10 @@ def test_dashboard_configmap_only_when_the_file_exists(tmp_path: Path) -> None:
     chart = tmp_path / "epd"
     shutil.copytree(CHART, chart)
     shutil.rmtree(chart / "dashboards", ignore_errors=True)
-    assert not [o for o in render(chart=chart) if o["kind"] == "ConfigMap"]
+    def dashboards(objs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return [o for o in objs if o["kind"] == "ConfigMap" and o["metadata"]["name"].endswith("-dashboard")]
+
+    assert not dashboards(render(chart=chart))
     (chart / "dashboards").mkdir()
     board = {"title": "epd", "panels": [{"type": "timeseries", "title": "TTFT"}]}
     (chart / "dashboards" / "epd.json").write_text(json.dumps(board, indent=2))
@@ -98,4 +102,4 @@ def test_dashboard_configmap_only_when_the_file_exists(tmp_path: Path) -> None:
     assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
     assert json.loads(cm["data"]["epd.json"]) == board
     validate_objects([cm])
-    assert not [o for o in render("--set", "grafana.dashboard.enabled=false", chart=chart) if o["kind"] == "ConfigMap"]
+    assert not dashboards(render("--set", "grafana.dashboard.enabled=false", chart=chart))

@@ -36,7 +36,7 @@ def test_the_ops_token_reaches_the_control_plane_and_prometheus_from_the_auth_se
     assert env["EPD_API__OPS_TOKEN"] == {"secretKeyRef": {"name": "t-epd-auth", "key": "ops-token"}}
     auth = find(objs, "ServiceMonitor")["spec"]["endpoints"][0]["authorization"]
     assert auth == {"type": "Bearer", "credentials": {"name": "t-epd-auth", "key": "ops-token"}}
-    settings = settings_from_env(env, monkeypatch)  # the secretKeyRef resolved to a stand-in token
+    settings = settings_from_env(env, monkeypatch, objs)  # the secretKeyRef resolved to a stand-in token
     assert settings.api.ops_token is not None and settings.api.ops_token.get_secret_value() == "o" * 32
 
 

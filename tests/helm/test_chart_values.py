@@ -26,6 +26,7 @@ from chart_tools import (
     find,
     group_env,
     render,
+    replica_counts,
     settings_from_env,
     worker_groups,
 )
@@ -46,7 +47,7 @@ def test_a_set_value_reaches_only_its_pools_pods(pool: str, monkeypatch: pytest.
             assert not [n for n in env if n.startswith(f"EPD_{pool.upper()}__")], f"{pool}'s settings leak into {other}"
     cp = control_plane_env(objs)
     assert cp[var] == "1073741824"
-    loaded = settings_from_env(cp, monkeypatch)  # the control plane hands this to the pool's actors
+    loaded = settings_from_env(cp, monkeypatch, objs)  # the control plane hands this to the pool's actors
     assert loaded.pool(pool).engine.kv_cache_bytes == 1073741824 and loaded.pool(pool).engine.threads == 3
     others = [p for p in POOLS if p != pool]
     assert all(loaded.pool(p).engine.threads is None for p in others)
@@ -59,7 +60,7 @@ def test_section_settings_reach_the_control_plane_and_no_worker_group(monkeypatc
     assert cp["EPD_TRANSFER__CODEC_POLICY"] == "int4,0=bf16,-1=bf16" and cp["EPD_SCHEDULER__QUEUE_SIZE"] == "17"
     for pool in POOLS:
         assert not [n for n in group_env(objs, pool) if n.startswith(("EPD_TRANSFER", "EPD_SCHEDULER"))]
-    s = settings_from_env(cp, monkeypatch)
+    s = settings_from_env(cp, monkeypatch, objs)
     assert s.transfer.codec_policy == "int4,0=bf16,-1=bf16" and s.scheduler.queue_size == 17
 
 
@@ -107,6 +108,9 @@ def test_every_settings_leaf_becomes_its_env_var(values_file: str | None, monkey
     objs = render("-f", values_file) if values_file else defaults()
     cp = control_plane_env(objs)
     expected = _leaves(values, "EPD")
+    counts = {pool: expected.pop(f"EPD_{pool.upper()}__REPLICAS") for pool in POOLS}
+    assert replica_counts(objs) == counts  # replica counts travel in the replicas file, not as variables
+    assert not [n for n in cp if n.endswith("__REPLICAS")]
     for name, value in expected.items():
         rendered = cp.get(name)
         assert rendered is not None, f"{name} missing from the control plane"
@@ -117,9 +121,10 @@ def test_every_settings_leaf_becomes_its_env_var(values_file: str | None, monkey
             assert rendered == value, name
         else:  # numbers, booleans, lists and dicts travel as JSON
             assert json.loads(rendered) == value, name
-    loaded = settings_from_env(cp, monkeypatch)
+    loaded = settings_from_env(cp, monkeypatch, objs)
     assert loaded.decode.engine.kv_cache_bytes == values["decode"]["engine"]["kv_cache_bytes"]
     assert loaded.transfer.codec_policy == values["transfer"]["codec_policy"]
+    assert {pool: loaded.pool(pool).replicas for pool in POOLS} == counts
 
 
 def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
@@ -145,24 +150,27 @@ def test_each_group_advertises_the_resource_its_pool_asks_for() -> None:
     assert ports["client"] == 10001
 
 
-def test_scaling_one_pool_changes_only_that_group() -> None:
-    before, after = defaults(), render("--set", "settings.decode.replicas=3")
+@pytest.mark.parametrize("args", [(), ("--set-json", "settings.decode.num_gpus=0.5")])
+def test_scaling_one_pool_changes_its_group_and_the_replicas_file_only(args: tuple[str, ...],
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A replica count reaches the control plane through the replicas file, so a helm upgrade that changes only
+    a count rolls no pod: the Deployment (env, probe, checksums) and every group's pod template stay as they
+    were, replicas sharing a GPU included (their start budget follows maxReplicas)."""
+    before, after = render(*args), render(*args, "--set", "settings.decode.replicas=3")
     g0, g1 = worker_groups(before), worker_groups(after)
     assert g1["decode"]["replicas"] == 3 and g0["decode"]["replicas"] == 1
-    assert g1["decode"]["template"] == _with_env(g0["decode"]["template"], "EPD_DECODE__REPLICAS", "3")
+    assert g1["decode"] == {**g0["decode"], "replicas": 3}
     for pool in ("encode", "prefill"):
         assert g1[pool] == g0[pool]
-    assert control_plane_env(after)["EPD_DECODE__REPLICAS"] == "3"
-    untouched = [o for o in before if o["kind"] not in ("RayCluster", "Deployment", "Secret")]
-    assert untouched == [o for o in after if o["kind"] not in ("RayCluster", "Deployment", "Secret")]
-
-
-def _with_env(template: dict[str, Any], name: str, value: str) -> dict[str, Any]:
-    t = copy.deepcopy(template)
-    for e in t["spec"]["containers"][0]["env"]:
-        if e["name"] == name:
-            e["value"] = value
-    return t
+    assert replica_counts(before) == {"encode": 0, "prefill": 1, "decode": 1}
+    assert replica_counts(after) == {"encode": 0, "prefill": 1, "decode": 3}
+    assert find(after, "Deployment", "-controlplane") == find(before, "Deployment", "-controlplane")
+    loaded = settings_from_env(control_plane_env(after), monkeypatch, after)  # epd serve in the pod reads the file
+    assert (loaded.prefill.replicas, loaded.decode.replicas) == (1, 3)
+    changed = {"RayCluster", "Secret", "ConfigMap"}  # Secrets: generated anew by each render
+    assert [o for o in before if o["kind"] not in changed] == [o for o in after if o["kind"] not in changed]
+    maps = [o["metadata"]["name"] for o, p in zip(before, after) if o["kind"] == "ConfigMap" and o != p]
+    assert maps == ["t-epd-replicas"]
 
 
 def test_pool_placement_values_reach_their_group_only() -> None:
@@ -226,8 +234,9 @@ def test_colocated_runs_the_decode_group_only(monkeypatch: pytest.MonkeyPatch) -
     assert set(worker_groups(objs)) == {"decode"}
     assert [o["metadata"]["name"] for o in objs if o["kind"] == "PodDisruptionBudget"] == ["t-epd-decode"]
     cp = control_plane_env(objs)
-    assert "EPD_ENCODE__REPLICAS" not in cp and "EPD_PREFILL__REPLICAS" not in cp
-    s = settings_from_env(cp, monkeypatch)  # the model refuses encode/prefill replicas in colocated mode
+    assert not [n for n in cp if n.endswith("__REPLICAS")]  # counts come from the replicas file
+    assert replica_counts(objs) == {"decode": 1}
+    s = settings_from_env(cp, monkeypatch, objs)  # the model refuses encode/prefill replicas in colocated mode
     assert s.mode == "colocated" and s.decode.replicas == 1 and s.encode.replicas == 0
 
 

@@ -126,8 +126,8 @@ def test_secrets_are_masked_in_the_effective_settings():
 
 def test_json_schema_covers_every_section_with_constraints():
     schema = Settings.model_json_schema()
-    assert set(schema["properties"]) == {"model", "mode", "encode", "prefill", "decode", "transfer", "scheduler",
-                                         "api", "redis", "ray", "observability"}
+    assert set(schema["properties"]) == {"model", "mode", "encode", "prefill", "decode", "replicas_file", "transfer",
+                                         "scheduler", "api", "redis", "ray", "observability"}
     pool = schema["$defs"]["PoolSettings"]["properties"]["replicas"]
     assert pool["minimum"] == 0 and pool["maximum"] == 1000
     assert schema["$defs"]["TransferSettings"]["additionalProperties"] is False

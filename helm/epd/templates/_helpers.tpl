@@ -111,14 +111,33 @@ tests/helm checks this list against the model. Args: dict "prefix" "EPD" "values
 {{- end }}
 {{- end -}}
 
-{{/* Every EPD_* variable of `settings:` as the control plane reads them (pools with their Ray resource). */}}
+{{/*
+Every EPD_* variable of `settings:` as the control plane reads them (pools with their Ray resource), except
+the replica counts: those reach it through the replicas file (epd.replicaCounts), so that scaling a pool
+changes no variable and restarts no pod.
+*/}}
 {{- define "epd.controlPlaneSettingsEnv" -}}
 {{- $s := deepCopy .Values.settings -}}
 {{- range $p := list "encode" "prefill" "decode" }}
-{{- $_ := set $s $p (include "epd.poolSettings" (dict "root" $ "pool" $p) | fromJson) }}
+{{- $_ := set $s $p (omit (include "epd.poolSettings" (dict "root" $ "pool" $p) | fromJson) "replicas") }}
 {{- end }}
 {{- include "epd.settingsEnv" (dict "prefix" "EPD" "values" $s) }}
 {{- end -}}
+
+{{/*
+The replicas file (controlplane/replicas_file.py): each running pool's replica count as JSON, the same count
+its worker group runs as pods. The control plane reads it at start and applies a change while it serves.
+*/}}
+{{- define "epd.replicaCounts" -}}
+{{- $counts := dict -}}
+{{- range $p := include "epd.pools" . | fromJsonArray }}
+{{- $s := include "epd.poolSettings" (dict "root" $ "pool" $p) | fromJson }}
+{{- $_ := set $counts $p (int64 $s.replicas) }}
+{{- end }}
+{{- toJson $counts -}}
+{{- end -}}
+{{- define "epd.replicasConfigMap" -}}{{ include "epd.fullname" . }}-replicas{{- end -}}
+{{- define "epd.replicasDir" -}}/etc/epd/replicas{{- end -}}
 
 {{/* Volumes every epd pod shares: the model folder (when given) and the mTLS material (when given). */}}
 {{- define "epd.sharedVolumes" -}}
@@ -155,7 +174,10 @@ tests/helm checks this list against the model. Args: dict "prefix" "EPD" "values
 The control plane's startup probe: controlPlane.startupProbe, with failureThreshold raised where needed so
 the probe outlasts the first start. `epd serve` opens the API after starting the pools one after another,
 each allowed settings.ray.replica_start_timeout_s, so a probe shorter than that would kill a start that
-is still within its time.
+is still within its time. A pool that runs replicas counts one start (its replicas start together), or
+pools.<pool>.maxReplicas starts where they share a GPU (they start one after another). Never the replica
+count itself: the probe is part of the pod, so a count changed by helm upgrade would restart it, and every
+pool with it. Only a pool going to or from 0 replicas changes the probe.
 */}}
 {{- define "epd.startupProbe" -}}
 {{- $probe := deepCopy .Values.controlPlane.startupProbe -}}
@@ -164,12 +186,11 @@ is still within its time.
 {{- $starting := 0 -}}
 {{- range $p := include "epd.pools" . | fromJsonArray -}}
 {{- $ps := get $.Values.settings $p | default dict -}}
-{{- $n := int64 ($ps.replicas | default 0) -}}
-{{- if gt $n 0 -}}
+{{- if gt (int64 ($ps.replicas | default 0)) 0 -}}
 {{- $gpus := float64 ($ps.num_gpus | default 0) -}}
 {{- $cuda := hasPrefix "cuda" (toString (($ps.engine | default dict).device | default "cpu")) -}}
 {{- if or (and (gt $gpus 0.0) (lt $gpus 1.0)) (and (eq $gpus 0.0) $cuda) -}}
-{{- $starting = add $starting $n -}}{{/* replicas sharing a GPU start one after another */}}
+{{- $starting = add $starting (int64 (get $.Values.pools $p).maxReplicas) -}}{{/* sharing a GPU: one after another */}}
 {{- else -}}
 {{- $starting = add1 $starting -}}
 {{- end -}}

@@ -72,12 +72,14 @@ class WorkerRequest:
 
 class DispatchError(Exception):
     """A stage failed with ``code``. ``lost``: addresses of the workers that died or hung under it.
-    ``refused``: addresses of live workers that refused the call because they drain (try another)."""
+    ``refused``: addresses of live workers that refused the call because they drain (try another).
+    ``mark``: what the worker said the call failed on (``workers.tracing``: ``EXCEEDS_CONTEXT``, ...), if it did."""
 
     def __init__(self, stage: str, code: grpc.StatusCode, message: str, lost: tuple[str, ...] = (),
-                 refused: tuple[str, ...] = ()) -> None:
+                 refused: tuple[str, ...] = (), mark: str | None = None) -> None:
         super().__init__(f"{stage}: {message}")
         self.stage, self.code, self.message, self.lost, self.refused = stage, code, message, lost, refused
+        self.mark = mark
 
 
 _BROKEN = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN)
@@ -103,9 +105,10 @@ def _error(stage: str, exc: BaseException | None, target: str | None) -> Dispatc
     """The stage's failure as a DispatchError; ``exc`` is a call's RpcError, or what a stage's future raised."""
     if not isinstance(exc, grpc.RpcError):  # not a call's failure: nothing says the worker was lost
         return DispatchError(stage, grpc.StatusCode.UNKNOWN, f"{type(exc).__name__}: {exc}")
+    mark = _mark(exc)
     lost = (target,) if target is not None and _broke(exc) else ()
-    refused = (target,) if target is not None and _mark(exc) == DRAINING_REFUSAL else ()
-    return DispatchError(stage, exc.code(), exc.details() or exc.code().name, lost, refused)
+    refused = (target,) if target is not None and mark == DRAINING_REFUSAL else ()
+    return DispatchError(stage, exc.code(), exc.details() or exc.code().name, lost, refused, mark)
 
 
 class Dispatcher:

@@ -11,7 +11,7 @@ import uuid
 from collections.abc import Iterator
 from concurrent import futures
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, NoReturn, Protocol
 
 import grpc
 
@@ -25,6 +25,7 @@ from workers.runtime.errors import (
     InvalidImageError,
     InvalidRequestError,
     PromptTooLongError,
+    RequestTooLargeError,
 )
 from workers.runtime.sampler import SamplingParams
 
@@ -133,6 +134,17 @@ def sampling_to_proto(s: SamplingParams) -> wpb.SamplingParams:
     return msg
 
 
+def abort_for(context: grpc.ServicerContext, exc: EngineError, message: str | None = None) -> NoReturn:
+    """End the call with ``exc``'s status and ``message`` (default: ``exc``'s text). A request that does not
+    fit this worker's context or KV pool is marked so (``EXCEEDS_CONTEXT``): a request moved here after
+    tokens were sent, that asked for as many tokens as fit, then ends with finish_reason "length"."""
+    if isinstance(exc, (PromptTooLongError, RequestTooLargeError)):
+        from workers.tracing import EXCEEDS_CONTEXT, mark_failure
+        mark_failure(context, EXCEEDS_CONTEXT)
+    context.abort(status_code_for(exc), message if message is not None else str(exc))
+    raise AssertionError("context.abort returned")  # grpc's abort raises; a stand-in context may not
+
+
 def status_code_for(exc: EngineError) -> grpc.StatusCode:
     if isinstance(exc, CapacityError):
         return grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -191,7 +203,9 @@ def stream_tokens(loop: EngineLoop, request_id: str, q: queue.Queue, prompt_toke
         item = q.get()
         if isinstance(item, LoopFailure):
             finished.set()
-            context.abort(status_code_for(item.error) if item.error else grpc.StatusCode.INTERNAL, item.message)
+            if item.error:
+                abort_for(context, item.error, item.message)
+            context.abort(grpc.StatusCode.INTERNAL, item.message)
         chunk = wpb.TokenChunk(token_ids=list(item.new_token_ids), text=item.text, finished=item.finished,
                                prompt_tokens=prompt_tokens, completion_tokens=item.num_output_tokens)
         if item.finished:

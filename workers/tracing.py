@@ -180,6 +180,7 @@ def end_child(span: trace.Span | None, error: str | None = None,
 FAILURE_KEY = "epd-failure"  # trailing metadata naming what failed, e.g. "kv-transfer"
 KV_TRANSFER_FAILURE = "kv-transfer"
 DRAINING_REFUSAL = "draining"  # the worker is alive and refused new work (epd drain)
+EXCEEDS_CONTEXT = "exceeds-context"  # the request does not fit this worker's context or KV pool
 
 
 def mark_failure(context: grpc.ServicerContext, what: str) -> None:

@@ -84,6 +84,14 @@ class Progress:
             self._detok = IncrementalDetokenizer.resume(self.tokenizer, self.request.params.stop,
                                                         self.request.prompt_ids, self.token_ids, self.text_chars)
 
+    def end(self, reason: str) -> Chunk:
+        """The stream's last chunk when no worker can carry it on (finish_reason ``reason``): the text the
+        relay held back across a seam (a possible stop string's start, a partial character), then the end."""
+        text = self._detok.flush() if self._detok is not None and not self._detok.stopped else ""
+        self.text_chars += len(text)
+        self.finished = True
+        return Chunk((), text, True, reason, len(self.request.prompt_ids), len(self.token_ids))
+
     def accept(self, c: wpb.TokenChunk) -> Chunk | None:
         """The client's chunk for worker chunk ``c``; None when it carries nothing new."""
         ids = list(c.token_ids)

@@ -38,6 +38,7 @@ from controlplane.scheduler.worker_view import WorkerView
 from controlplane.settings import SchedulerSettings
 from controlplane.state.errors import StateError
 from controlplane.state.journal import BackgroundJournal, RequestJournal, RequestState
+from workers.tracing import EXCEEDS_CONTEXT
 
 __all__ = ["Scheduler", "WorkerView"]
 
@@ -59,6 +60,16 @@ class _Refused(Exception):
     def __init__(self, error: DispatchError, selection: Selection) -> None:
         super().__init__(str(error))
         self.workers = selection.ids(error.refused)
+
+
+class _ContextFull(Exception):
+    """A moved request that asked for as many tokens as fit (``to_context``) fits no more on the worker it
+    moved to (a smaller KV pool than the one it left): the tokens sent are all there is room for, so it
+    finishes with finish_reason "length" rather than an error after its 200."""
+
+
+def _context_full(exc: DispatchError, request: WorkerRequest, moved: bool) -> bool:
+    return moved and request.params.to_context and exc.mark == EXCEEDS_CONTEXT
 
 
 class Scheduler:
@@ -147,6 +158,12 @@ class Scheduler:
                         wait_from = time.monotonic()
                     except _Refused as exc:  # refused at its start, nothing streamed: the next route, no move
                         lost.update(exc.workers)
+                    except _ContextFull as exc:
+                        log.info("request %s ends after %d tokens, finish_reason length: %s", rid,
+                                 len(progress.token_ids), exc)
+                        self._record(rid, RequestState.FINISHED, f"length: no room after the move: {exc}")
+                        yield progress.end("length")
+                        return
             except BackendError as exc:  # refused before streaming (no replica, Redis away): say so in the journal
                 if exc.status == 503:
                     self._record(rid, RequestState.FAILED, str(exc))
@@ -214,6 +231,8 @@ class Scheduler:
                         break
                     if v is Verdict.LOST:
                         raise _Lost(exc, selection) from None
+                    if _context_full(exc, request, streamed):
+                        raise _ContextFull(str(exc)) from None
                     self._record(rid, RequestState.FAILED, f"{exc.stage}: {exc.message}")
                     raise backend_error(exc) from None
                 except BaseException as exc:  # a bug or an interrupt: the attempt gave its counts back

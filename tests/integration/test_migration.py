@@ -5,6 +5,7 @@ candidate down, the request ends in a retriable 503 that names the cause."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import secrets
 import signal
@@ -65,10 +66,10 @@ class Proc:
             channel.close()
 
 
-def _spawn(ckpt: Path, pools: list[str], colocated: bool = False) -> list[Proc]:
+def _spawn(ckpt: Path, pools: list[str], colocated: bool = False, kv_bytes: int | None = None) -> list[Proc]:
     """Start the workers at once (each loads the model in its own process)."""
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])}
-    extra = ["colocated"] if colocated else []
+    extra = (["colocated"] if colocated else []) + ([f"kv={kv_bytes}"] if kv_bytes is not None else [])
     popens = [subprocess.Popen([sys.executable, str(SCRIPT), pool, str(ckpt), TOKEN, *extra],
                                stdout=subprocess.PIPE, text=True, env=env) for pool in pools]
     procs = []
@@ -80,17 +81,24 @@ def _spawn(ckpt: Path, pools: list[str], colocated: bool = False) -> list[Proc]:
     return procs
 
 
+def _enlist(registry: WorkerRegistry, p: Proc) -> None:
+    registry.register(WorkerInfo(p.worker_id, p.pool, p.address,  # type: ignore[arg-type]  # pool names as str
+                                 load=WorkerLoad(free_kv_blocks=100, total_kv_blocks=100)))
+
+
 @pytest.fixture
 def cluster(default_ckpt, state_conn) -> Iterator[tuple[WorkerRegistry, list[Proc]]]:  # noqa: F811
     registry = WorkerRegistry(state_conn, ttl=60)
     procs: list[Proc] = []
 
-    def start(pools: list[str], colocated: bool = False) -> list[Proc]:
-        new = _spawn(default_ckpt, pools, colocated)
+    def start(pools: list[str], colocated: bool = False, kv_bytes: int | None = None,
+              routable: bool = True) -> list[Proc]:
+        """``routable=False``: started but not registered yet (``_enlist`` it later)."""
+        new = _spawn(default_ckpt, pools, colocated, kv_bytes)
         procs.extend(new)
         for p in new:
-            registry.register(WorkerInfo(p.worker_id, p.pool, p.address,  # type: ignore[arg-type]  # pool names as str
-                                         load=WorkerLoad(free_kv_blocks=100, total_kv_blocks=100)))
+            if routable:
+                _enlist(registry, p)
         return new
 
     yield registry, start  # type: ignore[misc]  # a generator fixture; mypy cannot see pytest's protocol
@@ -269,6 +277,61 @@ def test_colocated_worker_killed_mid_stream(default_bundle, cluster, state_conn)
     assert not errors and out == refs
     assert _migrated(state_conn, reqs) >= 1
     _all_free(procs)
+
+
+@pytest.mark.parametrize("colocated", [False, True], ids=["disaggregated", "colocated"])
+def test_a_request_for_as_many_tokens_as_fit_moved_to_a_smaller_pool_finishes_length(
+        default_bundle, cluster, state_conn, colocated):  # noqa: F811
+    """No max_tokens (``to_context``): the request runs as far as its decode worker's KV pool holds. When that
+    worker dies after more tokens than the replacement's pool holds, the stream ends with what it has and
+    finish_reason "length", not with an error after its 200; the small worker holds nothing afterwards."""
+    registry, start = cluster
+    procs = start(["decode"] if colocated else ["prefill", "decode"], colocated=colocated)
+    small = start(["decode"], colocated=colocated, kv_bytes=8 * _bytes_per_block(default_bundle),  # 128 tokens
+                  routable=False)[0]
+    assert small.status().kv_blocks_total == 8
+    scheduler = _scheduler(default_bundle, registry, state_conn, colocated=colocated)
+    greq = GenerateRequest(messages=[{"role": "user", "content": "Tell me about serving systems."}],
+                           params=SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+    ids, _ = build_prompt(default_bundle, greq)
+    limit = default_bundle.config.max_position_embeddings
+    request = WorkerRequest(f"ctx-{secrets.token_hex(4)}", ids, SamplingParams(
+        max_tokens=limit - len(ids), temperature=0.0, ignore_eos=True, to_context=True))
+    chunks: list = []
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            chunks.extend(scheduler.generate(request))
+        except BaseException as exc:  # the assertion below names it
+            errors.append(exc)
+    thread = threading.Thread(target=run)
+    thread.start()
+    end = time.monotonic() + 60
+    while sum(len(c.token_ids) for c in chunks) < 128 - len(ids) + 8:  # past what the small pool holds
+        assert time.monotonic() < end and thread.is_alive(), f"no progress: {errors}"
+        time.sleep(0.005)
+    _enlist(registry, small)
+    os.kill(procs[-1].popen.pid, signal.SIGSTOP)  # freeze it mid-stream, then kill it
+    procs[-1].kill()
+    thread.join(60)
+    assert not thread.is_alive() and not errors, errors
+    tokens = [t for c in chunks for t in c.token_ids]
+    assert chunks[-1].finished and chunks[-1].finish_reason == "length"
+    assert chunks[-1].completion_tokens == len(tokens) > 128 - len(ids)
+    ref = generate(default_bundle, [dataclasses.replace(greq, params=SamplingParams(
+        max_tokens=len(tokens), temperature=0.0, ignore_eos=True))])[0]
+    assert tokens == ref.token_ids
+    assert "".join(c.text for c in chunks) == ref.text
+    states = [e.state for e in RequestJournal(state_conn).history(request.request_id)]
+    assert RequestState.MIGRATING in states and states[-1] is RequestState.FINISHED
+    _all_free([*procs[:-1], small])
+
+
+def _bytes_per_block(bundle) -> int:
+    from workers.runtime.engine import Engine, EngineConfig
+    engine = Engine(bundle.model, None, EngineConfig(kv_cache_bytes=64 * 2**20))
+    return 64 * 2**20 // engine.cache.num_blocks
 
 
 def test_past_the_migration_limit_a_retriable_error_names_the_cause(default_bundle, cluster, state_conn):  # noqa: F811

@@ -33,9 +33,9 @@ from workers.runtime.vision import encode_images, preprocess_images
 from workers.service_base import (
     Drainable,
     WorkerIdentity,
+    abort_for,
     request_id_of,
     sampling_from_proto,
-    status_code_for,
     stream_tokens,
     timeout_of,
 )
@@ -71,7 +71,7 @@ class ColocatedService(Drainable, wgrpc.DecodeWorkerServicer):
                 self.engine.check_request(prompt, params, mm)
             q = self.loop.submit(rid, prompt, params, mm)
         except EngineError as exc:
-            context.abort(status_code_for(exc), str(exc))
+            abort_for(context, exc)
         yield from stream_tokens(self.loop, rid, q, len(prompt), context, whole=True)
 
     def _embed(self, images: list[bytes], positions: tuple[int, ...]) -> MultimodalInput | None:

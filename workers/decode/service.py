@@ -38,9 +38,9 @@ from workers.runtime.sampler import SamplingParams
 from workers.service_base import (
     Drainable,
     WorkerIdentity,
+    abort_for,
     request_id_of,
     sampling_from_proto,
-    status_code_for,
     stream_tokens,
     timeout_of,
 )
@@ -99,7 +99,7 @@ class DecodeService(Drainable, wgrpc.DecodeWorkerServicer):
             self.engine.check_request(prompt, params)
             reservation = self.engine.reserve(rid, len(prompt))
         except EngineError as exc:
-            context.abort(status_code_for(exc), str(exc))
+            abort_for(context, exc)
         pending = _Pending(reservation, prompt, params, time.monotonic() + 2 * timeout)
         with self._lock:
             self._pending[rid] = pending
@@ -142,7 +142,7 @@ class DecodeService(Drainable, wgrpc.DecodeWorkerServicer):
         try:
             q = self.loop.adopt(pending.reservation, pending.prompt, outcome.first_token, pending.params)
         except EngineError as exc:
-            context.abort(status_code_for(exc), str(exc))
+            abort_for(context, exc)
         yield from stream_tokens(self.loop, rid, q, len(pending.prompt), context)
 
     def Holds(self, request: wpb.HoldsRequest, context: grpc.ServicerContext) -> wpb.HoldsReply:

@@ -37,9 +37,9 @@ from workers.runtime.sequence import MultimodalInput
 from workers.service_base import (
     Drainable,
     WorkerIdentity,
+    abort_for,
     request_id_of,
     sampling_from_proto,
-    status_code_for,
     timeout_of,
 )
 from workers.tracing import child_span, end_child, mark_kv_failure
@@ -87,7 +87,7 @@ class PrefillService(Drainable, wgrpc.PrefillWorkerServicer):
             if not request.complete and not request.kv_target:
                 raise InvalidRequestError("kv_target (the decode worker that reserved the KV) is required")
         except EngineError as exc:
-            context.abort(status_code_for(exc), str(exc))
+            abort_for(context, exc)
         with self._inflight_lock:  # a second call with a live request's id must not touch the first
             duplicate = rid in self._inflight
             self._inflight.add(rid)
@@ -139,7 +139,7 @@ class PrefillService(Drainable, wgrpc.PrefillWorkerServicer):
         except EngineError as exc:
             self._abort(rid, str(exc))
             kv_error = str(exc)
-            context.abort(status_code_for(exc), str(exc))
+            abort_for(context, exc)
         except TransferFailed as exc:
             self._abort(rid, exc.message)
             kv_error = exc.message
@@ -195,12 +195,14 @@ class PrefillService(Drainable, wgrpc.PrefillWorkerServicer):
             self.loop.run_here(rid)  # an idle engine steps it on this thread: no hand-off to the loop and back
             item = q.get(timeout=timeout)
         except EngineError as exc:
-            context.abort(status_code_for(exc), str(exc))
+            abort_for(context, exc)
         except queue.Empty:
             self._abort(rid, "prefill timed out")
             context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"prefill of {rid!r} did not finish in {timeout} s")
         if isinstance(item, LoopFailure):
-            context.abort(status_code_for(item.error) if item.error else grpc.StatusCode.INTERNAL, item.message)
+            if item.error:
+                abort_for(context, item.error, item.message)
+            context.abort(grpc.StatusCode.INTERNAL, item.message)
         if not item.new_token_ids:  # aborted before its token
             context.abort(grpc.StatusCode.CANCELLED, f"prefill of {rid!r} was aborted")
         return wpb.PrefillReply(first_token=item.new_token_ids[0], text=item.text,

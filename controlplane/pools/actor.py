@@ -19,6 +19,7 @@ Lifecycle of one replica (``ReplicaState``):
 from __future__ import annotations
 
 import enum
+import hashlib
 import logging
 import os
 import threading
@@ -32,6 +33,16 @@ log = logging.getLogger(__name__)
 
 STATUS_POLL_S = 0.05
 STOP_GRACE_S = 5.0
+
+
+def launch_key(pool: str, model_dir: str, settings_json: str, token: str, redis_url: str, redis_prefix: str) -> str:
+    """What a replica was started with, as one digest (the token and URL never appear in it): a pool manager
+    adopts a running replica only when its own key for that pool is the same (``PoolManager.start``)."""
+    h = hashlib.sha256()
+    for part in (pool, model_dir, settings_json, token, redis_url, redis_prefix):
+        h.update(part.encode())
+        h.update(b"\0")
+    return h.hexdigest()
 
 
 class ReplicaState(enum.StrEnum):
@@ -56,6 +67,8 @@ class WorkerActor:
 
         self.state = ReplicaState.STARTING
         self.index = index
+        self.launch = launch_key(pool, model_dir, settings_json, token, redis_url, redis_prefix)
+        self.redis_prefix = redis_prefix
         self.starting_at = time.time()  # wall clock: when this replica began loading, and when it served
         settings = Settings.model_validate_json(settings_json)  # no env or file sources: exactly the driver's
         security = replica.security_for(settings, token)
@@ -95,7 +108,7 @@ class WorkerActor:
     def info(self) -> dict:
         return {"worker_id": self.worker.identity.worker_id, "pool": self.worker.pool,
                 "address": self.worker.address, "index": self.index, "starting_at": self.starting_at,
-                "serving_at": self.serving_at}
+                "serving_at": self.serving_at, "launch": self.launch, "redis_prefix": self.redis_prefix}
 
     def pid(self) -> int:
         return os.getpid()

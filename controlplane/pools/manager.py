@@ -1,15 +1,23 @@
 """Runs the encode, prefill and decode pools as Ray actors and keeps each at its target in Redis.
 
 Lifecycle of a manager:
-  1. ``start()``     Ray (``RayRuntime``), each pool's target set from settings (an ``epd scale`` made since
-                     the last start with the same settings is kept), every pool reconciled,
-                     then the reconcile loop thread started.
+  1. ``start()``     Ray (``RayRuntime``); on a cluster joined at an address, the replicas a previous manager
+                     of this deployment left running are adopted (``_adopt``); each pool's target set from
+                     settings (an ``epd scale`` made since the last start with the same settings is kept),
+                     every pool reconciled, then the reconcile loop thread started.
   2. running         ``scale(pool, n)`` writes the target and reconciles that pool now. The loop, every
                      ``reconcile_interval_s``, reconciles each pool whose lock is free: it reads the target
                      from Redis (so ``epd scale`` in another process, which only writes the target, takes
                      effect) and replaces replicas that died.
-  3. ``stop()``      the loop ends, every actor this manager started is stopped and killed, Ray is shut
+  3. ``stop()``      the loop ends, every actor this manager holds is stopped and killed, Ray is shut
                      down if ``start`` initialised it. Idempotent.
+
+Surviving the manager: on a cluster joined at an address (Kubernetes), replicas are detached Ray actors, so
+a manager that dies without ``stop()`` (OOM-killed, its node lost) leaves them serving their leases. The
+next manager with the same Redis prefix finds them by name and adopts each whose ``launch_key`` (pool,
+model, settings, token, Redis) equals its own: no model loads again. One started with anything else, or
+that does not answer, is stopped and killed. A private Ray (no address) dies with its manager, and its
+replicas stay ordinary actors.
 Listeners (``listen``) hear each replica's address when it starts serving and when it is gone for good
 (killed: dead, hung, scaled down or stopped; after its deregistration), so the dispatcher can drop what it
 holds for a worker that will not come back.
@@ -36,7 +44,7 @@ from typing import Any, Protocol
 import ray
 from ray.actor import ActorHandle
 
-from controlplane.pools.actor import WorkerActor
+from controlplane.pools.actor import WorkerActor, launch_key
 from controlplane.pools.pending import explain
 from controlplane.pools.ray_runtime import RayRuntime
 from controlplane.pools.status import PendingReplica, PoolStatus, ReplicaStatus, WorkerStartError
@@ -51,7 +59,11 @@ STOP_TIMEOUT_S = 30.0
 ACTOR_CONCURRENCY = 4  # watch() holds one thread; drain, status and stop need the others
 MAX_RETRY_DELAY_S = 30.0
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
-_SECRETS = {"transfer": {"token"}, "api": {"admin_token", "api_keys"}}
+_ACTOR_NAME = re.compile(r"(?P<prefix>.+)-(?P<pool>encode|prefill|decode)-[0-9a-f]{6}-[0-9]+")  # _start_wave's
+# Left out of the settings each replica gets: secrets never ride in Ray task args, and the replicas file is the
+# control plane's (its counts are applied already; the file is not mounted where replicas run).
+_NOT_FOR_REPLICAS: dict[str, Any] = {"transfer": {"token"}, "api": {"admin_token", "api_keys", "ops_token"},
+                                     "replicas_file": True}
 
 
 @dataclass(frozen=True)
@@ -99,8 +111,11 @@ class PoolManager:
         self.runtime = RayRuntime(ray_address if ray_address is not None else settings.ray.address,
                                   settings.ray.namespace, loopback_only=settings.ray.loopback_only)
         self._token = token
-        self._settings_json = settings.model_dump_json(exclude=_SECRETS)  # secrets never ride in Ray task args
+        self._settings_json = replica_settings_json(settings)
         self._model_dir = str(settings.model) if settings.model is not None else ""  # "": the actor resolves it
+        self._launch = {p: launch_key(p.value, self._model_dir, self._settings_json, token, redis_url, prefix)
+                        for p in Pool}
+        self._detached = self.runtime.address is not None  # a cluster that outlives this manager
         self._uid = uuid.uuid4().hex[:6]
         self._replicas: dict[Pool, list[Replica]] = {p: [] for p in Pool}
         self._locks = {p: threading.Lock() for p in Pool}
@@ -130,6 +145,8 @@ class PoolManager:
         try:
             self.runtime.start()
             self._remote_cls = ray.remote(WorkerActor)
+            if self._detached:
+                self._adopt()
             for pool in Pool:
                 self.targets.apply_configured(pool, self.settings.pool(pool.value).replicas)
             for pool in Pool:
@@ -141,8 +158,51 @@ class PoolManager:
         self._loop.start()
         return self
 
+    def _adopt(self) -> None:
+        """Take over the replicas of this deployment (named ``<prefix>-<pool>-...`` in the Ray namespace) that
+        a manager which died left running: each whose launch key is this manager's for its pool and that
+        holds its lease, as if this manager had started it; the others are stopped and killed."""
+        try:
+            names = sorted(ray.util.list_named_actors())
+        except Exception as exc:  # Ray's listing unavailable: start fresh replicas as before
+            log.warning("could not list the running replicas to adopt them: %s", exc)
+            return
+        for name in names:
+            m = _ACTOR_NAME.fullmatch(name)
+            if m is None or m["prefix"] != self.prefix:
+                continue
+            pool = Pool(m["pool"])
+            try:
+                actor = ray.get_actor(name, namespace=self.settings.ray.namespace)
+            except ValueError:  # gone since the listing
+                continue
+            try:
+                info = ray.get(actor.info.remote(), timeout=PROBE_TIMEOUT_S)
+            except Exception as exc:  # still starting when its manager died, or hung
+                log.warning("%s replica %s left by an earlier manager does not answer (%s); killing it",
+                            pool.value, name, type(exc).__name__)
+                _kill_quietly(actor)
+                continue
+            if info.get("redis_prefix") != self.prefix:
+                continue  # another deployment's, whose name only looks like ours
+            started = time.monotonic() - max(0.0, time.time() - float(info.get("serving_at", time.time())))
+            replica = Replica(pool, name, info["worker_id"], info["address"], actor, started, actor.watch.remote())
+            if info.get("launch") != self._launch[pool]:
+                log.info("%s replica %s (%s) was started with other settings, model or credentials; stopping it",
+                         pool.value, name, info["worker_id"])
+                self._stop_replicas([replica])
+            elif not self._answers(replica):
+                log.warning("%s replica %s (%s) holds no lease; killing it", pool.value, name, info["worker_id"])
+                self._kill(replica)
+            else:
+                self._replicas[pool].append(replica)
+                log.info("%s replica %s (%s) adopted, serving at %s", pool.value, name, info["worker_id"],
+                         info["address"])
+        for pool in Pool:
+            self._replicas[pool].sort(key=lambda r: r.started_at)
+
     def stop(self) -> None:
-        """Stop the loop and every actor this manager started (no drain), then Ray if we started it."""
+        """Stop the loop and every actor this manager holds (no drain), then Ray if we started it."""
         self._stop.set()
         if self._loop is not None:
             self._loop.join(STOP_TIMEOUT_S)
@@ -361,7 +421,7 @@ class PoolManager:
             name = f"{self.prefix}-{pool.value}-{self._uid}-{index}"
             actor = self._remote_cls.options(
                 name=name, namespace=self.settings.ray.namespace, max_concurrency=ACTOR_CONCURRENCY, max_restarts=0,
-                **placement_options(ps),
+                lifetime="detached" if self._detached else None, **placement_options(ps),
             ).remote(pool.value, self._model_dir, self._settings_json, self._token, self.redis_url,
                      self.prefix, index, host)
             pending.append((name, actor, actor.info.remote()))
@@ -469,6 +529,12 @@ def _kill_quietly(actor: ActorHandle) -> None:
         ray.kill(actor, no_restart=True)
     except Exception as exc:  # already gone
         log.debug("kill: %s", exc)
+
+
+def replica_settings_json(settings: Settings) -> str:
+    """The settings a replica is started with (``WorkerActor`` validates them again, on its own node): these,
+    without the secrets and without ``replicas_file``."""
+    return settings.model_dump_json(exclude=_NOT_FOR_REPLICAS)
 
 
 def placement_options(ps: PoolSettings) -> dict[str, Any]:

@@ -166,3 +166,19 @@ def test_the_watch_thread_applies_a_change_within_its_interval(state_conn: State
     path.write_text('{"prefill": 1, "decode": 4}')
     time.sleep(0.3)
     assert targets.get_target("decode") is None  # closed: no thread writes any more
+
+
+def test_replicas_get_the_counts_without_the_file_or_any_secret(tmp_path: Path) -> None:
+    """A replica validates its settings again where it runs, where the file is not mounted (a KubeRay worker
+    pod): the settings it gets carry the counts, not the file, and no secret."""
+    from controlplane.pools.manager import replica_settings_json
+
+    path = tmp_path / "replicas.json"
+    path.write_text('{"prefill": 2, "decode": 3}')
+    secrets = {"transfer": {"token": "t" * 32}, "api": {"admin_token": "a" * 32, "api_keys": ["k" * 20],
+                                                        "ops_token": "o" * 32}}
+    dumped = replica_settings_json(Settings.load(overrides={"replicas_file": str(path), **secrets}))
+    path.unlink()
+    again = Settings.model_validate_json(dumped)  # as WorkerActor does
+    assert again.replicas_file is None and (again.prefill.replicas, again.decode.replicas) == (2, 3)
+    assert not [s for s in ("t" * 32, "a" * 32, "k" * 20, "o" * 32) if s in dumped]

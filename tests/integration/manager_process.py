@@ -1,0 +1,34 @@
+"""A pool manager in its own process, for the adoption tests (they SIGKILL it, as an OOM kill would):
+``python manager_process.py RAY_ADDRESS REDIS_URL PREFIX TOKEN SETTINGS_JSON``. After ``start()`` it prints
+one JSON line, pool -> [[worker_id, actor pid], ...], then stops cleanly when a line arrives on stdin."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from controlplane.ray_env import loopback_environment
+
+loopback_environment(False, True)  # before Ray is imported: this driver's node address is 127.0.0.1
+
+import ray  # noqa: E402
+
+from controlplane.pools import PoolManager  # noqa: E402
+from controlplane.settings import Settings  # noqa: E402
+from controlplane.state import Pool  # noqa: E402
+
+
+def main() -> None:
+    address, redis_url, prefix, token, settings_json = sys.argv[1:6]
+    manager = PoolManager(Settings.model_validate_json(settings_json), redis_url, prefix, token, address,
+                          reconcile_interval_s=0.2).start()
+    held = {p.value: [[r.worker_id, ray.get(r.actor.pid.remote(), timeout=30)] for r in manager.replicas(p)]
+            for p in Pool}
+    print(json.dumps(held), flush=True)
+    sys.stdin.readline()
+    manager.stop()
+    print("stopped", flush=True)
+
+
+if __name__ == "__main__":
+    main()

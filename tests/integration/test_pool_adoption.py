@@ -1,0 +1,132 @@
+"""A pool manager that dies without stopping (SIGKILL, as an OOM kill) leaves its replicas serving on a Ray
+cluster joined at an address, and the next manager of the deployment adopts them instead of loading the model
+again; a replica started with other settings is stopped and replaced. Real parts: a Ray head started with
+`ray start` in its own process group, managers in their own processes, a real redis-server."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from controlplane.settings import MiB, Settings
+from controlplane.state import LocalRedis, connect
+
+from http_helpers import free_loopback_port
+from redis_fixture import process_gone, redis_server  # noqa: F401  (fixture)
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+TOKEN = "adoption-test-token-0123456789"
+SCRIPT = Path(__file__).with_name("manager_process.py")
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _env(home: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_AUTH", "RAY_ADDRESS"))}
+    return {**env, "HOME": str(home), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "PYTHONPATH": str(ROOT)}
+
+
+@pytest.fixture(scope="module")
+def ray_head(tmp_path_factory) -> Iterator[tuple[str, dict[str, str]]]:
+    """A Ray cluster that outlives the managers, as a KubeRay head does: `ray start --block` in its own
+    process group, killed whole at the end."""
+    tmp = tmp_path_factory.mktemp("ray-head")
+    env = _env(tmp)
+    port = free_loopback_port()
+    ray_bin = Path(sys.executable).with_name("ray")
+    with open(tmp / "head.log", "w") as log:
+        head = subprocess.Popen(
+            [str(ray_bin), "start", "--head", "--block", f"--port={port}", "--node-ip-address=127.0.0.1",
+             f"--temp-dir={tmp / 'ray'}", "--num-cpus=2", "--include-dashboard=false", "--disable-usage-stats",
+             f"--ray-client-server-port={free_loopback_port()}"],
+            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            yield f"127.0.0.1:{port}", env
+        finally:
+            for manager in Manager.started:
+                manager.kill()
+            os.killpg(head.pid, signal.SIGKILL)  # the head, its GCS, raylet, agents and every actor process
+            head.wait(30)
+
+
+def _settings(kv_bytes: int) -> str:
+    s = Settings(mode="colocated", transfer={"codec_policy": "fp32"},
+                 decode={"replicas": 1, "num_cpus": 0.25, "engine": {"kv_cache_bytes": kv_bytes}})
+    return s.model_dump_json(exclude={"transfer": {"token"}, "api": {"admin_token", "api_keys", "ops_token"}})
+
+
+class Manager:
+    started: list[Manager] = []  # every one this module ran, killed at the end if a test left it running
+
+    def __init__(self, head: tuple[str, dict[str, str]], redis_url: str, prefix: str, settings_json: str) -> None:
+        address, env = head
+        self.proc = subprocess.Popen([sys.executable, str(SCRIPT), address, redis_url, prefix, TOKEN, settings_json],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        Manager.started.append(self)
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        assert line, f"the manager exited {self.proc.wait(30)} before it started"
+        self.held: dict[str, list[list]] = json.loads(line)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(30)
+        self._close()
+
+    def stop(self) -> None:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write("stop\n")
+        self.proc.stdin.flush()
+        assert self.proc.stdout.readline().strip() == "stopped"
+        assert self.proc.wait(30) == 0
+        self._close()
+
+    def _close(self) -> None:
+        for pipe in (self.proc.stdin, self.proc.stdout):
+            if pipe is not None:
+                pipe.close()
+
+
+def test_a_killed_managers_replicas_are_adopted_and_other_settings_replaced(
+        ray_head, redis_server: LocalRedis, default_ckpt: Path) -> None:  # noqa: F811
+    prefix = f"adopt-{uuid.uuid4().hex[:8]}"
+    settings = _settings(32 * MiB)
+    first = Manager(ray_head, redis_server.url, prefix, settings)
+    [[worker_id, pid]] = first.held["decode"]
+    first.kill()  # no stop(): the replica is not told
+    time.sleep(1)
+    assert not process_gone(pid), "the replica died with its manager"
+
+    second = Manager(ray_head, redis_server.url, prefix, settings)
+    assert second.held["decode"] == [[worker_id, pid]]  # the same process, adopted: no new start
+    second.kill()
+
+    other = Manager(ray_head, redis_server.url, prefix, _settings(16 * MiB))  # a settings change meanwhile
+    [[new_id, new_pid]] = other.held["decode"]
+    assert new_id != worker_id and new_pid != pid
+    deadline = time.monotonic() + 30
+    while not process_gone(pid):  # the stale replica was stopped and killed
+        assert time.monotonic() < deadline, f"the replica with the old settings still runs (pid {pid})"
+        time.sleep(0.2)
+    other.stop()  # a clean stop stops what it holds: nothing is left for a later manager
+    deadline = time.monotonic() + 30
+    while not process_gone(new_pid):
+        assert time.monotonic() < deadline, f"a stopped manager's replica still runs (pid {new_pid})"
+        time.sleep(0.2)
+    conn = connect(redis_server.url, prefix)
+    try:
+        assert conn.redis.keys(f"{prefix}:worker:*") == []  # every lease deregistered
+        for key in conn.redis.scan_iter(match=conn.keys.pattern):
+            conn.redis.delete(key)
+    finally:
+        conn.close()

@@ -11,8 +11,9 @@ nothing else the pod sees.
   each count goes through ``PoolTargets.apply_configured``: a count that differs from the one last applied
   becomes the pool's target, as ``epd scale`` would set it (the most recent intent wins; a count that did not
   change keeps a target ``epd scale`` set since). A file that is missing, malformed or asks for what this
-  deployment cannot run (a pool it does not need, prefill without decode) is logged once, as an error, and
-  changes no target until it is fixed.
+  deployment cannot run (a pool it does not need, none of a pool it needs, prefill without decode) is logged
+  once, as an error, and changes no target until it is fixed. A Redis outage is logged once, and a change
+  waits for Redis.
 """
 
 from __future__ import annotations
@@ -75,12 +76,16 @@ def read_replicas_file(path: Path) -> dict[str, int]:
     return parse_replicas(read_text(path))
 
 
-def check_counts(counts: Mapping[str, int], *, colocated: bool, not_needed: Mapping[str, str]) -> None:
-    """Refuse counts this deployment cannot run, with the rules the settings and the admin API apply:
+def check_counts(counts: Mapping[str, int], *, colocated: bool, not_needed: Mapping[str, str],
+                 needed: Mapping[str, str] | None = None) -> None:
+    """Refuse counts this deployment cannot run, with the rules the settings and ``epd serve`` apply at start:
     colocated mode runs the decode pool only; prefill and decode both run or are both 0; a pool the model does
-    not need (``not_needed``: pool -> why) takes no replicas."""
+    not need (``not_needed``: pool -> why) takes no replicas; a pool it needs whatever else runs (``needed``:
+    pool -> why, a vision model's encode pool) takes at least one."""
     for pool, count in counts.items():
         if count == 0:
+            if pool in (needed or {}):
+                raise ReplicasFileError(f"{pool}: 0 replicas, but {(needed or {})[pool]}")
             continue
         if colocated and pool != "decode":
             raise ReplicasFileError(f"{pool}: colocated mode has no {pool} pool (its decode workers run whole "
@@ -100,8 +105,8 @@ class ReplicasFileWatch:
     each target this watch changed; it must not block."""
 
     def __init__(self, path: Path, targets: PoolTargets, *, colocated: bool,
-                 not_needed: Mapping[str, str] | None = None, interval_s: float = 2.0,
-                 on_change: Callable[[str, int], None] | None = None) -> None:
+                 not_needed: Mapping[str, str] | None = None, needed: Mapping[str, str] | None = None,
+                 interval_s: float = 2.0, on_change: Callable[[str, int], None] | None = None) -> None:
         self.path = path
         self.interval_s = interval_s
         self._targets = targets
@@ -109,6 +114,8 @@ class ReplicasFileWatch:
         self._refused: str | None = None  # the last text refused, so a bad file is logged once
         self._colocated = colocated
         self._not_needed = dict(not_needed or {})
+        self._needed = dict(needed or {})
+        self._redis_away = False  # logged once per outage
         self._on_change = on_change
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -122,7 +129,7 @@ class ReplicasFileWatch:
                 self._refused = None
                 return False
             counts = parse_replicas(text)
-            check_counts(counts, colocated=self._colocated, not_needed=self._not_needed)
+            check_counts(counts, colocated=self._colocated, not_needed=self._not_needed, needed=self._needed)
         except ReplicasFileError as exc:
             problem = f"replicas file {self.path}: {exc}"
             if problem != self._refused:
@@ -157,6 +164,13 @@ class ReplicasFileWatch:
             try:
                 self.poll()
             except StateError as exc:
-                log.warning("replicas file %s: Redis unavailable, applied at the next poll: %s", self.path, exc)
+                if not self._redis_away:
+                    log.warning("replicas file %s: Redis unavailable; a change is applied once it answers: %s",
+                                self.path, exc)
+                self._redis_away = True
+                continue
             except Exception:  # never let the watch die silently: the next poll tries again
                 log.exception("replicas file %s: poll failed", self.path)
+            if self._redis_away:
+                log.info("replicas file %s: Redis answers again", self.path)
+                self._redis_away = False

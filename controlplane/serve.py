@@ -209,8 +209,10 @@ def build(settings: Settings) -> Deployment:
         if settings.replicas_file is not None:  # a count changed in it becomes that pool's target, as epd scale
             from controlplane.replicas_file import ReplicasFileWatch
             from controlplane.state import PoolTargets
+            needed = {} if info.image_token_id is None or settings.mode == "colocated" else {
+                "encode": f"the model {info.name} has a vision tower: image requests need the encode pool"}
             watch = ReplicasFileWatch(settings.replicas_file, PoolTargets(conn), colocated=settings.mode == "colocated",
-                                      not_needed=not_needed).start()
+                                      not_needed=not_needed, needed=needed).start()
             dep.add("the replicas file's watch", watch.close)
         if redis is not None:  # restarted on its port if it dies; still closed last, after the manager's goodbyes
             watchdog = PrivateRedisWatchdog(redis, lambda: rewrite_targets(conn, manager)).start()

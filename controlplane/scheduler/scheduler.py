@@ -63,9 +63,10 @@ class _Refused(Exception):
 
 
 class _ContextFull(Exception):
-    """A moved request that asked for as many tokens as fit (``to_context``) fits no more on the worker it
-    moved to (a smaller KV pool than the one it left): the tokens sent are all there is room for, so it
-    finishes with finish_reason "length" rather than an error after its 200."""
+    """A moved request that asked for as many tokens as fit (``to_context``) fits on no worker left to try
+    (each decode replica's KV pool is smaller than the one it left, or a prefill replica's is): the tokens
+    sent are all there is room for, so it finishes with finish_reason "length" rather than an error after
+    its 200."""
 
 
 def _context_full(exc: DispatchError, request: WorkerRequest, moved: bool) -> bool:
@@ -197,6 +198,7 @@ class Scheduler:
         rid = request.request_id
         deadline = wait_from + self.settings.queue_timeout_s
         backoff = 0.01
+        too_small: DispatchError | None = None  # a decode replica's refusal of a moved request it cannot hold
         while True:
             refused: set[str] = set()
             while (selection := self.selector.select(request, refused, lost)) is not None:
@@ -232,7 +234,11 @@ class Scheduler:
                     if v is Verdict.LOST:
                         raise _Lost(exc, selection) from None
                     if _context_full(exc, request, streamed):
-                        raise _ContextFull(str(exc)) from None
+                        if exc.stage == "prefill":  # a prefill pool too small for the prompt so far
+                            raise _ContextFull(str(exc)) from None
+                        lost.add(selection.decode.worker_id)  # too small now, and later: the request only grows
+                        too_small = exc
+                        continue
                     self._record(rid, RequestState.FAILED, f"{exc.stage}: {exc.message}")
                     raise backend_error(exc) from None
                 except BaseException as exc:  # a bug or an interrupt: the attempt gave its counts back
@@ -244,6 +250,8 @@ class Scheduler:
                 return attempt
             candidates = self.selector.candidates("decode")
             if not [c for c in candidates if c.worker_id not in lost and self.health.routable(c.worker_id)]:
+                if too_small is not None:  # every decode replica left holds fewer tokens than it has
+                    raise _ContextFull(str(too_small))
                 raise BackendError(self._no_decode_replica(candidates, lost), 503, retry_after_s=RETRY_AFTER_S)
             if time.monotonic() + backoff > deadline:
                 self._record(rid, RequestState.FAILED, "no decode room in time")

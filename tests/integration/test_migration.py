@@ -81,9 +81,10 @@ def _spawn(ckpt: Path, pools: list[str], colocated: bool = False, kv_bytes: int 
     return procs
 
 
-def _enlist(registry: WorkerRegistry, p: Proc) -> None:
+def _enlist(registry: WorkerRegistry, p: Proc, free_kv_blocks: int = 100) -> None:
+    """Routable from now on, with a fixed load (least_loaded picks the most free blocks first)."""
     registry.register(WorkerInfo(p.worker_id, p.pool, p.address,  # type: ignore[arg-type]  # pool names as str
-                                 load=WorkerLoad(free_kv_blocks=100, total_kv_blocks=100)))
+                                 load=WorkerLoad(free_kv_blocks=free_kv_blocks, total_kv_blocks=100)))
 
 
 @pytest.fixture
@@ -279,17 +280,15 @@ def test_colocated_worker_killed_mid_stream(default_bundle, cluster, state_conn)
     _all_free(procs)
 
 
-@pytest.mark.parametrize("colocated", [False, True], ids=["disaggregated", "colocated"])
-def test_a_request_for_as_many_tokens_as_fit_moved_to_a_smaller_pool_finishes_length(
-        default_bundle, cluster, state_conn, colocated):  # noqa: F811
-    """No max_tokens (``to_context``): the request runs as far as its decode worker's KV pool holds. When that
-    worker dies after more tokens than the replacement's pool holds, the stream ends with what it has and
-    finish_reason "length", not with an error after its 200; the small worker holds nothing afterwards."""
+def _moved_to_context(default_bundle, cluster, state_conn, colocated: bool, kv_blocks: list[int]):  # noqa: F811
+    """A request without max_tokens streams on a big decode worker, which dies after more tokens than a
+    128-token pool holds; decode workers of ``kv_blocks`` blocks each (16 tokens a block) take over, the
+    first of them picked first. Returns its chunks, its tokens, the prompt's length and the new workers."""
     registry, start = cluster
     procs = start(["decode"] if colocated else ["prefill", "decode"], colocated=colocated)
-    small = start(["decode"], colocated=colocated, kv_bytes=8 * _bytes_per_block(default_bundle),  # 128 tokens
-                  routable=False)[0]
-    assert small.status().kv_blocks_total == 8
+    per_block = _bytes_per_block(default_bundle)
+    spares = [start(["decode"], colocated=colocated, kv_bytes=n * per_block, routable=False)[0] for n in kv_blocks]
+    assert [p.status().kv_blocks_total for p in spares] == kv_blocks
     scheduler = _scheduler(default_bundle, registry, state_conn, colocated=colocated)
     greq = GenerateRequest(messages=[{"role": "user", "content": "Tell me about serving systems."}],
                            params=SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
@@ -308,24 +307,46 @@ def test_a_request_for_as_many_tokens_as_fit_moved_to_a_smaller_pool_finishes_le
     thread = threading.Thread(target=run)
     thread.start()
     end = time.monotonic() + 60
-    while sum(len(c.token_ids) for c in chunks) < 128 - len(ids) + 8:  # past what the small pool holds
+    while sum(len(c.token_ids) for c in chunks) < 128 - len(ids) + 8:  # past what 8 blocks hold
         assert time.monotonic() < end and thread.is_alive(), f"no progress: {errors}"
         time.sleep(0.005)
-    _enlist(registry, small)
+    for i, p in enumerate(spares):
+        _enlist(registry, p, free_kv_blocks=100 - i)  # the first spare looks the least loaded
     os.kill(procs[-1].popen.pid, signal.SIGSTOP)  # freeze it mid-stream, then kill it
     procs[-1].kill()
     thread.join(60)
     assert not thread.is_alive() and not errors, errors
     tokens = [t for c in chunks for t in c.token_ids]
-    assert chunks[-1].finished and chunks[-1].finish_reason == "length"
-    assert chunks[-1].completion_tokens == len(tokens) > 128 - len(ids)
     ref = generate(default_bundle, [dataclasses.replace(greq, params=SamplingParams(
         max_tokens=len(tokens), temperature=0.0, ignore_eos=True))])[0]
-    assert tokens == ref.token_ids
-    assert "".join(c.text for c in chunks) == ref.text
-    states = [e.state for e in RequestJournal(state_conn).history(request.request_id)]
-    assert RequestState.MIGRATING in states and states[-1] is RequestState.FINISHED
-    _all_free([*procs[:-1], small])
+    assert tokens == ref.token_ids and "".join(c.text for c in chunks) == ref.text
+    assert chunks[-1].finished and chunks[-1].finish_reason == "length"
+    assert chunks[-1].completion_tokens == len(tokens)
+    _all_free([*procs[:-1], *spares])
+    return request, tokens, len(ids)
+
+
+@pytest.mark.parametrize("colocated", [False, True], ids=["disaggregated", "colocated"])
+def test_a_request_for_as_many_tokens_as_fit_moved_to_a_smaller_pool_finishes_length(
+        default_bundle, cluster, state_conn, colocated):  # noqa: F811
+    """No max_tokens (``to_context``): the request runs as far as its decode worker's KV pool holds. When that
+    worker dies after more tokens than the only other one's pool holds, the stream ends with what it has and
+    finish_reason "length", not with an error after its 200; the small worker holds nothing afterwards."""
+    request, tokens, prompt = _moved_to_context(default_bundle, cluster, state_conn, colocated, [8])
+    assert len(tokens) > 128 - prompt
+    journal = RequestJournal(state_conn).history(request.request_id)
+    assert RequestState.MIGRATING in [e.state for e in journal]
+    assert journal[-1].state is RequestState.FINISHED and "no room after the move" in journal[-1].detail
+
+
+def test_a_moved_request_skips_a_pool_too_small_for_it_and_goes_on_where_it_fits(
+        default_bundle, cluster, state_conn):  # noqa: F811
+    """The small replica is picked first and refuses; the request goes on on the bigger one, to that one's
+    own limit (32 blocks: 512 tokens in all), and finishes "length" there."""
+    request, tokens, prompt = _moved_to_context(default_bundle, cluster, state_conn, False, [8, 32])
+    assert len(tokens) == 32 * 16 - prompt
+    journal = RequestJournal(state_conn).history(request.request_id)
+    assert "no room after the move" not in journal[-1].detail
 
 
 def _bytes_per_block(bundle) -> int:

@@ -7,9 +7,13 @@ from __future__ import annotations
 
 import json
 import os
+import select
+import shutil
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Iterator
@@ -36,10 +40,10 @@ def _env(home: Path) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def ray_head(tmp_path_factory) -> Iterator[tuple[str, dict[str, str]]]:
+def ray_head() -> Iterator[tuple[str, dict[str, str]]]:
     """A Ray cluster that outlives the managers, as a KubeRay head does: `ray start --block` in its own
-    process group, killed whole at the end."""
-    tmp = tmp_path_factory.mktemp("ray-head")
+    process group, killed whole at the end. Its folder is short: Ray's socket paths must fit 107 bytes."""
+    tmp = Path(tempfile.mkdtemp(prefix="epd-rh-"))
     env = _env(tmp)
     port = free_loopback_port()
     ray_bin = Path(sys.executable).with_name("ray")
@@ -50,12 +54,26 @@ def ray_head(tmp_path_factory) -> Iterator[tuple[str, dict[str, str]]]:
              f"--ray-client-server-port={free_loopback_port()}"],
             env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
+            deadline = time.monotonic() + 60
+            while not _listening(port):
+                assert head.poll() is None, "ray start failed:\n" + (tmp / "head.log").read_text()[-3000:]
+                assert time.monotonic() < deadline, "the Ray head did not listen within 60 s"
+                time.sleep(0.2)
             yield f"127.0.0.1:{port}", env
         finally:
             for manager in Manager.started:
                 manager.kill()
             os.killpg(head.pid, signal.SIGKILL)  # the head, its GCS, raylet, agents and every actor process
             head.wait(30)
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _listening(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+    except OSError:
+        return False
+    return True
 
 
 def _settings(kv_bytes: int) -> str:
@@ -73,6 +91,8 @@ class Manager:
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         Manager.started.append(self)
         assert self.proc.stdout is not None
+        ready, _, _ = select.select([self.proc.stdout], [], [], 180)
+        assert ready, "the manager did not start within 180 s"
         line = self.proc.stdout.readline()
         assert line, f"the manager exited {self.proc.wait(30)} before it started"
         self.held: dict[str, list[list]] = json.loads(line)

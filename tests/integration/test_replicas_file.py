@@ -50,6 +50,10 @@ def test_counts_a_deployment_cannot_run_are_refused() -> None:
         check_counts({"prefill": 1, "decode": 1}, colocated=True, not_needed={})
     with pytest.raises(ReplicasFileError, match="prefill and decode must both have replicas, or both be 0"):
         check_counts({"prefill": 0, "decode": 2}, colocated=False, not_needed={})
+    vision = {"encode": "the model has a vision tower"}
+    with pytest.raises(ReplicasFileError, match="encode: 0 replicas, but the model has a vision tower"):
+        check_counts({"encode": 0, "prefill": 1, "decode": 1}, colocated=False, not_needed={}, needed=vision)
+    check_counts({"encode": 2, "prefill": 1, "decode": 1}, colocated=False, not_needed={}, needed=vision)
 
 
 def test_an_unreadable_file_is_refused_by_name(tmp_path: Path) -> None:
@@ -182,3 +186,27 @@ def test_replicas_get_the_counts_without_the_file_or_any_secret(tmp_path: Path) 
     again = Settings.model_validate_json(dumped)  # as WorkerActor does
     assert again.replicas_file is None and (again.prefill.replicas, again.decode.replicas) == (2, 3)
     assert not [s for s in ("t" * 32, "a" * 32, "k" * 20, "o" * 32) if s in dumped]
+
+
+def test_a_redis_outage_is_logged_once_and_the_change_waits_for_redis(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    from controlplane.state import LocalRedis, connect
+
+    server = LocalRedis().start()
+    conn = connect(server.url, "outage")
+    path = tmp_path / "replicas.json"
+    path.write_text('{"prefill": 1, "decode": 2}')
+    watch = ReplicasFileWatch(path, PoolTargets(conn), colocated=False, interval_s=0.05)
+    try:
+        server.close()  # Redis gone before the first poll: the change cannot be applied
+        caplog.set_level(logging.INFO, logger="controlplane.replicas_file")
+        watch.start()
+        time.sleep(1.5)
+        watch.close()
+        away = [r for r in caplog.records if "Redis unavailable" in r.getMessage()]
+        assert len(away) == 1 and away[0].levelno == logging.WARNING
+        assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+    finally:
+        watch.close()
+        conn.close()
+        server.close()

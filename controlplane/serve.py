@@ -289,6 +289,10 @@ def serve(settings: Settings) -> int:
     from controlplane.heap import freeze_startup_heap
 
     check_port(settings.api.host, settings.api.port)
+
+    def interrupted(*_: object) -> None:  # SIGTERM while starting: unwind as Ctrl-C does, stopping what started
+        raise KeyboardInterrupt
+    signal.signal(signal.SIGTERM, interrupted)
     dep = build(settings)
     freeze_startup_heap("control plane")
     config = uvicorn.Config(dep.app, host=settings.api.host, port=settings.api.port, log_level="info",

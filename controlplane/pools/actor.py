@@ -37,7 +37,8 @@ STOP_GRACE_S = 5.0
 
 def launch_key(pool: str, model_dir: str, settings_json: str, token: str, redis_url: str, redis_prefix: str) -> str:
     """What a replica was started with, as one digest (the token and URL never appear in it): a pool manager
-    adopts a running replica only when its own key for that pool is the same (``PoolManager.start``)."""
+    adopts a running replica only when its own key for that pool is the same (``PoolManager.start``).
+    ``settings_json`` leaves out the replica counts, which change while a deployment serves."""
     h = hashlib.sha256()
     for part in (pool, model_dir, settings_json, token, redis_url, redis_prefix):
         h.update(part.encode())
@@ -56,8 +57,9 @@ class WorkerActor:
     """Runs in its own Ray worker process. Methods may be called from several threads at once."""
 
     def __init__(self, pool: PoolName, model_dir: str, settings_json: str, token: str, redis_url: str,
-                 redis_prefix: str, index: int, host: str = "127.0.0.1") -> None:
-        """``model_dir`` "" serves ``settings.model`` or the demo model; ``host`` "" binds this node's IP."""
+                 redis_prefix: str, index: int, host: str = "127.0.0.1", launch: str = "") -> None:
+        """``model_dir`` "" serves ``settings.model`` or the demo model; ``host`` "" binds this node's IP.
+        ``launch``: the manager's ``launch_key`` for what it started this replica with (``info`` reports it)."""
         from pathlib import Path
 
         from controlplane.pools import replica
@@ -67,8 +69,7 @@ class WorkerActor:
 
         self.state = ReplicaState.STARTING
         self.index = index
-        self.launch = launch_key(pool, model_dir, settings_json, token, redis_url, redis_prefix)
-        self.redis_prefix = redis_prefix
+        self.launch = launch
         self.starting_at = time.time()  # wall clock: when this replica began loading, and when it served
         settings = Settings.model_validate_json(settings_json)  # no env or file sources: exactly the driver's
         security = replica.security_for(settings, token)
@@ -108,7 +109,7 @@ class WorkerActor:
     def info(self) -> dict:
         return {"worker_id": self.worker.identity.worker_id, "pool": self.worker.pool,
                 "address": self.worker.address, "index": self.index, "starting_at": self.starting_at,
-                "serving_at": self.serving_at, "launch": self.launch, "redis_prefix": self.redis_prefix}
+                "serving_at": self.serving_at, "launch": self.launch}
 
     def pid(self) -> int:
         return os.getpid()
@@ -123,9 +124,10 @@ class WorkerActor:
                 "reservations": s.reservations, "model_fingerprint": s.model_fingerprint,
                 "heartbeat_running": self.lease.running, "heartbeat_ok": self.lease.healthy}
 
-    def watch(self) -> str:
-        """Block until the replica stops; returns its final state."""
-        self._stopped.wait()
+    def watch(self, timeout_s: float | None = None) -> str:
+        """Block until the replica stops, or ``timeout_s`` passed; returns its state then ("stopped" once it
+        stopped). A manager that dies leaves its call running: the timeout frees that thread."""
+        self._stopped.wait(timeout_s)
         return self.state.value
 
     # ------------------------------------------------------------------ drain and stop

@@ -14,10 +14,12 @@ Lifecycle of a manager:
 
 Surviving the manager: on a cluster joined at an address (Kubernetes), replicas are detached Ray actors, so
 a manager that dies without ``stop()`` (OOM-killed, its node lost) leaves them serving their leases. The
-next manager with the same Redis prefix finds them by name and adopts each whose ``launch_key`` (pool,
-model, settings, token, Redis) equals its own: no model loads again. One started with anything else, or
-that does not answer, is stopped and killed. A private Ray (no address) dies with its manager, and its
-replicas stay ordinary actors.
+next manager of the same deployment (Redis URL and prefix, a digest of both in each replica's name) finds
+them by name and adopts each whose ``launch_key`` (pool, model, settings but the replica counts, token,
+Redis) equals its own: no model loads again. One of this deployment started with anything else, or that
+does not answer, is stopped and killed; another deployment's are never touched. Each replica's ``watch``
+call returns every ``WATCH_S`` and is made again, so a dead manager's holds none of its threads for long.
+A private Ray (no address) dies with its manager, and its replicas stay ordinary actors.
 Listeners (``listen``) hear each replica's address when it starts serving and when it is gone for good
 (killed: dead, hung, scaled down or stopped; after its deregistration), so the dispatcher can drop what it
 holds for a worker that will not come back.
@@ -32,6 +34,8 @@ Reconciling one pool (under that pool's lock only, so pools never touch each oth
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import logging
 import re
 import threading
@@ -57,9 +61,12 @@ log = logging.getLogger(__name__)
 PROBE_TIMEOUT_S = 5.0
 STOP_TIMEOUT_S = 30.0
 ACTOR_CONCURRENCY = 4  # watch() holds one thread; drain, status and stop need the others
+WATCH_S = 30.0  # a watch() call returns after this long and is made again: a dead manager's frees its thread
 MAX_RETRY_DELAY_S = 30.0
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
-_ACTOR_NAME = re.compile(r"(?P<prefix>.+)-(?P<pool>encode|prefill|decode)-[0-9a-f]{6}-[0-9]+")  # _start_wave's
+# _start_wave's names: <prefix>-<pool>-<deployment>-<manager uid>-<index>
+_ACTOR_NAME = re.compile(
+    r"(?P<prefix>.+)-(?P<pool>encode|prefill|decode)-(?P<deployment>[0-9a-f]{8})-[0-9a-f]{6}-[0-9]+")
 # Left out of the settings each replica gets: secrets never ride in Ray task args, and the replicas file is the
 # control plane's (its counts are applied already; the file is not mounted where replicas run).
 _NOT_FOR_REPLICAS: dict[str, Any] = {"transfer": {"token"}, "api": {"admin_token", "api_keys", "ops_token"},
@@ -113,8 +120,10 @@ class PoolManager:
         self._token = token
         self._settings_json = replica_settings_json(settings)
         self._model_dir = str(settings.model) if settings.model is not None else ""  # "": the actor resolves it
-        self._launch = {p: launch_key(p.value, self._model_dir, self._settings_json, token, redis_url, prefix)
-                        for p in Pool}
+        # this deployment (its Redis and prefix): the only replicas a manager adopts or stops at start
+        self._deployment = hashlib.sha256(f"{redis_url}\0{prefix}".encode()).hexdigest()[:8]
+        counts_apart = settings.model_dump_json(exclude={**_NOT_FOR_REPLICAS, **{p.value: {"replicas"} for p in Pool}})
+        self._launch = {p: launch_key(p.value, self._model_dir, counts_apart, token, redis_url, prefix) for p in Pool}
         self._detached = self.runtime.address is not None  # a cluster that outlives this manager
         self._uid = uuid.uuid4().hex[:6]
         self._replicas: dict[Pool, list[Replica]] = {p: [] for p in Pool}
@@ -162,18 +171,20 @@ class PoolManager:
         """Take over the replicas of this deployment (named ``<prefix>-<pool>-...`` in the Ray namespace) that
         a manager which died left running: each whose launch key is this manager's for its pool and that
         holds its lease, as if this manager had started it; the others are stopped and killed."""
+        namespace = self.settings.ray.namespace
         try:
-            names = sorted(ray.util.list_named_actors())
+            names = sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                           if a["namespace"] == namespace)
         except Exception as exc:  # Ray's listing unavailable: start fresh replicas as before
             log.warning("could not list the running replicas to adopt them: %s", exc)
             return
         for name in names:
             m = _ACTOR_NAME.fullmatch(name)
-            if m is None or m["prefix"] != self.prefix:
-                continue
+            if m is None or m["prefix"] != self.prefix or m["deployment"] != self._deployment:
+                continue  # another deployment's (its own Redis or prefix): never touched
             pool = Pool(m["pool"])
             try:
-                actor = ray.get_actor(name, namespace=self.settings.ray.namespace)
+                actor = ray.get_actor(name, namespace=namespace)
             except ValueError:  # gone since the listing
                 continue
             try:
@@ -183,10 +194,9 @@ class PoolManager:
                             pool.value, name, type(exc).__name__)
                 _kill_quietly(actor)
                 continue
-            if info.get("redis_prefix") != self.prefix:
-                continue  # another deployment's, whose name only looks like ours
             started = time.monotonic() - max(0.0, time.time() - float(info.get("serving_at", time.time())))
-            replica = Replica(pool, name, info["worker_id"], info["address"], actor, started, actor.watch.remote())
+            replica = Replica(pool, name, info["worker_id"], info["address"], actor, started,
+                              actor.watch.remote(WATCH_S))
             if info.get("launch") != self._launch[pool]:
                 log.info("%s replica %s (%s) was started with other settings, model or credentials; stopping it",
                          pool.value, name, info["worker_id"])
@@ -349,8 +359,19 @@ class PoolManager:
         replicas = self._replicas[pool]
         if not replicas:
             return
-        exited, _ = ray.wait([r.watch for r in replicas], num_returns=len(replicas), timeout=0)
-        exited_refs = set(exited)
+        returned, _ = ray.wait([r.watch for r in replicas], num_returns=len(replicas), timeout=0)
+        exited_refs = set()
+        for r in [r for r in replicas if r.watch in set(returned)]:
+            try:
+                stopped = ray.get(r.watch, timeout=PROBE_TIMEOUT_S) == "stopped"
+            except Exception:  # its process died
+                stopped = True
+            if stopped:
+                exited_refs.add(r.watch)
+            else:  # the watch's time ran out while it serves: watch again
+                self._replicas[pool][self._replicas[pool].index(r)] = dataclasses.replace(
+                    r, watch=r.actor.watch.remote(WATCH_S))
+        replicas = self._replicas[pool]
         live = {rec.info.worker_id for rec in self.registry.live_workers(pool)}
         with self._suspects_lock:
             suspects = {r.worker_id for r in replicas} & self._suspects
@@ -418,16 +439,17 @@ class PoolManager:
         for _ in range(n):
             index = self._next_index[pool]
             self._next_index[pool] += 1
-            name = f"{self.prefix}-{pool.value}-{self._uid}-{index}"
+            name = f"{self.prefix}-{pool.value}-{self._deployment}-{self._uid}-{index}"
             actor = self._remote_cls.options(
                 name=name, namespace=self.settings.ray.namespace, max_concurrency=ACTOR_CONCURRENCY, max_restarts=0,
                 lifetime="detached" if self._detached else None, **placement_options(ps),
             ).remote(pool.value, self._model_dir, self._settings_json, self._token, self.redis_url,
-                     self.prefix, index, host)
+                     self.prefix, index, host, self._launch[pool])
             pending.append((name, actor, actor.info.remote()))
             self._starting[pool][name] = time.monotonic()
         deadline = time.monotonic() + self.start_timeout_s
         errors: list[str] = []
+        placed: set[str] = set()
         try:
             for i, (name, actor, info_ref) in enumerate(pending):
                 try:
@@ -444,10 +466,16 @@ class PoolManager:
                 finally:
                     self._starting[pool].pop(name, None)
                 self._replicas[pool].append(Replica(pool, name, info["worker_id"], info["address"], actor,
-                                                    time.monotonic(), actor.watch.remote()))
+                                                    time.monotonic(), actor.watch.remote(WATCH_S)))
+                placed.add(name)
                 for listener in self._listeners:
                     _tell(listener.serving, info["address"])
                 log.info("%s replica %s serving at %s", pool.value, name, info["address"])
+        except BaseException:  # interrupted (Ctrl-C, SIGTERM): no actor of this wave outlives it unheld
+            for name, actor, _ in pending:
+                if name not in placed:
+                    _kill_quietly(actor)
+            raise
         finally:
             for name, _, _ in pending:
                 self._starting[pool].pop(name, None)

@@ -139,13 +139,15 @@ class Scheduler:
             admitted = wait_from = time.monotonic()
             progress = Progress(request, self.model.tokenizer)
             lost: set[str] = set()  # workers this request lost, or that refused it draining: never tried again
+            cramped: set[str] = set()  # of those, decode workers whose KV pool cannot hold it since a move
             moves = 0
             try:
                 while True:
                     try:
                         progress.begin_attempt()
                         attempt = self._route(progress.continuation(), ticket, admitted, wait_from, lost,
-                                              parent, admitted_ns, streamed=bool(progress.token_ids))
+                                              parent, admitted_ns, streamed=bool(progress.token_ids),
+                                              cramped=cramped)
                         with attempt:
                             self._record(rid, RequestState.DECODING, attempt.selection.describe())
                             yield from self._relay(rid, attempt, progress)
@@ -189,16 +191,18 @@ class Scheduler:
         self._record(rid, RequestState.MIGRATING, f"after {len(progress.token_ids)} tokens; {cause}")
 
     def _route(self, request: WorkerRequest, ticket: Ticket, admitted: float, wait_from: float, lost: set[str],
-               parent: object, admitted_ns: int, *, streamed: bool = False) -> Attempt:
+               parent: object, admitted_ns: int, *, streamed: bool = False,
+               cramped: set[str] | None = None) -> Attempt:
         """An opened attempt, waiting (backing off) for decode room up to ``queue_timeout_s`` after
         ``wait_from``; _Lost when it lost a worker before its first chunk. The request leaves the queue (its
         ``ticket``, the waiting count and the "queue" stage) once the workers hold it: the decode
         reservation made, not its first token, which comes after prefill. ``streamed``: its client has
-        tokens already (a move): running out of room then is no admission refusal."""
+        tokens already (a move): running out of room then is no admission refusal. ``cramped`` (the request's,
+        across its moves) collects the decode workers too small for it: once no other is left, _ContextFull."""
         rid = request.request_id
         deadline = wait_from + self.settings.queue_timeout_s
         backoff = 0.01
-        too_small: DispatchError | None = None  # a decode replica's refusal of a moved request it cannot hold
+        cramped = cramped if cramped is not None else set()
         while True:
             refused: set[str] = set()
             while (selection := self.selector.select(request, refused, lost)) is not None:
@@ -237,7 +241,7 @@ class Scheduler:
                         if exc.stage == "prefill":  # a prefill pool too small for the prompt so far
                             raise _ContextFull(str(exc)) from None
                         lost.add(selection.decode.worker_id)  # too small now, and later: the request only grows
-                        too_small = exc
+                        cramped.add(selection.decode.worker_id)
                         continue
                     self._record(rid, RequestState.FAILED, f"{exc.stage}: {exc.message}")
                     raise backend_error(exc) from None
@@ -250,8 +254,9 @@ class Scheduler:
                 return attempt
             candidates = self.selector.candidates("decode")
             if not [c for c in candidates if c.worker_id not in lost and self.health.routable(c.worker_id)]:
-                if too_small is not None:  # every decode replica left holds fewer tokens than it has
-                    raise _ContextFull(str(too_small))
+                if cramped:  # every decode replica left holds fewer tokens than it has
+                    raise _ContextFull(f"decode workers {', '.join(sorted(cramped))} cannot hold its "
+                                       f"{len(request.prompt_ids)} tokens, and no other is left")
                 raise BackendError(self._no_decode_replica(candidates, lost), 503, retry_after_s=RETRY_AFTER_S)
             if time.monotonic() + backoff > deadline:
                 self._record(rid, RequestState.FAILED, "no decode room in time")

@@ -76,10 +76,19 @@ def _listening(port: int) -> bool:
     return True
 
 
-def _settings(kv_bytes: int) -> str:
-    s = Settings(mode="colocated", transfer={"codec_policy": "fp32"},
-                 decode={"replicas": 1, "num_cpus": 0.25, "engine": {"kv_cache_bytes": kv_bytes}})
-    return s.model_dump_json(exclude={"transfer": {"token"}, "api": {"admin_token", "api_keys", "ops_token"}})
+def _settings(kv_bytes: int = 32 * MiB, replicas: int = 1) -> str:
+    return Settings(mode="colocated", transfer={"codec_policy": "fp32"},
+                    decode={"replicas": replicas, "num_cpus": 0.25, "engine": {"kv_cache_bytes": kv_bytes}}
+                    ).model_dump_json()
+
+
+def _gone(pid: int, within_s: float = 30) -> bool:
+    deadline = time.monotonic() + within_s
+    while not process_gone(pid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+    return True
 
 
 class Manager:
@@ -120,33 +129,39 @@ class Manager:
 def test_a_killed_managers_replicas_are_adopted_and_other_settings_replaced(
         ray_head, redis_server: LocalRedis, default_ckpt: Path) -> None:  # noqa: F811
     prefix = f"adopt-{uuid.uuid4().hex[:8]}"
-    settings = _settings(32 * MiB)
-    first = Manager(ray_head, redis_server.url, prefix, settings)
+    first = Manager(ray_head, redis_server.url, prefix, _settings())
     [[worker_id, pid]] = first.held["decode"]
     first.kill()  # no stop(): the replica is not told
     time.sleep(1)
     assert not process_gone(pid), "the replica died with its manager"
 
-    second = Manager(ray_head, redis_server.url, prefix, settings)
-    assert second.held["decode"] == [[worker_id, pid]]  # the same process, adopted: no new start
+    # a count changed meanwhile (helm upgrade): the running replica is adopted, one more is started
+    second = Manager(ray_head, redis_server.url, prefix, _settings(replicas=2))
+    assert second.held["decode"][0] == [worker_id, pid] and len(second.held["decode"]) == 2
+    [_, [added_id, added_pid]] = second.held["decode"]
     second.kill()
+    third = Manager(ray_head, redis_server.url, prefix, _settings(replicas=2))  # adopted a second time
+    assert third.held["decode"] == [[worker_id, pid], [added_id, added_pid]]
+    third.kill()
 
-    other = Manager(ray_head, redis_server.url, prefix, _settings(16 * MiB))  # a settings change meanwhile
+    # another deployment with the same prefix (its own Redis database) leaves these alone
+    foreign = Manager(ray_head, f"{redis_server.url}/1", prefix, _settings())
+    [[foreign_id, foreign_pid]] = foreign.held["decode"]
+    assert foreign_id not in (worker_id, added_id)
+    foreign.stop()
+    assert _gone(foreign_pid) and not process_gone(pid) and not process_gone(added_pid)
+
+    other = Manager(ray_head, redis_server.url, prefix, _settings(kv_bytes=16 * MiB))  # a settings change
     [[new_id, new_pid]] = other.held["decode"]
-    assert new_id != worker_id and new_pid != pid
-    deadline = time.monotonic() + 30
-    while not process_gone(pid):  # the stale replica was stopped and killed
-        assert time.monotonic() < deadline, f"the replica with the old settings still runs (pid {pid})"
-        time.sleep(0.2)
+    assert new_id not in (worker_id, added_id) and new_pid not in (pid, added_pid)
+    assert _gone(pid) and _gone(added_pid), "the replicas with the old settings still run"
     other.stop()  # a clean stop stops what it holds: nothing is left for a later manager
-    deadline = time.monotonic() + 30
-    while not process_gone(new_pid):
-        assert time.monotonic() < deadline, f"a stopped manager's replica still runs (pid {new_pid})"
-        time.sleep(0.2)
-    conn = connect(redis_server.url, prefix)
-    try:
-        assert conn.redis.keys(f"{prefix}:worker:*") == []  # every lease deregistered
-        for key in conn.redis.scan_iter(match=conn.keys.pattern):
-            conn.redis.delete(key)
-    finally:
-        conn.close()
+    assert _gone(new_pid), f"a stopped manager's replica still runs (pid {new_pid})"
+    for url in (redis_server.url, f"{redis_server.url}/1"):
+        conn = connect(url, prefix)
+        try:
+            assert conn.redis.keys(f"{prefix}:worker:*") == []  # every lease deregistered
+            for key in conn.redis.scan_iter(match=conn.keys.pattern):
+                conn.redis.delete(key)
+        finally:
+            conn.close()

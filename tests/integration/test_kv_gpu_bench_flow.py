@@ -41,17 +41,22 @@ def test_every_section_of_the_gpu_kv_bench_runs_on_cpu(tmp_path: Path, capsys, m
     pushes = [name for path in ("int8 over tcp", "bf16 over shm")
               for name in (f"2 MiB cache, {path}", f"1-block cache, {path}",
                            f"2 MiB cache, {path}, past the fixed cost", f"2 MiB cache, {path}, 2 pushes at once")]
-    assert names[9:] == [*pushes,
-                         "TTFT 64-token prompt (tiny), int8 over grpc", "TTFT 64-token prompt (tiny), int8 over tcp",
-                         "TTFT 64-token prompt (tiny), int8 over shm"]
+    expected = [*pushes, "TTFT 64-token prompt (tiny), int8 over grpc",
+                "TTFT 64-token prompt (tiny), int8 over tcp", "TTFT 64-token prompt (tiny), int8 over shm"]
+    # "past the fixed cost" exists only when the 2 MiB push outlasted a 1-block one: on a loaded 2-core
+    # machine a 1-block push can take longer, and the benchmark then leaves that figure out
+    optional = {n for n in pushes if n.endswith("past the fixed cost")}
+    assert [n for n in names[9:] if n not in optional] == [n for n in expected if n not in optional]
+    assert [n for n in names[9:] if n in optional] == [n for n in expected if n in optional and n in names]
     for f in report["figures"]:
         assert f["value"] > 0 and f["ref_value"] > 0 and f["name"] in text
     refs = {f["name"]: f["reference"] for f in report["figures"]}
     assert refs["2 MiB cache, int8 over tcp"] == "tcp socket (logical bytes)"
     assert refs["TTFT 64-token prompt (tiny), int8 over shm"] == "prefill alone"
     assert refs["1-block cache, bf16 over shm"] == "the 2 MiB push"
-    assert refs["2 MiB cache, bf16 over shm, past the fixed cost"] == "tcp socket (logical bytes)"
+    assert all(refs[n] == "tcp socket (logical bytes)" for n in optional & set(refs))
     assert refs["2 MiB cache, int8 over tcp, 2 pushes at once"] == "tcp socket (logical bytes)"
     by_name = {f["name"]: f["value"] for f in report["figures"]}
     for path in ("int8 over tcp", "bf16 over shm"):  # the data's rate is above the whole push's, by the fixed cost
-        assert by_name[f"2 MiB cache, {path}, past the fixed cost"] > by_name[f"2 MiB cache, {path}"]
+        if f"2 MiB cache, {path}, past the fixed cost" in by_name:
+            assert by_name[f"2 MiB cache, {path}, past the fixed cost"] > by_name[f"2 MiB cache, {path}"]

@@ -294,12 +294,12 @@ def serve(settings: Settings) -> int:
         raise KeyboardInterrupt
     signal.signal(signal.SIGTERM, interrupted)
     dep = build(settings)
-    freeze_startup_heap("control plane")
-    config = uvicorn.Config(dep.app, host=settings.api.host, port=settings.api.port, log_level="info",
-                            timeout_graceful_shutdown=10)
-    server = uvicorn.Server(config)
-    signal.signal(signal.SIGTERM, lambda *_: setattr(server, "should_exit", True))
-    try:
+    try:  # from here on, whatever ends it (an interrupt included) stops what build started
+        freeze_startup_heap("control plane")
+        config = uvicorn.Config(dep.app, host=settings.api.host, port=settings.api.port, log_level="info",
+                                timeout_graceful_shutdown=10)
+        server = uvicorn.Server(config)
+        signal.signal(signal.SIGTERM, lambda *_: setattr(server, "should_exit", True))
         print(f"epd: serving {dep.ready_line} on http://{settings.api.host}:{settings.api.port} (Ctrl-C to stop)",
               flush=True)
         server.run()

@@ -192,3 +192,52 @@ def test_bad_input_gets_openai_errors_and_ctrl_c_stops_everything(served):
     time.sleep(2)
     alive = [p for p in children if Path(f"/proc/{p}").exists()]
     assert alive == [], f"processes left after Ctrl-C: {alive}"
+
+
+def test_sigterm_while_the_pools_start_stops_everything_started_so_far(tmp_path, default_ckpt):
+    """A SIGTERM during start-up (Kubernetes stopping a pod that is not ready yet) unwinds as Ctrl-C does:
+    what started so far is stopped, and the process exits. It is sent as soon as the private redis-server
+    runs. (Once Ray's driver is up, Ray's own SIGTERM handler exits with 15; epd's, set before, with 130.)"""
+    import json
+    import subprocess
+    import sys
+
+    from serve_process import free_port
+
+    config = tmp_path / "epd.yaml"
+    config.write_text(json.dumps({"model": str(default_ckpt), "mode": "colocated", "api": {"port": free_port()},
+                                  "decode": {"num_cpus": 0.25, "engine": {"kv_cache_bytes": 32 * 2**20}}}))
+    log = tmp_path / "serve.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "controlplane.cli", "serve", "--config", str(config)],
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, "EPD_STATE_DIR": str(tmp_path / "state")})
+    try:
+        seen: set[int] = set()
+        deadline = time.monotonic() + 60
+        while not _runs(b"redis-server", seen := seen | descendants(proc.pid)):  # Ray comes next
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.2)
+        seen |= descendants(proc.pid)
+        assert proc.poll() is None, "it was ready before the SIGTERM could land in its start-up"
+        proc.send_signal(signal.SIGTERM)
+        # unwound, not killed by the signal: 130 (epd's KeyboardInterrupt), or 15 once Ray's driver set its own
+        # SIGTERM handler (sys.exit(15)); either way build() stops what it started
+        assert proc.wait(90) in (130, 15), log.read_text()[-3000:]
+        time.sleep(2)
+        left = [p for p in seen | descendants(proc.pid) if Path(f"/proc/{p}").exists()]
+        assert left == [], f"processes left after a SIGTERM during start-up: {left}\n" + log.read_text()[-2000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+
+
+def _runs(program: bytes, pids: set[int]) -> bool:
+    for pid in pids:
+        try:
+            if program in Path(f"/proc/{pid}/cmdline").read_bytes():
+                return True
+        except OSError:  # gone meanwhile
+            continue
+    return False

@@ -49,6 +49,15 @@ def model_info(settings: Settings, model_dir: Path) -> ModelInfo:
                      read_generation_eos(model_dir, cfg.vocab_size) or cfg.eos_token_ids)
 
 
+def needed_pools(settings: Settings, info: ModelInfo) -> dict[str, str]:
+    """Pools this deployment cannot run at 0 replicas while the others serve (pool -> why): a vision model's
+    encode pool, in disaggregated mode. ``fit_pools`` refuses such settings; the replicas file's watch, such
+    a count."""
+    if settings.mode == "colocated" or info.image_token_id is None:
+        return {}
+    return {"encode": f"the model {info.name} has a vision tower, so image requests need the encode pool"}
+
+
 def fit_pools(settings: Settings, info: ModelInfo, model_dir: Path) -> tuple[Settings, dict[str, str]]:
     """The pools this model needs. Returns the settings the pools start from and, for each pool not needed,
     why (the admin API refuses to scale it with that reason; status shows it). A text-only model (no vision
@@ -66,9 +75,8 @@ def fit_pools(settings: Settings, info: ModelInfo, model_dir: Path) -> tuple[Set
                                 f"model: an image's embeddings move only between workers whose vision towers' "
                                 f"fingerprints, over their weights as loaded, are equal")
         if settings.encode.replicas == 0:
-            raise SettingsError(f"encode.replicas=0: the model {info.name} has a vision tower, so image requests need "
-                                f"the encode pool (and the API is not ready without it); set encode.replicas to 1 or "
-                                f"more, or serve a text-only model")
+            raise SettingsError(f"encode.replicas=0: {needed_pools(settings, info)['encode']} (and the API is not "
+                                f"ready without it); set encode.replicas to 1 or more, or serve a text-only model")
         return settings, {}
     encode = settings.encode
     if "replicas" in encode.model_fields_set and encode.replicas > 0:
@@ -209,10 +217,8 @@ def build(settings: Settings) -> Deployment:
         if settings.replicas_file is not None:  # a count changed in it becomes that pool's target, as epd scale
             from controlplane.replicas_file import ReplicasFileWatch
             from controlplane.state import PoolTargets
-            needed = {} if info.image_token_id is None or settings.mode == "colocated" else {
-                "encode": f"the model {info.name} has a vision tower: image requests need the encode pool"}
             watch = ReplicasFileWatch(settings.replicas_file, PoolTargets(conn), colocated=settings.mode == "colocated",
-                                      not_needed=not_needed, needed=needed).start()
+                                      not_needed=not_needed, needed=needed_pools(settings, info)).start()
             dep.add("the replicas file's watch", watch.close)
         if redis is not None:  # restarted on its port if it dies; still closed last, after the manager's goodbyes
             watchdog = PrivateRedisWatchdog(redis, lambda: rewrite_targets(conn, manager)).start()

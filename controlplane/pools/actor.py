@@ -19,7 +19,6 @@ Lifecycle of one replica (``ReplicaState``):
 from __future__ import annotations
 
 import enum
-import hashlib
 import logging
 import os
 import threading
@@ -35,17 +34,6 @@ STATUS_POLL_S = 0.05
 STOP_GRACE_S = 5.0
 
 
-def launch_key(pool: str, model_dir: str, settings_json: str, token: str, redis_url: str, redis_prefix: str) -> str:
-    """What a replica was started with, as one digest (the token and URL never appear in it): a pool manager
-    adopts a running replica only when its own key for that pool is the same (``PoolManager.start``).
-    ``settings_json`` leaves out the replica counts, which change while a deployment serves."""
-    h = hashlib.sha256()
-    for part in (pool, model_dir, settings_json, token, redis_url, redis_prefix):
-        h.update(part.encode())
-        h.update(b"\0")
-    return h.hexdigest()
-
-
 class ReplicaState(enum.StrEnum):
     STARTING = "starting"
     SERVING = "serving"
@@ -59,7 +47,8 @@ class WorkerActor:
     def __init__(self, pool: PoolName, model_dir: str, settings_json: str, token: str, redis_url: str,
                  redis_prefix: str, index: int, host: str = "127.0.0.1", launch: str = "") -> None:
         """``model_dir`` "" serves ``settings.model`` or the demo model; ``host`` "" binds this node's IP.
-        ``launch``: the manager's ``launch_key`` for what it started this replica with (``info`` reports it)."""
+        ``launch``: the manager's digest of what it started this replica with (``manager.launch_key``; ``info``
+        reports it)."""
         from pathlib import Path
 
         from controlplane.pools import replica

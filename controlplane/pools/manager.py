@@ -48,7 +48,7 @@ from typing import Any, Protocol
 import ray
 from ray.actor import ActorHandle
 
-from controlplane.pools.actor import WorkerActor, launch_key
+from controlplane.pools.actor import WorkerActor
 from controlplane.pools.pending import explain
 from controlplane.pools.ray_runtime import RayRuntime
 from controlplane.pools.status import PendingReplica, PoolStatus, ReplicaStatus, WorkerStartError
@@ -360,8 +360,8 @@ class PoolManager:
         if not replicas:
             return
         returned, _ = ray.wait([r.watch for r in replicas], num_returns=len(replicas), timeout=0)
-        exited_refs = set()
-        for r in [r for r in replicas if r.watch in set(returned)]:
+        returned_refs, exited_refs = set(returned), set()
+        for r in [r for r in replicas if r.watch in returned_refs]:
             try:
                 stopped = ray.get(r.watch, timeout=PROBE_TIMEOUT_S) == "stopped"
             except Exception:  # its process died
@@ -557,6 +557,17 @@ def _kill_quietly(actor: ActorHandle) -> None:
         ray.kill(actor, no_restart=True)
     except Exception as exc:  # already gone
         log.debug("kill: %s", exc)
+
+
+def launch_key(pool: str, model_dir: str, settings_json: str, token: str, redis_url: str, redis_prefix: str) -> str:
+    """What a replica was started with, as one digest (the token and URL never appear in it): a pool manager
+    adopts a running replica only when its own key for that pool is the same (``PoolManager._adopt``).
+    ``settings_json`` leaves out the replica counts, which change while a deployment serves."""
+    h = hashlib.sha256()
+    for part in (pool, model_dir, settings_json, token, redis_url, redis_prefix):
+        h.update(part.encode())
+        h.update(b"\0")
+    return h.hexdigest()
 
 
 def replica_settings_json(settings: Settings) -> str:

@@ -37,15 +37,18 @@ def _epd(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
 
 
 def _counters(base_url: str) -> dict[str, float]:
-    """Every counter sample of the stack's /metrics, as 'name{label=value,...}' -> value."""
+    """Every counter sample of the stack's /metrics, as 'name{label=value,...}' -> value, summed over
+    ``model_name``: the label is process-wide (the last app created binds it), so in a test process that has
+    served more than one model the stack's requests may be counted under another test's model name."""
     text = httpx.get(base_url.removesuffix("/v1") + "/metrics", timeout=10).raise_for_status().text
-    out = {}
+    out: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         if family.type == "counter":
             for s in family.samples:
                 if s.name.endswith("_total"):
                     labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "model_name")
-                    out[f"{s.name}{{{labels}}}"] = s.value
+                    key = f"{s.name}{{{labels}}}"
+                    out[key] = out.get(key, 0.0) + s.value
     return out
 
 

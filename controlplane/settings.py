@@ -364,7 +364,8 @@ class RedisSettings(_Model):
 
 
 class RaySettings(_Model):
-    address: str | None = Field(None, description="join this Ray cluster; unset = start a local one")
+    address: str | None = Field(None, description="join this Ray cluster (one with Ray token auth also needs "
+                                "RAY_AUTH_MODE=token and RAY_AUTH_TOKEN in the environment); unset = start a local one")
     namespace: str = "epd"
     loopback_only: bool = Field(True, description="a local Ray that epd serve starts binds 127.0.0.1 only (GCS, "
                                                   "raylet, agents, workers); false: Ray's default, every interface")

@@ -194,6 +194,8 @@ def chart_schema() -> dict[str, Any]:
         "generateApiKey": _BOOL,
         "opsToken": _str("bearer token for /metrics and /dashboard; empty = generated", pattern=r"^(|.{16,})$"),
         "generateOpsToken": _BOOL,
+        "rayToken": _obj({"enabled": _BOOL,
+                          "existingSecret": _str("a Secret you manage, holding the Ray token under auth_token")}),
         "mtls": _obj({"secretName": _str("a Secret with ca.crt, tls.crt and tls.key"),
                       "mountPath": _str(pattern="^/")}),
     }, required=("existingSecretKeys",),

@@ -1,7 +1,9 @@
 """The Ray the pools run on: join a cluster at an address, reuse the driver's, or start a private one.
 
 Lifecycle:
-  1. ``start()``   with an address: ``ray.init(address=...)``, credentials as the user configured them.
+  1. ``start()``   with an address: ``ray.init(address=...)``, credentials as the user configured them
+                   (``RAY_AUTH_MODE``/``RAY_AUTH_TOKEN``); a cluster that cannot be joined is a
+                   ``RayJoinError`` naming the address and this process's Ray auth mode.
                    Ray already initialised in this process: reused, never shut down here.
                    Otherwise a local cluster that is ours alone: its own temp dir (Ray writes under the
                    system temp dir unless told otherwise), all of the machine's CPUs (replicas reserve
@@ -30,11 +32,13 @@ from pathlib import Path
 
 import ray
 
+from controlplane.pools.status import RayJoinError
 from controlplane.ray_env import LOOPBACK_HOSTS, LOOPBACK_VAR, loopback_environment
 
 log = logging.getLogger(__name__)
 
 OBJECT_STORE_BYTES = 128 * 2**20
+JOIN_TRIES = 3  # joins at an address refused by the Ray client proxy's failed server start
 _AUTH_VARS = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
 
 
@@ -45,6 +49,24 @@ def _reload_ray_auth() -> None:
 
     Config.initialize("")
     AuthenticationTokenLoader.instance().reset_cache()
+
+
+def _reason(exc: BaseException) -> str:
+    """``exc`` in one line; of a server's traceback (several lines) its first and last."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()] or [type(exc).__name__]
+    return lines[0] if len(lines) == 1 else f"{lines[0]} {lines[-1]}"
+
+
+def join_failure(address: str, exc: BaseException) -> str:
+    """Why joining the cluster at ``address`` failed, with what to check. A token-auth cluster answers a
+    Ray client without its token with a timeout, not a refusal, so the auth mode is always named."""
+    mode = os.environ.get("RAY_AUTH_MODE") or "disabled"
+    has_token = bool(os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH"))
+    here = f"RAY_AUTH_MODE={mode}" + (", with a token" if has_token else ", no RAY_AUTH_TOKEN")
+    port = "client port" if address.startswith("ray://") else "GCS port"
+    return (f"cannot join the Ray cluster at {address}: {_reason(exc)}. Check that its {port} is reachable from "
+            f"here and, if the cluster runs Ray token auth (the chart's default), that this process has its "
+            f"token: RAY_AUTH_MODE=token and RAY_AUTH_TOKEN (or RAY_AUTH_TOKEN_PATH). Here: {here}")
 
 
 class RayRuntime:
@@ -64,8 +86,7 @@ class RayRuntime:
         if ray.is_initialized():
             return
         if self.address is not None:
-            ray.init(address=self.address, namespace=self.namespace, log_to_driver=False,
-                     logging_level=logging.WARNING)
+            self._join(self.address)
             self.owns_connection = True
             return
         self.temp_dir = Path(tempfile.mkdtemp(prefix="epd-ray-"))
@@ -84,6 +105,24 @@ class RayRuntime:
         if self.loopback_only and node_ip not in LOOPBACK_HOSTS:
             log.warning("the local Ray took the node address %s and listens beyond loopback: Ray was imported "
                         "before %s=0 was set (set it in the environment first)", node_ip, LOOPBACK_VAR)
+
+    def _join(self, address: str) -> None:
+        """``ray.init`` at ``address``. The head's Ray client proxy starts a server process per client, and that
+        start sometimes fails (the client then sees "Initialization failure from server"): such a refusal is
+        tried again, up to JOIN_TRIES in all. Any other failure, or the last, is a ``RayJoinError``."""
+        for attempt in range(1, JOIN_TRIES + 1):
+            try:
+                ray.init(address=address, namespace=self.namespace, log_to_driver=False,
+                         logging_level=logging.WARNING)
+                return
+            except ConnectionAbortedError as exc:
+                if attempt == JOIN_TRIES:
+                    raise RayJoinError(join_failure(address, exc)) from exc
+                log.warning("joining the Ray cluster at %s (try %d of %d): %s; trying again", address, attempt,
+                            JOIN_TRIES, _reason(exc))
+                ray.shutdown()
+            except (ConnectionError, ray.exceptions.AuthenticationError) as exc:
+                raise RayJoinError(join_failure(address, exc)) from exc
 
     def _private_token(self) -> None:
         if any(v in os.environ for v in _AUTH_VARS):

@@ -11,6 +11,11 @@ class PoolError(Exception):
     """A pool could not be brought to its target."""
 
 
+class RayJoinError(PoolError):
+    """The Ray cluster at ``ray.address`` could not be joined (unreachable, or it refused this process's
+    token); the message names the address and this process's Ray auth mode."""
+
+
 class WorkerStartError(PoolError):
     """A replica did not come up: its actor raised (the text is in the message), or it timed out."""
 

@@ -214,13 +214,13 @@ def validate_objects(objects: list[dict[str, Any]]) -> dict[str, int]:
 CPU_VALUES = str(CHART / "values-cpu.yaml")
 EXTERNAL_REDIS = ("--set", "redis.enabled=false", "--set", "redis.external.url=redis://redis.example:6379/2")
 
-# every optional object on, and the user bringing both Secrets
+# every optional object on, and the user bringing every Secret
 OPTIONAL = ("--set", "ingress.enabled=true", "--set", "ingress.className=nginx",
             "--set", "metrics.serviceMonitor.enabled=true", "--set", "autoscaling.enabled=true",
             "--set", "auth.mtls.secretName=epd-mtls",
             "--set-json", 'modelVolume.volume={"persistentVolumeClaim": {"claimName": "models", "readOnly": true}}',
             "--set", "settings.model=/models/llama", "--set", "auth.existingSecret=my-epd",
-            "--set", "redis.auth.existingSecret=my-redis")
+            "--set", "redis.auth.existingSecret=my-redis", "--set", "auth.rayToken.existingSecret=my-ray")
 
 
 @functools.cache

@@ -126,12 +126,12 @@ def test_secrets_never_appear_in_notes(extra: tuple[str, ...]) -> None:
 def test_generated_secrets_are_long_and_distinct() -> None:
     secrets = {k: base64.b64decode(v).decode() for s in defaults() if s["kind"] == "Secret"
                for k, v in s["data"].items()}
-    assert set(secrets) == {"transfer-token", "admin-token", "ops-token", "api-keys", "redis-password"}
+    assert set(secrets) == {"transfer-token", "admin-token", "ops-token", "api-keys", "redis-password", "auth_token"}
     assert len(secrets["transfer-token"]) >= 32 and len(secrets["admin-token"]) >= 32
-    assert len(secrets["ops-token"]) >= 32
+    assert len(secrets["ops-token"]) >= 32 and len(secrets["auth_token"]) >= 32
     keys = json.loads(secrets["api-keys"])
     assert len(keys) == 1 and len(keys[0]) >= 32
-    assert len(set(secrets.values())) == 5
+    assert len(set(secrets.values())) == 6
 
 
 def test_open_api_when_asked() -> None:

@@ -38,11 +38,11 @@ def test_lint_strict(extra: tuple[str, ...]) -> None:
 
 
 @pytest.mark.parametrize("extra,kinds", [
-    ((), {"RayCluster": 1, "Deployment": 1, "StatefulSet": 1, "Service": 3, "Secret": 2, "PodDisruptionBudget": 3,
+    ((), {"RayCluster": 1, "Deployment": 1, "StatefulSet": 1, "Service": 3, "Secret": 3, "PodDisruptionBudget": 3,
           "NetworkPolicy": 1, "ConfigMap": 1}),
-    (("-f", CPU_VALUES), {"RayCluster": 1, "Deployment": 1, "StatefulSet": 1, "Service": 3, "Secret": 2,
+    (("-f", CPU_VALUES), {"RayCluster": 1, "Deployment": 1, "StatefulSet": 1, "Service": 3, "Secret": 3,
                           "PodDisruptionBudget": 3, "NetworkPolicy": 1, "ConfigMap": 1}),
-    (EXTERNAL_REDIS, {"RayCluster": 1, "Deployment": 1, "Service": 1, "Secret": 1, "PodDisruptionBudget": 3,
+    (EXTERNAL_REDIS, {"RayCluster": 1, "Deployment": 1, "Service": 1, "Secret": 2, "PodDisruptionBudget": 3,
                       "NetworkPolicy": 1, "ConfigMap": 1}),
     (OPTIONAL, {"RayCluster": 1, "Deployment": 1, "StatefulSet": 1, "Service": 3, "Ingress": 1,
                 "ServiceMonitor": 1, "PodDisruptionBudget": 3, "NetworkPolicy": 1, "ConfigMap": 1}),

@@ -54,6 +54,23 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{/* The ops token's key in the auth Secret: existingSecretKeys.opsToken, "ops-token" in a generated one. */}}
 {{- define "epd.opsTokenKey" -}}{{ .Values.auth.existingSecretKeys.opsToken | default "ops-token" }}{{- end -}}
 {{- define "epd.redisName" -}}{{ include "epd.fullname" . }}-redis{{- end -}}
+{{/* Ray token auth (auth.rayToken.enabled; on when a release made by an older chart lacks the key). */}}
+{{- define "epd.rayToken" -}}
+{{- if dig "rayToken" "enabled" true .Values.auth -}}true{{- end -}}
+{{- end -}}
+{{- define "epd.rayTokenSecretName" -}}
+{{- default (printf "%s-ray-token" (include "epd.fullname" .)) (dig "rayToken" "existingSecret" "" .Values.auth) -}}
+{{- end -}}
+{{/* RAY_AUTH_MODE and RAY_AUTH_TOKEN for every container that talks to the Ray cluster; nothing when off. The
+key is KubeRay's (authOptions.secretName expects auth_token too). */}}
+{{- define "epd.rayAuthEnv" -}}
+{{- if include "epd.rayToken" . }}
+- {name: RAY_AUTH_MODE, value: token}
+- name: RAY_AUTH_TOKEN
+  valueFrom: {secretKeyRef: {name: {{ include "epd.rayTokenSecretName" . }}, key: auth_token}}
+{{- end }}
+{{- end -}}
+
 {{- define "epd.redisSecretName" -}}
 {{- default (include "epd.redisName" .) .Values.redis.auth.existingSecret -}}
 {{- end -}}

@@ -37,11 +37,14 @@ class Chunk:
 
 
 class Overloaded(Exception):
-    """No decode room within the queue's bounds: answer 429 with Retry-After."""
+    """No decode room within the queue's bounds: answer 429 with Retry-After. ``reason`` labels
+    ``epd:admission_rejections``, which the ingress counts when it answers 429 (not when a stream that had
+    its 200 ends with this error)."""
 
-    def __init__(self, message: str, retry_after_s: float) -> None:
+    def __init__(self, message: str, retry_after_s: float, reason: str = "overloaded") -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
+        self.reason = reason
 
 
 class BackendError(Exception):

@@ -26,7 +26,6 @@ import anyio.to_thread
 
 from controlplane.backend import Backend, BackendError, Chunk, Overloaded
 from controlplane.dispatch import WorkerRequest
-from controlplane.observability import metrics
 
 _END = object()
 
@@ -70,9 +69,8 @@ class ThreadLanes:
         with anyio.move_on_after(self.first_wait_s) as waited:
             await first.acquire()
         if waited.cancelled_caught:  # no token came in time (a cancelled acquire holds none)
-            metrics.rejected("relay_busy")
             raise Overloaded(f"all {self.threads} request threads are busy admitting requests or waiting for decode "
-                             f"room; retry later", max(1.0, self.first_wait_s))
+                             f"room; retry later", max(1.0, self.first_wait_s), reason="relay_busy")
         try:  # the thread itself is counted by the token just taken
             return await anyio.to_thread.run_sync(step, limiter=unbounded)
         finally:

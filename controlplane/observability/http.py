@@ -122,7 +122,7 @@ async def _timed(chunks: AsyncGenerator[Chunk, None], request_id: str, route: st
     stream_span = None
     first_at = last_at = None
     status = 200
-    completed = False
+    completed = yielded = False
     try:
         async for chunk in chunks:
             now = time.perf_counter()
@@ -146,8 +146,11 @@ async def _timed(chunks: AsyncGenerator[Chunk, None], request_id: str, route: st
             if chunk.finished:
                 completed = True
                 _finished(chunk, t0, now, first_at, record, on)
+            yielded = True
             yield chunk
     except BaseException as exc:
+        if on and isinstance(exc, Overloaded) and not (streamed and yielded):  # answered 429, not cut short
+            metrics.rejected(exc.reason)
         if not completed:  # else the last token went out before the client left: answered, not cut short
             status = status_of(exc) if isinstance(exc, Exception) else 499
             if on and first_at is not None:

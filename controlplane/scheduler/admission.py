@@ -10,7 +10,6 @@ import threading
 from types import TracebackType
 
 from controlplane.backend import Overloaded
-from controlplane.observability import metrics
 
 
 class Ticket:
@@ -62,8 +61,8 @@ class Admission:
         """A ticket in the queue, or Overloaded (429) when ``queue_size`` requests already wait."""
         with self._lock:
             if self._waiting >= self.queue_size:
-                metrics.rejected("queue_full")
-                raise Overloaded(f"{self._waiting} requests are already waiting for decode room", 1.0)
+                raise Overloaded(f"{self._waiting} requests are already waiting for decode room", 1.0,
+                                 reason="queue_full")
             self._waiting += 1
         return Ticket(self)
 

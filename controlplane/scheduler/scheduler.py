@@ -196,9 +196,10 @@ class Scheduler:
         """An opened attempt, waiting (backing off) for decode room up to ``queue_timeout_s`` after
         ``wait_from``; _Lost when it lost a worker before its first chunk. The request leaves the queue (its
         ``ticket``, the waiting count and the "queue" stage) once the workers hold it: the decode
-        reservation made, not its first token, which comes after prefill. ``streamed``: its client has
-        tokens already (a move): running out of room then is no admission refusal. ``cramped`` (the request's,
-        across its moves) collects the decode workers too small for it: once no other is left, _ContextFull."""
+        reservation made, not its first token, which comes after prefill. ``streamed``: it has tokens
+        already (a move), so a worker too small for it is passed over rather than failing it. ``cramped`` (the
+        request's, across its moves) collects the decode workers too small for it: once no other is left,
+        _ContextFull."""
         rid = request.request_id
         deadline = wait_from + self.settings.queue_timeout_s
         backoff = 0.01
@@ -260,11 +261,10 @@ class Scheduler:
                 raise BackendError(self._no_decode_replica(candidates, lost), 503, retry_after_s=RETRY_AFTER_S)
             if time.monotonic() + backoff > deadline:
                 self._record(rid, RequestState.FAILED, "no decode room in time")
-                if not streamed:  # a moved request's client has its 200 and tokens: no admission refusal
-                    metrics.rejected("queue_timeout")
                 if ticket.queued:  # once the workers held it, its queue stage ended
                     queued_stage(rid, parent, admitted_ns, time.time_ns(), "no decode room in time")
-                raise Overloaded("every replica that could take it is full; retry later", max(1.0, backoff * 10))
+                raise Overloaded("every replica that could take it is full; retry later", max(1.0, backoff * 10),
+                                 reason="queue_timeout")
             time.sleep(backoff)
             backoff = min(backoff * 2, 0.2)
             self.view.invalidate()

@@ -508,6 +508,28 @@ def test_refusals_keep_their_status_when_streaming(client: TestClient, backend: 
     assert resp.headers["retry-after"] == "3"
 
 
+@pytest.mark.parametrize("stream, fail_after, status, counted", [
+    (False, 2, 429, 1),  # moved after two tokens, no room in time: the client gets a 429 and nothing else
+    (True, 2, 200, 0),   # the same in a stream: its 200 and two tokens went out; the error ends the stream
+    (True, 0, 429, 1),   # refused before its first token: a 429 either way
+])
+def test_an_admission_refusal_is_counted_once_when_the_client_gets_a_429(
+        client: TestClient, backend: FakeBackend, stream: bool, fail_after: int, status: int, counted: int) -> None:
+    """A moved non-streaming request that found no decode room in time was answered 429 but not counted in
+    epd:admission_rejections_total: the scheduler counted only requests with no tokens yet."""
+    backend.fail_after, backend.fail_with = fail_after, Overloaded("no decode room", 1.0, reason="queue_timeout")
+    before = _sample("epd:admission_rejections_total", reason="queue_timeout")
+    body = {"model": NAME, "stream": stream, "messages": [{"role": "user", "content": "Hi"}]}
+    with client.stream("POST", "/v1/chat/completions", json=body) as resp:
+        resp.read()
+    assert resp.status_code == status
+    if status == 429:
+        assert_error(resp, 429, "no decode room", type="rate_limit_error", code="rate_limit_exceeded")
+    else:
+        assert events(resp)[-1]["error"]["message"] == "no decode room"
+    assert _sample("epd:admission_rejections_total", reason="queue_timeout") == before + counted
+
+
 # ------------------------------------------------------------------------------ backend failures
 @pytest.mark.parametrize("retry_after_s, header", [(2.2, "3"), (0.05, "1"), (0.0, "1"), (30.0, "30")])
 def test_overloaded_is_429_with_retry_after(client: TestClient, backend: FakeBackend, retry_after_s: float,

@@ -27,6 +27,7 @@ from workers.runtime.multimodal import expand_image_tokens
 from workers.runtime.sampler import SamplingParams
 
 COMPLETION_MAX_TOKENS = 16  # /v1/completions without max_tokens, as OpenAI's API and vLLM default it
+SEED_SPAN = 2**63  # a request's seed is in [-2^63, 2^63), as vLLM's
 
 _WHITESPACE = re.compile(r"\s+")
 
@@ -242,12 +243,17 @@ def _sampling(body: ChatCompletionRequest | CompletionRequest, max_tokens: int |
         raise APIError(400, "The 'stream_options' parameter is only allowed when 'stream' is enabled.",
                        param="stream_options")
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+    seed = body.seed
+    if seed is not None:  # vLLM's range; the engine's seeds are [0, 2^63), where a negative one draws as seed + 2^63
+        if not -SEED_SPAN <= seed < SEED_SPAN:
+            raise APIError(400, f"seed must be an integer in [-2^63, 2^63), got {seed}", param="seed")
+        seed %= SEED_SPAN
     try:
         params = SamplingParams(max_tokens=max_tokens,
                                 temperature=1.0 if body.temperature is None else body.temperature,
                                 top_p=1.0 if body.top_p is None else body.top_p,
                                 top_k=0 if body.top_k in (None, -1) else body.top_k,  # vLLM spells off -1
-                                seed=body.seed, stop=stop, stop_token_ids=tuple(body.stop_token_ids or ()),
+                                seed=seed, stop=stop, stop_token_ids=tuple(body.stop_token_ids or ()),
                                 ignore_eos=bool(body.ignore_eos), to_context=to_context)
     except InvalidRequestError as exc:
         param = _param_of(str(exc), max_param)

@@ -316,6 +316,15 @@ def test_an_image_token_typed_into_the_text_is_refused(client: TestClient, backe
     assert backend.requests == []
 
 
+@pytest.mark.parametrize("sent, engine", [(-1, 2**63 - 1), (-2**63, 0), (0, 0), (2**63 - 1, 2**63 - 1)])
+def test_a_seed_in_vllms_range_is_accepted_and_a_negative_one_draws_as_seed_plus_2_63(
+        client: TestClient, backend: FakeBackend, sent: int, engine: int) -> None:
+    """vLLM takes seeds in [-2^63, 2^63); a client sending seed -1 was refused with a 400."""
+    resp = client.post("/v1/completions", json={"model": NAME, "prompt": "Hi", "max_tokens": 2, "seed": sent})
+    assert resp.status_code == 200, resp.text
+    assert backend.requests[-1].params.seed == engine
+
+
 def test_completions(client: TestClient, backend: FakeBackend, tokenizer: Tokenizer) -> None:
     resp = client.post("/v1/completions", json={"model": NAME, "prompt": "The scheduler", "max_tokens": 5,
                                                 "temperature": 0.7, "seed": 3})
@@ -630,7 +639,8 @@ def test_missing_fields(client: TestClient) -> None:
     ({"max_completion_tokens": -3}, "max_completion_tokens must be an integer >= 1, got -3", "max_completion_tokens"),
     ({"temperature": -0.5}, "temperature must be in [0, 100]", "temperature"),
     ({"top_p": 0}, "top_p must be in (0, 1]", "top_p"),
-    ({"seed": -1}, "seed must be an integer", "seed"),
+    ({"seed": -2**63 - 1}, "seed must be an integer in [-2^63, 2^63), got -9223372036854775809", "seed"),
+    ({"seed": 2**63}, "seed must be an integer in [-2^63, 2^63)", "seed"),
     ({"stop": ["x" * 300]}, "stop must be", "stop"),
     ({"n": 2}, "n must be 1", "n"),
     ({"presence_penalty": 0.5}, "presence_penalty is not supported", "presence_penalty"),

@@ -4,6 +4,11 @@ Ray fixes its node address when it is imported: with ``RAY_ENABLE_WINDOWS_OR_OSX
 single-host mode) a local cluster takes 127.0.0.1, and its GCS, raylet, agents and worker processes bind
 there; without it they bind every interface. ``epd serve`` calls ``loopback_environment`` first thing.
 
+Ray also starts a local cluster on any call made while it is not connected (``ray.get``, ``ray.kill``, an
+actor call). In the control plane such a call only comes after the connection was lost (a restarted head, a
+Ray client that gave up), and a local cluster inside its pod would silently stand in for the real one:
+``no_auto_connect`` turns that off (read at import too).
+
 GPUs: Ray narrows each actor's ``CUDA_VISIBLE_DEVICES`` to the GPUs it reserved, so two replicas on
 different GPUs cannot open each other's CUDA IPC handles. A replica started with ``NOSET_CUDA_VAR`` set
 (``PoolSettings.process_env``) keeps its node's view of every GPU, and ``reserved_cuda_device`` maps its
@@ -18,6 +23,13 @@ from collections.abc import Sequence
 LOOPBACK_VAR = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 LOOPBACK_HOSTS = ("127.0.0.1", "::1", "localhost")
 NOSET_CUDA_VAR = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
+AUTO_CONNECT_VAR = "RAY_ENABLE_AUTO_CONNECT"
+
+
+def no_auto_connect() -> None:
+    """A Ray call made while Ray is not connected raises instead of starting a local cluster. Call before
+    ``import ray``; a value the user set is left alone."""
+    os.environ.setdefault(AUTO_CONNECT_VAR, "0")
 
 
 def loopback_environment(joins_cluster: bool, loopback_only: bool) -> bool:

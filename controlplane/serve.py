@@ -174,9 +174,10 @@ class Deployment:
 
 
 def build(settings: Settings) -> Deployment:
-    from controlplane.ray_env import loopback_environment
+    from controlplane.ray_env import loopback_environment, no_auto_connect
 
     loopback_environment(settings.ray.address is not None, settings.ray.loopback_only)  # before Ray is imported
+    no_auto_connect()
     from controlplane.admin import admin_router, drain_over_rpc, resume_over_rpc
     from controlplane.admin_client import ensure_admin_token
     from controlplane.api.app import create_app
@@ -214,6 +215,10 @@ def build(settings: Settings) -> Deployment:
         dep.add(lambda: f"the pools ({pools_line(manager, not_needed)}; each replica gets up to 5 s to finish the "
                         f"RPCs it is serving){', then the local Ray' if manager.runtime.owns_connection else ''}",
                 manager.stop)
+        from controlplane.pools.ray_probe import RayProbe
+        address = manager.runtime.address
+        ray_probe = RayProbe(f"the Ray cluster at {address}" if address else "the local Ray").start()  # see /health
+        dep.add("the Ray probe", ray_probe.close)
         if settings.replicas_file is not None:  # a count changed in it becomes that pool's target, as epd scale
             from controlplane.replicas_file import ReplicasFileWatch
             from controlplane.state import PoolTargets
@@ -262,7 +267,8 @@ def build(settings: Settings) -> Deployment:
                                                                  on_resume=resume_over_rpc(registry, security),
                                                                  fixed_pools=fixed, starts=manager),
                              routers=routers, relay_wait_s=settings.scheduler.queue_timeout_s,
-                             ops_token=settings.api.ops_token.get_secret_value() if settings.api.ops_token else None)
+                             ops_token=settings.api.ops_token.get_secret_value() if settings.api.ops_token else None,
+                             unhealthy=ray_probe.lost)
         dep.ready_line = f"{info.name} ({settings.mode}: {pools_line(manager, not_needed)})"
     except BaseException:
         dep.close()

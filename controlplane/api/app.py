@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import anyio.to_thread
 from fastapi import APIRouter, FastAPI, Request
@@ -41,14 +41,16 @@ CLIENT_CLOSED = 499  # nginx's status for a client that left before the answer; 
 
 def create_app(backend: Backend, api_keys: Sequence[str] = (), admin: APIRouter | None = None, *,
                relay_threads: int = 256, relay_wait_s: float | None = None, routers: Sequence[APIRouter] = (),
-               max_body_bytes: int = MAX_BODY_BYTES, ops_token: str | None = None) -> FastAPI:
+               max_body_bytes: int = MAX_BODY_BYTES, ops_token: str | None = None,
+               unhealthy: Callable[[], str | None] | None = None) -> FastAPI:
     """The ingress app. ``api_keys``: bearer keys for /v1/*, /tokenize and /detokenize (empty: open).
     ``admin``: a router mounted as is (it guards itself). ``relay_threads``: threads that may wait on backend
     chunks (per lane, ``relay.ThreadLanes``); ``relay_wait_s``: how long a request may wait for one to start
     on (then 429).
     ``routers``: more routers mounted as they are (the dashboard). ``GET /metrics`` is always served.
     ``max_body_bytes``: a larger request body is a 413 (``limits.BodyLimit``). ``ops_token``: /metrics and
-    /dashboard need it (``auth.OpsAuth``; None: open)."""
+    /dashboard need it (``auth.OpsAuth``; None: open). ``unhealthy``: why the process should be restarted (None:
+    healthy), asked by ``GET /health``, which then answers 503 with that reason (a liveness probe restarts it)."""
     app = FastAPI(title="epd", summary="OpenAI-compatible API over disaggregated encode/prefill/decode",
                   docs_url=None, redoc_url=None, **fastapi_kwargs())
     install_error_handlers(app)
@@ -57,8 +59,11 @@ def create_app(backend: Backend, api_keys: Sequence[str] = (), admin: APIRouter 
     started = int(time.time())
 
     @app.api_route("/health", methods=["GET", "HEAD"], include_in_schema=False)  # HEAD: probes that send it
-    async def health() -> dict[str, str]:
-        return {"status": "ok"}
+    async def health() -> Response:
+        reason = unhealthy() if unhealthy is not None else None
+        if reason is not None:
+            return JSONResponse({"status": "unhealthy", "reason": reason}, status_code=503)
+        return JSONResponse({"status": "ok"})
 
     @app.api_route("/ready", methods=["GET", "HEAD"], include_in_schema=False)
     async def ready() -> Response:

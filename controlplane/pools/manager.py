@@ -521,12 +521,19 @@ class PoolManager:
             self._stopping.difference_update(r.worker_id for r in victims)
 
     def _stop_replicas(self, victims: list[Replica]) -> None:
-        stops = [(r, r.actor.stop.remote()) for r in victims]
-        for r, ref in stops:
+        stops: list[tuple[Replica, Any]] = []
+        for r in victims:
             try:
-                ray.get(ref, timeout=STOP_TIMEOUT_S)
-            except Exception as exc:
-                log.warning("stop of %s failed: %s", r.worker_id, exc)
+                stops.append((r, r.actor.stop.remote()))
+            except Exception as exc:  # Ray itself is gone (a restarted head, a lost client): nothing to ask
+                log.warning("stop of %s not sent: %s", r.worker_id, exc)
+                stops.append((r, None))
+        for r, ref in stops:
+            if ref is not None:
+                try:
+                    ray.get(ref, timeout=STOP_TIMEOUT_S)
+                except Exception as exc:
+                    log.warning("stop of %s failed: %s", r.worker_id, exc)
             self._kill(r)
 
     def _kill(self, r: Replica) -> None:

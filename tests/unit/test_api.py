@@ -540,6 +540,18 @@ def test_an_admission_refusal_is_counted_once_when_the_client_gets_a_429(
 
 
 # ------------------------------------------------------------------------------ backend failures
+def test_health_is_503_with_the_reason_while_the_process_should_be_restarted(backend: FakeBackend) -> None:
+    reason: list[str | None] = [None]
+    with TestClient(create_app(backend, unhealthy=lambda: reason[0])) as client:
+        assert client.get("/health").json() == {"status": "ok"}
+        reason[0] = "the Ray cluster at ray://head:10001 has not answered for 61 s"
+        resp = client.get("/health")
+        assert resp.status_code == 503 and resp.json() == {"status": "unhealthy", "reason": reason[0]}
+        assert client.head("/health").status_code == 503  # probes that send HEAD
+        reason[0] = None
+        assert client.get("/health").status_code == 200
+
+
 @pytest.mark.parametrize("retry_after_s, header", [(2.2, "3"), (0.05, "1"), (0.0, "1"), (30.0, "30")])
 def test_overloaded_is_429_with_retry_after(client: TestClient, backend: FakeBackend, retry_after_s: float,
                                             header: str) -> None:

@@ -2,8 +2,8 @@
 
 Lifecycle:
   1. ``start()``   with an address: ``ray.init(address=...)``, credentials as the user configured them
-                   (``RAY_AUTH_MODE``/``RAY_AUTH_TOKEN``); a cluster that cannot be joined is a
-                   ``RayJoinError`` naming the address and this process's Ray auth mode.
+                   (``RAY_AUTH_MODE``/``RAY_AUTH_TOKEN``); a cluster that cannot be reached or refuses
+                   the token is a ``RayJoinError`` naming the address and this process's Ray auth mode.
                    Ray already initialised in this process: reused, never shut down here.
                    Otherwise a local cluster that is ours alone: its own temp dir (Ray writes under the
                    system temp dir unless told otherwise), all of the machine's CPUs (replicas reserve
@@ -28,6 +28,7 @@ import os
 import secrets
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 import ray
@@ -39,6 +40,7 @@ log = logging.getLogger(__name__)
 
 OBJECT_STORE_BYTES = 128 * 2**20
 JOIN_TRIES = 3  # joins at an address refused by the Ray client proxy's failed server start
+JOIN_PAUSE_S = 1.0
 _AUTH_VARS = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
 
 
@@ -63,6 +65,10 @@ def join_failure(address: str, exc: BaseException) -> str:
     mode = os.environ.get("RAY_AUTH_MODE") or "disabled"
     has_token = bool(os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH"))
     here = f"RAY_AUTH_MODE={mode}" + (", with a token" if has_token else ", no RAY_AUTH_TOKEN")
+    if isinstance(exc, ConnectionAbortedError):  # the client port answered; the head's proxy failed this client
+        return (f"cannot join the Ray cluster at {address}: {_reason(exc)}. The head's Ray client proxy could not "
+                f"start a server for this client: see ray_client_server*.err in the head's Ray log folder "
+                f"(/tmp/ray/session_latest/logs). Here: {here}")
     port = "client port" if address.startswith("ray://") else "GCS port"
     return (f"cannot join the Ray cluster at {address}: {_reason(exc)}. Check that its {port} is reachable from "
             f"here and, if the cluster runs Ray token auth (the chart's default), that this process has its "
@@ -109,7 +115,9 @@ class RayRuntime:
     def _join(self, address: str) -> None:
         """``ray.init`` at ``address``. The head's Ray client proxy starts a server process per client, and that
         start sometimes fails (the client then sees "Initialization failure from server"): such a refusal is
-        tried again, up to JOIN_TRIES in all. Any other failure, or the last, is a ``RayJoinError``."""
+        tried again after JOIN_PAUSE_S, up to JOIN_TRIES in all. A connection failure (unreachable, a token
+        refused or missing), or the last refusal, is a ``RayJoinError``; anything else Ray raises (a version
+        mismatch, say) is left as it is."""
         for attempt in range(1, JOIN_TRIES + 1):
             try:
                 ray.init(address=address, namespace=self.namespace, log_to_driver=False,
@@ -121,6 +129,7 @@ class RayRuntime:
                 log.warning("joining the Ray cluster at %s (try %d of %d): %s; trying again", address, attempt,
                             JOIN_TRIES, _reason(exc))
                 ray.shutdown()
+                time.sleep(JOIN_PAUSE_S)
             except (ConnectionError, ray.exceptions.AuthenticationError) as exc:
                 raise RayJoinError(join_failure(address, exc)) from exc
 

@@ -63,7 +63,7 @@ class DispatchBackend:
             if exc.code in _CLIENT_FAULTS:
                 raise BackendError(str(exc), status=400, kind="invalid_request_error") from None
             if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                raise Overloaded(str(exc), retry_after_s=1.0) from None
+                raise Overloaded(str(exc), retry_after_s=1.0, reason="queue_full") from None
             raise BackendError(str(exc), status=502) from None
         finally:
             if not finished:

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from chart_tools import POOLS, ROOT, control_plane_env, defaults, env_of, find, group_env, render
+from chart_tools import POOLS, ROOT, control_plane_env, defaults, env_of, find, group_env, helm, render
 
 pytestmark = pytest.mark.integration
 
@@ -71,11 +71,25 @@ def test_an_existing_secret_replaces_the_generated_one_and_off_means_no_token_an
 
 
 def test_a_release_from_an_older_chart_without_the_key_gets_a_token() -> None:
-    """`helm upgrade --reuse-values` keeps the old release's values, which have no auth.rayToken."""
-    objs = render("--set-json", 'auth={"existingSecretKeys": {"transferToken": "transfer-token", '
-                                '"adminToken": "admin-token", "apiKeys": "api-keys", "opsToken": ""}}')
+    """`helm upgrade --reuse-values` keeps the old release's values, which have no auth.rayToken (null deletes
+    the chart's default, so the templates see no key at all)."""
+    objs = render("--set", "auth.rayToken=null")
     assert _auth_env(control_plane_env(objs)) == AUTH_ENV
     find(objs, "Secret", "-ray-token")
+
+
+@pytest.mark.parametrize("extra, warned", [
+    ((), False),
+    (("--set", "auth.existingSecret=mine"), True),  # the GitOps set-up the docs advise, Ray token forgotten
+    (("--set", "auth.existingSecret=mine", "--set", "auth.rayToken.existingSecret=my-ray"), False),
+])
+def test_notes_warn_when_the_other_secrets_are_yours_and_the_ray_token_is_generated(
+        extra: tuple[str, ...], warned: bool) -> None:
+    r = helm("install", "t", "{chart}", "--namespace", "epd", "--dry-run=client", *extra)
+    assert r.returncode == 0, r.stderr
+    notes = r.stdout.split("NOTES:", 1)[1]
+    assert ("set auth.rayToken.existingSecret" in notes) is warned
+    assert "kubectl -n epd get secret" in notes and "-o jsonpath='{.data.auth_token}'" in notes
 
 
 def _free_port() -> int:

@@ -64,6 +64,11 @@ def test_bad_values_are_refused_by_the_schema(args: tuple[str, ...], where: str,
      "offers Ray (2, from its rayStartParams num-cpus 2)"),
     (("--set", "pools.prefill.rayStartParams.resources=x"),
      "pools.prefill.rayStartParams.resources is set by the chart"),
+    # the old docs' way to give the control plane a Ray token: the chart's own would be a second copy
+    (("--set-json", 'controlPlane.extraEnv=[{"name": "RAY_AUTH_MODE", "value": "token"}]'),
+     "controlPlane.extraEnv sets RAY_AUTH_MODE, which the chart sets itself while auth.rayToken.enabled is true"),
+    (("--set-json", 'pools.decode.extraEnv=[{"name": "RAY_AUTH_TOKEN", "value": "x"}]'),
+     "pools.decode.extraEnv sets RAY_AUTH_TOKEN"),
 ])
 def test_cross_field_mistakes_are_refused_by_name(args: tuple[str, ...], needle: str) -> None:
     assert needle in refusal(*args)

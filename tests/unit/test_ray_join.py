@@ -35,6 +35,7 @@ def calls(monkeypatch: pytest.MonkeyPatch) -> Callable[[list[BaseException | Non
         monkeypatch.setattr(ray_runtime.ray, "init", init)
         monkeypatch.setattr(ray_runtime.ray, "shutdown", lambda: log.append("shutdown"))
         monkeypatch.setattr(ray_runtime.ray, "is_initialized", lambda: False)
+        monkeypatch.setattr(ray_runtime, "JOIN_PAUSE_S", 0.0)
         return log
     return script
 
@@ -60,6 +61,8 @@ def test_past_the_last_try_the_error_is_one_line_naming_the_address_and_the_serv
     assert "\n" not in message and isinstance(err.value, PoolError)  # `epd serve` prints it as one line, exit 2
     assert message.startswith(f"cannot join the Ray cluster at {ADDRESS}: Initialization failure from server: "
                               "RuntimeError: Starting Ray client server failed.")
+    assert "ray_client_server*.err in the head's Ray log folder" in message  # the port answered: no port advice
+    assert "reachable" not in message
 
 
 @pytest.mark.parametrize("env,here", [

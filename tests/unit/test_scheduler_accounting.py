@@ -14,6 +14,7 @@ import pytest
 
 from controlplane.backend import Overloaded
 from controlplane.dispatch import DispatchError, WorkerRequest
+from controlplane.observability import metrics
 from controlplane.scheduler import scheduler as sch
 from controlplane.scheduler.policies import Candidate
 from controlplane.scheduler.selection import Selection
@@ -73,6 +74,8 @@ def test_a_moved_request_that_finds_no_room_ends_overloaded_and_leaves_the_queue
         selector.opened += 1
         return _Attempt()
 
+    rejections = metrics.ADMISSION_REJECTIONS.labels(metrics.MODEL.value, "queue_timeout")
+    before = rejections._value.get()
     got = []
     with mock.patch.object(sch.Attempt, "open", staticmethod(open_attempt)), \
             mock.patch.object(sch, "Progress") as progress:
@@ -89,6 +92,7 @@ def test_a_moved_request_that_finds_no_room_ends_overloaded_and_leaves_the_queue
                 got.append(chunk)
     assert len(got) == 1  # it had streamed a token when its worker was lost
     assert refused.value.reason == "queue_timeout"  # the label the ingress counts it under, if it answers 429
+    assert rejections._value.get() == before  # ...and only the ingress: counting here too would count it twice
     assert scheduler.admission.waiting == 0  # and it holds no place in the queue
 
 

@@ -223,6 +223,17 @@ pool with it. Only a pool going to or from 0 replicas changes the probe.
 {{/* Checks the schema cannot express (they cross fields); each message names the values to change. */}}
 {{- define "epd.validate" -}}
 {{- $s := .Values.settings -}}
+{{- if include "epd.rayToken" . -}}
+{{- $envs := dict "controlPlane.extraEnv" (.Values.controlPlane.extraEnv | default list) -}}
+{{- range $p, $g := .Values.pools -}}{{- $_ := set $envs (printf "pools.%s.extraEnv" $p) ($g.extraEnv | default list) -}}{{- end -}}
+{{- range $where, $env := $envs -}}
+{{- range $e := $env -}}
+{{- if hasPrefix "RAY_AUTH_" ($e.name | default "") -}}
+{{- fail (printf "%s sets %s, which the chart sets itself while auth.rayToken.enabled is true (from the Secret %s): remove it, or set auth.rayToken.existingSecret to the Secret you meant" $where $e.name (include "epd.rayTokenSecretName" $)) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
 {{- $pe := ($s.prefill.engine | default dict) -}}
 {{- $de := ($s.decode.engine | default dict) -}}
 {{- if ne (toString ($pe.block_size | default 16)) (toString ($de.block_size | default 16)) -}}

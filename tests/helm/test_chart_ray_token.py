@@ -6,21 +6,16 @@ through the Ray client, and the same process without the token is refused with a
 from __future__ import annotations
 
 import base64
-import os
-import shutil
-import signal
-import socket
 import subprocess
 import sys
-import tempfile
-import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-from chart_tools import POOLS, ROOT, control_plane_env, defaults, env_of, find, group_env, helm, render
+from chart_tools import POOLS, control_plane_env, defaults, env_of, find, group_env, helm, render
+from ray_head import RayHead
+from ray_head import ray_head as start_ray_head
 
 pytestmark = pytest.mark.integration
 
@@ -92,52 +87,16 @@ def test_notes_warn_when_the_other_secrets_are_yours_and_the_ray_token_is_genera
     assert "kubectl -n epd get secret" in notes and "-o jsonpath='{.data.auth_token}'" in notes
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _listening(port: int) -> bool:
-    try:
-        socket.create_connection(("127.0.0.1", port), timeout=1).close()
-    except OSError:
-        return False
-    return True
-
-
 @pytest.fixture(scope="module")
 def rendered() -> list[dict[str, Any]]:
     return render()
 
 
 @pytest.fixture(scope="module")
-def head(rendered: list[dict[str, Any]]) -> Iterator[tuple[str, dict[str, str], Path]]:
-    """`ray start --head` with the head container's rendered Ray auth environment, in its own process group.
-    Yields the Ray client address, the environment with no Ray auth variable in it, and Ray's log folder."""
-    tmp = Path(tempfile.mkdtemp(prefix="epd-rt-"))  # short: Ray's socket paths must fit 107 bytes
-    base = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_AUTH", "RAY_ADDRESS"))}
-    base.update(HOME=str(tmp), RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", PYTHONPATH=str(ROOT))
-    head_env = {**base, **_resolved(_auth_env(env_of(_head(rendered))), rendered)}
-    port, client = _free_port(), _free_port()
-    ray_bin = Path(sys.executable).with_name("ray")
-    with open(tmp / "head.log", "w") as log:
-        proc = subprocess.Popen(
-            [str(ray_bin), "start", "--head", "--block", f"--port={port}", "--node-ip-address=127.0.0.1",
-             f"--temp-dir={tmp / 'ray'}", "--num-cpus=1", "--include-dashboard=false", "--disable-usage-stats",
-             f"--ray-client-server-port={client}"],
-            env=head_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            deadline = time.monotonic() + 60
-            while not _listening(client):
-                assert proc.poll() is None, "ray start failed:\n" + (tmp / "head.log").read_text()[-3000:]
-                assert time.monotonic() < deadline, "the Ray client port did not listen within 60 s"
-                time.sleep(0.2)
-            yield f"ray://127.0.0.1:{client}", base, tmp / "ray" / "session_latest" / "logs"
-        finally:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(30)
-            shutil.rmtree(tmp, ignore_errors=True)
+def head(rendered: list[dict[str, Any]]) -> Iterator[RayHead]:
+    """`ray start --head` with the head container's rendered Ray auth environment (tests/ray_head.py)."""
+    with start_ray_head("epd-rt-", _resolved(_auth_env(env_of(_head(rendered))), rendered), num_cpus=1) as h:
+        yield h
 
 
 JOIN = """
@@ -163,8 +122,8 @@ def _join(address: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]
 
 @pytest.mark.slow
 def test_the_control_planes_rendered_env_joins_the_head_and_no_token_is_refused_by_name(
-        head: tuple[str, dict[str, str], Path], rendered: list[dict[str, Any]]) -> None:
-    address, base, logs = head
+        head: RayHead, rendered: list[dict[str, Any]]) -> None:
+    address, base, logs = head.client, head.env, head.folder / "ray" / "session_latest" / "logs"
     cp = _resolved(_auth_env(control_plane_env(rendered)), rendered)
     ok = _join(address, {**base, **cp})
     client_logs = "".join(f"--- {p.name}\n{p.read_text()[-2000:]}" for p in sorted(logs.glob("ray_client_server*")))

@@ -6,14 +6,10 @@ again; a replica started with other settings is stopped and replaced. Real parts
 from __future__ import annotations
 
 import json
-import os
 import select
-import shutil
 import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from collections.abc import Iterator
@@ -24,56 +20,24 @@ import pytest
 from controlplane.settings import MiB, Settings
 from controlplane.state import LocalRedis, connect
 
-from http_helpers import free_loopback_port
+from ray_head import ray_head as start_ray_head
 from redis_fixture import process_gone, redis_server  # noqa: F401  (fixture)
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 TOKEN = "adoption-test-token-0123456789"
 SCRIPT = Path(__file__).with_name("manager_process.py")
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _env(home: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_AUTH", "RAY_ADDRESS"))}
-    return {**env, "HOME": str(home), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "PYTHONPATH": str(ROOT)}
 
 
 @pytest.fixture(scope="module")
 def ray_head() -> Iterator[tuple[str, dict[str, str]]]:
-    """A Ray cluster that outlives the managers, as a KubeRay head does: `ray start --block` in its own
-    process group, killed whole at the end. Its folder is short: Ray's socket paths must fit 107 bytes."""
-    tmp = Path(tempfile.mkdtemp(prefix="epd-rh-"))
-    env = _env(tmp)
-    port = free_loopback_port()
-    ray_bin = Path(sys.executable).with_name("ray")
-    with open(tmp / "head.log", "w") as log:
-        head = subprocess.Popen(
-            [str(ray_bin), "start", "--head", "--block", f"--port={port}", "--node-ip-address=127.0.0.1",
-             f"--temp-dir={tmp / 'ray'}", "--num-cpus=2", "--include-dashboard=false", "--disable-usage-stats",
-             f"--ray-client-server-port={free_loopback_port()}"],
-            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    """A Ray cluster that outlives the managers, as a KubeRay head does (tests/ray_head.py)."""
+    with start_ray_head("epd-rh-") as head:
         try:
-            deadline = time.monotonic() + 60
-            while not _listening(port):
-                assert head.poll() is None, "ray start failed:\n" + (tmp / "head.log").read_text()[-3000:]
-                assert time.monotonic() < deadline, "the Ray head did not listen within 60 s"
-                time.sleep(0.2)
-            yield f"127.0.0.1:{port}", env
+            yield head.gcs, head.env
         finally:
             for manager in Manager.started:
                 manager.kill()
-            os.killpg(head.pid, signal.SIGKILL)  # the head, its GCS, raylet, agents and every actor process
-            head.wait(30)
-            shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _listening(port: int) -> bool:
-    try:
-        socket.create_connection(("127.0.0.1", port), timeout=1).close()
-    except OSError:
-        return False
-    return True
 
 
 def _settings(kv_bytes: int = 32 * MiB, replicas: int = 1) -> str:

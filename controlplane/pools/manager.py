@@ -507,10 +507,16 @@ class PoolManager:
     # ------------------------------------------------------------------ stopping
     def _drain_and_stop(self, victims: list[Replica]) -> None:
         try:
-            drains = [(r, r.actor.drain.remote(self.drain_timeout_s)) for r in victims]  # all at once
+            drains: list[tuple[Replica, Any]] = []
+            for r in victims:  # all at once
+                try:
+                    drains.append((r, r.actor.drain.remote(self.drain_timeout_s)))
+                except Exception as exc:  # Ray itself is gone: stopped below all the same
+                    log.warning("drain of %s not sent: %s", r.worker_id, exc)
+                    drains.append((r, None))
             for r, ref in drains:
                 try:
-                    clean = ray.get(ref, timeout=self.drain_timeout_s + PROBE_TIMEOUT_S)
+                    clean = ref is not None and ray.get(ref, timeout=self.drain_timeout_s + PROBE_TIMEOUT_S)
                 except Exception as exc:
                     clean = False
                     log.warning("drain of %s failed: %s", r.worker_id, exc)

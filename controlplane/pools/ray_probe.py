@@ -9,6 +9,10 @@ in the process would ever recover, and a liveness probe on ``/health`` saw nothi
 says so, with the last error; ``epd serve`` then answers ``/health`` with 503, so Kubernetes restarts the
 control plane, which joins the cluster as it is now and starts the pools again. The thread's own calls are
 independent of the reconcile loop, which may wait minutes for a replica to start.
+
+This is for a cluster joined through the Ray client (``ray://``, the chart). A private Ray, or one joined by
+its GCS address, takes the process with it instead: Ray ends the driver when its raylet dies, or once its
+GCS has been gone for a minute.
 """
 
 from __future__ import annotations
@@ -29,9 +33,12 @@ CALL_TIMEOUT_S = 10.0
 
 class RayProbe:
     def __init__(self, where: str, *, every_s: float = EVERY_S, lost_after_s: float = LOST_AFTER_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        """``where``: the cluster as an operator knows it ("the Ray cluster at ray://...", "the local Ray")."""
+                 clock: Callable[[], float] = time.monotonic, round_trip: Callable[[], None] | None = None) -> None:
+        """``where``: the cluster as an operator knows it ("the Ray cluster at ray://...", "the local Ray").
+        ``round_trip``: one call through Ray that raises or hangs when it does not answer (default: a tiny
+        object put and got back)."""
         self.where = where
+        self._round_trip = round_trip or _put_and_get
         self.every_s = every_s
         self.lost_after_s = lost_after_s
         self._clock = clock
@@ -70,7 +77,7 @@ class RayProbe:
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                ray.get(ray.put(None), timeout=CALL_TIMEOUT_S)
+                self._round_trip()
             except Exception as exc:
                 if self._stop.is_set():
                     return
@@ -78,3 +85,7 @@ class RayProbe:
             else:
                 self._ok_at, self._error, self._said = self._clock(), None, False
             self._stop.wait(self.every_s)
+
+
+def _put_and_get() -> None:
+    ray.get(ray.put(None), timeout=CALL_TIMEOUT_S)

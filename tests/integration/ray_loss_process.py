@@ -29,8 +29,8 @@ def main() -> None:
     manager = PoolManager(Settings.model_validate_json(settings_json), redis_url, prefix, token, address,
                           reconcile_interval_s=0.2).start()
     probe = RayProbe(f"the Ray cluster at {address}", every_s=0.5, lost_after_s=5.0).start()
-    time.sleep(2)
-    print("started", probe.lost(), flush=True)  # "started None": Ray answers
+    time.sleep(6)  # past the probe's limit: "started None" only if a round trip succeeded meanwhile
+    print("started", probe.lost(), flush=True)
     sys.stdin.readline()
     killed = time.monotonic()
     while (reason := probe.lost()) is None and time.monotonic() - killed < 120:

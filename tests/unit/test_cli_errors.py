@@ -4,6 +4,8 @@ anything, and its --help says what each option does and defaults to."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -305,3 +307,17 @@ def test_a_micro_benchmark_missing_a_module_names_the_package_only_when_it_is_th
     assert run.errors["sampler"] == ("needs transformers, which is not installed (the bench extra: "
                                      "pip install transformers)")
     assert run.errors["other"].startswith("ModuleNotFoundError: No module named 'no_such_module_here'")
+
+
+def test_the_cli_imports_no_ray_before_serve_sets_its_environment() -> None:
+    """`epd serve` sets Ray's environment (loopback-only, no auto-connect) before its first `import ray`, which
+    Ray reads once: anything that imported Ray at start-up (a command plugin, a settings module) would silently
+    undo both. A fresh interpreter, as `epd` starts."""
+    code = ("import sys; import controlplane.cli as cli; cli.build_parser(); import controlplane.serve; "
+            "from controlplane.settings import Settings; Settings.load(); print(sorted(m for m in sys.modules "
+            "if m == 'ray' or m.startswith('ray.')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).resolve().parents[2],
+                         env={k: v for k, v in os.environ.items() if not k.startswith("EPD_")})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"

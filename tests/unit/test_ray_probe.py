@@ -1,5 +1,5 @@
-"""RayProbe's verdict over time: Ray answering, failing, hanging and coming back. Pure logic: ``ray.put`` and
-``ray.get`` are stand-ins and the clock is the test's (tests/integration/test_ray_loss.py kills a real head)."""
+"""RayProbe's verdict over time: Ray answering, failing, hanging and coming back. Pure logic: the round trip
+through Ray is a stand-in and the clock is the test's (tests/integration/test_ray_loss.py kills a real head)."""
 
 from __future__ import annotations
 
@@ -8,12 +8,11 @@ import time
 
 import pytest
 
-from controlplane.pools import ray_probe
 from controlplane.pools.ray_probe import RayProbe
 
 
 class _Ray:
-    """ray.put/ray.get as the probe calls them: answers, raises ``error``, or blocks while ``hang`` is set."""
+    """The probe's round trip: answers, raises ``error``, or blocks while ``hang`` is set."""
 
     def __init__(self) -> None:
         self.error: Exception | None = None
@@ -21,24 +20,17 @@ class _Ray:
         self.released = threading.Event()
         self.calls = 0
 
-    def put(self, value: object) -> object:
-        return value
-
-    def get(self, ref: object, timeout: float) -> object:
+    def round_trip(self) -> None:
         self.calls += 1
         if self.hang.is_set():
             self.released.wait(10)
         if self.error is not None:
             raise self.error
-        return ref
 
 
 @pytest.fixture
-def fake(monkeypatch: pytest.MonkeyPatch) -> _Ray:
-    ray = _Ray()
-    monkeypatch.setattr(ray_probe.ray, "put", ray.put)
-    monkeypatch.setattr(ray_probe.ray, "get", ray.get)
-    return ray
+def fake() -> _Ray:
+    return _Ray()
 
 
 def _after_calls(fake: _Ray, n: int) -> None:
@@ -51,7 +43,8 @@ def _after_calls(fake: _Ray, n: int) -> None:
 
 def test_lost_only_after_the_limit_without_an_answer_and_well_again_once_ray_answers(fake: _Ray, caplog) -> None:
     now = [100.0]
-    probe = RayProbe("the Ray cluster at ray://head:10001", every_s=0.001, lost_after_s=60, clock=lambda: now[0])
+    probe = RayProbe("the Ray cluster at ray://head:10001", every_s=0.001, lost_after_s=60, clock=lambda: now[0],
+                     round_trip=fake.round_trip)
     probe.start()
     try:
         _after_calls(fake, 2)
@@ -76,7 +69,7 @@ def test_lost_only_after_the_limit_without_an_answer_and_well_again_once_ray_ans
 
 def test_a_round_trip_that_hangs_counts_as_no_answer(fake: _Ray) -> None:
     now = [0.0]
-    probe = RayProbe("the local Ray", every_s=0.001, lost_after_s=60, clock=lambda: now[0])
+    probe = RayProbe("the local Ray", every_s=0.001, lost_after_s=60, clock=lambda: now[0], round_trip=fake.round_trip)
     fake.hang.set()
     probe.start()
     try:

@@ -1,8 +1,7 @@
 """Whether the Ray cluster the pools run on still answers.
 
 A Ray head that restarts is a new cluster: the actors of the old one are gone, and a Ray client connection
-to it cannot be resumed, so the pool manager's calls fail for good while the API keeps answering. Nothing
-in the process would ever recover, and a liveness probe on ``/health`` saw nothing wrong.
+to it cannot be resumed, so the pool manager's calls fail for good while the API keeps answering.
 
 ``RayProbe`` runs one thread that round-trips a tiny object through Ray (``ray.put`` then ``ray.get``) every
 ``every_s``. When no round trip has finished for ``lost_after_s`` (each failed, or one hung), ``lost()``

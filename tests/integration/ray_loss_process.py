@@ -1,9 +1,9 @@
 """A pool manager and a Ray probe in their own process, for the Ray-loss test:
 ``python ray_loss_process.py RAY_ADDRESS REDIS_URL PREFIX TOKEN SETTINGS_JSON [--auto-connect]``. After
 ``start()`` it prints "started"; after a line on stdin (the head is gone) it prints what ``RayProbe.lost()``
-said and after how long; 40 s after the line, the Ray processes (raylet, GCS) it started itself meanwhile, as a
-JSON list; then "stopped in S" once ``PoolManager.stop()`` returned. ``--auto-connect``: without
-``no_auto_connect``."""
+said and after how long; 10 s after the Ray client gave up reconnecting (``RAY_CLIENT_RECONNECT_GRACE_PERIOD``
+after the line), the Ray processes (raylet, GCS) it started itself meanwhile, as a JSON list; then
+"stopped in S" once ``PoolManager.stop()`` returned. ``--auto-connect``: without ``no_auto_connect``."""
 
 from __future__ import annotations
 
@@ -36,8 +36,9 @@ def main() -> None:
     while (reason := probe.lost()) is None and time.monotonic() - killed < 120:
         time.sleep(0.2)
     print(f"lost after {time.monotonic() - killed:.1f} s: {reason}", flush=True)
-    # the Ray client gives up after its 30 s reconnect grace; the reconcile loop keeps calling Ray after that
-    time.sleep(max(0.0, killed + 40 - time.monotonic()))
+    # the Ray client gives up after its reconnect grace (30 s unless set); the reconcile loop keeps calling Ray
+    grace = float(os.environ.get("RAY_CLIENT_RECONNECT_GRACE_PERIOD", "30"))
+    time.sleep(max(0.0, killed + grace + 10 - time.monotonic()))
     print(json.dumps(_ray_processes_below(os.getpid())), flush=True)
     probe.close()
     began = time.monotonic()

@@ -507,13 +507,7 @@ class PoolManager:
     # ------------------------------------------------------------------ stopping
     def _drain_and_stop(self, victims: list[Replica]) -> None:
         try:
-            drains: list[tuple[Replica, Any]] = []
-            for r in victims:  # all at once
-                try:
-                    drains.append((r, r.actor.drain.remote(self.drain_timeout_s)))
-                except Exception as exc:  # Ray itself is gone: stopped below all the same
-                    log.warning("drain of %s not sent: %s", r.worker_id, exc)
-                    drains.append((r, None))
+            drains = _send_each(victims, "drain", lambda r: r.actor.drain.remote(self.drain_timeout_s))  # all at once
             for r, ref in drains:
                 try:
                     clean = ref is not None and ray.get(ref, timeout=self.drain_timeout_s + PROBE_TIMEOUT_S)
@@ -527,14 +521,7 @@ class PoolManager:
             self._stopping.difference_update(r.worker_id for r in victims)
 
     def _stop_replicas(self, victims: list[Replica]) -> None:
-        stops: list[tuple[Replica, Any]] = []
-        for r in victims:
-            try:
-                stops.append((r, r.actor.stop.remote()))
-            except Exception as exc:  # Ray itself is gone (a restarted head, a lost client): nothing to ask
-                log.warning("stop of %s not sent: %s", r.worker_id, exc)
-                stops.append((r, None))
-        for r, ref in stops:
+        for r, ref in _send_each(victims, "stop", lambda r: r.actor.stop.remote()):
             if ref is not None:
                 try:
                     ray.get(ref, timeout=STOP_TIMEOUT_S)
@@ -563,6 +550,19 @@ def _tell(hear: Callable[[str], None], address: str) -> None:
         hear(address)
     except Exception:  # a listener's trouble never stops a reconcile
         log.exception("a replica listener failed on %s", address)
+
+
+def _send_each(victims: list[Replica], what: str, call: Callable[[Replica], Any]) -> list[tuple[Replica, Any]]:
+    """(replica, the ref ``call`` returned) for each; None where the call could not be sent because Ray itself
+    is gone (a restarted head, a lost client), which is logged: the replica is stopped all the same."""
+    sent: list[tuple[Replica, Any]] = []
+    for r in victims:
+        try:
+            sent.append((r, call(r)))
+        except Exception as exc:
+            log.warning("%s of %s not sent: %s", what, r.worker_id, exc)
+            sent.append((r, None))
+    return sent
 
 
 def _kill_quietly(actor: ActorHandle) -> None:

@@ -115,18 +115,6 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def descendants(pid: int) -> set[int]:
-    out = subprocess.run(["ps", "-eo", "pid=,ppid="], capture_output=True, text=True).stdout.split()
-    pairs = [(int(a), int(b)) for a, b in zip(out[::2], out[1::2])]
-    found: set[int] = set()
-    frontier = {pid}
-    while frontier:
-        nxt = {p for p, parent in pairs if parent in frontier} - found
-        found |= nxt
-        frontier = nxt
-    return found
-
-
 @contextmanager
 def serve_process(settings: dict[str, Any], tmp: Path, ready_timeout_s: float = 150.0,
                   args: tuple[str, ...] = ()) -> Iterator[Served]:

@@ -14,7 +14,8 @@ import time
 import httpx
 import pytest
 
-from serve_process import descendants, serve_process
+from proc_helpers import descendants
+from serve_process import serve_process
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

@@ -18,7 +18,8 @@ import pytest
 from workers.runtime.generate import GenerateRequest, generate
 from workers.runtime.sampler import SamplingParams
 
-from serve_process import chat_concurrently, descendants, in_threads, serve_process
+from proc_helpers import command_line, descendants
+from serve_process import chat_concurrently, in_threads, serve_process
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -215,7 +216,7 @@ def test_sigterm_while_the_pools_start_stops_everything_started_so_far(tmp_path,
     try:
         seen: set[int] = set()
         deadline = time.monotonic() + 60
-        while not _runs(b"redis-server", seen := seen | descendants(proc.pid)):  # Ray comes next
+        while not _runs("redis-server", seen := seen | descendants(proc.pid)):  # Ray comes next
             assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
             time.sleep(0.2)
         seen |= descendants(proc.pid)
@@ -233,11 +234,5 @@ def test_sigterm_while_the_pools_start_stops_everything_started_so_far(tmp_path,
             proc.wait(30)
 
 
-def _runs(program: bytes, pids: set[int]) -> bool:
-    for pid in pids:
-        try:
-            if program in Path(f"/proc/{pid}/cmdline").read_bytes():
-                return True
-        except OSError:  # gone meanwhile
-            continue
-    return False
+def _runs(program: str, pids: set[int]) -> bool:
+    return any(program in command_line(pid) for pid in pids)  # "" for one gone meanwhile

@@ -13,7 +13,9 @@ import sys
 import time
 from pathlib import Path
 
-from controlplane.ray_env import loopback_environment, no_auto_connect
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the tests' helper modules
+
+from controlplane.ray_env import loopback_environment, no_auto_connect  # noqa: E402
 
 loopback_environment(False, True)  # before Ray is imported: this driver's node address is 127.0.0.1
 if "--auto-connect" not in sys.argv:
@@ -22,6 +24,8 @@ if "--auto-connect" not in sys.argv:
 from controlplane.pools import PoolManager  # noqa: E402
 from controlplane.pools.ray_probe import RayProbe  # noqa: E402
 from controlplane.settings import Settings  # noqa: E402
+
+from proc_helpers import command_line, descendants  # noqa: E402
 
 
 def main() -> None:
@@ -39,34 +43,13 @@ def main() -> None:
     # the Ray client gives up after its reconnect grace (30 s unless set); the reconcile loop keeps calling Ray
     grace = float(os.environ.get("RAY_CLIENT_RECONNECT_GRACE_PERIOD", "30"))
     time.sleep(max(0.0, killed + grace + 10 - time.monotonic()))
-    print(json.dumps(_ray_processes_below(os.getpid())), flush=True)
+    ray_processes = [cmd[:120] for cmd in map(command_line, sorted(descendants(os.getpid())))
+                     if "raylet" in cmd or "gcs_server" in cmd]  # a local Ray this process started
+    print(json.dumps(ray_processes), flush=True)
     probe.close()
     began = time.monotonic()
     manager.stop()
     print(f"stopped in {time.monotonic() - began:.1f} s", flush=True)
-
-
-def _ray_processes_below(pid: int) -> list[str]:
-    """The raylet and GCS processes among ``pid``'s descendants: a local Ray this process started."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry.name))
-    found, todo = [], list(children.get(pid, []))
-    while todo:
-        p = todo.pop()
-        todo.extend(children.get(p, []))
-        try:
-            cmd = (Path("/proc") / str(p) / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if "raylet" in cmd or "gcs_server" in cmd:
-            found.append(cmd[:120])
-    return found
 
 
 if __name__ == "__main__":

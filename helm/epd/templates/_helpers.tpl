@@ -58,6 +58,10 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- define "epd.rayToken" -}}
 {{- if dig "rayToken" "enabled" true .Values.auth -}}true{{- end -}}
 {{- end -}}
+{{/* "true" when the chart generates the Ray token (on, and no existingSecret). */}}
+{{- define "epd.rayTokenGenerated" -}}
+{{- if and (include "epd.rayToken" .) (not (dig "rayToken" "existingSecret" "" .Values.auth)) -}}true{{- end -}}
+{{- end -}}
 {{- define "epd.rayTokenSecretName" -}}
 {{- default (printf "%s-ray-token" (include "epd.fullname" .)) (dig "rayToken" "existingSecret" "" .Values.auth) -}}
 {{- end -}}

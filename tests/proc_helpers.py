@@ -1,0 +1,26 @@
+"""The processes below a process, for tests that check what a component left running or started."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+
+def descendants(pid: int) -> set[int]:
+    out = subprocess.run(["ps", "-eo", "pid=,ppid="], capture_output=True, text=True).stdout.split()
+    pairs = [(int(a), int(b)) for a, b in zip(out[::2], out[1::2])]
+    found: set[int] = set()
+    frontier = {pid}
+    while frontier:
+        nxt = {p for p, parent in pairs if parent in frontier} - found
+        found |= nxt
+        frontier = nxt
+    return found
+
+
+def command_line(pid: int) -> str:
+    """The process's command line, arguments joined by spaces; "" once it is gone."""
+    try:
+        return (Path("/proc") / str(pid) / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""

@@ -64,7 +64,7 @@ class _Refused(Exception):
 
 class _ContextFull(Exception):
     """A moved request that asked for as many tokens as fit (``to_context``) fits on no worker left to try
-    (each decode replica's KV pool is smaller than the one it left, or a prefill replica's is): the tokens
+    (every decode replica left, or every prefill replica left, has a KV pool too small for it): the tokens
     sent are all there is room for, so it finishes with finish_reason "length" rather than an error after
     its 200."""
 
@@ -199,7 +199,8 @@ class Scheduler:
         reservation made, not its first token, which comes after prefill. ``streamed``: it has tokens
         already (a move), so a worker too small for it is passed over rather than failing it. ``cramped`` (the
         request's, across its moves) collects the decode workers too small for it: once no other is left,
-        _ContextFull."""
+        _ContextFull. A prefill worker too small for it joins ``lost``: once no other prefill worker is left,
+        _ContextFull too."""
         rid = request.request_id
         deadline = wait_from + self.settings.queue_timeout_s
         backoff = 0.01
@@ -239,8 +240,15 @@ class Scheduler:
                     if v is Verdict.LOST:
                         raise _Lost(exc, selection) from None
                     if _context_full(exc, request, streamed):
-                        if exc.stage == "prefill":  # a prefill pool too small for the prompt so far
-                            raise _ContextFull(str(exc)) from None
+                        if exc.stage == "prefill" and selection.prefill is not None:
+                            # a prefill pool too small for the prompt so far: now and later (the request only
+                            # grows), but another prefill replica's may hold it
+                            lost.add(selection.prefill.worker_id)
+                            if not self._routable("prefill", lost):
+                                raise _ContextFull(f"prefill worker {selection.prefill.worker_id} cannot hold its "
+                                                   f"{len(request.prompt_ids)} tokens, and no other prefill "
+                                                   f"replica is left: {exc.message}") from None
+                            continue
                         lost.add(selection.decode.worker_id)  # too small now, and later: the request only grows
                         cramped.add(selection.decode.worker_id)
                         continue
@@ -253,12 +261,12 @@ class Scheduler:
                 if took:
                     queued_stage(rid, parent, admitted_ns, attempt_ns)
                 return attempt
-            candidates = self.selector.candidates("decode")
-            if not [c for c in candidates if c.worker_id not in lost and self.health.routable(c.worker_id)]:
+            if not self._routable("decode", lost):
                 if cramped:  # every decode replica left holds fewer tokens than it has
                     raise _ContextFull(f"decode workers {', '.join(sorted(cramped))} cannot hold its "
                                        f"{len(request.prompt_ids)} tokens, and no other is left")
-                raise BackendError(self._no_decode_replica(candidates, lost), 503, retry_after_s=RETRY_AFTER_S)
+                raise BackendError(self._no_decode_replica(self.selector.candidates("decode"), lost), 503,
+                                   retry_after_s=RETRY_AFTER_S)
             if time.monotonic() + backoff > deadline:
                 self._record(rid, RequestState.FAILED, "no decode room in time")
                 if ticket.queued:  # once the workers held it, its queue stage ended
@@ -268,6 +276,11 @@ class Scheduler:
             time.sleep(backoff)
             backoff = min(backoff * 2, 0.2)
             self.view.invalidate()
+
+    def _routable(self, pool: str, lost: set[str]) -> list[Candidate]:
+        """The pool's live workers this request has not lost and whose circuit breaker lets them be routed."""
+        return [c for c in self.selector.candidates(pool)
+                if c.worker_id not in lost and self.health.routable(c.worker_id)]
 
     def _no_decode_replica(self, candidates: list[Candidate], lost: set[str]) -> str:
         """Why no decode replica can take a request: none live, every one draining, or every live one lost

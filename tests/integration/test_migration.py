@@ -280,15 +280,20 @@ def test_colocated_worker_killed_mid_stream(default_bundle, cluster, state_conn)
     _all_free(procs)
 
 
-def _moved_to_context(default_bundle, cluster, state_conn, colocated: bool, kv_blocks: list[int]):  # noqa: F811
+def _moved_to_context(default_bundle, cluster, state_conn, colocated: bool, kv_blocks: list[int],  # noqa: F811
+                      prefill_blocks: int | None = None, prefill_left: bool = True):
     """A request without max_tokens streams on a big decode worker, which dies after more tokens than a
     128-token pool holds; decode workers of ``kv_blocks`` blocks each (16 tokens a block) take over, the
-    first of them picked first. Returns its chunks, its tokens, the prompt's length and the new workers."""
+    first of them picked first. ``prefill_blocks``: a prefill worker that small joins then and is picked
+    first; ``prefill_left=False``: the first prefill worker leaves the registry then. Returns the request,
+    its tokens and the prompt's length."""
     registry, start = cluster
     procs = start(["decode"] if colocated else ["prefill", "decode"], colocated=colocated)
     per_block = _bytes_per_block(default_bundle)
     spares = [start(["decode"], colocated=colocated, kv_bytes=n * per_block, routable=False)[0] for n in kv_blocks]
-    assert [p.status().kv_blocks_total for p in spares] == kv_blocks
+    if prefill_blocks is not None:
+        spares += start(["prefill"], kv_bytes=prefill_blocks * per_block, routable=False)
+    assert [p.status().kv_blocks_total for p in spares] == kv_blocks + [prefill_blocks] * (prefill_blocks is not None)
     scheduler = _scheduler(default_bundle, registry, state_conn, colocated=colocated)
     greq = GenerateRequest(messages=[{"role": "user", "content": "Tell me about serving systems."}],
                            params=SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
@@ -312,6 +317,10 @@ def _moved_to_context(default_bundle, cluster, state_conn, colocated: bool, kv_b
         time.sleep(0.005)
     for i, p in enumerate(spares):
         _enlist(registry, p, free_kv_blocks=100 - i)  # the first spare looks the least loaded
+    if prefill_blocks is not None:  # the first prefill worker looks busier than the small one
+        _enlist(registry, procs[0], free_kv_blocks=50)
+    if not prefill_left:
+        registry.deregister(procs[0].worker_id, procs[0].pool)
     os.kill(procs[-1].popen.pid, signal.SIGSTOP)  # freeze it mid-stream, then kill it
     procs[-1].kill()
     thread.join(60)
@@ -347,6 +356,25 @@ def test_a_moved_request_skips_a_pool_too_small_for_it_and_goes_on_where_it_fits
     assert len(tokens) == 32 * 16 - prompt
     journal = RequestJournal(state_conn).history(request.request_id)
     assert "no room after the move" not in journal[-1].detail
+
+
+def test_a_moved_request_skips_a_prefill_pool_too_small_for_it(default_bundle, cluster, state_conn):  # noqa: F811
+    """After the move, the least-loaded prefill replica's pool (8 blocks) cannot hold the prompt so far; the
+    request goes on through the other prefill replica, to the new decode worker's limit (32 blocks)."""
+    request, tokens, prompt = _moved_to_context(default_bundle, cluster, state_conn, False, [32], prefill_blocks=8)
+    assert len(tokens) == 32 * 16 - prompt
+    journal = RequestJournal(state_conn).history(request.request_id)
+    assert "no room after the move" not in journal[-1].detail
+
+
+def test_a_moved_request_with_only_a_too_small_prefill_pool_left_finishes_length(
+        default_bundle, cluster, state_conn):  # noqa: F811
+    request, tokens, prompt = _moved_to_context(default_bundle, cluster, state_conn, False, [32], prefill_blocks=8,
+                                                prefill_left=False)
+    assert 8 * 16 - prompt < len(tokens) < 32 * 16 - prompt
+    journal = RequestJournal(state_conn).history(request.request_id)
+    assert journal[-1].state is RequestState.FINISHED and "no room after the move" in journal[-1].detail
+    assert "no other prefill replica is left" in journal[-1].detail
 
 
 def _bytes_per_block(bundle) -> int:

@@ -148,6 +148,8 @@ def check_yaml(path: Path) -> None:
         data = yaml.load(Path(path).read_text(), Loader=_UniqueKeyLoader)  # noqa: S506  # a SafeLoader subclass
     except OSError as exc:
         raise SettingsError(f"cannot read the config file {path}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise SettingsError(f"{path} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     except yaml.YAMLError as exc:  # its text spans lines: one line here, each part with where it is
         raise SettingsError(f"{path} is not valid YAML: {_yaml_problem(exc)}") from None
     if data is not None and not isinstance(data, dict):

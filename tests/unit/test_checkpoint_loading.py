@@ -172,14 +172,14 @@ def test_wrong_shape_names_tensor_and_both_shapes(tiny_llama_dir) -> None:
     with pytest.raises(CheckpointError) as info:
         _load(folder)
     msg = str(info.value)
-    assert K_PROJ in msg and "(8, 32)" in msg and "(16, 32)" in msg
+    assert K_PROJ in msg and "[8, 32]" in msg and "[16, 32]" in msg
 
 
 @pytest.mark.transformers
 def test_integer_tensor_is_refused(tiny_llama_dir) -> None:
     folder = tiny_llama_dir("llama")
     _rewrite(folder, lambda t: t.update({"model.norm.weight": torch.ones(32, dtype=torch.int32)}))
-    with pytest.raises(CheckpointError, match="'model.norm.weight' has non-float dtype"):
+    with pytest.raises(CheckpointError, match="'model.norm.weight' has dtype torch.int"):
         _load(folder)
 
 

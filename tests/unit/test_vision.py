@@ -157,7 +157,7 @@ def test_encode_images_returns_one_tensor_per_image() -> None:
     ({"vision_feature_layer": -6}, r"vision_feature_layer must be an integer in \[-5, 4\]"),
     ({"hidden_act": "relu"}, "hidden_act='relu' is not supported"),
     ({"image_std": (1.0, 0.0, 1.0)}, "image_std must be positive"),
-    ({"image_mean": (0.5, 0.5)}, "image_mean must be 3 numbers"),
+    ({"image_mean": (0.5, 0.5)}, "image_mean must be 3 finite numbers"),
     ({"num_channels": 1}, "only RGB"),
 ])
 def test_bad_config_is_refused(change: dict, message: str) -> None:

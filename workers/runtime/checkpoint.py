@@ -152,8 +152,15 @@ def renamed(files: dict[str, Path], rename: Rename | None) -> tuple[dict[str, Pa
 def read_hf_tensors(folder: Path, cfg: ModelConfig, rename: Rename | None = None) -> dict[str, torch.Tensor]:
     """Load and check every tensor the config requires; refuse tensors it does not account for. ``rename``
     maps the stored names onto the decoder's HF names (a LLaVA checkpoint's ``language_model.model.*``)."""
-    expected = hf_tensor_shapes(cfg)
     files, stored = renamed(weight_map(folder), rename)
+    layers = {int(m.group(1)) for m in map(_LAYER.match, files) if m}
+    # a whole layer missing (num_hidden_layers past the stored layers) is named before the expected names,
+    # which are listed layer by layer, are built
+    absent = next((n for n in range(cfg.num_layers) if n not in layers), cfg.num_layers)
+    if absent < cfg.num_layers:
+        raise CheckpointError(f"{folder}: checkpoint is missing tensors model.layers.{absent}.* (config.json says "
+                              f"num_hidden_layers={cfg.num_layers}; the checkpoint holds {len(layers)} layers)")
+    expected = hf_tensor_shapes(cfg)
     missing = [n for n in expected if n not in files]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
@@ -172,14 +179,9 @@ def read_hf_tensors(folder: Path, cfg: ModelConfig, rename: Rename | None = None
                 for name in names:
                     key = stored[name]
                     t = f.get_tensor(key)
-                    if tuple(t.shape) != wanted[name]:
-                        raise CheckpointError(
-                            f"{path.name}: tensor {key!r} has shape {tuple(t.shape)}, expected {wanted[name]}")
-                    if not t.is_floating_point():
-                        raise CheckpointError(f"{path.name}: tensor {key!r} has non-float dtype {t.dtype}")
-                    check_finite(t, key, path.name)
+                    check_tensor(t, key, wanted[name], path.name)
                     tensors[name] = t
-        except SafetensorError as exc:
+        except (SafetensorError, OSError) as exc:
             raise CheckpointError(f"{path}: unreadable safetensors file ({exc})") from None
     head = tensors.pop("lm_head.weight", None)
     if head is not None and not cfg.tie_word_embeddings:
@@ -189,6 +191,20 @@ def read_hf_tensors(folder: Path, cfg: ModelConfig, rename: Rename | None = None
                               "but config.json says tie_word_embeddings=true, which would use "
                               "model.embed_tokens.weight (a different tensor) in its place")
     return tensors
+
+
+LOADABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def check_tensor(t: torch.Tensor, name: str, shape: tuple[int, ...], where: str) -> None:
+    """CheckpointError naming the tensor and file unless ``t`` has ``shape``, a dtype epd loads
+    (``LOADABLE_DTYPES``) and only finite values."""
+    if tuple(t.shape) != shape:
+        raise CheckpointError(f"{where}: tensor {name!r} has shape {list(t.shape)}, expected {list(shape)}")
+    if t.dtype not in LOADABLE_DTYPES:
+        raise CheckpointError(f"{where}: tensor {name!r} has dtype {t.dtype}; epd loads float32, bfloat16, float16 "
+                              f"and float64 weights (not integer or quantised ones)")
+    check_finite(t, name, where)
 
 
 def check_finite(t: torch.Tensor, name: str, where: str) -> None:

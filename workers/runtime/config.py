@@ -132,7 +132,7 @@ class ModelConfig:
             num_layers=_int(raw, "num_hidden_layers"),
             num_heads=heads,
             num_kv_heads=_int(raw, "num_key_value_heads", heads),  # absent: plain multi-head attention
-            head_dim=_int(raw, "head_dim", hidden // heads),
+            head_dim=_int(raw, "head_dim") if raw.get("head_dim") is not None else _derived_head_dim(hidden, heads),
             max_position_embeddings=_int(raw, "max_position_embeddings", 2048),
             rms_norm_eps=_number(raw, "rms_norm_eps", 1e-6),
             rope=_parse_rope(raw),
@@ -211,7 +211,7 @@ def text_config_dict(raw: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(text, dict):
         raise CheckpointError(f"config.json: text_config must be an object, got {text!r:.80}")
     model_type = text.get("model_type", "llama")
-    if model_type not in _ARCHITECTURE_OF_TYPE:
+    if not isinstance(model_type, str) or model_type not in _ARCHITECTURE_OF_TYPE:
         raise UnsupportedArchitectureError(
             f"config.json: LLaVA's language model text_config.model_type={model_type!r} is not supported; "
             f"supported: {', '.join(_ARCHITECTURE_OF_TYPE)}")
@@ -244,10 +244,13 @@ def read_text(path: Path) -> str:
 
 def read_json_object(path: Path) -> dict[str, Any]:
     """A checkpoint JSON file that must hold an object (config.json, tokenizer_config.json, ...)."""
+    text = read_text(path)
     try:
-        raw = json.loads(read_text(path))
+        raw = json.loads(text)
     except json.JSONDecodeError as exc:
         raise CheckpointError(f"{path}: not valid JSON ({exc})") from None
+    except (ValueError, RecursionError) as exc:  # an integer past Python's digit limit; nesting too deep
+        raise CheckpointError(f"{path}: not JSON epd can read ({exc})") from None
     if not isinstance(raw, dict):
         raise CheckpointError(f"{path}: expected a JSON object, got {type(raw).__name__}")
     return raw
@@ -298,6 +301,14 @@ def _int(raw: dict[str, Any], key: str, default: Any = _REQUIRED, *, where: str 
     return value
 
 
+def _derived_head_dim(hidden: int, heads: int) -> int:
+    """What head_dim is when config.json does not say: hidden_size / num_attention_heads, which must divide."""
+    if hidden % heads:
+        raise CheckpointError(f"config.json: hidden_size ({hidden}) is not a multiple of num_attention_heads "
+                              f"({heads}), and no head_dim says what each head holds")
+    return hidden // heads
+
+
 def _number(raw: dict[str, Any], key: str, default: Any = _REQUIRED, *, where: str = "") -> float:
     """A positive, finite number."""
     value = _get(raw, key, default, where)
@@ -340,15 +351,23 @@ def _architecture(raw: dict[str, Any]) -> str:
     return arch
 
 
+_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "linear_attention")
+
+
 def _parse_rope(raw: dict[str, Any]) -> RopeConfig:
     where = "rope_parameters."
     params = raw.get("rope_parameters")
-    if isinstance(params, dict) and "rope_theta" not in params and params:
+    if params is not None and not isinstance(params, dict):
+        raise CheckpointError(f"config.json: rope_parameters must be an object or null, got {params!r:.80}")
+    if params and "rope_theta" not in params and any(k in _LAYER_TYPES for k in params):
         # transformers 5 may nest per-layer-type parameters: {"full_attention": {...}}
-        if all(isinstance(v, dict) for v in params.values()):
-            layer_type, params = next(iter(params.items()))
-            where = f"rope_parameters.{layer_type}."
-    if not isinstance(params, dict):
+        bad = next((k for k, v in params.items() if not isinstance(v, dict)), None)
+        if bad is not None:
+            raise CheckpointError(f"config.json: rope_parameters holds per-layer-type objects, but "
+                                  f"rope_parameters.{bad} is {params[bad]!r:.80}, not an object")
+        layer_type, params = next(iter(params.items()))
+        where = f"rope_parameters.{layer_type}."
+    if not params:  # absent or empty: transformers 4 keeps rope_scaling and rope_theta at the top level
         scaling = raw.get("rope_scaling")
         if scaling is not None and not isinstance(scaling, dict):
             raise CheckpointError(f"config.json: rope_scaling must be an object or null, got {scaling!r}")
@@ -356,7 +375,7 @@ def _parse_rope(raw: dict[str, Any]) -> RopeConfig:
         where = "rope_scaling."
         theta = _number(raw, "rope_theta", 10000.0)  # transformers 4 keeps theta beside rope_scaling
     else:
-        theta = _number(params, "rope_theta", 10000.0, where=where)
+        theta = _number(params, "rope_theta", _number(raw, "rope_theta", 10000.0), where=where)
     rope_type = params.get("rope_type") or params.get("type") or "default"
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise UnsupportedArchitectureError(

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from workers.runtime.checkpoint import check_finite, renamed, weight_map
+from workers.runtime.checkpoint import check_tensor, renamed, weight_map
 from workers.runtime.config import read_json_object
 from workers.runtime.errors import CheckpointError, UnsupportedArchitectureError
 from workers.runtime.vision import VisionEncoder
@@ -117,7 +117,7 @@ def image_processor(folder: Path, image_size: int) -> dict[str, Any]:
                               f"{image_size}x{image_size}; it has do_center_crop={p.get('do_center_crop', True)!r}, "
                               f"crop_size={crop!r}")
     resample = p.get("resample", 3)
-    if resample not in SUPPORTED_RESAMPLE:
+    if not isinstance(resample, int) or isinstance(resample, bool) or resample not in SUPPORTED_RESAMPLE:
         raise refuse(f"resample={resample!r} (supported: "
                      + ", ".join(f"{k} ({v})" for k, v in SUPPORTED_RESAMPLE.items()) + ")")
     out: dict[str, Any] = {"resize_shortest_edge": edge, "resample": resample}
@@ -198,12 +198,9 @@ def load_llava_vision(folder: Path, cfg: VisionConfig, device: str | torch.devic
                 for name in names:
                     key = stored[name]
                     t = f.get_tensor(key)
-                    if tuple(t.shape) != expected[name] or not t.is_floating_point():
-                        raise CheckpointError(f"{path.name}: tensor {key!r} has shape {list(t.shape)} and dtype "
-                                              f"{t.dtype}, expected a float tensor of shape {list(expected[name])}")
-                    check_finite(t, key, path.name)
+                    check_tensor(t, key, expected[name], path.name)
                     tensors[name] = t
-        except SafetensorError as exc:
+        except (SafetensorError, OSError) as exc:
             raise CheckpointError(f"{path}: unreadable safetensors file ({exc})") from None
     encoder.load_state_dict(tensors, strict=True, assign=True)
     return encoder.to(device=device, dtype=dtype).requires_grad_(False).eval()

@@ -140,8 +140,8 @@ def load_model(folder: Path | str, dtype: torch.dtype = torch.float32, device: s
         tokenizer = Tokenizer.from_folder(folder)
         if tokenizer.vocab_size > cfg.vocab_size:
             raise CheckpointError(
-                f"{folder}: tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size is "
-                f"{cfg.vocab_size}")
+                f"{folder / 'tokenizer.json'}: the tokenizer produces token ids up to {tokenizer.vocab_size - 1}, "
+                f"but config.json's vocab_size is {cfg.vocab_size}")
     eos = read_generation_eos(folder, cfg.vocab_size) or cfg.eos_token_ids
     encoder = None
     if with_vision and needs_encoder(folder):

@@ -14,6 +14,7 @@ or ``preprocessor_config.json``, as LLaVA's) adds them unless the text already s
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -87,9 +88,13 @@ class Tokenizer:
         return tok
 
     # ------------------------------------------------------------------ basics
-    @property
+    @functools.cached_property
     def vocab_size(self) -> int:
-        return self.backend.get_vocab_size(with_added_tokens=True)
+        """One past the highest token id the tokenizer can produce: its vocabulary, added tokens and the
+        special tokens its post-processor adds (a count of the vocabulary would miss a sparse id)."""
+        ids = self.backend.get_vocab(with_added_tokens=True).values()
+        specials = self.backend.encode("", add_special_tokens=True).ids
+        return max([*ids, *specials], default=-1) + 1
 
     def token_to_id(self, token: str) -> int | None:
         return self.backend.token_to_id(token)
@@ -113,12 +118,12 @@ class Tokenizer:
             messages = _flatten_text_parts(messages) or messages
         try:
             return self._render(messages, add_generation_prompt, extra)
-        except (jinja2.TemplateError, TypeError, ValueError, KeyError, AttributeError) as exc:
+        except Exception as exc:  # the checkpoint's template is code: whatever it raises refuses the request
             flat = _flatten_text_parts(messages)
             if flat is not None:  # a template written for string content, given OpenAI text parts (as vLLM does)
                 try:
                     return self._render(flat, add_generation_prompt, extra)
-                except (jinja2.TemplateError, TypeError, ValueError, KeyError, AttributeError):
+                except Exception:  # noqa: S110  # the first error is the one reported
                     pass
             raise InvalidRequestError(f"chat template rejected the messages: {type(exc).__name__}: {exc}") from None
 

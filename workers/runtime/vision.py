@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from safetensors import SafetensorError, safe_open
 from torch import Tensor, nn
 
-from workers.runtime.checkpoint import check_finite, save_weights
+from workers.runtime.checkpoint import check_tensor, save_weights
 from workers.runtime.errors import CheckpointError, UnsupportedArchitectureError
 from workers.runtime.fingerprint import module_fingerprint
 
@@ -257,16 +257,18 @@ def _read_tensors(path: Path, expected: dict[str, tuple[int, ...]]) -> dict[str,
     try:
         with safe_open(str(path), framework="pt") as f:
             keys = set(f.keys())
+            accepted = set(expected) | {n.removeprefix("vision_model.") for n in expected}
+            unused = sorted(k for k in keys - accepted if not k.endswith(".position_ids"))  # an old buffer
+            if unused:
+                raise CheckpointError(f"{path}: holds tensors the vision config does not account for: "
+                                      f"{unused[0]!r}" + (f" (and {len(unused) - 1} more)" if len(unused) > 1 else ""))
             for name, shape in expected.items():
                 # transformers 5 saves CLIPVisionModel without the "vision_model." prefix that 4.x and the Hub use
                 key = name if name in keys else name.removeprefix("vision_model.")
                 if key not in keys:
                     raise CheckpointError(f"{path}: tensor {name!r} is missing")
                 tensor = f.get_tensor(key)
-                if tuple(tensor.shape) != shape or not tensor.is_floating_point():
-                    raise CheckpointError(f"{path}: tensor {name!r} has shape {list(tensor.shape)} and dtype "
-                                          f"{tensor.dtype}, expected a float tensor of shape {list(shape)}")
-                check_finite(tensor, name, str(path))
+                check_tensor(tensor, name, shape, str(path))
                 out[name] = tensor
     except (SafetensorError, OSError) as exc:
         raise CheckpointError(f"{path}: not a readable safetensors file: {exc}") from None

@@ -7,6 +7,7 @@ Apart from the model (vision.py) so that the image preprocessing (images.py) and
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -63,8 +64,9 @@ class VisionConfig:
         if self.hidden_size % self.num_attention_heads:
             raise CheckpointError(f"vision config: hidden_size ({self.hidden_size}) is not a multiple of "
                                   f"num_attention_heads ({self.num_attention_heads})")
-        if not isinstance(self.layer_norm_eps, (int, float)) or not self.layer_norm_eps > 0:
-            raise CheckpointError(f"vision config: layer_norm_eps must be positive, got {self.layer_norm_eps!r}")
+        if not _finite(self.layer_norm_eps) or not self.layer_norm_eps > 0:
+            raise CheckpointError(f"vision config: layer_norm_eps must be a positive number, "
+                                  f"got {self.layer_norm_eps!r}")
         for name in ("hidden_act", "projector_hidden_act"):
             if getattr(self, name) not in SUPPORTED_ACTS:
                 raise CheckpointError(f"vision config: {name}={getattr(self, name)!r} is not supported "
@@ -80,8 +82,9 @@ class VisionConfig:
         for name in ("image_mean", "image_std"):
             value = getattr(self, name)
             if (not isinstance(value, tuple) or len(value) != self.num_channels
-                    or not all(isinstance(v, (int, float)) for v in value)):
-                raise CheckpointError(f"vision config: {name} must be {self.num_channels} numbers, got {value!r}")
+                    or not all(_finite(v) for v in value)):
+                raise CheckpointError(f"vision config: {name} must be {self.num_channels} finite numbers, "
+                                      f"got {value!r}")
         if not all(s > 0 for s in self.image_std):
             raise CheckpointError(f"vision config: image_std must be positive, got {self.image_std!r}")
         if self.feature_select not in ("default", "full"):
@@ -98,8 +101,12 @@ class VisionConfig:
         if color is not None and (not isinstance(color, tuple) or len(color) != 3
                                   or not all(isinstance(c, int) and 0 <= c <= 255 for c in color)):
             raise CheckpointError(f"vision config: pad_color must be 3 integers in [0, 255], got {color!r}")
-        if not isinstance(self.rescale_factor, (int, float)) or not self.rescale_factor > 0:
-            raise CheckpointError(f"vision config: rescale_factor must be positive, got {self.rescale_factor!r}")
+        if not _finite(self.rescale_factor) or not self.rescale_factor > 0:
+            raise CheckpointError(f"vision config: rescale_factor must be a positive number, "
+                                  f"got {self.rescale_factor!r}")
+        if not isinstance(self.projector_bias, bool):
+            raise CheckpointError(f"vision config: multimodal_projector_bias must be true or false, "
+                                  f"got {self.projector_bias!r}")
 
     @property
     def num_patches(self) -> int:
@@ -127,3 +134,8 @@ def default_vision_config(text_hidden_size: int) -> VisionConfig:
     """A small, CPU-friendly ViT: 112px images, 14px patches, 64 image tokens."""
     return VisionConfig(image_size=112, patch_size=14, hidden_size=256, intermediate_size=1024,
                         num_hidden_layers=4, num_attention_heads=4, text_hidden_size=text_hidden_size)
+
+
+def _finite(value: object) -> bool:
+    """A finite int or float, and not a bool."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)

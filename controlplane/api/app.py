@@ -22,7 +22,7 @@ from starlette.responses import JSONResponse, Response
 
 from controlplane.api.auth import BearerAuth, OpsAuth
 from controlplane.api.errors import CatchAll, as_api_error, install_error_handlers
-from controlplane.api.limits import MAX_BODY_BYTES, BodyLimit
+from controlplane.api.limits import MAX_BODY_BYTES, BodyLimit, prepare_off_loop
 from controlplane.api.models import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, StreamOptions
 from controlplane.api.prompts import check_model, prepare_chat, prepare_completion
 from controlplane.api.relay import Relay, ThreadLanes
@@ -94,13 +94,13 @@ def create_app(backend: Backend, api_keys: Sequence[str] = (), admin: APIRouter 
 
     @v1.post("/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        worker_request = prepare_chat(body, backend.model)
+        worker_request = await prepare_off_loop(request, lambda: prepare_chat(body, backend.model))
         shape = ChatShape(f"chatcmpl-{_hex(worker_request)}", backend.model.name)
         return await _answer(worker_request, shape, body.stream, body.stream_options, request)
 
     @v1.post("/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        worker_request = prepare_completion(body, backend.model)
+        worker_request = await prepare_off_loop(request, lambda: prepare_completion(body, backend.model))
         shape = CompletionShape(f"cmpl-{_hex(worker_request)}", backend.model.name)
         return await _answer(worker_request, shape, body.stream, body.stream_options, request)
 

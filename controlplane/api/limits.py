@@ -10,6 +10,11 @@ A request's images travel to an encode worker in one gRPC message of at most 64 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TypeVar
+
+import anyio.to_thread
+from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from controlplane.api.errors import APIError
@@ -18,6 +23,19 @@ MiB = 1 << 20
 MAX_IMAGE_BYTES = 20 * MiB
 MAX_IMAGES_BYTES = 48 * MiB
 MAX_BODY_BYTES = 80 * MiB
+OFF_LOOP_BYTES = 64 * 1024  # a body this large is turned into token ids in a worker thread
+
+T = TypeVar("T")
+
+
+async def prepare_off_loop(request: Request, prepare: Callable[[], T]) -> T:
+    """``prepare()`` (a prompt tokenised, a chat template rendered, images decoded), in a worker thread when
+    the body holds ``OFF_LOOP_BYTES`` or more (or does not say its length): a long prompt then stalls no
+    other request on the event loop. A small one runs here, where a thread's hand-off would cost more."""
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) < OFF_LOOP_BYTES:
+        return prepare()
+    return await anyio.to_thread.run_sync(prepare)
 
 
 def body_too_large(limit: int) -> APIError:

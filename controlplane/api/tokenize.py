@@ -15,11 +15,12 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from pydantic import BaseModel, Discriminator, Field, Tag, model_validator
 from starlette.responses import Response
 
 from controlplane.api.errors import CHAT_BODY, PROMPT_BODY, APIError
+from controlplane.api.limits import prepare_off_loop
 from controlplane.api.models import ChatMessage, Text, _Request
 from controlplane.api.prompts import chat_ids, check_model, tokenise
 from controlplane.backend import ModelInfo
@@ -75,14 +76,16 @@ def tokenize_router(model: ModelInfo) -> APIRouter:
     router = APIRouter()
 
     @router.post("/tokenize")
-    async def tokenize(body: TokenizeBody) -> Response:
+    async def tokenize(body: TokenizeBody, request: Request) -> Response:
         if body.model is not None:
             check_model(body.model, model)
         if isinstance(body, TokenizeChat):
-            ids = chat_ids(body, model, body.add_generation_prompt)
+            chat = body
+            ids = await prepare_off_loop(request, lambda: chat_ids(chat, model, chat.add_generation_prompt))
         else:
             text, add = body.prompt, body.add_special_tokens
-            ids = tokenise(lambda: model.tokenizer.encode(text, add_special_tokens=add))
+            ids = await prepare_off_loop(request, lambda: tokenise(lambda: model.tokenizer.encode(
+                text, add_special_tokens=add)))
         strs = [model.tokenizer.backend.id_to_token(i) or "" for i in ids] if body.return_token_strs else None
         out = TokenizeResponse(count=len(ids), max_model_len=model.max_model_len, tokens=ids, token_strs=strs)
         return Response(out.model_dump_json(), media_type="application/json")

@@ -31,6 +31,8 @@ from workers.runtime.multimodal import expand_image_tokens
 from workers.runtime.sampler import SamplingParams
 from workers.runtime.tokenizer import Tokenizer
 
+from http_helpers import serve_app
+
 pytestmark = [pytest.mark.unit]
 
 Response = httpx2.Response  # what starlette's TestClient answers with (it is built on httpx2)
@@ -896,3 +898,32 @@ def test_an_answer_whose_client_leaves_after_the_last_token_is_not_cut_short() -
     before = _sample("epd:requests_cut_short_total", route="/v1/completions", status="499")
     asyncio.run(leave_after_the_last())
     assert _sample("epd:requests_cut_short_total", route="/v1/completions", status="499") == before
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/tokenize", {"prompt": "word " * 600_000}),
+    ("/v1/completions", {"model": NAME, "prompt": "word " * 600_000, "max_tokens": 1}),
+    ("/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "word " * 600_000}],
+                              "max_tokens": 1}),
+])
+def test_a_long_prompt_is_tokenised_off_the_event_loop(path: str, body: dict) -> None:
+    """While a 3 MB prompt is tokenised (seconds here), /health still answers: the event loop is not held.
+    The check is the order of two events, not a time: /health answered before the tokenising ended."""
+    events: list[str] = []
+
+    class Recording(Tokenizer):
+        def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+            ids = super().encode(text, add_special_tokens)
+            if len(text) > 1_000_000:
+                events.append("tokenised")
+            return ids
+
+    tok = Recording(build_tokenizer(), bos_token=BOS, eos_token=IM_END, chat_template=CHAT_TEMPLATE, image_token=IMAGE)
+    with serve_app(create_app(FakeBackend(model_info(tok)))) as base:
+        thread = threading.Thread(target=lambda: httpx.post(base + path, json=body, timeout=120))
+        thread.start()
+        time.sleep(0.5)  # the body is sent and tokenising, if the machine is not very slow
+        assert httpx.get(base + "/health", timeout=120).status_code == 200
+        events.append("health")
+        thread.join(120)
+    assert events == ["health", "tokenised"]

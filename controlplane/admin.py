@@ -25,9 +25,9 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from controlplane.state.client import StateConnection
-from controlplane.state.keys import Pool
+from controlplane.state.keys import InvalidKeyPart, Pool
 from controlplane.state.pools import MAX_REPLICAS, PoolTargets
-from controlplane.state.registry import WorkerRegistry
+from controlplane.state.registry import WorkerRecord, WorkerRegistry
 
 if TYPE_CHECKING:
     from controlplane.pools.status import PendingReplica
@@ -187,12 +187,20 @@ def admin_router(conn: StateConnection, registry: WorkerRegistry, admin_token: s
         await anyio.to_thread.run_sync(scale)
         return {"pool": parsed.value, "target": body.replicas}
 
+    def live_worker(worker_id: str) -> WorkerRecord:
+        """The registry's record of ``worker_id``; 404 when none is live (an id no worker can have included)."""
+        try:
+            record = registry.find(worker_id)
+        except InvalidKeyPart as exc:
+            raise HTTPException(404, f"no live worker {worker_id!r}: {exc}") from None
+        if record is None:
+            raise HTTPException(404, f"no live worker {worker_id!r}")
+        return record
+
     @router.post("/workers/{worker_id}/drain")
     def drain(worker_id: str, authorization: str | None = Header(None)) -> dict:
         check(authorization)
-        record = registry.find(worker_id)
-        if record is None:
-            raise HTTPException(404, f"no live worker {worker_id!r}")
+        record = live_worker(worker_id)
         registry.set_draining(worker_id, record.info.pool)
         drained = on_drain(worker_id) if on_drain is not None else False
         return {"worker_id": worker_id, "draining": True, "stopped": drained}
@@ -202,9 +210,7 @@ def admin_router(conn: StateConnection, registry: WorkerRegistry, admin_token: s
         """Undo a drain. The worker itself takes work again first, then routing is told, so no request is
         routed to a worker that still refuses it."""
         check(authorization)
-        record = registry.find(worker_id)
-        if record is None:
-            raise HTTPException(404, f"no live worker {worker_id!r}")
+        record = live_worker(worker_id)
         stopping = HTTPException(409, f"worker {worker_id} is being stopped by a scale-down of the "
                                       f"{record.info.pool.value} pool; scale the pool up for another replica")
         if starts is not None and starts.stopping(worker_id):

@@ -183,11 +183,11 @@ class Dispatcher:
     def _run_colocated(self, req: WorkerRequest, target: str, slot: Slot) -> Iterator[wpb.TokenChunk]:
         md = self.security.call_metadata()
         worker = slot.stub(wgrpc.DecodeWorkerStub)
-        st = RequestObserver(req.request_id).begin("complete", "decode", images=len(req.images))
-        stream = worker.Complete(wpb.CompleteRequest(
+        message = wpb.CompleteRequest(  # built before the stage begins: a stage begun is always ended
             request_id=req.request_id, prompt_token_ids=req.prompt_ids, params=sampling_to_proto(req.params),
-            images=list(req.images), image_positions=list(req.image_positions), timeout_s=req.timeout_s),
-            metadata=st.metadata(md), timeout=req.timeout_s)
+            images=list(req.images), image_positions=list(req.image_positions), timeout_s=req.timeout_s)
+        st = RequestObserver(req.request_id).begin("complete", "decode", images=len(req.images))
+        stream = worker.Complete(message, metadata=st.metadata(md), timeout=req.timeout_s)
         done = False
         try:
             for chunk in self._watched(stream, "complete", target):
@@ -207,6 +207,10 @@ class Dispatcher:
         assert route.prefill is not None
         md = self.security.call_metadata()
         prefill = slots["prefill"].stub(wgrpc.PrefillWorkerStub)
+        message = wpb.PrefillRequest(  # built before a stage begins: a stage begun is always ended
+            request_id=req.request_id, prompt_token_ids=req.prompt_ids, params=sampling_to_proto(req.params),
+            num_image_embeddings=len(req.image_positions), image_positions=list(req.image_positions),
+            timeout_s=req.timeout_s, complete=True)
         obs = RequestObserver(req.request_id)
         encoded: Future | None = None
         if req.images:
@@ -224,10 +228,7 @@ class Dispatcher:
                 if f.exception() else None)  # prefill stops waiting for embeddings that will not come
         pst = obs.begin("prefill", "prefill", prompt_tokens=len(req.prompt_ids))
         try:
-            reply = prefill.Prefill(wpb.PrefillRequest(
-                request_id=req.request_id, prompt_token_ids=req.prompt_ids, params=sampling_to_proto(req.params),
-                num_image_embeddings=len(req.image_positions), image_positions=list(req.image_positions),
-                timeout_s=req.timeout_s, complete=True), metadata=pst.metadata(md), timeout=req.timeout_s)
+            reply = prefill.Prefill(message, metadata=pst.metadata(md), timeout=req.timeout_s)
         except grpc.RpcError as exc:
             pst.end(exc)
             if encoded is not None and encoded.done() and encoded.exception() is not None:

@@ -125,8 +125,16 @@ def sampling_from_proto(p: wpb.SamplingParams) -> SamplingParams:
                           stop_token_ids=tuple(p.stop_token_ids), ignore_eos=p.ignore_eos, to_context=p.to_context)
 
 
+UINT32_MAX = 2**32 - 1
+FLOAT32_TINY = 2.0**-149  # the smallest positive float32: a smaller top_p would round to 0, which reads as unset
+
+
 def sampling_to_proto(s: SamplingParams) -> wpb.SamplingParams:
-    msg = wpb.SamplingParams(max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+    """The wire's SamplingParams, meaning what ``s`` means: a top_k past uint32 (past any vocabulary, so
+    off) is sent as the largest uint32; a top_p below the smallest float32 as that float32 (the most likely
+    token alone)."""
+    msg = wpb.SamplingParams(max_tokens=s.max_tokens, temperature=s.temperature, top_p=max(s.top_p, FLOAT32_TINY),
+                             top_k=min(s.top_k, UINT32_MAX),
                              stop=list(s.stop), stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos,
                              to_context=s.to_context)
     if s.seed is not None:

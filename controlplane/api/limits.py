@@ -1,15 +1,18 @@
-"""Size limits on what a request may carry, checked before anything is decoded or sent on.
+"""Size limits on what a request may carry, and its body's encoding, checked before anything is decoded or sent
+on; a large body's preparation moved off the event loop.
 
 A request's images travel to an encode worker in one gRPC message of at most 64 MiB
 (``kvtransfer.options.MAX_MESSAGE_BYTES``), so the ingress refuses, with a 4xx that says so:
 
   - an image over ``MAX_IMAGE_BYTES`` (20 MiB decoded, OpenAI's own limit per image): 400;
   - images over ``MAX_IMAGES_BYTES`` together (48 MiB decoded): 400;
-  - a body over ``MAX_BODY_BYTES`` (80 MiB: 48 MiB of images in base64 is 64 MiB): 413, read no further.
+  - a body over ``MAX_BODY_BYTES`` (80 MiB: 48 MiB of images in base64 is 64 MiB): 413, read no further;
+  - a body in UTF-16 or UTF-32 (which Python's json would read): 400.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -44,6 +47,15 @@ def body_too_large(limit: int) -> APIError:
                     code="request_too_large")
 
 
+def check_utf8_json(head: bytes) -> None:
+    """A 400 unless a body starting with ``head`` (its first 4 bytes) is UTF-8 (with or without a BOM), the
+    only encoding JSON allows between systems (RFC 8259). Python's json would also read UTF-16 and UTF-32."""
+    encoding = json.detect_encoding(head) if head else "utf-8"
+    if encoding not in ("utf-8", "utf-8-sig"):
+        raise APIError(400, f"The request body is not UTF-8 (it reads as {encoding.upper()}); send JSON encoded "
+                            f"as UTF-8.")
+
+
 class BodyLimit:
     """Refuse a body over ``limit`` bytes: at once from its Content-Length, else (chunked) when the bytes
     read pass it. The second raises ``body_too_large`` from ``receive``, which the app's handlers answer."""
@@ -61,14 +73,20 @@ class BodyLimit:
             await body_too_large(self.limit).response()(scope, receive, send)
             return
         seen = 0
+        head = b""  # the body's first 4 bytes, which tell UTF-16 and UTF-32 from UTF-8
 
         async def counting_receive() -> Message:
-            nonlocal seen
+            nonlocal seen, head
             message = await receive()
             if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
+                body = message.get("body", b"")
+                seen += len(body)
                 if seen > self.limit:
                     raise body_too_large(self.limit)
+                if len(head) < 4:
+                    head += body[:4 - len(head)]
+                    if len(head) == 4 or not message.get("more_body", False):
+                        check_utf8_json(head)
             return message
 
         await self.app(scope, counting_receive, send)

@@ -153,6 +153,24 @@ def test_a_seeded_sampled_answer_equals_the_single_process_one(e2e_stack: Stack,
         _check(e2e_stack, refs["seeded"], r.id, r.choices[0].text, r.usage, r.choices[0].finish_reason)
 
 
+def test_sampling_values_past_the_wires_types_mean_what_they_say(e2e_stack: Stack, client: OpenAI,
+                                                                 refs: dict[str, GenerateResult]) -> None:
+    """top_k is a uint32 and top_p a float on the worker wire: a top_k past any vocabulary is off (a 500
+    before), and a top_p that rounds to float32 zero keeps the most likely token (it read as unset)."""
+    model = _model(e2e_stack)
+    r = client.completions.create(model=model, prompt=COMPLETION_PROMPT, max_tokens=MAX_TOKENS,
+                                  temperature=SEEDED.temperature, top_p=SEEDED.top_p, seed=SEEDED.seed,
+                                  extra_body={"top_k": 2**32})
+    _check(e2e_stack, refs["seeded"], r.id, r.choices[0].text, r.usage, r.choices[0].finish_reason)
+    r = client.completions.create(model=model, prompt=COMPLETION_PROMPT, max_tokens=MAX_TOKENS, temperature=1.0,
+                                  top_p=1e-46, seed=5)
+    _check(e2e_stack, refs["completion"], r.id, r.choices[0].text, r.usage, r.choices[0].finish_reason)
+    r = client.completions.create(model=model, prompt=COMPLETION_PROMPT, max_tokens=1, temperature=0,
+                                  extra_body={"top_k": 2**63 - 1})  # the one-token path: prefill alone
+    assert _tokens(e2e_stack, r.id) == refs["completion"].token_ids[:1]
+    e2e_stack.assert_workers_idle()
+
+
 def test_a_one_token_answer_says_its_engine_time_in_server_timing(e2e_stack: Stack) -> None:
     """One engine computed it whole, so the response names that engine's time; a disaggregated
     multi-token answer (two engines) names none rather than a part."""

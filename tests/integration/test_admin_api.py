@@ -84,6 +84,10 @@ def test_drain_marks_the_worker_and_stops_routing_to_it(admin):
     pools = {p["pool"]: p for p in client.get("/admin/pools", headers=AUTH).json()["pools"]}
     assert pools["decode"]["ready"] == 0
     assert client.post("/admin/workers/nobody/drain", headers=AUTH).status_code == 404
+    for bad in ("a:b", "a%20b", "x" * 300):  # ids no worker can have: 404 too, not a 500
+        for method in (client.post, client.delete):
+            reply = method(f"/admin/workers/{bad}/drain", headers=AUTH)
+            assert reply.status_code == 404 and "no live worker" in reply.json()["error"]["message"], reply.text
 
 
 @pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": TOKEN}])

@@ -927,3 +927,16 @@ def test_a_long_prompt_is_tokenised_off_the_event_loop(path: str, body: dict) ->
         events.append("health")
         thread.join(120)
     assert events == ["health", "tokenised"]
+
+
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-16-le", "utf-32", "utf-32-be"])
+def test_a_body_in_utf16_or_utf32_is_refused(client: TestClient, backend: FakeBackend, encoding: str) -> None:
+    """JSON between systems is UTF-8 (RFC 8259); Python's json would read these, the README says 400."""
+    body = json.dumps({"model": NAME, "prompt": "hi", "max_tokens": 2}).encode(encoding)
+    for path in ("/v1/completions", "/tokenize"):
+        r = client.post(path, content=body, headers={"Content-Type": "application/json"})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["message"].startswith("The request body is not UTF-8 (it reads as UTF-")
+    assert backend.requests == []
+    assert client.post("/v1/completions", content=json.dumps({"model": NAME, "prompt": "hi"}).encode("utf-8-sig"),
+                       headers={"Content-Type": "application/json"}).status_code == 200

@@ -60,6 +60,9 @@ class Codec(abc.ABC):
     codec_id: ClassVar[CodecId]
     # True when decoded values are bf16 already, so a bf16 destination adds no rounding.
     decodes_to_bf16: ClassVar[bool] = False
+    # The largest |code| a payload can hold, for a codec with scales: a decoded value's magnitude is at most
+    # max_code * |scale| + |zero point|. 0 for a codec without scales (its payload is the values).
+    max_code: ClassVar[float] = 0.0
 
     def __init__(self, kernels: BlockKernels | None = None) -> None:
         self._kernels = kernels

@@ -26,6 +26,7 @@ _DECODE_TABLE = torch.arange(256, dtype=torch.uint8, device="cpu").view(torch.fl
 
 class Fp8E4m3Codec(BlockwiseCodec):
     name = "fp8"
+    max_code = FP8_MAX
     codec_id = CodecId.FP8_E4M3
 
     def _layout(self, shape: Shape, kind: Kind) -> WireLayout:

@@ -50,6 +50,7 @@ def value_group(head_dim: int) -> int:
 
 class Int4Codec(BlockwiseCodec):
     name = "int4"
+    max_code = float(LEVELS)
     codec_id = CodecId.INT4
 
     def _check_dims(self, shape: Shape) -> None:

@@ -25,6 +25,7 @@ INT8_MAX = 127.0
 
 class Int8Codec(BlockwiseCodec):
     name = "int8"
+    max_code = 128.0  # the encoder writes [-127, 127]; a received payload may hold -128
     codec_id = CodecId.INT8
 
     def _layout(self, shape: Shape, kind: Kind) -> WireLayout:

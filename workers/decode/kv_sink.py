@@ -31,6 +31,7 @@ from workers.runtime.kv_cache import DenseLayerStorage, KVLayerStorage, PagedKVC
 
 _RAW = {("fp32", torch.float32), ("bf16", torch.bfloat16)}
 _NATIVE = {("int8", "int8"), ("fp8", "fp8")}
+_NUMPY_SCALES = {torch.float32: np.float32, torch.float16: np.float16}  # the dtypes codecs send scales in
 KVStore = Literal["dequantize", "native"]
 
 
@@ -41,6 +42,40 @@ def decode_cache_dtypes(codecs: tuple[str, ...], compute_dtype: str, store: KVSt
     if store == "dequantize":
         return (compute_dtype,) * len(codecs)
     return tuple(c if c in ("int8", "fp8") else compute_dtype for c in codecs)
+
+
+def check_decoded_range(storage: KVLayerStorage, codec_name: str, shape: tuple[int, int, int, int],
+                        key: WireParts | DeviceParts, value: WireParts | DeviceParts) -> None:
+    """ValueError when a chunk's scales (and zero points) could decode a code to a magnitude past what the
+    layer holds: the dense layer's dtype, or float32 for codes and scales stored as received (``native``,
+    multiplied in float32 when read). Finite scales of 3e38 still land inf, which poisons every later step
+    of the request. A pass over the scales only, before anything is written. (A chunk re-quantised into an
+    int8/fp8 layer is checked once decoded, by ``_requantise`` and the fused kernel.)"""
+    codec = get_codec(codec_name)
+    if not codec.max_code:
+        return
+    if isinstance(storage, DenseLayerStorage):
+        limit = torch.finfo(storage.k.dtype).max
+    elif (codec_name, storage.dtype_name) in _NATIVE:
+        limit = torch.finfo(torch.float32).max
+    else:
+        return
+    scales_dtype = codec.layout(shape, Kind.KEY).scales_dtype
+    for name, part in (("keys", key), ("values", value)):
+        scale, zero = _abs_max(part.scales, scales_dtype), _abs_max(part.zeros, scales_dtype)
+        if codec.max_code * scale + zero > limit:
+            raise ValueError(f"the {name}' scales (up to {scale:.3g}) decode to magnitudes past {limit:.3g}, the "
+                             f"largest the cache's layer holds; refusing to land inf in the KV cache")
+
+
+def _abs_max(raw: memoryview | torch.Tensor | None, dtype: torch.dtype) -> float:
+    """The largest |value| of received bytes (host or device) read as ``dtype``; 0 for none."""
+    if raw is None:
+        return 0.0
+    if isinstance(raw, torch.Tensor):
+        return float(raw.view(dtype).abs().amax()) if raw.numel() else 0.0
+    values = np.frombuffer(raw, dtype=_NUMPY_SCALES[dtype])
+    return float(np.abs(values).max()) if values.size else 0.0
 
 
 class CacheSink:
@@ -56,6 +91,7 @@ class CacheSink:
     def write(self, layer: int, blocks: Sequence[int], codec: str, shape: tuple[int, int, int, int],
               key: WireParts, value: WireParts) -> None:
         storage = self.cache.layers[layer]
+        check_decoded_range(storage, codec, shape, key, value)
         if self.staged:
             with self._landing():  # done (synchronised) before the receiver counts the chunk
                 self._write_device(storage, blocks, codec, shape, key, value)
@@ -91,6 +127,7 @@ class CacheSink:
         parts = (key.payload, key.scales, key.zeros, value.payload, value.scales, value.zeros)
         if any(p is not None and p.device != dev for p in parts):
             raise ValueError(f"received parts must be on the cache's device {dev}")
+        check_decoded_range(self.cache.layers[layer], codec, shape, key, value)
         with self._landing():  # checked there on the same stream (cuda_ipc.device_chunk_parts)
             self._land_device(self.cache.layers[layer], blocks, codec, shape, parts)
 

@@ -75,15 +75,15 @@ class EmbeddingReceiver:
         return len(self.expectations)
 
     def push(self, requests: Iterator[bytes], context: grpc.ServicerContext) -> bytes:
-        return run_stream(self.expectations, context, lambda bound: self._run(requests, bound))
+        return run_stream(self.expectations, context, lambda bound: self._run(requests, bound, context))
 
-    def _run(self, requests: Iterator[bytes], bound: list) -> bytes:
+    def _run(self, requests: Iterator[bytes], bound: list, context: grpc.ServicerContext) -> bytes:
         frames = (_decode(d) for d in requests)
         first = next(frames, None)
         if first is None or first.kind != "handshake":
             raise TransferRefused(Code.INVALID_ARGUMENT, "a PushEmbeddings stream must open with a handshake")
         hs: pb.EmbeddingHandshake = first.header
-        exp = self.expectations.claim(hs.request_id)
+        exp = self.expectations.claim(hs.request_id, wake=lambda _: context.cancel())  # expired, cancelled
         bound.append(exp)
         target: _Target = exp.target
         if hs.protocol_version != PROTOCOL_VERSION:

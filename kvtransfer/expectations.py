@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -17,6 +18,10 @@ from kvtransfer.errors import TransferRefused
 
 log = logging.getLogger(__name__)
 Code = grpc.StatusCode
+# How long after a push failed from outside its stream (expired, cancelled) the stream is woken if it still
+# waits for its sender: a sender that sends within this learns why from the refusal; a silent one no longer
+# holds a receiver thread and stream slot for good.
+WAKE_AFTER_S = 5.0
 OutcomeT = TypeVar("OutcomeT")
 
 
@@ -36,6 +41,9 @@ class Expected(Generic[OutcomeT]):
     state: State = State.EXPECTED
     lock: threading.Lock = field(default_factory=threading.Lock)  # held while writing into ``target``
     failure: TransferRefused | None = None
+    # Set by the stream that claimed it: ends that stream (WAKE_AFTER_S) after the push failed from outside
+    # it (expired, cancelled), so a stream waiting on a silent sender lets go of its thread and slot.
+    wake: Callable[[TransferRefused], object] | None = None
 
 
 class Expectations(Generic[OutcomeT]):
@@ -47,6 +55,7 @@ class Expectations(Generic[OutcomeT]):
         self._lock = threading.Lock()
         self._janitor: threading.Thread | None = None
         self._stop = threading.Event()
+        self._wakes: list[tuple[float, Expected[OutcomeT], TransferRefused]] = []  # (when, stream, why)
 
     def __len__(self) -> int:
         return len(self._items)
@@ -62,8 +71,10 @@ class Expectations(Generic[OutcomeT]):
                 raise ValueError(f"request {request_id!r} is already expected")
             self._items[request_id] = Expected(request_id, self.clock() + timeout_s, on_done, target)
 
-    def claim(self, request_id: str) -> Expected[OutcomeT]:
-        """Bind a stream to ``request_id``; refuses unknown ids and a second stream."""
+    def claim(self, request_id: str, wake: Callable[[TransferRefused], object] | None = None) -> Expected[OutcomeT]:
+        """Bind a stream to ``request_id``; refuses unknown ids and a second stream. ``wake(failure)`` is
+        called (by ``sweep``, WAKE_AFTER_S later) if the push then fails from outside the stream: expired
+        or cancelled; by ``stop`` at once. Waking a stream that has ended must do nothing."""
         with self._lock:
             exp = self._items.get(request_id)
             if exp is None:
@@ -73,6 +84,7 @@ class Expectations(Generic[OutcomeT]):
                 if exp.state is not State.EXPECTED:
                     raise TransferRefused(Code.ALREADY_EXISTS, f"request {request_id!r} already has a stream")
                 exp.state = State.STREAMING
+                exp.wake = wake
         return exp
 
     def complete(self, exp: Expected[OutcomeT], outcome: OutcomeT) -> None:
@@ -98,14 +110,39 @@ class Expectations(Generic[OutcomeT]):
 
     def cancel(self, request_id: str, reason: str) -> bool:
         exp = self._items.get(request_id)
-        return exp is not None and self.fail(exp, TransferRefused(Code.CANCELLED, reason))
+        return exp is not None and self._fail_from_outside(exp, TransferRefused(Code.CANCELLED, reason))
 
     def sweep(self) -> list[str]:
+        """Fail the expectations past their deadline (their ids), and wake the streams whose wait is up."""
         now = self.clock()
         late = [e for e in list(self._items.values()) if e.deadline <= now]
-        return [e.request_id for e in late
-                if self.fail(e, TransferRefused(Code.DEADLINE_EXCEEDED,
-                                                f"transfer for {e.request_id!r} did not complete in time"))]
+        failed = [e.request_id for e in late
+                  if self._fail_from_outside(e, TransferRefused(Code.DEADLINE_EXCEEDED,
+                                                                f"transfer for {e.request_id!r} did not complete "
+                                                                f"in time"))]
+        self._wake(now)
+        return failed
+
+    def _fail_from_outside(self, exp: Expected[OutcomeT], err: TransferRefused) -> bool:
+        """``fail``; the stream bound to it (if one is) is woken WAKE_AFTER_S later."""
+        if not self.fail(exp, err):
+            return False
+        if exp.wake is not None:
+            with self._lock:
+                self._wakes.append((self.clock() + WAKE_AFTER_S, exp, err))
+        return True
+
+    def _wake(self, now: float) -> None:
+        """Wake the streams due by ``now`` (every one for ``math.inf``)."""
+        with self._lock:
+            due = [w for w in self._wakes if w[0] <= now]
+            self._wakes = [w for w in self._wakes if w[0] > now]
+        for _, exp, err in due:
+            assert exp.wake is not None
+            try:
+                exp.wake(err)
+            except Exception:  # a stream that ended meanwhile: nothing to wake
+                log.debug("waking the stream of %s failed", exp.request_id, exc_info=True)
 
     def start_janitor(self, interval_s: float = 0.05, also: Callable[[], None] | None = None) -> None:
         def loop() -> None:
@@ -121,7 +158,8 @@ class Expectations(Generic[OutcomeT]):
         if self._janitor is not None:
             self._janitor.join(timeout=2)
         for exp in list(self._items.values()):
-            self.fail(exp, TransferRefused(Code.UNAVAILABLE, "the receiver is shutting down"))
+            self._fail_from_outside(exp, TransferRefused(Code.UNAVAILABLE, "the receiver is shutting down"))
+        self._wake(math.inf)
 
 
 def refusal(expectations: Expectations, bound: list, exc: Exception) -> TransferRefused:

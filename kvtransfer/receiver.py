@@ -222,7 +222,8 @@ class KVReceiver:
         first = self._next(requests)
         if first is None or first.kind != "handshake":
             raise TransferRefused(Code.INVALID_ARGUMENT, "a Push stream must open with a handshake")
-        exp = self.expectations.claim(first.header.request_id)
+        # failed from outside (expired, cancelled): the call ends, even while it waits for a silent sender
+        exp = self.expectations.claim(first.header.request_id, wake=lambda _: context.cancel())
         bound.append(exp)
         if first.header.transport == pb.TRANSPORT_TCP:  # the reservation is released with this refusal
             raise TransferRefused(Code.INVALID_ARGUMENT, "a TRANSPORT_TCP push travels whole over its bulk TCP "
@@ -292,7 +293,8 @@ class KVReceiver:
             hs: pb.PushHandshake = first.header
             if first.kind != "handshake":
                 raise TransferRefused(Code.INVALID_ARGUMENT, "a push must open with a handshake")
-            exp = self.expectations.claim(hs.request_id)
+            owner = object()  # this push's hold on the connection: a late wake-up cannot close the next push's
+            exp = self.expectations.claim(hs.request_id, wake=lambda _: conn.interrupt(owner))
             bound.append(exp)
             if hs.transport not in (pb.TRANSPORT_TCP, pb.TRANSPORT_SHARED_MEMORY, pb.TRANSPORT_CUDA_IPC):
                 raise TransferRefused(Code.INVALID_ARGUMENT, "a push on a bulk TCP connection must say "
@@ -301,8 +303,10 @@ class KVReceiver:
             if hs.timeout_ms == 0:
                 raise TransferRefused(Code.INVALID_ARGUMENT, "a handshake on a bulk TCP connection must carry "
                                                              "timeout_ms, the push's deadline")
-            deadline = time.monotonic() + hs.timeout_ms / 1e3
-            conn.bind(self, hs.timeout_ms / 1e3)  # timeout mode: each read then waits until the deadline at most
+            # the sender's deadline, but never past the reservation's (then the push has failed already)
+            timeout_s = min(hs.timeout_ms / 1e3, max(0.0, exp.deadline - self.expectations.clock()))
+            deadline = time.monotonic() + timeout_s
+            conn.bind(owner, timeout_s)  # timeout mode: each read then waits until the deadline at most
             return Code.OK, "", self._land(exp, hs, self._bulk_frames(conn, deadline, hs.transport))
         except Exception as exc:
             err = refusal(self.expectations, bound, exc)

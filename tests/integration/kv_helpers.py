@@ -280,7 +280,9 @@ def refused(channel: grpc.Channel, frames: Iterable[bytes], metadata: Sequence[t
 class OpenPush:
     """A raw Push call whose frames the test feeds one at a time (so a stream can sit idle)."""
 
-    def __init__(self, channel: grpc.Channel, metadata: Sequence[tuple[str, str]], timeout: float = 20.0) -> None:
+    def __init__(self, channel: grpc.Channel, metadata: Sequence[tuple[str, str]],
+                 timeout: float | None = 20.0) -> None:
+        """``timeout``: the call's deadline (None: none, as a careless sender might)."""
         self._q: queue.Queue[bytes | None] = queue.Queue()
         call: grpc.StreamUnaryMultiCallable[bytes, pb.PushAck] = channel.stream_unary(
             PUSH_METHOD, request_serializer=None, response_deserializer=pb.PushAck.FromString)

@@ -450,6 +450,21 @@ def test_a_stalled_sender_hits_the_deadline_and_frees_the_reservation(rig: Rig) 
     rig.assert_clean()
 
 
+def test_a_stalled_push_ends_at_its_reservations_deadline_whatever_its_own(rig: Rig) -> None:
+    """A handshake asking for 49 days (timeout_ms 2^32 - 1), then silence: the push ends with the
+    reservation (1 s) and the sender reads why, instead of the connection and a stream slot being held."""
+    pending = rig.reserve(timeout_s=1.0)
+    sock, frames = bulk_push(rig, pending.rid, timeout=(2**32 - 1) / 1e3)
+    with sock:
+        result = read_result(sock, timeout=15)
+        assert result.code == Code.DEADLINE_EXCEEDED.value[0], result
+    outcome = pending.outcome()
+    assert not outcome.ok and outcome.code == Code.DEADLINE_EXCEEDED, outcome
+    wait_until(lambda: rig.receiver.bulk.connections == 0, 5, "the connection to be closed")
+    rig.good_transfer()
+    rig.assert_clean()
+
+
 def test_the_senders_deadline_cap_holds_whatever_the_caller_asks(rig: Rig) -> None:
     """transfer.timeout_s reaches the prefill worker's sender as its cap: a push asked for 10 s that stalls
     after its first layer fails at the cap's 1 s, not at 10, and the reservation is freed."""

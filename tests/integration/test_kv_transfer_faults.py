@@ -22,6 +22,7 @@ import torch
 
 from kvtransfer.auth import TransferSecurity
 from kvtransfer.errors import TransferFailed
+from kvtransfer.expectations import WAKE_AFTER_S
 from kvtransfer.sender import KVSender
 from kvtransfer.shm import SHM_DIR, SharedSegment
 from kvtransfer.wire import encode_control, pb
@@ -350,6 +351,35 @@ def test_idle_stream_expires_on_sweep_and_frees_blocks(rig: Rig, clock: FakeCloc
     finally:
         push.end()
     assert rig.receiver.sweep() == []  # on_done ran once; nothing left to expire
+    rig.good_transfer()
+    rig.assert_clean()
+
+
+@pytest.mark.parametrize("how", ["expired", "cancelled"])
+def test_a_stream_left_silent_after_its_push_failed_is_ended(rig: Rig, clock: FakeClock, how: str) -> None:
+    """A sender without a call deadline goes silent mid-push. Once the push failed (expired or cancelled),
+    the receiver ends the call WAKE_AFTER_S later, so the stream no longer holds a thread and a stream slot
+    for good. (A sender that sends before then learns why: the test above.)"""
+    pending = rig.reserve(timeout_s=1.0)
+    frames = Frames(rig.layout, pending.rid)
+    push = OpenPush(rig.channel, AUTH, timeout=None)
+    try:
+        push.send(frames.handshake(), frames.chunk(0))
+        rig.sink.wait_for(1)
+        if how == "expired":
+            clock.now += 1.1
+            assert rig.receiver.sweep() == [pending.rid]
+        else:
+            assert rig.receiver.cancel(pending.rid, "decode worker aborted the request")
+        rig.assert_clean()
+        clock.now += WAKE_AFTER_S - 0.1
+        rig.receiver.sweep()
+        assert not push.future.done()  # not yet: a late sender may still learn why
+        clock.now += 0.2
+        rig.receiver.sweep()
+        assert push.error(timeout=10).code() == Code.CANCELLED
+    finally:
+        push.end()
     rig.good_transfer()
     rig.assert_clean()
 

@@ -22,6 +22,14 @@ Code = grpc.StatusCode
 # waits for its sender: a sender that sends within this learns why from the refusal; a silent one no longer
 # holds a receiver thread and stream slot for good.
 WAKE_AFTER_S = 5.0
+# The longest request id a push may name (the control plane sends uuids, 36). Longer ones are refused by
+# length, not echoed: a status message of more than 16 KiB is replaced by gRPC's own "metadata size" error.
+MAX_REQUEST_ID_CHARS = 256
+
+
+def shown_id(request_id: str) -> str:
+    """``request_id`` as a refusal message quotes it: cut to MAX_REQUEST_ID_CHARS."""
+    return repr(request_id if len(request_id) <= MAX_REQUEST_ID_CHARS else request_id[:MAX_REQUEST_ID_CHARS] + "...")
 OutcomeT = TypeVar("OutcomeT")
 
 
@@ -75,6 +83,9 @@ class Expectations(Generic[OutcomeT]):
         """Bind a stream to ``request_id``; refuses unknown ids and a second stream. ``wake(failure)`` is
         called (by ``sweep``, WAKE_AFTER_S later) if the push then fails from outside the stream: expired
         or cancelled; by ``stop`` at once. Waking a stream that has ended must do nothing."""
+        if len(request_id) > MAX_REQUEST_ID_CHARS:
+            raise TransferRefused(Code.INVALID_ARGUMENT, f"request_id is {len(request_id)} characters long; at "
+                                                         f"most {MAX_REQUEST_ID_CHARS}")
         with self._lock:
             exp = self._items.get(request_id)
             if exp is None:

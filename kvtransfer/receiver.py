@@ -46,7 +46,7 @@ from kvtransfer.codecs import CodecError, Kind, WireLayout, get_codec
 from kvtransfer.codecs.encoded import cut_pair
 from kvtransfer.cuda_ipc import DeviceParts, IpcError, IpcPool, device_chunk_parts
 from kvtransfer.errors import TransferRefused
-from kvtransfer.expectations import Expectations, Expected, State, refusal, run_stream
+from kvtransfer.expectations import Expectations, Expected, State, refusal, run_stream, shown_id
 from kvtransfer.layout import KVLayout, LayoutMismatch
 from kvtransfer.shm import SegmentCache, SharedSegment, ShmError, reap_orphans
 from kvtransfer.wire import PROTOCOL_VERSION, Frame, WireError, decode_frame, pb
@@ -147,7 +147,7 @@ class KVReceiver:
         except Exception:  # protobuf's DecodeError
             raise TransferRefused(Code.INVALID_ARGUMENT, "malformed CudaIpcLeaseRequest") from None
         if req.request_id not in self.expectations:
-            raise TransferRefused(Code.NOT_FOUND, f"no reservation for request {req.request_id!r}")
+            raise TransferRefused(Code.NOT_FOUND, f"no reservation for request {shown_id(req.request_id)}")
         try:
             return self.ipc.lease(req.request_id, req.min_bytes)
         except IpcError as exc:
@@ -385,7 +385,8 @@ class KVReceiver:
         where = f"chunk seq {c.seq} (layer {c.layer}, blocks {c.first_block}..{c.first_block + c.num_blocks - 1})"
         if c.request_id != exp.request_id:
             raise TransferRefused(Code.INVALID_ARGUMENT,
-                                  f"{where} is for request {c.request_id!r} on the stream of {exp.request_id!r}")
+                                  f"{where} is for request {shown_id(c.request_id)} on the stream of "
+                                  f"{exp.request_id!r}")
         if c.seq != s.next_seq:
             raise TransferRefused(Code.INVALID_ARGUMENT, f"{where} out of order or duplicated: expected seq "
                                                          f"{s.next_seq}")

@@ -17,6 +17,7 @@ import grpc
 
 from epd.worker.v1 import worker_pb2 as wpb
 from kvtransfer.auth import TransferSecurity
+from kvtransfer.expectations import MAX_REQUEST_ID_CHARS
 from kvtransfer.options import CHANNEL_OPTIONS, server_stream_options
 from workers.runtime.errors import (
     CapacityError,
@@ -74,7 +75,6 @@ class Drainable:
 
 DEFAULT_TIMEOUT_S = 30.0  # a request's timeout_s of 0 (proto3's "unset")
 MAX_TIMEOUT_S = 24 * 3600.0
-MAX_REQUEST_ID_CHARS = 256  # the control plane sends uuids (36)
 
 
 class WorkerService(Protocol):

@@ -355,6 +355,19 @@ def test_idle_stream_expires_on_sweep_and_frees_blocks(rig: Rig, clock: FakeCloc
     rig.assert_clean()
 
 
+def test_a_request_id_past_the_limit_is_refused_by_its_length(rig: Rig) -> None:
+    """Not echoed: a status message over 16 KiB is replaced by gRPC's own, which reads as "busy, retry"."""
+    pending = rig.reserve()
+    err = refused(rig.channel, [Frames(rig.layout, "x" * 20_000).handshake()], AUTH)
+    assert err.code() == Code.INVALID_ARGUMENT and err.details() == "request_id is 20000 characters long; at most 256"
+    frames = Frames(rig.layout, pending.rid)  # and a chunk naming one is quoted cut short
+    err = refused(rig.channel, [frames.handshake(), frames.chunk(0, request_id="y" * 20_000)], AUTH)
+    assert err.code() == Code.INVALID_ARGUMENT and f"is for request '{'y' * 256}...' on the stream" in err.details()
+    rig.assert_failed(pending, Code.INVALID_ARGUMENT, "on the stream of")
+    rig.good_transfer()
+    rig.assert_clean()
+
+
 @pytest.mark.parametrize("how", ["expired", "cancelled"])
 def test_a_stream_left_silent_after_its_push_failed_is_ended(rig: Rig, clock: FakeClock, how: str) -> None:
     """A sender without a call deadline goes silent mid-push. Once the push failed (expired or cancelled),

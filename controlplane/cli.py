@@ -290,7 +290,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--host", default=None, help="API address (default 127.0.0.1)")
     srv.add_argument("--port", type=int, default=None, help="API port (default 8000)")
     srv.add_argument("--ray-address", default=None, help="join this Ray cluster instead of starting one")
-    srv.add_argument("--redis-url", default=None, help="use this Redis instead of starting one")
+    srv.add_argument("--redis-url", default=None,
+                     help="use this Redis instead of starting one. A password in it is readable by every local "
+                          "user (a command line is public): give one in EPD_REDIS__URL or redis.url in --config")
     srv.set_defaults(func=cmd_serve)
 
     admin = ("Talks to a running `epd serve` through its admin API (--url, default http://<api.host>:<api.port> "

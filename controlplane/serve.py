@@ -298,6 +298,7 @@ def check_port(host: str, port: int) -> None:
 def serve(settings: Settings) -> int:
     import uvicorn
 
+    from controlplane.api.auth import mask_tokens_in_access_log
     from controlplane.heap import freeze_startup_heap
 
     check_port(settings.api.host, settings.api.port)
@@ -310,6 +311,7 @@ def serve(settings: Settings) -> int:
         freeze_startup_heap("control plane")
         config = uvicorn.Config(dep.app, host=settings.api.host, port=settings.api.port, log_level="info",
                                 timeout_graceful_shutdown=10)
+        mask_tokens_in_access_log()  # the dashboard's ?token= stays out of the access log
         server = uvicorn.Server(config)
         signal.signal(signal.SIGTERM, lambda *_: setattr(server, "should_exit", True))
         print(f"epd: serving {dep.ready_line} on http://{settings.api.host}:{settings.api.port} (Ctrl-C to stop)",

@@ -12,6 +12,8 @@ read or parsed (an unauthenticated caller learns nothing about what the body sho
 
 from __future__ import annotations
 
+import logging
+import re
 import secrets
 from collections.abc import Sequence
 from urllib.parse import parse_qs
@@ -91,3 +93,25 @@ class OpsAuth:
                             "'Authorization: Bearer <token>', or open /dashboard?token=<token>",
                        code="invalid_ops_token", headers={"WWW-Authenticate": "Bearer"})
         await err.response()(scope, receive, send)
+
+
+_QUERY_TOKEN = re.compile(r"([?&](?:token|%74oken)=)[^&#\s]*", re.IGNORECASE)
+
+
+class QueryTokenMask(logging.Filter):
+    """Masks ``token=`` query values (the ops token of ``/dashboard?token=...``) in the messages of the logger
+    it is added to: uvicorn's access log writes each request's path with its query string."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.args, tuple):
+            record.args = tuple(_QUERY_TOKEN.sub(r"\1***", a) if isinstance(a, str) else a for a in record.args)
+        elif isinstance(record.msg, str):
+            record.msg = _QUERY_TOKEN.sub(r"\1***", record.msg)
+        return True
+
+
+def mask_tokens_in_access_log(logger_name: str = "uvicorn.access") -> None:
+    """Add ``QueryTokenMask`` to uvicorn's access logger (once; after uvicorn configured its logging)."""
+    logger = logging.getLogger(logger_name)
+    if not any(isinstance(f, QueryTokenMask) for f in logger.filters):
+        logger.addFilter(QueryTokenMask())

@@ -37,6 +37,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import re
 import threading
 from collections.abc import Mapping
 
@@ -96,9 +97,27 @@ def exporter_from_env(env: Mapping[str, str] | None = None) -> SpanExporter | No
     if protocol.strip().lower() != "grpc":
         raise TracingConfigError(f"OTEL_EXPORTER_OTLP_PROTOCOL={protocol!r}: epd ships the OTLP gRPC exporter "
                                  "only; use grpc (port 4317 on a collector)")
+    for var in ("OTEL_EXPORTER_OTLP_HEADERS", "OTEL_EXPORTER_OTLP_TRACES_HEADERS"):
+        check_headers(var, env.get(var, ""))
     from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 
     return OTLPSpanExporter()  # reads OTEL_EXPORTER_OTLP_* itself
+
+
+_HEADER_NAME = re.compile(r"[A-Za-z0-9!#$%&'*+.^_`|~-]+")
+
+
+def check_headers(var: str, value: str) -> None:
+    """TracingConfigError unless ``value`` is comma-separated ``name=value`` pairs, as the OTLP exporter reads
+    them. The SDK would log a malformed entry whole, and these often carry credentials (an Authorization
+    header): the refusal names the entry by position only."""
+    entries = [e for e in value.split(",") if e.strip()]
+    for i, entry in enumerate(entries, 1):
+        name, eq, _ = entry.partition("=")
+        if not eq or not _HEADER_NAME.fullmatch(name.strip()):
+            raise TracingConfigError(f"{var}: entry {i} of {len(entries)} is not name=value (an HTTP header name, "
+                                     f"'=', then the value, URL-encoded); its text is not shown, as it may hold a "
+                                     f"credential")
 
 
 def sampler_from_env(env: Mapping[str, str] | None = None) -> Sampler | None:

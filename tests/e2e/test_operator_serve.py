@@ -85,6 +85,9 @@ def test_metrics_and_dashboard_need_the_ops_token(served):
     assert httpx.get(f"{base}/dashboard/api/state", headers={"Authorization": f"Bearer {OPS_TOKEN}"}).status_code == 200
     assert httpx.get(f"{base}/dashboard/dashboard.js").status_code == 200  # code, no data
     assert httpx.get(f"{base}/health").status_code == 200  # probes stay open
+    # the access log records the dashboard's request, but not the token in its query
+    log = (served.tmp / "serve.log").read_text()
+    assert '"GET /dashboard?token=*** HTTP/1.1" 200' in log and OPS_TOKEN not in log
 
 
 # ---------------------------------------------------------------------------------------------- vLLM's face

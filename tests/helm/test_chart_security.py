@@ -137,3 +137,14 @@ def test_a_credential_changed_in_values_restarts_what_holds_it_and_generated_one
     assert before[0] != after[0] and before[1] != after[1]
     admin = _checksums(render(*password, "--set", "auth.adminToken=admin-token-0123456789"))
     assert admin[0] != before[0] and admin[1] == before[1]  # Redis does not hold the admin token
+
+
+def test_the_redis_password_is_on_no_command_line() -> None:
+    """A process's argv is readable by anyone on the node (ps): the probe hands redis-cli the password in its
+    environment (REDISCLI_AUTH), not with -a; the server reads it from its own env (Redis then rewrites its
+    process title)."""
+    redis = find(defaults(), "StatefulSet", "-redis")["spec"]["template"]["spec"]["containers"][0]
+    probe = " ".join(redis["readinessProbe"]["exec"]["command"])
+    assert 'REDISCLI_AUTH="$REDIS_PASSWORD" redis-cli ping' in probe and " -a " not in probe
+    env = {e["name"]: e for e in redis["env"]}
+    assert "secretKeyRef" in env["REDIS_PASSWORD"]["valueFrom"]

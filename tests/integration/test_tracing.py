@@ -345,6 +345,18 @@ def test_exporters_follow_the_standard_otel_variables():
         tracing.exporter_from_env({"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf"})
 
 
+@pytest.mark.parametrize("var", ["OTEL_EXPORTER_OTLP_HEADERS", "OTEL_EXPORTER_OTLP_TRACES_HEADERS"])
+def test_malformed_otlp_headers_are_refused_without_showing_them(var: str) -> None:
+    """The SDK would log the malformed entry whole (often an Authorization header); epd names its position."""
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4317", var: "x-tenant=a,authorization Bearer s3cret"}
+    with pytest.raises(tracing.TracingConfigError, match=f"{var}: entry 2 of 2 is not name=value") as err:
+        tracing.exporter_from_env(env)
+    assert "s3cret" not in str(err.value)
+    fine = tracing.exporter_from_env({**env, var: "x-tenant=a, authorization=Bearer%20s3cret"})
+    assert fine is not None
+    fine.shutdown()
+
+
 def test_otlp_exporter_from_the_environment_delivers_spans_to_a_collector(monkeypatch):
     sink = OTLPSink().start()
     try:

@@ -186,6 +186,7 @@ def build(settings: Settings) -> Deployment:
     from controlplane.scheduler.policies import get_policy
     from controlplane.scheduler.scheduler import Scheduler, WorkerView
     from controlplane.state import LocalRedis, RequestJournal, WorkerRegistry, connect
+    from controlplane.state.client import redact
     from controlplane.state.watchdog import PrivateRedisWatchdog
     from kvtransfer.auth import TransferSecurity
     from workers.runtime.default_model import ensure_default_checkpoint
@@ -203,9 +204,11 @@ def build(settings: Settings) -> Deployment:
         url = settings.redis.url
         redis = None
         if url is None:
-            redis = LocalRedis().start()
+            # with a password: another local user could otherwise read the registry, register a worker of its
+            # own and receive the transfer token and prompts
+            redis = LocalRedis(password=secrets.token_urlsafe(24)).start()
             url = redis.url
-            log.info("started a private redis-server at %s", url)
+            log.info("started a private redis-server at %s", redact(url))
             dep.add("the private redis-server", redis.close)
         conn = connect(url, settings.redis.prefix)
         dep.add("the Redis connection", conn.close)

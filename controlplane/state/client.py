@@ -160,11 +160,15 @@ class LocalRedis:
     """A private, throwaway ``redis-server`` on 127.0.0.1 (no RDB, no AOF). Use as a context manager.
 
     ``port=None`` picks a free port; a given port lets a test restart a server where the last one was.
-    Also stopped at interpreter exit if ``close()`` was never called.
+    ``password``: the server requires it (``requirepass``), so another local user cannot read or write the
+    registry through the open loopback port; it reaches the server on its stdin, not its command line, and
+    is part of ``url``. Also stopped at interpreter exit if ``close()`` was never called.
     """
 
     def __init__(self, *, port: int | None = None, executable: str = "redis-server",
-                 startup_timeout: float = 10.0, stop_grace: float = 5.0) -> None:
+                 startup_timeout: float = 10.0, stop_grace: float = 5.0, password: str | None = None) -> None:
+        if password is not None and (not password or any(c.isspace() or c in "\"'@:/?#" for c in password)):
+            raise ValueError("a LocalRedis password must be non-empty, without whitespace, quotes or URL delimiters")
         binary = shutil.which(executable)
         if binary is None:
             raise RedisServerNotFound(f"{executable} is not installed (not found on PATH); {INSTALL_HINT}")
@@ -172,16 +176,18 @@ class LocalRedis:
         self._requested_port = port
         self._startup_timeout = startup_timeout
         self._stop_grace = stop_grace
+        self.password = password
         self._proc: subprocess.Popen[bytes] | None = None
         self._finalizer: weakref.finalize | None = None
         self.port = 0
 
     @property
     def url(self) -> str:
-        """``redis://127.0.0.1:PORT`` of the running server."""
+        """``redis://127.0.0.1:PORT`` of the running server (``redis://:PASSWORD@...`` with a password)."""
         if self._proc is None:
             raise RuntimeError("LocalRedis is not started")
-        return f"redis://127.0.0.1:{self.port}"
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis://{auth}127.0.0.1:{self.port}"
 
     @property
     def pid(self) -> int:
@@ -218,12 +224,20 @@ class LocalRedis:
         log = Path(folder) / "redis.log"
         args = [self._binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
                 "--dir", folder, "--logfile", str(log), "--daemonize", "no", "--protected-mode", "yes"]
+        if self.password:
+            args.insert(1, "-")  # read configuration from stdin too: the password stays off the command line
         # A new session keeps a terminal's Ctrl-C away from the server: epd stops it, in order.
-        proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL, start_new_session=True, preexec_fn=_die_with_parent)
+        proc = subprocess.Popen(args, stdin=subprocess.PIPE if self.password else subprocess.DEVNULL,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+                                preexec_fn=_die_with_parent)
+        if proc.stdin is not None:
+            with contextlib.suppress(BrokenPipeError):
+                proc.stdin.write(f"requirepass {self.password}\n".encode())
+            with contextlib.suppress(BrokenPipeError):
+                proc.stdin.close()
         deadline = time.monotonic() + self._startup_timeout
-        probe = redis.Redis(host="127.0.0.1", port=port, socket_timeout=0.5, socket_connect_timeout=0.5,
-                            retry=Retry(ExponentialWithJitterBackoff(), 0))
+        probe = redis.Redis(host="127.0.0.1", port=port, password=self.password, socket_timeout=0.5,
+                            socket_connect_timeout=0.5, retry=Retry(ExponentialWithJitterBackoff(), 0))
         try:
             while True:
                 if proc.poll() is not None:

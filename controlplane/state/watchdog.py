@@ -38,7 +38,7 @@ class PrivateRedisWatchdog:
             log.error("the private redis-server (pid %d, port %d) exited; starting a new one on the same port",
                       self.redis.pid, self.redis.port)
             try:
-                self.redis = LocalRedis(port=self.redis.port).start()
+                self.redis = LocalRedis(port=self.redis.port, password=self.redis.password).start()
                 self.restarts += 1
                 self.on_restart()
                 log.warning("the private redis-server is back (pid %d); workers re-register on their next "

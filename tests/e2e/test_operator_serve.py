@@ -67,6 +67,20 @@ def test_every_listener_of_the_stack_is_on_loopback(served):
     assert not outside, f"listening beyond loopback: {outside}"
 
 
+def test_the_private_redis_server_lets_no_one_in_without_its_password(served):
+    """Its port is open to every local user: without the password, a user could read the registry, list a
+    worker of its own and be sent the transfer token and prompts."""
+    import redis
+
+    pids = descendants(served.proc.pid) | {served.proc.pid}
+    ports = [int(local.rsplit(":", 1)[1]) for local, name in listeners(pids) if name == "redis-server"]
+    assert len(ports) == 1, listeners(pids)
+    with pytest.raises(redis.exceptions.AuthenticationError):
+        redis.Redis(port=ports[0], socket_timeout=5).ping()
+    log = (served.tmp / "serve.log").read_text()
+    assert f"127.0.0.1:{ports[0]}" not in log or ":***@127.0.0.1" in log  # its URL is logged masked, if at all
+
+
 def test_is_loopback_reads_ss_addresses():
     assert is_loopback("127.0.0.1:80") and is_loopback("[::ffff:127.0.0.1]:5") and is_loopback("[::1]:5")
     assert not is_loopback("0.0.0.0:80") and not is_loopback("*:80") and not is_loopback("192.0.2.2:80")

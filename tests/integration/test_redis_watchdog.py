@@ -15,7 +15,7 @@ pytestmark = [pytest.mark.integration]
 
 
 def test_a_killed_private_redis_is_restarted_on_its_port_and_targets_are_written_again():
-    redis = LocalRedis().start()
+    redis = LocalRedis(password="watchdog-pw-0123").start()  # as epd serve starts it
     url, first_pid = redis.url, redis.pid
     conn = connect(url, "watchdog", retries=1, socket_timeout=1.0)
     rewritten: list[int] = []
@@ -32,7 +32,7 @@ def test_a_killed_private_redis_is_restarted_on_its_port_and_targets_are_written
         while not rewritten and time.monotonic() < deadline:
             time.sleep(0.05)
         assert rewritten and watchdog.restarts == 1
-        assert watchdog.redis.url == url and watchdog.redis.pid != first_pid
+        assert watchdog.redis.url == url and watchdog.redis.pid != first_pid  # the same password too
         assert PoolTargets(conn).get_target(Pool.DECODE) == 2  # the same client, reconnected
     finally:
         watchdog.close()

@@ -10,6 +10,7 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import redis
@@ -59,6 +60,21 @@ def test_local_server_is_private_and_unpersisted(redis_server: LocalRedis, state
     config = state_conn.redis.config_get("*")
     assert config["save"] == "" and config["appendonly"] == "no"
     assert config["bind"] == "127.0.0.1" and int(config["port"]) == redis_server.port
+
+
+def test_a_password_keeps_other_clients_out_and_stays_off_the_command_line():
+    with LocalRedis(password="pw-0123456789abcdef") as server:
+        assert server.url == f"redis://:pw-0123456789abcdef@127.0.0.1:{server.port}"
+        with pytest.raises(redis.exceptions.AuthenticationError):
+            redis.Redis(port=server.port, socket_timeout=2).ping()
+        with pytest.raises(redis.exceptions.AuthenticationError):
+            redis.Redis(port=server.port, password="wrong", socket_timeout=2).ping()
+        assert redis.Redis.from_url(server.url, socket_timeout=2).ping()
+        cmdline = Path(f"/proc/{server.pid}/cmdline").read_bytes()
+        assert b"pw-0123456789abcdef" not in cmdline and b"requirepass" not in cmdline
+    for bad in ("", "has space", "a@b", "a:b"):
+        with pytest.raises(ValueError, match="password must be"):
+            LocalRedis(password=bad)
 
 
 def test_missing_redis_server_says_how_to_install():

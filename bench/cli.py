@@ -17,13 +17,12 @@ from __future__ import annotations
 import argparse
 import importlib
 from collections.abc import Callable
-from pathlib import Path
 
 from bench.chaos.cli import add_chaos_parser
 from bench.compare import add_compare_parser
 from bench.micro.cli import add_micro_parser
 from bench.serve.cli import add_serve_parser
-from controlplane.cli_args import UsageError, add_engine_args
+from controlplane.cli_args import UsageError, add_engine_args, path_arg
 
 # The bench extra's modules (pip install 'epd[bench]'; make setup installs it) a suite imports whatever its
 # flags, checked before it starts: a missing one is one line naming the install, not a traceback, and never
@@ -73,7 +72,7 @@ def add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     eng.add_argument("--decode-tokens", type=int, default=64,
                      help="tokens generated per sequence (default: %(default)s)")
     eng.add_argument("--repeats", type=int, default=3, help="take the best of this many runs (default: %(default)s)")
-    eng.add_argument("--json", type=Path, default=None, help="also write the results as JSON here")
+    eng.add_argument("--json", type=path_arg, default=None, help="also write the results as JSON here")
     eng.add_argument("--no-hf", action="store_true", help="skip the transformers reference")
     eng.set_defaults(func=cmd_bench_engine)
 
@@ -95,7 +94,7 @@ def add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
                          "or 0 with --quick; 0: skip)")
     kv.add_argument("--paired-only", action="store_true",
                     help="run only the paired pushes (--paired N of them, default 8), nothing else first")
-    kv.add_argument("--json", type=Path, default=None, help="also write the results as JSON here")
+    kv.add_argument("--json", type=path_arg, default=None, help="also write the results as JSON here")
     kv.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                     help="cuda: the GPU KV path instead (fused codec kernels and a cuda_ipc push vs a device copy, "
                          "int8 over tcp from GPU memory vs a TCP socket, a 4,096-token TTFT on the 1b preset per "
@@ -123,7 +122,7 @@ def add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     cp.add_argument("--throughput-requests", type=int, default=640,
                     help="requests for the throughput figure (default %(default)s)")
     cp.add_argument("--concurrency", type=int, default=32, help="concurrent requests (default %(default)s)")
-    cp.add_argument("--json", type=Path, default=None, help="also write the results as JSON here")
+    cp.add_argument("--json", type=path_arg, default=None, help="also write the results as JSON here")
     cp.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
                     help="the workers' compute dtype, and the local engine's for the compute figures "
                          "(default %(default)s, as serving runs weights)")

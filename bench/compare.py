@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from controlplane.cli_args import path_arg
+
 if TYPE_CHECKING:  # annotations only: the module imports the control plane lazily, where it is used
     from controlplane.settings import Settings
 
@@ -191,7 +193,7 @@ def add_compare_parser(bench: argparse._SubParsersAction[argparse.ArgumentParser
                              "model and engine settings, both on loopback with equal cores (--cores: one per "
                              "computing worker), and report the goodput ratio (disaggregated / colocated) at each "
                              "request rate under the --goodput SLOs: a table on stdout, JSON and plots in --out."))
-    p.add_argument("--model", type=Path, default=None, help="HF checkpoint folder (default: the demo model)")
+    p.add_argument("--model", type=path_arg, default=None, help="HF checkpoint folder (default: the demo model)")
     p.add_argument("--input-len", type=int, default=1024, help="prompt tokens (default 1024: prefill-heavy)")
     p.add_argument("--output-len", type=int, default=32, help="tokens generated per request (default 32)")
     p.add_argument("--num-prompts", type=int, default=32, help="requests per rate and mode (default 32)")
@@ -201,7 +203,7 @@ def add_compare_parser(bench: argparse._SubParsersAction[argparse.ArgumentParser
     p.add_argument("--cores", default="0,1", help="one core per computing worker (default 0,1)")
     p.add_argument("--seed", type=int, default=0,
                    help="seed of the prompts and arrival times, the same for both modes (default: %(default)s)")
-    p.add_argument("--out", type=Path, default=Path("bench-compare"),
+    p.add_argument("--out", type=path_arg, default=Path("bench-compare"),
                    help="folder for the JSON results and plots (default: %(default)s)")
     p.add_argument("--no-progress", action="store_true", help="do not print progress lines")
     p.set_defaults(func=cmd_bench_compare)

@@ -28,6 +28,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from controlplane.cli_args import path_arg
+
 SEQ_LEN = 256
 BATCH = 8
 
@@ -54,7 +56,7 @@ def token_stream(tokenizer: Any, limit_tokens: int) -> list[int]:  # a tokenizer
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.train_checkpoint", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("dir", type=Path, help="where to write the checkpoint folder (must be empty or absent)")
+    parser.add_argument("dir", type=path_arg, help="where to write the checkpoint folder (must be empty or absent)")
     parser.add_argument("--minutes", type=float, default=10.0, help="training time (default 10)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")

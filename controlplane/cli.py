@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
+import shutil
 import sys
 import time
 from collections.abc import Callable
@@ -24,7 +25,7 @@ from importlib.metadata import entry_points
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
-from controlplane.cli_args import UsageError, add_engine_args, check_engine_args, model_dir
+from controlplane.cli_args import UsageError, add_engine_args, check_engine_args, model_dir, path_arg
 
 if TYPE_CHECKING:  # settings import pydantic and the policies: loaded by the commands that need them
     from controlplane.settings import Settings
@@ -33,21 +34,31 @@ COMMAND_PLUGINS = "epd.commands"
 
 
 def cmd_model_init(args: argparse.Namespace) -> int:
+    from safetensors import SafetensorError
+
     from workers.runtime.default_model import write_default_checkpoint
+
     folder: Path = args.dir
+    if not 0 <= args.seed < 2**63:
+        raise UsageError(f"--seed must be an integer in [0, 2^63), got {args.seed}")
     if folder.exists() and not folder.is_dir():
         raise UsageError(f"{folder} exists and is not a folder")
+    created = not folder.exists()
     try:
-        if folder.exists() and any(folder.iterdir()) and not args.force:
+        if not created and any(folder.iterdir()) and not args.force:
             raise UsageError(f"{folder} exists and is not empty; pass --force to overwrite")
         if args.preset is not None:
             from workers.runtime.presets import write_preset_checkpoint
             write_preset_checkpoint(folder, args.preset, seed=args.seed)
         else:
             write_default_checkpoint(folder, seed=args.seed, with_vision=not args.no_vision)
-    except OSError as exc:
-        where = f" ({exc.filename})" if exc.filename and str(exc.filename) != str(folder) else ""
-        raise UsageError(f"cannot write the model to {folder}{where}: {exc.strerror or exc}") from None
+    except (OSError, SafetensorError) as exc:
+        if created:  # a half-written folder would look like a checkpoint: only what was there before stays
+            shutil.rmtree(folder, ignore_errors=True)
+        filename = getattr(exc, "filename", None)
+        where = f" ({filename})" if filename and str(filename) != str(folder) else ""
+        why = getattr(exc, "strerror", None) or exc
+        raise UsageError(f"cannot write the model to {folder}{where}: {why}") from None
     what = f"preset {args.preset}" if args.preset is not None else "the demo model"
     print(f"wrote {what} (random weights, seed {args.seed}) to {folder}")
     return 0
@@ -251,7 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
                                         "config.json, model.safetensors, tokenizer files, chat template and a "
                                         "CLIP-style vision/ encoder. Its weights are random (deterministic from "
                                         "--seed); transformers loads it as LlamaForCausalLM.")
-    init.add_argument("dir", type=Path, help="folder to write")
+    init.add_argument("dir", type=path_arg, help="folder to write")
     init.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
     init.add_argument("--no-vision", action="store_true", help="omit the vision encoder")
     init.add_argument("--preset", choices=("1b", "tiny"), default=None,
@@ -282,8 +293,8 @@ def build_parser() -> argparse.ArgumentParser:
                          description="Start the whole stack: a local redis-server unless --redis-url is given, a "
                                      "local Ray unless --ray-address is given, each pool's replicas, and the "
                                      "OpenAI-compatible API (default http://127.0.0.1:8000). Ctrl-C stops all.")
-    srv.add_argument("--config", type=Path, default=None, help="YAML settings file (see `epd config show`)")
-    srv.add_argument("--model", type=Path, default=None, help="HF checkpoint folder (default: the demo model)")
+    srv.add_argument("--config", type=path_arg, default=None, help="YAML settings file (see `epd config show`)")
+    srv.add_argument("--model", type=path_arg, default=None, help="HF checkpoint folder (default: the demo model)")
     srv.add_argument("--mode", choices=("disaggregated", "colocated"), default=None,
                      help="disaggregated (default): encode, prefill and decode pools; colocated: decode-pool "
                           "workers that run whole requests in one engine (the aggregated baseline)")
@@ -306,7 +317,7 @@ def build_parser() -> argparse.ArgumentParser:
             ("drain", "stop routing to one worker", "Stop routing new work to one worker; its in-flight "
              "requests finish. A drained worker stops first on a scale-down; --undo puts it back in service.")):
         p = sub.add_parser(name, help=helptext, description=f"{what} {admin}")
-        p.add_argument("--config", type=Path, default=None, help="YAML settings file (API address, admin token)")
+        p.add_argument("--config", type=path_arg, default=None, help="YAML settings file (API address, admin token)")
         p.add_argument("--url", default=None, help="the epd API (default: http://<api.host>:<api.port>)")
         if name == "status":
             p.add_argument("--json", action="store_true", help="print the admin API's JSON instead of a table")
@@ -329,7 +340,7 @@ def build_parser() -> argparse.ArgumentParser:
                              description="Print the settings epd would run with: defaults, then --config YAML, "
                                          "then EPD_* environment variables (nested with __, e.g. "
                                          "EPD_DECODE__REPLICAS=2). Secrets are masked.")
-    show.add_argument("--config", type=Path, default=None, help="YAML settings file")
+    show.add_argument("--config", type=path_arg, default=None, help="YAML settings file")
     show.add_argument("--json", action="store_true", help="JSON instead of YAML")
     show.set_defaults(func=cmd_config_show)
     schema = config.add_parser("schema", help="print the settings' JSON schema")

@@ -13,9 +13,16 @@ class UsageError(Exception):
     """A command-line argument that cannot work; the message names the flag."""
 
 
+def path_arg(value: str) -> Path:
+    """argparse ``type`` for a path: refuses an empty one, which ``Path`` would read as the current folder."""
+    if not value.strip():
+        raise argparse.ArgumentTypeError("an empty path")
+    return Path(value)
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """``--model``, ``--dtype``, ``--device`` and ``--threads`` of a command that runs the engine here."""
-    p.add_argument("--model", type=Path, default=None,
+    p.add_argument("--model", type=path_arg, default=None,
                    help="HF checkpoint folder (default: the built-in demo model with random weights)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="compute dtype")
     p.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:N or mps (default: cpu)")

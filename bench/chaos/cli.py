@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 from collections.abc import Callable
-from pathlib import Path
+
+from controlplane.cli_args import path_arg
 
 DESCRIPTION = ("Drive a steady greedy load through a live `epd serve` (2+ replicas per pool) while Redis is "
                "restarted, one replica of each pool is killed (kill -9) and one decode replica is stopped "
@@ -30,7 +31,7 @@ def _positive(kind: Callable[[str], float]) -> Callable[[str], float]:
 def add_chaos_parser(bench: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = bench.add_parser("chaos", help="faults under load: kill/stop replicas, restart Redis; nothing may be lost",
                          description=DESCRIPTION)
-    p.add_argument("--model", type=Path, default=None, help="checkpoint folder (default: the demo model)")
+    p.add_argument("--model", type=path_arg, default=None, help="checkpoint folder (default: the demo model)")
     p.add_argument("--requests", type=_positive(int), default=300, help="requests to send at least (default 300)")
     p.add_argument("--concurrency", type=_positive(int), default=8, help="requests in flight (default 8)")
     p.add_argument("--max-tokens", type=_positive(int), default=32, help="tokens per answer (default 32)")
@@ -41,8 +42,8 @@ def add_chaos_parser(bench: argparse._SubParsersAction[argparse.ArgumentParser])
     p.add_argument("--stop-s", type=_positive(float), default=10.0, help="how long SIGSTOP lasts (default 10)")
     p.add_argument("--soak", type=_positive(float), default=None, metavar="MINUTES",
                    help="instead: a steady 70%% load for MINUTES, reporting RSS and block drift")
-    p.add_argument("--json", type=Path, default=None, help="also write the report as JSON here")
-    p.add_argument("--keep-log", type=Path, default=None, help="copy epd serve's log here at the end")
+    p.add_argument("--json", type=path_arg, default=None, help="also write the report as JSON here")
+    p.add_argument("--keep-log", type=path_arg, default=None, help="copy epd serve's log here at the end")
     p.set_defaults(func=cmd_bench_chaos)
 
 

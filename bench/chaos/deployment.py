@@ -63,17 +63,21 @@ class Deployment:
                                      stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         log.close()
         deadline = time.monotonic() + ready_timeout_s
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"epd serve exited ({self.proc.returncode}):\n{self.log_tail()}")
-            try:
-                if httpx.get(f"{self.base}/ready", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"epd serve not ready in {ready_timeout_s:.0f} s:\n{self.log_tail()}")
-            time.sleep(1)
+        try:
+            while True:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"epd serve exited ({self.proc.returncode}):\n{self.log_tail()}")
+                try:
+                    if httpx.get(f"{self.base}/ready", timeout=2).status_code == 200:
+                        return
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"epd serve not ready in {ready_timeout_s:.0f} s:\n{self.log_tail()}")
+                time.sleep(1)
+        except BaseException:  # not ready, or interrupted (Ctrl-C): the stack, in its own session, goes too
+            self.stop()
+            raise
 
     def stop(self) -> None:
         if self.proc is None:

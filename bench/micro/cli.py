@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 from bench.micro.compare import DEFAULT_TOLERANCE
 from bench.micro.runner import BENCHMARKS, NAMES, UnknownBenchmark, select
+from controlplane.cli_args import path_arg
 
 DESCRIPTION = """\
 One small benchmark per hot path, each reporting its figure beside a reference measured in the same
@@ -65,8 +65,8 @@ def add_micro_parser(bench: argparse._SubParsersAction[argparse.ArgumentParser])
                    help="reduced sizes and 3 repeats: a smoke run for CI (figures are not comparable with a full run)")
     p.add_argument("--repeats", type=_repeats, default=None,
                    help="paired repeats per figure, for the spread (default 5; 3 with --quick)")
-    p.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the results as JSON here")
-    p.add_argument("--compare", type=Path, default=None, metavar="BASELINE.json",
+    p.add_argument("--json", type=path_arg, default=None, metavar="PATH", help="also write the results as JSON here")
+    p.add_argument("--compare", type=path_arg, default=None, metavar="BASELINE.json",
                    help="compare the ratios with an earlier --json file; exit 1 if any regressed")
     p.add_argument("--tolerance", type=_tolerance, default=DEFAULT_TOLERANCE,
                    help="smallest relative change of a median ratio that --compare flags (default %(default)s)")
@@ -78,7 +78,7 @@ def add_micro_parser(bench: argparse._SubParsersAction[argparse.ArgumentParser])
                    help="clock of the in-process benchmarks (codec, scheduler, engine): cpu = this process's CPU "
                         "time, which discounts time given to other processes on a busy machine (default); wall = "
                         "elapsed time. Transfers and Redis always use wall time")
-    p.add_argument("--model", type=Path, default=None,
+    p.add_argument("--model", type=path_arg, default=None,
                    help="HF checkpoint folder for the engine benchmark (default: the built-in demo model)")
     p.add_argument("--list", action="store_true", help="list the benchmarks and exit")
     p.set_defaults(func=run)

@@ -21,6 +21,7 @@ from bench.serve.config import (
     parse_image_sizes,
     parse_slo,
 )
+from controlplane.cli_args import path_arg
 
 DESCRIPTION = """\
 Load-test any OpenAI-compatible endpoint (ours or anyone else's) with streaming requests, and report
@@ -67,7 +68,7 @@ def add_serve_parser(bench: argparse._SubParsersAction[argparse.ArgumentParser])
                    default="random",
                    help="random text; a ShareGPT JSON file; N shared prefixes + unique suffixes; random text "
                         "with generated PNG images (default: random)")
-    d.add_argument("--dataset-path", type=Path, default=None, help="the ShareGPT-format JSON file")
+    d.add_argument("--dataset-path", type=path_arg, default=None, help="the ShareGPT-format JSON file")
     d.add_argument("--num-prompts", type=int, default=100, help="requests per load point (default 100)")
     d.add_argument("--input-len", "--random-input-len", type=int, default=256,
                    help="prompt tokens (prefix: the unique suffix's tokens) (default 256)")
@@ -81,7 +82,7 @@ def add_serve_parser(bench: argparse._SubParsersAction[argparse.ArgumentParser])
     d.add_argument("--prefix-len", type=int, default=256, help="prefix dataset: tokens per prefix (default 256)")
     d.add_argument("--image-sizes", default="224x224", help="multimodal: WxH[,WxH...] cycled (default 224x224)")
     d.add_argument("--images-per-request", type=int, default=1, help="multimodal: images per request")
-    d.add_argument("--tokenizer", type=Path, default=None,
+    d.add_argument("--tokenizer", type=path_arg, default=None,
                    help="HF folder or tokenizer.json to count prompt tokens locally (default: the server's own "
                         "/tokenize; a server without it gets common words, about one token each)")
 
@@ -102,18 +103,18 @@ def add_serve_parser(bench: argparse._SubParsersAction[argparse.ArgumentParser])
     o.add_argument("--goodput", nargs="+", default=None, metavar="METRIC:MS",
                    help="SLOs for goodput and attainment: ttft, tpot and/or e2e bounds in ms, e.g. "
                         "--goodput ttft:500 tpot:50")
-    o.add_argument("--result-json", type=Path, default=None, help="write every figure (and each request) here")
+    o.add_argument("--result-json", type=path_arg, default=None, help="write every figure (and each request) here")
     o.add_argument("--save-result", action="store_true",
                    help="vLLM's flag: write the JSON to --result-dir/--result-filename (default name: "
                         "BACKEND-RATEqps[-concurrencyN]-MODEL-DATE.json)")
-    o.add_argument("--result-dir", type=Path, default=None, help="with --save-result: the folder (default .)")
+    o.add_argument("--result-dir", type=path_arg, default=None, help="with --save-result: the folder (default .)")
     o.add_argument("--result-filename", default=None, help="with --save-result: the file name")
     o.add_argument("--percentile-metrics", default="ttft,tpot,itl",
                    help="vLLM's flat keys: metrics to report percentiles of, from ttft,tpot,itl,e2el "
                         "(default ttft,tpot,itl)")
     o.add_argument("--metric-percentiles", default="99",
                    help="vLLM's flat keys: the percentiles, e.g. 50,90,99 (default 99)")
-    o.add_argument("--plot-dir", type=Path, default=None,
+    o.add_argument("--plot-dir", type=path_arg, default=None,
                    help="write latency_cdf.png (and, with --goodput, slo_attainment.png, goodput.png) here")
     o.add_argument("--no-progress", "--disable-tqdm", action="store_true", help="no progress bar on stderr")
     p.set_defaults(func=cmd_bench_serve)

@@ -161,3 +161,17 @@ def test_make_demo_passes_prompt_and_max_tokens_verbatim(prompt, max_tokens, tmp
 def test_make_demo_defaults(tmp_path):
     assert make_demo(tmp_path) == ["generate", "--prompt", "The model reads a checkpoint folder and",
                                    "--max-tokens", "48"]
+
+
+def test_model_init_that_runs_out_of_room_says_so_and_leaves_no_folder(tmp_path: Path) -> None:
+    """A file-size limit (a full disk's stand-in) stops the weights' write: one line, exit 2, and no
+    half-written folder that would look like a checkpoint."""
+    import resource
+
+    target = tmp_path / "model"
+    result = subprocess.run(
+        [sys.executable, "-m", "controlplane.cli", "model", "init", str(target)], capture_output=True, text=True,
+        timeout=120, preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, 200_000)))
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.startswith(f"epd: error: cannot write the model to {target}") and result.stderr.count("\n") == 1
+    assert "Traceback" not in result.stderr and not target.exists()

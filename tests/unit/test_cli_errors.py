@@ -71,6 +71,24 @@ def test_model_init_into_a_file_is_refused(capsys, tmp_path):
     assert target.read_text() == "keep me"
 
 
+def test_model_init_refuses_a_seed_past_int64_and_writes_nothing(capsys, tmp_path):
+    target = tmp_path / "model"
+    err = one_line_error(capsys, ["model", "init", str(target), "--seed", str(10**23)])
+    assert "--seed must be an integer in [0, 2^63), got 100000000000000000000000" in err
+    assert not target.exists()
+
+
+@pytest.mark.parametrize("argv", [["model", "init", ""], ["serve", "--model", ""], ["serve", "--config", " "],
+                                  ["generate", "--model", ""], ["bench", "engine", "--json", ""]])
+def test_an_empty_path_is_refused_not_read_as_the_current_folder(capsys, argv, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exited:  # argparse's own refusal, in one line
+        main(argv)
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and err.count("\n") == 1 and ": an empty path (see `epd " in err, err
+    assert not [p for p in tmp_path.iterdir() if p.name != "state"]  # nothing written here
+
+
 def test_model_init_where_no_folder_can_be_made_is_refused(capsys, tmp_path):
     (tmp_path / "a-file").write_text("")
     target = tmp_path / "a-file" / "model"

@@ -173,5 +173,6 @@ def test_model_init_that_runs_out_of_room_says_so_and_leaves_no_folder(tmp_path:
         [sys.executable, "-m", "controlplane.cli", "model", "init", str(target)], capture_output=True, text=True,
         timeout=120, preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, 200_000)))
     assert result.returncode == 2, result.stderr
-    assert result.stderr.startswith(f"epd: error: cannot write the model to {target}") and result.stderr.count("\n") == 1
+    assert result.stderr.startswith(f"epd: error: cannot write the model to {target}")
+    assert result.stderr.count("\n") == 1
     assert "Traceback" not in result.stderr and not target.exists()

@@ -166,8 +166,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     settings = _settings(args)
     try:
         data = call(settings, "GET", "/admin/pools", url=args.url)
-    except AdminError as exc:  # e.g. Redis away: say how the API is serving meanwhile, when it says
-        degraded = serving_degraded(settings, args.url)
+    except AdminError as exc:  # e.g. Redis away: say how the API is serving meanwhile, when it says (briefly:
+        degraded = serving_degraded(settings, args.url, timeout=1.0)  # an API that timed out already cost 10 s)
         if degraded is None:
             raise
         raise AdminError(f"{exc} (serving degraded: {degraded})") from None

@@ -86,7 +86,8 @@ def add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     kv.add_argument("--ttft-tokens", type=int, default=2048,
                     help="prompt length for the TTFT figure (default: %(default)s)")
     kv.add_argument("--ttft-codec", default="bf16", help="codec for the TTFT figure (default bf16)")
-    kv.add_argument("--threads", type=int, default=None, help="torch threads in the sender process")
+    kv.add_argument("--threads", type=int, default=None,
+                    help="torch threads in the sender process (default: torch's choice)")
     kv.add_argument("--paired", type=int, default=None, metavar="N",
                     help="then N pushes of the largest cache as int8 over tcp (into an int8 and a bf16 cache) "
                          "and over shared memory (into an int8 cache), each paired with its reference moving "

@@ -25,7 +25,7 @@ from importlib.metadata import entry_points
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
-from controlplane.cli_args import UsageError, add_engine_args, check_engine_args, model_dir, path_arg
+from controlplane.cli_args import UsageError, add_engine_args, check_engine_args, model_dir, path_arg, replicas_arg
 
 if TYPE_CHECKING:  # settings import pydantic and the policies: loaded by the commands that need them
     from controlplane.settings import Settings
@@ -283,7 +283,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-tokens", type=int, default=32, help="tokens to generate at most (default: %(default)s)")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: %(default)s = off)")
-    gen.add_argument("--top-k", type=int, default=0, help="0 = off")
+    gen.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 = off (default 0)")
     gen.add_argument("--seed", type=int, default=None, help="sampling seed (default: none, nondeterministic "
                                                             "when sampling)")
     gen.add_argument("--stop", action="append", default=[], help="stop string; repeatable")
@@ -324,7 +324,7 @@ def build_parser() -> argparse.ArgumentParser:
             p.set_defaults(func=cmd_status)
         elif name == "scale":
             p.add_argument("pool", choices=("encode", "prefill", "decode"), help="the pool to scale")
-            p.add_argument("replicas", type=int, help="its new replica count (0 or more)")
+            p.add_argument("replicas", type=replicas_arg, help="its new replica count (0 to 1000)")
             p.add_argument("--force", action="store_true",
                            help="scale to 0 a pool the model needs (every request then fails until it is scaled up)")
             p.set_defaults(func=cmd_scale)

@@ -13,6 +13,19 @@ class UsageError(Exception):
     """A command-line argument that cannot work; the message names the flag."""
 
 
+def replicas_arg(value: str) -> int:
+    """argparse ``type`` for a pool's replica count: an integer from 0 to the limit the admin API takes."""
+    from controlplane.replicas_file import MAX_REPLICAS
+
+    try:
+        count = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {value!r}") from None
+    if not 0 <= count <= MAX_REPLICAS:
+        raise argparse.ArgumentTypeError(f"must be from 0 to {MAX_REPLICAS}, got {count}")
+    return count
+
+
 def path_arg(value: str) -> Path:
     """argparse ``type`` for a path: refuses an empty one, which ``Path`` would read as the current folder."""
     if not value.strip():
@@ -24,7 +37,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     """``--model``, ``--dtype``, ``--device`` and ``--threads`` of a command that runs the engine here."""
     p.add_argument("--model", type=path_arg, default=None,
                    help="HF checkpoint folder (default: the built-in demo model with random weights)")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="compute dtype")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="compute dtype (default float32)")
     p.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:N or mps (default: cpu)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads, >= 1 (default: torch's choice)")
 

@@ -112,7 +112,7 @@ class _Model(BaseModel):
 class EngineSettings(_Model):
     """One pool's torch engine."""
 
-    dtype: Literal["float32", "bfloat16"] = "float32"
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="weights and compute (bfloat16 on GPUs)")
     device: str = Field("cpu", description="torch device: cpu, cuda, cuda:1, ...")
     threads: int | None = Field(None, ge=1, description="torch CPU threads per worker (default: torch's choice)")
     block_size: int = Field(16, ge=1, le=1024, description="tokens per KV block (a power of two)")
@@ -123,7 +123,9 @@ class EngineSettings(_Model):
         0.9, gt=0.0, le=1.0, description="CUDA: share of the device's memory the engine may use, weights and KV "
                                          "pool together, when kv_cache_bytes is not given (as vLLM's)")
     cuda_graphs: bool = Field(True, description="CUDA: replay decode steps as CUDA graphs, one per batch bucket")
-    kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16", "int8", "fp8"] = "auto"
+    kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16", "int8", "fp8"] = Field(
+        "auto", description="what the KV cache stores (auto: the engine's dtype; int8/fp8: quantised, with a scale "
+                            "per token and head)")
     max_num_seqs: int = Field(64, ge=1, description="sequences decoded together at most")
     max_num_batched_tokens: int = Field(2048, ge=1, description="tokens computed per engine step at most")
     prefill_chunk_size: int = Field(512, ge=1, description="prompt tokens of one sequence per step at most")
@@ -256,9 +258,10 @@ class TransferSettings(_Model):
                             "one host (both engines on cuda)")
     token: SecretStr | None = Field(None, description="shared bearer token for KV/embedding RPCs "
                                                       "(generated for a local serve when unset)")
-    tls_ca: Path | None = None
-    tls_cert: Path | None = None
-    tls_key: Path | None = None
+    tls_ca: Path | None = Field(None, description="mTLS for KV/embedding RPCs: the CA that signs every worker's "
+                                                  "certificate (PEM); set with tls_cert and tls_key")
+    tls_cert: Path | None = Field(None, description="mTLS: this worker's certificate (PEM)")
+    tls_key: Path | None = Field(None, description="mTLS: this worker's private key (PEM)")
     timeout_s: float = Field(600.0, gt=0, description="the longest one KV push may take, seconds, from the start of "
                                                       "its prefill (it streams while the prompt computes, so a "
                                                       "queued or long prefill counts); a request's own deadline "
@@ -322,8 +325,8 @@ class SchedulerSettings(_Model):
 
 
 class ApiSettings(_Model):
-    host: str = "127.0.0.1"
-    port: int = Field(8000, ge=1, le=65535)
+    host: str = Field("127.0.0.1", description="address the HTTP API listens on (0.0.0.0: every interface)")
+    port: int = Field(8000, ge=1, le=65535, description="port the HTTP API listens on")
     served_model_name: str | None = Field(None, description="model id in /v1/models (default: folder name)")
     admin_token: SecretStr | None = Field(None, description="for /admin and epd scale (generated locally if unset)")
     api_keys: list[SecretStr] = Field(default_factory=list, description="accepted bearer keys; empty = open API")
@@ -366,7 +369,9 @@ class RedisSettings(_Model):
 class RaySettings(_Model):
     address: str | None = Field(None, description="join this Ray cluster (one with Ray token auth also needs "
                                 "RAY_AUTH_MODE=token and RAY_AUTH_TOKEN in the environment); unset = start a local one")
-    namespace: str = "epd"
+    namespace: str = Field("epd", description="Ray namespace of the replicas' named actors, where a restarted "
+                                               "control plane finds (adopts) them; two control planes on one Ray "
+                                               "cluster need two")
     loopback_only: bool = Field(True, description="a local Ray that epd serve starts binds 127.0.0.1 only (GCS, "
                                                   "raylet, agents, workers); false: Ray's default, every interface")
     replica_start_timeout_s: float = Field(180.0, gt=0, description="a new replica must be placed, load its model "

@@ -58,7 +58,8 @@ def add_serve_parser(bench: argparse._SubParsersAction[argparse.ArgumentParser])
                    help="chat or completions (or vLLM's /v1/chat/completions, /v1/completions) (default: chat "
                         "for --dataset multimodal, completions otherwise)")
     t.add_argument("--backend", choices=("vllm", "openai", "openai-chat"), default=None,
-                   help="vLLM's flag: openai-chat = --endpoint chat; vllm, openai = --endpoint completions")
+                   help="vLLM's flag: openai-chat = --endpoint chat; vllm, openai = --endpoint completions "
+                        "(default: --endpoint decides)")
     t.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
                    help="sent as 'Authorization: Bearer KEY' (default: $OPENAI_API_KEY)")
     t.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request (default 600)")
@@ -81,7 +82,7 @@ def add_serve_parser(bench: argparse._SubParsersAction[argparse.ArgumentParser])
     d.add_argument("--num-prefixes", type=int, default=4, help="prefix dataset: shared prefixes (default 4)")
     d.add_argument("--prefix-len", type=int, default=256, help="prefix dataset: tokens per prefix (default 256)")
     d.add_argument("--image-sizes", default="224x224", help="multimodal: WxH[,WxH...] cycled (default 224x224)")
-    d.add_argument("--images-per-request", type=int, default=1, help="multimodal: images per request")
+    d.add_argument("--images-per-request", type=int, default=1, help="multimodal: images per request (default 1)")
     d.add_argument("--tokenizer", type=path_arg, default=None,
                    help="HF folder or tokenizer.json to count prompt tokens locally (default: the server's own "
                         "/tokenize; a server without it gets common words, about one token each)")
@@ -92,7 +93,8 @@ def add_serve_parser(bench: argparse._SubParsersAction[argparse.ArgumentParser])
     ld.add_argument("--burstiness", type=float, default=1.0,
                     help="gamma shape of the inter-arrival times: 1 = Poisson, <1 burstier (default 1)")
     ld.add_argument("--concurrency", "--max-concurrency", type=int, default=None,
-                    help="at most this many requests in flight (with --rate inf: a fixed concurrency)")
+                    help="at most this many requests in flight (with --rate inf: a fixed concurrency) "
+                         "(default: no limit)")
     ld.add_argument("--warmup", type=int, default=2, help="unmeasured requests sent first (default 2)")
     ld.add_argument("--seed", type=int, default=0, help="seed for prompts and arrivals (default 0)")
     ld.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")

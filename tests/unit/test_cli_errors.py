@@ -215,6 +215,8 @@ def test_readme_lists_the_admin_commands_flags():
     # a malformed command line (argparse's own errors): one line too, pointing at the command's --help
     (["scale", "decode", "abc"], "epd scale: error: argument replicas: invalid int value: 'abc' "
                                  "(see `epd scale --help`)"),
+    (["scale", "decode", "-1"], "epd scale: error: argument replicas: must be from 0 to 1000, got -1"),
+    (["scale", "decode", str(10**20)], "argument replicas: must be from 0 to 1000, got 100000000000000000000"),
     (["config"], "epd config: error: the following arguments are required: ACTION (see `epd config --help`)"),
     (["drain", ""], "epd: error: a worker id is required"),
 ])

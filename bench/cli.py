@@ -36,7 +36,29 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _check_kv_args(args: argparse.Namespace) -> None:
+    """``epd bench kv``'s flags, before anything is measured (UsageError naming the flag)."""
+    import torch
+
+    from controlplane.cli_args import UsageError, check_positive, check_writable
+    from kvtransfer.codecs import CodecError, get_codec
+
+    check_positive(args, "--repeats", "--ttft-tokens")
+    if args.threads is not None and args.threads < 1:
+        raise UsageError(f"--threads must be >= 1, got {args.threads} (leave it out for torch's choice)")
+    if args.paired is not None and args.paired < 0:
+        raise UsageError(f"--paired must be 0 or more, got {args.paired}")
+    try:
+        get_codec(args.ttft_codec)
+    except (CodecError, KeyError, ValueError) as exc:
+        raise UsageError(f"--ttft-codec: {exc}") from None
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda: no CUDA device is visible here; use --device cpu")
+    check_writable("--json", args.json)
+
+
 def cmd_bench_kv(args: argparse.Namespace) -> int:
+    _check_kv_args(args)
     if args.device == "cuda":
         from bench.kv_gpu_bench import run as run_gpu
         return run_gpu(args)
@@ -46,6 +68,12 @@ def cmd_bench_kv(args: argparse.Namespace) -> int:
 
 def cmd_bench_controlplane(args: argparse.Namespace) -> int:
     from bench.controlplane_bench import run
+    from controlplane.cli_args import UsageError, check_positive, check_writable
+
+    check_positive(args, "--requests", "--throughput-requests", "--concurrency", "--observability-tokens")
+    if args.observability_cost < 0:
+        raise UsageError(f"--observability-cost takes a number of rounds >= 0, got {args.observability_cost}")
+    check_writable("--json", args.json)
     return run(args)
 
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from controlplane.cli_args import path_arg
+from controlplane.cli_args import check_writable, path_arg
 
 if TYPE_CHECKING:  # annotations only: the module imports the control plane lazily, where it is used
     from controlplane.settings import Settings
@@ -232,6 +232,7 @@ def cmd_bench_compare(args: argparse.Namespace) -> int:
                             cores=cores, out_dir=args.out, progress=not args.no_progress)
         if min(cfg.input_len, cfg.output_len, cfg.num_prompts) < 1:
             raise BenchInputError("--input-len, --output-len and --num-prompts must be >= 1")
+        check_writable("--out", args.out, folder=True)  # before both deployments run, not after
         res = compare(cfg, log=lambda m: print(f"[compare] {m}", file=sys.stderr, flush=True))
     except BenchInputError as exc:
         print(f"epd bench compare: error: {exc}", file=sys.stderr)

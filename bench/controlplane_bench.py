@@ -606,11 +606,7 @@ def format_table(r: BenchResult) -> str:
 def run(args: argparse.Namespace) -> int:
     import sys
 
-    rounds = args.observability_cost
-    if rounds < 0:
-        raise SystemExit("--observability-cost takes a number of rounds >= 0")
-    if args.observability_tokens < 1:
-        raise SystemExit("--observability-tokens takes a number of completion tokens >= 1")
+    rounds = args.observability_cost  # flags checked by bench.cli
     res = measure(args.requests, args.throughput_requests, args.concurrency,
                   log=lambda m: print(f"[bench] {m}", file=sys.stderr, flush=True), observability_rounds=rounds,
                   dtype=args.dtype, observability_tokens=args.observability_tokens)

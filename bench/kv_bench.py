@@ -377,9 +377,7 @@ def _print_paired(paired: list[Paired]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    pairs = (0 if args.quick else 8) if args.paired is None else args.paired
-    if pairs < 0:
-        raise SystemExit("epd bench kv: --paired must be 0 or more")
+    pairs = (0 if args.quick else 8) if args.paired is None else args.paired  # flags checked by bench.cli
     if args.threads:
         torch.set_num_threads(args.threads)
     token = secrets.token_urlsafe(24)

@@ -26,6 +26,27 @@ def replicas_arg(value: str) -> int:
     return count
 
 
+def check_writable(flag: str, path: Path | None, *, folder: bool = False) -> None:
+    """UsageError naming ``flag`` unless ``path`` can be written: a file whose folder exists, or (``folder``) a
+    folder that exists or can be made. Checked before a run, so a typo costs nothing rather than the run."""
+    import os
+
+    if path is None:
+        return
+    if folder:
+        if path.exists() and not path.is_dir():
+            raise UsageError(f"{flag} {path}: exists and is not a folder")
+        where = next(p for p in (path, *path.parents) if p.exists())
+    else:
+        if path.is_dir():
+            raise UsageError(f"{flag} {path}: is a folder; give a file's path")
+        where = path.parent
+    if not where.is_dir():
+        raise UsageError(f"{flag} {path}: {where} is not a folder")
+    if not os.access(where, os.W_OK | os.X_OK):
+        raise UsageError(f"{flag} {path}: {where} is not writable")
+
+
 def path_arg(value: str) -> Path:
     """argparse ``type`` for a path: refuses an empty one, which ``Path`` would read as the current folder."""
     if not value.strip():

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from collections.abc import Callable
 
-from controlplane.cli_args import path_arg
+from controlplane.cli_args import check_writable, model_dir, path_arg
 
 DESCRIPTION = ("Drive a steady greedy load through a live `epd serve` (2+ replicas per pool) while Redis is "
                "restarted, one replica of each pool is killed (kill -9) and one decode replica is stopped "
@@ -22,8 +23,8 @@ def _positive(kind: Callable[[str], float]) -> Callable[[str], float]:
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-        if not value > 0:
-            raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+        if not (value > 0 and math.isfinite(value)):
+            raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
         return value
     return parse
 
@@ -50,6 +51,11 @@ def add_chaos_parser(bench: argparse._SubParsersAction[argparse.ArgumentParser])
 def cmd_bench_chaos(args: argparse.Namespace) -> int:
     from bench.chaos.report import format_report, format_soak
     from bench.chaos.run import ChaosConfig, chaos, soak
+
+    if args.model is not None:  # before the stack starts: a bad flag costs nothing
+        model_dir(args.model)
+    check_writable("--json", args.json)
+    check_writable("--keep-log", args.keep_log)
 
     cfg = ChaosConfig(model=args.model, requests=args.requests, concurrency=args.concurrency,
                       max_tokens=args.max_tokens, replicas=args.replicas, baseline_s=args.baseline_s,

@@ -21,7 +21,7 @@ from bench.serve.config import (
     parse_image_sizes,
     parse_slo,
 )
-from controlplane.cli_args import path_arg
+from controlplane.cli_args import UsageError, check_writable, path_arg
 
 DESCRIPTION = """\
 Load-test any OpenAI-compatible endpoint (ours or anyone else's) with streaming requests, and report
@@ -169,6 +169,13 @@ def config_from_args(args: argparse.Namespace) -> ServeBenchConfig:
         percentile_metrics=tuple(m.strip() for m in args.percentile_metrics.split(",") if m.strip()),
         metric_percentiles=tuple(parse_float_list(args.metric_percentiles, "percentile")))
     config.validate()
+    try:  # where the report goes, before the run rather than after it
+        check_writable("--result-json", args.result_json)
+        check_writable("--plot-dir", args.plot_dir, folder=True)
+        if args.save_result:
+            check_writable("--result-dir", args.result_dir or Path("."), folder=True)
+    except UsageError as exc:
+        raise BenchInputError(str(exc)) from None
     return config
 
 

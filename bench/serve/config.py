@@ -190,8 +190,13 @@ class ServeBenchConfig:
             raise BenchInputError(f"--burstiness must be a positive number (got {self.burstiness})")
         if self.warmup < 0:
             raise BenchInputError("--warmup must be >= 0")
-        if self.request_timeout_s <= 0:
-            raise BenchInputError("--request-timeout must be positive")
+        if not (self.request_timeout_s > 0 and math.isfinite(self.request_timeout_s)):
+            raise BenchInputError(f"--request-timeout must be a positive number of seconds (got "
+                                  f"{self.request_timeout_s})")
+        if not (0 <= self.temperature < math.inf):
+            raise BenchInputError(f"--temperature must be a number >= 0 (got {self.temperature})")
+        if not 0 <= self.seed < 2**63:
+            raise BenchInputError(f"--seed must be an integer in [0, 2^63) (got {self.seed})")
         bad = [m for m in self.percentile_metrics if m not in ("ttft", "tpot", "itl", "e2el")]
         if bad or not self.percentile_metrics:
             raise BenchInputError(f"--percentile-metrics takes a comma list of ttft, tpot, itl, e2el (got "

@@ -341,3 +341,57 @@ def test_the_cli_imports_no_ray_before_serve_sets_its_environment() -> None:
                          env={k: v for k, v in os.environ.items() if not k.startswith("EPD_")})
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+@pytest.fixture
+def no_runs(monkeypatch):
+    """Fail the test if a bench command gets as far as running (starting a stack, measuring)."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("the arguments should have been refused before the run")
+    import bench.chaos.run as chaos_run
+    import bench.compare as compare
+    import bench.controlplane_bench as controlplane_bench
+    import bench.kv_bench as kv_bench
+    import bench.serve.runner as serve_runner
+    for module, name in ((chaos_run, "chaos"), (chaos_run, "soak"), (compare, "compare"),
+                         (controlplane_bench, "run"), (kv_bench, "run"), (serve_runner, "run_serve_bench")):
+        monkeypatch.setattr(module, name, refuse)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["kv", "--repeats", "0"], "--repeats must be >= 1, got 0"),
+    (["kv", "--ttft-tokens", "0"], "--ttft-tokens must be >= 1, got 0"),
+    (["kv", "--threads", "-1"], "--threads must be >= 1, got -1"),
+    (["kv", "--paired", "-1"], "--paired must be 0 or more, got -1"),
+    (["kv", "--ttft-codec", "bogus"], "--ttft-codec: unknown codec 'bogus'"),
+    (["kv", "--json", "/proc/nope/r.json"], "--json /proc/nope/r.json: /proc/nope is not a folder"),
+    (["controlplane", "--observability-cost", "-1"], "--observability-cost takes a number of rounds >= 0, got -1"),
+    (["controlplane", "--observability-tokens", "0"], "--observability-tokens must be >= 1, got 0"),
+    (["controlplane", "--concurrency", "0"], "--concurrency must be >= 1, got 0"),
+    (["chaos", "--model", "/nonexistent-model"], "--model /nonexistent-model"),
+    (["chaos", "--json", "/proc/nope/r.json"], "--json /proc/nope/r.json: /proc/nope is not a folder"),
+    (["compare", "--out", "/dev/null/out"], "--out /dev/null/out: /dev/null is not a folder"),
+])
+def test_bench_flags_are_refused_before_the_run(args, message, capsys, no_runs):
+    assert message in one_line_error(capsys, ["bench", *args])
+
+
+@pytest.mark.parametrize("args", [["--soak", "inf"], ["--baseline-s", "1e999"], ["--stop-s", "nan"]])
+def test_bench_chaos_refuses_non_finite_durations(args, capsys, no_runs):
+    with pytest.raises(SystemExit) as exited:
+        main(["bench", "chaos", *args])
+    assert exited.value.code == 2 and "must be a positive number" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--request-timeout", "nan"], "--request-timeout must be a positive number of seconds"),
+    (["--request-timeout", "inf"], "--request-timeout must be a positive number of seconds"),
+    (["--temperature", "nan"], "--temperature must be a number >= 0"),
+    (["--temperature", "-1"], "--temperature must be a number >= 0"),
+    (["--seed", "-1"], "--seed must be an integer in [0, 2^63)"),
+    (["--result-json", "/proc/nope/r.json"], "--result-json /proc/nope/r.json: /proc/nope is not a folder"),
+])
+def test_bench_serve_refuses_bad_values_before_the_load_test(args, message, capsys, no_runs):
+    assert main(["bench", "serve", "--url", "http://127.0.0.1:9", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("epd bench serve: error: ") and message in err, err

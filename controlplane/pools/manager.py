@@ -484,11 +484,15 @@ class PoolManager:
     def _await_start(self, pool: Pool, info_ref: ray.ObjectRef, deadline: float, unfinished: int) -> dict:
         """The replica's ``info`` once it serves. Gives up (``_Cancelled``) as soon as the manager stops or the
         pool's target drops to what serves already plus fewer than ``unfinished`` starts, so a replica that
-        cannot be placed never holds up a stop or a scale-down until its deadline."""
+        cannot be placed never holds up a stop or a scale-down until its deadline. The first look does not
+        wait: once a target drops, each start left in a wave is cancelled at once, not after a second each
+        (a wave of a thousand took that many seconds, and held up stop() as long)."""
+        wait_s = 0.0
         while True:
-            ready, _ = ray.wait([info_ref], timeout=max(0.0, min(1.0, deadline - time.monotonic())))
+            ready, _ = ray.wait([info_ref], timeout=wait_s)
             if ready or time.monotonic() >= deadline:
                 return ray.get(info_ref, timeout=0.1)  # the answer, the actor's error, or GetTimeoutError
+            wait_s = max(0.0, min(1.0, deadline - time.monotonic()))
             if self._stop.is_set():
                 raise _Cancelled("the pool manager is stopping")
             try:

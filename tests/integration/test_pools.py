@@ -269,6 +269,42 @@ def test_a_replica_whose_process_dies_is_replaced(manager: PoolManager, dispatch
     assert len(run(dispatcher, route_from_registry(manager), WorkerRequest("pools-after", ids, GREEDY))) == 16
 
 
+def test_a_dropped_target_cancels_a_whole_wave_of_starts_at_once(redis_server: LocalRedis, tmp_path: Path):
+    """60 replicas that can never be placed (64 CPUs each of a 2-CPU Ray) start as one wave. When the target
+    drops to 0, every start left is cancelled and start() returns: each used to wait a second before it
+    looked at the target, so these took a minute (a thousand, after a mistyped `epd scale`, held up Ctrl-C
+    that long). The bound below is for a hang, ten times what it takes."""
+    prefix = f"pools-wave-{uuid.uuid4().hex[:8]}"
+    greedy = Settings(model=tmp_path, encode={"replicas": 60, "num_cpus": 64}, prefill={"replicas": 0},
+                      decode={"replicas": 0}, transfer={"codec_policy": "fp32", "token": TOKEN})
+    m = PoolManager(greedy, redis_server.url, prefix, TOKEN, start_timeout_s=600)
+    errors: list[BaseException] = []
+    done = threading.Event()
+
+    def start() -> None:
+        try:
+            m.start()
+        except BaseException as exc:  # the assertion below names it
+            errors.append(exc)
+        finally:
+            done.set()
+
+    threading.Thread(target=start, daemon=True).start()
+    conn = connect(redis_server.url, prefix)
+    try:
+        wait_for(lambda: PoolTargets(conn).get_target(Pool.ENCODE) == 60, 30, "the configured target")
+        time.sleep(2.0)  # the wave's actors are asked of Ray, and its first start waits
+        PoolTargets(conn).set_target(Pool.ENCODE, 0)
+        assert done.wait(30), "start() still waits on starts the target no longer wants"
+        assert not errors, errors
+        assert m.replicas("encode") == ()
+    finally:
+        m.stop()
+        for pool in Pool:
+            PoolTargets(conn).clear_target(pool)
+        conn.close()
+
+
 def test_a_replica_that_cannot_start_says_why(redis_server: LocalRedis, tmp_path: Path):
     prefix = f"pools-bad-{uuid.uuid4().hex[:8]}"
     bad = PoolManager(pool_settings(tmp_path / "no-such-model", prefill=0, decode=0), redis_server.url, prefix,

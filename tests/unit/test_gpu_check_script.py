@@ -30,9 +30,9 @@ def test_a_dry_run_of_one_step_ends_in_a_summary_copied_to_out(tmp_path: Path) -
     summary = (out / "summary.txt").read_text()
     assert "gpu-check: dry run without CUDA" in summary
     lines = {line.split()[0]: line for line in summary.splitlines() if line[:1].isalpha() and "  " in line}
-    assert "ok" in lines["wire"] and "rc 1" in lines["bench-kv"]
+    assert "ok" in lines["wire"] and "rc 2" in lines["bench-kv"]  # refused as an input error: exit status 2
     assert not {"kernels", "kv-unit", "kv-cuda", "cuda", "bench", "model"} & set(lines), "only the step asked for"
-    assert "epd bench kv --device cuda: no CUDA device is visible here" in summary
+    assert "--device cuda: no CUDA device is visible here; use --device cpu" in summary
     assert (out / "report.txt").read_text().count("== bench-kv") == 1
     assert not (tmp_path / "check" / "preset-1b").exists(), "no preset written when neither cuda nor bench runs"
 

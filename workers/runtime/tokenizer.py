@@ -39,6 +39,9 @@ def _token_str(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
+RELEASE_GIL_CHARS = 16 * 1024  # texts this long or longer are tokenised with the GIL released
+
+
 class Tokenizer:
     def __init__(self, backend: HFTokenizer, *, bos_token: str | None = None, eos_token: str | None = None,
                  chat_template: str | None = None, image_token: str | None = None,
@@ -100,8 +103,11 @@ class Tokenizer:
         return self.backend.token_to_id(token)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """The token ids of ``text``. Runs with the GIL released (``encode_batch``; ``encode`` holds it), so a
-        long text tokenised in one thread leaves the others running."""
+        """The token ids of ``text``. A long text (``RELEASE_GIL_CHARS`` or more) is tokenised with the GIL
+        released (``encode_batch``; ``encode`` holds it), so the process's other threads run meanwhile; a
+        short one keeps the GIL, which costs less than handing it back and waiting to take it again."""
+        if len(text) < RELEASE_GIL_CHARS:
+            return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
         return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:

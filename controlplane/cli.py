@@ -139,9 +139,10 @@ def cmd_config_schema(args: argparse.Namespace) -> int:
 
 def _settings(args: argparse.Namespace) -> Settings:
     """Settings from --config, EPD_* and the flags given (flags win)."""
-    from controlplane.settings import Settings
+    from controlplane.settings import Settings, SettingsError
 
     overrides: dict = {}
+    given: dict[str, str] = {}  # setting -> the flag that set it, for the error that names it
     for flag, path in (("model", ("model",)), ("mode", ("mode",)), ("host", ("api", "host")),
                        ("port", ("api", "port")), ("ray_address", ("ray", "address")),
                        ("redis_url", ("redis", "url"))):
@@ -151,7 +152,17 @@ def _settings(args: argparse.Namespace) -> Settings:
             for key in path[:-1]:
                 node = node.setdefault(key, {})
             node[path[-1]] = str(value) if isinstance(value, Path) else value
-    return Settings.load(getattr(args, "config", None), overrides)
+            given[".".join(path)] = "--" + flag.replace("_", "-")
+    try:
+        return Settings.load(getattr(args, "config", None), overrides)
+    except SettingsError as exc:
+        message = str(exc)
+        for setting, flag in given.items():
+            for lead in (f"invalid settings: {setting}: ", f"{setting}: "):
+                if message.startswith(lead):  # the flag's value was refused: name the flag the user typed
+                    raise SettingsError(f"{message[:len(lead) - len(setting) - 2]}{flag} ({setting}): "
+                                        f"{message[len(lead):]}") from None
+        raise
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

@@ -76,7 +76,7 @@ def _serve(env: dict[str, str], tmp_path: Path, *args: str) -> tuple[subprocess.
     ({"EPD_TRANSFER__CODEC_POLICY": "int8,99=bf16"}, (), "transfer.codec_policy 'int8,99=bf16': codec policy "
                                                          "names layer 99, but the model has 4 layers"),
     ({"EPD_DECODE__ENGINE__DEVICE": "gpu9"}, (), "decode.engine.device: 'gpu9' is not a device"),
-    ({}, ("--redis-url", "notaurl"), "redis.url: 'notaurl' is not a Redis URL"),
+    ({}, ("--redis-url", "notaurl"), "--redis-url (redis.url): 'notaurl' is not a Redis URL"),
     ({}, ("--redis-url", "redis://127.0.0.1:1/0"), "cannot reach Redis at redis://127.0.0.1:1/0"),
 ])
 def test_serve_refuses_before_starting_anything(env, args, message, default_ckpt, tmp_path):

@@ -156,7 +156,7 @@ def test_an_unreachable_redis_ends_serve_in_one_line(capsys, monkeypatch):
 
 def test_serve_refuses_a_redis_url_that_is_not_one(capsys):
     err = one_line_error(capsys, ["serve", "--redis-url", "notaurl", "--port", str(free_loopback_port())])
-    assert "redis.url: 'notaurl' is not a Redis URL" in err
+    assert "--redis-url (redis.url): 'notaurl' is not a Redis URL" in err
 
 
 def test_bugs_still_raise(monkeypatch):
@@ -395,3 +395,11 @@ def test_bench_serve_refuses_bad_values_before_the_load_test(args, message, caps
     assert main(["bench", "serve", "--url", "http://127.0.0.1:9", *args]) == 2
     err = capsys.readouterr().err
     assert err.startswith("epd bench serve: error: ") and message in err, err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--port", "0"], "invalid settings: --port (api.port): Input should be greater than or equal to 1"),
+    (["--redis-url", "foo"], "invalid settings: --redis-url (redis.url): 'foo' is not a Redis URL"),
+])
+def test_a_flags_refused_value_is_named_by_the_flag(args, message, capsys):
+    assert message in one_line_error(capsys, ["serve", *args])

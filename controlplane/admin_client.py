@@ -23,6 +23,21 @@ def admin_token_file() -> Path:
     return state_dir() / "admin_token"
 
 
+def private_redis_url_file(api_port: int) -> Path:
+    """Where ``epd serve`` on ``api_port`` keeps its private redis-server's URL, password included, while it
+    runs (mode 0600): for ``redis-cli -u`` and tools such as ``epd bench chaos``."""
+    return state_dir() / f"private-redis.{api_port}.url"
+
+
+def write_private_file(path: Path, text: str) -> None:
+    """``text`` into ``path``, readable by this user only (a stale file from an earlier run is replaced)."""
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text + "\n")
+
+
 def ensure_admin_token(settings: Settings) -> str:
     """The configured admin token, else the local one (generated once, written with mode 0600)."""
     if settings.api.admin_token is not None:
@@ -30,11 +45,8 @@ def ensure_admin_token(settings: Settings) -> str:
     path = admin_token_file()
     if path.exists():
         return path.read_text().strip()
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     token = secrets.token_urlsafe(32)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(token + "\n")
+    write_private_file(path, token)
     return token
 
 

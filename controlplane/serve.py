@@ -179,7 +179,7 @@ def build(settings: Settings) -> Deployment:
     loopback_environment(settings.ray.address is not None, settings.ray.loopback_only)  # before Ray is imported
     no_auto_connect()
     from controlplane.admin import admin_router, drain_over_rpc, resume_over_rpc
-    from controlplane.admin_client import ensure_admin_token
+    from controlplane.admin_client import ensure_admin_token, private_redis_url_file, write_private_file
     from controlplane.api.app import create_app
     from controlplane.dispatch import Dispatcher
     from controlplane.pools.manager import PoolManager
@@ -210,6 +210,9 @@ def build(settings: Settings) -> Deployment:
             url = redis.url
             log.info("started a private redis-server at %s", redact(url))
             dep.add("the private redis-server", redis.close)
+            url_file = private_redis_url_file(settings.api.port)  # for redis-cli -u, and epd bench chaos
+            write_private_file(url_file, url)
+            dep.add(f"its URL file {url_file}", lambda: url_file.unlink(missing_ok=True))
         conn = connect(url, settings.redis.prefix)
         dep.add("the Redis connection", conn.close)
         token = settings.transfer.token.get_secret_value() if settings.transfer.token else secrets.token_urlsafe(32)

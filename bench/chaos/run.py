@@ -28,7 +28,7 @@ from pathlib import Path
 from bench.chaos.deployment import Deployment
 from bench.chaos.faults import PLAN, FaultKind, FaultResult, inject
 from bench.chaos.load import LoadDriver, Outcome
-from bench.chaos.procs import descendants, listening_pid, private_redis, process_name, rss_bytes
+from bench.chaos.procs import descendants, listening_pid, process_name, rss_bytes
 from bench.chaos.report import ChaosReport, SoakReport, SoakSample, Window, fault_figures
 from controlplane.settings import RedisSettings, SchedulerSettings
 
@@ -90,11 +90,12 @@ def _migrated(dep: Deployment, outcomes: list[Outcome]) -> int:
     from controlplane.state import connect
     from controlplane.state.journal import RequestJournal, RequestState
 
-    assert dep.proc is not None
-    found = private_redis(dep.proc.pid)
-    if found is None:
+    url_file = dep.folder / "state" / f"private-redis.{dep.port}.url"  # written by epd serve (mode 0600)
+    try:
+        url = url_file.read_text().strip()
+    except OSError:
         return -1
-    conn = connect(f"redis://127.0.0.1:{found[1]}", RedisSettings().prefix)
+    conn = connect(url, RedisSettings().prefix)
     try:
         journal = RequestJournal(conn)
         return sum(any(e.state is RequestState.MIGRATING for e in journal.history(o.request_id))

@@ -77,6 +77,10 @@ def test_the_private_redis_server_lets_no_one_in_without_its_password(served):
     assert len(ports) == 1, listeners(pids)
     with pytest.raises(redis.exceptions.AuthenticationError):
         redis.Redis(port=ports[0], socket_timeout=5).ping()
+    # the URL, password included, is in a file only this user reads while serve runs (redis-cli -u, bench chaos)
+    url_file = served.tmp / "state" / f"private-redis.{served.base.rsplit(':', 1)[1]}.url"
+    assert url_file.stat().st_mode & 0o777 == 0o600
+    assert redis.Redis.from_url(url_file.read_text().strip(), socket_timeout=5).ping()
     log = (served.tmp / "serve.log").read_text()
     assert f"127.0.0.1:{ports[0]}" not in log or ":***@127.0.0.1" in log  # its URL is logged masked, if at all
 

@@ -209,7 +209,7 @@ CHUNKS: dict[str, tuple[Callable[[Frames, Pending], list[bytes]], grpc.StatusCod
                        Code.INVALID_ARGUMENT, "scales hold NaN or inf"),
     "a finite scale that decodes to inf": (
         lambda f, o: [f.chunk(1, as_sent=lambda s, p: (_float32_at(s, 1, 3e38), p))], Code.INVALID_ARGUMENT,
-        "the keys' scales (up to 3e+38) decode to magnitudes past 3.4e+38"),
+        "the keys' scales decode to magnitudes up to 3.84e+40, past 3.4e+38"),
 }
 
 

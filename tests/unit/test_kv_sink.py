@@ -3,10 +3,12 @@ keep (dequantised into a float cache, or ``native``: int8/fp8 kept as received).
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from kvtransfer.codecs import CodecError, Kind, get_codec
+from kvtransfer.cuda_ipc import DeviceParts
 from kvtransfer.receiver import WireParts
 from workers.decode.kv_sink import CacheSink, decode_cache_dtypes
 from workers.runtime.kv_cache import CacheDType, KVCacheSpec, PagedKVCache
@@ -97,7 +99,23 @@ def test_scales_that_decode_past_the_layers_range_are_refused_and_write_nothing(
     scales = torch.frombuffer(bytearray(kw.scales), dtype=torch.float32)
     scales[3] = limit / max_code * 1.01  # a code of max_code decodes past the limit
     bad = WireParts(kw.payload, memoryview(scales.numpy().tobytes()), None)
-    with pytest.raises(ValueError, match=r"the keys' scales \(up to .*\) decode to magnitudes past"):
+    with pytest.raises(ValueError, match=r"the keys' scales decode to magnitudes up to .*, past"):
         sink.write(0, [0, 1, 3, 4, 7], codec, tuple(inside.shape), bad, vw)  # type: ignore[arg-type]
     k_rest, v_rest = cache.read_tokens(0, [0, 1, 3, 4, 7], 5 * SPEC.block_size, torch.float32)
     assert not k_rest.any() and not v_rest.any()
+
+
+def test_an_int4_groups_reach_is_its_own_zero_point_plus_its_range_not_the_largest_of_each() -> None:
+    """int4 decodes code * scale + zero with codes 0..15: a group from -40000 to 0 reaches 40000, not
+    15 * scale + |zero| (80000), and groups do not mix their scales and zero points."""
+    from workers.decode.kv_sink import _reach
+
+    scales = np.array([40000 / 15, 1.0], dtype=np.float16)
+    zeros = np.array([-40000.0, 60000.0], dtype=np.float16)
+    part = WireParts(memoryview(b""), memoryview(scales.tobytes()), memoryview(zeros.tobytes()))
+    want = max(abs(float(zeros[0])), abs(float(zeros[0]) + 15 * float(scales[0])), 60000.0 + 15)
+    assert _reach(part, torch.float16, 15.0) == pytest.approx(want)
+    # the device path computes the same from tensors (uint8 bytes, as a CUDA IPC segment's slices are)
+    tensors = DeviceParts(torch.empty(0, dtype=torch.uint8), torch.from_numpy(scales.view(np.uint8).copy()),
+                          torch.from_numpy(zeros.view(np.uint8).copy()))
+    assert float(_reach(tensors, torch.float16, 15.0)) == pytest.approx(want)

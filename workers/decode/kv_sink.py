@@ -61,21 +61,34 @@ def check_decoded_range(storage: KVLayerStorage, codec_name: str, shape: tuple[i
     else:
         return
     scales_dtype = codec.layout(shape, Kind.KEY).scales_dtype
-    for name, part in (("keys", key), ("values", value)):
-        scale, zero = _abs_max(part.scales, scales_dtype), _abs_max(part.zeros, scales_dtype)
-        if codec.max_code * scale + zero > limit:
-            raise ValueError(f"the {name}' scales (up to {scale:.3g}) decode to magnitudes past {limit:.3g}, the "
+    reach = [_reach(part, scales_dtype, codec.max_code) for part in (key, value)]
+    magnitudes = (torch.stack([torch.as_tensor(r) for r in reach]).tolist()  # device parts: one sync for both
+                  if isinstance(reach[0], torch.Tensor) else [float(r) for r in reach])
+    for name, magnitude in zip(("keys", "values"), magnitudes):
+        if magnitude > limit:
+            raise ValueError(f"the {name}' scales decode to magnitudes up to {magnitude:.3g}, past {limit:.3g}, the "
                              f"largest the cache's layer holds; refusing to land inf in the KV cache")
 
 
-def _abs_max(raw: memoryview | torch.Tensor | None, dtype: torch.dtype) -> float:
-    """The largest |value| of received bytes (host or device) read as ``dtype``; 0 for none."""
-    if raw is None:
+def _reach(part: WireParts | DeviceParts, dtype: torch.dtype, max_code: float) -> float | torch.Tensor:
+    """The largest magnitude ``part``'s codes can decode to: per group, max(|zero|, |zero + max_code * scale|)
+    (or max_code * |scale| without zero points), largest over the groups; read from host bytes or, for
+    device parts, computed there (a 0-d tensor, not synchronised)."""
+    if isinstance(part.scales, torch.Tensor):
+        s = part.scales.view(dtype).float()
+        if not s.numel():
+            return s.new_zeros(())
+        if part.zeros is None:
+            return s.abs().amax() * max_code
+        z = part.zeros.view(dtype).float()
+        return torch.maximum(z.abs(), (z + max_code * s).abs()).amax()
+    s_np = np.frombuffer(part.scales, dtype=_NUMPY_SCALES[dtype]).astype(np.float64)
+    if not s_np.size:
         return 0.0
-    if isinstance(raw, torch.Tensor):
-        return float(raw.view(dtype).abs().amax()) if raw.numel() else 0.0
-    values = np.frombuffer(raw, dtype=_NUMPY_SCALES[dtype])
-    return float(np.abs(values).max()) if values.size else 0.0
+    if part.zeros is None:
+        return float(np.abs(s_np).max()) * max_code
+    z_np = np.frombuffer(part.zeros, dtype=_NUMPY_SCALES[dtype]).astype(np.float64)
+    return float(np.maximum(np.abs(z_np), np.abs(z_np + max_code * s_np)).max())
 
 
 class CacheSink:
@@ -127,8 +140,8 @@ class CacheSink:
         parts = (key.payload, key.scales, key.zeros, value.payload, value.scales, value.zeros)
         if any(p is not None and p.device != dev for p in parts):
             raise ValueError(f"received parts must be on the cache's device {dev}")
-        check_decoded_range(self.cache.layers[layer], codec, shape, key, value)
         with self._landing():  # checked there on the same stream (cuda_ipc.device_chunk_parts)
+            check_decoded_range(self.cache.layers[layer], codec, shape, key, value)  # on the side stream too
             self._land_device(self.cache.layers[layer], blocks, codec, shape, parts)
 
     def _landing(self) -> AbstractContextManager[None]:

@@ -114,9 +114,9 @@ def _request(base: str, method: str, path: str, body: dict | None, token: str | 
         try:
             err = json.loads(detail)
             detail = (err.get("error") or {}).get("message") or err.get("detail") or detail
-        except (json.JSONDecodeError, AttributeError):  # not epd's error shape: not its body either
-            raise AdminError(f"{method} {base}{path}: HTTP {exc.code}, and the reply is not JSON; is {base} an "
-                             f"epd API?") from None
+        except (json.JSONDecodeError, AttributeError):  # not JSON, or JSON that is not epd's error shape
+            raise AdminError(f"{method} {base}{path}: HTTP {exc.code}, and the reply is not epd's error shape; is "
+                             f"{base} an epd API?") from None
         raise AdminError(f"{method} {base}{path}: HTTP {exc.code}: {detail}") from None
     except urllib.error.URLError as exc:
         if isinstance(exc.reason, TimeoutError):

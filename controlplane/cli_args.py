@@ -26,9 +26,10 @@ def replicas_arg(value: str) -> int:
     return count
 
 
-def check_writable(flag: str, path: Path | None, *, folder: bool = False) -> None:
-    """UsageError naming ``flag`` unless ``path`` can be written: a file whose folder exists, or (``folder``) a
-    folder that exists or can be made. Checked before a run, so a typo costs nothing rather than the run."""
+def check_writable(flag: str, path: Path | None, *, folder: bool = False, parents_made: bool = False) -> None:
+    """UsageError naming ``flag`` unless ``path`` can be written: a file whose folder exists (or, with
+    ``parents_made``, can be made, as its writer makes it), or (``folder``) a folder that exists or can be
+    made. Checked before a run, so a typo costs nothing rather than the run."""
     import os
 
     if path is None:
@@ -36,11 +37,14 @@ def check_writable(flag: str, path: Path | None, *, folder: bool = False) -> Non
     if folder:
         if path.exists() and not path.is_dir():
             raise UsageError(f"{flag} {path}: exists and is not a folder")
-        where = next(p for p in (path, *path.parents) if p.exists())
+    elif path.is_dir():
+        raise UsageError(f"{flag} {path}: is a folder; give a file's path")
+    if folder or parents_made:
+        where = next(p for p in (path, *path.absolute().parents) if p.exists())
     else:
-        if path.is_dir():
-            raise UsageError(f"{flag} {path}: is a folder; give a file's path")
         where = path.parent
+        if not where.exists():
+            raise UsageError(f"{flag} {path}: the folder {where} does not exist")
     if not where.is_dir():
         raise UsageError(f"{flag} {path}: {where} is not a folder")
     if not os.access(where, os.W_OK | os.X_OK):

@@ -279,6 +279,12 @@ class BulkConnection:
             if self.sock.fileno() >= 0:
                 self.sock.settimeout(None)  # idle: blocking, so peer_closed's MSG_DONTWAIT peek never waits
 
+    def release(self, owner: object) -> None:
+        """``owner`` lets go of the connection (if it still holds it): its ``interrupt`` no longer applies."""
+        with self._lock:
+            if self._owner is owner:
+                self._owner = None
+
     def interrupt(self, owner: object) -> None:
         """Wake ``owner``'s blocked read or write by closing the connection, unless it moved on."""
         with self._lock:

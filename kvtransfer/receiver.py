@@ -288,12 +288,12 @@ class KVReceiver:
         if not self._streams.acquire(timeout=5.0):
             return Code.RESOURCE_EXHAUSTED, "too many KV streams in flight on this receiver; retry", None
         bound: list[Expected] = []
+        owner = object()  # this push's hold on the connection: a late wake-up cannot close the next push's
         try:
             first = _decode(data)
             hs: pb.PushHandshake = first.header
             if first.kind != "handshake":
                 raise TransferRefused(Code.INVALID_ARGUMENT, "a push must open with a handshake")
-            owner = object()  # this push's hold on the connection: a late wake-up cannot close the next push's
             exp = self.expectations.claim(hs.request_id, wake=lambda _: conn.interrupt(owner))
             bound.append(exp)
             if hs.transport not in (pb.TRANSPORT_TCP, pb.TRANSPORT_SHARED_MEMORY, pb.TRANSPORT_CUDA_IPC):
@@ -312,6 +312,7 @@ class KVReceiver:
             err = refusal(self.expectations, bound, exc)
             return err.code, err.message, None
         finally:
+            conn.release(owner)  # a wake-up after this must not close the connection while it drains
             self._streams.release()
 
     def _bulk_frames(self, conn: BulkConnection, deadline: float, transport: int) -> Iterator[Frame]:

@@ -170,7 +170,7 @@ def config_from_args(args: argparse.Namespace) -> ServeBenchConfig:
         metric_percentiles=tuple(parse_float_list(args.metric_percentiles, "percentile")))
     config.validate()
     try:  # where the report goes, before the run rather than after it
-        check_writable("--result-json", args.result_json)
+        check_writable("--result-json", args.result_json, parents_made=True)  # write_json makes its folder
         check_writable("--plot-dir", args.plot_dir, folder=True)
         if args.save_result:
             check_writable("--result-dir", args.result_dir or Path("."), folder=True)

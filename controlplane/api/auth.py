@@ -16,7 +16,7 @@ import logging
 import re
 import secrets
 from collections.abc import Sequence
-from urllib.parse import parse_qs
+from urllib.parse import parse_qs, unquote_plus
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -95,7 +95,19 @@ class OpsAuth:
         await err.response()(scope, receive, send)
 
 
-_QUERY_TOKEN = re.compile(r"([?&](?:token|%74oken)=)[^&#\s]*", re.IGNORECASE)
+_QUERY = re.compile(r"\?[^\s#]*")
+
+
+def _mask_query(match: re.Match[str]) -> str:
+    """A query string with the value of every parameter that decodes to ``token`` (as ``parse_qs`` reads
+    the ops token, ``%74oken`` included) shown as ``***``."""
+    pairs = match.group(0)[1:].split("&")
+    return "?" + "&".join(f"{p.split('=', 1)[0]}=***" if unquote_plus(p.split("=", 1)[0]) == "token" else p
+                          for p in pairs)
+
+
+def mask_query_tokens(text: str) -> str:
+    return _QUERY.sub(_mask_query, text)
 
 
 class QueryTokenMask(logging.Filter):
@@ -104,9 +116,9 @@ class QueryTokenMask(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         if isinstance(record.args, tuple):
-            record.args = tuple(_QUERY_TOKEN.sub(r"\1***", a) if isinstance(a, str) else a for a in record.args)
+            record.args = tuple(mask_query_tokens(a) if isinstance(a, str) else a for a in record.args)
         elif isinstance(record.msg, str):
-            record.msg = _QUERY_TOKEN.sub(r"\1***", record.msg)
+            record.msg = mask_query_tokens(record.msg)
         return True
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import signal
 import socket
@@ -167,8 +168,8 @@ class LocalRedis:
 
     def __init__(self, *, port: int | None = None, executable: str = "redis-server",
                  startup_timeout: float = 10.0, stop_grace: float = 5.0, password: str | None = None) -> None:
-        if password is not None and (not password or any(c.isspace() or c in "\"'@:/?#" for c in password)):
-            raise ValueError("a LocalRedis password must be non-empty, without whitespace, quotes or URL delimiters")
+        if password is not None and not re.fullmatch(r"[A-Za-z0-9_-]+", password):  # as it stands in the URL
+            raise ValueError("a LocalRedis password must be non-empty letters, digits, '_' and '-' only")
         binary = shutil.which(executable)
         if binary is None:
             raise RedisServerNotFound(f"{executable} is not installed (not found on PATH); {INSTALL_HINT}")

@@ -148,3 +148,10 @@ def test_the_redis_password_is_on_no_command_line() -> None:
     assert 'REDISCLI_AUTH="$REDIS_PASSWORD" redis-cli ping' in probe and " -a " not in probe
     env = {e["name"]: e for e in redis["env"]}
     assert "secretKeyRef" in env["REDIS_PASSWORD"]["valueFrom"]
+
+
+@pytest.mark.parametrize("url", ["redis://user@redis.example:6379/0", "redis://redis.example:6379/0?db=2",
+                                 "rediss://redis.example:6380/0"])
+def test_an_external_redis_url_without_a_password_is_accepted(url: str) -> None:
+    env = control_plane_env(render("--set", "redis.enabled=false", "--set", f"redis.external.url={url}"))
+    assert env["EPD_REDIS__URL"] == url

@@ -96,7 +96,8 @@ def test_an_http_error_from_something_else_than_epd_asks_whether_it_is_one():
     with http_server(404, b"<!DOCTYPE HTML><html><body>Not Found</body></html>", "text/html") as (url, _):
         with pytest.raises(AdminError) as err:
             call(_settings(), "GET", "/admin/pools", url=url)
-    assert str(err.value) == f"GET {url}/admin/pools: HTTP 404, and the reply is not JSON; is {url} an epd API?"
+    assert str(err.value) == (f"GET {url}/admin/pools: HTTP 404, and the reply is not epd's error shape; is {url} "
+                              f"an epd API?")
 
 
 def test_http_errors_carry_the_apis_message():

@@ -907,14 +907,17 @@ def test_an_answer_whose_client_leaves_after_the_last_token_is_not_cut_short() -
                               "max_tokens": 1}),
 ])
 def test_a_long_prompt_is_tokenised_off_the_event_loop(path: str, body: dict) -> None:
-    """While a 3 MB prompt is tokenised (seconds here), /health still answers: the event loop is not held.
-    The check is the order of two events, not a time: /health answered before the tokenising ended."""
+    """While a 3 MB prompt is tokenised, /health still answers: the event loop is not held. The tokenising
+    waits (up to 30 s) for /health's answer, so the order of the two events is the check, whatever the
+    machine's speed: where the loop is held, /health can answer only after the tokenising gave up waiting."""
     events: list[str] = []
+    health_answered = threading.Event()
 
     class Recording(Tokenizer):
         def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
             ids = super().encode(text, add_special_tokens)
             if len(text) > 1_000_000:
+                health_answered.wait(30)
                 events.append("tokenised")
             return ids
 
@@ -925,6 +928,7 @@ def test_a_long_prompt_is_tokenised_off_the_event_loop(path: str, body: dict) ->
         time.sleep(0.5)  # the body is sent and tokenising, if the machine is not very slow
         assert httpx.get(base + "/health", timeout=120).status_code == 200
         events.append("health")
+        health_answered.set()
         thread.join(120)
     assert events == ["health", "tokenised"]
 
@@ -940,3 +944,18 @@ def test_a_body_in_utf16_or_utf32_is_refused(client: TestClient, backend: FakeBa
     assert backend.requests == []
     assert client.post("/v1/completions", content=json.dumps({"model": NAME, "prompt": "hi"}).encode("utf-8-sig"),
                        headers={"Content-Type": "application/json"}).status_code == 200
+
+
+@pytest.mark.parametrize("path, shown", [
+    ("/dashboard?token=s3cret", "/dashboard?token=***"),
+    ("/dashboard?x=1&token=s3cret&y=2", "/dashboard?x=1&token=***&y=2"),
+    ("/dashboard?t%6Fken=s3cret", "/dashboard?t%6Fken=***"),  # parse_qs decodes keys: the ops check reads it
+    ("/dashboard?%74%6F%6B%65%6E=s3cret", "/dashboard?%74%6F%6B%65%6E=***"),
+    ("/v1/models?tokens=5", "/v1/models?tokens=5"),  # another parameter stays
+])
+def test_the_access_log_mask_hides_every_spelling_of_the_ops_token(path: str, shown: str) -> None:
+    from controlplane.api.auth import QueryTokenMask
+
+    record = logging.LogRecord("uvicorn.access", logging.INFO, __file__, 1, '%s - "%s %s HTTP/%s" %d',
+                               ("127.0.0.1:5", "GET", path, "1.1", 200), None)
+    assert QueryTokenMask().filter(record) and record.getMessage() == f'127.0.0.1:5 - "GET {shown} HTTP/1.1" 200'

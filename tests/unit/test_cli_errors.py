@@ -364,12 +364,12 @@ def no_runs(monkeypatch):
     (["kv", "--threads", "-1"], "--threads must be >= 1, got -1"),
     (["kv", "--paired", "-1"], "--paired must be 0 or more, got -1"),
     (["kv", "--ttft-codec", "bogus"], "--ttft-codec: unknown codec 'bogus'"),
-    (["kv", "--json", "/proc/nope/r.json"], "--json /proc/nope/r.json: /proc/nope is not a folder"),
+    (["kv", "--json", "/proc/nope/r.json"], "--json /proc/nope/r.json: the folder /proc/nope does not exist"),
     (["controlplane", "--observability-cost", "-1"], "--observability-cost takes a number of rounds >= 0, got -1"),
     (["controlplane", "--observability-tokens", "0"], "--observability-tokens must be >= 1, got 0"),
     (["controlplane", "--concurrency", "0"], "--concurrency must be >= 1, got 0"),
     (["chaos", "--model", "/nonexistent-model"], "--model /nonexistent-model"),
-    (["chaos", "--json", "/proc/nope/r.json"], "--json /proc/nope/r.json: /proc/nope is not a folder"),
+    (["chaos", "--json", "/proc/nope/r.json"], "--json /proc/nope/r.json: the folder /proc/nope does not exist"),
     (["compare", "--out", "/dev/null/out"], "--out /dev/null/out: /dev/null is not a folder"),
 ])
 def test_bench_flags_are_refused_before_the_run(args, message, capsys, no_runs):
@@ -389,7 +389,7 @@ def test_bench_chaos_refuses_non_finite_durations(args, capsys, no_runs):
     (["--temperature", "nan"], "--temperature must be a number >= 0"),
     (["--temperature", "-1"], "--temperature must be a number >= 0"),
     (["--seed", "-1"], "--seed must be an integer in [0, 2^63)"),
-    (["--result-json", "/proc/nope/r.json"], "--result-json /proc/nope/r.json: /proc/nope is not a folder"),
+    (["--result-json", "/dev/null/r.json"], "--result-json /dev/null/r.json: /dev/null is not a folder"),
 ])
 def test_bench_serve_refuses_bad_values_before_the_load_test(args, message, capsys, no_runs):
     assert main(["bench", "serve", "--url", "http://127.0.0.1:9", *args]) == 2
@@ -403,3 +403,12 @@ def test_bench_serve_refuses_bad_values_before_the_load_test(args, message, caps
 ])
 def test_a_flags_refused_value_is_named_by_the_flag(args, message, capsys):
     assert message in one_line_error(capsys, ["serve", *args])
+
+
+def test_a_result_json_in_a_folder_yet_to_be_made_is_accepted(tmp_path):
+    """bench serve makes --result-json's folder itself: only a path no folder can be made for is refused."""
+    from controlplane.cli_args import UsageError, check_writable
+
+    check_writable("--result-json", tmp_path / "results" / "run1.json", parents_made=True)
+    with pytest.raises(UsageError, match="the folder .*results does not exist"):
+        check_writable("--json", tmp_path / "results" / "run1.json")

@@ -375,7 +375,8 @@ def _parse_rope(raw: dict[str, Any]) -> RopeConfig:
         where = "rope_scaling."
         theta = _number(raw, "rope_theta", 10000.0)  # transformers 4 keeps theta beside rope_scaling
     else:
-        theta = _number(params, "rope_theta", _number(raw, "rope_theta", 10000.0), where=where)
+        theta = (_number(params, "rope_theta", where=where) if params.get("rope_theta") is not None
+                 else _number(raw, "rope_theta", 10000.0))
     rope_type = params.get("rope_type") or params.get("type") or "default"
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise UnsupportedArchitectureError(

@@ -305,7 +305,7 @@ pool with it. Only a pool going to or from 0 replicas changes the probe.
 {{- fail "redis.enabled is false: set redis.external.url, or redis.external.existingSecret and existingSecretKey" -}}
 {{- end -}}
 {{- $url := .Values.redis.external.url | default "" -}}
-{{- if and (not .Values.redis.external.existingSecret) (or (regexMatch "^[a-zA-Z+]+://[^/?#]*@" $url) (regexMatch "(?i)[?&]password=" $url)) -}}
+{{- if and (not .Values.redis.external.existingSecret) (or (regexMatch "^[a-zA-Z+]+://[^/?#@]*:[^/?#]*@" $url) (regexMatch "(?i)[?&]password=" $url)) -}}
 {{- fail "redis.external.url holds a password, which would be a plain env value in the control plane's Deployment (readable by anyone who can read Deployments): put the whole URL in a Secret and name it in redis.external.existingSecret and existingSecretKey" -}}
 {{- end -}}
 {{- end -}}

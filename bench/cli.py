@@ -22,7 +22,7 @@ from bench.chaos.cli import add_chaos_parser
 from bench.compare import add_compare_parser
 from bench.micro.cli import add_micro_parser
 from bench.serve.cli import add_serve_parser
-from controlplane.cli_args import UsageError, add_engine_args, path_arg
+from controlplane.cli_args import UsageError, add_engine_args, check_positive, check_threads, check_writable, path_arg
 
 # The bench extra's modules (pip install 'epd[bench]'; make setup installs it) a suite imports whatever its
 # flags, checked before it starts: a missing one is one line naming the install, not a traceback, and never
@@ -40,17 +40,15 @@ def _check_kv_args(args: argparse.Namespace) -> None:
     """``epd bench kv``'s flags, before anything is measured (UsageError naming the flag)."""
     import torch
 
-    from controlplane.cli_args import UsageError, check_positive, check_writable
     from kvtransfer.codecs import CodecError, get_codec
 
     check_positive(args, "--repeats", "--ttft-tokens")
-    if args.threads is not None and args.threads < 1:
-        raise UsageError(f"--threads must be >= 1, got {args.threads} (leave it out for torch's choice)")
+    check_threads(args)
     if args.paired is not None and args.paired < 0:
         raise UsageError(f"--paired must be 0 or more, got {args.paired}")
     try:
         get_codec(args.ttft_codec)
-    except (CodecError, KeyError, ValueError) as exc:
+    except CodecError as exc:
         raise UsageError(f"--ttft-codec: {exc}") from None
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda: no CUDA device is visible here; use --device cpu")
@@ -68,7 +66,6 @@ def cmd_bench_kv(args: argparse.Namespace) -> int:
 
 def cmd_bench_controlplane(args: argparse.Namespace) -> int:
     from bench.controlplane_bench import run
-    from controlplane.cli_args import UsageError, check_positive, check_writable
 
     check_positive(args, "--requests", "--throughput-requests", "--concurrency", "--observability-tokens")
     if args.observability_cost < 0:

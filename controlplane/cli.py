@@ -158,10 +158,10 @@ def _settings(args: argparse.Namespace) -> Settings:
     except SettingsError as exc:
         message = str(exc)
         for setting, flag in given.items():
-            for lead in (f"invalid settings: {setting}: ", f"{setting}: "):
+            for prefix in ("invalid settings: ", ""):
+                lead = f"{prefix}{setting}: "
                 if message.startswith(lead):  # the flag's value was refused: name the flag the user typed
-                    raise SettingsError(f"{message[:len(lead) - len(setting) - 2]}{flag} ({setting}): "
-                                        f"{message[len(lead):]}") from None
+                    raise SettingsError(f"{prefix}{flag} ({setting}): {message[len(lead):]}") from None
         raise
 
 

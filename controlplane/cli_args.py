@@ -6,6 +6,7 @@ Each check raises ``UsageError`` naming the flag, before anything is loaded, so 
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 
@@ -30,8 +31,6 @@ def check_writable(flag: str, path: Path | None, *, folder: bool = False, parent
     """UsageError naming ``flag`` unless ``path`` can be written: a file whose folder exists (or, with
     ``parents_made``, can be made, as its writer makes it), or (``folder``) a folder that exists or can be
     made. Checked before a run, so a typo costs nothing rather than the run."""
-    import os
-
     if path is None:
         return
     if folder:
@@ -80,6 +79,11 @@ def check_engine_args(args: argparse.Namespace) -> None:
     if problem is not None:
         none_here = device_problem(device.type) is not None  # no such device at all, not just that index
         raise UsageError(f"--device {args.device}: {problem}{'; use --device cpu' if none_here else ''}")
+    check_threads(args)
+
+
+def check_threads(args: argparse.Namespace) -> None:
+    """``--threads``, when given, must be >= 1."""
     if args.threads is not None and args.threads < 1:
         raise UsageError(f"--threads must be >= 1, got {args.threads} (leave it out for torch's choice)")
 

@@ -18,6 +18,7 @@ A transfer's life on this side:
 
 from __future__ import annotations
 
+import itertools
 import logging
 import ssl
 import threading
@@ -62,6 +63,9 @@ ORPHAN_REAP_S = 5.0
 # After refusing a push on a bulk connection: how long to keep reading (and dropping) what the sender still
 # sends, so that it reads the refusal before the connection closes.
 DRAIN_S = 5.0
+# How long a Push stream may stay open before its handshake arrives. It holds a stream slot meanwhile, and
+# until the handshake names a request no transfer's deadline covers it; past this the call is cancelled.
+HANDSHAKE_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -111,6 +115,10 @@ class KVReceiver:
         self.bulk: BulkListener | None = None
         self.ipc: IpcPool | None = None
         self.orphan_reap_s = ORPHAN_REAP_S
+        self.handshake_s = HANDSHAKE_S
+        self._unnamed: dict[int, tuple[float, grpc.ServicerContext]] = {}  # Push streams before their handshake
+        self._unnamed_ids = itertools.count()
+        self._unnamed_lock = threading.Lock()
         self._clock = clock
         self._next_reap = clock()
 
@@ -165,11 +173,26 @@ class KVReceiver:
         return self.expectations.cancel(request_id, reason)
 
     def sweep(self) -> list[str]:
-        """Fail every transfer past its deadline; returns their ids. The janitor calls this."""
-        return self.expectations.sweep()
+        """Fail every transfer past its deadline, and cancel every Push stream still without a handshake
+        ``handshake_s`` after it opened; returns the failed transfers' ids. The janitor does this too."""
+        expired = self.expectations.sweep()
+        self._cancel_unnamed()
+        return expired
 
     def start_janitor(self, interval_s: float = 0.05) -> None:
-        self.expectations.start_janitor(interval_s, also=self._prune)
+        def housekeeping() -> None:
+            self._cancel_unnamed()
+            self._prune()
+        self.expectations.start_janitor(interval_s, also=housekeeping)
+
+    def _cancel_unnamed(self) -> None:
+        now = self._clock()
+        with self._unnamed_lock:
+            overdue = [key for key, (deadline, _) in self._unnamed.items() if now >= deadline]
+            contexts = [self._unnamed.pop(key)[1] for key in overdue]
+        for context in contexts:
+            log.warning("a KV Push stream sent no handshake within %.0f s of opening; cancelled it", self.handshake_s)
+            context.cancel()
 
     def _prune(self) -> None:
         """The janitor's housekeeping: dead senders' segments removed (every ``orphan_reap_s``), then
@@ -198,6 +221,12 @@ class KVReceiver:
     def pending(self) -> int:
         return len(self.expectations)
 
+    @property
+    def awaiting_handshake(self) -> int:
+        """Push streams open whose handshake has not arrived yet."""
+        with self._unnamed_lock:
+            return len(self._unnamed)
+
     # ------------------------------------------------------------------ the Push RPC
     def push(self, requests: Iterator[bytes], context: grpc.ServicerContext) -> bytes:
         """Handler for KVTransfer.Push (raw bytes in, serialized PushAck out)."""
@@ -219,7 +248,7 @@ class KVReceiver:
         raise AssertionError("unreachable: context.abort raises")
 
     def _run(self, requests: Iterator[bytes], bound: list, context: grpc.ServicerContext) -> bytes:
-        first = self._next(requests)
+        first = self._handshake(requests, context)
         if first is None or first.kind != "handshake":
             raise TransferRefused(Code.INVALID_ARGUMENT, "a Push stream must open with a handshake")
         # failed from outside (expired, cancelled): the call ends, even while it waits for a silent sender
@@ -334,6 +363,18 @@ class KVReceiver:
             if frame.kind != ("chunk" if kind == KIND_CHUNK else "finish"):
                 raise TransferRefused(Code.INVALID_ARGUMENT, f"a {frame.kind} message in a bulk frame of kind {kind}")
             yield frame
+
+    def _handshake(self, requests: Iterator[bytes], context: grpc.ServicerContext) -> Frame | None:
+        """A Push stream's first message (None: the stream ended first). The janitor cancels the call when
+        none comes within ``handshake_s``."""
+        key = next(self._unnamed_ids)
+        with self._unnamed_lock:
+            self._unnamed[key] = (self._clock() + self.handshake_s, context)
+        try:
+            return self._next(requests)
+        finally:
+            with self._unnamed_lock:
+                self._unnamed.pop(key, None)
 
     @staticmethod
     def _next(requests: Iterator[bytes]) -> Frame | None:

@@ -23,6 +23,7 @@ import torch
 from kvtransfer.auth import TransferSecurity
 from kvtransfer.errors import TransferFailed
 from kvtransfer.expectations import WAKE_AFTER_S
+from kvtransfer.receiver import HANDSHAKE_S
 from kvtransfer.sender import KVSender
 from kvtransfer.shm import SHM_DIR, SharedSegment
 from kvtransfer.wire import encode_control, pb
@@ -394,6 +395,27 @@ def test_a_stream_left_silent_after_its_push_failed_is_ended(rig: Rig, clock: Fa
     finally:
         push.end()
     rig.good_transfer()
+    rig.assert_clean()
+
+
+def test_a_stream_that_never_sends_its_handshake_is_ended(rig: Rig, clock: FakeClock) -> None:
+    """An authenticated sender without a call deadline opens a push and sends nothing. No reservation is
+    claimed yet, so no transfer's deadline covers it: the receiver cancels the call HANDSHAKE_S after it
+    opened, and its stream slot is free again."""
+    push = OpenPush(rig.channel, AUTH, timeout=None)
+    try:
+        wait_until(lambda: rig.receiver.awaiting_handshake == 1, 10, "the push to reach its handler")
+        clock.now += HANDSHAKE_S - 0.1
+        rig.receiver.sweep()
+        assert not push.future.done() and rig.receiver.awaiting_handshake == 1
+        clock.now += 0.2
+        rig.receiver.sweep()
+        assert push.error(timeout=10).code() == Code.CANCELLED
+        assert rig.receiver.awaiting_handshake == 0
+    finally:
+        push.end()
+    rig.good_transfer()  # a handshake that comes promptly is untouched by the sweep
+    assert rig.receiver.awaiting_handshake == 0
     rig.assert_clean()
 
 

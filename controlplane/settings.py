@@ -14,6 +14,7 @@ import contextvars
 import json
 import os
 import typing
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 from urllib.parse import urlsplit
@@ -52,6 +53,17 @@ ENV_OUTSIDE_SETTINGS: dict[str, str] = {
     "EPD_KV_TEST_TOKEN": "tests: the transfer token handed to a sender subprocess (tests/integration)",
 }
 DEVICE_TYPES = ("cpu", "cuda", "mps")
+# The control plane's own secrets in the environment: the API's tokens and keys, and the transfer token and
+# Redis URL (replicas get those two as actor arguments). Matched as pydantic-settings reads names: case aside.
+_SECRET_ENV = ("EPD_API", "EPD_TRANSFER", "EPD_TRANSFER__TOKEN", "EPD_REDIS", "EPD_REDIS__URL",
+               "EPD_CHART_REDIS_PASSWORD")
+
+
+def secret_env_vars(names: Iterable[str]) -> list[str]:
+    """Those of ``names`` that may carry a control-plane secret: ``EPD_API`` and every ``EPD_API__*`` (the admin
+    and ops tokens, the API keys), the transfer token, the Redis URL (each also as its section's JSON:
+    ``EPD_TRANSFER``, ``EPD_REDIS``) and the chart's Redis password."""
+    return [n for n in names if n.upper() in _SECRET_ENV or n.upper().startswith("EPD_API__")]
 
 _yaml_file: contextvars.ContextVar[Path | None] = contextvars.ContextVar("epd_yaml_file", default=None)
 

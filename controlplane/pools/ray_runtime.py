@@ -12,10 +12,11 @@ Lifecycle:
                    with a fresh token in a 0600 file in that temp dir: Ray 2.60 would otherwise write
                    ``~/.ray/auth_token`` on first start, which then switches every later local
                    ``ray.init`` of the user to token auth. A user who set ``RAY_AUTH_MODE`` (or a
-                   token) gets exactly that. With ``loopback_only`` every process of that cluster (GCS,
-                   raylet, agents, workers) binds 127.0.0.1: Ray takes its node address from its
-                   local-only switch ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``, read when Ray is imported,
-                   so ``loopback_environment()`` must run before the process's first ``import ray``
+                   token) gets exactly that. Ray's processes start without the control plane's secrets in
+                   their environment (``settings.secret_env_vars``). With ``loopback_only`` every process of
+                   that cluster (GCS, raylet, agents, workers) binds 127.0.0.1: Ray takes its node address
+                   from its local-only switch ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``, read when Ray is
+                   imported, so ``loopback_environment()`` must run before the process's first ``import ray``
                    (``epd serve`` does). ``start()`` warns when the node address is not loopback.
   2. ``stop()``    ``ray.shutdown()`` if ``start`` called ``ray.init``; then the environment is restored
                    and the temp dir removed. Idempotent.
@@ -35,6 +36,7 @@ import ray
 
 from controlplane.pools.status import RayJoinError
 from controlplane.ray_env import LOOPBACK_HOSTS, LOOPBACK_VAR, loopback_environment
+from controlplane.settings import secret_env_vars
 
 log = logging.getLogger(__name__)
 
@@ -100,9 +102,14 @@ class RayRuntime:
             self._private_token()
             if loopback_environment(False, self.loopback_only):  # Ray's child processes read it too
                 self._saved_env = {**(self._saved_env or {}), LOOPBACK_VAR: None}
-            ray.init(num_cpus=self.num_cpus, num_gpus=self.num_gpus, namespace=self.namespace, include_dashboard=False,
-                     _temp_dir=str(self.temp_dir), log_to_driver=False, logging_level=logging.WARNING,
-                     object_store_memory=OBJECT_STORE_BYTES)
+            # Ray's processes, and the replicas they start, inherit this environment: not the control plane's secrets
+            hidden = {name: os.environ.pop(name) for name in secret_env_vars(list(os.environ))}
+            try:
+                ray.init(num_cpus=self.num_cpus, num_gpus=self.num_gpus, namespace=self.namespace,
+                         include_dashboard=False, _temp_dir=str(self.temp_dir), log_to_driver=False,
+                         logging_level=logging.WARNING, object_store_memory=OBJECT_STORE_BYTES)
+            finally:
+                os.environ.update(hidden)
         except BaseException:
             self._restore()
             raise

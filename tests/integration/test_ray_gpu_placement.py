@@ -34,17 +34,31 @@ class Probe:
     def __init__(self, ps_json: str) -> None:
         self.ps = PoolSettings.model_validate_json(ps_json)
 
+    def environment(self) -> dict[str, str]:
+        return dict(os.environ)
+
     def sees(self) -> tuple[str | None, str | None, list[str]]:
         return (replica.reserved_device(self.ps), os.environ.get("CUDA_VISIBLE_DEVICES"),
                 sorted(str(i) for i in ray.get_gpu_ids()))
+
+
+# The control plane's secrets in its environment when it starts Ray (any case: pydantic-settings reads either)
+SECRETS_IN_ENV = {"EPD_API__ADMIN_TOKEN": f"admin-canary-{uuid.uuid4().hex}",
+                  "epd_api__ops_token": f"ops-canary-{uuid.uuid4().hex}",
+                  "EPD_REDIS__URL": f"redis://:pw-canary-{uuid.uuid4().hex}@127.0.0.1:1/0"}
 
 
 @pytest.fixture(scope="module")
 def two_gpu_ray():
     with pytest.MonkeyPatch.context() as mp:
         mp.delenv("CUDA_VISIBLE_DEVICES", raising=False)  # the raylet's view: every declared GPU, by index
+        for name, value in SECRETS_IN_ENV.items():
+            mp.setenv(name, value)
         runtime = RayRuntime(None, f"gpu-placement-{uuid.uuid4().hex[:8]}", num_cpus=2, num_gpus=2)
         runtime.start()
+        for name, value in SECRETS_IN_ENV.items():  # hidden from Ray only: the control plane keeps them
+            assert os.environ[name] == value
+            mp.delenv(name)  # the canaries' work is done: later Settings() here must not read them
         try:
             assert runtime.owns_connection, "another test left Ray running in this process"
             yield runtime
@@ -59,6 +73,18 @@ def probe_two(ps: PoolSettings) -> list[tuple[str | None, str | None, list[str]]
     finally:
         for a in actors:
             ray.kill(a)
+
+
+def test_ray_processes_do_not_inherit_the_control_planes_secrets(two_gpu_ray) -> None:
+    ps = PoolSettings.model_validate({"num_cpus": 0, "num_gpus": 0})
+    actor = Probe.options(**placement_options(ps)).remote(ps.model_dump_json())  # type: ignore[attr-defined]  # ray.remote's options
+    try:
+        env = ray.get(actor.environment.remote(), timeout=120)
+    finally:
+        ray.kill(actor)
+    assert "RAY_AUTH_MODE" in env  # what Ray's processes do inherit
+    leaked = [k for k, v in env.items() if any(secret in v for secret in SECRETS_IN_ENV.values())]
+    assert leaked == [] and not {k.upper() for k in env} & {k.upper() for k in SECRETS_IN_ENV}
 
 
 def test_replicas_that_see_the_host_run_on_their_reserved_gpus(two_gpu_ray):

@@ -32,9 +32,10 @@ T = TypeVar("T")
 
 
 async def prepare_off_loop(request: Request, prepare: Callable[[], T]) -> T:
-    """``prepare()`` (a prompt tokenised, a chat template rendered, images decoded), in a worker thread when
-    the body holds ``OFF_LOOP_BYTES`` or more (or does not say its length): a long prompt then stalls no
-    other request on the event loop. A small one runs here, where a thread's hand-off would cost more."""
+    """``prepare()`` (a prompt tokenised, a chat template rendered, images or token ids decoded), in a worker
+    thread when the body holds ``OFF_LOOP_BYTES`` or more (or does not say its length): a long prompt then
+    stalls no other request on the event loop (its JSON is still parsed there). A small one runs here, where a
+    thread's hand-off would cost more."""
     length = request.headers.get("content-length", "")
     if length.isdigit() and int(length) < OFF_LOOP_BYTES:
         return prepare()

@@ -86,19 +86,24 @@ def tokenize_router(model: ModelInfo) -> APIRouter:
             text, add = body.prompt, body.add_special_tokens
             ids = await prepare_off_loop(request, lambda: tokenise(lambda: model.tokenizer.encode(
                 text, add_special_tokens=add)))
-        strs = [model.tokenizer.backend.id_to_token(i) or "" for i in ids] if body.return_token_strs else None
-        out = TokenizeResponse(count=len(ids), max_model_len=model.max_model_len, tokens=ids, token_strs=strs)
-        return Response(out.model_dump_json(), media_type="application/json")
+        def answer() -> str:
+            strs = [model.tokenizer.backend.id_to_token(i) or "" for i in ids] if body.return_token_strs else None
+            return TokenizeResponse(count=len(ids), max_model_len=model.max_model_len, tokens=ids,
+                                    token_strs=strs).model_dump_json()
+        return Response(await prepare_off_loop(request, answer), media_type="application/json")
 
     @router.post("/detokenize")
-    async def detokenize(body: Detokenize) -> Response:
+    async def detokenize(body: Detokenize, request: Request) -> Response:
         if body.model is not None:
             check_model(body.model, model)
-        vocab = model.tokenizer.vocab_size
-        bad = [t for t in body.tokens if not 0 <= t < vocab]
-        if bad:
-            raise APIError(400, f"token ids must be in [0, {vocab}); got {bad[:5]}", param="tokens")
-        text = model.tokenizer.decode(body.tokens, skip_special_tokens=False)
-        return Response(DetokenizeResponse(prompt=text).model_dump_json(), media_type="application/json")
+
+        def answer() -> str:
+            vocab = model.tokenizer.vocab_size
+            bad = [t for t in body.tokens if not 0 <= t < vocab]
+            if bad:
+                raise APIError(400, f"token ids must be in [0, {vocab}); got {bad[:5]}", param="tokens")
+            text = model.tokenizer.decode(body.tokens, skip_special_tokens=False)
+            return DetokenizeResponse(prompt=text).model_dump_json()
+        return Response(await prepare_off_loop(request, answer), media_type="application/json")
 
     return router

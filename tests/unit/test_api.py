@@ -933,6 +933,33 @@ def test_a_long_prompt_is_tokenised_off_the_event_loop(path: str, body: dict) ->
     assert events == ["health", "tokenised"]
 
 
+def test_a_long_id_list_is_detokenised_off_the_event_loop() -> None:
+    """The same for /detokenize: while 6M ids are decoded (seconds here), /health still answers."""
+    events: list[str] = []
+
+    class Recording(Tokenizer):
+        def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+            text = super().decode(ids, skip_special_tokens)
+            if len(ids) > 1_000_000:
+                events.append("decoded")
+            return text
+
+    tok = Recording(build_tokenizer(), bos_token=BOS, eos_token=IM_END, chat_template=CHAT_TEMPLATE, image_token=IMAGE)
+    word = tok.encode("word", add_special_tokens=False)
+    ids = word * (6_000_000 // len(word))
+    with serve_app(create_app(FakeBackend(model_info(tok)))) as base:
+        answers: list[httpx.Response] = []
+        thread = threading.Thread(target=lambda: answers.append(httpx.post(base + "/detokenize", json={"tokens": ids},
+                                                                           timeout=120)))
+        thread.start()
+        time.sleep(0.5)  # the body is sent and decoding, if the machine is not very slow
+        assert httpx.get(base + "/health", timeout=120).status_code == 200
+        events.append("health")
+        thread.join(120)
+    assert events == ["health", "decoded"]
+    assert answers[0].status_code == 200 and answers[0].json()["prompt"] == "word" * (6_000_000 // len(word))
+
+
 @pytest.mark.parametrize("encoding", ["utf-16", "utf-16-le", "utf-32", "utf-32-be"])
 def test_a_body_in_utf16_or_utf32_is_refused(client: TestClient, backend: FakeBackend, encoding: str) -> None:
     """JSON between systems is UTF-8 (RFC 8259); Python's json would read these, the README says 400."""

@@ -40,6 +40,7 @@ def _token_str(value: Any) -> str | None:
 
 
 RELEASE_GIL_CHARS = 16 * 1024  # texts this long or longer are tokenised with the GIL released
+RELEASE_GIL_IDS = 4096  # id lists this long or longer are decoded with the GIL released
 
 
 class Tokenizer:
@@ -111,7 +112,11 @@ class Tokenizer:
         return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+        """The text of ``ids``; a long list (``RELEASE_GIL_IDS`` or more) is decoded with the GIL released
+        (``decode_batch``; ``decode`` holds it), as ``encode`` does for a long text."""
+        if len(ids) < RELEASE_GIL_IDS:
+            return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+        return self.backend.decode_batch([ids], skip_special_tokens=skip_special_tokens)[0]
 
     # ------------------------------------------------------------------ chat
     def render_chat(self, messages: list[Message], add_generation_prompt: bool = True, **extra: Any) -> str:

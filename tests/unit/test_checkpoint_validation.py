@@ -197,7 +197,9 @@ def test_extras_listed_in_an_index_are_refused(ckpt: Path, base_tensors: dict[st
     ({"head_dim": 0}, "head_dim must be a positive integer, got 0"),
     ({"max_position_embeddings": -1}, "max_position_embeddings must be a positive integer, got -1"),
     ({"intermediate_size": [1536]}, r"intermediate_size must be a positive integer, got \[1536\]"),
+    ({"max_position_embeddings": 2**80}, r"max_position_embeddings must be at most 2147483647 \(positions"),
     ({"rms_norm_eps": True}, "rms_norm_eps must be a positive number, got True"),
+    ({"rms_norm_eps": 1e308}, r"rms_norm_eps must be in \(0, 1\), got 1e\+308"),
     ({"tie_word_embeddings": "false"}, "tie_word_embeddings must be true or false, got 'false'"),
     ({"attention_bias": 1}, "attention_bias must be true or false, got 1"),
     ({"architectures": 5}, "architectures must be a list of class names, got 5"),
@@ -205,7 +207,8 @@ def test_extras_listed_in_an_index_are_refused(ckpt: Path, base_tensors: dict[st
     ({"architectures": [None]}, r"architectures must be a list of class names, got \[None\]"),
     ({"bos_token_id": "<s>"}, "bos_token_id must be a token id, got '<s>'"),
 ], ids=["layers-true", "hidden-fraction", "vocab-string", "kv-heads-0", "heads-0", "head-dim-0", "positions-negative",
-        "intermediate-list", "eps-bool", "tie-string", "bias-int", "architectures-int", "architectures-string",
+        "positions-2^80", "intermediate-list", "eps-bool", "eps-1e308", "tie-string", "bias-int", "architectures-int",
+        "architectures-string",
         "architectures-null-entry", "bos-string"])
 def test_malformed_config_fields_are_named(ckpt: Path, overrides: dict, pattern: str) -> None:
     _edit_json(ckpt, "config.json", lambda raw: raw.update(overrides))

@@ -51,6 +51,9 @@ class RopeConfig:
                                   f"than low_freq_factor ({self.low_freq_factor!r})")
 
 
+MAX_POSITIONS = 2**31 - 1
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Everything the decoder needs to know about its own shape."""
@@ -86,8 +89,12 @@ class ModelConfig:
                 f"num_key_value_heads ({self.num_kv_heads})")
         if self.head_dim % 2:
             raise CheckpointError(f"config.json: head_dim must be even for rotary embeddings, got {self.head_dim}")
-        if not self.rms_norm_eps > 0:
-            raise CheckpointError(f"config.json: rms_norm_eps must be positive, got {self.rms_norm_eps!r}")
+        if self.max_position_embeddings > MAX_POSITIONS:
+            raise CheckpointError(f"config.json: max_position_embeddings must be at most {MAX_POSITIONS} (positions "
+                                  f"and lengths are 32-bit in the attention kernels), got "
+                                  f"{self.max_position_embeddings}")
+        if not 0 < self.rms_norm_eps < 1:  # a guard against a zero norm; past 1 it swamps every hidden state
+            raise CheckpointError(f"config.json: rms_norm_eps must be in (0, 1), got {self.rms_norm_eps!r}")
         check_token_ids(self.eos_token_ids, "eos_token_id", "config.json", self.vocab_size)
 
     @property

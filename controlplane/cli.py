@@ -20,10 +20,10 @@ import shlex
 import shutil
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from importlib.metadata import entry_points
 from pathlib import Path
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from controlplane.cli_args import UsageError, add_engine_args, check_engine_args, model_dir, path_arg, replicas_arg
 
@@ -255,7 +255,25 @@ DEFAULT_PROMPT = "Hello, world."  # epd generate without --prompt or --chat
 
 class _Parser(argparse.ArgumentParser):
     """argparse, with a malformed command line refused in one line as every other input error is (argparse
-    prints its usage block first), pointing at the command's ``--help``."""
+    prints its usage block first), pointing at the ``--help`` of the command it was meant for: an unknown
+    option is refused by the command that does not know it (argparse leaves that to ``epd`` itself), and an
+    option before any command is named, not taken for a missing command."""
+
+    has_commands = False
+
+    def add_subparsers(self, **kwargs: Any) -> Any:  # typeshed spells it as two overloads
+        self.has_commands = True
+        return super().add_subparsers(**kwargs)
+
+    def parse_known_args(self, args: Sequence[str] | None = None,  # type: ignore[override]  # typeshed's overloads
+                         namespace: argparse.Namespace | None = None) -> tuple[argparse.Namespace, list[str]]:
+        arg_list = list(sys.argv[1:] if args is None else args)
+        if self.has_commands and arg_list and arg_list[0].startswith("-") and arg_list[0] not in ("-h", "--help"):
+            self.error(f"unrecognized arguments: {arg_list[0]}: a command comes first, then its options")
+        parsed, extras = super().parse_known_args(arg_list, namespace)
+        if extras and not self.has_commands:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return parsed, extras
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")

@@ -219,6 +219,11 @@ def test_readme_lists_the_admin_commands_flags():
     (["scale", "decode", str(10**20)], "argument replicas: must be from 0 to 1000, got 100000000000000000000"),
     (["config"], "epd config: error: the following arguments are required: ACTION (see `epd config --help`)"),
     (["drain", ""], "epd: error: a worker id is required"),
+    # an unknown option: named, by the command it was given to
+    (["--bogus"], "epd: error: unrecognized arguments: --bogus: a command comes first, then its options "
+                  "(see `epd --help`)"),
+    (["serve", "--bogus", "1"], "epd serve: error: unrecognized arguments: --bogus 1 (see `epd serve --help`)"),
+    (["bench", "kv", "--bogus"], "epd bench kv: error: unrecognized arguments: --bogus (see `epd bench kv --help`)"),
 ])
 def test_usage_errors_are_one_line_when_run_as_a_module_too(args, message):
     """`python -m controlplane.cli` makes that module __main__: its errors and the bench modules' (which raise

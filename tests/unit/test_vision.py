@@ -21,6 +21,7 @@ from workers.runtime.vision import (
     build_vision_encoder,
     default_vision_config,
     encode_images,
+    has_vision,
     load_vision,
     load_vision_config,
     preprocess_image,
@@ -218,6 +219,15 @@ def test_missing_or_unreadable_files(saved: Path) -> None:
         load_vision(saved)
     (saved / "vision" / "epd_vision.json").write_text("{")
     with pytest.raises(CheckpointError, match="epd_vision.json: not valid JSON"):
+        load_vision(saved)
+
+
+def test_a_vision_config_that_is_a_folder_is_named_not_taken_for_text_only(saved: Path) -> None:
+    config_path = saved / "vision" / "config.json"
+    config_path.unlink()
+    config_path.mkdir()
+    assert has_vision(saved)
+    with pytest.raises(CheckpointError, match=r"vision/config\.json: is a folder, not a file"):
         load_vision(saved)
 
 

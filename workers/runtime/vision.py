@@ -19,6 +19,7 @@ from safetensors import SafetensorError, safe_open
 from torch import Tensor, nn
 
 from workers.runtime.checkpoint import check_tensor, save_weights
+from workers.runtime.config import read_json_object
 from workers.runtime.errors import CheckpointError, UnsupportedArchitectureError
 from workers.runtime.fingerprint import module_fingerprint
 
@@ -181,8 +182,9 @@ def encode_images(encoder: VisionEncoder, images: list[Tensor]) -> list[Tensor]:
 # ---------------------------------------------------------------- checkpoint I/O
 
 def has_vision(directory: Path) -> bool:
-    """Whether a model folder carries a vision tower (i.e. is multimodal)."""
-    return (Path(directory) / VISION_SUBDIR / "config.json").is_file()
+    """Whether a model folder carries a vision tower (i.e. is multimodal): a ``vision/config.json``, which is
+    then read, so one that is not a readable file is named rather than taken for a text-only model."""
+    return (Path(directory) / VISION_SUBDIR / "config.json").exists()
 
 
 def save_vision(directory: Path, encoder: VisionEncoder) -> None:
@@ -213,7 +215,7 @@ def save_vision(directory: Path, encoder: VisionEncoder) -> None:
 def load_vision_config(directory: Path) -> VisionConfig:
     """Parse ``directory/vision/config.json`` and ``epd_vision.json`` into a validated VisionConfig."""
     vdir = Path(directory) / VISION_SUBDIR
-    hf, epd = _read_json(vdir / "config.json"), _read_json(vdir / "epd_vision.json")
+    hf, epd = read_json_object(vdir / "config.json"), read_json_object(vdir / "epd_vision.json")
     if hf.get("model_type") != "clip_vision_model":
         raise UnsupportedArchitectureError(f"{vdir / 'config.json'}: model_type {hf.get('model_type')!r} is not "
                                            f"supported (expected 'clip_vision_model')")
@@ -273,18 +275,6 @@ def _read_tensors(path: Path, expected: dict[str, tuple[int, ...]]) -> dict[str,
     except (SafetensorError, OSError) as exc:
         raise CheckpointError(f"{path}: not a readable safetensors file: {exc}") from None
     return out
-
-
-def _read_json(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: file is missing") from None
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"{path}: not valid JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{path}: expected a JSON object, got {type(data).__name__}")
-    return data
 
 
 def _as_tuple(value: Any) -> Any:

@@ -81,23 +81,27 @@ def test_native_and_dequantized_storage_agree_within_the_float_rounding() -> Non
 
 
 @pytest.mark.parametrize("codec", ["int8", "fp8"])
-@pytest.mark.parametrize("layer_dtype,limit", [("bfloat16", 3.38e38), ("float32", 3.4e38), (None, 3.4e38)])
+@pytest.mark.parametrize("layer_dtype,read_dtype,limit", [
+    ("bfloat16", torch.float32, 3.38e38), ("float32", torch.float32, 3.4e38), (None, torch.float32, 3.4e38),
+    ("float32", torch.bfloat16, 3.38e38), (None, torch.bfloat16, 3.38e38)])
 def test_scales_that_decode_past_the_layers_range_are_refused_and_write_nothing(
-        codec: CacheDType, layer_dtype: CacheDType | None, limit: float) -> None:
-    """Finite scales can still decode to inf where they land (the float layer's dtype; float32 for a native
-    layer). Values inside the range land; ones past it are refused before anything is written."""
+        codec: CacheDType, layer_dtype: CacheDType | None, read_dtype: torch.dtype, limit: float) -> None:
+    """Finite scales can still decode to inf where they land (the float layer's dtype) or where they are read
+    (the model's dtype, a native layer's codes and scales included). Values inside the range land; ones past
+    it are refused before anything is written."""
     dtype = layer_dtype or codec  # None: the codec's own native layer
-    cache = PagedKVCache(SPEC, 16, (dtype, "float32"))
+    cache = PagedKVCache(SPEC, 16, (dtype, "float32"), read_dtype=read_dtype)
     sink = CacheSink(cache)
     max_code = get_codec(codec).max_code
     inside, past = _kv(3)
     inside = inside / inside.abs().amax() * limit * 0.4  # scale = 0.4 * limit / max_code: inside
     (kw, _), (vw, _) = _wire(codec, inside, Kind.KEY), _wire(codec, inside, Kind.VALUE)
     sink.write(0, BLOCKS, codec, tuple(inside.shape), kw, vw)  # type: ignore[arg-type]  # a 4-d shape
-    got_k, _ = cache.read_tokens(0, BLOCKS, len(BLOCKS) * SPEC.block_size, torch.float32)
+    got_k, _ = cache.read_tokens(0, BLOCKS, len(BLOCKS) * SPEC.block_size, read_dtype)
     assert torch.isfinite(got_k).all()
     scales = torch.frombuffer(bytearray(kw.scales), dtype=torch.float32)
-    scales[3] = limit / max_code * 1.01  # a code of max_code decodes past the limit
+    beyond = 3.395e38 if limit < 3.39e38 else limit * 1.01  # bf16: between its largest (3.39e38) and float32's
+    scales[3] = beyond / max_code  # a code of max_code decodes past the limit
     bad = WireParts(kw.payload, memoryview(scales.numpy().tobytes()), None)
     with pytest.raises(ValueError, match=r"the keys' scales decode to magnitudes up to .*, past"):
         sink.write(0, [0, 1, 3, 4, 7], codec, tuple(inside.shape), bad, vw)  # type: ignore[arg-type]

@@ -45,21 +45,18 @@ def decode_cache_dtypes(codecs: tuple[str, ...], compute_dtype: str, store: KVSt
 
 
 def check_decoded_range(storage: KVLayerStorage, codec_name: str, shape: tuple[int, int, int, int],
-                        key: WireParts | DeviceParts, value: WireParts | DeviceParts) -> None:
+                        key: WireParts | DeviceParts, value: WireParts | DeviceParts, read_dtype: torch.dtype) -> None:
     """ValueError when a chunk's scales (and zero points) could decode a code to a magnitude past what the
-    layer holds: the dense layer's dtype, or float32 for codes and scales stored as received (``native``,
-    multiplied in float32 when read). Finite scales of 3e38 still land inf, which poisons every later step
-    of the request. A pass over the scales only, before anything is written. (A chunk re-quantised into an
-    int8/fp8 layer is checked once decoded, by ``_requantise`` and the fused kernel.)"""
+    layer holds: the largest value of ``read_dtype`` (the dtype attention reads every layer in) and, for a
+    dense layer, of its own dtype. Finite scales of 3e38 would still land inf (in a dense layer, or when an
+    int8/fp8 layer is read), which poisons every later step of the request. A pass over the scales only,
+    before anything is written; codecs without scales (bf16, fp32) are checked by the sender."""
     codec = get_codec(codec_name)
     if not codec.max_code:
         return
+    limit = torch.finfo(read_dtype).max
     if isinstance(storage, DenseLayerStorage):
-        limit = torch.finfo(storage.k.dtype).max
-    elif (codec_name, storage.dtype_name) in _NATIVE:
-        limit = torch.finfo(torch.float32).max
-    else:
-        return
+        limit = min(limit, torch.finfo(storage.k.dtype).max)
     scales_dtype = codec.layout(shape, Kind.KEY).scales_dtype
     reach = [_reach(part, scales_dtype, codec.max_code) for part in (key, value)]
     magnitudes = (torch.stack([torch.as_tensor(r) for r in reach]).tolist()  # device parts: one sync for both
@@ -104,7 +101,7 @@ class CacheSink:
     def write(self, layer: int, blocks: Sequence[int], codec: str, shape: tuple[int, int, int, int],
               key: WireParts, value: WireParts) -> None:
         storage = self.cache.layers[layer]
-        check_decoded_range(storage, codec, shape, key, value)
+        check_decoded_range(storage, codec, shape, key, value, self.cache.read_dtype)
         if self.staged:
             with self._landing():  # done (synchronised) before the receiver counts the chunk
                 self._write_device(storage, blocks, codec, shape, key, value)
@@ -141,7 +138,8 @@ class CacheSink:
         if any(p is not None and p.device != dev for p in parts):
             raise ValueError(f"received parts must be on the cache's device {dev}")
         with self._landing():  # checked there on the same stream (cuda_ipc.device_chunk_parts)
-            check_decoded_range(self.cache.layers[layer], codec, shape, key, value)  # on the side stream too
+            check_decoded_range(self.cache.layers[layer], codec, shape, key, value,  # on the side stream too
+                                self.cache.read_dtype)
             self._land_device(self.cache.layers[layer], blocks, codec, shape, parts)
 
     def _landing(self) -> AbstractContextManager[None]:

@@ -176,7 +176,8 @@ class Engine:
                 budget = kv_budget_from_free_memory(model, spec, layer_dtypes, config.gpu_memory_utilization,
                                                     min(config.max_num_batched_tokens, self.max_model_len), self._ops,
                                                     config.max_num_seqs)
-            self.cache = PagedKVCache.from_budget(spec, budget or DEFAULT_KV_CACHE_BYTES, layer_dtypes, model.device)
+            self.cache = PagedKVCache.from_budget(spec, budget or DEFAULT_KV_CACHE_BYTES, layer_dtypes, model.device,
+                                                  read_dtype=model.dtype)
             self.scheduler = Scheduler(config.scheduler_config(), self.cache.allocator, config.block_size)
             if self._ops is not None and config.cuda_graphs and model.device.type == "cuda":
                 from workers.runtime.cuda_graphs import DecodeGraphs

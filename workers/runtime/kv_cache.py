@@ -229,13 +229,16 @@ class PagedKVCache:
     reserved since waits for the fence first (a device-side wait, done at once in the usual case)."""
 
     def __init__(self, spec: KVCacheSpec, num_blocks: int, layer_dtypes: tuple[CacheDType, ...],
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", *, read_dtype: torch.dtype = torch.float32) -> None:
+        """``read_dtype``: the dtype attention reads every layer in (the model's compute dtype), which bounds
+        what a layer may hold whatever its storage."""
         if len(layer_dtypes) != spec.num_layers:
             raise InvalidRequestError(
                 f"layer_dtypes names {len(layer_dtypes)} layers, the model has {spec.num_layers}")
         self.spec = spec
         self.device = resolve_device(device)
         self.layer_dtypes = layer_dtypes
+        self.read_dtype = read_dtype
         self.free_fence: torch.cuda.Event | None = None
         self.allocator = BlockAllocator(num_blocks, self._fence_frees if self.device.type == "cuda" else None)
         self.layers: list[KVLayerStorage] = [
@@ -248,13 +251,13 @@ class PagedKVCache:
 
     @classmethod
     def from_budget(cls, spec: KVCacheSpec, budget_bytes: int, layer_dtypes: tuple[CacheDType, ...],
-                    device: torch.device | str = "cpu") -> PagedKVCache:
+                    device: torch.device | str = "cpu", *, read_dtype: torch.dtype = torch.float32) -> PagedKVCache:
         per_block = spec.bytes_per_block(layer_dtypes)
         num_blocks = budget_bytes // per_block
         if num_blocks < 1:
             raise CapacityError(
                 f"KV cache budget of {budget_bytes} bytes is smaller than one block ({per_block} bytes)")
-        return cls(spec, num_blocks, layer_dtypes, device)
+        return cls(spec, num_blocks, layer_dtypes, device, read_dtype=read_dtype)
 
     @property
     def block_size(self) -> int:

@@ -311,7 +311,8 @@ class TransferSettings(_Model):
 
 class SchedulerSettings(_Model):
     routing_policy: str = Field("least_loaded", description="how replicas are picked (a registered policy name)")
-    queue_size: int = Field(256, ge=0, description="requests waiting for decode room at most; beyond, 429")
+    queue_size: int = Field(256, ge=1, description="requests waiting for a route at most (each waits while it is "
+                                                   "routed, and longer while no decode has room); beyond, 429")
     queue_timeout_s: float = Field(30.0, gt=0, description="longest wait in that queue before 429")
     request_timeout_s: float = Field(600.0, gt=0, description="end-to-end deadline of one request")
     migration_limit: int = Field(3, ge=0, description="times one request may move to another worker after "

@@ -233,7 +233,7 @@ def chart_schema() -> dict[str, Any]:
                              "host": _str(), "paths": {"type": "array", "items": _obj({
                                  "path": _str(pattern="^/"),
                                  "pathType": {"enum": ["Prefix", "Exact", "ImplementationSpecific"]}},
-                                 required=("path", "pathType"))}}, required=("host", "paths"))},
+                                 required=("path", "pathType"))}}, required=("host",))},
                          "tls": {"type": "array", "items": {"type": "object"}}}),
         "metrics": _obj({"serviceMonitor": _obj({"enabled": _BOOL, "interval": _str(pattern=r"^[0-9]+(ms|s|m|h)$"),
                                                  "scrapeTimeout": _str(pattern=r"^[0-9]+(ms|s|m|h)$"),

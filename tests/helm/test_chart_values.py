@@ -251,3 +251,17 @@ def test_mtls_and_model_volume_reach_every_epd_pod() -> None:
         assert mounts["mtls"] == "/etc/epd/tls" and mounts["model"] == "/models"
     assert cp["EPD_API__ADMIN_TOKEN"] == {"secretKeyRef": {"name": "my-epd", "key": "admin-token"}}
     assert not [o for o in objs if o["kind"] == "Secret"]  # both Secrets are the user's
+
+
+@pytest.mark.parametrize("paths, want", [
+    ((), [("/", "Prefix")]),  # docs/kubernetes.md's flags: a host alone serves every path
+    (("--set", "ingress.hosts[0].paths[0].path=/v1", "--set", "ingress.hosts[0].paths[0].pathType=Exact"),
+     [("/v1", "Exact")]),
+], ids=["host-only", "own-paths"])
+def test_an_ingress_host_set_on_the_command_line_serves_its_paths(paths: tuple[str, ...], want: list) -> None:
+    objs = render("--set", "ingress.enabled=true", "--set", "ingress.className=nginx",
+                  "--set", "ingress.hosts[0].host=epd.example.com", *paths)
+    (rule,) = find(objs, "Ingress")["spec"]["rules"]
+    assert rule["host"] == "epd.example.com"
+    assert [(p["path"], p["pathType"]) for p in rule["http"]["paths"]] == want
+    assert {p["backend"]["service"]["port"]["name"] for p in rule["http"]["paths"]} == {"http"}

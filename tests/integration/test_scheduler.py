@@ -117,11 +117,13 @@ def test_a_bounded_wait_ends_in_429_with_retry_after(cluster):
     with pytest.raises(Overloaded) as err:
         next(scheduler.generate(WorkerRequest("no-room", prompt, GREEDY)))
     assert err.value.retry_after_s >= 1.0
+    one_waiting = _scheduler(cluster, queue_size=1)
+    with one_waiting.admission.admit():  # one request waits: the queue is full, and one more is refused at once
+        with pytest.raises(Overloaded, match="1 requests are already waiting"):
+            next(one_waiting.generate(WorkerRequest("full-queue", prompt, GREEDY)))
+    assert one_waiting.waiting == 0
     for s in streams:  # the held requests still finish
         assert sum(len(c.token_ids) for c in s) == 79
-    none_waiting = _scheduler(cluster, queue_size=0)
-    with pytest.raises(Overloaded, match="already waiting"):
-        next(none_waiting.generate(WorkerRequest("full-queue", prompt, GREEDY)))
 
 
 def test_draining_replicas_get_no_new_work(cluster):

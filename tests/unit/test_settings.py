@@ -50,6 +50,7 @@ def test_precedence_yaml_then_env_then_cli(tmp_path, monkeypatch):
     ({"decode": {"engine": {"max_num_seqs": 64, "max_num_batched_tokens": 8}}}, "must be >= max_num_seqs"),
     ({"api": {"port": 70000}}, "api.port"),
     ({"redis": {"prefix": "bad prefix"}}, "redis.prefix"),
+    ({"scheduler": {"queue_size": 0}}, "scheduler.queue_size: Input should be greater than or equal to 1"),
     ({"decode": {"replicas": 0}}, "both have replicas"),
     ({"mode": "colocated", "prefill": {"replicas": 2}}, "colocated mode has no prefill pool"),
     ({"mode": "colocated", "encode": {"replicas": 1}}, "colocated mode has no encode pool"),

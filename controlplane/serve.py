@@ -96,12 +96,13 @@ def pools_line(manager: PoolManager, not_needed: dict[str, str]) -> str:
 
 
 def rewrite_targets(conn: StateConnection, manager: PoolManager) -> None:
-    """After a restarted private Redis: each pool's target is what the manager runs now."""
+    """After a restarted private Redis: each pool's target as the manager last knew it (a scale-up under way
+    is kept; before any, what it runs)."""
     from controlplane.state import Pool, PoolTargets
 
     targets = PoolTargets(conn)
     for pool in Pool:
-        targets.set_target(pool, len(manager.replicas(pool)))
+        targets.set_target(pool, manager.last_target(pool))
 
 
 def validate(settings: Settings, model_dir: Path) -> None:

@@ -138,6 +138,7 @@ class PoolManager:
         self._starting: dict[Pool, dict[str, float]] = {p: {} for p in Pool}  # actor name -> monotonic asked at
         self._queued = {p: 0 for p in Pool}  # replicas sharing a GPU waiting for the one starting before them
         self._problem: dict[Pool, str | None] = {p: None for p in Pool}  # the last failed start, until one works
+        self._seen_target: dict[Pool, int] = {}  # each pool's target as last read from or written to Redis
         self._stopping: set[str] = set()  # worker ids a scale-down is draining and stopping
         self._suspects: set[str] = set()  # worker ids routing lost a request on, probed at the next reconcile
         self._suspects_lock = threading.Lock()
@@ -244,7 +245,14 @@ class PoolManager:
         if self.settings.mode == "colocated" and pool is not Pool.DECODE and replicas:
             raise ValueError(f"colocated mode has no {pool.value} pool; scale the decode pool")
         self.targets.set_target(pool, replicas)
+        self._seen_target[pool] = replicas
         self.reconcile(pool)
+
+    def last_target(self, pool: Pool | str) -> int:
+        """``pool``'s target as this manager last read or wrote it in Redis (before any: the replicas it holds).
+        A restarted private Redis is given these back, so a scale-up under way is not undone."""
+        pool = Pool(pool)
+        return self._seen_target.get(pool, len(self._replicas[pool]))
 
     def replicas(self, pool: Pool | str) -> tuple[Replica, ...]:
         """The serving actors this manager holds for ``pool``, oldest first."""
@@ -304,7 +312,7 @@ class PoolManager:
 
     def _reconcile_locked(self, pool: Pool) -> None:
         self._remove_dead(pool)
-        target = self.targets.get_target(pool)
+        target = self._read_target(pool)
         if target is None:
             return
         if self.settings.mode == "colocated" and pool is not Pool.DECODE:
@@ -321,6 +329,12 @@ class PoolManager:
             self._stopping.update(r.worker_id for r in victims)  # before they leave the replica list
             self._replicas[pool] = ordered[:target]
             self._drain_and_stop(victims)
+
+    def _read_target(self, pool: Pool) -> int | None:
+        target = self.targets.get_target(pool)
+        if target is not None:
+            self._seen_target[pool] = target
+        return target
 
     def _run_loop(self) -> None:
         while not self._stop.wait(self.reconcile_interval_s):
@@ -427,7 +441,7 @@ class PoolManager:
         if self._stop.is_set():
             return False
         try:
-            target = self.targets.get_target(pool)
+            target = self._read_target(pool)
         except StateError:
             return True
         return target is None or target > len(self._replicas[pool])
@@ -496,7 +510,7 @@ class PoolManager:
             if self._stop.is_set():
                 raise _Cancelled("the pool manager is stopping")
             try:
-                target = self.targets.get_target(pool)
+                target = self._read_target(pool)
             except StateError:
                 continue  # Redis away: keep waiting for the start
             if target is not None and target < len(self._replicas[pool]) + unfinished:

@@ -27,6 +27,7 @@ from PIL import Image
 
 from controlplane.dispatch import Dispatcher, Route, WorkerRequest
 from controlplane.pools import PoolManager, PoolStatus, WorkerStartError
+from controlplane.serve import rewrite_targets
 from controlplane.settings import MiB, Settings
 from controlplane.state import LocalRedis, Pool, PoolTargets, WorkerRegistry, connect
 from kvtransfer.auth import TransferSecurity
@@ -273,7 +274,8 @@ def test_a_dropped_target_cancels_a_whole_wave_of_starts_at_once(redis_server: L
     """60 replicas that can never be placed (64 CPUs each of a 2-CPU Ray) start as one wave. When the target
     drops to 0, every start left is cancelled and start() returns: each used to wait a second before it
     looked at the target, so these took a minute (a thousand, after a mistyped `epd scale`, held up Ctrl-C
-    that long). The bound below is for a hang, ten times what it takes."""
+    that long). The bound below is for a hang, ten times what it takes. On the way, the targets a restarted
+    private Redis is given back (``rewrite_targets``) keep the scale-up under way."""
     prefix = f"pools-wave-{uuid.uuid4().hex[:8]}"
     greedy = Settings(model=tmp_path, encode={"replicas": 60, "num_cpus": 64}, prefill={"replicas": 0},
                       decode={"replicas": 0}, transfer={"codec_policy": "fp32", "token": TOKEN})
@@ -294,6 +296,13 @@ def test_a_dropped_target_cancels_a_whole_wave_of_starts_at_once(redis_server: L
     try:
         wait_for(lambda: PoolTargets(conn).get_target(Pool.ENCODE) == 60, 30, "the configured target")
         time.sleep(2.0)  # the wave's actors are asked of Ray, and its first start waits
+        # meanwhile a restarted private Redis (empty) is given back the targets the manager knew: the
+        # scale-up under way, not the replicas that serve so far
+        assert m.last_target(Pool.ENCODE) == 60 and m.replicas("encode") == ()
+        for pool in Pool:
+            PoolTargets(conn).clear_target(pool)
+        rewrite_targets(conn, m)
+        assert [PoolTargets(conn).get_target(p) for p in (Pool.ENCODE, Pool.PREFILL, Pool.DECODE)] == [60, 0, 0]
         PoolTargets(conn).set_target(Pool.ENCODE, 0)
         assert done.wait(30), "start() still waits on starts the target no longer wants"
         assert not errors, errors

@@ -25,6 +25,8 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
+import ray
+
 if TYPE_CHECKING:  # annotations only: the actor imports the control plane lazily, in its process
     from controlplane.settings import PoolName
 
@@ -32,6 +34,11 @@ log = logging.getLogger(__name__)
 
 STATUS_POLL_S = 0.05
 STOP_GRACE_S = 5.0
+# ``watch`` calls run in a concurrency group of their own (the manager creates the actor with it), so those
+# left running by managers that died (each returns within its timeout) never hold the threads that ``status``,
+# ``drain`` and ``stop`` need: a control plane restarted several times in a row can still probe its replicas.
+WATCH_GROUP = "watch"
+WATCH_CONCURRENCY = 16
 
 
 class ReplicaState(enum.StrEnum):
@@ -113,6 +120,7 @@ class WorkerActor:
                 "reservations": s.reservations, "model_fingerprint": s.model_fingerprint,
                 "heartbeat_running": self.lease.running, "heartbeat_ok": self.lease.healthy}
 
+    @ray.method(concurrency_group=WATCH_GROUP)
     def watch(self, timeout_s: float | None = None) -> str:
         """Block until the replica stops, or ``timeout_s`` passed; returns its state then ("stopped" once it
         stopped). A manager that dies leaves its call running: the timeout frees that thread."""

@@ -4,7 +4,8 @@ Lifecycle of a manager:
   1. ``start()``     Ray (``RayRuntime``); on a cluster joined at an address, the replicas a previous manager
                      of this deployment left running are adopted (``_adopt``); each pool's target set from
                      settings (an ``epd scale`` made since the last start with the same settings is kept),
-                     every pool reconciled, then the reconcile loop thread started.
+                     every pool reconciled, then the reconcile loop thread started. A start that fails stops
+                     what it started and leaves what it adopted serving (the next manager adopts it again).
   2. running         ``scale(pool, n)`` writes the target and reconciles that pool now. The loop, every
                      ``reconcile_interval_s``, reconciles each pool whose lock is free: it reads the target
                      from Redis (so ``epd scale`` in another process, which only writes the target, takes
@@ -48,7 +49,7 @@ from typing import Any, Protocol
 import ray
 from ray.actor import ActorHandle
 
-from controlplane.pools.actor import WorkerActor
+from controlplane.pools.actor import WATCH_CONCURRENCY, WATCH_GROUP, WorkerActor
 from controlplane.pools.pending import explain
 from controlplane.pools.ray_runtime import RayRuntime
 from controlplane.pools.status import PendingReplica, PoolStatus, ReplicaStatus, WorkerStartError
@@ -60,7 +61,7 @@ log = logging.getLogger(__name__)
 
 PROBE_TIMEOUT_S = 5.0
 STOP_TIMEOUT_S = 30.0
-ACTOR_CONCURRENCY = 4  # watch() holds one thread; drain, status and stop need the others
+ACTOR_CONCURRENCY = 4  # info, status, drain and stop (watch() has its own group: actor.WATCH_GROUP)
 WATCH_S = 30.0  # a watch() call returns after this long and is made again: a dead manager's frees its thread
 MAX_RETRY_DELAY_S = 30.0
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -139,6 +140,7 @@ class PoolManager:
         self._queued = {p: 0 for p in Pool}  # replicas sharing a GPU waiting for the one starting before them
         self._problem: dict[Pool, str | None] = {p: None for p in Pool}  # the last failed start, until one works
         self._seen_target: dict[Pool, int] = {}  # each pool's target as last read from or written to Redis
+        self._adopted: set[str] = set()  # worker ids adopted by a start still under way
         self._stopping: set[str] = set()  # worker ids a scale-down is draining and stopping
         self._suspects: set[str] = set()  # worker ids routing lost a request on, probed at the next reconcile
         self._suspects_lock = threading.Lock()
@@ -154,7 +156,7 @@ class PoolManager:
         self.targets = PoolTargets(self._conn)
         try:
             self.runtime.start()
-            self._remote_cls = ray.remote(WorkerActor)
+            self._remote_cls = ray.remote(concurrency_groups={WATCH_GROUP: WATCH_CONCURRENCY})(WorkerActor)
             if self._detached:
                 self._adopt()
             for pool in Pool:
@@ -162,8 +164,10 @@ class PoolManager:
             for pool in Pool:
                 self.reconcile(pool)
         except BaseException:
+            self._let_go_adopted()
             self.stop()
             raise
+        self._adopted.clear()  # from here on they are this manager's, stopped with it
         self._loop = threading.Thread(target=self._run_loop, name="pool-reconcile", daemon=True)
         self._loop.start()
         return self
@@ -207,10 +211,24 @@ class PoolManager:
                 self._kill(replica)
             else:
                 self._replicas[pool].append(replica)
+                self._adopted.add(replica.worker_id)
                 log.info("%s replica %s (%s) adopted, serving at %s", pool.value, name, info["worker_id"],
                          info["address"])
         for pool in Pool:
             self._replicas[pool].sort(key=lambda r: r.started_at)
+
+    def _let_go_adopted(self) -> None:
+        """A failed start leaves the replicas it adopted serving (it did not start them), for the next manager
+        of this deployment to adopt again: a control plane that cannot start one more replica in time does not
+        take down the ones that were serving."""
+        for pool in Pool:
+            with self._locks[pool]:
+                kept = [r for r in self._replicas[pool] if r.worker_id in self._adopted]
+                self._replicas[pool] = [r for r in self._replicas[pool] if r.worker_id not in self._adopted]
+            for r in kept:
+                log.warning("the start failed: leaving adopted %s replica %s (%s) serving for the next control "
+                            "plane", pool.value, r.name, r.worker_id)
+        self._adopted.clear()
 
     def stop(self) -> None:
         """Stop the loop and every actor this manager holds (no drain), then Ray if we started it."""

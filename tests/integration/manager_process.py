@@ -1,6 +1,7 @@
 """A pool manager in its own process, for the adoption tests (they SIGKILL it, as an OOM kill would):
-``python manager_process.py RAY_ADDRESS REDIS_URL PREFIX TOKEN SETTINGS_JSON``. After ``start()`` it prints
-one JSON line, pool -> [[worker_id, actor pid], ...], then stops cleanly when a line arrives on stdin."""
+``python manager_process.py RAY_ADDRESS REDIS_URL PREFIX TOKEN SETTINGS_JSON [START_TIMEOUT_S]``. After
+``start()`` it prints one JSON line, pool -> [[worker_id, actor pid], ...], then stops cleanly when a line
+arrives on stdin; a start that fails (``WorkerStartError``) prints {"failed": its message} and exits 0."""
 
 from __future__ import annotations
 
@@ -13,15 +14,21 @@ loopback_environment(False, True)  # before Ray is imported: this driver's node 
 
 import ray  # noqa: E402
 
-from controlplane.pools import PoolManager  # noqa: E402
+from controlplane.pools import PoolManager, WorkerStartError  # noqa: E402
 from controlplane.settings import Settings  # noqa: E402
 from controlplane.state import Pool  # noqa: E402
 
 
 def main() -> None:
     address, redis_url, prefix, token, settings_json = sys.argv[1:6]
+    start_timeout_s = float(sys.argv[6]) if len(sys.argv) > 6 else None
     manager = PoolManager(Settings.model_validate_json(settings_json), redis_url, prefix, token, address,
-                          reconcile_interval_s=0.2).start()
+                          reconcile_interval_s=0.2, start_timeout_s=start_timeout_s)
+    try:
+        manager.start()
+    except WorkerStartError as exc:
+        print(json.dumps({"failed": str(exc)}), flush=True)
+        return
     held = {p.value: [[r.worker_id, ray.get(r.actor.pid.remote(), timeout=30)] for r in manager.replicas(p)]
             for p in Pool}
     print(json.dumps(held), flush=True)

@@ -58,9 +58,12 @@ def _gone(pid: int, within_s: float = 30) -> bool:
 class Manager:
     started: list[Manager] = []  # every one this module ran, killed at the end if a test left it running
 
-    def __init__(self, head: tuple[str, dict[str, str]], redis_url: str, prefix: str, settings_json: str) -> None:
+    def __init__(self, head: tuple[str, dict[str, str]], redis_url: str, prefix: str, settings_json: str,
+                 start_timeout_s: float | None = None) -> None:
         address, env = head
-        self.proc = subprocess.Popen([sys.executable, str(SCRIPT), address, redis_url, prefix, TOKEN, settings_json],
+        timeout = [] if start_timeout_s is None else [str(start_timeout_s)]
+        self.proc = subprocess.Popen([sys.executable, str(SCRIPT), address, redis_url, prefix, TOKEN, settings_json,
+                                      *timeout],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         Manager.started.append(self)
         assert self.proc.stdout is not None
@@ -68,7 +71,7 @@ class Manager:
         assert ready, "the manager did not start within 180 s"
         line = self.proc.stdout.readline()
         assert line, f"the manager exited {self.proc.wait(30)} before it started"
-        self.held: dict[str, list[list]] = json.loads(line)
+        self.held: dict[str, list[list]] = json.loads(line)  # or {"failed": why}, after which it exits
 
     def kill(self) -> None:
         if self.proc.poll() is None:
@@ -107,6 +110,16 @@ def test_a_killed_managers_replicas_are_adopted_and_other_settings_replaced(
     third = Manager(ray_head, redis_server.url, prefix, _settings(replicas=2))  # adopted a second time
     assert third.held["decode"] == [[worker_id, pid], [added_id, added_pid]]
     third.kill()
+
+    # a start that fails (one more replica, not up in time) stops what it started, not what it adopted
+    failing = Manager(ray_head, redis_server.url, prefix, _settings(replicas=3), start_timeout_s=0.5)
+    assert "did not start within" in failing.held["failed"], failing.held
+    assert failing.proc.wait(60) == 0
+    failing.kill()
+    assert not process_gone(pid) and not process_gone(added_pid), "a failed start took down adopted replicas"
+    fourth = Manager(ray_head, redis_server.url, prefix, _settings(replicas=2))  # so they are adopted again
+    assert fourth.held["decode"] == [[worker_id, pid], [added_id, added_pid]]
+    fourth.kill()
 
     # another deployment with the same prefix (its own Redis database) leaves these alone
     foreign = Manager(ray_head, f"{redis_server.url}/1", prefix, _settings())

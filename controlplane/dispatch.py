@@ -31,11 +31,12 @@ from __future__ import annotations
 from collections.abc import Callable, Generator, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
 
+from controlplane.cancellation import Cancellation, ClientGone
 from controlplane.dispatch_channels import Slot, Worker, WorkerCalls, WorkerChannels
 from controlplane.dispatch_watch import StreamWatch
 from controlplane.observability.stages import RequestObserver
@@ -68,6 +69,8 @@ class WorkerRequest:
     # The deadline of every worker call the request makes. The scheduler sets it from
     # scheduler.request_timeout_s (less the time the request queued); this default is for direct use.
     timeout_s: float = 600.0
+    # Set by the ingress when the client leaves before the first chunk (shared by every copy of the request)
+    cancel: Cancellation = field(default_factory=Cancellation, compare=False, repr=False)
 
 
 class DispatchError(Exception):
@@ -190,10 +193,13 @@ class Dispatcher:
         stream = worker.Complete(message, metadata=st.metadata(md), timeout=req.timeout_s)
         done = False
         try:
-            for chunk in self._watched(stream, "complete", target):
+            for chunk in self._watched(stream, "complete", target, req.cancel):
                 done = chunk.finished
                 yield chunk
         except grpc.RpcError as exc:
+            if req.cancel.cancelled:  # the client left before the first chunk (this call was cancelled for it)
+                st.end("cancelled")
+                raise ClientGone("the client went away before the first token") from None
             st.end(exc)
             raise _error("complete", exc, target) from None
         finally:
@@ -227,13 +233,20 @@ class Dispatcher:
                 lambda f: self._abort_at(req.request_id, [(wgrpc.PrefillWorkerStub, route.prefill)])
                 if f.exception() else None)  # prefill stops waiting for embeddings that will not come
         pst = obs.begin("prefill", "prefill", prompt_tokens=len(req.prompt_ids))
+        call = prefill.Prefill.future(message, metadata=pst.metadata(md), timeout=req.timeout_s)
+        forget = req.cancel.on_cancel(call.cancel)  # the worker aborts a prefill whose caller went away
         try:
-            reply = prefill.Prefill(message, metadata=pst.metadata(md), timeout=req.timeout_s)
+            reply = call.result()
+        except grpc.FutureCancelledError:
+            pst.end("cancelled")
+            raise ClientGone("the client went away during prefill") from None
         except grpc.RpcError as exc:
             pst.end(exc)
             if encoded is not None and encoded.done() and encoded.exception() is not None:
                 raise _error("encode", encoded.exception(), route.encode) from None
             raise _error("prefill", exc, route.prefill) from None
+        finally:
+            forget()
         pst.end()
         if encoded is not None:
             try:
@@ -301,12 +314,15 @@ class Dispatcher:
         done = False
         lost: tuple[str, ...] = ()  # the workers this attempt lost (dead or hung)
         try:
-            for chunk in self._watched(stream, "decode", route.decode):
+            for chunk in self._watched(stream, "decode", route.decode, req.cancel):
                 done = chunk.finished
                 yield chunk
             for _stage, fut in futures:  # surface an encode/prefill failure with its own message
                 fut.result()
         except grpc.RpcError as exc:
+            if req.cancel.cancelled:  # the client left before the first chunk (this call was cancelled for it)
+                dst.end("cancelled")
+                raise ClientGone("the client went away before the first token") from None
             if not _broke(exc):  # the decode worker saw its KV fail: wait for the stage that broke it
                 wait([f for _, f in futures], timeout=2.0)
             failed = [(s, f) for s, f in futures if f.done() and f.exception() is not None]
@@ -330,10 +346,13 @@ class Dispatcher:
                 stream.cancel()
                 self._abort(req.request_id, route, lost)
 
-    def _watched(self, stream: Iterator[wpb.TokenChunk], stage: str, target: str) -> Iterator[wpb.TokenChunk]:
+    def _watched(self, stream: Iterator[wpb.TokenChunk], stage: str, target: str,
+                 cancel: Cancellation) -> Iterator[wpb.TokenChunk]:
         """``stream``'s chunks; a stream silent past the idle limits ends in DispatchError(UNAVAILABLE)
-        that names ``target`` lost (the watch cancelled the call, which frees its request there)."""
+        that names ``target`` lost (the watch cancelled the call, which frees its request there). The request's
+        ``cancel`` cancels the call too."""
         key, w = self._watch.watch(stream, self.first_token_timeout_s, self.token_idle_timeout_s)  # type: ignore[arg-type]  # a grpc stream call is Cancellable; its stub type says Iterator
+        forget = cancel.on_cancel(stream.cancel)  # type: ignore[attr-defined]  # a grpc stream call has cancel()
         try:
             while True:
                 w.resume()  # the idle clock runs only while this waits for the worker
@@ -349,6 +368,7 @@ class Dispatcher:
                                     f"worker {target} sent nothing for {w.limit_s:g} s (hung?)", (target,)) from None
             raise
         finally:
+            forget()
             self._watch.unwatch(key)
 
     def _abort(self, rid: str, route: Route, lost: tuple[str, ...] = ()) -> None:

@@ -26,9 +26,18 @@ from controlplane.api.limits import MAX_BODY_BYTES, BodyLimit, prepare_off_loop
 from controlplane.api.models import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, StreamOptions
 from controlplane.api.prompts import check_model, prepare_chat, prepare_completion
 from controlplane.api.relay import Relay, ThreadLanes
-from controlplane.api.streaming import ChatShape, CompletionShape, EventStream, Shape, collect, sse_events
+from controlplane.api.streaming import (
+    ChatShape,
+    CompletionShape,
+    EventStream,
+    Shape,
+    collect,
+    first_chunk,
+    sse_events,
+)
 from controlplane.api.tokenize import tokenize_router
 from controlplane.backend import Backend
+from controlplane.cancellation import ClientGone
 from controlplane.dispatch import WorkerRequest
 from controlplane.observability import server_timing
 from controlplane.observability.http import T0_KEY, ObservabilityMiddleware, fastapi_kwargs, watch
@@ -109,7 +118,10 @@ def create_app(backend: Backend, api_keys: Sequence[str] = (), admin: APIRouter 
         chunks = watch(Relay(backend, worker_request, lanes).chunks(), worker_request.request_id,
                        request.scope["path"], getattr(request.state, T0_KEY, None),  # not .url: it parses
                        streamed=bool(stream), status_of=lambda exc: as_api_error(exc).status)
-        first = await anext(chunks)  # Overloaded / BackendError here keep their own status
+        try:  # Overloaded / BackendError here keep their own status
+            first = await first_chunk(chunks, request.receive, worker_request.cancel)
+        except ClientGone:  # aborted on the workers already
+            return Response(status_code=CLIENT_CLOSED)
         if stream:
             include_usage = stream_options is not None and stream_options.include_usage
             return EventStream(sse_events(first, chunks, shape, include_usage))

@@ -30,6 +30,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from controlplane.api.models import CONTENT_PART_TAGS, ErrorBody, ErrorDetail
 from controlplane.backend import BackendError, Overloaded
+from controlplane.cancellation import ClientGone
 from controlplane.state.errors import StateError
 from workers.runtime.errors import InvalidRequestError
 
@@ -74,6 +75,8 @@ def as_api_error(exc: BaseException) -> APIError:
         return APIError(exc.status, str(exc), type=kind, headers=headers)
     if isinstance(exc, InvalidRequestError):
         return APIError(400, str(exc))
+    if isinstance(exc, ClientGone):  # nobody reads it: the client left
+        return APIError(499, str(exc), type="client_closed_request")
     if isinstance(exc, StateError):  # the admin and dashboard routes read Redis directly
         return APIError(503, f"the routing state (Redis) is unavailable, retry shortly: {exc}", type="server_error",
                         headers={"Retry-After": "1"})
@@ -172,8 +175,19 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(StarletteHTTPException, http_error)
 
 
+class ClientLeft(OSError):
+    """A send to a client whose connection is closed (what every layer takes for the client gone)."""
+
+
+def _transport_closed(exc: RuntimeError) -> bool:
+    """uvloop's refusal to write to a closed transport. uvicorn checks for a disconnect before it writes, but
+    misses one on a connection with pipelined requests (it marks only the newest request disconnected)."""
+    return "the handler is closed" in str(exc)
+
+
 class CatchAll:
-    """Outermost guard: an unexpected exception becomes a logged, generic 500 in OpenAI's shape.
+    """Outermost guard: an unexpected exception becomes a logged, generic 500 in OpenAI's shape. A send to a
+    client that is gone raises ``ClientLeft`` (an OSError) to the layers inside, and ends the request quietly.
 
     (Starlette's own ServerErrorMiddleware would answer too, but re-raises into the server.)"""
 
@@ -190,11 +204,20 @@ class CatchAll:
             nonlocal started
             if message["type"] == "http.response.start":
                 started = True
-            await send(message)
+            try:
+                await send(message)
+            except RuntimeError as exc:
+                if not _transport_closed(exc):
+                    raise
+                raise ClientLeft(str(exc)) from None
 
         try:
             await self.app(scope, receive, tracking_send)
-        except Exception:
+        except Exception as exc:
+            if isinstance(exc, ClientLeft) or (isinstance(exc, BaseExceptionGroup)
+                                               and exc.split(ClientLeft)[1] is None):
+                log.debug("%s %s: the client left before its answer was sent", scope.get("method"), scope.get("path"))
+                return
             log.exception("unhandled error in %s %s", scope.get("method"), scope.get("path"))
             if started:
                 raise  # the status line is gone; the server closes the connection

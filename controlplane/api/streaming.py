@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import anyio
+import anyio.to_thread
 from pydantic import BaseModel
 from starlette.requests import ClientDisconnect
 from starlette.responses import StreamingResponse
@@ -36,10 +37,11 @@ from controlplane.api.models import (
     Usage,
 )
 from controlplane.backend import BackendError, Chunk, Overloaded
+from controlplane.cancellation import Cancellation, ClientGone
 from workers.runtime.errors import InvalidRequestError
 
 log = logging.getLogger(__name__)
-_EXPECTED = (Overloaded, BackendError, InvalidRequestError)
+_EXPECTED = (Overloaded, BackendError, InvalidRequestError, ClientGone)
 
 
 def usage_of(last: Chunk) -> Usage:
@@ -140,6 +142,28 @@ async def sse_events(first: Chunk, rest: AsyncGenerator[Chunk, None], shape: Sha
                 log.exception("stream failed after it started")
             yield f"data: {as_api_error(exc).body().model_dump_json()}\n\n"
     yield "data: [DONE]\n\n"
+
+
+async def first_chunk(chunks: AsyncGenerator[Chunk, None], receive: Receive, cancel: Cancellation) -> Chunk:
+    """The request's first chunk. Until it comes (admission, waiting for decode room, prefill: seconds) the
+    client is watched, and its leaving cancels the request (``cancel``): its wait ends in ClientGone, and the
+    workers abort it. The request's body was read already, so the next ASGI message is the disconnect."""
+    async def watch_client() -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        await anyio.to_thread.run_sync(cancel.cancel)  # its callbacks cancel gRPC calls: off the loop
+
+    outcome: list[Chunk | Exception] = []
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(watch_client)
+        try:
+            outcome.append(await anext(chunks))
+        except Exception as exc:  # raised below, as it is: a task group would wrap it in an ExceptionGroup
+            outcome.append(exc)
+        tg.cancel_scope.cancel()
+    if isinstance(outcome[0], Exception):
+        raise outcome[0]
+    return outcome[0]
 
 
 async def collect(first: Chunk, rest: AsyncGenerator[Chunk, None],

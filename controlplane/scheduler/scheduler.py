@@ -23,6 +23,7 @@ import time
 from collections.abc import Iterator
 
 from controlplane.backend import BackendError, Chunk, ModelInfo, Overloaded
+from controlplane.cancellation import ClientGone
 from controlplane.dispatch import Dispatcher, DispatchError, WorkerRequest
 from controlplane.observability import metrics
 from controlplane.observability.stages import queued as queued_stage
@@ -171,6 +172,9 @@ class Scheduler:
                 if exc.status == 503:
                     self._record(rid, RequestState.FAILED, str(exc))
                 raise
+            except ClientGone as exc:  # cancelled by the ingress before the first chunk: aborted on the workers
+                self._record(rid, RequestState.ABORTED, str(exc))
+                raise
 
     def _moved(self, rid: str, lost_exc: _Lost, progress: Progress, lost: set[str], moves: int) -> None:
         """Mark the lost workers suspect; past ``migration_limit`` moves (``moves`` made so far), the
@@ -206,6 +210,8 @@ class Scheduler:
         backoff = 0.01
         cramped = cramped if cramped is not None else set()
         while True:
+            if request.cancel.cancelled:
+                raise ClientGone("the client went away before the request was routed")
             refused: set[str] = set()
             while (selection := self.selector.select(request, refused, lost)) is not None:
                 attempt_ns = time.time_ns()
@@ -254,6 +260,8 @@ class Scheduler:
                         continue
                     self._record(rid, RequestState.FAILED, f"{exc.stage}: {exc.message}")
                     raise backend_error(exc) from None
+                except ClientGone:
+                    raise
                 except BaseException as exc:  # a bug or an interrupt: the attempt gave its counts back
                     self._record(rid, RequestState.FAILED, f"internal error: {type(exc).__name__}")
                     raise
@@ -273,7 +281,7 @@ class Scheduler:
                     queued_stage(rid, parent, admitted_ns, time.time_ns(), "no decode room in time")
                 raise Overloaded("every replica that could take it is full; retry later", max(1.0, backoff * 10),
                                  reason="queue_timeout")
-            time.sleep(backoff)
+            request.cancel.wait(backoff)  # ends at once when the client leaves (raised at the loop's top)
             backoff = min(backoff * 2, 0.2)
             self.view.invalidate()
 
@@ -316,6 +324,8 @@ class Scheduler:
             raise backend_error(exc) from None
         except GeneratorExit:  # the ingress closed the stream: the client went away
             self._record(rid, RequestState.ABORTED, "the client went away")
+            raise
+        except ClientGone:  # recorded by generate
             raise
         except BaseException as exc:
             self._record(rid, RequestState.FAILED, f"internal error: {type(exc).__name__}")

@@ -10,7 +10,8 @@ import time
 import pytest
 
 from controlplane.backend import BackendError, ModelInfo, Overloaded
-from controlplane.dispatch import Dispatcher, WorkerRequest
+from controlplane.cancellation import ClientGone
+from controlplane.dispatch import Dispatcher, Route, WorkerRequest
 from controlplane.scheduler.policies import get_policy
 from controlplane.scheduler.scheduler import Scheduler, WorkerView
 from controlplane.settings import SchedulerSettings
@@ -370,3 +371,63 @@ def test_a_failed_reread_raises_to_its_caller_and_the_next_one_tries_again(state
         assert registry.reads == 3
     finally:
         registry.deregister("pf-0", "prefill")
+
+
+def _idle(workers: list) -> bool:  # noqa: ANN001
+    stats = [w.service.engine.stats() for w in workers]
+    return all(s.blocks_free == s.blocks_total and s.num_reservations == 0 for s in stats)
+
+
+def test_a_request_cancelled_while_it_waits_for_decode_room_leaves_the_queue_at_once(cluster):
+    """The ingress cancels a request whose client left before its first token: one waiting for decode room
+    stops waiting (it held its place in the queue for up to queue_timeout_s, pushing live clients into 429s)
+    and ends in ClientGone, journaled as aborted. The order of events is checked, not a time: it ended while
+    both decode replicas were still held by the requests that filled them."""
+    bundle = cluster[0]
+    scheduler = _scheduler(cluster, queue_timeout_s=60)
+    prompt = bundle.tokenizer.encode("a long prompt " * 60)[:200]
+    held = [scheduler.generate(WorkerRequest(f"full-{i}", prompt, SamplingParams(
+        max_tokens=80, temperature=0.0, ignore_eos=True))) for i in range(2)]
+    assert all(next(s).token_ids for s in held)  # both decode replicas are now full
+    waiter = WorkerRequest("gone-waiting", prompt, GREEDY)
+    outcome: list[BaseException | list[int]] = []
+    thread = threading.Thread(target=lambda: outcome.append(_outcome(scheduler, waiter)))
+    thread.start()
+    deadline = time.monotonic() + 30
+    while scheduler.waiting != 1:
+        assert time.monotonic() < deadline, "the request never waited for room"
+        time.sleep(0.01)
+    waiter.cancel.cancel()
+    thread.join(30)
+    assert isinstance(outcome[0], ClientGone) and "before the request was routed" in str(outcome[0]), outcome
+    assert scheduler.waiting == 0
+    events = RequestJournal(cluster[5]).history("gone-waiting")
+    assert events[-1].state == RequestState.ABORTED, events
+    for s in held:  # the requests holding the room were not done yet: the wait ended on the cancel
+        assert sum(len(c.token_ids) for c in s) == 79
+
+
+def _outcome(scheduler: Scheduler, req: WorkerRequest) -> BaseException | list[int]:
+    try:
+        return _collect(scheduler, req)
+    except BaseException as exc:  # noqa: BLE001  (the test asserts which)
+        return exc
+
+
+@pytest.mark.parametrize("max_tokens", [12, 1], ids=["decode", "prefill-only"])
+def test_a_request_cancelled_once_the_workers_hold_it_is_aborted_there(cluster, max_tokens: int):
+    """Cancelled at the moment the workers hold it (the decode reservation made; for a one-token request,
+    the prefill call's slot taken): the call it waits in is cancelled, it ends in ClientGone without a token,
+    and the workers free everything it held. A later request is served as usual."""
+    bundle, workers, _, dispatcher, *_ = cluster
+    route = Route(decode=workers[1].address, prefill=workers[0].address)
+    req = WorkerRequest("gone-in-flight", bundle.tokenizer.encode("a long prompt " * 100)[:400],
+                        SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+    with pytest.raises(ClientGone):
+        for chunk in dispatcher.run(req, route, on_started=req.cancel.cancel):
+            pytest.fail(f"a chunk came after the cancel: {chunk}")
+    deadline = time.monotonic() + 10
+    while not _idle(workers):
+        assert time.monotonic() < deadline, [w.service.engine.stats() for w in workers]
+        time.sleep(0.05)
+    assert len(_collect(_scheduler(cluster), WorkerRequest("after", bundle.tokenizer.encode("hello"), GREEDY))) == 12

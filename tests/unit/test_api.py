@@ -10,6 +10,7 @@ import base64
 import dataclasses
 import json
 import logging
+import socket
 import threading
 import time
 import uuid
@@ -24,6 +25,7 @@ from fastapi.testclient import TestClient
 
 from controlplane.api import create_app
 from controlplane.backend import BackendError, Chunk, ModelInfo, Overloaded
+from controlplane.cancellation import ClientGone
 from controlplane.dispatch import WorkerRequest
 from workers.runtime.default_model import BOS, CHAT_TEMPLATE, IM_END, IMAGE, build_tokenizer
 from workers.runtime.errors import InvalidRequestError
@@ -87,8 +89,11 @@ class FakeBackend:
         reason = "length" if request.params.max_tokens < len(ids) + 1 else "stop"
         done = False
         try:
-            if self.gate is not None:
-                self.gate.wait(10)
+            if self.gate is not None:  # as the scheduler does while a request waits: a cancel ends the wait
+                deadline = time.monotonic() + 10
+                while not self.gate.wait(0.01) and time.monotonic() < deadline:
+                    if request.cancel.cancelled:
+                        raise ClientGone("the client went away before the request was routed")
             for i, token in enumerate(ids):
                 if self.fail_after is not None and i == self.fail_after:
                     raise self.fail_with
@@ -986,3 +991,52 @@ def test_the_access_log_mask_hides_every_spelling_of_the_ops_token(path: str, sh
     record = logging.LogRecord("uvicorn.access", logging.INFO, __file__, 1, '%s - "%s %s HTTP/%s" %d',
                                ("127.0.0.1:5", "GET", path, "1.1", 200), None)
     assert QueryTokenMask().filter(record) and record.getMessage() == f'127.0.0.1:5 - "GET {shown} HTTP/1.1" 200'
+
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_client_that_leaves_before_its_first_token_cancels_the_request(backend: FakeBackend, stream: bool) -> None:
+    """The first chunk never comes by itself (admission, waiting for decode room and prefill take that
+    long); the client closes its connection meanwhile. The ingress cancels the request, so the backend's
+    wait ends then instead of running on for nobody."""
+    backend.gate = threading.Event()
+    body = json.dumps({"model": NAME, "prompt": "hello", "max_tokens": 4, "stream": stream}).encode()
+    with serve_app(create_app(backend)) as base:
+        host, port = base.removeprefix("http://").split(":")
+        sock = socket.create_connection((host, int(port)), timeout=10)
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        deadline = time.monotonic() + 10
+        while not backend.requests:
+            assert time.monotonic() < deadline, "the request never reached the backend"
+            time.sleep(0.01)
+        sock.close()
+        (request,) = backend.requests
+        while request.request_id not in backend.closed:
+            assert time.monotonic() < deadline + 10, "the request ran on after its client left"
+            time.sleep(0.01)
+    assert request.cancel.cancelled and not backend.gate.is_set() and backend.produced == 0
+
+
+def test_a_client_that_pipelines_and_leaves_mid_stream_is_not_an_error(backend: FakeBackend,
+                                                                       caplog: pytest.LogCaptureFixture) -> None:
+    """Two streamed requests pipelined on one connection, closed mid-answer. uvicorn marks only the newest
+    request disconnected, so the one streaming writes on to a closed transport, where uvloop raises
+    RuntimeError: that was logged as an unhandled error with its traceback. It is a client leaving."""
+    backend.token_delay_s = 0.02
+    body = json.dumps({"model": NAME, "prompt": "hello", "max_tokens": 64, "stream": True}).encode()
+    raw = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: "
+           + str(len(body)).encode() + b"\r\n\r\n" + body)
+    caplog.set_level(logging.ERROR)
+    with serve_app(create_app(backend)) as base:
+        host, port = base.removeprefix("http://").split(":")
+        for _ in range(8):
+            with socket.create_connection((host, int(port)), timeout=10) as sock:
+                sock.sendall(raw + raw)
+                assert sock.recv(64).startswith(b"HTTP/1.1 200")
+        deadline = time.monotonic() + 20
+        while len(backend.closed) < 8:  # each cut answer's request was closed (aborted) in the backend
+            assert time.monotonic() < deadline, backend.closed
+            time.sleep(0.02)
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert errors == [], [r.getMessage() for r in errors]

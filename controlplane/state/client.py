@@ -184,10 +184,11 @@ class LocalRedis:
 
     @property
     def url(self) -> str:
-        """``redis://127.0.0.1:PORT`` of the running server (``redis://:PASSWORD@...`` with a password)."""
+        """``redis://127.0.0.1:PORT`` of the running server (``redis://default:PASSWORD@...`` with a password:
+        the user named, as ``redis-cli -u`` needs; with none it sends AUTH with an empty user name)."""
         if self._proc is None:
             raise RuntimeError("LocalRedis is not started")
-        auth = f":{self.password}@" if self.password else ""
+        auth = f"default:{self.password}@" if self.password else ""
         return f"redis://{auth}127.0.0.1:{self.port}"
 
     @property

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -64,12 +65,14 @@ def test_local_server_is_private_and_unpersisted(redis_server: LocalRedis, state
 
 def test_a_password_keeps_other_clients_out_and_stays_off_the_command_line():
     with LocalRedis(password="pw-0123456789abcdef") as server:
-        assert server.url == f"redis://:pw-0123456789abcdef@127.0.0.1:{server.port}"
+        assert server.url == f"redis://default:pw-0123456789abcdef@127.0.0.1:{server.port}"
         with pytest.raises(redis.exceptions.AuthenticationError):
             redis.Redis(port=server.port, socket_timeout=2).ping()
         with pytest.raises(redis.exceptions.AuthenticationError):
             redis.Redis(port=server.port, password="wrong", socket_timeout=2).ping()
         assert redis.Redis.from_url(server.url, socket_timeout=2).ping()
+        cli = subprocess.run(["redis-cli", "-u", server.url, "ping"], capture_output=True, text=True, timeout=10)
+        assert cli.stdout.strip() == "PONG", (cli.stdout, cli.stderr)  # docs/configuration.md: for redis-cli -u
         cmdline = Path(f"/proc/{server.pid}/cmdline").read_bytes()
         assert b"pw-0123456789abcdef" not in cmdline and b"requirepass" not in cmdline
     for bad in ("", "has space", "a@b", "a:b", "a%41b"):  # %: the URL would decode it to another password

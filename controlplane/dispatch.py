@@ -233,14 +233,21 @@ class Dispatcher:
                 lambda f: self._abort_at(req.request_id, [(wgrpc.PrefillWorkerStub, route.prefill)])
                 if f.exception() else None)  # prefill stops waiting for embeddings that will not come
         pst = obs.begin("prefill", "prefill", prompt_tokens=len(req.prompt_ids))
-        call = prefill.Prefill.future(message, metadata=pst.metadata(md), timeout=req.timeout_s)
-        forget = req.cancel.on_cancel(call.cancel)  # the worker aborts a prefill whose caller went away
-        try:
-            reply = call.result()
-        except grpc.FutureCancelledError:
+        # A cancel aborts it on the worker, which ends the call. (A blocking call: its future form, which could be
+        # cancelled here, costs a thread hop on every one-token request. A cancel in the moment before the worker
+        # holds the request misses it, and the prefill runs to its end.)
+        at = [(wgrpc.PrefillWorkerStub, route.prefill)]
+        forget = req.cancel.on_cancel(lambda: self._abort_at(req.request_id, at))
+        if req.cancel.cancelled:
+            forget()
             pst.end("cancelled")
-            raise ClientGone("the client went away during prefill") from None
+            raise ClientGone("the client went away before prefill")
+        try:
+            reply = prefill.Prefill(message, metadata=pst.metadata(md), timeout=req.timeout_s)
         except grpc.RpcError as exc:
+            if req.cancel.cancelled:
+                pst.end("cancelled")
+                raise ClientGone("the client went away during prefill") from None
             pst.end(exc)
             if encoded is not None and encoded.done() and encoded.exception() is not None:
                 raise _error("encode", encoded.exception(), route.encode) from None

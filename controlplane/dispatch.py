@@ -39,7 +39,7 @@ import grpc
 from controlplane.cancellation import Cancellation, ClientGone
 from controlplane.dispatch_channels import Slot, Worker, WorkerCalls, WorkerChannels
 from controlplane.dispatch_watch import StreamWatch
-from controlplane.observability.stages import RequestObserver
+from controlplane.observability.stages import RequestObserver, Stage
 from epd.worker.v1 import worker_pb2 as wpb
 from epd.worker.v1 import worker_pb2_grpc as wgrpc
 from kvtransfer.auth import TransferSecurity
@@ -102,6 +102,11 @@ def _broke(exc: grpc.RpcError) -> bool:
     without the mark a worker sets on a call it ended itself (a KV transfer that failed on the other end,
     a refusal while draining)."""
     return exc.code() in _BROKEN and _mark(exc) is None
+
+
+def _ender(stage: Stage, cancel: Cancellation) -> Callable[[Future], None]:
+    """A stage future's done callback: its end, or "cancelled" (no failure counted) when the request was."""
+    return lambda f: stage.end("cancelled") if cancel.cancelled else stage.end_future(f)
 
 
 def _error(stage: str, exc: BaseException | None, target: str | None) -> DispatchError:
@@ -254,6 +259,9 @@ class Dispatcher:
             raise _error("prefill", exc, route.prefill) from None
         finally:
             forget()
+        if req.cancel.cancelled:  # the worker answered the abort (or finished just then): nobody reads it
+            pst.end("cancelled")
+            raise ClientGone("the client went away during prefill")
         pst.end()
         if encoded is not None:
             try:
@@ -299,7 +307,7 @@ class Dispatcher:
                 encode.Encode, wpb.EncodeRequest(request_id=req.request_id, images=list(req.images),
                                                  embeddings_target=route.prefill, timeout_s=req.timeout_s),
                 metadata=est.metadata(md), timeout=req.timeout_s)))
-            futures[-1][1].add_done_callback(est.end_future)
+            futures[-1][1].add_done_callback(_ender(est, req.cancel))
         pst = obs.begin("prefill", "prefill", prompt_tokens=len(req.prompt_ids))
         futures.append(("prefill", self._pool.submit(
             prefill.Prefill, wpb.PrefillRequest(request_id=req.request_id, prompt_token_ids=req.prompt_ids,
@@ -307,7 +315,7 @@ class Dispatcher:
                                                 num_image_embeddings=len(req.image_positions),
                                                 image_positions=list(req.image_positions), timeout_s=req.timeout_s),
             metadata=pst.metadata(md), timeout=req.timeout_s)))
-        futures[-1][1].add_done_callback(pst.end_future)
+        futures[-1][1].add_done_callback(_ender(pst, req.cancel))
         dst = obs.begin("decode", "decode")
         stream = decode.Generate(wpb.GenerateRequest(request_id=req.request_id), metadata=dst.metadata(md),
                                  timeout=req.timeout_s)
@@ -357,8 +365,9 @@ class Dispatcher:
                  cancel: Cancellation) -> Iterator[wpb.TokenChunk]:
         """``stream``'s chunks; a stream silent past the idle limits ends in DispatchError(UNAVAILABLE)
         that names ``target`` lost (the watch cancelled the call, which frees its request there). The request's
-        ``cancel`` cancels the call too."""
+        ``cancel`` cancels the call too, until the first chunk."""
         key, w = self._watch.watch(stream, self.first_token_timeout_s, self.token_idle_timeout_s)  # type: ignore[arg-type]  # a grpc stream call is Cancellable; its stub type says Iterator
+        # until the first chunk (after it, the ingress closes the request's iterator when its client leaves)
         forget = cancel.on_cancel(stream.cancel)  # type: ignore[attr-defined]  # a grpc stream call has cancel()
         try:
             while True:
@@ -367,6 +376,7 @@ class Dispatcher:
                     chunk = next(stream)
                 except StopIteration:
                     return
+                forget()
                 w.touch()
                 yield chunk
         except grpc.RpcError:

@@ -127,7 +127,7 @@ def create_app(backend: Backend, api_keys: Sequence[str] = (), admin: APIRouter 
             return EventStream(sse_events(first, chunks, shape, include_usage))
         try:
             text, last = await collect(first, chunks, request.is_disconnected)
-        except ClientDisconnect:
+        except (ClientDisconnect, ClientGone):
             return Response(status_code=CLIENT_CLOSED)
         response = _json(shape.whole(text, last).model_dump_json())
         if last.engine_seconds > 0:

@@ -169,7 +169,7 @@ def install_error_handlers(app: FastAPI) -> None:
                        else "server_error", headers=dict(exc.headers or {}))
         return err.response()
 
-    for cls in (APIError, Overloaded, BackendError, InvalidRequestError, StateError):
+    for cls in (APIError, Overloaded, BackendError, InvalidRequestError, StateError, ClientGone):
         app.add_exception_handler(cls, api_error)
     app.add_exception_handler(RequestValidationError, invalid)
     app.add_exception_handler(StarletteHTTPException, http_error)

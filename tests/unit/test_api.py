@@ -1028,6 +1028,8 @@ def test_a_client_that_pipelines_and_leaves_mid_stream_is_not_an_error(backend: 
     raw = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: "
            + str(len(body)).encode() + b"\r\n\r\n" + body)
     caplog.set_level(logging.ERROR)
+    uvicorn_log = logging.getLogger("uvicorn.error")  # uvicorn's loggers do not propagate to the root's
+    uvicorn_log.addHandler(caplog.handler)
     with serve_app(create_app(backend)) as base:
         host, port = base.removeprefix("http://").split(":")
         for _ in range(8):
@@ -1038,5 +1040,6 @@ def test_a_client_that_pipelines_and_leaves_mid_stream_is_not_an_error(backend: 
         while len(backend.closed) < 8:  # each cut answer's request was closed (aborted) in the backend
             assert time.monotonic() < deadline, backend.closed
             time.sleep(0.02)
+    uvicorn_log.removeHandler(caplog.handler)
     errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert errors == [], [r.getMessage() for r in errors]

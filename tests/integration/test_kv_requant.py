@@ -123,7 +123,7 @@ def _corrupt_bf16(enc: Any) -> Any:
 
 
 def _overflowing_int8(enc: Any) -> Any:
-    """Finite scales (the receiver's scale check passes them) whose -128 code overflows float32 once decoded."""
+    """Finite scales (the receiver's finite check passes them) whose -128 code overflows float32 once decoded."""
     from kvtransfer.codecs import EncodedTensor
 
     p, s = enc.payload.clone(), enc.scales.clone()
@@ -132,9 +132,22 @@ def _overflowing_int8(enc: Any) -> Any:
     return EncodedTensor(enc.codec_id, enc.kind, enc.shape, p, s, enc.zeros)
 
 
-@pytest.mark.parametrize("codec, corrupt", [("bf16", _corrupt_bf16), pytest.param(
-    "int8", _overflowing_int8, marks=pytest.mark.filterwarnings(  # the interpreter's numpy warns of the overflow
-        "ignore:overflow encountered in multiply:RuntimeWarning"))])
+def test_finite_scales_that_decode_past_the_range_are_refused_before_the_kernel(kernel_calls: list[str]) -> None:
+    """int8 scales of 3e38 are finite, but a -128 code decodes past float32's range: the sink's bound on the
+    scales refuses the chunk on both paths before anything is decoded or written."""
+    shape = (len(BLOCKS), SPEC.block_size, SPEC.num_kv_heads, SPEC.head_dim)
+    k, v = _encoded("int8", seed=4)
+    v = _overflowing_int8(v)
+    for staged in (False, True):
+        cache = PagedKVCache(SPEC, 12, ("fp8", "fp8"), DEVICE)
+        with pytest.raises(ValueError, match=r"the values' scales decode to magnitudes up to 3\.84e\+40, past"):
+            CacheSink(cache, staged=staged).write(1, BLOCKS, "int8", shape, _wire(k), _wire(v))
+        for name in ("k", "v", "k_scale", "v_scale"):
+            assert not getattr(cache.layers[1], name).view(torch.uint8).any(), (staged, name)  # still all zero
+    assert kernel_calls == []
+
+
+@pytest.mark.parametrize("codec, corrupt", [("bf16", _corrupt_bf16)])
 def test_a_chunk_that_decodes_to_nan_or_inf_is_refused_by_both_paths_and_lands_nothing(
         codec: str, corrupt: Callable[[Any], Any], kernel_calls: list[str]) -> None:
     shape = (len(BLOCKS), SPEC.block_size, SPEC.num_kv_heads, SPEC.head_dim)

@@ -84,11 +84,13 @@ def test_a_moved_request_that_finds_no_room_ends_overloaded_and_leaves_the_queue
         def accept(chunk: wpb.TokenChunk) -> wpb.TokenChunk:
             tokens.extend(chunk.token_ids)
             return chunk
+        request = WorkerRequest("r1", [1, 2, 3], SamplingParams(max_tokens=8))
         progress.return_value.accept.side_effect = accept
         progress.return_value.token_ids = tokens
         progress.return_value.finished = False
+        progress.return_value.continuation.return_value = request  # the move's request: its cancel is unset
         with pytest.raises(Overloaded) as refused:
-            for chunk in scheduler.generate(WorkerRequest("r1", [1, 2, 3], SamplingParams(max_tokens=8))):
+            for chunk in scheduler.generate(request):
                 got.append(chunk)
     assert len(got) == 1  # it had streamed a token when its worker was lost
     assert refused.value.reason == "queue_timeout"  # the label the ingress counts it under, if it answers 429

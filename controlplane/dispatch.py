@@ -243,25 +243,21 @@ class Dispatcher:
         # holds the request misses it, and the prefill runs to its end.)
         at = [(wgrpc.PrefillWorkerStub, route.prefill)]
         forget = req.cancel.on_cancel(lambda: self._abort_at(req.request_id, at))
-        if req.cancel.cancelled:
-            forget()
-            pst.end("cancelled")
-            raise ClientGone("the client went away before prefill")
+        reply: wpb.PrefillReply | None = None
         try:
-            reply = prefill.Prefill(message, metadata=pst.metadata(md), timeout=req.timeout_s)
+            if not req.cancel.cancelled:  # cancelled already: not sent
+                reply = prefill.Prefill(message, metadata=pst.metadata(md), timeout=req.timeout_s)
         except grpc.RpcError as exc:
-            if req.cancel.cancelled:
-                pst.end("cancelled")
-                raise ClientGone("the client went away during prefill") from None
-            pst.end(exc)
-            if encoded is not None and encoded.done() and encoded.exception() is not None:
-                raise _error("encode", encoded.exception(), route.encode) from None
-            raise _error("prefill", exc, route.prefill) from None
+            if not req.cancel.cancelled:  # else the abort ended it: below
+                pst.end(exc)
+                if encoded is not None and encoded.done() and encoded.exception() is not None:
+                    raise _error("encode", encoded.exception(), route.encode) from None
+                raise _error("prefill", exc, route.prefill) from None
         finally:
             forget()
-        if req.cancel.cancelled:  # the worker answered the abort (or finished just then): nobody reads it
+        if reply is None or req.cancel.cancelled:  # an answer to the abort, or one just then: nobody reads it
             pst.end("cancelled")
-            raise ClientGone("the client went away during prefill")
+            raise ClientGone("the client went away before its prefill ended")
         pst.end()
         if encoded is not None:
             try:

@@ -224,25 +224,22 @@ class Dispatcher:
             timeout_s=req.timeout_s, complete=True)
         obs = RequestObserver(req.request_id)
         encoded: Future | None = None
+        halt = Cancellation()  # the encode call's: the request cancelled, or this attempt over without it
         if req.images:
             if route.encode is None:
                 raise DispatchError("route", grpc.StatusCode.FAILED_PRECONDITION, "no encode worker for images")
-            encode = slots["encode"].stub(wgrpc.EncodeWorkerStub)
-            est = obs.begin("encode", "encode", images=len(req.images))
-            encoded = self._pool.submit(
-                encode.Encode, wpb.EncodeRequest(request_id=req.request_id, images=list(req.images),
-                                                 embeddings_target=route.prefill, timeout_s=req.timeout_s),
-                metadata=est.metadata(md), timeout=req.timeout_s)
+            encoded = self._encode(req, route, slots["encode"], obs, md, halt)
             slots["encode"].end_with(
-                encoded, est.end_future,
+                encoded,
                 lambda f: self._abort_at(req.request_id, [(wgrpc.PrefillWorkerStub, route.prefill)])
-                if f.exception() else None)  # prefill stops waiting for embeddings that will not come
+                if f.exception() and not halt.cancelled else None)  # prefill stops waiting for embeddings
         pst = obs.begin("prefill", "prefill", prompt_tokens=len(req.prompt_ids))
         # A cancel aborts it on the worker, which ends the call. (A blocking call: its future form, which could be
         # cancelled here, costs a thread hop on every one-token request. A cancel in the moment before the worker
         # holds the request misses it, and the prefill runs to its end.)
         at = [(wgrpc.PrefillWorkerStub, route.prefill)]
         forget = req.cancel.on_cancel(lambda: self._abort_at(req.request_id, at))
+        forget_halt = req.cancel.on_cancel(halt.cancel)
         reply: wpb.PrefillReply | None = None
         try:
             if not req.cancel.cancelled:  # cancelled already: not sent
@@ -255,6 +252,9 @@ class Dispatcher:
                 raise _error("prefill", exc, route.prefill) from None
         finally:
             forget()
+            forget_halt()
+            if encoded is not None and (reply is None or req.cancel.cancelled):
+                halt.cancel()  # the embeddings will not be used: the encode worker stops at its next check
         if reply is None or req.cancel.cancelled:  # an answer to the abort, or one just then: nobody reads it
             pst.end("cancelled")
             raise ClientGone("the client went away before its prefill ended")
@@ -293,17 +293,13 @@ class Dispatcher:
             self._abort(req.request_id, route)
             raise
         futures: list[tuple[str, Future]] = []
+        halt = Cancellation()  # the encode call's: the request cancelled, or this attempt over without it
         if req.images:
             if route.encode is None:
                 self._abort(req.request_id, route)
                 raise DispatchError("route", grpc.StatusCode.FAILED_PRECONDITION, "no encode worker for images")
-            encode = slots["encode"].stub(wgrpc.EncodeWorkerStub)
-            est = obs.begin("encode", "encode", images=len(req.images))
-            futures.append(("encode", self._pool.submit(
-                encode.Encode, wpb.EncodeRequest(request_id=req.request_id, images=list(req.images),
-                                                 embeddings_target=route.prefill, timeout_s=req.timeout_s),
-                metadata=est.metadata(md), timeout=req.timeout_s)))
-            futures[-1][1].add_done_callback(_ender(est, req.cancel))
+            futures.append(("encode", self._encode(req, route, slots["encode"], obs, md, halt)))
+        forget_halt = req.cancel.on_cancel(halt.cancel)
         pst = obs.begin("prefill", "prefill", prompt_tokens=len(req.prompt_ids))
         futures.append(("prefill", self._pool.submit(
             prefill.Prefill, wpb.PrefillRequest(request_id=req.request_id, prompt_token_ids=req.prompt_ids,
@@ -316,7 +312,7 @@ class Dispatcher:
         stream = decode.Generate(wpb.GenerateRequest(request_id=req.request_id), metadata=dst.metadata(md),
                                  timeout=req.timeout_s)
         def abort_if_failed(f: Future) -> None:
-            if f.exception():
+            if f.exception() and not halt.cancelled:  # halted: the attempt's end aborts the request
                 self._abort(req.request_id, route)
 
         for stage, fut in futures:  # a failed stage aborts the request at once, so decode stops waiting
@@ -336,7 +332,8 @@ class Dispatcher:
                 raise ClientGone("the client went away before the first token") from None
             if not _broke(exc):  # the decode worker saw its KV fail: wait for the stage that broke it
                 wait([f for _, f in futures], timeout=2.0)
-            failed = [(s, f) for s, f in futures if f.done() and f.exception() is not None]
+            failed = [(s, f) for s, f in futures if f.done() and f.exception() is not None
+                      and not isinstance(f.exception(), grpc.FutureCancelledError)]  # halted: not a failure
             decode_error = _error("decode", exc, route.decode)
             if failed:
                 stage, fut = failed[0]
@@ -352,10 +349,37 @@ class Dispatcher:
             lost = exc.lost
             raise
         finally:
+            forget_halt()
             dst.end(None if done else "cancelled")
             if not done:
+                halt.cancel()  # an encode call still running is not waited for
                 stream.cancel()
                 self._abort(req.request_id, route, lost)
+
+    def _encode(self, req: WorkerRequest, route: Route, slot: Slot, obs: RequestObserver,
+                md: tuple[tuple[str, str], ...], halt: Cancellation) -> Future:
+        """The request's Encode call, begun on the pool: a future of its reply. ``halt`` cancels the call
+        (the request was cancelled, or its attempt ended without the embeddings): the encode worker sees its
+        caller gone and stops before its push, or between its push's retries, rather than holding a call
+        slot until the deadline; the future then raises ``grpc.FutureCancelledError`` and its stage ends as
+        "cancelled", not as a failure."""
+        stub = slot.stub(wgrpc.EncodeWorkerStub)
+        est = obs.begin("encode", "encode", images=len(req.images))
+        message = wpb.EncodeRequest(request_id=req.request_id, images=list(req.images),
+                                    embeddings_target=route.prefill, timeout_s=req.timeout_s)
+
+        def call() -> wpb.EncodeReply:
+            if halt.cancelled:
+                raise grpc.FutureCancelledError()
+            fut = stub.Encode.future(message, metadata=est.metadata(md), timeout=req.timeout_s)
+            forget = halt.on_cancel(fut.cancel)
+            try:
+                return fut.result()
+            finally:
+                forget()
+        future = self._pool.submit(call)
+        future.add_done_callback(_ender(est, halt))
+        return future
 
     def _watched(self, stream: Iterator[wpb.TokenChunk], stage: str, target: str,
                  cancel: Cancellation) -> Iterator[wpb.TokenChunk]:

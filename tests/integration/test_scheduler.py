@@ -18,13 +18,16 @@ from controlplane.settings import SchedulerSettings
 from controlplane.state.journal import RequestJournal, RequestState
 from controlplane.state.keys import Pool
 from controlplane.state.registry import WorkerInfo, WorkerLoad, WorkerRegistry
+from epd.worker.v1 import worker_pb2 as wpb
+from epd.worker.v1.worker_pb2_grpc import EncodeWorkerStub
 from kvtransfer.auth import TransferSecurity
+from workers.encode.service import EncodeService
 from workers.run import start_worker
 from workers.runtime.engine import EngineConfig
 from workers.runtime.generate import GenerateRequest, generate
 from workers.runtime.sampler import SamplingParams
 
-from dispatch_helpers import on_threads
+from dispatch_helpers import on_threads, png
 from redis_fixture import redis_server, state_conn  # noqa: F401 - fixtures
 
 pytestmark = [pytest.mark.integration]
@@ -474,3 +477,84 @@ def test_a_cancel_from_another_thread_ends_the_worker_call_being_waited_in(clust
     finally:
         for w in extra:
             w.stop()
+
+
+def _image_request(bundle, rid: str, max_tokens: int) -> WorkerRequest:  # noqa: ANN001
+    n = bundle.vision.config.num_image_tokens
+    head, tail = bundle.tokenizer.encode("Look:"), bundle.tokenizer.encode(" what colour is it?")
+    return WorkerRequest(rid, head + [bundle.image_token_id] * n + tail,
+                         SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+                         images=(png((200, 40, 40)),), image_positions=tuple(range(len(head), len(head) + n)),
+                         timeout_s=120.0)
+
+
+def _calls_on(dispatcher: Dispatcher, address: str) -> int:
+    return sum(w.calls for w in dispatcher.held() if w.address == address)
+
+
+def _running_on(encoder: EncodeWorkerStub) -> int:
+    """The encode worker's Status ``running``, over its gRPC service."""
+    return encoder.Status(wpb.StatusRequest(), metadata=SECURITY.call_metadata(), timeout=10).running
+
+
+@pytest.mark.parametrize("max_tokens", [12, 1], ids=["decode", "prefill-only"])
+@pytest.mark.parametrize("why", ["client-left", "prefill-refused"])
+def test_an_encode_call_ends_with_its_request_not_at_its_deadline(cluster, why: str, max_tokens: int):
+    """An image request's Encode call ends when the request does: its client left while the image was being
+    encoded (the encoder held still meanwhile), or its prefill worker refused it (draining). The call's
+    deadline is 120 s; without the cancel the encode worker kept retrying a push that no prefill worker would
+    take until then, holding the call (the dispatcher's slot on it and a server thread). The worker reports
+    the call in Status's ``running`` while it runs (a drain waits for it), and 0 once it ended; it pushed
+    nothing."""
+    bundle, workers, _, dispatcher, *_ = cluster
+    codecs = ("fp32",) * bundle.config.num_layers
+    encoder = start_worker("encode", bundle, SECURITY, codecs=codecs)
+    service = encoder.service
+    assert isinstance(service, EncodeService)
+    entered, release = threading.Event(), threading.Event()
+    embed = service.embed
+
+    def held_embed(images: list[bytes]):  # noqa: ANN202
+        entered.set()
+        release.wait(30)
+        return embed(images)
+    service.embed = held_embed  # type: ignore[method-assign]  # holds the real encoder still, then runs it
+    channel = SECURITY.open_channel(encoder.address)
+    status = EncodeWorkerStub(channel)
+    route = Route(decode=workers[1].address, prefill=workers[0].address, encode=encoder.address)
+    req = _image_request(bundle, f"encode-{why}-{max_tokens}", max_tokens)
+    outcome: list[BaseException | list] = []
+
+    def run() -> None:
+        try:
+            outcome.append(list(dispatcher.run(req, route)))
+        except BaseException as exc:  # noqa: BLE001  (the test asserts which)
+            outcome.append(exc)
+    try:
+        if why == "prefill-refused":
+            workers[0].service.identity.draining = True
+            release.set()
+            run()
+            assert outcome and getattr(outcome[0], "stage", None) == "prefill", outcome
+        else:
+            thread = threading.Thread(target=run)
+            thread.start()
+            assert entered.wait(30), "the Encode call never reached the worker"
+            assert _running_on(status) == 1  # a drain would wait for it
+            req.cancel.cancel()
+            thread.join(30)
+            assert not thread.is_alive() and isinstance(outcome[0], ClientGone), outcome
+            release.set()
+        deadline = time.monotonic() + 10
+        while _calls_on(dispatcher, encoder.address) or _running_on(status):
+            assert time.monotonic() < deadline, (dispatcher.held(), _running_on(status))
+            time.sleep(0.05)
+        assert service.encoded == 0  # it pushed nothing
+        while not _idle(workers):
+            assert time.monotonic() < deadline, [w.service.engine.stats() for w in workers]
+            time.sleep(0.05)
+    finally:
+        release.set()
+        workers[0].service.identity.draining = False
+        channel.close()
+        encoder.stop()

@@ -326,7 +326,10 @@ def test_a_micro_benchmark_missing_a_module_names_the_package_only_when_it_is_th
     from bench.micro.runner import Benchmark, run_suite
     from bench.micro.timing import Plan
 
-    monkeypatch.setitem(sys.modules, "transformers", None)  # as when the bench extra is not installed
+    # as when the bench extra is not installed: its submodules too, which an earlier test may have imported
+    # (an import of a submodule already in sys.modules never looks at its parent)
+    for name in ["transformers", *(m for m in sys.modules if m.startswith("transformers."))]:
+        monkeypatch.setitem(sys.modules, name, None)
     run = run_suite([Benchmark("sampler", "bench.micro.sampler:run", ""),
                      Benchmark("other", "no_such_module_here.sub:run", "")], Plan(repeats=2, quick=True))
     assert run.errors["sampler"] == ("needs transformers, which is not installed (the bench extra: "

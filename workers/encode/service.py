@@ -2,7 +2,10 @@
 
 Embeddings are cached by the image bytes' SHA-256 (a bounded LRU), so a repeated image costs a
 lookup. The push retries briefly while the prefill worker has not yet registered the request
-(the control plane starts both calls at once).
+(the control plane starts both calls at once). A caller that goes away (its client left, or another stage
+of the request failed, and the control plane cancelled the call; or its deadline passed) is seen before the
+encoder runs, before the push and between the push's retries: the call then ends there, CANCELLED, rather
+than retrying a push that no prefill worker will take until its deadline.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ class EncodeService(Drainable, wgrpc.EncodeWorkerServicer):
         self._lock = threading.Lock()
         self._channels = ChannelCache(security)
         self.encoded = 0
+        self._running = 0  # Encode calls in progress: Status's ``running``, which a drain waits on
 
     def handlers(self) -> tuple[list, list]:
         return [(wgrpc.add_EncodeWorkerServicer_to_server, self)], []
@@ -65,18 +69,29 @@ class EncodeService(Drainable, wgrpc.EncodeWorkerServicer):
 
     def Encode(self, request: wpb.EncodeRequest, context: grpc.ServicerContext) -> wpb.EncodeReply:
         self.refuse_if_draining(context)
+        with self._lock:
+            self._running += 1
+        try:
+            return self._encode(request, context)
+        finally:
+            with self._lock:
+                self._running -= 1
+
+    def _encode(self, request: wpb.EncodeRequest, context: grpc.ServicerContext) -> wpb.EncodeReply:
         if not request.images:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "no images to encode")
         if not request.embeddings_target:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "embeddings_target (the prefill worker) is required")
         try:
             rid, timeout = request_id_of(request), timeout_of(request)
+            self._stop_if_gone(context)
             embeds, hits = self.embed(list(request.images))
         except EngineError as exc:
             context.abort(status_code_for(exc), str(exc))
         deadline = time.monotonic() + timeout
         channel = self._channels.get(request.embeddings_target)
         while True:
+            self._stop_if_gone(context)
             try:
                 push_embeddings(channel, self.security, rid, embeds, self.encoder.fingerprint(),
                                 timeout_s=max(0.1, deadline - time.monotonic()))
@@ -93,7 +108,14 @@ class EncodeService(Drainable, wgrpc.EncodeWorkerServicer):
         span.set_attribute("epd.embeddings", int(embeds.shape[0]))
         return wpb.EncodeReply(num_embeddings=embeds.shape[0], cache_hits=hits)
 
+    @staticmethod
+    def _stop_if_gone(context: grpc.ServicerContext) -> None:
+        """End the call (CANCELLED) when its caller is gone: nobody will read the embeddings."""
+        if not context.is_active():
+            context.abort(grpc.StatusCode.CANCELLED, "the caller went away (cancelled, or past its deadline)")
+
     def Status(self, request: wpb.StatusRequest, context: grpc.ServicerContext) -> wpb.WorkerStatus:
         return wpb.WorkerStatus(worker_id=self.identity.worker_id, pool="encode", address=self.identity.address,
-                                draining=self.identity.draining, model_fingerprint=self.encoder.fingerprint())
+                                draining=self.identity.draining, running=self._running,
+                                model_fingerprint=self.encoder.fingerprint())
 

@@ -22,7 +22,7 @@ from starlette.responses import JSONResponse, Response
 
 from controlplane.api.auth import BearerAuth, OpsAuth
 from controlplane.api.errors import CatchAll, as_api_error, install_error_handlers
-from controlplane.api.limits import MAX_BODY_BYTES, BodyLimit, prepare_off_loop
+from controlplane.api.limits import MAX_BODY_BYTES, BodyLimit, OffLoopJSONRoute, prepare_off_loop
 from controlplane.api.models import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, StreamOptions
 from controlplane.api.prompts import check_model, prepare_chat, prepare_completion
 from controlplane.api.relay import Relay, ThreadLanes
@@ -87,7 +87,7 @@ def create_app(backend: Backend, api_keys: Sequence[str] = (), admin: APIRouter 
             body["degraded"] = degraded
         return JSONResponse(body, status_code=200 if ok else 503)
 
-    v1 = APIRouter(prefix="/v1")
+    v1 = APIRouter(prefix="/v1", route_class=OffLoopJSONRoute)  # a large body's JSON parsed off the loop
 
     def card() -> ModelCard:
         return ModelCard(id=backend.model.name, created=started, max_model_len=backend.model.max_model_len)

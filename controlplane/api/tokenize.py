@@ -20,7 +20,7 @@ from pydantic import BaseModel, Discriminator, Field, Tag, model_validator
 from starlette.responses import Response
 
 from controlplane.api.errors import CHAT_BODY, PROMPT_BODY, APIError
-from controlplane.api.limits import prepare_off_loop
+from controlplane.api.limits import OffLoopJSONRoute, prepare_off_loop
 from controlplane.api.models import ChatMessage, Text, _Request
 from controlplane.api.prompts import chat_ids, check_model, tokenise
 from controlplane.backend import ModelInfo
@@ -73,7 +73,7 @@ class DetokenizeResponse(BaseModel):
 
 
 def tokenize_router(model: ModelInfo) -> APIRouter:
-    router = APIRouter()
+    router = APIRouter(route_class=OffLoopJSONRoute)  # a large body's JSON parsed off the loop
 
     @router.post("/tokenize")
     async def tokenize(body: TokenizeBody, request: Request) -> Response:

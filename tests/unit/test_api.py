@@ -965,6 +965,59 @@ def test_a_long_id_list_is_detokenised_off_the_event_loop() -> None:
     assert answers[0].status_code == 200 and answers[0].json()["prompt"] == "word" * (6_000_000 // len(word))
 
 
+@pytest.mark.parametrize("path,body", [
+    ("/detokenize", {"tokens": [5] * 30_000}),
+    ("/tokenize", {"prompt": "hi"}),
+    ("/v1/completions", {"model": NAME, "prompt": [7, 8], "max_tokens": 1}),
+    ("/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}),
+])
+def test_a_large_body_is_parsed_off_the_event_loop(monkeypatch: pytest.MonkeyPatch, tokenizer: Tokenizer, path: str,
+                                                   body: dict) -> None:
+    """A body of 64 KiB or more is parsed as JSON in a worker thread (10M token ids take about 0.6 s): while
+    it is parsed, /health still answers. The parse waits (up to 30 s) for /health's answer, so the order of the
+    two events is the check, whatever the machine's speed. A small body is parsed where it is (no hand-off)."""
+    import json as real_json
+    import types
+
+    from controlplane.api import limits
+
+    events: list[str] = []
+    health_answered = threading.Event()
+
+    def loads(data: bytes) -> object:
+        if len(data) >= limits.OFF_LOOP_BYTES:
+            health_answered.wait(30)
+            events.append("parsed")
+        return real_json.loads(data)
+    monkeypatch.setattr(limits, "json", types.SimpleNamespace(loads=loads, detect_encoding=real_json.detect_encoding))
+    content = json.dumps(body).encode() + b" " * limits.OFF_LOOP_BYTES  # whitespace: large, and still valid
+    with serve_app(create_app(FakeBackend(model_info(tokenizer)))) as base:
+        answers: list[httpx.Response] = []
+        thread = threading.Thread(target=lambda: answers.append(httpx.post(
+            base + path, content=content, headers={"Content-Type": "application/json"}, timeout=120)))
+        thread.start()
+        time.sleep(0.5)  # the body is sent and parsing, if the machine is not very slow
+        assert httpx.get(base + "/health", timeout=120).status_code == 200
+        events.append("health")
+        health_answered.set()
+        thread.join(120)
+        assert httpx.post(base + "/detokenize", json={"tokens": [5]}, timeout=30).status_code == 200  # small
+    assert events == ["health", "parsed"]
+    assert answers[0].status_code == 200, answers[0].text
+
+
+@pytest.mark.parametrize("size", ["small", "large"])
+def test_a_malformed_body_gets_the_same_refusal_whatever_its_size(client: TestClient, backend: FakeBackend,
+                                                                 size: str) -> None:
+    """A large body's JSON is parsed elsewhere (above), with the same refusal when it is not JSON."""
+    padding = " " * (70_000 if size == "large" else 0)
+    r = client.post("/v1/completions", content=b'{"model": "x", "prompt": [1, 2,' + padding.encode() + b"",
+                    headers={"Content-Type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"].startswith("We could not parse the JSON body of your request"), r.json()
+    assert backend.requests == []
+
+
 @pytest.mark.parametrize("encoding", ["utf-16", "utf-16-le", "utf-32", "utf-32-be"])
 def test_a_body_in_utf16_or_utf32_is_refused(client: TestClient, backend: FakeBackend, encoding: str) -> None:
     """JSON between systems is UTF-8 (RFC 8259); Python's json would read these, the README says 400."""

@@ -92,10 +92,11 @@ def non_finite_values(codec_name: str, scales_dtype: torch.dtype, scales: memory
     """What is non-finite in a received chunk's values, or None: NaN/inf in its scales (and zero
     points), or a NaN byte in an fp8 payload (e4m3 has no inf). The sender refuses to encode such a
     cache, and checksums only prove the bytes arrived as sent, so this guards against a sender that
-    is wrong: one NaN that lands in the decode cache poisons every later step of that request, and a
-    sampled step's whole batch. Costs a pass over the (small) scales, and over fp8 payloads. Integer
-    payloads (int8, int4) cannot hold one; float payloads (bf16, fp32) are not checked here (a full
-    pass over the largest payloads; the sender checks them)."""
+    is wrong: one NaN that lands in the decode cache poisons every later step of that request (only
+    that one: blocks are not shared between requests, and the sampler keeps a non-finite row from failing
+    its batch). Costs a pass over the (small) scales, and over fp8 payloads. Integer payloads (int8,
+    int4) cannot hold one; float payloads (bf16, fp32) are not checked here (a full pass over the largest
+    payloads; the sender checks them)."""
     if scales.nbytes:
         np_dtype = _NUMPY_FLOATS.get(scales_dtype)
         finite = (np.isfinite(np.frombuffer(scales, dtype=np_dtype)).all() if np_dtype is not None else

@@ -156,3 +156,39 @@ def test_the_kernel_ops_split_long_contexts_and_match_the_gather_path() -> None:
     torch_batch = build_step_batch([DecodeItem(0, n - 1, t) for n, t in zip(lengths, tables)], [], cache)
     want = paged_attention(q, q, q, torch_batch, cache.layers[0], 0.25)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("cache_dtype", ["float32", "bfloat16", "int8"])
+@pytest.mark.parametrize("path", ["gather", "kernel", "split"])
+def test_non_finite_values_outside_a_sequence_never_reach_it(cache_dtype: CacheDType, path: str) -> None:
+    """NaN or inf in the cache (a wrong sender's float payload, an overflow in another request, or the stale
+    tail of a block a poisoned request freed) reaches no sequence that does not own it: a decode row shorter
+    than the batch's longest reads past its own end only at positions it masks, and a masked score times a
+    NaN value is still NaN. Here every slot but the ones sequence 0 holds is NaN (block 0, which pads the
+    shorter tables, and the unused tail of its own last block included); its output is what a clean cache
+    gives."""
+    block_size, lengths = 16, [7, 40]
+    clean = _cache(block_size, cache_dtype)
+    tables = [[3], [0, 5, 9]]  # sequence 1 holds block 0, the padding block
+    poisoned = _cache(block_size, cache_dtype)
+    owned = set(range(3 * block_size, 3 * block_size + lengths[0]))
+    others = torch.tensor([s for s in range(poisoned.num_blocks * block_size) if s not in owned], device=DEVICE)
+    nan = torch.full((len(others), KV_HEADS, HEAD_DIM), float("nan"), device=DEVICE)
+    poisoned.layers[0].write(others, nan, nan)
+    q = torch.randn(2, 4, HEAD_DIM, generator=torch.Generator().manual_seed(9)).to(DEVICE)
+    items = [DecodeItem(0, n - 1, t) for n, t in zip(lengths, tables)]
+
+    def decode(cache: PagedKVCache) -> torch.Tensor:
+        if path == "gather":
+            return paged_attention(q, q, q, build_step_batch(items, [], cache), cache.layers[0], 0.25)
+        out = torch.full_like(q, float("nan"))
+        lens = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
+        if path == "kernel":
+            paged_decode_attention(q, cache_tensors(cache.layers[0]), _padded(tables), lens, 0.25, block_size, out)
+        else:
+            split_decode_attention(q, cache_tensors(cache.layers[0]), _padded(tables), lens, 0.25, block_size, out, 2)
+        return out
+    got, want = decode(poisoned), decode(clean)
+    assert torch.isfinite(got[0]).all(), got[0]
+    torch.testing.assert_close(got[0], want[0], atol=0, rtol=0)
+    assert not torch.equal(got[1], want[1])  # sequence 1 reads its own NaN: that one is its own

@@ -153,8 +153,12 @@ def build_step_batch(decodes: list[DecodeItem], prefills: list[PrefillItem], cac
                                for d in decodes], dtype=torch.long)
         decode_slots = (tables[:, :, None] * bs + torch.arange(bs)).view(len(decodes), -1)[:, :max_len]
         lengths = torch.tensor([d.position + 1 for d in decodes])
-        decode_mask = (torch.arange(max_len)[None, :] < lengths[:, None])[:, None, None, :]
-        decode_slots, decode_mask = decode_slots.to(device), decode_mask.to(device)
+        valid = torch.arange(max_len)[None, :] < lengths[:, None]
+        # A row's positions past its end are masked, but a masked score times a NaN value is still NaN: they
+        # read the row's own first slot, never block 0 (the padding) or the stale tail of its last block,
+        # which may hold another request's NaN or inf.
+        decode_slots = torch.where(valid, decode_slots, decode_slots[:, :1])
+        decode_slots, decode_mask = decode_slots.to(device), valid[:, None, None, :].to(device)
 
     slices: list[PrefillSlice] = []
     ctx_tables: list[list[int]] = []

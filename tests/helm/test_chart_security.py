@@ -139,6 +139,17 @@ def test_a_credential_changed_in_values_restarts_what_holds_it_and_generated_one
     assert admin[0] != before[0] and admin[1] == before[1]  # Redis does not hold the admin token
 
 
+def test_the_credentials_checksum_is_salted_by_the_release() -> None:
+    """Anyone who may read a pod spec reads its annotations: the checksum is a slow hash (scrypt) salted with
+    the release's full name, not a plain SHA-256 of the values, so a short password set in values cannot be
+    looked up or guessed at hash speed, and two releases with the same password do not show it."""
+    password = ("--set", "redis.auth.password=first-password-0123")
+    one, other = _checksums(render(*password, release="one")), _checksums(render(*password, release="other"))
+    assert one[0] != other[0] and one[1] != other[1]
+    assert _checksums(render(*password, release="one")) == one  # stable: the same values restart nothing
+    assert all(len(c) == 64 and int(c, 16) >= 0 for c in one)
+
+
 def test_the_redis_password_is_on_no_command_line() -> None:
     """A process's argv is readable by anyone on the node (ps): the probe hands redis-cli the password in its
     environment (REDISCLI_AUTH), not with -a; the server reads it from its own env (Redis then rewrites its

@@ -309,3 +309,14 @@ pool with it. Only a pool going to or from 0 replicas changes the probe.
 {{- fail "redis.external.url holds a password, which would be a plain env value in the control plane's Deployment (readable by anyone who can read Deployments): put the whole URL in a Secret and name it in redis.external.existingSecret and existingSecretKey" -}}
 {{- end -}}
 {{- end -}}
+
+{{/*
+A pod annotation that changes when credentials set in values change (so the pods holding them restart),
+without revealing them: anyone who may read a pod spec can read its annotations, and a plain SHA-256 of a
+short password is guessed at billions a second. This is scrypt (Sprig's derivePassword: N=32768, r=8, p=2,
+salted with the release's full name), then SHA-256: each guess costs about 0.1 s and 32 MiB. Generated
+credentials are not in values, so they never change it. Call with (dict "root" $ "values" LIST).
+*/}}
+{{- define "epd.credentialsChecksum" -}}
+{{- derivePassword 1 "maximum" (toJson .values) (include "epd.fullname" .root) "epd-credentials" | sha256sum -}}
+{{- end -}}

@@ -34,6 +34,7 @@ if TYPE_CHECKING:  # torch and the engine: imported where a device or config is 
     from workers.runtime.kv_cache import CacheDType
 
 MiB = 2**20
+GiB = 2**30
 LOSSLESS = "lossless"  # transfer.codec_policy: the exact codec for the cache's dtype (Settings.wire_codec_policy)
 PoolName = Literal["encode", "prefill", "decode"]
 POOLS: tuple[PoolName, ...] = ("encode", "prefill", "decode")
@@ -202,6 +203,10 @@ class PoolSettings(_Model):
     malloc_arena_max: int | None = Field(
         2, ge=1, description="glibc malloc arenas in each replica's process (MALLOC_ARENA_MAX; unset = glibc's "
                              "8 per core): with few arenas the start-up warm-up's memory serves every thread")
+    embedding_cache_bytes: int = Field(
+        GiB, ge=0, description="encode pool: host memory per replica for the image embeddings it keeps, an LRU "
+                               "keyed by the image's SHA-256 (one LLaVA-1.5 image is 9 MiB; 0 = none); other "
+                               "pools ignore it")
 
     @field_validator("cpu_affinity")
     @classmethod

@@ -41,10 +41,12 @@ def start_worker(pool: Pool, bundle: LoadedModel, security: TransferSecurity, *,
                  codecs: tuple[str, ...] | None = None, store: KVStore = "dequantize",
                  transport: TransportChoice = "auto", host: str = "127.0.0.1", port: int = 0,
                  max_streams: int = 64, colocated: bool = False, transfer_timeout_s: float | None = None,
-                 stream_budget_bytes: int = 64 * 2**20, sender_budget_bytes: int = 512 * 2**20) -> RunningWorker:
+                 stream_budget_bytes: int = 64 * 2**20, sender_budget_bytes: int = 512 * 2**20,
+                 embedding_cache_bytes: int | None = None) -> RunningWorker:
     """Start ``pool``'s worker. ``colocated`` (decode pool only): a worker that encodes, prefills and
     decodes whole requests in one engine (workers.colocated) instead of taking KV pushes. A prefill worker's
-    pushes take at most ``transfer_timeout_s`` and queue at most the two budgets' bytes (``KVSender``)."""
+    pushes take at most ``transfer_timeout_s`` and queue at most the two budgets' bytes (``KVSender``). An
+    encode worker keeps at most ``embedding_cache_bytes`` of embeddings (None: ``EncodeService``'s default)."""
     identity = WorkerIdentity(pool)
     decode: DecodeService | None = None  # a KV-receiving decode worker (not a colocated one)
     ipc: IpcPool | None = None  # its CUDA IPC segments, on a GPU
@@ -59,7 +61,8 @@ def start_worker(pool: Pool, bundle: LoadedModel, security: TransferSecurity, *,
         if bundle.vision is None:
             raise ValueError(f"an encode worker needs a model with a vision tower (a LLaVA checkpoint or a "
                              f"vision/ folder); {bundle.path} is text-only and needs no encode pool")
-        service = EncodeService(bundle.vision, security, identity)
+        service = (EncodeService(bundle.vision, security, identity) if embedding_cache_bytes is None
+                   else EncodeService(bundle.vision, security, identity, cache_bytes=embedding_cache_bytes))
     elif pool == "prefill":
         from workers.prefill.service import PrefillService
         sender = KVSender(security, transport=transport, device=bundle.model.device, max_timeout_s=transfer_timeout_s,

@@ -137,7 +137,8 @@ def build_worker(pool: Pool, settings: Settings, folder: Path, security: Transfe
                         host=host, port=0, max_streams=settings.transfer.max_streams, colocated=colocated,
                         transfer_timeout_s=settings.transfer.timeout_s,
                         stream_budget_bytes=settings.transfer.stream_budget_bytes,
-                        sender_budget_bytes=settings.transfer.sender_budget_bytes)
+                        sender_budget_bytes=settings.transfer.sender_budget_bytes,
+                        embedding_cache_bytes=ps.embedding_cache_bytes)
 
 
 def worker_status(worker: RunningWorker) -> wpb.WorkerStatus:

@@ -114,3 +114,32 @@ def test_refusals_name_the_problem_and_release_the_expectation(rig):
     push_embeddings(channel, security, "no-token", rows, fp)
     got = box["o"].embeds if done.wait(5) and box["o"].ok else None
     assert got is not None and torch.equal(got, rows)
+
+
+def test_the_encoder_cache_is_an_lru_bounded_in_bytes(default_bundle):
+    """The encode worker's embedding cache: a repeated image is a hit with the same embeddings; the least
+    recently used goes first (a hit counts as a use) once the bytes pass the bound; one larger than the whole
+    bound is not kept; what it keeps is in host memory; 0 keeps nothing."""
+    from workers.encode.service import EncodeService
+
+    security = TransferSecurity(token=secrets.token_urlsafe(24))
+    a, b, c = _png((200, 30, 30)), _png((20, 180, 40)), _png((10, 10, 220))
+    probe = EncodeService(default_bundle.vision, security)
+    one = probe.embed([a])[0].nbytes  # bytes of one image's embeddings
+    service = EncodeService(default_bundle.vision, security, cache_bytes=2 * one)
+    first, hits = service.embed([a])
+    assert hits == 0 and service.cached == (1, one)
+    again, hits = service.embed([a])
+    assert hits == 1 and torch.equal(again, first) and again.device.type == "cpu"
+    assert service.embed([b])[1] == 0 and service.cached == (2, 2 * one)
+    assert service.embed([a])[1] == 1  # a is now the most recently used: b goes first
+    assert service.embed([c])[1] == 0 and service.cached == (2, 2 * one)
+    assert service.embed([a, c])[1] == 2
+    assert service.embed([b])[1] == 0  # b was dropped
+    mixed, hits = service.embed([c, b, a])  # c and b hit; a is encoded again, to the same values
+    assert hits == 2 and torch.equal(mixed[2 * (mixed.shape[0] // 3):], first)
+    small = EncodeService(default_bundle.vision, security, cache_bytes=one - 1)
+    small.embed([a])
+    assert small.cached == (0, 0)
+    off = EncodeService(default_bundle.vision, security, cache_bytes=0)
+    assert off.embed([a])[1] == 0 and off.embed([a])[1] == 0 and off.cached == (0, 0)

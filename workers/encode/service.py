@@ -1,11 +1,14 @@
 """The encode worker: images to embeddings, pushed to the prefill worker that will use them.
 
-Embeddings are cached by the image bytes' SHA-256 (a bounded LRU), so a repeated image costs a
-lookup. The push retries briefly while the prefill worker has not yet registered the request
-(the control plane starts both calls at once). A caller that goes away (its client left, or another stage
-of the request failed, and the control plane cancelled the call; or its deadline passed) is seen before the
-encoder runs, before the push and between the push's retries: the call then ends there, CANCELLED, rather
-than retrying a push that no prefill worker will take until its deadline.
+Embeddings are cached by the image bytes' SHA-256, so a repeated image (a chat's every turn resends it)
+costs a lookup: an LRU bounded in bytes (``cache_bytes``; one LLaVA-1.5 image is 576 x 4096 float32 values,
+9 MiB), held in host memory whatever the encoder's device (the push sends from host memory anyway).
+
+The push retries briefly while the prefill worker has not yet registered the request (the control plane
+starts both calls at once). A caller that goes away (its client left, or another stage of the request
+failed, and the control plane cancelled the call; or its deadline passed) is seen before the encoder runs,
+before the push and between the push's retries: the call then ends there, CANCELLED, rather than retrying a
+push that no prefill worker will take until its deadline.
 """
 
 from __future__ import annotations
@@ -28,15 +31,19 @@ from workers.runtime.vision import VisionEncoder, encode_images, preprocess_imag
 from workers.service_base import Drainable, WorkerIdentity, request_id_of, status_code_for, timeout_of
 from workers.tracing import current_span
 
+DEFAULT_CACHE_BYTES = 1 << 30
+
 
 class EncodeService(Drainable, wgrpc.EncodeWorkerServicer):
     def __init__(self, encoder: VisionEncoder, security: TransferSecurity, identity: WorkerIdentity | None = None,
-                 cache_entries: int = 256) -> None:
+                 cache_bytes: int = DEFAULT_CACHE_BYTES) -> None:
+        """``cache_bytes``: the embedding cache's bound (0: no cache)."""
         self.identity = identity or WorkerIdentity("encode")
         self.encoder = encoder
         self.security = security
-        self.cache_entries = cache_entries
-        self._cache: OrderedDict[str, torch.Tensor] = OrderedDict()
+        self.cache_bytes = cache_bytes
+        self._cache: OrderedDict[str, torch.Tensor] = OrderedDict()  # least recently used first
+        self._cached_bytes = 0
         self._lock = threading.Lock()
         self._channels = ChannelCache(security)
         self.encoded = 0
@@ -53,19 +60,36 @@ class EncodeService(Drainable, wgrpc.EncodeWorkerServicer):
         keys = [hashlib.sha256(data).hexdigest() for data in images]
         with self._lock:
             cached = {k: self._cache[k] for k in keys if k in self._cache}
+            for k in cached:
+                self._cache.move_to_end(k)  # used now: the last to go
         todo = [k for k in keys if k not in cached]
         if todo:
             hits = {i for i, k in enumerate(keys) if k in cached}
             pixels = preprocess_images(images, self.encoder.config, skip=hits)  # an error names the image
             for i, emb in zip(pixels, encode_images(self.encoder, list(pixels.values()))):
-                cached[keys[i]] = emb.to(torch.float32).contiguous()
-            with self._lock:
-                for k in todo:
-                    self._cache[k] = cached[k]
-                    self._cache.move_to_end(k)
-                while len(self._cache) > self.cache_entries:
-                    self._cache.popitem(last=False)
+                cached[keys[i]] = emb.to(device="cpu", dtype=torch.float32).contiguous()
+            self._keep({k: cached[k] for k in todo})
         return torch.cat([cached[k] for k in keys]), len(images) - len(todo)
+
+    def _keep(self, new: dict[str, torch.Tensor]) -> None:
+        """Cache ``new`` as the most recently used, then drop the least recently used past ``cache_bytes``
+        (one embedding larger than the whole bound is not kept)."""
+        with self._lock:
+            for k, emb in new.items():
+                if emb.nbytes > self.cache_bytes:
+                    continue
+                old = self._cache.pop(k, None)
+                self._cached_bytes += emb.nbytes - (old.nbytes if old is not None else 0)
+                self._cache[k] = emb
+            while self._cached_bytes > self.cache_bytes:
+                _, dropped = self._cache.popitem(last=False)
+                self._cached_bytes -= dropped.nbytes
+
+    @property
+    def cached(self) -> tuple[int, int]:
+        """(embeddings, bytes) in the cache."""
+        with self._lock:
+            return len(self._cache), self._cached_bytes
 
     def Encode(self, request: wpb.EncodeRequest, context: grpc.ServicerContext) -> wpb.EncodeReply:
         self.refuse_if_draining(context)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import secrets
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 
@@ -435,6 +436,18 @@ def test_a_request_cancelled_once_the_workers_hold_it_is_aborted_there(cluster, 
     assert len(_collect(_scheduler(cluster), WorkerRequest("after", bundle.tokenizer.encode("hello"), GREEDY))) == 12
 
 
+def _runner(dispatcher: Dispatcher, req: WorkerRequest, route: Route,
+            outcome: list[BaseException | list]) -> Callable[[], None]:
+    """A function that runs ``req`` through ``dispatcher`` and appends its chunks, or what it raised, to
+    ``outcome``."""
+    def run() -> None:
+        try:
+            outcome.append(list(dispatcher.run(req, route)))
+        except BaseException as exc:  # noqa: BLE001  (the test asserts which)
+            outcome.append(exc)
+    return run
+
+
 @pytest.mark.parametrize("kind", ["decode", "prefill-only", "colocated"])
 def test_a_cancel_from_another_thread_ends_the_worker_call_being_waited_in(cluster, kind: str):
     """As the ingress does when a client leaves: the cancel comes from another thread while the dispatcher is
@@ -453,12 +466,7 @@ def test_a_cancel_from_another_thread_ends_the_worker_call_being_waited_in(clust
                                        ignore_eos=True))
     loop = held.service.loop  # type: ignore[attr-defined]  # every engine-running service has one
     outcome: list[BaseException | list] = []
-
-    def run() -> None:
-        try:
-            outcome.append(list(dispatcher.run(req, route)))
-        except BaseException as exc:  # noqa: BLE001  (the test asserts which)
-            outcome.append(exc)
+    run = _runner(dispatcher, req, route, outcome)
     try:
         with loop._cycle_lock:  # the engine admits and steps nothing meanwhile
             thread = threading.Thread(target=run)
@@ -524,12 +532,7 @@ def test_an_encode_call_ends_with_its_request_not_at_its_deadline(cluster, why: 
     route = Route(decode=workers[1].address, prefill=workers[0].address, encode=encoder.address)
     req = _image_request(bundle, f"encode-{why}-{max_tokens}", max_tokens)
     outcome: list[BaseException | list] = []
-
-    def run() -> None:
-        try:
-            outcome.append(list(dispatcher.run(req, route)))
-        except BaseException as exc:  # noqa: BLE001  (the test asserts which)
-            outcome.append(exc)
+    run = _runner(dispatcher, req, route, outcome)
     try:
         if why == "prefill-refused":
             workers[0].service.identity.draining = True

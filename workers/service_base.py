@@ -126,14 +126,12 @@ def sampling_from_proto(p: wpb.SamplingParams) -> SamplingParams:
 
 
 UINT32_MAX = 2**32 - 1
-FLOAT32_TINY = 2.0**-149  # the smallest positive float32: a smaller top_p would round to 0, which reads as unset
 
 
 def sampling_to_proto(s: SamplingParams) -> wpb.SamplingParams:
     """The wire's SamplingParams, meaning what ``s`` means: a top_k past uint32 (past any vocabulary, so
-    off) is sent as the largest uint32; a top_p below the smallest float32 as that float32 (the most likely
-    token alone)."""
-    msg = wpb.SamplingParams(max_tokens=s.max_tokens, temperature=s.temperature, top_p=max(s.top_p, FLOAT32_TINY),
+    off) is sent as the largest uint32; temperature and top_p travel as the doubles they are."""
+    msg = wpb.SamplingParams(max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p,
                              top_k=min(s.top_k, UINT32_MAX),
                              stop=list(s.stop), stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos,
                              to_context=s.to_context)

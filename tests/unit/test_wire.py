@@ -279,13 +279,18 @@ _VALID = _valid_messages()
 
 def test_sampling_params_cross_the_wire_whole() -> None:
     """Every field a worker acts on arrives as sent; to_context decides whether a small pool runs a request
-    without max_tokens or refuses it."""
+    without max_tokens or refuses it. temperature and top_p arrive as the same doubles: rounded to float32
+    (as they once were), a top_p near a boundary of the cumulative mass let a served request draw another
+    token than the single-process reference, and a temperature of 1e-5 became greedy."""
     from epd.worker.v1 import worker_pb2 as wpb
     from workers.runtime.sampler import SamplingParams
     from workers.service_base import sampling_from_proto, sampling_to_proto
 
     for params in (SamplingParams(max_tokens=7, temperature=0.5, top_p=0.75, top_k=3, seed=11, stop=("x",),
                                   stop_token_ids=(4,), ignore_eos=True, to_context=True),
-                   SamplingParams(max_tokens=1, temperature=0.0)):
+                   SamplingParams(max_tokens=1, temperature=0.0),
+                   SamplingParams(max_tokens=3, temperature=1e-5, top_p=0.9359933733940126, seed=1),
+                   SamplingParams(max_tokens=3, temperature=1.7, top_p=1e-300),
+                   SamplingParams(max_tokens=3, temperature=1.0, top_p=5e-324)):
         wire = sampling_to_proto(params).SerializeToString()
         assert sampling_from_proto(wpb.SamplingParams.FromString(wire)) == params

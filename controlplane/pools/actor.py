@@ -103,9 +103,12 @@ class WorkerActor:
 
     # ------------------------------------------------------------------ plain-data answers
     def info(self) -> dict:
+        """``wire``: the wire protocol this replica's own code speaks (``replica.wire_digest``)."""
+        from controlplane.pools.replica import wire_digest
+
         return {"worker_id": self.worker.identity.worker_id, "pool": self.worker.pool,
                 "address": self.worker.address, "index": self.index, "starting_at": self.starting_at,
-                "serving_at": self.serving_at, "launch": self.launch}
+                "serving_at": self.serving_at, "launch": self.launch, "wire": wire_digest()}
 
     def pid(self) -> int:
         return os.getpid()

@@ -52,6 +52,7 @@ from ray.actor import ActorHandle
 from controlplane.pools.actor import WATCH_CONCURRENCY, WATCH_GROUP, WorkerActor
 from controlplane.pools.pending import explain
 from controlplane.pools.ray_runtime import RayRuntime
+from controlplane.pools.replica import wire_digest
 from controlplane.pools.status import PendingReplica, PoolStatus, ReplicaStatus, WorkerStartError
 from controlplane.settings import PoolSettings, Settings
 from controlplane.state import Pool, PoolTargets, StateConnection, StateError, WorkerRegistry, connect
@@ -125,6 +126,7 @@ class PoolManager:
         self._deployment = hashlib.sha256(f"{redis_url}\0{prefix}".encode()).hexdigest()[:8]
         counts_apart = settings.model_dump_json(exclude={**_NOT_FOR_REPLICAS, **{p.value: {"replicas"} for p in Pool}})
         self._launch = {p: launch_key(p.value, self._model_dir, counts_apart, token, redis_url, prefix) for p in Pool}
+        self._wire = wire_digest()  # a replica whose code speaks another protocol is refused (``_check_wire``)
         self._detached = self.runtime.address is not None  # a cluster that outlives this manager
         self._uid = uuid.uuid4().hex[:6]
         self._replicas: dict[Pool, list[Replica]] = {p: [] for p in Pool}
@@ -202,9 +204,9 @@ class PoolManager:
             started = time.monotonic() - max(0.0, time.time() - float(info.get("serving_at", time.time())))
             replica = Replica(pool, name, info["worker_id"], info["address"], actor, started,
                               actor.watch.remote(WATCH_S))
-            if info.get("launch") != self._launch[pool]:
-                log.info("%s replica %s (%s) was started with other settings, model or credentials; stopping it",
-                         pool.value, name, info["worker_id"])
+            if info.get("launch") != self._launch[pool] or info.get("wire") != self._wire:
+                log.info("%s replica %s (%s) was started with other settings, model, credentials or epd code; "
+                         "stopping it", pool.value, name, info["worker_id"])
                 self._stop_replicas([replica])
             elif not self._answers(replica):
                 log.warning("%s replica %s (%s) holds no lease; killing it", pool.value, name, info["worker_id"])
@@ -486,6 +488,7 @@ class PoolManager:
             for i, (name, actor, info_ref) in enumerate(pending):
                 try:
                     info = self._await_start(pool, info_ref, deadline, len(pending) - i)
+                    self._check_wire(info)
                     self._await_lease(pool, info["worker_id"], deadline)
                 except _Cancelled as why:
                     log.info("%s replica %s: start cancelled (%s)", pool.value, name, why)
@@ -493,6 +496,8 @@ class PoolManager:
                     continue
                 except Exception as exc:
                     errors.append(f"{name}: {_describe(exc, ps.num_cpus, ps.num_gpus, self.start_timeout_s)}")
+                    if isinstance(exc, WireMismatch):  # it serves already: stopped, so it leaves no lease
+                        _stop_quietly(actor)
                     _kill_quietly(actor)
                     continue
                 finally:
@@ -512,6 +517,17 @@ class PoolManager:
             for name, _, _ in pending:
                 self._starting[pool].pop(name, None)
         return errors
+
+    def _check_wire(self, info: dict) -> None:
+        """Refuse a replica whose own code speaks another wire protocol than this control plane's: its Ray
+        node runs another epd image (KubeRay leaves running pods on their image when the RayCluster's
+        changes), and their messages would mean different things to each side."""
+        theirs = info.get("wire")
+        if theirs != self._wire:
+            raise WireMismatch(f"its process runs epd code that speaks another wire protocol ({theirs}) than this "
+                               f"control plane ({self._wire}): its Ray node runs another epd image (an image "
+                               f"upgrade not yet rolled out to running Ray pods?); replace those pods so every "
+                               f"node runs the control plane's image")
 
     def _await_start(self, pool: Pool, info_ref: ray.ObjectRef, deadline: float, unfinished: int) -> dict:
         """The replica's ``info`` once it serves. Gives up (``_Cancelled``) as soon as the manager stops or the
@@ -601,6 +617,14 @@ def _send_each(victims: list[Replica], what: str, call: Callable[[Replica], Any]
     return sent
 
 
+def _stop_quietly(actor: ActorHandle) -> None:
+    """The replica's own stop (its lease deregistered, its server stopped), if it answers in time."""
+    try:
+        ray.get(actor.stop.remote(), timeout=STOP_TIMEOUT_S)
+    except Exception as exc:
+        log.debug("stop: %s", exc)
+
+
 def _kill_quietly(actor: ActorHandle) -> None:
     try:
         ray.kill(actor, no_restart=True)
@@ -632,10 +656,16 @@ def placement_options(ps: PoolSettings) -> dict[str, Any]:
             "runtime_env": {"env_vars": env} if env else None}
 
 
+class WireMismatch(Exception):
+    """A started replica's code speaks another wire protocol than the control plane's."""
+
+
 def _describe(exc: BaseException, num_cpus: float, num_gpus: float, timeout_s: float) -> str:
     if isinstance(exc, ray.exceptions.GetTimeoutError):
         return (f"did not start within {timeout_s:.0f} s (the cluster may lack {num_cpus} CPU / {num_gpus} GPU "
                 "free for it)")
+    if isinstance(exc, WireMismatch):
+        return str(exc)
     if isinstance(exc, ray.exceptions.RayActorError):
         text = _ANSI.sub("", str(exc)).strip()
         if exc.actor_init_failed:  # Ray's text ends with the constructor's "Type: message"; lead with it

@@ -141,6 +141,19 @@ def build_worker(pool: Pool, settings: Settings, folder: Path, security: Transfe
                         embedding_cache_bytes=ps.embedding_cache_bytes)
 
 
+def wire_digest() -> str:
+    """The wire protocol this process's code speaks, as a short digest of the worker and KV-transfer services'
+    compiled proto descriptors. The control plane and every replica must speak the same one: where they do
+    not (Ray worker nodes left on another epd image), a field can mean another thing on each side."""
+    import hashlib
+
+    from epd.kvtransfer.v1 import kvtransfer_pb2
+
+    h = hashlib.sha256(wpb.DESCRIPTOR.serialized_pb)
+    h.update(kvtransfer_pb2.DESCRIPTOR.serialized_pb)
+    return h.hexdigest()[:12]
+
+
 def worker_status(worker: RunningWorker) -> wpb.WorkerStatus:
     """The worker's own Status RPC, called in process (it reads no call context)."""
     return worker.service.Status(wpb.StatusRequest(), None)  # type: ignore[attr-defined]  # each concrete service has Status

@@ -59,8 +59,11 @@ class Manager:
     started: list[Manager] = []  # every one this module ran, killed at the end if a test left it running
 
     def __init__(self, head: tuple[str, dict[str, str]], redis_url: str, prefix: str, settings_json: str,
-                 start_timeout_s: float | None = None) -> None:
+                 start_timeout_s: float | None = None, wire: str | None = None) -> None:
+        """``wire``: the wire protocol digest this manager takes for its own (its replicas keep theirs)."""
         address, env = head
+        if wire is not None:
+            env = {**env, "EPD_TEST_WIRE_DIGEST": wire}
         timeout = [] if start_timeout_s is None else [str(start_timeout_s)]
         self.proc = subprocess.Popen([sys.executable, str(SCRIPT), address, redis_url, prefix, TOKEN, settings_json,
                                       *timeout],
@@ -127,6 +130,14 @@ def test_a_killed_managers_replicas_are_adopted_and_other_settings_replaced(
     assert foreign_id not in (worker_id, added_id)
     foreign.stop()
     assert _gone(foreign_pid) and not process_gone(pid) and not process_gone(added_pid)
+
+    # a control plane on another image than the Ray nodes: it adopts none of them (their code speaks another
+    # wire protocol), stops them, and refuses the replicas it starts there, naming why
+    skewed = Manager(ray_head, redis_server.url, prefix, _settings(replicas=2), wire="0123456789ab")
+    assert "speaks another wire protocol" in skewed.held["failed"], skewed.held
+    assert skewed.proc.wait(60) == 0
+    skewed.kill()
+    assert _gone(pid) and _gone(added_pid), "a control plane adopted replicas that speak another wire protocol"
 
     other = Manager(ray_head, redis_server.url, prefix, _settings(kv_bytes=16 * MiB))  # a settings change
     [[new_id, new_pid]] = other.held["decode"]

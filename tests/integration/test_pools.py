@@ -314,7 +314,8 @@ def test_a_dropped_target_cancels_a_whole_wave_of_starts_at_once(redis_server: L
         conn.close()
 
 
-def test_a_replica_that_cannot_start_says_why(redis_server: LocalRedis, tmp_path: Path):
+def test_a_replica_that_cannot_start_says_why(redis_server: LocalRedis, tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch):
     prefix = f"pools-bad-{uuid.uuid4().hex[:8]}"
     bad = PoolManager(pool_settings(tmp_path / "no-such-model", prefill=0, decode=0), redis_server.url, prefix,
                       TOKEN, start_timeout_s=120)
@@ -326,6 +327,13 @@ def test_a_replica_that_cannot_start_says_why(redis_server: LocalRedis, tmp_path
     unplaceable = PoolManager(greedy, redis_server.url, prefix, TOKEN, start_timeout_s=2)
     with pytest.raises(WorkerStartError, match="did not start within 2 s"):
         unplaceable.start()  # 64 CPUs asked of a 2-CPU Ray: pending until the timeout, then killed
+    other_image = Settings(model=None, encode={"replicas": 1, "num_cpus": 0.25}, prefill={"replicas": 0},
+                           decode={"replicas": 0}, transfer={"codec_policy": "fp32", "token": TOKEN})
+    monkeypatch.setattr("controlplane.pools.manager.wire_digest", lambda: "0123456789ab")  # this side only
+    with pytest.raises(WorkerStartError, match=r"another wire protocol \([0-9a-f]{12}\) than this control plane "
+                                               r"\(0123456789ab\): its Ray node runs another epd image"):
+        PoolManager(other_image, redis_server.url, prefix, TOKEN, start_timeout_s=120).start()
+    monkeypatch.undo()
     if not torch.cuda.is_available():  # a cuda replica on a host whose torch has none says so in words
         on_cuda = Settings(model=tmp_path, encode={"replicas": 1, "num_cpus": 0.25, "engine": {"device": "cuda"}},
                            prefill={"replicas": 0}, decode={"replicas": 0},

@@ -147,9 +147,22 @@ def _unheld(path: Path) -> bool:
     return True
 
 
+def segment_size_class(size: int, floor: int = 16 << 20) -> int:
+    """``size`` rounded up to a size class: at least ``floor``, then four classes per doubling (at most 25%
+    over), so pushes of similar lengths share segments instead of each needing one of its exact size."""
+    size = max(size, floor)
+    step = 1 << max(0, size.bit_length() - 3)
+    return -(-size // step) * step
+
+
 class SegmentPool:
     """The sender's reusable segments. ``take`` lends one of at least ``size`` bytes to one stream;
-    ``give`` returns it once the receiver has acknowledged (or the stream failed)."""
+    ``give`` returns it once the receiver has acknowledged (or the stream failed).
+
+    Segments come in size classes (``segment_size_class``), and a take that no idle segment fits closes
+    the largest idle one (too small) before it creates one: the pool never holds more segments than the
+    most streams that were open at once, so what it keeps is bounded by the peak of pushes in flight
+    rather than growing toward ``max_bytes`` with every new longest prompt."""
 
     def __init__(self, max_bytes: int = 1 << 30) -> None:
         self.max_bytes = max_bytes
@@ -157,13 +170,19 @@ class SegmentPool:
         self._lock = threading.Lock()
 
     def take(self, size: int) -> SharedSegment:
+        doomed = None
         with self._lock:
             fits = [s for s in self._free if s.size >= size]
             if fits:
                 seg = min(fits, key=lambda s: s.size)
                 self._free.remove(seg)
                 return seg
-        return SharedSegment.create(max(size, 16 << 20))
+            if self._free:  # all too small: replace the largest rather than keep it beside a new one
+                doomed = max(self._free, key=lambda s: s.size)
+                self._free.remove(doomed)
+        if doomed is not None:
+            doomed.close()
+        return SharedSegment.create(segment_size_class(size))
 
     @property
     def idle(self) -> int:

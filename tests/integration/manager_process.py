@@ -2,7 +2,7 @@
 ``python manager_process.py RAY_ADDRESS REDIS_URL PREFIX TOKEN SETTINGS_JSON [START_TIMEOUT_S]``. After
 ``start()`` it prints one JSON line, pool -> [[worker_id, actor pid], ...], then stops cleanly when a line
 arrives on stdin; a start that fails (``WorkerStartError``) prints {"failed": its message} and exits 0.
-``EPD_TEST_WIRE_DIGEST`` set: this manager takes its wire protocol for that one (as a control plane on another
+``MANAGER_PROCESS_WIRE_DIGEST`` set: this manager takes its wire protocol for that one (as a control plane on another
 image than its Ray nodes would), its replicas keep their own."""
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ from controlplane.state import Pool  # noqa: E402
 def main() -> None:
     address, redis_url, prefix, token, settings_json = sys.argv[1:6]
     start_timeout_s = float(sys.argv[6]) if len(sys.argv) > 6 else None
-    if "EPD_TEST_WIRE_DIGEST" in os.environ:
+    if "MANAGER_PROCESS_WIRE_DIGEST" in os.environ:
         import controlplane.pools.manager as manager_module
-        digest = os.environ["EPD_TEST_WIRE_DIGEST"]
+        digest = os.environ["MANAGER_PROCESS_WIRE_DIGEST"]
         manager_module.wire_digest = lambda: digest  # this process's side only
     manager = PoolManager(Settings.model_validate_json(settings_json), redis_url, prefix, token, address,
                           reconcile_interval_s=0.2, start_timeout_s=start_timeout_s)

@@ -63,7 +63,7 @@ class Manager:
         """``wire``: the wire protocol digest this manager takes for its own (its replicas keep theirs)."""
         address, env = head
         if wire is not None:
-            env = {**env, "EPD_TEST_WIRE_DIGEST": wire}
+            env = {**env, "MANAGER_PROCESS_WIRE_DIGEST": wire}
         timeout = [] if start_timeout_s is None else [str(start_timeout_s)]
         self.proc = subprocess.Popen([sys.executable, str(SCRIPT), address, redis_url, prefix, TOKEN, settings_json,
                                       *timeout],

@@ -1,0 +1,57 @@
+"""The sender's shared-memory segment pool: what it keeps stays bounded by the pushes in flight at once, not
+by every new longest prompt."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvtransfer.shm import SHM_DIR, SegmentPool, segment_size_class, shm_available
+
+pytestmark = [pytest.mark.unit, pytest.mark.skipif(not shm_available(), reason="needs a writable /dev/shm")]
+MiB = 1 << 20
+
+
+def test_size_classes_round_up_by_at_most_a_quarter_from_16_mib() -> None:
+    assert segment_size_class(1) == segment_size_class(16 * MiB) == 16 * MiB
+    for size in (16 * MiB + 1, 21 * MiB, 33 * MiB + 7, 57 * MiB, 100 * MiB, 3000 * MiB + 12345):
+        rounded = segment_size_class(size)
+        assert size <= rounded <= size * 1.25, (size, rounded)
+    assert segment_size_class(57 * MiB) == segment_size_class(60 * MiB) == 64 * MiB  # similar pushes share one
+
+
+def test_a_pool_holds_no_more_segments_than_pushes_were_in_flight_at_once() -> None:
+    """Pushes one after another, each longer than the last (a prefill worker seeing its longest prompt so far
+    again and again): the pool keeps one segment, the last one's size class, where it once kept every smaller
+    one beside it until 1 GiB was idle. Two in flight at once: two kept. A push that an idle segment fits takes
+    it, the smallest that fits."""
+    pool = SegmentPool()
+    try:
+        for size in (17 * MiB, 30 * MiB, 45 * MiB, 70 * MiB):
+            seg = pool.take(size)
+            assert seg.size == segment_size_class(size)
+            pool.give(seg)
+            assert pool.idle == 1
+        a, b = pool.take(20 * MiB), pool.take(20 * MiB)  # the 80 MiB one fits; a second is made
+        assert {a.size, b.size} == {80 * MiB, 20 * MiB}
+        pool.give(a)
+        pool.give(b)
+        assert pool.idle == 2
+        small = pool.take(18 * MiB)
+        assert small.size == 20 * MiB  # the smallest that fits
+        pool.give(small)
+        assert pool.idle == 2
+    finally:
+        pool.close()
+
+
+def test_a_replaced_segment_is_unlinked() -> None:
+    pool = SegmentPool()
+    try:
+        first = pool.take(17 * MiB)
+        pool.give(first)
+        second = pool.take(40 * MiB)
+        assert not (SHM_DIR / first.name).exists() and (SHM_DIR / second.name).exists()
+        pool.give(second)
+    finally:
+        pool.close()
+    assert not (SHM_DIR / second.name).exists()

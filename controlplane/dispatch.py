@@ -109,6 +109,21 @@ def _ender(stage: Stage, cancel: Cancellation) -> Callable[[Future], None]:
     return lambda f: stage.end("cancelled") if cancel.cancelled else stage.end_future(f)
 
 
+def _call_until(method: Any, message: Any, metadata: tuple[tuple[str, str], ...], timeout: float,
+                halt: Cancellation) -> Any:
+    """``method``'s reply (a unary gRPC call), or ``grpc.FutureCancelledError`` once ``halt`` is cancelled: the
+    call is then cancelled, and its worker sees its caller gone (a Prefill aborts its request wherever it is,
+    an Encode stops before its push)."""
+    if halt.cancelled:
+        raise grpc.FutureCancelledError()
+    fut = method.future(message, metadata=metadata, timeout=timeout)
+    forget = halt.on_cancel(fut.cancel)
+    try:
+        return fut.result()
+    finally:
+        forget()
+
+
 def _error(stage: str, exc: BaseException | None, target: str | None) -> DispatchError:
     """The stage's failure as a DispatchError; ``exc`` is a call's RpcError, or what a stage's future raised."""
     if not isinstance(exc, grpc.RpcError):  # not a call's failure: nothing says the worker was lost
@@ -234,21 +249,27 @@ class Dispatcher:
                 lambda f: self._abort_at(req.request_id, [(wgrpc.PrefillWorkerStub, route.prefill)])
                 if f.exception() and not halt.cancelled else None)  # prefill stops waiting for embeddings
         pst = obs.begin("prefill", "prefill", prompt_tokens=len(req.prompt_ids))
-        # A cancel aborts it on the worker, which ends the call. (A blocking call: its future form, which could be
-        # cancelled here, costs a thread hop on every one-token request. A cancel in the moment before the worker
-        # holds the request misses it, and the prefill runs to its end.)
+        # A cancel aborts it on the worker, which ends the call. A text prompt's call blocks (its future form, which
+        # could be cancelled here, costs a thread hop on every one-token request; a cancel in the moment before
+        # the worker holds the request misses it, and the prefill runs to its end). An image prompt's call is
+        # cancelled too: its prefill would otherwise wait for embeddings the halted encode never sends.
         at = [(wgrpc.PrefillWorkerStub, route.prefill)]
         forget = req.cancel.on_cancel(lambda: self._abort_at(req.request_id, at))
         forget_halt = req.cancel.on_cancel(halt.cancel)
         reply: wpb.PrefillReply | None = None
         try:
-            if not req.cancel.cancelled:  # cancelled already: not sent
+            if encoded is not None:
+                reply = _call_until(prefill.Prefill, message, pst.metadata(md), req.timeout_s, req.cancel)
+            elif not req.cancel.cancelled:  # cancelled already: not sent
                 reply = prefill.Prefill(message, metadata=pst.metadata(md), timeout=req.timeout_s)
+        except grpc.FutureCancelledError:
+            pass  # cancelled: below
         except grpc.RpcError as exc:
             if not req.cancel.cancelled:  # else the abort ended it: below
                 pst.end(exc)
-                if encoded is not None and encoded.done() and encoded.exception() is not None:
-                    raise _error("encode", encoded.exception(), route.encode) from None
+                failed = encoded.exception() if encoded is not None and encoded.done() else None
+                if failed is not None and not isinstance(failed, grpc.FutureCancelledError):
+                    raise _error("encode", failed, route.encode) from None
                 raise _error("prefill", exc, route.prefill) from None
         finally:
             forget()
@@ -301,12 +322,14 @@ class Dispatcher:
             futures.append(("encode", self._encode(req, route, slots["encode"], obs, md, halt)))
         forget_halt = req.cancel.on_cancel(halt.cancel)
         pst = obs.begin("prefill", "prefill", prompt_tokens=len(req.prompt_ids))
+        # cancelled with the request (its worker then aborts it wherever it is: an abort that came before the
+        # worker held it would miss it, and an image prompt's prefill would wait for embeddings never sent)
         futures.append(("prefill", self._pool.submit(
-            prefill.Prefill, wpb.PrefillRequest(request_id=req.request_id, prompt_token_ids=req.prompt_ids,
-                                                params=params, kv_target=reply.kv_target,
-                                                num_image_embeddings=len(req.image_positions),
-                                                image_positions=list(req.image_positions), timeout_s=req.timeout_s),
-            metadata=pst.metadata(md), timeout=req.timeout_s)))
+            _call_until, prefill.Prefill,
+            wpb.PrefillRequest(request_id=req.request_id, prompt_token_ids=req.prompt_ids, params=params,
+                               kv_target=reply.kv_target, num_image_embeddings=len(req.image_positions),
+                               image_positions=list(req.image_positions), timeout_s=req.timeout_s),
+            pst.metadata(md), req.timeout_s, req.cancel)))
         futures[-1][1].add_done_callback(_ender(pst, req.cancel))
         dst = obs.begin("decode", "decode")
         stream = decode.Generate(wpb.GenerateRequest(request_id=req.request_id), metadata=dst.metadata(md),
@@ -325,7 +348,8 @@ class Dispatcher:
                 done = chunk.finished
                 yield chunk
             for _stage, fut in futures:  # surface an encode/prefill failure with its own message
-                fut.result()
+                if not isinstance(fut.exception(), grpc.FutureCancelledError):  # halted after the last token
+                    fut.result()
         except grpc.RpcError as exc:
             if req.cancel.cancelled:  # the client left before the first chunk (this call was cancelled for it)
                 dst.end("cancelled")
@@ -368,16 +392,7 @@ class Dispatcher:
         message = wpb.EncodeRequest(request_id=req.request_id, images=list(req.images),
                                     embeddings_target=route.prefill, timeout_s=req.timeout_s)
 
-        def call() -> wpb.EncodeReply:
-            if halt.cancelled:
-                raise grpc.FutureCancelledError()
-            fut = stub.Encode.future(message, metadata=est.metadata(md), timeout=req.timeout_s)
-            forget = halt.on_cancel(fut.cancel)
-            try:
-                return fut.result()
-            finally:
-                forget()
-        future = self._pool.submit(call)
+        future = self._pool.submit(_call_until, stub.Encode, message, est.metadata(md), req.timeout_s, halt)
         future.add_done_callback(_ender(est, halt))
         return future
 

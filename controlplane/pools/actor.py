@@ -52,13 +52,17 @@ class WorkerActor:
     """Runs in its own Ray worker process. Methods may be called from several threads at once."""
 
     def __init__(self, pool: PoolName, model_dir: str, settings_json: str, token: str, redis_url: str,
-                 redis_prefix: str, index: int, host: str = "127.0.0.1", launch: str = "") -> None:
+                 redis_prefix: str, index: int, host: str = "127.0.0.1", launch: str = "", wire: str = "") -> None:
         """``model_dir`` "" serves ``settings.model`` or the demo model; ``host`` "" binds this node's IP.
         ``launch``: the manager's digest of what it started this replica with (``manager.launch_key``; ``info``
-        reports it)."""
+        reports it). ``wire``: the manager's wire protocol digest; a replica whose own code speaks another
+        refuses to start (WireMismatch) before it loads a model or registers ("": no check)."""
         from pathlib import Path
 
         from controlplane.pools import replica
+
+        if wire:
+            replica.check_wire(replica.wire_digest(), wire, f"this {pool} replica")
         from controlplane.pools.affinity import core_for, pin_process
         from controlplane.settings import Settings
         from controlplane.state import WorkerRegistry, connect

@@ -52,7 +52,7 @@ from ray.actor import ActorHandle
 from controlplane.pools.actor import WATCH_CONCURRENCY, WATCH_GROUP, WorkerActor
 from controlplane.pools.pending import explain
 from controlplane.pools.ray_runtime import RayRuntime
-from controlplane.pools.replica import wire_digest
+from controlplane.pools.replica import WireMismatch, check_wire, wire_digest
 from controlplane.pools.status import PendingReplica, PoolStatus, ReplicaStatus, WorkerStartError
 from controlplane.settings import PoolSettings, Settings
 from controlplane.state import Pool, PoolTargets, StateConnection, StateError, WorkerRegistry, connect
@@ -478,7 +478,7 @@ class PoolManager:
                 name=name, namespace=self.settings.ray.namespace, max_concurrency=ACTOR_CONCURRENCY, max_restarts=0,
                 lifetime="detached" if self._detached else None, **placement_options(ps),
             ).remote(pool.value, self._model_dir, self._settings_json, self._token, self.redis_url,
-                     self.prefix, index, host, self._launch[pool])
+                     self.prefix, index, host, self._launch[pool], wire=self._wire)
             pending.append((name, actor, actor.info.remote()))
             self._starting[pool][name] = time.monotonic()
         deadline = time.monotonic() + self.start_timeout_s
@@ -521,13 +521,9 @@ class PoolManager:
     def _check_wire(self, info: dict) -> None:
         """Refuse a replica whose own code speaks another wire protocol than this control plane's: its Ray
         node runs another epd image (KubeRay leaves running pods on their image when the RayCluster's
-        changes), and their messages would mean different things to each side."""
-        theirs = info.get("wire")
-        if theirs != self._wire:
-            raise WireMismatch(f"its process runs epd code that speaks another wire protocol ({theirs}) than this "
-                               f"control plane ({self._wire}): its Ray node runs another epd image (an image "
-                               f"upgrade not yet rolled out to running Ray pods?); replace those pods so every "
-                               f"node runs the control plane's image")
+        changes), and their messages would mean different things to each side. (A replica of this code
+        refuses itself before it registers; one of older code that took no ``wire`` is caught here.)"""
+        check_wire(info.get("wire"), self._wire, "its process")
 
     def _await_start(self, pool: Pool, info_ref: ray.ObjectRef, deadline: float, unfinished: int) -> dict:
         """The replica's ``info`` once it serves. Gives up (``_Cancelled``) as soon as the manager stops or the
@@ -656,10 +652,6 @@ def placement_options(ps: PoolSettings) -> dict[str, Any]:
             "runtime_env": {"env_vars": env} if env else None}
 
 
-class WireMismatch(Exception):
-    """A started replica's code speaks another wire protocol than the control plane's."""
-
-
 def _describe(exc: BaseException, num_cpus: float, num_gpus: float, timeout_s: float) -> str:
     if isinstance(exc, ray.exceptions.GetTimeoutError):
         return (f"did not start within {timeout_s:.0f} s (the cluster may lack {num_cpus} CPU / {num_gpus} GPU "
@@ -669,6 +661,10 @@ def _describe(exc: BaseException, num_cpus: float, num_gpus: float, timeout_s: f
     if isinstance(exc, ray.exceptions.RayActorError):
         text = _ANSI.sub("", str(exc)).strip()
         if exc.actor_init_failed:  # Ray's text ends with the constructor's "Type: message"; lead with it
-            return f"{text.splitlines()[-1]}\n  (raised while the actor started; Ray's report follows)\n{text}"
+            last = text.splitlines()[-1]
+            if "unexpected keyword argument 'wire'" in last:  # code older than the wire check
+                last += (" (its Ray node runs an older epd image than the control plane; replace those pods so "
+                         "every node runs the control plane's image)")
+            return f"{last}\n  (raised while the actor started; Ray's report follows)\n{text}"
         return f"the actor died while starting: {text}"
     return f"{type(exc).__name__}: {exc}"

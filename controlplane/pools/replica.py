@@ -154,6 +154,20 @@ def wire_digest() -> str:
     return h.hexdigest()[:12]
 
 
+class WireMismatch(Exception):
+    """A replica's code speaks another wire protocol than its control plane's."""
+
+
+def check_wire(theirs: str | None, ours: str, who: str) -> None:
+    """Raise WireMismatch, in words an operator can act on, unless ``theirs`` (``who``'s wire digest) is ``ours``
+    (the control plane's)."""
+    if theirs != ours:
+        raise WireMismatch(f"{who} runs epd code that speaks another wire protocol ({theirs}) than the control "
+                           f"plane ({ours}): its Ray node runs another epd image (an image upgrade not yet rolled "
+                           f"out to running Ray pods?); replace those pods so every node runs the control plane's "
+                           f"image")
+
+
 def worker_status(worker: RunningWorker) -> wpb.WorkerStatus:
     """The worker's own Status RPC, called in process (it reads no call context)."""
     return worker.service.Status(wpb.StatusRequest(), None)  # type: ignore[attr-defined]  # each concrete service has Status

@@ -155,8 +155,9 @@ def test_a_seeded_sampled_answer_equals_the_single_process_one(e2e_stack: Stack,
 
 def test_sampling_values_past_the_wires_types_mean_what_they_say(e2e_stack: Stack, client: OpenAI,
                                                                  refs: dict[str, GenerateResult]) -> None:
-    """top_k is a uint32 and top_p a float on the worker wire: a top_k past any vocabulary is off (a 500
-    before), and a top_p that rounds to float32 zero keeps the most likely token (it read as unset)."""
+    """top_k is a uint32 and top_p a double on the worker wire: a top_k past any vocabulary is off (a 500
+    before), and a tiny top_p keeps the most likely token (when the wire was float32, it rounded to zero and
+    read as unset)."""
     model = _model(e2e_stack)
     r = client.completions.create(model=model, prompt=COMPLETION_PROMPT, max_tokens=MAX_TOKENS,
                                   temperature=SEEDED.temperature, top_p=SEEDED.top_p, seed=SEEDED.seed,

@@ -330,7 +330,8 @@ def test_a_replica_that_cannot_start_says_why(redis_server: LocalRedis, tmp_path
     other_image = Settings(model=None, encode={"replicas": 1, "num_cpus": 0.25}, prefill={"replicas": 0},
                            decode={"replicas": 0}, transfer={"codec_policy": "fp32", "token": TOKEN})
     monkeypatch.setattr("controlplane.pools.manager.wire_digest", lambda: "0123456789ab")  # this side only
-    with pytest.raises(WorkerStartError, match=r"another wire protocol \([0-9a-f]{12}\) than this control plane "
+    with pytest.raises(WorkerStartError, match=r"WireMismatch: this encode replica runs epd code that speaks "
+                                               r"another wire protocol \([0-9a-f]{12}\) than the control plane "
                                                r"\(0123456789ab\): its Ray node runs another epd image"):
         PoolManager(other_image, redis_server.url, prefix, TOKEN, start_timeout_s=120).start()
     monkeypatch.undo()

@@ -561,3 +561,49 @@ def test_an_encode_call_ends_with_its_request_not_at_its_deadline(cluster, why: 
         workers[0].service.identity.draining = False
         channel.close()
         encoder.stop()
+
+
+@pytest.mark.parametrize("max_tokens", [12, 1], ids=["decode", "prefill-only"])
+def test_a_cancel_before_the_prefill_worker_holds_an_image_request_still_ends_its_prefill(cluster, max_tokens: int):
+    """The client leaves while the image is being encoded and before the prefill worker has taken the request
+    (it is held at the door meanwhile): the Abort sent then finds nothing there, and the encode is cancelled,
+    so the embeddings the prefill would wait for never come. The Prefill call is cancelled with the request, so
+    the worker, once it takes the request, sees its caller gone and lets go at once, not at the deadline
+    (120 s here)."""
+    bundle, workers, _, dispatcher, *_ = cluster
+    codecs = ("fp32",) * bundle.config.num_layers
+    encoder = start_worker("encode", bundle, SECURITY, codecs=codecs)
+    service = encoder.service
+    assert isinstance(service, EncodeService)
+    entered, release = threading.Event(), threading.Event()
+    embed = service.embed
+
+    def held_embed(images: list[bytes]):  # noqa: ANN202
+        entered.set()
+        release.wait(30)
+        return embed(images)
+    service.embed = held_embed  # type: ignore[method-assign]  # holds the real encoder still, then runs it
+    prefill = workers[0].service
+    route = Route(decode=workers[1].address, prefill=workers[0].address, encode=encoder.address)
+    req = _image_request(bundle, f"early-cancel-{max_tokens}", max_tokens)
+    outcome: list[BaseException | list] = []
+    thread = threading.Thread(target=_runner(dispatcher, req, route, outcome))
+    try:
+        with prefill._inflight_lock:  # the prefill worker takes no request meanwhile
+            thread.start()
+            assert entered.wait(30), "the Encode call never reached the worker"
+            req.cancel.cancel()
+            thread.join(30)
+            assert not thread.is_alive() and isinstance(outcome[0], ClientGone), outcome
+        release.set()
+        deadline = time.monotonic() + 10
+        while (prefill.embeddings.pending or _calls_on(dispatcher, workers[0].address)
+               or _calls_on(dispatcher, encoder.address)):
+            assert time.monotonic() < deadline, (prefill.embeddings.pending, dispatcher.held())
+            time.sleep(0.05)
+        while not _idle(workers):
+            assert time.monotonic() < deadline, [w.service.engine.stats() for w in workers]
+            time.sleep(0.05)
+    finally:
+        release.set()
+        encoder.stop()

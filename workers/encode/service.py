@@ -92,10 +92,10 @@ class EncodeService(Drainable, wgrpc.EncodeWorkerServicer):
             return len(self._cache), self._cached_bytes
 
     def Encode(self, request: wpb.EncodeRequest, context: grpc.ServicerContext) -> wpb.EncodeReply:
-        self.refuse_if_draining(context)
-        with self._lock:
+        with self._lock:  # counted before the drain check: a drain never sees 0 while a call gets past it
             self._running += 1
         try:
+            self.refuse_if_draining(context)
             return self._encode(request, context)
         finally:
             with self._lock:

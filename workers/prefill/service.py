@@ -97,6 +97,7 @@ class PrefillService(Drainable, wgrpc.PrefillWorkerServicer):
         # from here on, a caller that goes away (or its deadline) aborts the request wherever it is: waiting
         # for embeddings, queued, computing or streaming its KV
         context.add_callback(lambda: None if finished.is_set() else self._abort(rid, "the caller went away"))
+        # (a caller gone before that is seen where the request would wait for it: _await_embeddings)
         try:
             return self._prefill(rid, prompt, params, first_params, timeout, request, context)
         finally:
@@ -222,6 +223,8 @@ class PrefillService(Drainable, wgrpc.PrefillWorkerServicer):
             self.embeddings.expect(rid, request.num_image_embeddings, arrived, timeout)
         except ValueError as exc:  # the receiver's own bounds on a request
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        if not context.is_active():  # the caller left before the expectation was there for its abort to find
+            self.embeddings.cancel(rid, "the caller went away")
         if not done.wait(timeout + 1.0) or not box:
             self.embeddings.cancel(rid, "prefill stopped waiting")
             context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"image embeddings for {rid!r} did not arrive")

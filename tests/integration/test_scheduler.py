@@ -23,7 +23,7 @@ from epd.worker.v1 import worker_pb2 as wpb
 from epd.worker.v1.worker_pb2_grpc import EncodeWorkerStub
 from kvtransfer.auth import TransferSecurity
 from workers.encode.service import EncodeService
-from workers.run import start_worker
+from workers.run import RunningWorker, start_worker
 from workers.runtime.engine import EngineConfig
 from workers.runtime.generate import GenerateRequest, generate
 from workers.runtime.sampler import SamplingParams
@@ -505,18 +505,10 @@ def _running_on(encoder: EncodeWorkerStub) -> int:
     return encoder.Status(wpb.StatusRequest(), metadata=SECURITY.call_metadata(), timeout=10).running
 
 
-@pytest.mark.parametrize("max_tokens", [12, 1], ids=["decode", "prefill-only"])
-@pytest.mark.parametrize("why", ["client-left", "prefill-refused"])
-def test_an_encode_call_ends_with_its_request_not_at_its_deadline(cluster, why: str, max_tokens: int):
-    """An image request's Encode call ends when the request does: its client left while the image was being
-    encoded (the encoder held still meanwhile), or its prefill worker refused it (draining). The call's
-    deadline is 120 s; without the cancel the encode worker kept retrying a push that no prefill worker would
-    take until then, holding the call (the dispatcher's slot on it and a server thread). The worker reports
-    the call in Status's ``running`` while it runs (a drain waits for it), and 0 once it ended; it pushed
-    nothing."""
-    bundle, workers, _, dispatcher, *_ = cluster
-    codecs = ("fp32",) * bundle.config.num_layers
-    encoder = start_worker("encode", bundle, SECURITY, codecs=codecs)
+def _held_encoder(bundle) -> tuple[RunningWorker, EncodeService, threading.Event, threading.Event]:  # noqa: ANN001
+    """An encode worker whose real encoder waits, once a call reaches it, until ``release`` is set (at most
+    30 s): (the worker, its service, ``entered`` set when a call reached the encoder, ``release``)."""
+    encoder = start_worker("encode", bundle, SECURITY, codecs=("fp32",) * bundle.config.num_layers)
     service = encoder.service
     assert isinstance(service, EncodeService)
     entered, release = threading.Event(), threading.Event()
@@ -527,6 +519,20 @@ def test_an_encode_call_ends_with_its_request_not_at_its_deadline(cluster, why: 
         release.wait(30)
         return embed(images)
     service.embed = held_embed  # type: ignore[method-assign]  # holds the real encoder still, then runs it
+    return encoder, service, entered, release
+
+
+@pytest.mark.parametrize("max_tokens", [12, 1], ids=["decode", "prefill-only"])
+@pytest.mark.parametrize("why", ["client-left", "prefill-refused"])
+def test_an_encode_call_ends_with_its_request_not_at_its_deadline(cluster, why: str, max_tokens: int):
+    """An image request's Encode call ends when the request does: its client left while the image was being
+    encoded (the encoder held still meanwhile), or its prefill worker refused it (draining). The call's
+    deadline is 120 s; without the cancel the encode worker kept retrying a push that no prefill worker would
+    take until then, holding the call (the dispatcher's slot on it and a server thread). The worker reports
+    the call in Status's ``running`` while it runs (a drain waits for it), and 0 once it ended; it pushed
+    nothing."""
+    bundle, workers, _, dispatcher, *_ = cluster
+    encoder, service, entered, release = _held_encoder(bundle)
     channel = SECURITY.open_channel(encoder.address)
     status = EncodeWorkerStub(channel)
     route = Route(decode=workers[1].address, prefill=workers[0].address, encode=encoder.address)
@@ -571,18 +577,7 @@ def test_a_cancel_before_the_prefill_worker_holds_an_image_request_still_ends_it
     the worker, once it takes the request, sees its caller gone and lets go at once, not at the deadline
     (120 s here)."""
     bundle, workers, _, dispatcher, *_ = cluster
-    codecs = ("fp32",) * bundle.config.num_layers
-    encoder = start_worker("encode", bundle, SECURITY, codecs=codecs)
-    service = encoder.service
-    assert isinstance(service, EncodeService)
-    entered, release = threading.Event(), threading.Event()
-    embed = service.embed
-
-    def held_embed(images: list[bytes]):  # noqa: ANN202
-        entered.set()
-        release.wait(30)
-        return embed(images)
-    service.embed = held_embed  # type: ignore[method-assign]  # holds the real encoder still, then runs it
+    encoder, service, entered, release = _held_encoder(bundle)
     prefill = workers[0].service
     route = Route(decode=workers[1].address, prefill=workers[0].address, encode=encoder.address)
     req = _image_request(bundle, f"early-cancel-{max_tokens}", max_tokens)

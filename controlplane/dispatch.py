@@ -391,7 +391,6 @@ class Dispatcher:
         est = obs.begin("encode", "encode", images=len(req.images))
         message = wpb.EncodeRequest(request_id=req.request_id, images=list(req.images),
                                     embeddings_target=route.prefill, timeout_s=req.timeout_s)
-
         future = self._pool.submit(_call_until, stub.Encode, message, est.metadata(md), req.timeout_s, halt)
         future.add_done_callback(_ender(est, halt))
         return future

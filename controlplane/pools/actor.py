@@ -60,12 +60,12 @@ class WorkerActor:
         from pathlib import Path
 
         from controlplane.pools import replica
-
-        if wire:
-            replica.check_wire(replica.wire_digest(), wire, f"this {pool} replica")
         from controlplane.pools.affinity import core_for, pin_process
         from controlplane.settings import Settings
         from controlplane.state import WorkerRegistry, connect
+
+        if wire:
+            replica.check_wire(replica.wire_digest(), wire, f"this {pool} replica")
 
         self.state = ReplicaState.STARTING
         self.index = index

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -141,6 +142,7 @@ def build_worker(pool: Pool, settings: Settings, folder: Path, security: Transfe
                         embedding_cache_bytes=ps.embedding_cache_bytes)
 
 
+@functools.cache
 def wire_digest() -> str:
     """The wire protocol this process's code speaks, as a short digest of the worker and KV-transfer services'
     compiled proto descriptors. The control plane and every replica must speak the same one: where they do

@@ -28,7 +28,7 @@ def main() -> None:
     if "MANAGER_PROCESS_WIRE_DIGEST" in os.environ:
         import controlplane.pools.manager as manager_module
         digest = os.environ["MANAGER_PROCESS_WIRE_DIGEST"]
-        manager_module.wire_digest = lambda: digest  # this process's side only
+        manager_module.wire_digest = lambda: digest  # type: ignore[assignment]  # this process's side only
     manager = PoolManager(Settings.model_validate_json(settings_json), redis_url, prefix, token, address,
                           reconcile_interval_s=0.2, start_timeout_s=start_timeout_s)
     try:

@@ -35,6 +35,7 @@ from kvtransfer.threads import single_threaded_torch
 
 # OpenCudaIpc refusals after which ``auto`` falls back: no pool there, none free, or not mappable here.
 _NO_IPC = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNIMPLEMENTED)
+_THIS_HOST = ""  # shm_control's one key: /dev/shm is this host's, whatever the target
 TransportChoice = Literal["auto", "grpc", "shm", "tcp", "cuda_ipc"]
 
 
@@ -109,6 +110,9 @@ class KVSender:
         self.bulk = BulkConnector(ssl_context=security.ssl_context(server_side=False) if transport != "grpc" else None,
                                   server_name=security.tls_server_name)
         self.bulk_control = BulkControl()
+        # Shared memory this process could not use (/dev/shm full or too small): auto skips it a while.
+        self.shm_control = BulkControl(what="could not use shared memory", then="auto's pushes use gRPC",
+                                       subject="This KV sender{}")
         self.budget = ByteBudget(sender_budget_bytes)
         self._channels = ChannelCache(security)
         self.host = socket.gethostname()
@@ -156,7 +160,7 @@ class KVSender:
         local = is_local_target(target)
         if ipc and local and self.device.type == "cuda" and self.ipc_control.usable(target):
             return "cuda_ipc"
-        return "shm" if local and shm_available() else "grpc"
+        return "shm" if local and shm_available() and self.shm_control.usable(_THIS_HOST) else "grpc"
 
     def bulk_control_usable(self, target: str) -> bool:
         """Whether a shm push to ``target`` should ask for a bulk connection for its control messages."""
@@ -170,11 +174,14 @@ class KVSender:
         try:
             return KVStream(self.context, target, request_id, layout, num_tokens, timeout_s, transport)
         except TransferFailed as exc:
-            if self.transport != "auto" or transport != "cuda_ipc" or exc.code not in _NO_IPC:
+            if self.transport != "auto" or transport not in ("cuda_ipc", "shm") or exc.code not in _NO_IPC:
                 raise
-            # auto falls back. Every segment busy, or this push larger than one (RESOURCE_EXHAUSTED): for this
-            # push only. No pool there, or none this process can map: for a while.
-            if exc.code != grpc.StatusCode.RESOURCE_EXHAUSTED:
+            # auto falls back. CUDA IPC: every segment busy, or this push larger than one (RESOURCE_EXHAUSTED):
+            # for this push only; no pool there, or none this process can map: for a while. Shared memory
+            # (no segment could be made here, e.g. /dev/shm full): for a while, on gRPC.
+            if transport == "shm":
+                self.shm_control.failed(_THIS_HOST, exc)
+            elif exc.code != grpc.StatusCode.RESOURCE_EXHAUSTED:
                 self.ipc_control.failed(target, exc)
         return KVStream(self.context, target, request_id, layout, num_tokens, timeout_s,
                         self.choose_transport(target, ipc=False))

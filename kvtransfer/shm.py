@@ -18,6 +18,7 @@ against a fixed pattern, so a handshake cannot point the receiver at any other f
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import mmap
 import os
@@ -61,7 +62,9 @@ class SharedSegment:
         except OSError as exc:
             raise ShmError(f"cannot create shared memory {building}: {exc.strerror}") from None
         try:
-            os.ftruncate(fd, size)
+            # Allocated now, not sparse: a tmpfs too small for it refuses here (ENOSPC), where a sparse file
+            # would map fine and kill this process with SIGBUS at the first write past what /dev/shm holds.
+            os.posix_fallocate(fd, 0, size)
             # Held until this process closes the segment or dies (the kernel drops it then), and taken before
             # the file gets its reapable name: a reaper that cannot see our pid (another pid namespace
             # sharing /dev/shm) still sees the segment is in use.
@@ -72,6 +75,9 @@ class SharedSegment:
             os.close(fd)
             building.unlink(missing_ok=True)
             path.unlink(missing_ok=True)
+            if exc.errno == errno.ENOSPC:
+                raise ShmError(f"{SHM_DIR} has no room for a {_size(size)} segment ({_room()}); give the "
+                               "worker a larger /dev/shm (docker run --shm-size, the chart's shmSize)") from None
             raise ShmError(f"cannot set up shared memory {path} ({size} bytes): {exc.strerror}") from None
 
     @classmethod
@@ -108,6 +114,18 @@ class SharedSegment:
         self._fd = -1
         if self.owner:
             (SHM_DIR / self.name).unlink(missing_ok=True)
+
+
+def _room() -> str:
+    try:
+        st = os.statvfs(SHM_DIR)
+    except OSError:
+        return "its size unknown"
+    return f"{_size(st.f_bavail * st.f_frsize)} free of {_size(st.f_blocks * st.f_frsize)}"
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**20:.0f} MiB" if n >= 2**20 else f"{n / 2**10:.0f} KiB"
 
 
 def reap_orphans() -> list[str]:

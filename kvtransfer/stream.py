@@ -107,7 +107,7 @@ class KVStream:
             try:
                 self._segment = ctx.segments.take(self._segment_size())
             except ShmError as exc:
-                raise TransferFailed(f"cannot use shared memory: {exc}") from None
+                raise TransferFailed(f"cannot use shared memory: {exc}", grpc.StatusCode.RESOURCE_EXHAUSTED) from None
             hs.transport = pb.TRANSPORT_SHARED_MEMORY
             hs.shm_name = self._segment.name
             hs.shm_size = self._segment.size

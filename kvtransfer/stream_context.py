@@ -50,11 +50,11 @@ class BulkControl:
 
     def __init__(self, clock: Callable[[], float] = time.monotonic,
                  what: str = "gave no bulk TCP connection", then: str = "shared-memory and CUDA IPC pushes to it "
-                 "carry their control on gRPC (slower per push)") -> None:
+                 "carry their control on gRPC (slower per push)", subject: str = "KV receiver {}") -> None:
         self._no_bulk: dict[str, float] = {}  # target -> when to ask it again
         self._clock = clock
         self._lock = threading.Lock()
-        self._what, self._then = what, then
+        self._what, self._then, self._subject = what, then, subject
 
     def usable(self, target: str) -> bool:
         if target.startswith(("unix:", "unix-abstract:")):
@@ -68,8 +68,8 @@ class BulkControl:
             first = target not in self._no_bulk
             self._no_bulk[target] = self._clock() + BULK_RETRY_S
         if first:
-            log.warning("KV receiver %s %s (%s); %s, and ask again in %.0f s", target, self._what, error.message,
-                        self._then, BULK_RETRY_S)
+            log.warning("%s %s (%s); %s, and try again in %.0f s", self._subject.format(target), self._what,
+                        error.message, self._then, BULK_RETRY_S)
 
 
 @dataclass(frozen=True)

@@ -98,7 +98,14 @@ class DisaggPair:
             rid = f"req-{i}"
             reservations[rid] = self.decode.reserve(rid, len(prompt))
             self.receiver.expect(rid, reservations[rid].blocks, on_done, self.timeout_s)
-            self.streamer.start(rid, self.target, len(prompt), self.timeout_s)
+            try:
+                self.streamer.start(rid, self.target, len(prompt), self.timeout_s)
+            except BaseException:  # this push could not open: nothing of this run stays held
+                for opened in reservations:
+                    self.streamer.cancel(opened, "another push of the run did not open")
+                    self.receiver.cancel(opened, "its push did not open")
+                    self.decode.release(reservations[opened])
+                raise
             starts[rid] = time.perf_counter()
             self.prefill.add_request(rid, prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
         # finish each stream as soon as its prompt is done, off the engine thread, as a prefill worker does

@@ -3,9 +3,12 @@ by every new longest prompt."""
 
 from __future__ import annotations
 
+import errno
+import os
+
 import pytest
 
-from kvtransfer.shm import SHM_DIR, SegmentPool, segment_size_class, shm_available
+from kvtransfer.shm import SHM_DIR, SegmentPool, ShmError, segment_size_class, shm_available
 
 pytestmark = [pytest.mark.unit, pytest.mark.skipif(not shm_available(), reason="needs a writable /dev/shm")]
 MiB = 1 << 20
@@ -55,3 +58,19 @@ def test_a_replaced_segment_is_unlinked() -> None:
     finally:
         pool.close()
     assert not (SHM_DIR / second.name).exists()
+
+
+def test_a_segment_that_dev_shm_has_no_room_for_is_refused_up_front(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The segment is allocated when it is made, so a full /dev/shm refuses it with a message that says so and
+    what to do, and leaves no file behind. (A sparse segment mapped fine, and the first write past what /dev/shm
+    held killed the process with SIGBUS; tests/integration/test_kv_shm_full.py shows it on a real tiny tmpfs.)"""
+    before = set(SHM_DIR.glob("epd-kv-*"))
+
+    def full(fd: int, offset: int, length: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    with pytest.raises(ShmError, match=r"/dev/shm has no room for a 16 MiB segment \(.* free of .*\); give the "
+                                       r"worker a larger /dev/shm \(docker run --shm-size, the chart's shmSize\)"):
+        SegmentPool().take(1)
+    assert set(SHM_DIR.glob("epd-kv-*")) == before

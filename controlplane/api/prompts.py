@@ -22,7 +22,8 @@ from controlplane.api.limits import MAX_IMAGE_BYTES, MAX_IMAGES_BYTES, MiB
 from controlplane.api.models import ChatCompletionRequest, ChatMessage, CompletionRequest, ImagePart, TextPart
 from controlplane.backend import ModelInfo
 from controlplane.dispatch import WorkerRequest
-from workers.runtime.errors import InvalidRequestError
+from workers.runtime.errors import ImageTooLargeError, InvalidImageError, InvalidRequestError
+from workers.runtime.images import check_image_header
 from workers.runtime.multimodal import expand_image_tokens
 from workers.runtime.sampler import SamplingParams
 
@@ -108,6 +109,11 @@ def _template_messages(body: HasMessages, model: ModelInfo) -> tuple[list[dict[s
                     if model.image_token_id is None:
                         raise APIError(400, f"The model `{model.name}` does not accept images.", param=where)
                     images.append(decode_data_url(part.image_url.url, where))
+                    try:  # its header, here where the field can be named (the encoder decodes the pixels)
+                        check_image_header(images[-1])
+                    except InvalidImageError as exc:
+                        code = "image_too_large" if isinstance(exc, ImageTooLargeError) else "invalid_image"
+                        raise APIError(400, f"{exc}.", param=where, code=code) from None
                     content.append({"type": "image"})
                     if sum(map(len, images)) > MAX_IMAGES_BYTES:
                         raise APIError(400, f"the request's images come to more than {MAX_IMAGES_BYTES // MiB} MiB "

@@ -246,16 +246,21 @@ def test_bad_input_gets_4xx_and_the_workers_keep_serving(e2e_stack: Stack, clien
         client.chat.completions.create(model="gpt-4o", messages=TEXT)  # type: ignore[arg-type]  # plain dicts for TypedDicts
     assert _assert_openai_error(missing.value, 404, "The model `gpt-4o` does not exist.")["code"] == "model_not_found"
     not_an_image = "data:image/png;base64," + base64.b64encode(b"certainly not a PNG").decode()
-    for image_url, fragment in ((not_an_image, "image"), ("data:image/png;base64,@@@", "not valid base64"),
-                                ("https://example.com/cat.png", "remote image URLs are not supported")):
+    # a sound header over pixel data cut short: only the encode worker, decoding it, finds that out
+    truncated = "data:image/png;base64," + base64.b64encode(_png((1, 2, 3))[:-40]).decode()
+    part = "messages[0].content[0].image_url"
+    for image_url, fragment, param in (
+            (not_an_image, "is not a decodable image", part), ("data:image/png;base64,@@@", "not valid base64", part),
+            ("https://example.com/cat.png", "remote image URLs are not supported", part),
+            (truncated, "image 1 of 1: PNG image is corrupt or truncated", None)):
         with pytest.raises(openai.BadRequestError) as err:
             client.chat.completions.create(model=model, messages=[{"role": "user", "content": [
                 {"type": "image_url", "image_url": {"url": image_url}}, {"type": "text", "text": "What is it?"}]}])
-        _assert_openai_error(err.value, 400, fragment)
-    with pytest.raises(openai.BadRequestError) as err:  # the same undecodable image, streaming: still a 400
+        assert _assert_openai_error(err.value, 400, fragment)["param"] == param
+    with pytest.raises(openai.BadRequestError) as err:  # the encoder's refusal, streaming: still a 400
         client.chat.completions.create(model=model, stream=True, messages=[{"role": "user", "content": [
-            {"type": "image_url", "image_url": {"url": not_an_image}}]}])
-    _assert_openai_error(err.value, 400, "image")
+            {"type": "image_url", "image_url": {"url": truncated}}]}])
+    _assert_openai_error(err.value, 400, "corrupt or truncated")
     long_prompt = [{"role": "user", "content": "the cache moves between workers " * 3000}]
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(model=model, messages=long_prompt)  # type: ignore[arg-type]  # plain dicts for TypedDicts

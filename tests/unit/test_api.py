@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import io
 import json
 import logging
 import socket
+import struct
 import threading
 import time
 import uuid
+import zlib
 from collections.abc import AsyncGenerator, Iterator, MutableMapping
 from typing import Any
 
@@ -22,6 +25,7 @@ import httpx
 import httpx2
 import pytest
 from fastapi.testclient import TestClient
+from PIL import Image
 
 from controlplane.api import create_app
 from controlplane.backend import BackendError, Chunk, ModelInfo, Overloaded
@@ -43,7 +47,13 @@ NAME = "epd-test"
 CONTEXT = 256
 TOKENS_PER_IMAGE = 4
 REPLY = " The cache moves between workers layer by layer."
-PNG = base64.b64encode(b"\x89PNG\r\n\x1a\n pretend pixels").decode()
+def _png_bytes(width: int = 2, height: int = 2) -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", (width, height), (30, 160, 90)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+PNG = base64.b64encode(_png_bytes()).decode()
 
 
 @pytest.fixture(scope="module")
@@ -258,9 +268,42 @@ def test_bad_image_urls(client: TestClient, backend: FakeBackend, url: str, frag
     assert backend.requests == []
 
 
+def _bmp() -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", (4, 4)).save(buf, format="BMP")
+    return buf.getvalue()
+
+
+def _png_claiming(width: int, height: int) -> bytes:
+    """A small PNG whose header claims ``width`` x ``height`` (the header is all the API's check reads)."""
+    data = bytearray(_png_bytes())
+    data[16:24] = struct.pack(">II", width, height)
+    data[29:33] = struct.pack(">I", zlib.crc32(bytes(data[12:29])))
+    return bytes(data)
+
+
+@pytest.mark.parametrize("image, fragment, code", [
+    (b"certainly not a PNG", "is not a decodable image; supported: PNG, JPEG, WEBP, GIF", "invalid_image"),
+    (_bmp(), "unsupported image format BMP; supported: PNG, JPEG, WEBP, GIF", "invalid_image"),
+    (_png_claiming(9000, 9000), "image is too large: 9000x9000 pixels, the limit is 64000000", "image_too_large"),
+], ids=["not-an-image", "bmp", "81-megapixels"])
+def test_an_image_its_header_rules_out_is_refused_naming_its_part(client: TestClient, backend: FakeBackend,
+                                                                  image: bytes, fragment: str, code: str) -> None:
+    """Format and pixel count are read from the header at the API, so the 400 names the image's part (the
+    encode worker, which decodes the pixels, could only say which image it was in its message)."""
+    bad = "data:image/png;base64," + base64.b64encode(image).decode()
+    content = [{"type": "text", "text": "Compare"},
+               {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{PNG}"}},
+               {"type": "image_url", "image_url": {"url": bad}}]
+    resp = client.post("/v1/chat/completions", json={"model": NAME, "messages": [{"role": "user", "content": content}]})
+    assert_error(resp, 400, fragment, param="messages[0].content[2].image_url", code=code)
+    assert backend.requests == []
+
+
 def _image_chat(client: TestClient, *sizes: int) -> Response:
+    png = _png_bytes()  # a real PNG, padded to n bytes (a decoder ignores what follows its end)
     content = [{"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(
-        b"\x89PNG" + b"p" * (n - 4)).decode()}} for n in sizes]
+        png + b"\0" * (n - len(png))).decode()}} for n in sizes]
     return client.post("/v1/chat/completions", json={"model": NAME, "messages": [{"role": "user", "content": content}]})
 
 

@@ -43,5 +43,9 @@ class InvalidImageError(InvalidRequestError):
     """An image could not be decoded or has an unsupported size/format."""
 
 
+class ImageTooLargeError(InvalidImageError):
+    """An image has more pixels than the encoder takes."""
+
+
 class DuplicateRequestError(InvalidRequestError):
     """A request id is already known to the engine."""

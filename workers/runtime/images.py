@@ -14,7 +14,7 @@ import torch
 from PIL import Image, UnidentifiedImageError
 from torch import Tensor
 
-from workers.runtime.errors import InvalidImageError
+from workers.runtime.errors import ImageTooLargeError, InvalidImageError
 from workers.runtime.vision_config import VisionConfig
 
 SUPPORTED_IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF")
@@ -23,8 +23,14 @@ MAX_IMAGE_PIXELS = 64_000_000
 MAX_RESIZED_PIXELS = 16_000_000  # bound on the intermediate of resize-then-crop
 
 
-def preprocess_image(data: bytes, cfg: VisionConfig) -> Tensor:
-    """Decode image bytes and preprocess them as CLIP does; bad input raises InvalidImageError."""
+def check_image_header(data: bytes) -> None:
+    """What can be told of image bytes from their header alone, without decoding a pixel: not empty, a
+    supported format, a size within MAX_IMAGE_PIXELS. InvalidImageError names the problem (the API checks
+    this where it can still name the request's field; the encoder checks it again, then decodes)."""
+    _open_image(data)
+
+
+def _open_image(data: bytes) -> Image.Image:
     if not data:
         raise InvalidImageError("image is empty (0 bytes)")
     try:
@@ -32,12 +38,18 @@ def preprocess_image(data: bytes, cfg: VisionConfig) -> Tensor:
     except UnidentifiedImageError:
         raise InvalidImageError(_describe_undecodable(data)) from None
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
-        raise InvalidImageError(f"image is too large: {exc}; the limit is {MAX_IMAGE_PIXELS} pixels") from None
+        raise ImageTooLargeError(f"image is too large: {exc}; the limit is {MAX_IMAGE_PIXELS} pixels") from None
     width, height = image.size
     if width <= 0 or height <= 0:
         raise InvalidImageError(f"image has zero size ({width}x{height})")
     if width * height > MAX_IMAGE_PIXELS:
-        raise InvalidImageError(f"image is too large: {width}x{height} pixels, the limit is {MAX_IMAGE_PIXELS}")
+        raise ImageTooLargeError(f"image is too large: {width}x{height} pixels, the limit is {MAX_IMAGE_PIXELS}")
+    return image
+
+
+def preprocess_image(data: bytes, cfg: VisionConfig) -> Tensor:
+    """Decode image bytes and preprocess them as CLIP does; bad input raises InvalidImageError."""
+    image = _open_image(data)
     try:
         image.load()  # the header parsed; decoding the pixels can still fail on truncated/corrupt data
     except (OSError, ValueError, SyntaxError, EOFError) as exc:

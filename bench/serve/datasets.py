@@ -107,20 +107,22 @@ def _lengths(rng: np.random.Generator, mean: int, ratio: float, n: int) -> list[
     return rng.integers(lo, hi + 1, size=n).tolist()
 
 
-def random_requests(cfg: DatasetConfig, src: TextSource, rng: np.random.Generator) -> list[BenchRequest]:
+def random_requests(cfg: DatasetConfig, src: TextSource, rng: np.random.Generator, text_rng: np.random.Generator,
+                    point: int) -> list[BenchRequest]:
     ins = _lengths(rng, cfg.input_len, cfg.range_ratio, cfg.num_prompts)
     outs = _lengths(rng, cfg.output_len, cfg.range_ratio, cfg.num_prompts)
-    return [BenchRequest(src.text(rng, i), i, o) for i, o in zip(ins, outs)]
+    return [BenchRequest(src.text(text_rng, i), i, o) for i, o in zip(ins, outs)]
 
 
-def prefix_requests(cfg: DatasetConfig, src: TextSource, rng: np.random.Generator) -> list[BenchRequest]:
+def prefix_requests(cfg: DatasetConfig, src: TextSource, rng: np.random.Generator, text_rng: np.random.Generator,
+                    point: int) -> list[BenchRequest]:
     """``num_prefixes`` shared prefixes of ``prefix_len`` tokens, each request one of them (round robin, then
     shuffled) plus a unique suffix of about ``input_len`` tokens: the prefix-cache and routing workload."""
-    prefixes = [src.text(rng, cfg.prefix_len) for _ in range(cfg.num_prefixes)]
     suffix_lens = _lengths(rng, cfg.input_len, cfg.range_ratio, cfg.num_prompts)
     outs = _lengths(rng, cfg.output_len, cfg.range_ratio, cfg.num_prompts)
     order = rng.permutation(cfg.num_prompts).tolist()
-    return [BenchRequest(prefixes[k % cfg.num_prefixes] + " " + src.text(rng, suffix_lens[k]),
+    prefixes = [src.text(text_rng, cfg.prefix_len) for _ in range(cfg.num_prefixes)]
+    return [BenchRequest(prefixes[k % cfg.num_prefixes] + " " + src.text(text_rng, suffix_lens[k]),
                          cfg.prefix_len + suffix_lens[k], outs[k]) for k in order]
 
 
@@ -134,16 +136,17 @@ def png_data_url(rng: np.random.Generator, width: int, height: int) -> str:
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
 
 
-def multimodal_requests(cfg: DatasetConfig, src: TextSource, rng: np.random.Generator) -> list[BenchRequest]:
+def multimodal_requests(cfg: DatasetConfig, src: TextSource, rng: np.random.Generator,
+                        text_rng: np.random.Generator, point: int) -> list[BenchRequest]:
     """Random text plus ``images_per_request`` generated PNGs, sizes cycling through ``image_sizes``.
     ``prompt_len`` counts the text only; the server's usage adds the image tokens."""
-    base = random_requests(cfg, src, rng)
+    base = random_requests(cfg, src, rng, text_rng, point)
     out = []
     for k, req in enumerate(base):
         sizes = [cfg.image_sizes[(k * cfg.images_per_request + j) % len(cfg.image_sizes)]
                  for j in range(cfg.images_per_request)]
         out.append(BenchRequest(req.text, req.prompt_len, req.output_len,
-                                tuple(png_data_url(rng, w, h) for w, h in sizes)))
+                                tuple(png_data_url(text_rng, w, h) for w, h in sizes)))
     return out
 
 
@@ -185,7 +188,10 @@ def load_sharegpt(path: Path) -> list[tuple[str, str]]:
     return pairs
 
 
-def sharegpt_requests(cfg: DatasetConfig, src: TextSource, rng: np.random.Generator) -> list[BenchRequest]:
+def sharegpt_requests(cfg: DatasetConfig, src: TextSource, rng: np.random.Generator, text_rng: np.random.Generator,
+                      point: int) -> list[BenchRequest]:
+    """Conversations in a seeded order; load point k takes the k-th ``num_prompts`` of them (cycling when the
+    file is short)."""
     assert cfg.path is not None
     usable = []
     for prompt, answer in load_sharegpt(cfg.path):
@@ -199,18 +205,24 @@ def sharegpt_requests(cfg: DatasetConfig, src: TextSource, rng: np.random.Genera
                               f"answer >= {SHAREGPT_MIN_LEN} tokens, prompt <= {SHAREGPT_MAX_PROMPT}, "
                               f"total <= {SHAREGPT_MAX_TOTAL})")
     order = rng.permutation(len(usable)).tolist()
-    return [usable[order[k % len(order)]] for k in range(cfg.num_prompts)]  # cycles if the file is short
+    first = point * cfg.num_prompts
+    return [usable[order[(first + k) % len(order)]] for k in range(cfg.num_prompts)]
 
 
 _BUILDERS = {"random": random_requests, "prefix": prefix_requests, "multimodal": multimodal_requests,
              "sharegpt": sharegpt_requests}
 
 
-def build_requests(cfg: DatasetConfig, seed: int, src: TextSource | None = None) -> list[BenchRequest]:
+def build_requests(cfg: DatasetConfig, seed: int, src: TextSource | None = None, point: int = 0) -> list[BenchRequest]:
     """``cfg.num_prompts`` requests, deterministic in ``seed`` (and the source's tokenizer). ``src``: where
-    prompt text and lengths come from (default: ``--tokenizer``'s, else common words). Raises BenchInputError
-    on bad input."""
+    prompt text and lengths come from (default: ``--tokenizer``'s, else common words). ``point``: which load
+    point of a sweep they are for: every point gets the same lengths (the same draws from ``seed``) and text
+    (and images) of its own, so a server with a prefix cache cannot answer a later point from an earlier
+    one's prompts; ShareGPT's points take successive conversations. Raises BenchInputError on bad input."""
     cfg.validate()
     if src is None:
         src = TokenizerSource(cfg.tokenizer) if cfg.tokenizer is not None else WordSource()
-    return _BUILDERS[cfg.name](cfg, src, np.random.default_rng(seed))
+    rng = np.random.default_rng(seed)
+    text_rng = rng if point == 0 else np.random.default_rng([seed, point])  # point 0: the prompts as before
+    return _BUILDERS[cfg.name](cfg, src, rng, text_rng, point)
+

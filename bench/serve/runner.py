@@ -2,10 +2,12 @@
 
 1. ``GET /v1/models``: the server is reachable, the key accepted, and (without ``--model``) the model named.
    The prompts are built then, their lengths counted by the server's /tokenize (``server_tokens.py``).
-2. Warm-up: ``warmup`` requests (the dataset's first ones), not measured. If every one fails the run stops
-   with the first reason (a wrong model name, key or endpoint fails every request the same way).
-3. Each rate of the sweep: send the dataset's requests at their arrival offsets (``arrivals.py``), at most
-   ``concurrency`` in flight, wait for all, and summarise (``metrics.py``).
+2. Warm-up: ``warmup`` requests of their own, not measured. If every one fails the run stops with the first
+   reason (a wrong model name, key or endpoint fails every request the same way).
+3. Each rate of the sweep: send its requests at their arrival offsets (``arrivals.py``), at most
+   ``concurrency`` in flight, wait for all, and summarise (``metrics.py``). Each load point has the same
+   lengths and text of its own (``build_requests``), so a server's prefix cache cannot answer one point
+   from the warm-up's or an earlier point's prompts.
 Failed requests are recorded with their reasons and never stop the run.
 """
 
@@ -152,12 +154,12 @@ async def arun_serve_bench(config: ServeBenchConfig) -> BenchResult:
                              datetime.now(UTC).isoformat(timespec="seconds"))
         if config.model is not None and models and config.model not in models:
             result.notes.append(f"model {config.model!r} is not among the server's models {models}")
-        requests = await asyncio.to_thread(_requests, config, base, model, headers, endpoint, result.notes)
+        sets = await asyncio.to_thread(_requests, config, base, model, headers, endpoint, result.notes)
         url = f"{base}/chat/completions" if endpoint == "chat" else f"{base}/completions"
-        bodies = [(build_body(r, model, endpoint, temperature=config.temperature, ignore_eos=config.ignore_eos),
-                   r.prompt_len) for r in requests]
+        per_point = [[(build_body(r, model, endpoint, temperature=config.temperature, ignore_eos=config.ignore_eos),
+                       r.prompt_len) for r in requests] for requests in sets]
         if config.warmup:
-            warm = [bodies[i % len(bodies)] for i in range(config.warmup)]
+            warm = [per_point[-1][i % len(per_point[-1])] for i in range(config.warmup)]
             outcomes, _ = await _drive(client, url, warm, headers, [0.0] * len(warm), config.concurrency,
                                        config.request_timeout_s, _Progress(False, 0, ""))
             failed = [o for o in outcomes if not o.success]
@@ -166,7 +168,7 @@ async def arun_serve_bench(config: ServeBenchConfig) -> BenchResult:
                                       f"{failed[0].error} (check --model, --api-key and --endpoint)")
             if failed:
                 result.notes.append(f"{len(failed)} of {len(outcomes)} warm-up requests failed: {failed[0].error}")
-        for rate in config.rates:
+        for rate, bodies in zip(config.rates, per_point):
             offsets = send_offsets(len(bodies), rate, config.burstiness, config.seed)
             label = "rate inf" if math.isinf(rate) else f"rate {rate:g}/s"
             if config.concurrency:
@@ -185,24 +187,38 @@ async def arun_serve_bench(config: ServeBenchConfig) -> BenchResult:
 
 
 def _requests(config: ServeBenchConfig, base: str, model: str, headers: dict[str, str], endpoint: Endpoint,
-              notes: list[str]) -> list[BenchRequest]:
-    """The prompts, their lengths counted by the server's tokenizer (its /tokenize) unless ``--tokenizer``
-    is given; a server without /tokenize gets word prompts of approximate length, and a note says so."""
-    if config.dataset.tokenizer is not None:
-        return build_requests(config.dataset, config.seed)
+              notes: list[str]) -> list[list[BenchRequest]]:
+    """The prompts of each load point, then the warm-up's when there is one; their lengths counted by the
+    server's tokenizer (its /tokenize) unless ``--tokenizer`` is given. A server without /tokenize gets word
+    prompts of approximate length, and a note says so; so do prompts that repeat across load points."""
+    src: ServerTokens | None = None
+    if config.dataset.tokenizer is None:
+        try:
+            whole = config.dataset.name in ("random", "sharegpt")  # a whole prompt is one text: count it whole
+            src = ServerTokens(base.removesuffix("/v1"), model, headers, endpoint, config.request_timeout_s, whole)
+        except TokenizeUnavailable as exc:
+            notes.append(f"exact prompt lengths need the server's /tokenize or --tokenizer ({exc}); prompts are "
+                         f"common words, about one token each")
+    points = len(config.rates)
     try:
-        whole = config.dataset.name in ("random", "sharegpt")  # a whole prompt is one text: count it whole
-        src = ServerTokens(base.removesuffix("/v1"), model, headers, endpoint, config.request_timeout_s, whole)
-    except TokenizeUnavailable as exc:
-        notes.append(f"exact prompt lengths need the server's /tokenize or --tokenizer ({exc}); prompts are "
-                     f"common words, about one token each")
-        return build_requests(config.dataset, config.seed)
-    try:
-        return build_requests(config.dataset, config.seed, src)
+        sets = [build_requests(config.dataset, config.seed, src, point) for point in range(points)]
+        if config.warmup:  # a point's worth, as the one after the last (ShareGPT: conversations no point sends)
+            sets.append(build_requests(config.dataset, config.seed, src, points)[:config.warmup])
     except TokenizeUnavailable as exc:
         raise BenchInputError(f"the server's /tokenize failed while building prompts: {exc}") from None
     finally:
-        src.close()
+        if src is not None:
+            src.close()
+    seen: set[str] = set()
+    repeated = 0
+    for requests in sets:
+        texts = {r.text for r in requests}
+        repeated += len(texts & seen)
+        seen |= texts
+    if repeated:
+        notes.append(f"{repeated} prompts repeat one of an earlier load point or the warm-up (the dataset holds "
+                     f"too few): a server with a prefix cache may answer them from it")
+    return sets
 
 
 def run_serve_bench(config: ServeBenchConfig) -> BenchResult:

@@ -14,7 +14,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -76,18 +76,18 @@ def test_a_short_run_against_the_live_stack_matches_what_the_stack_counted(e2e_s
     assert point["total_output_tokens"] == sum(r["output_tokens"] for r in reqs)
     assert point["slo_attainment"]["all"] == 1.0 and point["good_requests"] == 12
 
-    # the warm-up request is the dataset's first prompt again (greedy: the same answer), so the stack saw
-    # the measured requests plus one more copy of requests[0]
+    # the warm-up request went first, with a prompt of its own as long as the first measured one's (every set
+    # of prompts draws the same lengths), so the stack saw it and then the measured requests
     new = [ids for rid, ids in e2e_stack.backend.tokens.items() if rid not in seen]
     assert len(new) == 13
-    assert sum(map(len, new)) == point["total_output_tokens"] + reqs[0]["output_tokens"]
+    warm_output = len(new[0])
+    assert sum(map(len, new[1:])) == point["total_output_tokens"]
     after = _counters(e2e_stack.base_url)
     ok = 'epd:requests_total{route=/v1/completions,status=200}'
-    warm = reqs[0]
     assert _delta(before, after, ok) == 13
-    tokens = point["total_output_tokens"] + warm["output_tokens"]
-    assert _delta(before, after, "epd:generation_tokens_total{}") == tokens
-    assert _delta(before, after, "epd:prompt_tokens_total{}") == point["total_input_tokens"] + warm["prompt_tokens"]
+    assert _delta(before, after, "epd:generation_tokens_total{}") == point["total_output_tokens"] + warm_output
+    prompts = point["total_input_tokens"] + reqs[0]["prompt_tokens"]
+    assert _delta(before, after, "epd:prompt_tokens_total{}") == prompts
     assert data["format"] == "epd-bench-serve/1"
 
     for name in ("latency_cdf.png", "slo_attainment.png", "goodput.png"):
@@ -241,3 +241,21 @@ def test_a_server_that_fails_mid_run_is_counted_not_fatal(flaky_server: FlakySer
     run = _epd("--url", flaky_server.url, "--num-prompts", "8", "--warmup", "0", "--no-progress")
     assert run.returncode == 0, run.stderr
     assert "8 sent, 2 completed, 6 failed" in run.stdout and "2 x HTTP 500: boom" in run.stdout
+
+
+def test_prompts_that_must_repeat_across_load_points_are_noted(flaky_server: FlakyServer, tmp_path: Path):
+    """Three conversations for two points of two and a warm-up: two prompts repeat an earlier one's, and the
+    result says so (a prefix-caching server may answer those from its cache). Random prompts never repeat."""
+    sharegpt = tmp_path / "sg.json"
+    sharegpt.write_text(json.dumps([{"conversations": [{"from": "human", "value": f"question {i} " * 4},
+                                                       {"from": "gpt", "value": "an answer " * 4}]}
+                                    for i in range(3)]))
+    cfg = ServeBenchConfig(flaky_server.url, warmup=1, progress=False, rates=(200.0, 200.0),
+                           dataset=DatasetConfig("sharegpt", num_prompts=2, path=sharegpt))
+    result = run_serve_bench(cfg)
+    assert len(flaky_server.posts) == 5 and len(result.points) == 2
+    assert "2 prompts repeat one of an earlier load point or the warm-up (the dataset holds too few): a server " \
+           "with a prefix cache may answer them from it" in result.notes
+    random = run_serve_bench(replace(cfg, warmup=0,  # (the flaky server would fail a warm-up now)
+                                     dataset=DatasetConfig("random", num_prompts=2, input_len=5, output_len=4)))
+    assert not [n for n in random.notes if "repeat" in n]

@@ -15,6 +15,7 @@ from PIL import Image
 from bench.serve.config import (
     BenchInputError,
     DatasetConfig,
+    DatasetName,
     ServeBenchConfig,
     normalize_url,
     parse_float_list,
@@ -108,6 +109,32 @@ def test_sharegpt_takes_first_two_turns_filters_and_cycles(tmp_path: Path):
     assert {r.output_len for r in reqs} == {round(len("answer " * 20) / 4), 20}  # about 4 characters a token
     fixed = build_requests(DatasetConfig("sharegpt", num_prompts=2, path=path, sharegpt_output_len=9), 0)
     assert {r.output_len for r in fixed} == {9}
+
+
+@pytest.mark.parametrize("name", ["random", "prefix", "multimodal"])
+def test_each_load_point_has_the_same_lengths_and_text_of_its_own(name: DatasetName):
+    """A sweep's later points (and the warm-up, built as the point after the last) must not repeat an earlier
+    point's prompts, or a server with a prefix cache answers them from it; their lengths stay the same, so
+    the points differ in load only. Point 0 is what ``build_requests`` always gave."""
+    cfg = DatasetConfig(name, num_prompts=12, input_len=20, output_len=5, range_ratio=0.5, num_prefixes=2,
+                        prefix_len=6, images_per_request=1, image_sizes=((8, 8),))
+    points = [build_requests(cfg, 7, point=k) for k in range(3)]
+    assert points[0] == build_requests(cfg, 7)
+    assert [[(r.prompt_len, r.output_len) for r in reqs] for reqs in points[1:]] == \
+        [[(r.prompt_len, r.output_len) for r in points[0]]] * 2
+    for a in range(3):
+        for b in range(a):
+            assert not {r.text for r in points[a]} & {r.text for r in points[b]}
+            assert not {u for r in points[a] for u in r.image_urls} & {u for r in points[b] for u in r.image_urls}
+    assert build_requests(cfg, 7, point=2) == points[2]  # still deterministic in the seed
+
+
+def test_sharegpt_load_points_take_successive_conversations(tmp_path: Path):
+    path = _write(tmp_path, [_conv(f"question number {i} " * 3, "an answer to it " * 3) for i in range(6)])
+    cfg = DatasetConfig("sharegpt", num_prompts=2, path=path)
+    texts = [[r.text for r in build_requests(cfg, 0, point=k)] for k in range(4)]
+    assert len({t for point in texts[:3] for t in point}) == 6  # three points use all six, none twice
+    assert texts[3] == texts[0]  # a fourth has to cycle
 
 
 @pytest.mark.parametrize("content, message", [

@@ -425,9 +425,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"{m.name:<34}{m.gbps:8.2f}")
     print(f"{ROUND_TRIP:<34}{round_trip * 1e3:8.3f} ms")
     print()
-    print(f"{'figure':<46}{'value':>12}  {'reference':<30}{'ref':>9}{'ratio':>8}")
-    for f in figures:
-        print(f"{f.name:<46}{f.value:9.2f} {f.unit.split()[0]:<3} {f.reference:<30}{f.ref_value:9.2f}{f.ratio:7.2f}x")
+    print(f"{'figure':<46}{'value':>12}  {'reference':<30}{'ref':>9}{'ratio':>10}")
+    for f in figures:  # (a latency's reference is a round trip of hundredths of a ms: 4 significant digits)
+        print(f"{f.name:<46}{f.value:9.2f} {f.unit.split()[0]:<3} {f.reference:<30}{f.ref_value:9.4g}{f.ratio:9.2f}x")
     if paired:
         _print_paired(paired)
     if args.json:

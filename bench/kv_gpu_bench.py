@@ -324,7 +324,7 @@ def run_on(device: torch.device, repeats: int, ttft_codec: str, json_path: Path 
     copy_gbps = copy_rate(device, min(256 * MiB, sizes.codec_bytes * 2)) / 1e9
     print(f"device copy: {copy_gbps:.0f} GB/s one way")
     # Each section's figures print as soon as it ends (flushed): a run stopped at a time limit keeps them.
-    print(f"{'figure':<58}{'value':>10}  {'reference':<28}{'ref':>9}{'ratio':>8}", flush=True)
+    print(f"{'figure':<58}{'value':>10}  {'reference':<28}{'ref':>9}{'ratio':>10}", flush=True)
     figures: list[GpuFigure] = []
     failed: list[str] = []
 
@@ -339,7 +339,7 @@ def run_on(device: torch.device, repeats: int, ttft_codec: str, json_path: Path 
         figures.extend(got)
         for f in got:
             print(f"{f.name:<58}{f.value:9.1f} {f.unit.split()[0]:<3} {f.reference:<28}{f.ref_value:9.1f}"
-                  f"{f.ratio:7.3f}x", flush=True)
+                  f"{f.ratio:9.3f}x", flush=True)
 
     section("codec kernels", lambda: codec_figures(device, sizes.codec_bytes, repeats, copy_gbps))
     rx = ReceiverProcess(token, _receiver_main)

@@ -51,25 +51,31 @@ def ensure_admin_token(settings: Settings) -> str:
 
 
 def find_admin_token(settings: Settings) -> str:
-    token = _admin_token_or_none(settings)
-    if token is None:
+    found = _admin_token_or_none(settings)
+    if found is None:
         raise AdminError(f"no admin token: set EPD_API__ADMIN_TOKEN, or run this where `epd serve` wrote "
                          f"{admin_token_file()}")
-    return token
+    return found[0]
 
 
-def _admin_token_or_none(settings: Settings) -> str | None:
+def _admin_token_or_none(settings: Settings) -> tuple[str, str] | None:
+    """The admin token and where it came from, in words (for a refusal to name)."""
     if settings.api.admin_token is not None:
-        return settings.api.admin_token.get_secret_value()
+        return settings.api.admin_token.get_secret_value(), "api.admin_token (EPD_API__ADMIN_TOKEN or --config)"
     path = admin_token_file()
     try:
-        return path.read_text().strip() if path.exists() else None
+        return (path.read_text().strip(), f"the file {path}") if path.exists() else None
     except OSError as exc:
         raise AdminError(f"cannot read the admin token file {path}: {exc.strerror}") from None
 
 
 class AdminError(Exception):
-    """The admin API could not be reached, refused the token, or refused the change."""
+    """The admin API could not be reached, refused the token, or refused the change (``status``: the HTTP
+    status it answered with, when it answered)."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 def api_url(settings: Settings, url: str | None = None) -> str:
@@ -90,11 +96,19 @@ def call(settings: Settings, method: str, path: str, body: dict | None = None, u
     """One admin request; its JSON reply. ``AdminError`` (naming the URL) for every way it can fail.
     Without an admin token, a read-only probe first tells an API that is down from a missing token."""
     base = api_url(settings, url)
-    token = _admin_token_or_none(settings)
-    if token is None:
+    found = _admin_token_or_none(settings)
+    if found is None:
         _request(base, "GET", "/admin/pools", None, None, timeout, probe=True)
         find_admin_token(settings)  # the API answered: the token is what is missing
-    return _request(base, method, path, body, token, timeout)
+        raise AssertionError("unreachable: find_admin_token raised")
+    token, source = found
+    try:
+        return _request(base, method, path, body, token, timeout)
+    except AdminError as exc:
+        if exc.status != 401:
+            raise
+        raise AdminError(f"{exc}; the token sent came from {source}, and another `epd serve` (another "
+                         f"EPD_STATE_DIR) has another one", exc.status) from None
 
 
 def _request(base: str, method: str, path: str, body: dict | None, token: str | None, timeout: float,
@@ -117,7 +131,7 @@ def _request(base: str, method: str, path: str, body: dict | None, token: str | 
         except (json.JSONDecodeError, AttributeError):  # not JSON, or JSON that is not epd's error shape
             raise AdminError(f"{method} {base}{path}: HTTP {exc.code}, and the reply is not epd's error shape; is "
                              f"{base} an epd API?") from None
-        raise AdminError(f"{method} {base}{path}: HTTP {exc.code}: {detail}") from None
+        raise AdminError(f"{method} {base}{path}: HTTP {exc.code}: {detail}", exc.code) from None
     except urllib.error.URLError as exc:
         if isinstance(exc.reason, TimeoutError):
             raise AdminError(f"the epd API at {base} did not answer within {timeout:g} s") from None

@@ -93,6 +93,9 @@ def format_report(r: ChaosReport) -> str:
                      f"{_ms(f.during.p50_s) + '/' + _ms(f.during.p99_s):>12}"
                      f"{_ms(f.after.p50_s) + '/' + _ms(f.after.p99_s):>12}{_ms(f.p99_bound_s):>8}  "
                      f"{'-' if f.within_bound is None else ('yes' if f.within_bound else 'NO')}")
+    if any(f.within_bound is False for f in r.faults):
+        lines.append("ok = NO: p99 during the fault passed its bound; a latency figure, so it leaves the exit "
+                     "status as it is (failed or differing requests, and leaked blocks, make it 1)")
     first = min((o[0] for o in r.outcomes), default=0.0)
     for start, end, status, error in r.outcomes:
         if status != 200 or error:

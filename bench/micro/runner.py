@@ -121,7 +121,7 @@ def run_suite(selected: list[Benchmark], plan: Plan, log: Callable[[str], None] 
     run.meta["total_seconds"] = round(time.perf_counter() - start, 3)
     if any(b.name == "scheduler" for b in selected):
         run.notes.append("scheduler: scheduler.prefix_affinity is the decision with a 100,000-block prefix index "
-                         "(the issue's '100k indexed blocks'); least_loaded and round_robin read no index")
+                         "(a large cluster's index); least_loaded and round_robin read no index")
     return run
 
 

@@ -53,7 +53,7 @@ def parse_slo(items: list[str] | str | None) -> SLO:
         name = "e2e" if name == "e2el" else name  # vLLM's spelling of end-to-end latency
         if not sep or name not in SLO_METRICS:
             raise BenchInputError(f"bad SLO {token!r}: expected METRIC:MS with METRIC one of "
-                                  f"{', '.join(SLO_METRICS)} (e.g. ttft:200 tpot:50)")
+                                  f"{', '.join(SLO_METRICS)} (e2el: e2e) (e.g. ttft:200 tpot:50)")
         try:
             ms = float(raw)
         except ValueError:

@@ -61,8 +61,9 @@ class Admission:
         """A ticket in the queue, or Overloaded (429) when ``queue_size`` requests already wait."""
         with self._lock:
             if self._waiting >= self.queue_size:
-                raise Overloaded(f"{self._waiting} requests are already waiting for decode room", 1.0,
-                                 reason="queue_full")
+                waiting = "1 request is" if self._waiting == 1 else f"{self._waiting} requests are"
+                raise Overloaded(f"{waiting} already waiting for decode room, the most this server queues "
+                                 f"(scheduler.queue_size); retry later", 1.0, reason="queue_full")
             self._waiting += 1
         return Ticket(self)
 

@@ -124,7 +124,8 @@ def test_a_bounded_wait_ends_in_429_with_retry_after(cluster):
     assert err.value.retry_after_s >= 1.0
     one_waiting = _scheduler(cluster, queue_size=1)
     with one_waiting.admission.admit():  # one request waits: the queue is full, and one more is refused at once
-        with pytest.raises(Overloaded, match="1 requests are already waiting"):
+        with pytest.raises(Overloaded, match=r"^1 request is already waiting for decode room, the most this server "
+                                             r"queues \(scheduler.queue_size\)"):
             next(one_waiting.generate(WorkerRequest("full-queue", prompt, GREEDY)))
     assert one_waiting.waiting == 0
     for s in streams:  # the held requests still finish

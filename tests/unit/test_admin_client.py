@@ -4,6 +4,7 @@ the URL, and a missing token is reported only once the API has been reached."""
 from __future__ import annotations
 
 import json
+import re
 import socket
 import threading
 from collections.abc import Iterator
@@ -119,6 +120,21 @@ def test_without_a_token_a_reachable_api_asks_for_one_and_gets_no_mutating_reque
         with pytest.raises(AdminError, match="no admin token: set EPD_API__ADMIN_TOKEN"):
             call(_settings(None), "PUT", "/admin/pools/decode", {"replicas": 3}, url=url)
     assert [(s["method"], s["authorization"]) for s in seen] == [("GET", None)]  # only the read-only probe
+
+
+def test_a_refused_token_says_where_it_came_from(tmp_path):
+    """Two local serves with different state folders have different tokens; a 401 names the token's source,
+    so the operator sees which one was sent."""
+    state = tmp_path / "state"
+    state.mkdir()
+    (state / "admin_token").write_text("file-token-0123456789\n")
+    body = json.dumps({"error": {"message": "missing or wrong admin token"}}).encode()
+    with http_server(401, body) as (url, _):
+        with pytest.raises(AdminError, match=r"HTTP 401: missing or wrong admin token; the token sent came from "
+                                             rf"the file {re.escape(str(state / 'admin_token'))}, and another"):
+            call(_settings(None), "GET", "/admin/pools", url=url)
+        with pytest.raises(AdminError, match=r"came from api.admin_token \(EPD_API__ADMIN_TOKEN or --config\)"):
+            call(_settings(), "GET", "/admin/pools", url=url)
 
 
 def test_a_token_file_is_used_and_the_json_returned(tmp_path):

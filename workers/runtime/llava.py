@@ -26,6 +26,7 @@ from safetensors import SafetensorError, safe_open
 from workers.runtime.checkpoint import check_tensor, renamed, weight_map
 from workers.runtime.config import read_json_object
 from workers.runtime.errors import CheckpointError, UnsupportedArchitectureError
+from workers.runtime.no_init import uninitialised
 from workers.runtime.vision import VisionEncoder
 from workers.runtime.vision_config import CLIP_MEAN, CLIP_STD, SUPPORTED_RESAMPLE, VisionConfig
 
@@ -176,7 +177,7 @@ def load_llava_vision(folder: Path, cfg: VisionConfig, device: str | torch.devic
                       dtype: torch.dtype = torch.float32) -> VisionEncoder:
     """The CLIP tower and projector from a LLaVA folder's weights; each tensor checked for presence, shape,
     dtype and finiteness; a vision tensor the config does not account for is refused."""
-    with torch.device("meta"):
+    with uninitialised("meta"):
         encoder = VisionEncoder(cfg)
     expected = {k: tuple(v.shape) for k, v in encoder.state_dict().items()}
     files, stored = renamed(weight_map(folder), vision_tensor_name)

@@ -21,6 +21,7 @@ from workers.runtime.config import ModelConfig, is_llava, parse_token_ids, read_
 from workers.runtime.devices import device_problem
 from workers.runtime.errors import CheckpointError, DeviceUnavailableError
 from workers.runtime.model import DecoderModel
+from workers.runtime.no_init import uninitialised
 from workers.runtime.tokenizer import Tokenizer
 from workers.runtime.vision import (
     VisionConfig,
@@ -130,11 +131,13 @@ def load_model(folder: Path | str, dtype: torch.dtype = torch.float32, device: s
     llava_folder = is_llava(raw)
     if with_text:
         tensors = read_hf_tensors(folder, cfg, rename=llava.text_tensor_name if llava_folder else None)
-        model = DecoderModel(cfg, dtype=dtype, device=device)
+        with uninitialised():  # load_into writes every weight
+            model = DecoderModel(cfg, dtype=dtype, device=device)
         load_into(model, tensors)
         del tensors
     else:
-        model = DecoderModel(cfg, dtype=dtype, device="meta")
+        with uninitialised():
+            model = DecoderModel(cfg, dtype=dtype, device="meta")
     tokenizer = None
     if require_tokenizer or (folder / "tokenizer.json").exists():
         tokenizer = Tokenizer.from_folder(folder)

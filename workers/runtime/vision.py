@@ -26,6 +26,7 @@ from workers.runtime.fingerprint import module_fingerprint
 # Preprocessing lives in images.py (as the config does in vision_config.py, so that neither needs the model);
 # these names stay importable from here, where callers have found them.
 from workers.runtime.images import preprocess_image, preprocess_images, preprocess_pil_image  # noqa: F401
+from workers.runtime.no_init import uninitialised
 from workers.runtime.vision_config import CLIP_MEAN, CLIP_STD, VisionConfig, default_vision_config
 
 VISION_SUBDIR = "vision"
@@ -151,7 +152,7 @@ class VisionEncoder(nn.Module):
 def build_vision_encoder(cfg: VisionConfig, seed: int = 0) -> VisionEncoder:
     """Deterministic random weights from ``seed``; the global RNG is neither read nor advanced."""
     # Built on meta so nn's default initialisers never touch the global RNG.
-    with torch.device("meta"):
+    with uninitialised("meta"):
         encoder = VisionEncoder(cfg)
     encoder.to_empty(device="cpu")
     gen = torch.Generator().manual_seed(seed)
@@ -242,7 +243,7 @@ def load_vision(directory: Path, device: str | torch.device = "cpu",
     """Load the encoder saved under ``directory/vision/``; every tensor is checked for presence and shape."""
     vdir = Path(directory) / VISION_SUBDIR
     cfg = load_vision_config(directory)
-    with torch.device("meta"):  # shapes only; the real tensors come from the files
+    with uninitialised("meta"):  # shapes only; the real tensors come from the files
         encoder = VisionEncoder(cfg)
     expected = {k: tuple(v.shape) for k, v in encoder.state_dict().items()}
     tensors: dict[str, Tensor] = {}

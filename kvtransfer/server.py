@@ -3,6 +3,7 @@ the authentication interceptor, on a thread-pool gRPC server."""
 
 from __future__ import annotations
 
+import threading
 from concurrent import futures
 
 import grpc
@@ -23,6 +24,25 @@ def kv_transfer_handler(receiver: KVReceiver) -> grpc.GenericRpcHandler:
     })
 
 
+def handler_pool(max_workers: int, prefix: str) -> futures.ThreadPoolExecutor:
+    """A gRPC server's handler pool with every thread started now. grpcio's serving thread hands each call
+    to the pool, and a hand-off that has to start a thread and cannot (a pids limit, no address space left)
+    raises there and ends that serving thread for good: the server still accepts connections and answers
+    nothing, while the process looks alive. Started up front, the pool never starts a thread later, and a
+    process that cannot get its threads fails here, at start, where it is seen."""
+    pool = futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=prefix)
+    gate = threading.Barrier(max_workers + 1)
+    try:
+        for _ in range(max_workers):  # each blocks on the gate, so the next one needs a new thread
+            pool.submit(gate.wait, 60)
+        gate.wait(60)
+    except BaseException:
+        gate.abort()
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    return pool
+
+
 def start_server(handlers: list[grpc.GenericRpcHandler], address: str, security: TransferSecurity,
                  max_streams: int = 64) -> tuple[grpc.Server, int]:
     """Start a server on ``address`` (port 0 picks one); returns it and its port.
@@ -32,7 +52,7 @@ def start_server(handlers: list[grpc.GenericRpcHandler], address: str, security:
     flow-control window with unread bytes and stall every other stream on that connection."""
     retain_freed_buffers()  # grpcio hands each received message over as a fresh multi-MiB bytes object
     native.load_in_background()  # the receiver dequantises int8 with them
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_streams + 8, thread_name_prefix="kvtransfer"),
+    server = grpc.server(handler_pool(max_streams + 8, "kvtransfer"),
                          interceptors=security.interceptors(),
                          options=CHANNEL_OPTIONS + server_stream_options(max_streams))
     server.add_generic_rpc_handlers(tuple(handlers))

@@ -9,7 +9,6 @@ import socket
 import threading
 import uuid
 from collections.abc import Iterator
-from concurrent import futures
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NoReturn, Protocol
 
@@ -19,6 +18,7 @@ from epd.worker.v1 import worker_pb2 as wpb
 from kvtransfer.auth import TransferSecurity
 from kvtransfer.expectations import MAX_REQUEST_ID_CHARS
 from kvtransfer.options import CHANNEL_OPTIONS, server_stream_options
+from kvtransfer.server import handler_pool
 from workers.runtime.errors import (
     CapacityError,
     DuplicateRequestError,
@@ -180,7 +180,7 @@ def start_worker_server(register: list, generic_handlers: list[grpc.GenericRpcHa
 
     pool = identity.pool if identity is not None else ""
     tracing = TracingInterceptor(pool, (lambda: identity.worker_id) if identity is not None else "")
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_streams + 16, thread_name_prefix="worker"),
+    server = grpc.server(handler_pool(max_streams + 16, "worker"),
                          interceptors=[*security.interceptors(), tracing],
                          options=CHANNEL_OPTIONS + server_stream_options(max_streams + 8) + KEEPALIVE_SERVER_OPTIONS)
     for add, servicer in register:

@@ -152,9 +152,9 @@ class PrefillService(Drainable, wgrpc.PrefillWorkerServicer):
             kv_error = "prefill timed out"
             context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"prefill of {rid!r} did not finish in {timeout} s")
         except Exception as exc:  # a bug: never leave the stream open
-            self._abort(rid, f"prefill failed: {type(exc).__name__}")
+            self._abort(rid, f"prefill failed: {type(exc).__name__}: {exc}")
             kv_error = f"prefill failed: {type(exc).__name__}: {exc}"
-            context.abort(grpc.StatusCode.INTERNAL, f"prefill of {rid!r} failed: {type(exc).__name__}")
+            context.abort(grpc.StatusCode.INTERNAL, f"prefill of {rid!r} failed: {type(exc).__name__}: {exc}")
         finally:
             if kv_error is None:
                 end_child(kv_span, None, {"epd.kv.wire_bytes": push.num_bytes,

@@ -103,7 +103,12 @@ class BulkListener:
             if not self._hellos.acquire(blocking=False):  # too many half-open connections: refuse this one
                 sock.close()
                 continue
-            threading.Thread(target=self._connection, args=(sock,), name="kv-bulk-conn", daemon=True).start()
+            try:
+                threading.Thread(target=self._connection, args=(sock,), name="kv-bulk-conn", daemon=True).start()
+            except RuntimeError:  # no thread can start now (a pids limit): refuse this one, keep accepting
+                self._hellos.release()
+                sock.close()
+                time.sleep(0.01)
 
     def _connection(self, sock: socket.socket) -> None:
         """A connection's thread: its hello, then (authenticated) ``serve`` for the rest of its life."""

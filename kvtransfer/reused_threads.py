@@ -23,21 +23,23 @@ class ReusedThreads:
 
     def submit(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` now on an idle thread, or a new one. ``fn`` reports its own failures: an
-        exception it lets out is dropped."""
+        exception it lets out is dropped. When a new thread cannot start (RuntimeError, e.g. a pids
+        limit), that error is raised here and ``fn`` never runs."""
         with self._lock:
             spawn = self._idle == 0
             if not spawn:
                 self._idle -= 1
-        self._tasks.put(fn)
-        if spawn:
-            threading.Thread(target=self._run, name=self.name, daemon=True).start()
+        if spawn:  # the new thread takes fn itself: a thread that fails to start leaves no task behind
+            threading.Thread(target=self._run, args=(fn,), name=self.name, daemon=True).start()
+        else:
+            self._tasks.put(fn)
 
-    def _run(self) -> None:
+    def _run(self, fn: Callable[[], None]) -> None:
         while True:
-            fn = self._tasks.get()
             try:
                 fn()
             except BaseException:  # noqa: BLE001 - see submit
                 pass
             with self._lock:
                 self._idle += 1
+            fn = self._tasks.get()

@@ -142,9 +142,21 @@ class KVStream:
             # receiver's result comes back on it (BulkCall). No gRPC call per push: opening one, and
             # its request and answer crossing grpcio's threads, cost more than a small push's data.
             self._written = threading.Event() if self._bulk.tls else None  # see BulkConnection.tls
-            self._future: Any = BulkCall(self._bulk, self, target, after=self._written)  # or gRPC's call future
+            try:
+                self._future: Any = BulkCall(self._bulk, self, target, after=self._written)  # or gRPC's call future
+            except RuntimeError as exc:  # its reader thread could not start (a pids limit): nothing sent yet
+                self._bulk.close()
+                if isinstance(self._segment, SharedSegment):
+                    self._segment.close()
+                raise TransferFailed(f"cannot start a thread for the push: {exc}",
+                                     grpc.StatusCode.RESOURCE_EXHAUSTED) from None
             self._future.add_done_callback(self._on_done)
-            _BULK_WRITERS.submit(self._write_bulk)
+            try:
+                _BULK_WRITERS.submit(self._write_bulk)
+            except RuntimeError as exc:  # as above, for its writer: the cancel gives back what it holds
+                self.cancel(f"cannot start a thread for the push: {exc}")
+                raise TransferFailed(f"cannot start a thread for the push: {exc}",
+                                     grpc.StatusCode.RESOURCE_EXHAUSTED) from None
         else:
             call: Any = ctx.channel(target).stream_unary(PUSH_METHOD, request_serializer=None,
                                                        response_deserializer=pb.PushAck.FromString)

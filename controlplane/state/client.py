@@ -34,7 +34,7 @@ from redis import exceptions as redis_errors
 from redis.backoff import ExponentialWithJitterBackoff, NoBackoff
 from redis.retry import Retry
 
-from controlplane.state.errors import RedisServerNotFound, StateUnavailable
+from controlplane.state.errors import RedisServerNotFound, StateRefused, StateUnavailable
 from controlplane.state.keys import DEFAULT_PREFIX, KeySpace
 
 _UNREACHABLE = (redis_errors.ConnectionError, redis_errors.TimeoutError)
@@ -75,11 +75,16 @@ class StateConnection:
 
     @contextlib.contextmanager
     def guard(self) -> Iterator[None]:
-        """Raise ``StateUnavailable`` (chaining the redis-py error) for a connection lost past retries."""
+        """Raise ``StateUnavailable`` (chaining the redis-py error) for a connection lost past retries, and
+        ``StateRefused`` (a kind of it) for a Redis that refuses writes (out of memory, a read-only replica)."""
         try:
             yield
         except _UNREACHABLE as exc:
             raise StateUnavailable(self.url, str(exc) or type(exc).__name__) from exc
+        except redis_errors.OutOfMemoryError as exc:
+            raise StateRefused(self.url, f"{exc} (raise its maxmemory, or free memory there)") from exc
+        except redis_errors.ReadOnlyError as exc:
+            raise StateRefused(self.url, f"{exc} (point epd at the primary)") from exc
 
     def ping(self) -> None:
         """Round-trip to Redis; ``StateUnavailable`` if it cannot be reached."""

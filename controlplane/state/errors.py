@@ -19,6 +19,16 @@ class StateUnavailable(StateError):
         self.reason = reason
 
 
+class StateRefused(StateUnavailable):
+    """Redis answered but refuses writes: at ``maxmemory`` with ``noeviction``, or a read-only replica.
+    Handled as ``StateUnavailable`` (it passes when Redis has room again); the message says which."""
+
+    def __init__(self, url: str, reason: str) -> None:
+        StateError.__init__(self, f"Redis at {url} refuses writes: {reason}")
+        self.url = url
+        self.reason = reason
+
+
 class WorkerNotRegistered(StateError, LookupError):
     """A heartbeat or update for a worker whose lease is gone; the worker must register again."""
 

@@ -16,8 +16,11 @@ Registration and heartbeats are Lua scripts, so a heartbeat can never recreate a
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field, fields
+
+from redis import exceptions as redis_errors
 
 from controlplane.state.client import StateConnection
 from controlplane.state.clock import Clock, SystemClock
@@ -194,10 +197,11 @@ class WorkerRegistry:
         index = self._keys.workers(pool)
         now = self._clock.now()
         with self._conn.guard():
-            pipe = self._conn.redis.pipeline(transaction=True)
-            pipe.zremrangebyscore(index, "-inf", repr(now))
-            pipe.zrangebyscore(index, f"({now!r}", "+inf")
-            _, members = pipe.execute()
+            # A read first, the pruning after and apart from it: a Redis that refuses writes (out of memory,
+            # a read-only replica) still lists the live workers.
+            members = self._conn.redis.zrangebyscore(index, f"({now!r}", "+inf")
+            with contextlib.suppress(redis_errors.OutOfMemoryError, redis_errors.ReadOnlyError):
+                self._conn.redis.zremrangebyscore(index, "-inf", repr(now))
             pipe = self._conn.redis.pipeline(transaction=False)
             for worker_id in members:
                 pipe.hgetall(self._keys.worker(pool, worker_id))
@@ -207,5 +211,6 @@ class WorkerRegistry:
                 if raw:
                     records.append(_decode(raw))
                 else:  # Redis expired the hash first (clocks disagree): drop the stale index entry
-                    self._prune(keys=[index, self._keys.worker(pool, worker_id)], args=[worker_id])
+                    with contextlib.suppress(redis_errors.OutOfMemoryError, redis_errors.ReadOnlyError):
+                        self._prune(keys=[index, self._keys.worker(pool, worker_id)], args=[worker_id])
         return sorted((r for r in records if r.lease_expires_at > now), key=lambda r: r.info.worker_id)

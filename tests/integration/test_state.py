@@ -30,6 +30,7 @@ from controlplane.state import (
     RequestState,
     StateConnection,
     StateError,
+    StateRefused,
     StateUnavailable,
     SystemClock,
     WorkerInfo,
@@ -126,6 +127,37 @@ def test_register_heartbeat_and_live_workers(state_conn: StateConnection):
         registry.heartbeat("ghost", Pool.DECODE, load)
     for worker_id, pool in (("d0", "decode"), ("d1", "decode"), ("p0", "prefill")):
         assert registry.deregister(worker_id, pool)
+
+
+def test_a_redis_that_refuses_writes_still_lists_workers_and_says_why(state_conn: StateConnection):
+    """At maxmemory with noeviction, Redis refuses writes but answers reads: routing and /admin read the live
+    workers (the index's pruning, a write, waits for room), and a write fails as StateRefused, a kind of
+    StateUnavailable, whose message names the cause, where it was a raw redis-py error (a 500 on /admin)."""
+    clock = ManualClock(1000.0)
+    registry = WorkerRegistry(state_conn, clock=clock, ttl=5.0)
+    registry.register(info("gone", port=9))
+    clock.advance(3.0)
+    registry.register(info("d0", port=1))
+    registry.register(info("d1", port=2))
+    clock.advance(3.0)  # "gone" is past its lease and due to be pruned from the index
+    r = state_conn.redis
+    saved = {k: r.config_get(k)[k] for k in ("maxmemory", "maxmemory-policy")}
+    r.config_set("maxmemory-policy", "noeviction")
+    r.config_set("maxmemory", 1)
+    try:
+        assert live_ids(registry, "decode") == ["d0", "d1"]
+        refusal = (r"^Redis at \S+ refuses writes: command not allowed when used memory > 'maxmemory'.* \(raise its "
+                   r"maxmemory, or free memory there\)$")
+        with pytest.raises(StateRefused, match=refusal) as refused:
+            registry.heartbeat("d0", "decode", WorkerLoad(queued_tokens=1))
+        assert isinstance(refused.value, StateUnavailable)
+    finally:
+        for key, value in saved.items():
+            r.config_set(key, value)
+    assert live_ids(registry, "decode") == ["d0", "d1"]
+    assert r.zscore(state_conn.keys.workers(Pool.DECODE), "gone") is None  # pruned once Redis had room
+    for worker_id in ("gone", "d0", "d1"):
+        registry.deregister(worker_id, "decode")
 
 
 def test_silent_worker_leaves_routing_within_two_ttls(state_conn: StateConnection):

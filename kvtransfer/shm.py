@@ -124,6 +124,15 @@ def _room() -> str:
     return f"{_size(st.f_bavail * st.f_frsize)} free of {_size(st.f_blocks * st.f_frsize)}"
 
 
+def _shm_bytes() -> int:
+    """/dev/shm's size (0 when it cannot be read)."""
+    try:
+        st = os.statvfs(SHM_DIR)
+    except OSError:
+        return 0
+    return st.f_blocks * st.f_frsize
+
+
 def _size(n: int) -> str:
     return f"{n / 2**20:.0f} MiB" if n >= 2**20 else f"{n / 2**10:.0f} KiB"
 
@@ -180,10 +189,14 @@ class SegmentPool:
     Segments come in size classes (``segment_size_class``), and a take that no idle segment fits closes
     the largest idle one (too small) before it creates one: the pool never holds more segments than the
     most streams that were open at once, so what it keeps is bounded by the peak of pushes in flight
-    rather than growing toward ``max_bytes`` with every new longest prompt."""
+    rather than growing toward ``max_bytes`` with every new longest prompt.
 
-    def __init__(self, max_bytes: int = 1 << 30) -> None:
-        self.max_bytes = max_bytes
+    ``max_bytes`` bounds the idle segments kept; by default 1 GiB, or a quarter of /dev/shm when that is
+    smaller (a container's 64 MiB /dev/shm then keeps 16 MiB idle, not all of it: other users of /dev/shm in
+    the pod, NCCL or torch's multiprocessing, need room too)."""
+
+    def __init__(self, max_bytes: int | None = None) -> None:
+        self.max_bytes = max_bytes if max_bytes is not None else min(1 << 30, _shm_bytes() // 4)
         self._free: list[SharedSegment] = []
         self._lock = threading.Lock()
 

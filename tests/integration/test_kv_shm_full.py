@@ -1,7 +1,8 @@
 """A prefill worker whose /dev/shm is too small for a shared-memory segment (Docker's and Kubernetes' default
 is 64 MiB) does not crash: ``auto`` sends the push over gRPC instead, and an explicit ``shm`` fails the push
-with a message that names /dev/shm. Each case runs shm_full_process.py in a private mount namespace whose
-/dev/shm is a 32 KiB tmpfs; where this machine cannot make one (no unshare, or no right to mount), it skips."""
+with a message that names /dev/shm, and a small /dev/shm is not kept full by idle segments. Each case runs a
+child in a private mount namespace whose /dev/shm is a small tmpfs; where this machine cannot make one (no
+unshare, or no right to mount), it skips."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import pytest
 pytestmark = pytest.mark.integration
 SCRIPT = Path(__file__).with_name("shm_full_process.py")
 SMALL_SHM = "mount -t tmpfs -o size=32k tmpfs /dev/shm && exec \"$0\" \"$@\""
+DOCKER_SHM = "mount -t tmpfs -o size=64m tmpfs /dev/shm && exec \"$0\" \"$@\""  # Docker's default size
 
 
 def _small_shm_possible() -> bool:
@@ -51,3 +53,16 @@ def test_shm_fails_the_push_with_a_message_naming_dev_shm() -> None:
     assert out["error"].startswith("cannot use shared memory: /dev/shm has no room for a 16 MiB segment (32 KiB free")
     assert "larger /dev/shm" in out["error"]
     assert out["blocks_back"]
+
+
+@needs_small_shm
+def test_a_small_dev_shm_is_not_kept_full_by_idle_segments() -> None:
+    """Three pushes at once on a 64 MiB /dev/shm take three 16 MiB segments; once they are done, the pool
+    keeps a quarter of /dev/shm idle (one segment), not all three (48 of 64 MiB, for as long as it lives)."""
+    code = ("from kvtransfer.shm import SegmentPool, SHM_DIR; pool = SegmentPool(); segs = [pool.take(1) for _ in "
+            "range(3)]; [pool.give(s) for s in segs]; print(pool.max_bytes >> 20, pool.idle, "
+            "len(list(SHM_DIR.glob('epd-kv-*')))); pool.close()")
+    proc = subprocess.run(["unshare", "-m", "sh", "-c", DOCKER_SHM, sys.executable, "-c", code],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["16", "1", "1"]

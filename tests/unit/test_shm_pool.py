@@ -27,7 +27,7 @@ def test_a_pool_holds_no_more_segments_than_pushes_were_in_flight_at_once() -> N
     again and again): the pool keeps one segment, the last one's size class, where it once kept every smaller
     one beside it until 1 GiB was idle. Two in flight at once: two kept. A push that an idle segment fits takes
     it, the smallest that fits."""
-    pool = SegmentPool()
+    pool = SegmentPool(max_bytes=1 << 30)
     try:
         for size in (17 * MiB, 30 * MiB, 45 * MiB, 70 * MiB):
             seg = pool.take(size)
@@ -48,7 +48,7 @@ def test_a_pool_holds_no_more_segments_than_pushes_were_in_flight_at_once() -> N
 
 
 def test_a_replaced_segment_is_unlinked() -> None:
-    pool = SegmentPool()
+    pool = SegmentPool(max_bytes=1 << 30)
     try:
         first = pool.take(17 * MiB)
         pool.give(first)

@@ -39,11 +39,13 @@ import dataclasses
 import hashlib
 import logging
 import re
+import shutil
 import threading
 import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 import ray
@@ -495,7 +497,8 @@ class PoolManager:
                     _kill_quietly(actor)
                     continue
                 except Exception as exc:
-                    errors.append(f"{name}: {_describe(exc, ps.num_cpus, ps.num_gpus, self.start_timeout_s)}")
+                    errors.append(f"{name}: {_describe(exc, ps.num_cpus, ps.num_gpus, self.start_timeout_s)}"
+                                  f"{_disk_hint(self.runtime.temp_dir)}")
                     if isinstance(exc, WireMismatch):  # it serves already: stopped, so it leaves no lease
                         _stop_quietly(actor)
                     _kill_quietly(actor)
@@ -650,6 +653,24 @@ def placement_options(ps: PoolSettings) -> dict[str, Any]:
     env = ps.process_env()
     return {"num_cpus": ps.num_cpus, "num_gpus": ps.num_gpus, "resources": dict(ps.ray_resources) or None,
             "runtime_env": {"env_vars": env} if env else None}
+
+
+LOW_DISK_BYTES = 64 * 2**20
+
+
+def _disk_hint(temp_dir: Path | None) -> str:
+    """A note when the private Ray cluster's folder (logs, sockets, spilled objects) is on a nearly full disk:
+    new actors then die at start with nothing of their own to say why (Ray cannot write their logs)."""
+    if temp_dir is None:
+        return ""
+    try:
+        usage = shutil.disk_usage(temp_dir)
+    except OSError:
+        return ""
+    if usage.free >= LOW_DISK_BYTES:
+        return ""
+    return (f" (the disk under Ray's folder {temp_dir} has {usage.free / 2**20:.0f} MiB free of "
+            f"{usage.total / 2**20:.0f} MiB: a full disk stops new replicas; free space there, or set TMPDIR)")
 
 
 def _describe(exc: BaseException, num_cpus: float, num_gpus: float, timeout_s: float) -> str:

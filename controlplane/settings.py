@@ -516,7 +516,7 @@ class Settings(BaseSettings):
         except _SourceError as exc:  # an EPD_* value that had to be JSON and is not
             raise SettingsError(describe_env_error(exc, os.environ, cls)) from None
         except ValueError as exc:  # pydantic's ValidationError is a ValueError
-            raise SettingsError(describe(exc)) from None
+            raise SettingsError(describe(exc, cls, os.environ, config, overrides)) from None
         finally:
             _yaml_file.reset(token)
 

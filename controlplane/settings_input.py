@@ -4,6 +4,7 @@ before the settings model validates, and the one-line messages ``SettingsError``
 
 from __future__ import annotations
 
+import difflib
 import json
 import typing
 from collections.abc import Collection, Mapping
@@ -105,9 +106,11 @@ def _json_expected(root: type[BaseModel], path: list[str]) -> str | None:
             continue
         if i != len(path) - 1:
             return None
-        origins = {typing.get_origin(a) for a in (annotation, *typing.get_args(annotation))}
+        origins = {typing.get_origin(a): a for a in (annotation, *typing.get_args(annotation))}
         if list in origins:
-            return "a JSON list, e.g. '[0, 1]' or '[\"k-1\"]'"
+            items = typing.get_args(origins[list])
+            numbers = bool(items) and isinstance(items[0], type) and issubclass(items[0], (int, float))
+            return "a JSON list, e.g. '[0, 1]'" if numbers else "a JSON list, e.g. '[\"k-1\", \"k-2\"]'"
         if dict in origins:
             return 'a JSON object, e.g. \'{"name": 1}\''
         return None
@@ -156,16 +159,84 @@ def check_yaml(path: Path) -> None:
         raise SettingsError(f"{path} must hold a mapping of settings at the top level")
 
 
-def describe(exc: ValueError) -> str:
-    """pydantic's validation errors as one line: each field's dotted path and its problem."""
+def describe(exc: ValueError, root: type[BaseModel] | None = None, environ: Mapping[str, str] | None = None,
+             config: Path | None = None, overrides: Mapping[str, Any] | None = None) -> str:
+    """pydantic's validation errors as one line: each field's dotted path, its problem, and where the value
+    came from (an ``EPD_*`` variable or the config file; a flag's is named by the CLI, which knows it)."""
     errors = getattr(exc, "errors", None)
     if not callable(errors):
         return str(exc)
+    data = _yaml_data(config)
     lines = []
     for e in errors():
-        where = ".".join(str(p) for p in e.get("loc", ())) or "settings"
-        msg = e.get("msg", "invalid").removeprefix("Value error, ")
-        if e.get("type") == "extra_forbidden":
-            msg = "unknown setting"
-        lines.append(f"{where}: {msg}")
+        loc = tuple(str(p) for p in e.get("loc", ()))
+        where = ".".join(loc)
+        problem = _problem(e, loc, root) + _source(loc, environ or {}, config, data, overrides or {})
+        lines.append(f"{where}: {problem}" if loc else problem)  # (a check across fields names its own)
     return "invalid settings: " + "; ".join(lines)
+
+
+def _problem(e: Mapping[str, Any], loc: tuple[str, ...], root: type[BaseModel] | None) -> str:
+    kind = e.get("type")
+    if kind == "extra_forbidden":
+        model = _model_at(root, loc[:-1]) if loc else None
+        close = difflib.get_close_matches(loc[-1], list(model.model_fields), n=1) if model and loc else []
+        return "unknown setting" + (f" (did you mean {'.'.join((*loc[:-1], close[0]))}?)" if close else "")
+    if kind == "path_type":
+        return "expected a path (a string)"
+    if kind in ("model_type", "dict_type", "model_attributes_type"):
+        return "expected a mapping of its settings (see `epd config schema`)"
+    if kind == "int_parsing" and isinstance(e.get("input"), str):  # a number's text: not a secret
+        whole = _whole_number(e["input"])  # YAML reads 1e3 as text, not a number
+        return f"{e['input'][:40]!r} is not an integer" + (f" (write it as digits: {whole})" if whole else "")
+    return str(e.get("msg", "invalid")).removeprefix("Value error, ")
+
+
+def _whole_number(text: str) -> int | None:
+    try:
+        value = float(text)
+    except ValueError:
+        return None
+    return int(value) if value.is_integer() and abs(value) < 1e18 else None
+
+
+def _model_at(root: type[BaseModel] | None, path: tuple[str, ...]) -> type[BaseModel] | None:
+    model = root
+    for key in path:
+        if model is None or key not in model.model_fields:
+            return None
+        model = _section_model(model.model_fields[key].annotation)
+    return model
+
+
+def _source(loc: tuple[str, ...], environ: Mapping[str, str], config: Path | None, data: Any,
+            overrides: Mapping[str, Any]) -> str:
+    """" (from EPD_X)" or " (from FILE)": the place that set ``loc`` or the section holding it, in the order
+    the settings take them (flags, then the environment, then the file); "" for a flag or a default."""
+    if _holds(overrides, loc):
+        return ""
+    names = {name.upper(): name for name in _env_settings(environ)}
+    for k in range(len(loc), 0, -1):
+        name = names.get("EPD_" + "__".join(loc[:k]).upper())
+        if name is not None:
+            return f" (from {name})"
+    if config is not None and _holds(data, loc):
+        return f" (from {config})"
+    return ""
+
+
+def _holds(data: Any, loc: tuple[str, ...]) -> bool:
+    for key in loc:
+        if not isinstance(data, Mapping) or key not in data:
+            return False
+        data = data[key]
+    return bool(loc)
+
+
+def _yaml_data(config: Path | None) -> Any:
+    if config is None:
+        return None
+    try:
+        return yaml.load(Path(config).read_text(), Loader=_UniqueKeyLoader)  # noqa: S506  # a SafeLoader subclass
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):  # check_yaml refused these before validation
+        return None

@@ -299,7 +299,8 @@ def test_an_empty_unknown_variable_is_not_an_error(monkeypatch):
 @pytest.mark.parametrize("name, value, message", [
     ("EPD_DECODE", "notjson", "EPD_DECODE must hold a JSON object of decode settings"),
     ("EPD_DECODE", "notjson", "EPD_DECODE__REPLICAS="),
-    ("EPD_API__API_KEYS", "k-secretsecretsecret", "EPD_API__API_KEYS must hold a JSON list"),
+    ("EPD_API__API_KEYS", "k-secretsecretsecret", "EPD_API__API_KEYS must hold a JSON list, e.g. '[\"k-1\", \"k-2\"]'"),
+    ("EPD_DECODE__CPU_AFFINITY", "0,1", "EPD_DECODE__CPU_AFFINITY must hold a JSON list, e.g. '[0, 1]'"),
     ("EPD_DECODE__RAY_RESOURCES", "gpu", "EPD_DECODE__RAY_RESOURCES must hold a JSON object"),
 ])
 def test_a_variable_that_must_be_json_is_named(name, value, message, monkeypatch):
@@ -307,6 +308,42 @@ def test_a_variable_that_must_be_json_is_named(name, value, message, monkeypatch
     with pytest.raises(SettingsError) as err:
         Settings.load()
     assert message in str(err.value) and value not in str(err.value)  # values may be secrets: never echoed
+
+
+@pytest.mark.parametrize("yaml_text, message", [
+    ("model: 5\n", "invalid settings: model: expected a path (a string) (from {config})"),
+    ("decode: [1, 2]\n", "invalid settings: decode: expected a mapping of its settings (see `epd config schema`) "
+                          "(from {config})"),
+    ("decode: {replicas: 1e3}\n", "invalid settings: decode.replicas: '1e3' is not an integer (write it as digits: "
+                                   "1000) (from {config})"),
+    ("decode: {replica: 2}\n", "invalid settings: decode.replica: unknown setting (did you mean decode.replicas?) "
+                                "(from {config})"),
+    ("decode: {engine: {block_sise: 16}}\n", "decode.engine.block_sise: unknown setting (did you mean "
+                                              "decode.engine.block_size?)"),
+    ("decode: {replicas: -1}\n", "decode.replicas: Input should be greater than or equal to 0 (from {config})"),
+])
+def test_a_bad_file_value_is_named_with_the_file_and_what_would_do(yaml_text, message, tmp_path):
+    config = tmp_path / "epd.yaml"
+    config.write_text(yaml_text)
+    with pytest.raises(SettingsError) as err:
+        Settings.load(config)
+    assert message.format(config=config) in str(err.value)
+
+
+def test_a_bad_value_names_the_variable_that_set_it_over_the_file(monkeypatch, tmp_path):
+    config = tmp_path / "epd.yaml"
+    config.write_text("decode: {replicas: 2}\n")
+    monkeypatch.setenv("EPD_DECODE__REPLICAS", "-1")
+    with pytest.raises(SettingsError, match=r"decode.replicas: .* \(from EPD_DECODE__REPLICAS\)$"):
+        Settings.load(config)
+    monkeypatch.delenv("EPD_DECODE__REPLICAS")
+    monkeypatch.setenv("EPD_DECODE", '{"replicaz": 1}')
+    with pytest.raises(SettingsError, match=r"decode.replicaz: unknown setting \(did you mean decode.replicas\?\) "
+                                            r"\(from EPD_DECODE\)$"):
+        Settings.load(config)
+    monkeypatch.delenv("EPD_DECODE")
+    with pytest.raises(SettingsError, match=r"decode.replicas: Input should be greater than or equal to 0$"):
+        Settings.load(config, {"decode": {"replicas": -1}})  # a flag's: the CLI names it
 
 
 def test_whole_sections_as_json_still_load(monkeypatch):

@@ -171,17 +171,20 @@ class KVSender:
         transport = self.choose_transport(target)
         if self.max_timeout_s is not None:
             timeout_s = min(timeout_s, self.max_timeout_s)
-        try:
-            return KVStream(self.context, target, request_id, layout, num_tokens, timeout_s, transport)
-        except TransferFailed as exc:
-            if self.transport != "auto" or transport not in ("cuda_ipc", "shm") or exc.code not in _NO_IPC:
-                raise
-            # auto falls back. CUDA IPC: every segment busy, or this push larger than one (RESOURCE_EXHAUSTED):
-            # for this push only; no pool there, or none this process can map: for a while. Shared memory
-            # (no segment could be made here, e.g. /dev/shm full): for a while, on gRPC.
-            if transport == "shm":
-                self.shm_control.failed(_THIS_HOST, exc)
-            elif exc.code != grpc.StatusCode.RESOURCE_EXHAUSTED:
-                self.ipc_control.failed(target, exc)
-        return KVStream(self.context, target, request_id, layout, num_tokens, timeout_s,
-                        self.choose_transport(target, ipc=False))
+        while True:  # auto steps down: cuda_ipc, then shm, then grpc (which has nothing to fall back to)
+            try:
+                return KVStream(self.context, target, request_id, layout, num_tokens, timeout_s, transport)
+            except TransferFailed as exc:
+                if self.transport != "auto" or transport not in ("cuda_ipc", "shm") or exc.code not in _NO_IPC:
+                    raise
+                # CUDA IPC: every segment busy, or this push larger than one (RESOURCE_EXHAUSTED): for this push
+                # only; no pool there, or none this process can map: for a while. Shared memory (no segment
+                # could be made here, e.g. /dev/shm full): for a while.
+                if transport == "shm":
+                    self.shm_control.failed(_THIS_HOST, exc)
+                elif exc.code != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    self.ipc_control.failed(target, exc)
+            following = self.choose_transport(target, ipc=False)
+            if following == transport:  # (cannot happen: shm is skipped once it failed) never loop on one
+                following = "grpc"
+            transport = following

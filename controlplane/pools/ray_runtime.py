@@ -13,11 +13,15 @@ Lifecycle:
                    ``~/.ray/auth_token`` on first start, which then switches every later local
                    ``ray.init`` of the user to token auth. A user who set ``RAY_AUTH_MODE`` (or a
                    token) gets exactly that. Ray's processes start without the control plane's secrets in
-                   their environment (``settings.secret_env_vars``). With ``loopback_only`` every process of
-                   that cluster (GCS, raylet, agents, workers) binds 127.0.0.1: Ray takes its node address
-                   from its local-only switch ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``, read when Ray is
-                   imported, so ``loopback_environment()`` must run before the process's first ``import ray``
-                   (``epd serve`` does). ``start()`` warns when the node address is not loopback.
+                   their environment (``settings.secret_env_vars``). Ray makes the folder it is given, and
+                   every folder it makes in it (session, logs, sockets), mode 0777 without the sticky bit: any
+                   local user could then swap its token file, its sockets, or a log it rewrites by path (a
+                   symlink: the stack then overwrites a file of the user's choosing). So Ray gets a folder
+                   inside this process's own 0700 one, which no other user can enter. With ``loopback_only``
+                   every process of that cluster (GCS, raylet, agents, workers) binds 127.0.0.1: Ray takes its
+                   node address from its local-only switch ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``, read when
+                   Ray is imported, so ``loopback_environment()`` must run before the process's first
+                   ``import ray`` (``epd serve`` does). ``start()`` warns when the node address is not loopback.
   2. ``stop()``    ``ray.shutdown()`` if ``start`` called ``ray.init``; then the environment is restored
                    and the temp dir removed. Idempotent.
 """
@@ -41,6 +45,7 @@ from controlplane.settings import secret_env_vars
 log = logging.getLogger(__name__)
 
 OBJECT_STORE_BYTES = 128 * 2**20
+RAY_SUBDIR = "r"  # Ray's folder inside the private 0700 one (short: its socket paths must stay under 108 bytes)
 JOIN_TRIES = 3  # joins at an address refused by the Ray client proxy's failed server start
 JOIN_PAUSE_S = 1.0
 _AUTH_VARS = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
@@ -106,7 +111,7 @@ class RayRuntime:
             hidden = {name: os.environ.pop(name) for name in secret_env_vars(list(os.environ))}
             try:
                 ray.init(num_cpus=self.num_cpus, num_gpus=self.num_gpus, namespace=self.namespace,
-                         include_dashboard=False, _temp_dir=str(self.temp_dir), log_to_driver=False,
+                         include_dashboard=False, _temp_dir=str(self.temp_dir / RAY_SUBDIR), log_to_driver=False,
                          logging_level=logging.WARNING, object_store_memory=OBJECT_STORE_BYTES)
             finally:
                 os.environ.update(hidden)

@@ -13,6 +13,7 @@ import io
 import os
 import secrets
 import signal
+import stat
 import threading
 import time
 import uuid
@@ -348,6 +349,18 @@ def test_a_replica_that_cannot_start_says_why(redis_server: LocalRedis, tmp_path
             PoolTargets(conn).clear_target(pool)
     finally:
         conn.close()
+
+
+def test_rays_world_writable_folders_sit_inside_a_private_one(manager: PoolManager):
+    """Ray makes its folders 0777 without the sticky bit; another local user who can enter them can swap the
+    token file or a socket, or plant a symlink where Ray rewrites a log (the stack then overwrites a file of
+    their choosing). They sit inside the control plane's own 0700 folder, which no other user can enter."""
+    temp_dir = manager.runtime.temp_dir
+    assert temp_dir is not None
+    assert stat.S_IMODE(temp_dir.stat().st_mode) == 0o700
+    sessions = list((temp_dir / "r").glob("session_*"))
+    assert sessions and all(s.is_relative_to(temp_dir) for s in sessions)  # Ray's tree is under it
+    assert (temp_dir / "auth_token").exists() and stat.S_IMODE((temp_dir / "auth_token").stat().st_mode) == 0o600
 
 
 def test_stop_leaves_no_process_behind(manager: PoolManager):

@@ -57,6 +57,7 @@ class ChaosReport:
     faults: list[FaultFigures]
     errors: list[str] = field(default_factory=list)  # the first few failures' messages
     outcomes: list[tuple[float, float, int, str]] = field(default_factory=list)  # (start, end, status, error)
+    blocks_held: dict[str, str] = field(default_factory=dict)  # worker id -> what it still held at the end
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -82,7 +83,8 @@ def format_report(r: ChaosReport) -> str:
     pct = 100.0 * r.matched / r.completed if r.completed else 0.0
     lines = [f"requests {r.requests}: completed {r.completed}, failed {r.failed}, migrated {r.migrated}",
              f"equal to generate(): {r.matched}/{r.completed} ({pct:.1f}%)",
-             f"KV blocks still held at the end: {r.blocks_leaked}",
+             f"KV blocks still held at the end: {r.blocks_leaked}"
+             + "".join(f"\n  {worker}: {held}" for worker, held in r.blocks_held.items()),
              f"fault-free: {r.fault_free.requests} requests, p50 {_ms(r.fault_free.p50_s)} ms, "
              f"p99 {_ms(r.fault_free.p99_s)} ms", "",
              f"{'fault':<16}{'recovered':>10}{'replaced':>9}  {'p50/p99 ms before':>18}{'during':>12}{'after':>12}"

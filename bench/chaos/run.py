@@ -73,6 +73,12 @@ def _detection_s(kind: FaultKind) -> float:
             FaultKind.REDIS: RedisSettings().command_budget_s}[kind]
 
 
+def _blocks_held(dep: Deployment) -> dict[str, str]:
+    """Each prefill and decode worker still holding KV blocks: its id -> "N blocks, M running"."""
+    return {w.worker_id: f"{w.total_kv_blocks - w.free_kv_blocks} blocks, {w.running} running"
+            for pool in ("prefill", "decode") for w in dep.workers(pool) if w.free_kv_blocks < w.total_kv_blocks}
+
+
 def _blocks_used(dep: Deployment) -> int:
     return sum(w.total_kv_blocks - w.free_kv_blocks for pool in ("prefill", "decode") for w in dep.workers(pool))
 
@@ -124,6 +130,7 @@ def chaos(cfg: ChaosConfig, say: Callable[[str], None] = print) -> ChaosReport:
             driver.stop()
             outcomes = list(driver.outcomes)
             leaked = _wait_blocks_free(dep)
+            held = _blocks_held(dep) if leaked else {}
             migrated = _migrated(dep, outcomes)
         finally:
             dep.stop()
@@ -136,7 +143,7 @@ def chaos(cfg: ChaosConfig, say: Callable[[str], None] = print) -> ChaosReport:
     ok = [o for o in outcomes if o.ok]
     errors = [o.error or f"HTTP {o.status}" for o in outcomes if not o.ok][:5]
     return ChaosReport(len(outcomes), len(ok), len(outcomes) - len(ok), migrated, sum(o.match for o in ok), leaked,
-                       fault_free, figures, errors, [(o.start, o.end, o.status, o.error) for o in outcomes])
+                       fault_free, figures, errors, [(o.start, o.end, o.status, o.error) for o in outcomes], held)
 
 
 def _labels(dep: Deployment, pids: list[int]) -> dict[int, str]:

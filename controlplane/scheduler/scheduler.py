@@ -184,7 +184,10 @@ class Scheduler:
         for worker_id in names:
             lost.add(worker_id)
             self.health.failure(worker_id, f"{error.stage}: {error.message}", lost=True)
-        cause = f"{error.stage} worker {', '.join(names) or '(unknown)'} lost: {error.message}"
+        if names:
+            cause = f"{error.stage} worker {', '.join(names)} lost: {error.message}"
+        else:  # no worker lost: a link between two broke (a KV push's connection, say)
+            cause = f"{error.stage} failed on the path {selection.describe()}: {error.message}"
         log.warning("request %s: %s (after %d tokens, move %d of at most %d)", rid, cause, len(progress.token_ids),
                     moves + 1, self.settings.migration_limit)
         if moves >= self.settings.migration_limit:

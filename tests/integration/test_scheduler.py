@@ -3,16 +3,18 @@ room, 429 when the wait would be unbounded, draining replicas skipped, the journ
 
 from __future__ import annotations
 
+import re
 import secrets
 import threading
 import time
 from collections.abc import Callable
 
+import grpc
 import pytest
 
 from controlplane.backend import BackendError, ModelInfo, Overloaded
 from controlplane.cancellation import ClientGone
-from controlplane.dispatch import Dispatcher, Route, WorkerRequest
+from controlplane.dispatch import Dispatcher, DispatchError, Route, WorkerRequest
 from controlplane.scheduler.policies import get_policy
 from controlplane.scheduler.scheduler import Scheduler, WorkerView
 from controlplane.settings import SchedulerSettings
@@ -272,6 +274,28 @@ def test_an_unexpected_error_in_dispatch_fails_the_request_and_drops_the_routing
             _collect(scheduler, WorkerRequest("broken", bundle.tokenizer.encode("hello"), GREEDY))
         assert scheduler.view._inflight == {} and scheduler.waiting == 0
         assert [e.state for e in RequestJournal(conn).history("broken")][-1] == RequestState.FAILED
+    finally:
+        broken.close()
+
+
+def test_a_broken_path_with_no_worker_lost_names_the_path(cluster):
+    """A link between two live workers broke (a KV push's bulk connection cut): the request moves, and what it
+    says names the attempt's workers, not '(unknown)' as a worker lost."""
+    bundle, workers, registry, _, model, conn = cluster
+
+    class BrokenLink(Dispatcher):
+        def run(self, req, route, on_started=lambda: None):
+            raise DispatchError("prefill", grpc.StatusCode.UNAVAILABLE, "bulk TCP connection to 127.0.0.1:1 failed")
+
+    broken = BrokenLink(SECURITY)
+    try:
+        scheduler = Scheduler(model, WorkerView(registry, refresh_s=0.05), broken, get_policy("least_loaded"),
+                              SchedulerSettings(migration_limit=0), RequestJournal(conn))
+        with pytest.raises(BackendError) as err:
+            _collect(scheduler, WorkerRequest("link", bundle.tokenizer.encode("hello"), GREEDY))
+        assert err.value.status == 503
+        assert re.search(r"Last: prefill failed on the path decode=\S+ prefill=\S+( encode=\S+)?: bulk TCP "
+                         r"connection to 127.0.0.1:1 failed$", str(err.value)), str(err.value)
     finally:
         broken.close()
 

@@ -286,7 +286,9 @@ def _png_claiming(width: int, height: int) -> bytes:
     (b"certainly not a PNG", "is not a decodable image; supported: PNG, JPEG, WEBP, GIF", "invalid_image"),
     (_bmp(), "unsupported image format BMP; supported: PNG, JPEG, WEBP, GIF", "invalid_image"),
     (_png_claiming(9000, 9000), "image is too large: 9000x9000 pixels, the limit is 64000000", "image_too_large"),
-], ids=["not-an-image", "bmp", "81-megapixels"])
+    (b"\xff\xd8\xff\xc0\x00\x11\x08", "image header is corrupt or truncated", "invalid_image"),  # Pillow: OSError
+    (b"RIFF\x10\x00\x00\x00WEBPVP8 " + b"junk" * 4, "image header is corrupt or truncated", "invalid_image"),
+], ids=["not-an-image", "bmp", "81-megapixels", "jpeg-cut-in-its-header", "webp-header-over-junk"])
 def test_an_image_its_header_rules_out_is_refused_naming_its_part(client: TestClient, backend: FakeBackend,
                                                                   image: bytes, fragment: str, code: str) -> None:
     """Format and pixel count are read from the header at the API, so the 400 names the image's part (the

@@ -8,6 +8,7 @@ from a checkpoint's image processor settings.
 from __future__ import annotations
 
 import io
+import struct
 from collections.abc import Container, Sequence
 
 import torch
@@ -39,6 +40,8 @@ def _open_image(data: bytes) -> Image.Image:
         raise InvalidImageError(_describe_undecodable(data)) from None
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
         raise ImageTooLargeError(f"image is too large: {exc}; the limit is {MAX_IMAGE_PIXELS} pixels") from None
+    except (OSError, ValueError, EOFError, SyntaxError, struct.error) as exc:  # a header Pillow reads and cannot use
+        raise InvalidImageError(f"image header is corrupt or truncated: {exc}") from None
     width, height = image.size
     if width <= 0 or height <= 0:
         raise InvalidImageError(f"image has zero size ({width}x{height})")

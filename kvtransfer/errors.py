@@ -29,3 +29,12 @@ _CODES = {code.value[0]: code for code in grpc.StatusCode}
 def status_code(value: int) -> grpc.StatusCode:
     """The gRPC status a result message's numeric ``code`` names (UNKNOWN for a number gRPC has not)."""
     return _CODES.get(value, grpc.StatusCode.UNKNOWN)
+
+
+class ShmUnusable(TransferFailed):
+    """No shared-memory segment could be made for a push (``/dev/shm`` full, or too small). ``lasting``: it
+    could not hold one even empty, so only a larger ``/dev/shm`` helps; else it may have room for the next."""
+
+    def __init__(self, message: str, lasting: bool) -> None:
+        super().__init__(message, grpc.StatusCode.RESOURCE_EXHAUSTED)
+        self.lasting = lasting

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import ipaddress
+import logging
 import socket
 from concurrent.futures import ThreadPoolExecutor
 from typing import Literal
@@ -24,7 +25,7 @@ from kvtransfer.budget import ByteBudget
 from kvtransfer.bulk import BulkConnector
 from kvtransfer.codecs import native
 from kvtransfer.cuda_ipc import IpcMappings
-from kvtransfer.errors import TransferFailed
+from kvtransfer.errors import ShmUnusable, TransferFailed
 from kvtransfer.layout import KVLayout
 from kvtransfer.memory import BufferPool, retain_freed_buffers
 from kvtransfer.shm import SegmentPool, reap_orphans, shm_available
@@ -32,6 +33,8 @@ from kvtransfer.staging import PinnedPool
 from kvtransfer.stream import KVStream
 from kvtransfer.stream_context import BulkControl, ChunkSizes, StreamContext
 from kvtransfer.threads import single_threaded_torch
+
+log = logging.getLogger(__name__)
 
 # OpenCudaIpc refusals after which ``auto`` falls back: no pool there, none free, or not mappable here.
 _NO_IPC = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNIMPLEMENTED)
@@ -175,16 +178,20 @@ class KVSender:
             try:
                 return KVStream(self.context, target, request_id, layout, num_tokens, timeout_s, transport)
             except TransferFailed as exc:
-                if self.transport != "auto" or transport not in ("cuda_ipc", "shm") or exc.code not in _NO_IPC:
+                ipc = transport == "cuda_ipc" and exc.code in _NO_IPC
+                if self.transport != "auto" or not (ipc or isinstance(exc, ShmUnusable)):
                     raise
                 # CUDA IPC: every segment busy, or this push larger than one (RESOURCE_EXHAUSTED): for this push
-                # only; no pool there, or none this process can map: for a while. Shared memory (no segment
-                # could be made here, e.g. /dev/shm full): for a while.
-                if transport == "shm":
-                    self.shm_control.failed(_THIS_HOST, exc)
+                # only; no pool there, or none this process can map: for a while. Shared memory: /dev/shm too
+                # small for a segment even empty, for a while; full now, for this push only.
+                if isinstance(exc, ShmUnusable):
+                    if exc.lasting:
+                        self.shm_control.failed(_THIS_HOST, exc)
+                    else:
+                        log.debug("push %s goes over gRPC: %s", request_id, exc.message)
                 elif exc.code != grpc.StatusCode.RESOURCE_EXHAUSTED:
                     self.ipc_control.failed(target, exc)
             following = self.choose_transport(target, ipc=False)
-            if following == transport:  # (cannot happen: shm is skipped once it failed) never loop on one
+            if following == transport:  # shm full for this push only: on to gRPC, not shm again
                 following = "grpc"
             transport = following

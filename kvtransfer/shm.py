@@ -124,7 +124,7 @@ def _room() -> str:
     return f"{_size(st.f_bavail * st.f_frsize)} free of {_size(st.f_blocks * st.f_frsize)}"
 
 
-def _shm_bytes() -> int:
+def shm_bytes() -> int:
     """/dev/shm's size (0 when it cannot be read)."""
     try:
         st = os.statvfs(SHM_DIR)
@@ -193,10 +193,13 @@ class SegmentPool:
 
     ``max_bytes`` bounds the idle segments kept; by default 1 GiB, or a quarter of /dev/shm when that is
     smaller (a container's 64 MiB /dev/shm then keeps 16 MiB idle, not all of it: other users of /dev/shm in
-    the pod, NCCL or torch's multiprocessing, need room too)."""
+    the pod, NCCL or torch's multiprocessing, need room too), and always one segment of at most half of it."""
 
     def __init__(self, max_bytes: int | None = None) -> None:
-        self.max_bytes = max_bytes if max_bytes is not None else min(1 << 30, _shm_bytes() // 4)
+        self.max_bytes = max_bytes if max_bytes is not None else min(1 << 30, shm_bytes() // 4)
+        # One idle segment is kept even past max_bytes when it takes at most half of /dev/shm: a pool that
+        # could keep none would make, fill and unlink a segment for every push.
+        self._keep_one = self.max_bytes if max_bytes is not None else shm_bytes() // 2
         self._free: list[SharedSegment] = []
         self._lock = threading.Lock()
 
@@ -223,7 +226,8 @@ class SegmentPool:
 
     def give(self, seg: SharedSegment) -> None:
         with self._lock:
-            if sum(s.size for s in self._free) + seg.size <= self.max_bytes:
+            idle = sum(s.size for s in self._free)
+            if idle + seg.size <= self.max_bytes or (not self._free and seg.size <= self._keep_one):
                 self._free.append(seg)
                 return
         seg.close()

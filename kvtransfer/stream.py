@@ -52,10 +52,10 @@ from kvtransfer.chunks import chunk_nbytes
 from kvtransfer.codecs import Codec, CodecError, get_codec
 from kvtransfer.cuda_ipc import IPC_ALIGNMENT, IpcError, MappedSegment, lease_request
 from kvtransfer.device_chunks import CacheBlocks, block_nbytes, encode_from_cache
-from kvtransfer.errors import TransferFailed, status_code
+from kvtransfer.errors import ShmUnusable, TransferFailed, status_code
 from kvtransfer.layout import KVLayout
 from kvtransfer.reused_threads import ReusedThreads
-from kvtransfer.shm import SharedSegment, ShmError
+from kvtransfer.shm import SharedSegment, ShmError, segment_size_class, shm_bytes
 from kvtransfer.staging import wait_for_current
 from kvtransfer.stream_context import StreamContext
 from kvtransfer.wire import OPEN_BULK_METHOD, OPEN_CUDA_IPC_METHOD, PROTOCOL_VERSION, PUSH_METHOD, encode_control, pb
@@ -106,8 +106,9 @@ class KVStream:
         if transport == "shm":
             try:
                 self._segment = ctx.segments.take(self._segment_size())
-            except ShmError as exc:
-                raise TransferFailed(f"cannot use shared memory: {exc}", grpc.StatusCode.RESOURCE_EXHAUSTED) from None
+            except ShmError as exc:  # never fits: a segment over half of /dev/shm (or /dev/shm unreadable)
+                lasting = segment_size_class(self._segment_size()) > shm_bytes() // 2
+                raise ShmUnusable(f"cannot use shared memory: {exc}", lasting) from None
             hs.transport = pb.TRANSPORT_SHARED_MEMORY
             hs.shm_name = self._segment.name
             hs.shm_size = self._segment.size
@@ -149,14 +150,14 @@ class KVStream:
                 if isinstance(self._segment, SharedSegment):
                     self._segment.close()
                 raise TransferFailed(f"cannot start a thread for the push: {exc}",
-                                     grpc.StatusCode.RESOURCE_EXHAUSTED) from None
+                                     grpc.StatusCode.UNAVAILABLE) from None
             self._future.add_done_callback(self._on_done)
             try:
                 _BULK_WRITERS.submit(self._write_bulk)
             except RuntimeError as exc:  # as above, for its writer: the cancel gives back what it holds
                 self.cancel(f"cannot start a thread for the push: {exc}")
                 raise TransferFailed(f"cannot start a thread for the push: {exc}",
-                                     grpc.StatusCode.RESOURCE_EXHAUSTED) from None
+                                     grpc.StatusCode.UNAVAILABLE) from None
         else:
             call: Any = ctx.channel(target).stream_unary(PUSH_METHOD, request_serializer=None,
                                                        response_deserializer=pb.PushAck.FromString)

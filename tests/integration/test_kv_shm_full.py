@@ -31,8 +31,8 @@ needs_small_shm = pytest.mark.skipif(not _small_shm_possible(),
                                      reason="cannot mount a tmpfs in a private mount namespace here")
 
 
-def _run(transport: str) -> dict:
-    proc = subprocess.run(["unshare", "-m", "sh", "-c", SMALL_SHM, sys.executable, str(SCRIPT), transport],
+def _run(transport: str, mount: str = SMALL_SHM, *args: str) -> dict:
+    proc = subprocess.run(["unshare", "-m", "sh", "-c", mount, sys.executable, str(SCRIPT), transport, *args],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, f"exit {proc.returncode} (135 or -7: SIGBUS)\n{proc.stderr[-3000:]}"
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -43,6 +43,16 @@ def test_auto_sends_over_grpc_when_dev_shm_has_no_room() -> None:
     out = _run("auto")
     assert out["transport"] == "grpc"
     assert out["tokens"] == out["expected"]
+    assert out["blocks_back"]
+
+
+@needs_small_shm
+def test_a_dev_shm_full_only_for_now_costs_that_push_shared_memory_not_the_next() -> None:
+    """64 MiB /dev/shm, filled by something else: that push goes over gRPC; once the space is back, the next
+    one uses shared memory again (a /dev/shm that can never hold a segment is skipped for a minute instead)."""
+    out = _run("auto", DOCKER_SHM, "--fill")
+    assert (out["transport"], out["transport_after"]) == ("grpc", "shm")
+    assert out["tokens"] == out["tokens_after"] == out["expected"]
     assert out["blocks_back"]
 
 
@@ -61,8 +71,11 @@ def test_a_small_dev_shm_is_not_kept_full_by_idle_segments() -> None:
     keeps a quarter of /dev/shm idle (one segment), not all three (48 of 64 MiB, for as long as it lives)."""
     code = ("from kvtransfer.shm import SegmentPool, SHM_DIR; pool = SegmentPool(); segs = [pool.take(1) for _ in "
             "range(3)]; [pool.give(s) for s in segs]; print(pool.max_bytes >> 20, pool.idle, "
-            "len(list(SHM_DIR.glob('epd-kv-*')))); pool.close()")
+            "len(list(SHM_DIR.glob('epd-kv-*')))); pool.close(); "
+            # a push past the quarter (a 20 MiB class) still keeps its segment when it would be the only one idle
+            "big = SegmentPool(); seg = big.take(17 << 20); big.give(seg); print(seg.size >> 20, big.idle); "
+            "big.close()")
     proc = subprocess.run(["unshare", "-m", "sh", "-c", DOCKER_SHM, sys.executable, "-c", code],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.split() == ["16", "1", "1"]
+    assert proc.stdout.split() == ["16", "1", "1", "20", "1"]

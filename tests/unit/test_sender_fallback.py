@@ -10,7 +10,7 @@ import pytest
 
 import kvtransfer.sender as sender_module
 from kvtransfer.auth import TransferSecurity
-from kvtransfer.errors import TransferFailed
+from kvtransfer.errors import ShmUnusable, TransferFailed
 from kvtransfer.sender import KVSender
 
 pytestmark = pytest.mark.unit
@@ -18,13 +18,16 @@ pytestmark = pytest.mark.unit
 
 class _Stream:
     tried: list[str] = []
+    shm_lasting = True  # /dev/shm too small for any segment (else full only now)
 
     def __init__(self, ctx, target, request_id, layout, num_tokens, timeout_s, transport) -> None:  # noqa: ANN001
         _Stream.tried.append(transport)
         if transport == "cuda_ipc":
             raise TransferFailed("receiver leased no segment", grpc.StatusCode.FAILED_PRECONDITION)
         if transport == "shm":
-            raise TransferFailed("cannot use shared memory: /dev/shm has no room", grpc.StatusCode.RESOURCE_EXHAUSTED)
+            raise ShmUnusable("cannot use shared memory: /dev/shm has no room", _Stream.shm_lasting)
+        if transport == "tcp":
+            raise TransferFailed("cannot start a thread for the push", grpc.StatusCode.UNAVAILABLE)
         self.transport = transport
 
 
@@ -33,6 +36,7 @@ def streams(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     monkeypatch.setattr(sender_module, "KVStream", _Stream)
     monkeypatch.setattr(sender_module, "shm_available", lambda: True)
     _Stream.tried = []
+    _Stream.shm_lasting = True
     return _Stream.tried
 
 
@@ -54,5 +58,28 @@ def test_a_forced_transport_does_not_fall_back(streams: list[str]) -> None:
         with pytest.raises(TransferFailed, match="/dev/shm has no room"):
             sender.open_stream("127.0.0.1:1", "r1", None, 4)  # type: ignore[arg-type]
         assert streams == ["shm"]
+    finally:
+        sender.close()
+
+
+def test_a_dev_shm_full_only_now_sends_that_push_over_grpc_and_tries_shm_again(streams: list[str]) -> None:
+    _Stream.shm_lasting = False  # /dev/shm could hold a segment, but is full at the moment
+    sender = KVSender(TransferSecurity(token="t" * 24))
+    try:
+        assert sender.open_stream("127.0.0.1:1", "r1", None, 4).transport == "grpc"  # type: ignore[arg-type]
+        assert sender.open_stream("127.0.0.1:1", "r2", None, 4).transport == "grpc"  # type: ignore[arg-type]
+        assert streams == ["shm", "grpc", "shm", "grpc"]  # not skipped for a minute
+    finally:
+        sender.close()
+
+
+def test_other_failures_never_fall_back(streams: list[str]) -> None:
+    """A push that could not start its thread is not a transport's fault: it fails (UNAVAILABLE: the request
+    may move), and nothing is marked unusable."""
+    sender = KVSender(TransferSecurity(token="t" * 24), transport="tcp")
+    try:
+        with pytest.raises(TransferFailed, match="cannot start a thread") as err:
+            sender.open_stream("127.0.0.1:1", "r1", None, 4)  # type: ignore[arg-type]
+        assert err.value.code == grpc.StatusCode.UNAVAILABLE and streams == ["tcp"]
     finally:
         sender.close()

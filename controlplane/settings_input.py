@@ -213,15 +213,25 @@ def _source(loc: tuple[str, ...], environ: Mapping[str, str], config: Path | Non
             overrides: Mapping[str, Any]) -> str:
     """" (from EPD_X)" or " (from FILE)": the place that set ``loc`` or the section holding it, in the order
     the settings take them (flags, then the environment, then the file); "" for a flag or a default."""
-    if _holds(overrides, loc):
-        return ""
-    names = {name.upper(): name for name in _env_settings(environ)}
-    for k in range(len(loc), 0, -1):
-        name = names.get("EPD_" + "__".join(loc[:k]).upper())
-        if name is not None:
-            return f" (from {name})"
-    if config is not None and _holds(data, loc):
-        return f" (from {config})"
+    for where in (loc, loc[:-1]):  # (a union's error adds the member type it tried to the path)
+        if not where:
+            continue
+        if _holds(overrides, where):
+            return ""
+        names = {name.upper(): name for name in _env_settings(environ)}
+        for k in range(len(where), 0, -1):
+            name = names.get("EPD_" + "__".join(where[:k]).upper())
+            if name is None:
+                continue
+            if k == len(where):
+                return f" (from {name})"
+            try:  # a section given whole: only if its JSON holds the field (the file may hold the rest)
+                if _holds(json.loads(environ[name]), where[k:]):
+                    return f" (from {name})"
+            except ValueError:
+                pass
+        if config is not None and _holds(data, where):
+            return f" (from {config})"
     return ""
 
 

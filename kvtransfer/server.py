@@ -52,10 +52,14 @@ def start_server(handlers: list[grpc.GenericRpcHandler], address: str, security:
     flow-control window with unread bytes and stall every other stream on that connection."""
     retain_freed_buffers()  # grpcio hands each received message over as a fresh multi-MiB bytes object
     native.load_in_background()  # the receiver dequantises int8 with them
-    server = grpc.server(handler_pool(max_streams + 8, "kvtransfer"),
-                         interceptors=security.interceptors(),
+    pool = handler_pool(max_streams + 8, "kvtransfer")
+    server = grpc.server(pool, interceptors=security.interceptors(),
                          options=CHANNEL_OPTIONS + server_stream_options(max_streams))
-    server.add_generic_rpc_handlers(tuple(handlers))
-    port = security.add_port(server, address)
-    server.start()
+    try:
+        server.add_generic_rpc_handlers(tuple(handlers))
+        port = security.add_port(server, address)
+        server.start()
+    except BaseException:  # (a port in use, say): its threads go with it
+        pool.shutdown(wait=False)
+        raise
     return server, port

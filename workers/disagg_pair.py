@@ -94,20 +94,21 @@ class DisaggPair:
                 outcomes[outcome.request_id] = outcome
                 done.notify_all()
 
-        for i, prompt in enumerate(prompts):
-            rid = f"req-{i}"
-            reservations[rid] = self.decode.reserve(rid, len(prompt))
-            self.receiver.expect(rid, reservations[rid].blocks, on_done, self.timeout_s)
-            try:
+        try:
+            for i, prompt in enumerate(prompts):
+                rid = f"req-{i}"
+                reservations[rid] = self.decode.reserve(rid, len(prompt))
+                self.receiver.expect(rid, reservations[rid].blocks, on_done, self.timeout_s)
                 self.streamer.start(rid, self.target, len(prompt), self.timeout_s)
-            except BaseException:  # this push could not open: nothing of this run stays held
-                for opened in reservations:
-                    self.streamer.cancel(opened, "another push of the run did not open")
-                    self.receiver.cancel(opened, "its push did not open")
-                    self.decode.release(reservations[opened])
-                raise
-            starts[rid] = time.perf_counter()
-            self.prefill.add_request(rid, prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+                starts[rid] = time.perf_counter()
+                self.prefill.add_request(rid, prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+        except BaseException:  # a push that could not open: nothing of this run stays held, on either side
+            for rid, reservation in reservations.items():
+                self.prefill.abort(rid)
+                self.streamer.cancel(rid, "a push of the run did not open")
+                self.receiver.cancel(rid, "a push of the run did not open")
+                self.decode.release(reservation)
+            raise
         # finish each stream as soon as its prompt is done, off the engine thread, as a prefill worker does
         with ThreadPoolExecutor(max_workers=8, thread_name_prefix="kv-finish") as pool:
             futures = {}

@@ -180,14 +180,18 @@ def start_worker_server(register: list, generic_handlers: list[grpc.GenericRpcHa
 
     pool = identity.pool if identity is not None else ""
     tracing = TracingInterceptor(pool, (lambda: identity.worker_id) if identity is not None else "")
-    server = grpc.server(handler_pool(max_streams + 16, "worker"),
-                         interceptors=[*security.interceptors(), tracing],
+    handlers = handler_pool(max_streams + 16, "worker")
+    server = grpc.server(handlers, interceptors=[*security.interceptors(), tracing],
                          options=CHANNEL_OPTIONS + server_stream_options(max_streams + 8) + KEEPALIVE_SERVER_OPTIONS)
-    for add, servicer in register:
-        add(servicer, server)
-    server.add_generic_rpc_handlers(tuple(generic_handlers))
-    port = security.add_port(server, address)
-    server.start()
+    try:
+        for add, servicer in register:
+            add(servicer, server)
+        server.add_generic_rpc_handlers(tuple(generic_handlers))
+        port = security.add_port(server, address)
+        server.start()
+    except BaseException:  # (a port in use, say): its threads go with it
+        handlers.shutdown(wait=False)
+        raise
     return server, port
 
 

@@ -223,6 +223,6 @@ def build_requests(cfg: DatasetConfig, seed: int, src: TextSource | None = None,
     if src is None:
         src = TokenizerSource(cfg.tokenizer) if cfg.tokenizer is not None else WordSource()
     rng = np.random.default_rng(seed)
-    text_rng = rng if point == 0 else np.random.default_rng([seed, point])  # point 0: the prompts as before
+    text_rng = rng if point == 0 else np.random.default_rng([seed, point])  # point 0: one generator for all
     return _BUILDERS[cfg.name](cfg, src, rng, text_rng, point)
 

@@ -46,8 +46,8 @@ def main(transport: str, fill: bool) -> dict:
                 out.update(tokens_after=again.token_ids, transport_after=again.push.transport)
         except TransferFailed as exc:
             out.update(error=exc.message)
-        stats = pair.decode.stats()
-        out["blocks_back"] = stats.blocks_free == stats.blocks_total
+        stats, prefill = pair.decode.stats(), pair.prefill.stats()
+        out["blocks_back"] = stats.blocks_free == stats.blocks_total and prefill.blocks_free == prefill.blocks_total
         return out
 
 

@@ -61,7 +61,7 @@ def test_a_server_keeps_answering_when_no_thread_can_start(
     """A pids limit (or no address space) refuses new threads for a while. A handler pool that started its
     threads only when calls came needed one for the first busy moment, the refusal ended grpcio's serving
     thread, and the server answered nothing ever after, while the process looked alive. Here every start of
-    a handler thread fails once the server is up, and bursts past the pool's size are still all answered."""
+    a handler thread fails once the server is up, and two bursts of calls, 8 at a time, are all answered."""
     def slow_echo(request: bytes, context: grpc.ServicerContext) -> bytes:
         time.sleep(0.01)  # so a burst finds every handler thread busy
         return request

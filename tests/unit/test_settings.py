@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -340,6 +341,10 @@ def test_a_bad_value_names_the_variable_that_set_it_over_the_file(monkeypatch, t
     monkeypatch.setenv("EPD_DECODE", '{"replicaz": 1}')
     with pytest.raises(SettingsError, match=r"decode.replicaz: unknown setting \(did you mean decode.replicas\?\) "
                                             r"\(from EPD_DECODE\)$"):
+        Settings.load(config)
+    monkeypatch.setenv("EPD_DECODE", '{"engine": {"threads": 2}}')  # merged with the file's section
+    config.write_text("decode: {replicas: -1}\n")
+    with pytest.raises(SettingsError, match=rf"decode.replicas: .* \(from {re.escape(str(config))}\)$"):
         Settings.load(config)
     monkeypatch.delenv("EPD_DECODE")
     with pytest.raises(SettingsError, match=r"decode.replicas: Input should be greater than or equal to 0$"):

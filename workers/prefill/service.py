@@ -154,7 +154,8 @@ class PrefillService(Drainable, wgrpc.PrefillWorkerServicer):
         except Exception as exc:  # a bug: never leave the stream open
             self._abort(rid, f"prefill failed: {type(exc).__name__}: {exc}")
             kv_error = f"prefill failed: {type(exc).__name__}: {exc}"
-            context.abort(grpc.StatusCode.INTERNAL, f"prefill of {rid!r} failed: {type(exc).__name__}: {exc}")
+            context.abort(grpc.StatusCode.INTERNAL, f"prefill of {rid!r} failed: {type(exc).__name__}: "
+                                                    f"{str(exc)[:200]}")
         finally:
             if kv_error is None:
                 end_child(kv_span, None, {"epd.kv.wire_bytes": push.num_bytes,

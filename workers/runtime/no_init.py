@@ -4,8 +4,10 @@ A module's constructor fills its parameters with random values (``torch.nn.init`
 overwrites: for a 1.1B model on CPU that is about 3.5 s of wasted work. On the ``meta`` device the same
 initialisers go through torch's Python decompositions, whose first call imports ``torch._dynamo`` and
 Triton: about 1 s and 140 MB in every process that builds a model for its shapes only. Inside
-``uninitialised()`` every ``torch.nn.init`` function that torch lets a mode intercept (all the random and
-constant ones) returns its tensor untouched, through the public ``TorchFunctionMode`` API.
+``uninitialised()`` each ``torch.nn.init`` function that torch lets a mode intercept (``uniform_``,
+``normal_``, ``constant_``, ``kaiming_uniform_``: what nn.Linear, nn.Embedding and nn.Conv2d use) returns its
+tensor untouched, through the public ``TorchFunctionMode`` API; the others (``ones_``, ``zeros_``,
+``xavier_*``, ...) still run.
 """
 
 from __future__ import annotations

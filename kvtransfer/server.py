@@ -3,7 +3,9 @@ the authentication interceptor, on a thread-pool gRPC server."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
 from concurrent import futures
 
 import grpc
@@ -43,6 +45,16 @@ def handler_pool(max_workers: int, prefix: str) -> futures.ThreadPoolExecutor:
     return pool
 
 
+@contextlib.contextmanager
+def released_on_failure(pool: futures.ThreadPoolExecutor) -> Iterator[None]:
+    """Around a server's set-up and start: if they fail (a port in use, say), its handler threads go too."""
+    try:
+        yield
+    except BaseException:
+        pool.shutdown(wait=False)
+        raise
+
+
 def start_server(handlers: list[grpc.GenericRpcHandler], address: str, security: TransferSecurity,
                  max_streams: int = 64) -> tuple[grpc.Server, int]:
     """Start a server on ``address`` (port 0 picks one); returns it and its port.
@@ -55,11 +67,8 @@ def start_server(handlers: list[grpc.GenericRpcHandler], address: str, security:
     pool = handler_pool(max_streams + 8, "kvtransfer")
     server = grpc.server(pool, interceptors=security.interceptors(),
                          options=CHANNEL_OPTIONS + server_stream_options(max_streams))
-    try:
+    with released_on_failure(pool):
         server.add_generic_rpc_handlers(tuple(handlers))
         port = security.add_port(server, address)
         server.start()
-    except BaseException:  # (a port in use, say): its threads go with it
-        pool.shutdown(wait=False)
-        raise
     return server, port

@@ -18,7 +18,7 @@ from epd.worker.v1 import worker_pb2 as wpb
 from kvtransfer.auth import TransferSecurity
 from kvtransfer.expectations import MAX_REQUEST_ID_CHARS
 from kvtransfer.options import CHANNEL_OPTIONS, server_stream_options
-from kvtransfer.server import handler_pool
+from kvtransfer.server import handler_pool, released_on_failure
 from workers.runtime.errors import (
     CapacityError,
     DuplicateRequestError,
@@ -183,15 +183,12 @@ def start_worker_server(register: list, generic_handlers: list[grpc.GenericRpcHa
     handlers = handler_pool(max_streams + 16, "worker")
     server = grpc.server(handlers, interceptors=[*security.interceptors(), tracing],
                          options=CHANNEL_OPTIONS + server_stream_options(max_streams + 8) + KEEPALIVE_SERVER_OPTIONS)
-    try:
+    with released_on_failure(handlers):
         for add, servicer in register:
             add(servicer, server)
         server.add_generic_rpc_handlers(tuple(generic_handlers))
         port = security.add_port(server, address)
         server.start()
-    except BaseException:  # (a port in use, say): its threads go with it
-        handlers.shutdown(wait=False)
-        raise
     return server, port
 
 

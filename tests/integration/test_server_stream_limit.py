@@ -8,7 +8,6 @@ lost" and 503s. Here the server keeps every call's context alive, so released-la
 from __future__ import annotations
 
 import secrets
-import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -19,6 +18,8 @@ import pytest
 from kvtransfer.auth import TransferSecurity
 from kvtransfer.server import start_server
 from workers.service_base import start_worker_server
+
+from proc_helpers import refuse_thread_starts
 
 pytestmark = [pytest.mark.integration]
 SECURITY = TransferSecurity(token=secrets.token_urlsafe(24))
@@ -68,14 +69,7 @@ def test_a_server_keeps_answering_when_no_thread_can_start(
     handler = grpc.method_handlers_generic_handler("test.Slow",
                                                    {"Echo": grpc.unary_unary_rpc_method_handler(slow_echo)})
     server, port = start(handler)
-    started = threading.Thread.start
-
-    def refuse_handler_threads(thread: threading.Thread) -> None:
-        if thread.name.startswith(prefix):
-            raise RuntimeError("can't start new thread")
-        started(thread)
-
-    monkeypatch.setattr(threading.Thread, "start", refuse_handler_threads)
+    refuse_thread_starts(monkeypatch, prefix)
     try:
         with SECURITY.open_channel(f"127.0.0.1:{port}") as channel, ThreadPoolExecutor(8) as clients:
             echo: grpc.UnaryUnaryMultiCallable = channel.unary_unary("/test.Slow/Echo")

@@ -13,23 +13,15 @@ import pytest
 from kvtransfer.bulk_listener import BulkListener
 from kvtransfer.reused_threads import ReusedThreads
 
+from proc_helpers import refuse_thread_starts
+
 pytestmark = pytest.mark.unit
-
-
-def _refuse_threads_named(monkeypatch: pytest.MonkeyPatch, prefix: str) -> None:
-    started = threading.Thread.start
-
-    def start(thread: threading.Thread) -> None:
-        if thread.name.startswith(prefix):
-            raise RuntimeError("can't start new thread")
-        started(thread)
-    monkeypatch.setattr(threading.Thread, "start", start)
 
 
 def test_a_task_whose_thread_could_not_start_never_runs(monkeypatch: pytest.MonkeyPatch) -> None:
     threads = ReusedThreads("test-reused")
     ran: list[str] = []
-    _refuse_threads_named(monkeypatch, "test-reused")
+    refuse_thread_starts(monkeypatch, "test-reused")
     with pytest.raises(RuntimeError, match="can't start new thread"):
         threads.submit(lambda: ran.append("refused"))
     monkeypatch.undo()
@@ -48,7 +40,7 @@ def test_a_bulk_listener_refuses_a_connection_it_has_no_thread_for_and_keeps_acc
         monkeypatch: pytest.MonkeyPatch) -> None:
     listener = BulkListener("127.0.0.1", lambda conn: None, hello_timeout_s=0.3)
     try:
-        _refuse_threads_named(monkeypatch, "kv-bulk-conn")
+        refuse_thread_starts(monkeypatch, "kv-bulk-conn")
         refused = socket.create_connection(("127.0.0.1", listener.port), timeout=5)
         assert refused.recv(1) == b""  # closed at once
         refused.close()

@@ -341,11 +341,11 @@ class Dispatcher:
         for stage, fut in futures:  # a failed stage aborts the request at once, so decode stops waiting
             slots[stage].end_with(fut, abort_if_failed)
         targets = {"encode": route.encode, "prefill": route.prefill}
-        done = False
+        done = started = False
         lost: tuple[str, ...] = ()  # the workers this attempt lost (dead or hung)
         try:
             for chunk in self._watched(stream, "decode", route.decode, req.cancel):
-                done = chunk.finished
+                done, started = chunk.finished, True
                 yield chunk
             for _stage, fut in futures:  # surface an encode/prefill failure with its own message
                 if not isinstance(fut.exception(), grpc.FutureCancelledError):  # halted after the last token
@@ -369,9 +369,17 @@ class Dispatcher:
             dst.end(exc)
             lost = decode_error.lost
             raise decode_error from None
-        except DispatchError as exc:  # a silent decode stream: its worker is named lost
-            lost = exc.lost
-            raise
+        except DispatchError as silent:  # a silent decode stream: its worker is named lost...
+            verdict = silent
+            stalled = next((f for stage, f in futures if stage == "prefill"), None)
+            if not started and stalled is not None and not stalled.done():
+                # ...unless the prefill never answered either: decode had no KV to start from, and a prefill
+                # worker that is alive (its keepalive answered) but serves nothing is the one to move off
+                verdict = DispatchError("prefill", grpc.StatusCode.UNAVAILABLE,
+                                        f"worker {route.prefill} answered nothing for {self.first_token_timeout_s:g}"
+                                        f" s while decode waited for its KV (hung?)", (route.prefill,))
+            lost = verdict.lost
+            raise verdict from None
         finally:
             forget_halt()
             dst.end(None if done else "cancelled")

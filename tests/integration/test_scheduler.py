@@ -300,6 +300,29 @@ def test_a_broken_path_with_no_worker_lost_names_the_path(cluster):
         broken.close()
 
 
+def test_a_prefill_that_answers_nothing_is_named_lost_not_the_decode_waiting_for_it(cluster):
+    """A prefill worker alive (its keepalive answers) but serving nothing, here held at its door: the decode
+    stream is silent past the first-token limit because it has no KV to start from. The prefill worker is the
+    one named lost, so the request moves off it, where decode, healthy, was blamed and its breaker opened."""
+    bundle, workers, *_ = cluster
+    prefill = workers[0].service
+    impatient = Dispatcher(SECURITY, first_token_timeout_s=2.0)
+    route = Route(decode=workers[1].address, prefill=workers[0].address)
+    req = WorkerRequest("wedged", bundle.tokenizer.encode("hello there"), GREEDY, timeout_s=60.0)
+    try:
+        with prefill._inflight_lock:  # the prefill worker takes no request meanwhile
+            with pytest.raises(DispatchError) as err:
+                list(impatient.run(req, route))
+        assert (err.value.stage, err.value.lost) == ("prefill", (workers[0].address,)), err.value
+        assert "answered nothing for 2 s while decode waited for its KV" in err.value.message
+        deadline = time.monotonic() + 10
+        while not _idle(workers):  # the aborts reached both: nothing held
+            assert time.monotonic() < deadline, [w.service.engine.stats() for w in workers]
+            time.sleep(0.05)
+    finally:
+        impatient.close()
+
+
 def test_a_worker_at_its_call_cap_makes_requests_wait_not_fail(cluster):
     """More requests than a worker's call budget: the rest wait in the bounded queue (then 429), never
     a 502. (Past its HTTP/2 stream limit a worker refuses streams, which once surfaced as 502s.)"""

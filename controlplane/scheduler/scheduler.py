@@ -93,8 +93,8 @@ class Scheduler:
     def ready(self) -> bool:
         pools = ["decode"] if self.colocated else (
             ["prefill", "decode"] + (["encode"] if self.model.image_token_id is not None else []))
-        try:
-            return all(self.view.candidates(p) for p in pools)
+        try:  # a worker routing would pass over (its breaker open: it just failed calls) does not count
+            return all(any(self.health.routable(c.worker_id) for c in self.view.candidates(p)) for p in pools)
         except Exception:  # Redis unreachable and no snapshot yet: not ready
             return False
 

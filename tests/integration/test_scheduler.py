@@ -89,6 +89,13 @@ def test_requests_are_spread_and_match_the_reference(cluster):
     multimodal = _scheduler(cluster)
     multimodal.model = ModelInfo("demo", bundle.tokenizer, 8192, bundle.image_token_id, 64, ())
     assert multimodal.ready() is False  # ... and one that takes images an encode replica too
+    prefill_ids = [w.identity.worker_id for w in workers if Pool(w.pool) == Pool.PREFILL]
+    for worker_id in prefill_ids:  # every prefill worker just lost a call: routing passes them over, so /ready
+        scheduler.health.failure(worker_id, "test: lost", lost=True)
+    assert scheduler.ready() is False
+    for worker_id in prefill_ids:
+        scheduler.health.success(worker_id)
+    assert scheduler.ready() is True
     prompts = [bundle.tokenizer.encode(f"Prompt {i}: the scheduler picks replicas") for i in range(4)]
     refs = [r.token_ids for r in generate(bundle, [GenerateRequest(prompt_ids=p, params=GREEDY) for p in prompts])]
     # start four requests before any finishes: what is in flight steers the next pick

@@ -309,7 +309,10 @@ class _Server:
     def __init__(self, app: Any, port: int) -> None:
         import uvicorn
 
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+        from controlplane.api.http_protocol import BoundedHeadHttpTools  # as epd serve runs it
+
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                                    http=BoundedHeadHttpTools))
         self.thread = threading.Thread(target=self.server.run, name="bench-uvicorn", daemon=True)
 
     def __enter__(self) -> _Server:

@@ -306,6 +306,7 @@ def serve(settings: Settings) -> int:
     import uvicorn
 
     from controlplane.api.auth import mask_tokens_in_access_log
+    from controlplane.api.http_protocol import BoundedHeadHttpTools
     from controlplane.heap import freeze_startup_heap
 
     check_port(settings.api.host, settings.api.port)
@@ -317,7 +318,7 @@ def serve(settings: Settings) -> int:
     try:  # from here on, whatever ends it (an interrupt included) stops what build started
         freeze_startup_heap("control plane")
         config = uvicorn.Config(dep.app, host=settings.api.host, port=settings.api.port, log_level="info",
-                                timeout_graceful_shutdown=10)
+                                timeout_graceful_shutdown=10, http=BoundedHeadHttpTools)
         mask_tokens_in_access_log()  # the dashboard's ?token= stays out of the access log
         server = uvicorn.Server(config)
         signal.signal(signal.SIGTERM, lambda *_: setattr(server, "should_exit", True))

@@ -11,6 +11,8 @@ from typing import Any
 
 import uvicorn
 
+from controlplane.api.http_protocol import BoundedHeadHttpTools
+
 
 def free_loopback_port() -> int:
     """A loopback port free now (the kernel's choice), for a server a test starts by port number."""
@@ -26,7 +28,7 @@ def serve_app(app: Any, start_timeout_s: float = 20.0) -> Iterator[str]:
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off", ws="none",
-                                           timeout_graceful_shutdown=5))
+                                           timeout_graceful_shutdown=5, http=BoundedHeadHttpTools))  # as epd serve
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="uvicorn", daemon=True)
     thread.start()
     try:

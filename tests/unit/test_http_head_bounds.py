@@ -1,0 +1,107 @@
+"""The ingress bounds each request's head (controlplane.api.http_protocol): a head past 64 KiB gets 431 and a
+head not complete within its time limit gets 408, the connection closed either way, while the server keeps
+answering everyone else at once. Bodies, pipelined requests and kept-alive connections pass as before. Real
+uvicorn on a loopback socket; raw sockets play the clients."""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Iterator
+
+import pytest
+from fastapi import FastAPI, Request
+
+import controlplane.api.http_protocol as http_protocol
+
+from http_helpers import serve_app
+
+pytestmark = pytest.mark.unit
+
+
+def _app() -> FastAPI:
+    app = FastAPI()
+
+    @app.post("/echo")
+    async def echo(request: Request) -> dict:
+        return {"bytes": len(await request.body())}
+
+    @app.get("/ping")
+    async def ping() -> dict:
+        return {"ok": True}
+    return app
+
+
+@pytest.fixture
+def server(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[str, int]]:
+    monkeypatch.setattr(http_protocol, "HEAD_TIMEOUT_S", 1.0)
+    with serve_app(_app()) as url:
+        host, port = url.removeprefix("http://").split(":")
+        yield host, int(port)
+
+
+def _exchange(addr: tuple[str, int], data: bytes, wait_s: float = 5.0) -> bytes:
+    """Send ``data``, then read until the server closes (or ``wait_s`` passes)."""
+    with socket.create_connection(addr, timeout=wait_s) as sock:
+        sock.sendall(data)
+        out = b""
+        try:
+            while chunk := sock.recv(65536):
+                out += chunk
+        except TimeoutError:
+            pass
+        return out
+
+
+def _ping(addr: tuple[str, int]) -> float:
+    began = time.monotonic()
+    reply = _exchange(addr, b"GET /ping HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    assert reply.startswith(b"HTTP/1.1 200"), reply
+    return time.monotonic() - began
+
+
+def test_a_head_past_the_bound_gets_431_and_others_are_served(server: tuple[str, int]) -> None:
+    with socket.create_connection(server, timeout=10) as sock:
+        sock.sendall(b"GET /ping HTTP/1.1\r\nHost: x\r\nX-Big: ")
+        sent = 0
+        try:
+            while sent < 8 * 2**20:  # a header that never ends: cut off well before this
+                sock.sendall(b"A" * 65536)
+                sent += 65536
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        assert sent < 4 * 2**20, "the server read on past the bound"
+        assert _ping(server) < 2.0  # and everyone else is served at once
+    reply = _exchange(server, b"GET /ping HTTP/1.1\r\nHost: x\r\nX-Big: " + b"A" * 100_000)
+    assert reply.startswith(b"HTTP/1.1 431") and b"a request head over 64 KiB" in reply, reply[:200]
+    assert _ping(server) < 2.0
+
+
+def test_a_head_that_trickles_past_its_time_gets_408(server: tuple[str, int]) -> None:
+    with socket.create_connection(server, timeout=10) as sock:
+        began = time.monotonic()
+        sock.sendall(b"GET /ping HTTP/1.1\r\n")
+        reply = b""
+        while chunk := sock.recv(65536):
+            reply += chunk
+            time.sleep(0.01)
+        assert reply.startswith(b"HTTP/1.1 408") and 0.8 < time.monotonic() - began < 5, reply
+    silent = socket.create_connection(server, timeout=10)  # nothing sent at all: closed at the limit too
+    assert silent.recv(65536).startswith(b"HTTP/1.1 408")
+    silent.close()
+
+
+def test_bodies_pipelining_and_kept_alive_connections_pass(server: tuple[str, int]) -> None:
+    body = b"x" * (3 * 2**20)  # far past the head bound, in the same writes as its head
+    reply = _exchange(server, b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Type: application/octet-stream\r\n"
+                              b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(body) + body)
+    assert reply.startswith(b"HTTP/1.1 200") and b'{"bytes":3145728}' in reply
+    pipelined = (b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\n" + b"y" * 100000) * 3 \
+        + b"GET /ping HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    reply = _exchange(server, pipelined)
+    assert reply.count(b"HTTP/1.1 200") == 4 and reply.count(b'{"bytes":100000}') == 3
+    with socket.create_connection(server, timeout=10) as sock:  # one connection, requests 0.6 s apart:
+        for _ in range(3):  # each head is timed from its own first byte, not from the connection's start
+            sock.sendall(b"GET /ping HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert sock.recv(65536).startswith(b"HTTP/1.1 200")
+            time.sleep(0.6)

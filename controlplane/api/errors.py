@@ -25,6 +25,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -160,6 +161,8 @@ def install_error_handlers(app: FastAPI) -> None:
         cause = exc.__cause__
         if isinstance(cause, APIError):  # raised while FastAPI read the body (limits.BodyLimit)
             return cause.response()
+        if isinstance(cause, ClientDisconnect):  # it left while sending its body: nobody reads this, and it
+            return as_api_error(ClientGone("the client left while sending its body")).response()  # is no 400
         message = str(exc.detail)
         if exc.status_code == 404 and message == "Not Found":  # the router's own: no such route
             message = f"Invalid URL ({request.method} {request.url.path})"

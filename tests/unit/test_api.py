@@ -475,6 +475,25 @@ def _sample(name: str, **labels: str) -> float:
                if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
 
 
+def test_a_client_that_leaves_mid_body_is_counted_499_not_400(tokenizer: Tokenizer) -> None:
+    """It sent its head and part of its body, then closed: FastAPI's body reader fails, which read as a
+    malformed body (a 400 in epd:requests_total, inflating the client-error rate); it is a client gone."""
+    route = "/v1/chat/completions"
+    before = {s: _sample("epd:requests_total", route=route, status=s) for s in ("400", "499")}
+    with serve_app(create_app(FakeBackend(model_info(tokenizer)))) as base:
+        host, port = base.removeprefix("http://").split(":")
+        for _ in range(3):
+            with socket.create_connection((host, int(port)), timeout=10) as sock:
+                sock.sendall(b"POST " + route.encode() + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                             b"\r\nContent-Length: 5000\r\n\r\n" + b'{"model": "x", ')
+                time.sleep(0.2)
+        deadline = time.monotonic() + 10
+        while _sample("epd:requests_total", route=route, status="499") - before["499"] < 3:
+            assert time.monotonic() < deadline, "the three requests were never counted as 499"
+            time.sleep(0.05)
+    assert _sample("epd:requests_total", route=route, status="400") == before["400"]
+
+
 def test_a_messages_name_reaches_the_chat_template(backend: FakeBackend, tokenizer: Tokenizer) -> None:
     named = Tokenizer(tokenizer.backend, chat_template="{% for m in messages %}{{ m.get('name', '-') }}: "
                                                        "{{ m['content'] }}\n{% endfor %}")

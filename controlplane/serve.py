@@ -306,7 +306,7 @@ def serve(settings: Settings) -> int:
     import uvicorn
 
     from controlplane.api.auth import mask_tokens_in_access_log
-    from controlplane.api.http_protocol import BoundedHeadHttpTools
+    from controlplane.api.http_protocol import BoundedHeadHttpTools, limit_repeated_warnings
     from controlplane.heap import freeze_startup_heap
 
     check_port(settings.api.host, settings.api.port)
@@ -320,6 +320,7 @@ def serve(settings: Settings) -> int:
         config = uvicorn.Config(dep.app, host=settings.api.host, port=settings.api.port, log_level="info",
                                 timeout_graceful_shutdown=10, http=BoundedHeadHttpTools)
         mask_tokens_in_access_log()  # the dashboard's ?token= stays out of the access log
+        limit_repeated_warnings()  # a client sending garbage cannot fill the log
         server = uvicorn.Server(config)
         signal.signal(signal.SIGTERM, lambda *_: setattr(server, "should_exit", True))
         print(f"epd: serving {dep.ready_line} on http://{settings.api.host}:{settings.api.port} (Ctrl-C to stop)",

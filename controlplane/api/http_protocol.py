@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
+import time
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
@@ -85,3 +87,38 @@ class BoundedHeadHttpTools(HttpToolsProtocol):
             self.transport.write(_REFUSALS[status] + b"content-type: text/plain; charset=utf-8\r\n"
                                  + b"content-length: %d\r\nconnection: close\r\n\r\n" % len(body) + body)
         self.transport.close()
+
+
+class RepeatsLimited(logging.Filter):
+    """Passes each of ``messages`` at most once per ``interval_s``, saying how many were held back since: uvicorn
+    logs one warning per malformed request ("Invalid HTTP request received."), so a client sending garbage
+    could fill the log. Other records pass untouched."""
+
+    def __init__(self, messages: tuple[str, ...], interval_s: float = 10.0) -> None:
+        super().__init__()
+        self.messages, self.interval_s = messages, interval_s
+        self._last: dict[str, float] = {}
+        self._held: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        if text not in self.messages:
+            return True
+        now = time.monotonic()
+        with self._lock:
+            if now - self._last.get(text, -self.interval_s) < self.interval_s:
+                self._held[text] = self._held.get(text, 0) + 1
+                return False
+            self._last[text] = now
+            held = self._held.pop(text, 0)
+        if held:
+            record.msg, record.args = f"{text} ({held} more held back in the {self.interval_s:g} s before)", None
+        return True
+
+
+def limit_repeated_warnings() -> None:
+    """Attach ``RepeatsLimited`` to uvicorn's error logger, once."""
+    logger = logging.getLogger("uvicorn.error")
+    if not any(isinstance(f, RepeatsLimited) for f in logger.filters):
+        logger.addFilter(RepeatsLimited(("Invalid HTTP request received.",)))

@@ -5,6 +5,7 @@ uvicorn on a loopback socket; raw sockets play the clients."""
 
 from __future__ import annotations
 
+import logging
 import socket
 import time
 from collections.abc import Iterator
@@ -105,3 +106,23 @@ def test_bodies_pipelining_and_kept_alive_connections_pass(server: tuple[str, in
             sock.sendall(b"GET /ping HTTP/1.1\r\nHost: x\r\n\r\n")
             assert sock.recv(65536).startswith(b"HTTP/1.1 200")
             time.sleep(0.6)
+
+
+def test_garbage_connections_log_their_warning_once_per_interval(server: tuple[str, int],
+                                                                 caplog: pytest.LogCaptureFixture) -> None:
+    """uvicorn logs a warning per malformed request; a client sending garbage could fill the log. With the
+    filter epd serve attaches, 50 of them log one line, and the next one past the interval says how many were
+    held back."""
+    http_protocol.limit_repeated_warnings()
+    limiter = next(f for f in logging.getLogger("uvicorn.error").filters
+                   if isinstance(f, http_protocol.RepeatsLimited))
+    limiter._last.clear()
+    with caplog.at_level(logging.WARNING, logger="uvicorn.error"):
+        for _ in range(50):
+            assert _exchange(server, b"\x16\x03\x01 not http at all\r\n\r\n").startswith(b"HTTP/1.1 400")
+        said = [r.getMessage() for r in caplog.records if "Invalid HTTP request" in r.getMessage()]
+        assert said == ["Invalid HTTP request received."]
+        limiter._last.clear()  # as if the interval had passed
+        _exchange(server, b"garbage\r\n\r\n")
+        said = [r.getMessage() for r in caplog.records if "Invalid HTTP request" in r.getMessage()]
+        assert said[-1] == "Invalid HTTP request received. (49 more held back in the 10 s before)"

@@ -53,9 +53,13 @@ def ensure_admin_token(settings: Settings) -> str:
 def find_admin_token(settings: Settings) -> str:
     found = _admin_token_or_none(settings)
     if found is None:
-        raise AdminError(f"no admin token: set EPD_API__ADMIN_TOKEN, or run this where `epd serve` wrote "
-                         f"{admin_token_file()}")
+        raise _no_admin_token()
     return found[0]
+
+
+def _no_admin_token() -> AdminError:
+    return AdminError(f"no admin token: set EPD_API__ADMIN_TOKEN, or run this where `epd serve` wrote "
+                      f"{admin_token_file()}")
 
 
 def _admin_token_or_none(settings: Settings) -> tuple[str, str] | None:
@@ -99,8 +103,7 @@ def call(settings: Settings, method: str, path: str, body: dict | None = None, u
     found = _admin_token_or_none(settings)
     if found is None:
         _request(base, "GET", "/admin/pools", None, None, timeout, probe=True)
-        find_admin_token(settings)  # the API answered: the token is what is missing
-        raise AssertionError("unreachable: find_admin_token raised")
+        raise _no_admin_token()  # the API answered: the token is what is missing
     token, source = found
     try:
         return _request(base, method, path, body, token, timeout)

@@ -34,7 +34,12 @@ _MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
 
 
 class ShmError(OSError):
-    """A segment could not be created, opened, or read at the requested range."""
+    """A segment could not be created, opened, or read at the requested range. ``lasting`` (a segment the
+    pool could not make): /dev/shm could not hold it even empty, so only a larger /dev/shm helps."""
+
+    def __init__(self, message: str, lasting: bool = True) -> None:
+        super().__init__(message)
+        self.lasting = lasting
 
 
 def shm_available() -> bool:
@@ -116,21 +121,24 @@ class SharedSegment:
             (SHM_DIR / self.name).unlink(missing_ok=True)
 
 
-def _room() -> str:
+def _space() -> tuple[int, int] | None:
+    """/dev/shm's (free, total) bytes; None when it cannot be read."""
     try:
         st = os.statvfs(SHM_DIR)
     except OSError:
-        return "its size unknown"
-    return f"{_size(st.f_bavail * st.f_frsize)} free of {_size(st.f_blocks * st.f_frsize)}"
+        return None
+    return st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
+
+
+def _room() -> str:
+    space = _space()
+    return "its size unknown" if space is None else f"{_size(space[0])} free of {_size(space[1])}"
 
 
 def shm_bytes() -> int:
     """/dev/shm's size (0 when it cannot be read)."""
-    try:
-        st = os.statvfs(SHM_DIR)
-    except OSError:
-        return 0
-    return st.f_blocks * st.f_frsize
+    space = _space()
+    return 0 if space is None else space[1]
 
 
 def _size(n: int) -> str:
@@ -216,7 +224,11 @@ class SegmentPool:
                 self._free.remove(doomed)
         if doomed is not None:
             doomed.close()
-        return SharedSegment.create(segment_size_class(size))
+        size = segment_size_class(size)
+        try:
+            return SharedSegment.create(size)
+        except ShmError as exc:
+            raise ShmError(str(exc), lasting=size > shm_bytes() // 2) from None
 
     @property
     def idle(self) -> int:

@@ -55,7 +55,7 @@ from kvtransfer.device_chunks import CacheBlocks, block_nbytes, encode_from_cach
 from kvtransfer.errors import ShmUnusable, TransferFailed, status_code
 from kvtransfer.layout import KVLayout
 from kvtransfer.reused_threads import ReusedThreads
-from kvtransfer.shm import SharedSegment, ShmError, segment_size_class, shm_bytes
+from kvtransfer.shm import SharedSegment, ShmError
 from kvtransfer.staging import wait_for_current
 from kvtransfer.stream_context import StreamContext
 from kvtransfer.wire import OPEN_BULK_METHOD, OPEN_CUDA_IPC_METHOD, PROTOCOL_VERSION, PUSH_METHOD, encode_control, pb
@@ -106,9 +106,8 @@ class KVStream:
         if transport == "shm":
             try:
                 self._segment = ctx.segments.take(self._segment_size())
-            except ShmError as exc:  # never fits: a segment over half of /dev/shm (or /dev/shm unreadable)
-                lasting = segment_size_class(self._segment_size()) > shm_bytes() // 2
-                raise ShmUnusable(f"cannot use shared memory: {exc}", lasting) from None
+            except ShmError as exc:
+                raise ShmUnusable(f"cannot use shared memory: {exc}", exc.lasting) from None
             hs.transport = pb.TRANSPORT_SHARED_MEMORY
             hs.shm_name = self._segment.name
             hs.shm_size = self._segment.size

@@ -5,8 +5,12 @@ that never ends made the server buffer hundreds of MiB, parsing it held the even
 other request waited), and connections that trickle a head, or send nothing at all, stayed open for good.
 Here a request's line and headers must come to at most ``MAX_HEAD_BYTES`` and arrive within
 ``HEAD_TIMEOUT_S`` of its first byte (of the connection, for its first request): past the size the client
-gets 431, past the time 408, and the connection is closed. A slow body is not bounded here; it needs a valid
-API key, checked before the body is read. Passed to uvicorn as its ``http`` protocol class (``Config(http=...)``).
+gets 431, past the time 408, and the connection is closed. A body is bounded by rate, as Apache's
+mod_reqtimeout does (``body=30,MinRate=1000``): it has ``BODY_GRACE_S`` from the end of its head, plus a second
+for each ``BODY_MIN_RATE`` bytes received; past that the client gets 408 (when no response has begun) and the
+connection is closed. Time the server itself holds the body back (the app has not read what came, or has not
+yet asked for it under ``Expect: 100-continue``) is not counted. Passed to uvicorn as its ``http`` protocol
+class (``Config(http=...)``).
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ log = logging.getLogger(__name__)
 
 MAX_HEAD_BYTES = 64 * 1024
 HEAD_TIMEOUT_S = 30.0
+BODY_GRACE_S = 30.0
+BODY_MIN_RATE = 1000  # bytes a second, on average, once the grace is spent
 _REFUSALS = {431: b"HTTP/1.1 431 Request Header Fields Too Large\r\n", 408: b"HTTP/1.1 408 Request Timeout\r\n"}
 
 
@@ -30,6 +36,8 @@ class BoundedHeadHttpTools(HttpToolsProtocol):
     _in_head = True
     _began = _ended = False  # a request began, or one ended, in the data being parsed
     _head_timer: asyncio.TimerHandle | None = None
+    _body_timer: asyncio.TimerHandle | None = None
+    _body_deadline = 0.0
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -37,6 +45,7 @@ class BoundedHeadHttpTools(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        self._disarm_body()
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
@@ -58,12 +67,23 @@ class BoundedHeadHttpTools(HttpToolsProtocol):
 
     def on_message_complete(self) -> None:
         self._ended = True
+        self._disarm_body()
         super().on_message_complete()
 
     def on_headers_complete(self) -> None:
         self._in_head = False
         self._disarm()
+        before = self.cycle
         super().on_headers_complete()
+        if self.cycle is before:  # no request cycle began: a protocol upgrade
+            return
+        loop = asyncio.get_running_loop()
+        self._body_deadline = loop.time() + BODY_GRACE_S  # on_message_complete disarms it at once when bodiless
+        self._body_timer = loop.call_at(self._body_deadline, self._body_timed_out)
+
+    def on_body(self, body: bytes) -> None:
+        self._body_deadline += len(body) / BODY_MIN_RATE
+        super().on_body(body)
 
     def _arm(self) -> None:
         self._disarm()
@@ -74,15 +94,40 @@ class BoundedHeadHttpTools(HttpToolsProtocol):
             self._head_timer.cancel()
             self._head_timer = None
 
+    def _disarm_body(self) -> None:
+        if self._body_timer is not None:
+            self._body_timer.cancel()
+            self._body_timer = None
+
+    def _body_timed_out(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._body_timer = None
+        cycle = self.cycle
+        if self.transport.is_closing() or cycle is None:
+            return
+        if self.flow.read_paused or cycle.waiting_for_100_continue:  # the server holds it back, not the client
+            self._body_deadline = loop.time() + BODY_GRACE_S
+        if loop.time() < self._body_deadline:  # bytes came since the timer was set
+            self._body_timer = loop.call_at(self._body_deadline, self._body_timed_out)
+            return
+        # an answer already begun (the app did not want the body) is left as it is
+        self._refuse(408, f"a request body slower than {BODY_MIN_RATE} bytes/s after {BODY_GRACE_S:g} s",
+                     answer=not cycle.response_started)
+
     def _head_timed_out(self) -> None:
         self._head_timer = None
         if self._in_head and not self.transport.is_closing():
             self._refuse(408, f"a request head not complete within {HEAD_TIMEOUT_S:g} s")
 
-    def _refuse(self, status: int, why: str) -> None:
+    def _refuse(self, status: int, why: str, answer: bool | None = None) -> None:
+        """Close the connection, first answering ``status`` unless ``answer`` is False; by default, when no
+        earlier response is still being written on it."""
         self._disarm()
+        self._disarm_body()
         log.warning("closing a connection from %s: %s", self.client, why)
-        if self.cycle is None or self.cycle.response_complete:  # no earlier response still being written on it
+        if answer is None:
+            answer = self.cycle is None or self.cycle.response_complete
+        if answer:
             body = why.encode()
             self.transport.write(_REFUSALS[status] + b"content-type: text/plain; charset=utf-8\r\n"
                                  + b"content-length: %d\r\nconnection: close\r\n\r\n" % len(body) + body)

@@ -1,10 +1,12 @@
 """The ingress bounds each request's head (controlplane.api.http_protocol): a head past 64 KiB gets 431 and a
 head not complete within its time limit gets 408, the connection closed either way, while the server keeps
-answering everyone else at once. Bodies, pipelined requests and kept-alive connections pass as before. Real
-uvicorn on a loopback socket; raw sockets play the clients."""
+answering everyone else at once. A body slower than the minimum rate after its grace gets 408 too; time the
+server holds a body back is not counted. Bodies, pipelined requests and kept-alive connections pass as
+before. Real uvicorn on a loopback socket; raw sockets play the clients."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import socket
 import time
@@ -27,6 +29,11 @@ def _app() -> FastAPI:
     async def echo(request: Request) -> dict:
         return {"bytes": len(await request.body())}
 
+    @app.post("/late")  # reads its body only after 2 s: the server, not the client, holds it back meanwhile
+    async def late(request: Request) -> dict:
+        await asyncio.sleep(2.0)
+        return {"bytes": len(await request.body())}
+
     @app.get("/ping")
     async def ping() -> dict:
         return {"ok": True}
@@ -36,6 +43,8 @@ def _app() -> FastAPI:
 @pytest.fixture
 def server(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[str, int]]:
     monkeypatch.setattr(http_protocol, "HEAD_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(http_protocol, "BODY_GRACE_S", 1.0)
+    monkeypatch.setattr(http_protocol, "BODY_MIN_RATE", 100_000)  # bytes/s: a second per 100 kB after the grace
     with serve_app(_app()) as url:
         host, port = url.removeprefix("http://").split(":")
         yield host, int(port)
@@ -126,3 +135,44 @@ def test_garbage_connections_log_their_warning_once_per_interval(server: tuple[s
         _exchange(server, b"garbage\r\n\r\n")
         said = [r.getMessage() for r in caplog.records if "Invalid HTTP request" in r.getMessage()]
         assert said[-1] == "Invalid HTTP request received. (49 more held back in the 10 s before)"
+
+
+def _trickle(addr: tuple[str, int], path: str, parts: list[bytes], gap_s: float) -> tuple[bytes, float]:
+    """POST ``parts`` as one body (its length declared), ``gap_s`` apart; the reply and when it came."""
+    length = sum(len(p) for p in parts)
+    with socket.create_connection(addr, timeout=15) as sock:
+        began = time.monotonic()
+        sock.sendall(b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\nConnection: close\r\n\r\n"
+                     % (path.encode(), length))
+        try:
+            for part in parts:
+                time.sleep(gap_s)
+                sock.sendall(part)
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        reply = b""
+        try:
+            while chunk := sock.recv(65536):
+                reply += chunk
+        except ConnectionResetError:
+            pass
+        return reply, time.monotonic() - began
+
+
+def test_a_body_slower_than_the_minimum_rate_gets_408(server: tuple[str, int]) -> None:
+    reply, took = _trickle(server, "/echo", [b"z"] * 40, 0.1)  # 10 bytes/s: cut off at the 1 s grace
+    assert reply.startswith(b"HTTP/1.1 408") and b"request body slower than" in reply, reply[:200]
+    assert took < 3.0
+    assert _ping(server) < 2.0
+    # 100 kB every 0.5 s (200 kB/s, past the minimum rate) over 3 s, well past the grace: served
+    reply, took = _trickle(server, "/echo", [b"z" * 100_000] * 6, 0.5)
+    assert reply.startswith(b"HTTP/1.1 200") and b'{"bytes":600000}' in reply and took > 2.5, reply[:200]
+
+
+def test_a_body_the_server_holds_back_is_not_the_clients_fault(server: tuple[str, int],
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """The app reads the body 2 s in (past the grace): what the client sent meanwhile waits in the kernel
+    (the server pauses reading past 64 KiB buffered), and the client is not cut off for it."""
+    monkeypatch.setattr(http_protocol, "BODY_MIN_RATE", 10**12)  # bytes received buy no time
+    reply, _ = _trickle(server, "/late", [b"w" * 2_000_000], 0.0)
+    assert reply.startswith(b"HTTP/1.1 200") and b'{"bytes":2000000}' in reply, reply[:200]

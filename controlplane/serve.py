@@ -302,6 +302,30 @@ def check_port(host: str, port: int) -> None:
         raise UsageError(f"cannot listen on {host}:{port}: {exc.strerror or exc}{hint}") from None
 
 
+OPEN_FILES_WANTED = 65536
+
+
+def raise_open_files_limit(wanted: int = OPEN_FILES_WANTED) -> int:
+    """Raise this process's soft limit on open files towards ``wanted`` (as far as the hard limit allows), as
+    vLLM's API server does: each client connection holds one, and a container's default soft limit is often
+    1,024 (its hard limit far above), where about a thousand streaming clients would make the API refuse new
+    connections. Returns the soft limit now in force; a limit that cannot be raised is left as it is."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        except (ValueError, OSError) as exc:
+            log.warning("could not raise the open-files limit from %d to %d: %s", soft, target, exc)
+            return soft
+        log.info("open-files limit raised from %d to %d (the hard limit is %s)", soft, target,
+                 "unlimited" if hard == resource.RLIM_INFINITY else hard)
+        return target
+    return soft
+
+
 def serve(settings: Settings) -> int:
     import uvicorn
 
@@ -310,6 +334,7 @@ def serve(settings: Settings) -> int:
     from controlplane.heap import freeze_startup_heap
 
     check_port(settings.api.host, settings.api.port)
+    raise_open_files_limit()  # each client connection holds a file
 
     def interrupted(*_: object) -> None:  # SIGTERM while starting: unwind as Ctrl-C does, stopping what started
         raise KeyboardInterrupt

@@ -43,6 +43,7 @@ class WorkerSummary:
     queued_tokens: int
     free_kv_blocks: int
     total_kv_blocks: int
+    pid: int  # on the host in ``address``; 0: not said
 
 
 @dataclass(frozen=True)
@@ -79,7 +80,8 @@ def pools_status(conn: StateConnection, registry: WorkerRegistry, starts: PoolSt
     for pool in Pool:
         live = registry.live_workers(pool)
         workers = [WorkerSummary(r.info.worker_id, r.info.address, r.info.draining, r.info.load.running,
-                              r.info.load.queued_tokens, r.info.load.free_kv_blocks, r.info.load.total_kv_blocks)
+                              r.info.load.queued_tokens, r.info.load.free_kv_blocks, r.info.load.total_kv_blocks,
+                              r.info.pid)
                    for r in live]
         pending = starts.pending(pool.value) if starts is not None else ()
         problem = starts.problem(pool.value) if starts is not None else None

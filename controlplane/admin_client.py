@@ -187,7 +187,8 @@ def format_status(data: dict) -> str:
             state = "draining" if w["draining"] else "ready"
             kv = f"kv {w['total_kv_blocks'] - w['free_kv_blocks']}/{w['total_kv_blocks']} blocks" if w[
                 "total_kv_blocks"] else ""
-            lines.append(f"{'':<16}  {w['worker_id']} {w['address']} {state} running={w['running']} "
+            pid = f" pid={w['pid']}" if w.get("pid") else ""  # an older API, or worker, does not say
+            lines.append(f"{'':<16}  {w['worker_id']} {w['address']}{pid} {state} running={w['running']} "
                          f"queued_tokens={w['queued_tokens']} {kv}".rstrip())
         for r in p.get("pending", ()):  # an API from before pending replicas were shown has none
             lines.append(f"{'':<16}  {r['name']} pending {r['waiting_s']:.0f} s: {r['reason']}")

@@ -340,7 +340,7 @@ def build_parser() -> argparse.ArgumentParser:
              "file a local `epd serve` wrote under $EPD_STATE_DIR (default ~/.local/state/epd).")
     for name, helptext, what in (
             ("status", "pools, replicas, health, load", "Show each pool's target and ready replicas, and each "
-             "worker's address, state, running sequences, queued tokens and KV blocks in use."),
+             "worker's address, process id, state, running sequences, queued tokens and KV blocks in use."),
             ("scale", "set a pool's replica count", "Set a pool's target replica count; the pool manager starts "
              "or drains replicas to reach it (watch with `epd status`)."),
             ("drain", "stop routing to one worker", "Stop routing new work to one worker; its in-flight "

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import threading
 import time
 from importlib import metadata
@@ -209,7 +210,7 @@ class Lease:
                           total_kv_blocks=s.kv_blocks_total, running=s.running)
         return WorkerInfo(worker_id=s.worker_id, pool=parse_pool(self.worker.pool), address=s.address,
                           model_fingerprint=s.model_fingerprint, version=self._version, load=load,
-                          draining=s.draining)
+                          draining=s.draining, pid=os.getpid())
 
     def start(self) -> None:
         """Register now (raises if Redis is unreachable), then beat in the background."""

@@ -81,7 +81,8 @@ class WorkerLoad:
 
 @dataclass(frozen=True)
 class WorkerInfo:
-    """A worker as registered: identity, its gRPC ``host:port``, what it serves, and its load."""
+    """A worker as registered: identity, its gRPC ``host:port``, what it serves, and its load. ``pid``: its
+    process id on that host (0: not said, by a worker from before it was registered)."""
 
     worker_id: str
     pool: Pool
@@ -90,6 +91,7 @@ class WorkerInfo:
     version: str = ""
     load: WorkerLoad = field(default_factory=WorkerLoad)
     draining: bool = False
+    pid: int = 0
 
     def __post_init__(self) -> None:
         validate_id("worker id", self.worker_id)
@@ -116,7 +118,7 @@ def _decode(raw: dict[str, str]) -> WorkerRecord:
     load = WorkerLoad(**{f.name: int(raw[f.name]) for f in fields(WorkerLoad)})
     info = WorkerInfo(worker_id=raw["worker_id"], pool=Pool(raw["pool"]), address=raw["address"],
                       model_fingerprint=raw["model_fingerprint"], version=raw["version"], load=load,
-                      draining=raw["draining"] == "1")
+                      draining=raw["draining"] == "1", pid=int(raw.get("pid", "0")))
     return WorkerRecord(info=info, heartbeat_at=float(raw["heartbeat_at"]),
                         lease_expires_at=float(raw["lease_expires_at"]))
 
@@ -152,7 +154,7 @@ class WorkerRegistry:
         """Write ``info`` and start its lease; returns the lease end (seconds, registry clock)."""
         values = {"worker_id": info.worker_id, "pool": info.pool.value, "address": info.address,
                   "model_fingerprint": info.model_fingerprint, "version": info.version,
-                  "draining": "1" if info.draining else "0", **_load_fields(info.load)}
+                  "draining": "1" if info.draining else "0", "pid": str(info.pid), **_load_fields(info.load)}
         return self._write_lease("register", info.worker_id, info.pool, values)
 
     def heartbeat(self, worker_id: str, pool: Pool | str, load: WorkerLoad) -> float:

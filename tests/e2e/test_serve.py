@@ -61,6 +61,12 @@ def test_32_concurrent_requests_on_2_prefill_and_2_decode_replicas_all_match(ser
     results = chat_concurrently(client, model, prompts, max_tokens=12, join_s=180)
     assert results == [r.text for r in refs]
     assert {p["pool"]: p["ready"] for p in served.status()["pools"]} == {"encode": 1, "prefill": 2, "decode": 2}
+    # each worker says its process: one of the stack's own (a Ray worker under serve), one per worker
+    workers = [w for p in served.status()["pools"] for w in p["workers"]]
+    pids = {w["pid"] for w in workers}
+    assert len(pids) == len(workers) and pids <= descendants(served.proc.pid), (pids, workers)
+    text = served.cli("status").stdout
+    assert all(f"{w['worker_id']} {w['address']} pid={w['pid']} " in text for w in workers), text
 
 
 def test_a_burst_past_every_workers_call_budget_is_served_whole(served):

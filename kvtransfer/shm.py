@@ -24,6 +24,7 @@ import mmap
 import os
 import re
 import threading
+import time
 import uuid
 from collections import OrderedDict
 from pathlib import Path
@@ -201,14 +202,21 @@ class SegmentPool:
 
     ``max_bytes`` bounds the idle segments kept; by default 1 GiB, or a quarter of /dev/shm when that is
     smaller (a container's 64 MiB /dev/shm then keeps 16 MiB idle, not all of it: other users of /dev/shm in
-    the pod, NCCL or torch's multiprocessing, need room too), and always one segment of at most half of it."""
+    the pod, NCCL or torch's multiprocessing, need room too), and always one segment of at most half of it.
 
-    def __init__(self, max_bytes: int | None = None) -> None:
+    A segment idle for ``idle_s`` is closed, except the one given back last: after a burst of pushes the pool
+    shrinks back to one segment instead of holding a segment per push of the burst for good (shared memory
+    counts against the container's memory limit)."""
+
+    def __init__(self, max_bytes: int | None = None, idle_s: float = 30.0) -> None:
         self.max_bytes = max_bytes if max_bytes is not None else min(1 << 30, shm_bytes() // 4)
         # One idle segment is kept even past max_bytes when it takes at most half of /dev/shm: a pool that
         # could keep none would make, fill and unlink a segment for every push.
         self._keep_one = self.max_bytes if max_bytes is not None else shm_bytes() // 2
-        self._free: list[SharedSegment] = []
+        self.idle_s = idle_s
+        self._free: list[SharedSegment] = []  # oldest given back first
+        self._since: dict[int, float] = {}  # id(segment) -> when it was given back (monotonic)
+        self._trimmer: threading.Timer | None = None
         self._lock = threading.Lock()
 
     def take(self, size: int) -> SharedSegment:
@@ -218,10 +226,12 @@ class SegmentPool:
             if fits:
                 seg = min(fits, key=lambda s: s.size)
                 self._free.remove(seg)
+                self._since.pop(id(seg), None)
                 return seg
             if self._free:  # all too small: replace the largest rather than keep it beside a new one
                 doomed = max(self._free, key=lambda s: s.size)
                 self._free.remove(doomed)
+                self._since.pop(id(doomed), None)
         if doomed is not None:
             doomed.close()
         size = segment_size_class(size)
@@ -241,12 +251,46 @@ class SegmentPool:
             idle = sum(s.size for s in self._free)
             if idle + seg.size <= self.max_bytes or (not self._free and seg.size <= self._keep_one):
                 self._free.append(seg)
+                self._since[id(seg)] = time.monotonic()
+                if len(self._free) > 1:
+                    self._arm(self.idle_s)
                 return
         seg.close()
+
+    def _arm(self, delay_s: float) -> None:
+        """Under the lock: trim in ``delay_s`` unless a trim is already due."""
+        if self._trimmer is not None:
+            return
+        timer = threading.Timer(delay_s, self._trim)
+        timer.daemon = True
+        try:
+            timer.start()
+        except RuntimeError:  # no thread to be had (a pids limit): the next give tries again
+            return
+        self._trimmer = timer
+
+    def _trim(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            self._trimmer = None
+            last = self._free[-1] if self._free else None
+            doomed = [s for s in self._free if s is not last and now - self._since[id(s)] >= self.idle_s]
+            for seg in doomed:
+                self._free.remove(seg)
+                del self._since[id(seg)]
+            if len(self._free) > 1:  # the rest, once they too have been idle long enough
+                oldest = min(self._since[id(s)] for s in self._free if s is not last)
+                self._arm(max(0.0, oldest + self.idle_s - now))
+        for seg in doomed:
+            seg.close()
 
     def close(self) -> None:
         with self._lock:
             free, self._free = self._free, []
+            self._since.clear()
+            if self._trimmer is not None:
+                self._trimmer.cancel()
+                self._trimmer = None
         for seg in free:
             seg.close()
 

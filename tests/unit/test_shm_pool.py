@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import os
+import time
 
 import pytest
 
@@ -74,3 +75,26 @@ def test_a_segment_that_dev_shm_has_no_room_for_is_refused_up_front(monkeypatch:
                                        r"worker a larger /dev/shm \(docker run --shm-size, the chart's shmSize\)"):
         SegmentPool().take(1)
     assert set(SHM_DIR.glob("epd-kv-*")) == before
+
+
+def test_segments_idle_past_their_time_are_closed_but_the_last_one_given_back() -> None:
+    """A burst of three pushes at once leaves three segments; once idle for ``idle_s`` all but the one given
+    back last are closed and unlinked, with no take or give to prompt it (shared memory counts against a
+    container's memory limit). One in use meanwhile is not touched, and is kept when it comes back."""
+    pool = SegmentPool(max_bytes=1 << 30, idle_s=0.3)
+    try:
+        a, b, c, d = (pool.take(17 * MiB) for _ in range(4))
+        for seg in (a, b, c):
+            pool.give(seg)
+        assert pool.idle == 3
+        time.sleep(1.0)
+        assert pool.idle == 1
+        assert [(SHM_DIR / s.name).exists() for s in (a, b, c, d)] == [False, False, True, True]
+        pool.give(d)  # back after the others' time: kept, and c (idle longest) goes in its turn
+        time.sleep(1.0)
+        assert pool.idle == 1 and not (SHM_DIR / c.name).exists() and (SHM_DIR / d.name).exists()
+        assert pool.take(17 * MiB) is d
+        pool.give(d)
+    finally:
+        pool.close()
+    assert not (SHM_DIR / d.name).exists()

@@ -50,14 +50,16 @@ class Overloaded(Exception):
 class BackendError(Exception):
     """A stage failed; ``status`` is the HTTP status to answer with (4xx for the client's fault).
     ``retry_after_s``: the failure is the server's and passing (no replica, a worker lost too often);
-    the answer carries Retry-After with it, in whole seconds."""
+    the answer carries Retry-After with it, in whole seconds. ``code``: OpenAI's error code, when one applies
+    (``context_length_exceeded``)."""
 
     def __init__(self, message: str, status: int = 502, kind: str = "server_error",
-                 retry_after_s: float | None = None) -> None:
+                 retry_after_s: float | None = None, code: str | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.kind = kind
         self.retry_after_s = retry_after_s
+        self.code = code
 
 
 @dataclass(frozen=True)

@@ -73,7 +73,7 @@ def as_api_error(exc: BaseException) -> APIError:
             kind = "invalid_request_error"
         after = exc.retry_after_s
         headers = {"Retry-After": str(max(1, math.ceil(after)))} if after is not None and math.isfinite(after) else None
-        return APIError(exc.status, str(exc), type=kind, headers=headers)
+        return APIError(exc.status, str(exc), type=kind, headers=headers, code=exc.code)
     if isinstance(exc, InvalidRequestError):
         return APIError(400, str(exc))
     if isinstance(exc, ClientGone):  # nobody reads it: the client left

@@ -8,6 +8,7 @@ import grpc
 
 from controlplane.backend import BackendError
 from controlplane.dispatch import DispatchError
+from workers.tracing import EXCEEDS_CONTEXT
 
 _RETRY_AT_RESERVE = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE)
 _CLIENT_FAULT = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE)
@@ -40,8 +41,9 @@ def verdict(exc: DispatchError, started: bool) -> Verdict:
 
 
 def backend_error(exc: DispatchError) -> BackendError:
-    if exc.code in _CLIENT_FAULT:
-        return BackendError(exc.message, 400, "invalid_request_error")
+    if exc.code in _CLIENT_FAULT:  # a request no worker's context or KV pool can hold says so, as OpenAI's does
+        return BackendError(exc.message, 400, "invalid_request_error",
+                            code="context_length_exceeded" if exc.mark == EXCEEDS_CONTEXT else None)
     if exc.code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return BackendError(f"{exc.stage} timed out: {exc.message}", 504)
     return BackendError(f"{exc.stage} failed: {exc.message}", 502)

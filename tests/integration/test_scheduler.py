@@ -216,7 +216,8 @@ def test_a_request_no_decode_replica_can_ever_hold_is_refused_at_once(cluster):
     started = time.monotonic()
     with pytest.raises(BackendError) as info:  # ~300 tokens of room per replica; this needs 612
         _collect(scheduler, WorkerRequest("too-big", [5] * 600, GREEDY))
-    assert info.value.status == 400 and "KV blocks" in str(info.value)
+    assert info.value.status == 400 and "more than a worker's KV pool holds" in str(info.value)
+    assert info.value.code == "context_length_exceeded"  # what clients and frameworks look for
     assert time.monotonic() - started < 10  # refused, not left to wait out the 30 s queue timeout
     assert scheduler.waiting == 0
     assert [e.state for e in RequestJournal(cluster[5]).history("too-big")][-1] == RequestState.FAILED

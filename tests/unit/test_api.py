@@ -639,6 +639,9 @@ def test_backend_errors_keep_their_status(client: TestClient, backend: FakeBacke
     assert_error(chat(client), 502, "prefill worker unreachable", type="server_error")
     backend.refuse = BackendError("decode: deadline", status=504, kind="timeout")
     assert_error(chat(client), 504, "decode: deadline", type="timeout")
+    backend.refuse = BackendError("more than a worker's KV pool holds", 400, "invalid_request_error",
+                                  code="context_length_exceeded")
+    assert_error(chat(client), 400, "KV pool holds", code="context_length_exceeded")
 
 
 def test_a_backend_that_ends_without_finishing_is_502(client: TestClient, backend: FakeBackend) -> None:

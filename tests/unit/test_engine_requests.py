@@ -4,6 +4,7 @@ and the per-layer KV-ready hook."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -73,7 +74,8 @@ def test_prompt_longer_than_context_is_refused_before_allocation(tiny_bundle):
 
 def test_request_bigger_than_the_pool_is_refused(tiny_bundle):
     engine = _engine(tiny_bundle, blocks=4)  # 64 tokens
-    with pytest.raises(RequestTooLargeError, match="needs 5 KV blocks .* the pool holds 4"):
+    with pytest.raises(RequestTooLargeError, match=r"needs KV cache for 70 tokens \(60 prompt \+ 10 max_tokens\), "
+                                                    r"more than a worker.s KV pool holds \(64 tokens"):
         engine.add_request("big", [5] * 60, _greedy(10))
     assert_no_leaks(engine)
 
@@ -234,3 +236,13 @@ def test_layer_hook_sees_each_layer_in_order_with_its_final_kv(tiny_bundle):
     for (layer, _, start), k in snapshots.items():
         assert torch.equal(k, final_k[layer][start:start + k.shape[0]])
     assert_no_leaks(engine)
+
+
+def test_a_pool_smaller_than_the_context_is_warned_of_at_start(tiny_bundle, caplog):
+    with caplog.at_level(logging.WARNING, logger="workers.runtime.engine"):
+        engine = _engine(tiny_bundle, blocks=4)  # 64 tokens
+    said = [r.getMessage() for r in caplog.records if "KV pool holds" in r.getMessage()]
+    assert said == [f"the KV pool holds 64 tokens, fewer than the model's context of {engine.max_model_len}: a "
+                    "request that needs more is refused (context_length_exceeded), one without max_tokens stops "
+                    "where the pool ends; give the pool more room (engine.kv_cache_bytes, or "
+                    "gpu_memory_utilization on CUDA)"]

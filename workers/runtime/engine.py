@@ -179,6 +179,12 @@ class Engine:
             self.cache = PagedKVCache.from_budget(spec, budget or DEFAULT_KV_CACHE_BYTES, layer_dtypes, model.device,
                                                   read_dtype=model.dtype)
             self.scheduler = Scheduler(config.scheduler_config(), self.cache.allocator, config.block_size)
+            if self.cache.num_blocks * config.block_size < self.max_model_len:
+                log.warning("the KV pool holds %d tokens, fewer than the model's context of %d: a request that "
+                            "needs more is refused (context_length_exceeded), one without max_tokens stops where "
+                            "the pool ends; give the pool more room (engine.kv_cache_bytes, or "
+                            "gpu_memory_utilization on CUDA)", self.cache.num_blocks * config.block_size,
+                            self.max_model_len)
             if self._ops is not None and config.cuda_graphs and model.device.type == "cuda":
                 from workers.runtime.cuda_graphs import DecodeGraphs
 
@@ -257,8 +263,10 @@ class Engine:
                 f"({len(prompt_ids)} prompt + {params.max_tokens} max_tokens)")
         if self.cache.blocks_for(total) > self.cache.num_blocks:
             raise RequestTooLargeError(
-                f"the request needs {self.cache.blocks_for(total)} KV blocks ({total} tokens); "
-                f"the pool holds {self.cache.num_blocks}")
+                f"the request needs KV cache for {total} tokens ({len(prompt_ids)} prompt + {params.max_tokens} "
+                f"max_tokens), more than a worker's KV pool holds ({self.cache.num_blocks * self.cache.block_size} "
+                f"tokens, though the model's context is {self.max_model_len}): lower max_tokens or shorten the "
+                f"prompt (an operator gives the pool more room with engine.kv_cache_bytes)")
         if mm is not None:
             self._check_mm(prompt_ids, mm)
 

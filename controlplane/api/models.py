@@ -56,6 +56,8 @@ class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[ContentPart] | None = None
     name: Text | None = None
+    tool_calls: list[Any] | None = None  # refused when present: a prompt cannot show them
+    function_call: Any = None  # the deprecated form of tool_calls
 
 
 class StreamOptions(_Request):

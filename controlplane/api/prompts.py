@@ -44,10 +44,14 @@ def prepare_chat(body: ChatCompletionRequest, model: ModelInfo) -> WorkerRequest
     _refuse_unsupported(body)
     if body.logprobs or body.top_logprobs:
         raise APIError(400, "logprobs are not supported by this server.", param="logprobs")
-    if body.tools:
-        raise APIError(400, "tools are not supported by this server.", param="tools")
-    if body.functions:
-        raise APIError(400, "functions (tools) are not supported by this server.", param="functions")
+    # Tools under tool_choice "none" are accepted and left out of the prompt, as vLLM does by default: an agent
+    # framework sends its tool list with every request, also when it asks for plain text.
+    if body.tools and body.tool_choice != "none":
+        raise APIError(400, "tools are not supported by this server (only with tool_choice \"none\", which leaves "
+                            "them out).", param="tools")
+    if body.functions and body.function_call != "none":
+        raise APIError(400, "functions (tools) are not supported by this server (only with function_call "
+                            "\"none\").", param="functions")
     for name in ("tool_choice", "function_call"):
         if getattr(body, name) not in (None, "none"):
             raise APIError(400, f"{name} needs tools, which this server does not support (only \"none\").",
@@ -91,6 +95,10 @@ def _template_messages(body: HasMessages, model: ModelInfo) -> tuple[list[dict[s
     messages: list[dict[str, Any]] = []
     images: list[bytes] = []
     for i, msg in enumerate(body.messages):
+        if msg.tool_calls or msg.function_call is not None:  # dropped, the prompt would misstate the history
+            name = "tool_calls" if msg.tool_calls else "function_call"
+            raise APIError(400, f"messages[{i}].{name}: a conversation with tool calls is not supported by this "
+                                f"server (it cannot render them into the prompt).", param=f"messages[{i}].{name}")
         if msg.content is None:
             if msg.role != "assistant":
                 raise APIError(400, f"messages[{i}].content is required for role '{msg.role}'.",
@@ -119,7 +127,8 @@ def _template_messages(body: HasMessages, model: ModelInfo) -> tuple[list[dict[s
                         raise APIError(400, f"the request's images come to more than {MAX_IMAGES_BYTES // MiB} MiB "
                                             "together; send fewer or smaller images.", param=where,
                                        code="image_too_large")
-        message: dict[str, Any] = {"role": msg.role, "content": content}
+        # OpenAI's developer messages are its system messages renamed; a chat template knows only "system"
+        message: dict[str, Any] = {"role": "system" if msg.role == "developer" else msg.role, "content": content}
         if msg.name is not None:  # templates that print a speaker's name read it (as vLLM passes it)
             message["name"] = msg.name
         messages.append(message)

@@ -7,8 +7,8 @@
                -> {"count", "max_model_len", "tokens", "token_strs"}  (token_strs only if return_token_strs)
   /detokenize  {"tokens": [int]} -> {"prompt": str}                   special tokens kept, as vLLM does
 
-``model`` is optional; when given it must be the served model's id (404 otherwise). Like vLLM, these sit
-beside /v1, so the API keys that guard /v1 do not apply; they run no model.
+``model`` is optional; when given it must be the served model's id (404 otherwise). Like vLLM's, these sit
+beside /v1 and run no model; the API keys that guard /v1 guard them too.
 """
 
 from __future__ import annotations

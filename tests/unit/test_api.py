@@ -1163,3 +1163,39 @@ def test_a_client_that_pipelines_and_leaves_mid_stream_is_not_an_error(backend: 
     uvicorn_log.removeHandler(caplog.handler)
     errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert errors == [], [r.getMessage() for r in errors]
+
+
+def test_tools_under_tool_choice_none_are_accepted_and_left_out_of_the_prompt(client: TestClient,
+                                                                             backend: FakeBackend) -> None:
+    """As vLLM by default: an agent framework sends its tool list also when it asks for plain text."""
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]
+    assert chat(client).status_code == 200
+    plain = backend.requests[-1].prompt_ids
+    assert chat(client, tools=tools, tool_choice="none").status_code == 200
+    assert backend.requests[-1].prompt_ids == plain
+    assert chat(client, functions=[{"name": "f"}], function_call="none").status_code == 200
+    assert_error(chat(client, tools=tools), 400, "tools are not supported", param="tools")  # tool_choice "auto"
+    assert_error(chat(client, tools=tools, tool_choice="auto"), 400, "tools are not supported", param="tools")
+
+
+def test_a_developer_message_is_the_system_message(client: TestClient, backend: FakeBackend) -> None:
+    """OpenAI renamed the system role "developer"; a chat template knows only "system"."""
+    turns: dict[str, list[int]] = {}
+    for role in ("system", "developer"):
+        messages = [{"role": role, "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+        assert chat(client, messages=messages).status_code == 200
+        turns[role] = backend.requests[-1].prompt_ids
+    assert turns["developer"] == turns["system"]
+
+
+def test_a_history_with_tool_calls_is_refused_not_dropped_from_the_prompt(client: TestClient,
+                                                                         backend: FakeBackend) -> None:
+    call = {"id": "c1", "type": "function", "function": {"name": "lookup", "arguments": "{}"}}
+    for field, value in (("tool_calls", [call]), ("function_call", {"name": "lookup", "arguments": "{}"})):
+        messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": None, field: value},
+                    {"role": "tool", "content": "42", "tool_call_id": "c1"}]
+        assert_error(chat(client, messages=messages), 400, "a conversation with tool calls is not supported",
+                     param=f"messages[1].{field}")
+    ok = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello", "tool_calls": []}]
+    assert chat(client, messages=ok).status_code == 200  # an empty list says no call was made
+    assert backend.requests[-1].prompt_ids

@@ -275,7 +275,7 @@ def build(settings: Settings) -> Deployment:
                                                                  fixed_pools=fixed, starts=manager),
                              routers=routers, relay_wait_s=settings.scheduler.queue_timeout_s,
                              ops_token=settings.api.ops_token.get_secret_value() if settings.api.ops_token else None,
-                             unhealthy=ray_probe.lost)
+                             unhealthy=ray_probe.lost, cors_origins=settings.api.cors_allow_origins)
         dep.ready_line = f"{info.name} ({settings.mode}: {pools_line(manager, not_needed)})"
     except BaseException:
         dep.close()

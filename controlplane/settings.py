@@ -350,6 +350,20 @@ class ApiSettings(_Model):
     api_keys: list[SecretStr] = Field(default_factory=list, description="accepted bearer keys; empty = open API")
     ops_token: SecretStr | None = Field(None, description="bearer token /metrics and /dashboard ask for (Prometheus: "
                                                           "authorization.credentials); unset = both open")
+    cors_allow_origins: list[str] = Field(default_factory=list, description="web origins whose pages may call the "
+                                          "API from a browser (CORS), e.g. https://chat.example.com, or * for any; "
+                                          "empty = none (no CORS headers)")
+
+    @field_validator("cors_allow_origins")
+    @classmethod
+    def _origins(cls, v: list[str]) -> list[str]:
+        for origin in v:
+            parts = urlsplit(origin)
+            if origin != "*" and (parts.scheme not in ("http", "https") or not parts.netloc
+                                  or origin != f"{parts.scheme}://{parts.netloc}"):
+                raise ValueError(f"{origin!r} is not a web origin: use scheme://host[:port] (no path, no trailing "
+                                 f"slash), or * for any")
+        return v
 
 
 class RedisSettings(_Model):

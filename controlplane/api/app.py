@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 
 import anyio.to_thread
 from fastapi import APIRouter, FastAPI, Request
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, Response
 
@@ -51,7 +52,7 @@ CLIENT_CLOSED = 499  # nginx's status for a client that left before the answer; 
 def create_app(backend: Backend, api_keys: Sequence[str] = (), admin: APIRouter | None = None, *,
                relay_threads: int = 256, relay_wait_s: float | None = None, routers: Sequence[APIRouter] = (),
                max_body_bytes: int = MAX_BODY_BYTES, ops_token: str | None = None,
-               unhealthy: Callable[[], str | None] | None = None) -> FastAPI:
+               unhealthy: Callable[[], str | None] | None = None, cors_origins: Sequence[str] = ()) -> FastAPI:
     """The ingress app. ``api_keys``: bearer keys for /v1/*, /tokenize and /detokenize (empty: open).
     ``admin``: a router mounted as is (it guards itself). ``relay_threads``: threads that may wait on backend
     chunks (per lane, ``relay.ThreadLanes``); ``relay_wait_s``: how long a request may wait for one to start
@@ -59,7 +60,10 @@ def create_app(backend: Backend, api_keys: Sequence[str] = (), admin: APIRouter 
     ``routers``: more routers mounted as they are (the dashboard). ``GET /metrics`` is always served.
     ``max_body_bytes``: a larger request body is a 413 (``limits.BodyLimit``). ``ops_token``: /metrics and
     /dashboard need it (``auth.OpsAuth``; None: open). ``unhealthy``: why the process should be restarted (None:
-    healthy), asked by ``GET /health``, which then answers 503 with that reason (a liveness probe restarts it)."""
+    healthy), asked by ``GET /health``, which then answers 503 with that reason (a liveness probe restarts it).
+    ``cors_origins``: web origins (or "*") whose pages may call the API from a browser; a preflight is answered
+    before any key is asked for (browsers send none with it), and no cookie is ever honoured (the API reads
+    bearer keys only)."""
     app = FastAPI(title="epd", summary="OpenAI-compatible API over disaggregated encode/prefill/decode",
                   docs_url=None, redoc_url=None, **fastapi_kwargs())
     install_error_handlers(app)
@@ -153,6 +157,9 @@ def create_app(backend: Backend, api_keys: Sequence[str] = (), admin: APIRouter 
     app.add_middleware(BodyLimit, limit=max_body_bytes)
     app.add_middleware(BearerAuth, api_keys=list(api_keys))  # outside BodyLimit: no key, no size hint
     app.add_middleware(OpsAuth, token=ops_token)
+    if cors_origins:  # outside the key checks: a browser's preflight carries no key
+        app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type"], allow_credentials=False, max_age=600)
     app.add_middleware(CatchAll)
     app.add_middleware(ObservabilityMiddleware)  # added last: outermost, so it sees every status sent
     return app

@@ -1199,3 +1199,32 @@ def test_a_history_with_tool_calls_is_refused_not_dropped_from_the_prompt(client
     ok = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello", "tool_calls": []}]
     assert chat(client, messages=ok).status_code == 200  # an empty list says no call was made
     assert backend.requests[-1].prompt_ids
+
+
+def test_cors_is_off_unless_origins_are_set_and_a_preflight_needs_no_key(backend: FakeBackend) -> None:
+    """A browser page on an allowed origin may call the API: its preflight (which carries no key) is answered,
+    and the answers carry Access-Control-Allow-Origin; the key is still asked for on the call itself. Other
+    origins get no such header, and without the setting no answer carries one."""
+    preflight = {"Origin": "https://chat.example.com", "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization, content-type"}
+    body = {"model": NAME, "messages": [{"role": "user", "content": "Hi"}]}
+    with TestClient(create_app(backend, api_keys=["k1"])) as plain:
+        assert plain.options("/v1/chat/completions", headers=preflight).status_code in (401, 405)
+        reply = plain.post("/v1/chat/completions", json=body, headers={"Origin": "https://chat.example.com",
+                                                                        "Authorization": "Bearer k1"})
+        assert reply.status_code == 200 and "access-control-allow-origin" not in reply.headers
+    with TestClient(create_app(backend, api_keys=["k1"], cors_origins=["https://chat.example.com"])) as cors:
+        reply = cors.options("/v1/chat/completions", headers=preflight)
+        assert reply.status_code == 200, reply.text
+        assert reply.headers["access-control-allow-origin"] == "https://chat.example.com"
+        assert "authorization" in reply.headers["access-control-allow-headers"].lower()
+        origin = {"Origin": "https://chat.example.com"}
+        reply = cors.post("/v1/chat/completions", json=body, headers=origin | {"Authorization": "Bearer k1"})
+        assert reply.status_code == 200 and reply.headers["access-control-allow-origin"] == "https://chat.example.com"
+        refused = cors.post("/v1/chat/completions", json=body, headers=origin)  # still needs its key
+        assert refused.status_code == 401 and refused.headers["access-control-allow-origin"] == "https://chat.example.com"
+        other = cors.post("/v1/chat/completions", json=body, headers={"Origin": "https://evil.example",
+                                                                       "Authorization": "Bearer k1"})
+        assert other.status_code == 200 and "access-control-allow-origin" not in other.headers
+        assert cors.options("/v1/chat/completions", headers=preflight | {"Origin": "https://evil.example"}
+                            ).status_code == 400

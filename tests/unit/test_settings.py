@@ -431,3 +431,16 @@ def test_numbers_and_switches_still_load_from_the_file_and_the_environment(tmp_p
     s = Settings.load(path)
     assert (s.decode.replicas, s.decode.num_gpus, s.decode.cpu_affinity) == (2, 0.5, [0, 1])
     assert s.prefill.replicas == 3 and s.observability.metrics is False
+
+
+@pytest.mark.parametrize("origin", ["chat.example.com", "https://chat.example.com/", "https://h/app", "ftp://h",
+                                    "https://"])
+def test_cors_origins_must_be_web_origins(origin):
+    with pytest.raises(SettingsError, match=r"api.cors_allow_origins.*is not a web origin: use scheme://host\[:port\]"):
+        Settings.load(None, {"api": {"cors_allow_origins": [origin]}})
+
+
+def test_cors_origins_are_taken_as_given():
+    origins = ["https://chat.example.com", "http://127.0.0.1:3000", "*"]
+    assert Settings.load(None, {"api": {"cors_allow_origins": origins}}).api.cors_allow_origins == origins
+    assert Settings.load(None, {}).api.cors_allow_origins == []

@@ -50,17 +50,22 @@ def server(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[str, int]]:
         yield host, int(port)
 
 
+def _read_to_close(sock: socket.socket) -> bytes:
+    """What the server sends until it closes (or the socket's timeout passes, or it resets)."""
+    out = b""
+    try:
+        while chunk := sock.recv(65536):
+            out += chunk
+    except (TimeoutError, ConnectionResetError):
+        pass
+    return out
+
+
 def _exchange(addr: tuple[str, int], data: bytes, wait_s: float = 5.0) -> bytes:
     """Send ``data``, then read until the server closes (or ``wait_s`` passes)."""
     with socket.create_connection(addr, timeout=wait_s) as sock:
         sock.sendall(data)
-        out = b""
-        try:
-            while chunk := sock.recv(65536):
-                out += chunk
-        except TimeoutError:
-            pass
-        return out
+        return _read_to_close(sock)
 
 
 def _ping(addr: tuple[str, int]) -> float:
@@ -150,13 +155,7 @@ def _trickle(addr: tuple[str, int], path: str, parts: list[bytes], gap_s: float)
                 sock.sendall(part)
         except (BrokenPipeError, ConnectionResetError):
             pass
-        reply = b""
-        try:
-            while chunk := sock.recv(65536):
-                reply += chunk
-        except ConnectionResetError:
-            pass
-        return reply, time.monotonic() - began
+        return _read_to_close(sock), time.monotonic() - began
 
 
 def test_a_body_slower_than_the_minimum_rate_gets_408(server: tuple[str, int]) -> None:

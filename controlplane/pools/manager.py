@@ -4,13 +4,13 @@ Lifecycle of a manager:
   1. ``start()``     Ray (``RayRuntime``); on a cluster joined at an address, the replicas a previous manager
                      of this deployment left running are adopted (``_adopt``); each pool's target set from
                      settings (an ``epd scale`` made since the last start with the same settings is kept),
-                     every pool reconciled, then the reconcile loop thread started. A start that fails stops
+                     every pool reconciled, then a reconcile loop thread per pool started. A start that fails stops
                      what it started and leaves what it adopted serving (the next manager adopts it again).
-  2. running         ``scale(pool, n)`` writes the target and reconciles that pool now. The loop, every
-                     ``reconcile_interval_s``, reconciles each pool whose lock is free: it reads the target
-                     from Redis (so ``epd scale`` in another process, which only writes the target, takes
-                     effect) and replaces replicas that died.
-  3. ``stop()``      the loop ends, every actor this manager holds is stopped and killed, Ray is shut
+  2. running         ``scale(pool, n)`` writes the target and reconciles that pool now. Each pool's loop, every
+                     ``reconcile_interval_s``, reconciles it when its lock is free (one pool's drain or start
+                     never holds up another's): it reads the target from Redis (so ``epd scale`` in another
+                     process, which only writes the target, takes effect) and replaces replicas that died.
+  3. ``stop()``      the loops end, every actor this manager holds is stopped and killed, Ray is shut
                      down if ``start`` initialised it. Idempotent.
 
 Surviving the manager: on a cluster joined at an address (Kubernetes), replicas are detached Ray actors, so
@@ -133,11 +133,14 @@ class PoolManager:
         self._uid = uuid.uuid4().hex[:6]
         self._replicas: dict[Pool, list[Replica]] = {p: [] for p in Pool}
         self._locks = {p: threading.Lock() for p in Pool}
+        # Replicas that share a GPU start one after another, whichever pools they serve (``_start_replicas``);
+        # the pools' loops run apart.
+        self._gpu_start = threading.Lock()
         self._next_index = {p: 0 for p in Pool}
         self._retry_at = {p: 0.0 for p in Pool}
         self._failures = {p: 0 for p in Pool}
         self._stop = threading.Event()
-        self._loop: threading.Thread | None = None
+        self._loops: list[threading.Thread] = []  # one per pool: a long drain or start holds up no other pool
         self._conn: StateConnection | None = None
         self._remote_cls: Any = None  # ray.remote(WorkerActor), made once Ray is up
         self._starting: dict[Pool, dict[str, float]] = {p: {} for p in Pool}  # actor name -> monotonic asked at
@@ -172,8 +175,11 @@ class PoolManager:
             self.stop()
             raise
         self._adopted.clear()  # from here on they are this manager's, stopped with it
-        self._loop = threading.Thread(target=self._run_loop, name="pool-reconcile", daemon=True)
-        self._loop.start()
+        for pool in Pool:
+            loop = threading.Thread(target=self._run_loop, args=(pool,), name=f"pool-reconcile-{pool.value}",
+                                    daemon=True)
+            loop.start()
+            self._loops.append(loop)
         return self
 
     def _adopt(self) -> None:
@@ -237,9 +243,9 @@ class PoolManager:
     def stop(self) -> None:
         """Stop the loop and every actor this manager holds (no drain), then Ray if we started it."""
         self._stop.set()
-        if self._loop is not None:
-            self._loop.join(STOP_TIMEOUT_S)
-            self._loop = None
+        for loop in self._loops:
+            loop.join(STOP_TIMEOUT_S)
+        self._loops = []
         for pool in Pool:
             with self._locks[pool]:
                 victims, self._replicas[pool] = self._replicas[pool], []
@@ -302,11 +308,13 @@ class PoolManager:
         Without Ray (stopped) nothing is pending."""
         pool = Pool(pool)
         starting = list(self._starting[pool].items())
-        if not starting or not ray.is_initialized():
+        if not ray.is_initialized():
             return ()
         queued = tuple(PendingReplica(f"{pool.value} replica (queued {i + 1})", 0.0, self.needs(pool), False,
                                       "queued: replicas sharing a GPU start one after another")
                        for i in range(self._queued[pool]))
+        if not starting:  # none asked of Ray yet: those waiting for another pool's replica to start, if any
+            return queued
         try:
             total, free = ray.cluster_resources(), ray.available_resources()
         except Exception:  # Ray going away under us: say nothing rather than fail a status call
@@ -358,25 +366,27 @@ class PoolManager:
             self._seen_target[pool] = target
         return target
 
-    def _run_loop(self) -> None:
+    def _run_loop(self, pool: Pool) -> None:
+        """Reconcile ``pool`` every interval, in its own thread: one pool's drain (up to the request timeout)
+        or replica start (up to the start timeout) must not hold up another's, such as the replacement of a
+        dead replica."""
         while not self._stop.wait(self.reconcile_interval_s):
-            for pool in Pool:
-                if self._stop.is_set() or time.monotonic() < self._retry_at[pool]:
-                    continue
-                if not self._locks[pool].acquire(blocking=False):
-                    continue  # scale() is working on this pool
-                try:
-                    self._reconcile_locked(pool)
-                    self._failures[pool] = 0
-                except StateError as exc:
-                    log.warning("reconcile %s: Redis unavailable: %s", pool.value, exc)
-                except Exception as exc:  # a failed start: retry later, backing off
-                    self._failures[pool] += 1
-                    delay = min(MAX_RETRY_DELAY_S, 2.0 ** self._failures[pool])
-                    self._retry_at[pool] = time.monotonic() + delay
-                    log.error("reconcile %s failed (retry in %.0f s): %s", pool.value, delay, exc)
-                finally:
-                    self._locks[pool].release()
+            if time.monotonic() < self._retry_at[pool]:
+                continue
+            if not self._locks[pool].acquire(blocking=False):
+                continue  # scale() is working on this pool
+            try:
+                self._reconcile_locked(pool)
+                self._failures[pool] = 0
+            except StateError as exc:
+                log.warning("reconcile %s: Redis unavailable: %s", pool.value, exc)
+            except Exception as exc:  # a failed start: retry later, backing off
+                self._failures[pool] += 1
+                delay = min(MAX_RETRY_DELAY_S, 2.0 ** self._failures[pool])
+                self._retry_at[pool] = time.monotonic() + delay
+                log.error("reconcile %s failed (retry in %.0f s): %s", pool.value, delay, exc)
+            finally:
+                self._locks[pool].release()
 
     def suspect(self, worker_id: str) -> None:
         """Routing lost a request on this worker (its stream broke, or it went silent): the next reconcile
@@ -437,8 +447,8 @@ class PoolManager:
     # ------------------------------------------------------------------ starting
     def _start_replicas(self, pool: Pool, n: int) -> None:
         ps = self.settings.pool(pool.value)
-        # Replicas that share a GPU start one after another: each sizes its KV pool from what the GPU holds
-        # (workers.runtime.gpu_memory), and another loading beside it would count against it.
+        # Replicas that share a GPU start one after another, across pools too: each sizes its KV pool from what
+        # the GPU holds (workers.runtime.gpu_memory), and another loading beside it would count against it.
         waves = [1] * n if ps.shares_gpu else [n]
         errors: list[str] = []
         try:
@@ -447,8 +457,13 @@ class PoolManager:
                     why = "a start failed" if errors else "the manager stops, or the target dropped"
                     log.info("%s: %d replica start(s) not begun (%s)", pool.value, n - i, why)
                     break
-                self._queued[pool] = len(waves) - i - 1  # after this wave
-                errors += self._start_wave(pool, ps, size)
+                if not ps.shares_gpu:
+                    errors += self._start_wave(pool, ps, size)
+                    continue
+                self._queued[pool] = len(waves) - i  # this wave too, while another pool's replica starts
+                with self._gpu_start:
+                    self._queued[pool] = len(waves) - i - 1  # after this wave
+                    errors += self._start_wave(pool, ps, size)
         finally:
             self._queued[pool] = 0
         if errors:

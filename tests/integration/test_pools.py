@@ -3,7 +3,8 @@
 One manager (and one Ray) serves the whole module, and the tests run in order: the pools come up and
 serve the oracle's tokens; decode scales up without touching the other pools, then down by draining the
 replica that serves a live stream; a target written straight to Redis is picked up; a lost lease comes
-back on its own while a dead process is replaced; a replica that cannot start says why; and ``stop()``
+back on its own while a dead process is replaced; one pool's drain holds up no other pool; a replica that
+cannot start says why; and ``stop()``
 leaves no process, temp dir or lease behind.
 """
 
@@ -269,6 +270,42 @@ def test_a_replica_whose_process_dies_is_replaced(manager: PoolManager, dispatch
     assert live_ids(manager, Pool.DECODE) == [fresh.worker_id]
     ids = [5, 6, 7, 8, 9]
     assert len(run(dispatcher, route_from_registry(manager), WorkerRequest("pools-after", ids, GREEDY))) == 16
+
+
+def test_a_drain_in_one_pool_holds_up_no_other_pool(manager: PoolManager):
+    """A decode scale-down waits for its replica to drain: here a reservation whose KV never comes, held for
+    up to 300 s. Meanwhile a prefill target written to Redis is reached, and the decode replica is still
+    draining when it is. (One loop reconciled the pools one after another: the prefill replica waited for the
+    decode drain, up to the request timeout, as would the replacement of a dead replica.)"""
+    from epd.worker.v1 import worker_pb2 as wpb
+    from epd.worker.v1 import worker_pb2_grpc as wgrpc
+
+    conn = connect(manager.redis_url, manager.prefix)
+    targets = PoolTargets(conn)
+    prefill_before = live_ids(manager, Pool.PREFILL)
+    try:
+        targets.set_target("decode", 2)
+        wait_for(lambda: len(manager.replicas("decode")) == 2, 120, "a second decode replica")  # not just its lease
+        victim = manager.replicas("decode")[-1]  # the newest: the one a scale-down drains
+        with SECURITY.open_channel(victim.address) as channel:
+            stub = wgrpc.DecodeWorkerStub(channel)
+            params = wpb.SamplingParams(max_tokens=4, temperature=0.0, top_p=1.0)
+            stub.Reserve(wpb.ReserveRequest(request_id="held", prompt_token_ids=[5, 6, 7], params=params,
+                                            timeout_s=300),
+                         metadata=SECURITY.call_metadata(), timeout=30)
+            targets.set_target("decode", 1)
+            wait_for(lambda: manager.stopping(victim.worker_id), 30, "the decode replica to drain")
+            targets.set_target("prefill", 2)
+            wait_for(lambda: len(live_ids(manager, Pool.PREFILL)) == 2, 120, "a second prefill replica")
+            assert manager.stopping(victim.worker_id), "the decode drain should still wait on its reservation"
+            stub.Abort(wpb.AbortRequest(request_id="held"), metadata=SECURITY.call_metadata(), timeout=10)
+        wait_for(lambda: victim.worker_id not in live_ids(manager, Pool.DECODE), 60, "the drained replica to go")
+        targets.set_target("prefill", 1)
+        wait_for(lambda: live_ids(manager, Pool.PREFILL) == prefill_before, 60, "the new prefill replica to go")
+    finally:
+        targets.set_target("decode", 1)
+        targets.set_target("prefill", 1)
+        conn.close()
 
 
 def test_a_dropped_target_cancels_a_whole_wave_of_starts_at_once(redis_server: LocalRedis, tmp_path: Path):

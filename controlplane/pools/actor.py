@@ -34,6 +34,10 @@ log = logging.getLogger(__name__)
 
 STATUS_POLL_S = 0.05
 STOP_GRACE_S = 5.0
+# A draining worker stays up at least this long, refusing new work: routing reads the registry every 0.2 s
+# (longer on a loaded host), so a request routed on an older snapshot is refused and sent elsewhere, where a
+# worker already stopped would fail it as lost (a migration, or a 503 with none left).
+ROUTING_CATCH_UP_S = 1.0
 # ``watch`` calls run in a concurrency group of their own (the manager creates the actor with it), so those
 # left running by managers that died (each returns within its timeout) never hold the threads that ``status``,
 # ``drain`` and ``stop`` need: a control plane restarted several times in a row can still probe its replicas.
@@ -137,7 +141,7 @@ class WorkerActor:
     # ------------------------------------------------------------------ drain and stop
     def drain(self, timeout_s: float) -> bool:
         """Take no new work, then wait (at most ``timeout_s`` seconds) for in-flight requests and
-        reservations to finish. Returns whether the worker is idle."""
+        reservations to finish, and at least ``ROUTING_CATCH_UP_S``. Returns whether the worker is idle."""
         from epd.worker.v1 import worker_pb2 as wpb
 
         with self._lock:
@@ -151,10 +155,12 @@ class WorkerActor:
             self.lease.set_draining()
         except StateError as exc:  # the service already refuses new work; routing learns at the next beat
             log.warning("could not mark %s draining in Redis: %s", self.worker.identity.worker_id, exc)
-        deadline = time.monotonic() + timeout_s
+        began = time.monotonic()
+        deadline = began + timeout_s
         while True:
             s = self.status()
-            if s["running"] == 0 and s["waiting"] == 0 and s["reservations"] == 0:
+            if s["running"] == 0 and s["waiting"] == 0 and s["reservations"] == 0 and (
+                    time.monotonic() >= min(began + ROUTING_CATCH_UP_S, deadline)):
                 return True
             if time.monotonic() >= deadline:
                 log.warning("%s did not drain in %.1f s: %s", s["worker_id"], timeout_s, s)

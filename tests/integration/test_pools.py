@@ -3,8 +3,8 @@
 One manager (and one Ray) serves the whole module, and the tests run in order: the pools come up and
 serve the oracle's tokens; decode scales up without touching the other pools, then down by draining the
 replica that serves a live stream; a target written straight to Redis is picked up; a lost lease comes
-back on its own while a dead process is replaced; one pool's drain holds up no other pool; a replica that
-cannot start says why; and ``stop()``
+back on its own while a dead process is replaced; one pool's drain holds up no other pool; an idle replica
+scaled down stays up until routing has seen it drain; a replica that cannot start says why; and ``stop()``
 leaves no process, temp dir or lease behind.
 """
 
@@ -304,6 +304,33 @@ def test_a_drain_in_one_pool_holds_up_no_other_pool(manager: PoolManager):
         wait_for(lambda: live_ids(manager, Pool.PREFILL) == prefill_before, 60, "the new prefill replica to go")
     finally:
         targets.set_target("decode", 1)
+        targets.set_target("prefill", 1)
+        conn.close()
+
+
+def test_an_idle_replica_scaled_down_stays_up_refusing_work_until_routing_has_seen_it_drain(manager: PoolManager):
+    """Routing reads the registry every 0.2 s (longer on a loaded host). An idle replica stopped the moment it
+    was marked draining failed requests routed on an older snapshot as lost (each a migration, or a 503);
+    it now stays up, refusing new work, for a second after routing can see it draining."""
+    conn = connect(manager.redis_url, manager.prefix)
+    targets, registry = PoolTargets(conn), WorkerRegistry(conn)
+    try:
+        targets.set_target("prefill", 2)
+        wait_for(lambda: len(manager.replicas("prefill")) == 2, 120, "a second prefill replica")
+        victim = manager.replicas("prefill")[-1]
+        targets.set_target("prefill", 1)
+        draining_at = gone_at = None
+        deadline = time.monotonic() + 60
+        while gone_at is None and time.monotonic() < deadline:
+            record = registry.get(victim.worker_id, "prefill")
+            if record is None and draining_at is not None:
+                gone_at = time.monotonic()
+            elif record is not None and record.info.draining and draining_at is None:
+                draining_at = time.monotonic()
+            time.sleep(0.01)
+        assert draining_at is not None and gone_at is not None, "the replica should be seen draining, then gone"
+        assert gone_at - draining_at >= 0.9, gone_at - draining_at
+    finally:
         targets.set_target("prefill", 1)
         conn.close()
 

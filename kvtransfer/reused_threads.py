@@ -30,16 +30,21 @@ class ReusedThreads:
             if not spawn:
                 self._idle -= 1
         if spawn:  # the new thread takes fn itself: a thread that fails to start leaves no task behind
-            threading.Thread(target=self._run, args=(fn,), name=self.name, daemon=True).start()
+            # in a box it empties: a Thread keeps its args until its target returns, here for good
+            threading.Thread(target=self._run, args=([fn],), name=self.name, daemon=True).start()
         else:
             self._tasks.put(fn)
 
-    def _run(self, fn: Callable[[], None]) -> None:
-        while True:
+    def _run(self, box: list[Callable[[], None]]) -> None:
+        fn: Callable[[], None] | None = box.pop()
+        while fn is not None:
             try:
                 fn()
             except BaseException:  # noqa: BLE001 - see submit
                 pass
+            # an idle thread must not keep its last task alive (and what that holds: a stream, its session,
+            # views into a shared-memory segment, which then stays mapped after the sender removed it)
+            fn = None
             with self._lock:
                 self._idle += 1
             fn = self._tasks.get()

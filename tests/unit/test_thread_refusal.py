@@ -53,3 +53,29 @@ def test_a_bulk_listener_refuses_a_connection_it_has_no_thread_for_and_keeps_acc
     finally:
         monkeypatch.undo()
         listener.close()
+
+
+def test_an_idle_thread_keeps_nothing_of_its_last_task() -> None:
+    """What a finished task held (a stream, views into a shared-memory segment) is freed once it ends, not
+    when the thread takes its next task: an idle reader kept a removed segment mapped."""
+    import gc
+    import weakref
+
+    class Held:
+        pass
+
+    threads = ReusedThreads("test-reused-idle")
+    held = Held()
+    gone = weakref.ref(held)
+    done = threading.Event()
+
+    def task(obj: Held = held) -> None:
+        done.set()
+    threads.submit(task)
+    del task, held
+    assert done.wait(5)
+    deadline = time.monotonic() + 5
+    while gone() is not None and time.monotonic() < deadline:
+        gc.collect()
+        time.sleep(0.02)
+    assert gone() is None, "the idle thread still holds its last task"

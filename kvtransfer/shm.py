@@ -223,8 +223,8 @@ class SegmentPool:
         doomed = None
         with self._lock:
             fits = [s for s in self._free if s.size >= size]
-            if fits:
-                seg = min(fits, key=lambda s: s.size)
+            if fits:  # the smallest; of those, the one given back last, so the others can go idle and be trimmed
+                seg = min(fits, key=lambda s: (s.size, -self._since[id(s)]))
                 self._free.remove(seg)
                 self._since.pop(id(seg), None)
                 return seg

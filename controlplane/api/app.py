@@ -158,8 +158,10 @@ def create_app(backend: Backend, api_keys: Sequence[str] = (), admin: APIRouter 
     app.add_middleware(BearerAuth, api_keys=list(api_keys))  # outside BodyLimit: no key, no size hint
     app.add_middleware(OpsAuth, token=ops_token)
     if cors_origins:  # outside the key checks: a browser's preflight carries no key
+        # any request header: OpenAI's JavaScript SDK sends its own (x-stainless-*); credentials stay off
         app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST"],
-                           allow_headers=["Authorization", "Content-Type"], allow_credentials=False, max_age=600)
+                           allow_headers=["*"], expose_headers=["Retry-After", "Server-Timing"],
+                           allow_credentials=False, max_age=600)
     app.add_middleware(CatchAll)
     app.add_middleware(ObservabilityMiddleware)  # added last: outermost, so it sees every status sent
     return app

@@ -106,13 +106,14 @@ class BoundedHeadHttpTools(HttpToolsProtocol):
         if self.transport.is_closing() or cycle is None:
             return
         if self.flow.read_paused or cycle.waiting_for_100_continue:  # the server holds it back, not the client
-            self._body_deadline = loop.time() + BODY_GRACE_S
+            self._body_deadline = max(self._body_deadline, loop.time() + BODY_GRACE_S)
         if loop.time() < self._body_deadline:  # bytes came since the timer was set
             self._body_timer = loop.call_at(self._body_deadline, self._body_timed_out)
             return
-        # an answer already begun (the app did not want the body) is left as it is
+        # an answer already begun (the app did not want the body) is left as it is, and so is an earlier
+        # request's still being written ahead of this one (pipelined behind it)
         self._refuse(408, f"a request body slower than {BODY_MIN_RATE} bytes/s after {BODY_GRACE_S:g} s",
-                     answer=not cycle.response_started)
+                     answer=not cycle.response_started and not self.pipeline)
 
     def _head_timed_out(self) -> None:
         self._head_timer = None

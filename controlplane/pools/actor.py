@@ -37,7 +37,7 @@ STOP_GRACE_S = 5.0
 # A draining worker stays up at least this long, refusing new work: routing reads the registry every 0.2 s
 # (longer on a loaded host), so a request routed on an older snapshot is refused and sent elsewhere, where a
 # worker already stopped would fail it as lost (a migration, or a 503 with none left).
-ROUTING_CATCH_UP_S = 1.0
+ROUTING_CATCH_UP_S = 2.0
 # ``watch`` calls run in a concurrency group of their own (the manager creates the actor with it), so those
 # left running by managers that died (each returns within its timeout) never hold the threads that ``status``,
 # ``drain`` and ``stop`` need: a control plane restarted several times in a row can still probe its replicas.

@@ -462,6 +462,10 @@ class PoolManager:
                     continue
                 self._queued[pool] = len(waves) - i  # this wave too, while another pool's replica starts
                 with self._gpu_start:
+                    if not self._wants_more(pool):  # dropped, or stopping, while another pool's replica started
+                        log.info("%s: %d replica start(s) not begun (the manager stops, or the target dropped)",
+                                 pool.value, n - i)
+                        break
                     self._queued[pool] = len(waves) - i - 1  # after this wave
                     errors += self._start_wave(pool, ps, size)
         finally:

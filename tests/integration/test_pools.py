@@ -293,12 +293,14 @@ def test_a_drain_in_one_pool_holds_up_no_other_pool(manager: PoolManager):
             stub.Reserve(wpb.ReserveRequest(request_id="held", prompt_token_ids=[5, 6, 7], params=params,
                                             timeout_s=300),
                          metadata=SECURITY.call_metadata(), timeout=30)
-            targets.set_target("decode", 1)
-            wait_for(lambda: manager.stopping(victim.worker_id), 30, "the decode replica to drain")
-            targets.set_target("prefill", 2)
-            wait_for(lambda: len(live_ids(manager, Pool.PREFILL)) == 2, 120, "a second prefill replica")
-            assert manager.stopping(victim.worker_id), "the decode drain should still wait on its reservation"
-            stub.Abort(wpb.AbortRequest(request_id="held"), metadata=SECURITY.call_metadata(), timeout=10)
+            try:
+                targets.set_target("decode", 1)
+                wait_for(lambda: manager.stopping(victim.worker_id), 30, "the decode replica to drain")
+                targets.set_target("prefill", 2)
+                wait_for(lambda: len(live_ids(manager, Pool.PREFILL)) == 2, 120, "a second prefill replica")
+                assert manager.stopping(victim.worker_id), "the decode drain should still wait on its reservation"
+            finally:  # the drain ends now, pass or fail, not 300 s into the tests after this one
+                stub.Abort(wpb.AbortRequest(request_id="held"), metadata=SECURITY.call_metadata(), timeout=10)
         wait_for(lambda: victim.worker_id not in live_ids(manager, Pool.DECODE), 60, "the drained replica to go")
         targets.set_target("prefill", 1)
         wait_for(lambda: live_ids(manager, Pool.PREFILL) == prefill_before, 60, "the new prefill replica to go")
@@ -311,7 +313,7 @@ def test_a_drain_in_one_pool_holds_up_no_other_pool(manager: PoolManager):
 def test_an_idle_replica_scaled_down_stays_up_refusing_work_until_routing_has_seen_it_drain(manager: PoolManager):
     """Routing reads the registry every 0.2 s (longer on a loaded host). An idle replica stopped the moment it
     was marked draining failed requests routed on an older snapshot as lost (each a migration, or a 503);
-    it now stays up, refusing new work, for a second after routing can see it draining."""
+    it now stays up, refusing new work, for two seconds after routing can see it draining."""
     conn = connect(manager.redis_url, manager.prefix)
     targets, registry = PoolTargets(conn), WorkerRegistry(conn)
     try:
@@ -329,7 +331,7 @@ def test_an_idle_replica_scaled_down_stays_up_refusing_work_until_routing_has_se
                 draining_at = time.monotonic()
             time.sleep(0.01)
         assert draining_at is not None and gone_at is not None, "the replica should be seen draining, then gone"
-        assert gone_at - draining_at >= 0.9, gone_at - draining_at
+        assert gone_at - draining_at >= 1.9, gone_at - draining_at
     finally:
         targets.set_target("prefill", 1)
         conn.close()

@@ -1205,8 +1205,9 @@ def test_cors_is_off_unless_origins_are_set_and_a_preflight_needs_no_key(backend
     """A browser page on an allowed origin may call the API: its preflight (which carries no key) is answered,
     and the answers carry Access-Control-Allow-Origin; the key is still asked for on the call itself. Other
     origins get no such header, and without the setting no answer carries one."""
-    preflight = {"Origin": "https://chat.example.com", "Access-Control-Request-Method": "POST",
-                 "Access-Control-Request-Headers": "authorization, content-type"}
+    preflight = {"Origin": "https://chat.example.com", "Access-Control-Request-Method": "POST",  # as openai-node asks
+                 "Access-Control-Request-Headers": "authorization, content-type, x-stainless-retry-count, "
+                                                   "x-stainless-os, x-stainless-lang"}
     body = {"model": NAME, "messages": [{"role": "user", "content": "Hi"}]}
     with TestClient(create_app(backend, api_keys=["k1"])) as plain:
         assert plain.options("/v1/chat/completions", headers=preflight).status_code in (401, 405)
@@ -1217,7 +1218,8 @@ def test_cors_is_off_unless_origins_are_set_and_a_preflight_needs_no_key(backend
         reply = cors.options("/v1/chat/completions", headers=preflight)
         assert reply.status_code == 200, reply.text
         assert reply.headers["access-control-allow-origin"] == "https://chat.example.com"
-        assert "authorization" in reply.headers["access-control-allow-headers"].lower()
+        allowed = reply.headers["access-control-allow-headers"].lower()
+        assert "authorization" in allowed and "x-stainless-retry-count" in allowed
         origin = {"Origin": "https://chat.example.com"}
         reply = cors.post("/v1/chat/completions", json=body, headers=origin | {"Authorization": "Bearer k1"})
         assert reply.status_code == 200 and reply.headers["access-control-allow-origin"] == "https://chat.example.com"

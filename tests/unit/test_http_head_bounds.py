@@ -10,10 +10,11 @@ import asyncio
 import logging
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 
 import pytest
 from fastapi import FastAPI, Request
+from fastapi.responses import StreamingResponse
 
 import controlplane.api.http_protocol as http_protocol
 
@@ -29,14 +30,22 @@ def _app() -> FastAPI:
     async def echo(request: Request) -> dict:
         return {"bytes": len(await request.body())}
 
-    @app.post("/late")  # reads its body only after 2 s: the server, not the client, holds it back meanwhile
+    @app.post("/late")  # reads its body only after 2.5 s: the server, not the client, holds it back meanwhile
     async def late(request: Request) -> dict:
-        await asyncio.sleep(2.0)
+        await asyncio.sleep(2.5)
         return {"bytes": len(await request.body())}
 
     @app.get("/ping")
     async def ping() -> dict:
         return {"ok": True}
+
+    @app.get("/stream")  # 12 lines over 3 s (StreamingResponse listens for the client leaving meanwhile)
+    async def stream() -> StreamingResponse:
+        async def lines() -> AsyncIterator[bytes]:
+            for i in range(12):
+                yield b"line %d\n" % i
+                await asyncio.sleep(0.25)
+        return StreamingResponse(lines(), media_type="text/plain")
     return app
 
 
@@ -170,8 +179,19 @@ def test_a_body_slower_than_the_minimum_rate_gets_408(server: tuple[str, int]) -
 
 def test_a_body_the_server_holds_back_is_not_the_clients_fault(server: tuple[str, int],
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    """The app reads the body 2 s in (past the grace): what the client sent meanwhile waits in the kernel
+    """The app reads the body 2.5 s in (past the grace): what the client sent meanwhile waits in the kernel
     (the server pauses reading past 64 KiB buffered), and the client is not cut off for it."""
     monkeypatch.setattr(http_protocol, "BODY_MIN_RATE", 10**12)  # bytes received buy no time
     reply, _ = _trickle(server, "/late", [b"w" * 2_000_000], 0.0)
     assert reply.startswith(b"HTTP/1.1 200") and b'{"bytes":2000000}' in reply, reply[:200]
+
+
+def test_a_slow_body_pipelined_behind_a_stream_never_writes_into_it(server: tuple[str, int]) -> None:
+    """A request whose body is too slow, pipelined behind a streamed answer still being written, is cut off
+    without a 408 of its own: one written there would land in the middle of the earlier answer."""
+    with socket.create_connection(server, timeout=15) as sock:
+        sock.sendall(b"GET /stream HTTP/1.1\r\nHost: x\r\n\r\n"
+                     b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\nz")  # 99 bytes never come
+        reply = _read_to_close(sock)
+    assert b"408" not in reply and reply.startswith(b"HTTP/1.1 200"), reply[-300:]
+    assert b"line 0" in reply

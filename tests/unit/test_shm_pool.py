@@ -98,3 +98,23 @@ def test_segments_idle_past_their_time_are_closed_but_the_last_one_given_back() 
     finally:
         pool.close()
     assert not (SHM_DIR / d.name).exists()
+
+
+def test_steady_traffic_reuses_one_segment_and_the_rest_still_go_idle() -> None:
+    """After a burst, one push at a time takes the segment given back last, so the others stay idle and are
+    trimmed: taking the one idle longest would have kept every segment of the burst in turn."""
+    pool = SegmentPool(max_bytes=1 << 30, idle_s=0.3)
+    try:
+        burst = [pool.take(17 * MiB) for _ in range(4)]
+        for seg in burst:
+            pool.give(seg)
+        deadline = time.monotonic() + 1.5
+        while time.monotonic() < deadline:  # a push every 50 ms
+            seg = pool.take(17 * MiB)
+            time.sleep(0.01)
+            pool.give(seg)
+            time.sleep(0.04)
+        assert pool.idle == 1
+        assert sum((SHM_DIR / s.name).exists() for s in burst) == 1
+    finally:
+        pool.close()

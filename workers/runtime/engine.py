@@ -266,7 +266,8 @@ class Engine:
                 f"the request needs KV cache for {total} tokens ({len(prompt_ids)} prompt + {params.max_tokens} "
                 f"max_tokens), more than a worker's KV pool holds ({self.cache.num_blocks * self.cache.block_size} "
                 f"tokens, though the model's context is {self.max_model_len}): lower max_tokens or shorten the "
-                f"prompt (an operator gives the pool more room with engine.kv_cache_bytes)")
+                f"prompt (an operator gives the pool more room: engine.kv_cache_bytes, or gpu_memory_utilization "
+                f"on CUDA)")
         if mm is not None:
             self._check_mm(prompt_ids, mm)
 

@@ -8,8 +8,9 @@ Lifecycle of a manager:
                      what it started and leaves what it adopted serving (the next manager adopts it again).
   2. running         ``scale(pool, n)`` writes the target and reconciles that pool now. Each pool's loop, every
                      ``reconcile_interval_s``, reconciles it when its lock is free (one pool's drain or start
-                     never holds up another's): it reads the target from Redis (so ``epd scale`` in another
-                     process, which only writes the target, takes effect) and replaces replicas that died.
+                     holds up no other's, but replicas sharing a GPU start one at a time whatever their
+                     pool): it reads the target from Redis (so ``epd scale`` in another process, which only
+                     writes the target, takes effect) and replaces replicas that died.
   3. ``stop()``      the loops end, every actor this manager holds is stopped and killed, Ray is shut
                      down if ``start`` initialised it. Idempotent.
 
@@ -241,7 +242,7 @@ class PoolManager:
         self._adopted.clear()
 
     def stop(self) -> None:
-        """Stop the loop and every actor this manager holds (no drain), then Ray if we started it."""
+        """Stop the loops and every actor this manager holds (no drain), then Ray if we started it."""
         self._stop.set()
         for loop in self._loops:
             loop.join(STOP_TIMEOUT_S)

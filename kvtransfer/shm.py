@@ -214,26 +214,23 @@ class SegmentPool:
         # could keep none would make, fill and unlink a segment for every push.
         self._keep_one = self.max_bytes if max_bytes is not None else shm_bytes() // 2
         self.idle_s = idle_s
-        self._free: list[SharedSegment] = []  # oldest given back first
-        self._since: dict[int, float] = {}  # id(segment) -> when it was given back (monotonic)
+        self._free: list[tuple[SharedSegment, float]] = []  # and when each was given back (monotonic), oldest first
         self._trimmer: threading.Timer | None = None
         self._lock = threading.Lock()
 
     def take(self, size: int) -> SharedSegment:
         doomed = None
         with self._lock:
-            fits = [s for s in self._free if s.size >= size]
+            fits = [entry for entry in self._free if entry[0].size >= size]
             if fits:  # the smallest; of those, the one given back last, so the others can go idle and be trimmed
-                seg = min(fits, key=lambda s: (s.size, -self._since[id(s)]))
-                self._free.remove(seg)
-                self._since.pop(id(seg), None)
-                return seg
+                entry = min(fits, key=lambda e: (e[0].size, -e[1]))
+                self._free.remove(entry)
+                return entry[0]
             if self._free:  # all too small: replace the largest rather than keep it beside a new one
-                doomed = max(self._free, key=lambda s: s.size)
+                doomed = max(self._free, key=lambda e: e[0].size)
                 self._free.remove(doomed)
-                self._since.pop(id(doomed), None)
         if doomed is not None:
-            doomed.close()
+            doomed[0].close()
         size = segment_size_class(size)
         try:
             return SharedSegment.create(size)
@@ -248,10 +245,9 @@ class SegmentPool:
 
     def give(self, seg: SharedSegment) -> None:
         with self._lock:
-            idle = sum(s.size for s in self._free)
+            idle = sum(s.size for s, _ in self._free)
             if idle + seg.size <= self.max_bytes or (not self._free and seg.size <= self._keep_one):
-                self._free.append(seg)
-                self._since[id(seg)] = time.monotonic()
+                self._free.append((seg, time.monotonic()))
                 if len(self._free) > 1:
                     self._arm(self.idle_s)
                 return
@@ -273,25 +269,23 @@ class SegmentPool:
         now = time.monotonic()
         with self._lock:
             self._trimmer = None
-            last = self._free[-1] if self._free else None
-            doomed = [s for s in self._free if s is not last and now - self._since[id(s)] >= self.idle_s]
-            for seg in doomed:
-                self._free.remove(seg)
-                del self._since[id(seg)]
-            if len(self._free) > 1:  # the rest, once they too have been idle long enough
-                oldest = min(self._since[id(s)] for s in self._free if s is not last)
-                self._arm(max(0.0, oldest + self.idle_s - now))
-        for seg in doomed:
+            # all but the one given back last (the list's end), once idle long enough; the rest at their time
+            older, last = self._free[:-1], self._free[-1:]
+            doomed = [e for e in older if now - e[1] >= self.idle_s]
+            kept = [e for e in older if now - e[1] < self.idle_s]
+            self._free = kept + last
+            if kept:
+                self._arm(max(0.0, kept[0][1] + self.idle_s - now))
+        for seg, _ in doomed:
             seg.close()
 
     def close(self) -> None:
         with self._lock:
             free, self._free = self._free, []
-            self._since.clear()
             if self._trimmer is not None:
                 self._trimmer.cancel()
                 self._trimmer = None
-        for seg in free:
+        for seg, _ in free:
             seg.close()
 
 

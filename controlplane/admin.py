@@ -24,6 +24,7 @@ from fastapi import APIRouter, Header, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from controlplane.code_version import code_version
 from controlplane.state.client import StateConnection
 from controlplane.state.keys import InvalidKeyPart, Pool
 from controlplane.state.pools import MAX_REPLICAS, PoolTargets
@@ -44,6 +45,7 @@ class WorkerSummary:
     free_kv_blocks: int
     total_kv_blocks: int
     pid: int  # on the host in ``address``; 0: not said
+    version: str  # the code it runs (``code_version``); "": not said
 
 
 @dataclass(frozen=True)
@@ -81,7 +83,7 @@ def pools_status(conn: StateConnection, registry: WorkerRegistry, starts: PoolSt
         live = registry.live_workers(pool)
         workers = [WorkerSummary(r.info.worker_id, r.info.address, r.info.draining, r.info.load.running,
                               r.info.load.queued_tokens, r.info.load.free_kv_blocks, r.info.load.total_kv_blocks,
-                              r.info.pid)
+                              r.info.pid, r.info.version)
                    for r in live]
         pending = starts.pending(pool.value) if starts is not None else ()
         problem = starts.problem(pool.value) if starts is not None else None
@@ -153,6 +155,7 @@ def admin_router(conn: StateConnection, registry: WorkerRegistry, admin_token: s
     """``fixed_pools``: pool -> why it cannot be scaled in this deployment (409 with that reason).
     ``starts``: the pool manager, for replicas not serving yet and why (None: none shown)."""
     fixed = dict(fixed_pools or {})
+    version = code_version()  # what this process loaded: taken now, before the files on disk can change
     router = APIRouter(prefix="/admin")
     expected = f"Bearer {admin_token}".encode()
 
@@ -164,7 +167,7 @@ def admin_router(conn: StateConnection, registry: WorkerRegistry, admin_token: s
     @router.get("/pools")
     def get_pools(authorization: str | None = Header(None)) -> dict:
         check(authorization)
-        return {"pools": [asdict(p) for p in pools_status(conn, registry, starts, fixed)]}
+        return {"pools": [asdict(p) for p in pools_status(conn, registry, starts, fixed)], "version": version}
 
     @router.put("/pools/{pool}", openapi_extra={"requestBody": {"content": {"application/json": {
         "schema": ScaleBody.model_json_schema()}}, "required": True}})

@@ -177,6 +177,8 @@ def serving_degraded(settings: Settings, url: str | None = None, timeout: float 
 
 def format_status(data: dict) -> str:
     lines = [f"{'pool':<9}{'target':>7}{'ready':>7}  workers"]
+    api_code = data.get("version")  # the code the API runs (an older API does not say)
+    other: list[str] = []  # workers that run other code
     for p in data["pools"]:
         target = "-" if p["target"] is None else str(p["target"])
         if p.get("not_needed"):  # e.g. a text-only model's encode pool (an older API never says)
@@ -188,10 +190,18 @@ def format_status(data: dict) -> str:
             kv = f"kv {w['total_kv_blocks'] - w['free_kv_blocks']}/{w['total_kv_blocks']} blocks" if w[
                 "total_kv_blocks"] else ""
             pid = f" pid={w['pid']}" if w.get("pid") else ""  # an older API, or worker, does not say
+            code = ""
+            if api_code and w.get("version") != api_code:
+                other.append(w["worker_id"])
+                code = f" code={w.get('version') or 'unknown'}"
             lines.append(f"{'':<16}  {w['worker_id']} {w['address']}{pid} {state} running={w['running']} "
-                         f"queued_tokens={w['queued_tokens']} {kv}".rstrip())
+                         f"queued_tokens={w['queued_tokens']} {kv}".rstrip() + code)
         for r in p.get("pending", ()):  # an API from before pending replicas were shown has none
             lines.append(f"{'':<16}  {r['name']} pending {r['waiting_s']:.0f} s: {r['reason']}")
         if p.get("problem"):
             lines.append(f"{'':<16}  {p['problem']}")
+    if other:
+        lines.append(f"code: {len(other)} worker(s) run other code than the API ({api_code}), shown as code=: "
+                     f"they loaded other files when they started (a change on disk since, or another image). "
+                     f"Restart the deployment to serve one version.")
     return "\n".join(lines)

@@ -268,7 +268,8 @@ class _Parser(argparse.ArgumentParser):
     def parse_known_args(self, args: Sequence[str] | None = None,  # type: ignore[override]  # typeshed's overloads
                          namespace: argparse.Namespace | None = None) -> tuple[argparse.Namespace, list[str]]:
         arg_list = list(sys.argv[1:] if args is None else args)
-        if self.has_commands and arg_list and arg_list[0].startswith("-") and arg_list[0] not in ("-h", "--help"):
+        first = arg_list[0] if arg_list else ""
+        if self.has_commands and first.startswith("-") and first not in ("-h", "--help", "--version"):
             self.error(f"unrecognized arguments: {arg_list[0]}: a command comes first, then its options")
         parsed, extras = super().parse_known_args(arg_list, namespace)
         if extras and not self.has_commands:
@@ -279,9 +280,24 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
 
 
+class _VersionAction(argparse.Action):
+    """``epd --version``: the package version and the digest of the code it runs (``code_version``), the same
+    string ``epd status`` shows for a worker whose code differs from the API's. Computed only when asked."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str = argparse.SUPPRESS, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> NoReturn:
+        from controlplane.code_version import code_version
+        print(f"epd {code_version()}")  # to stdout, as argparse's own version action
+        parser.exit(0)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser: argparse.ArgumentParser = _Parser(prog="epd", description="epd: disaggregated encode/prefill/decode "
                                                                        "serving.")
+    parser.add_argument("--version", action=_VersionAction, help="print the version and the code's digest")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     model = sub.add_parser("model", help="model checkpoints").add_subparsers(dest="model_command", required=True,

@@ -16,9 +16,9 @@ import logging
 import os
 import threading
 import time
-from importlib import metadata
 from pathlib import Path
 
+from controlplane.code_version import code_version
 from controlplane.settings import PoolSettings, Settings
 from controlplane.state import StateError, WorkerInfo, WorkerLoad, WorkerNotRegistered, WorkerRegistry
 from controlplane.state.keys import parse_pool
@@ -185,13 +185,6 @@ def queued_tokens(worker: RunningWorker) -> int:
     return sum(max(0, seq.num_tokens - seq.num_computed) for seq in waiting)
 
 
-def _version() -> str:
-    try:
-        return metadata.version("epd")
-    except metadata.PackageNotFoundError:
-        return ""
-
-
 class Lease:
     """Keeps one worker registered while it runs."""
 
@@ -199,7 +192,7 @@ class Lease:
         self.registry = registry
         self.worker = worker
         self.interval_s = registry.ttl / 3
-        self._version = _version()
+        self._version = code_version()
         self._stop = threading.Event()
         self._last_ok = 0.0
         self._thread = threading.Thread(target=self._run, name="lease-heartbeat", daemon=True)

@@ -81,8 +81,9 @@ class WorkerLoad:
 
 @dataclass(frozen=True)
 class WorkerInfo:
-    """A worker as registered: identity, its gRPC ``host:port``, what it serves, and its load. ``pid``: its
-    process id on that host (0: not said, by a worker from before it was registered)."""
+    """A worker as registered: identity, its gRPC ``host:port``, what it serves, and its load. ``version``: the
+    code it runs (``controlplane.code_version``). ``pid``: its process id on that host (0: not said, by a
+    worker from before it was registered)."""
 
     worker_id: str
     pool: Pool

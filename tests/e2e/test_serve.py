@@ -67,6 +67,8 @@ def test_32_concurrent_requests_on_2_prefill_and_2_decode_replicas_all_match(ser
     assert len(pids) == len(workers) and pids <= descendants(served.proc.pid), (pids, workers)
     text = served.cli("status").stdout
     assert all(f"{w['worker_id']} {w['address']} pid={w['pid']} " in text for w in workers), text
+    # every replica runs the API's code, so none is flagged (the digest is taken from the same tree)
+    assert {w["version"] for w in workers} == {served.status()["version"]} and "code=" not in text, text
 
 
 def test_a_burst_past_every_workers_call_budget_is_served_whole(served):

@@ -8,6 +8,7 @@ from fastapi.testclient import TestClient
 
 from controlplane.admin import admin_router
 from controlplane.api.errors import install_error_handlers
+from controlplane.code_version import code_version
 from controlplane.state import PoolTargets, WorkerRegistry
 from controlplane.state.keys import Pool
 from controlplane.state.registry import WorkerInfo, WorkerLoad
@@ -31,7 +32,8 @@ def admin(state_conn):  # noqa: F811
     install_error_handlers(app)
     app.include_router(admin_router(state_conn, registry, TOKEN, on_drain=drain))
     registry.register(WorkerInfo("decode-a", Pool.DECODE, "127.0.0.1:5001",
-                                 load=WorkerLoad(free_kv_blocks=10, total_kv_blocks=16, running=2), pid=4242))
+                                 load=WorkerLoad(free_kv_blocks=10, total_kv_blocks=16, running=2), pid=4242,
+                                 version="0.1.0+0123456789ab"))
     registry.register(WorkerInfo("prefill-a", Pool.PREFILL, "127.0.0.1:5002"))
     yield TestClient(app), registry, drained, state_conn
     for wid, pool in (("decode-a", "decode"), ("prefill-a", "prefill")):
@@ -46,12 +48,15 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 def test_status_lists_every_pool_with_targets_and_load(admin):
     client, registry, _, conn = admin
     PoolTargets(conn).set_target("decode", 1)
-    pools = {p["pool"]: p for p in client.get("/admin/pools", headers=AUTH).json()["pools"]}
+    reply = client.get("/admin/pools", headers=AUTH).json()
+    assert reply["version"] == code_version()  # the API's own code, beside each worker's
+    pools = {p["pool"]: p for p in reply["pools"]}
     assert set(pools) == {"encode", "prefill", "decode"}
     assert pools["decode"]["target"] == 1 and pools["decode"]["ready"] == 1
     assert pools["decode"]["workers"][0] | {} == {"worker_id": "decode-a", "address": "127.0.0.1:5001",
                                                   "draining": False, "running": 2, "queued_tokens": 0,
-                                                  "free_kv_blocks": 10, "total_kv_blocks": 16, "pid": 4242}
+                                                  "free_kv_blocks": 10, "total_kv_blocks": 16, "pid": 4242,
+                                                  "version": "0.1.0+0123456789ab"}
     assert pools["encode"]["target"] is None and pools["encode"]["workers"] == []
 
 

@@ -58,7 +58,7 @@ class WorkerActor:
     def __init__(self, pool: PoolName, model_dir: str, settings_json: str, token: str, redis_url: str,
                  redis_prefix: str, index: int, host: str = "127.0.0.1", launch: str = "", wire: str = "") -> None:
         """``model_dir`` "" serves ``settings.model`` or the demo model; ``host`` "" binds this node's IP.
-        ``launch``: the manager's digest of what it started this replica with (``manager.launch_key``; ``info``
+        ``launch``: the manager's digest of what it started this replica with (``launch.launch_key``; ``info``
         reports it). ``wire``: the manager's wire protocol digest; a replica whose own code speaks another
         refuses to start (WireMismatch) before it loads a model or registers ("": no check)."""
         from pathlib import Path

@@ -40,18 +40,17 @@ import dataclasses
 import hashlib
 import logging
 import re
-import shutil
 import threading
 import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Protocol
 
 import ray
 from ray.actor import ActorHandle
 
+from controlplane.pools import launch
 from controlplane.pools.actor import WATCH_CONCURRENCY, WATCH_GROUP, WorkerActor
 from controlplane.pools.pending import explain
 from controlplane.pools.ray_runtime import RayRuntime
@@ -68,14 +67,9 @@ STOP_TIMEOUT_S = 30.0
 ACTOR_CONCURRENCY = 4  # info, status, drain and stop (watch() has its own group: actor.WATCH_GROUP)
 WATCH_S = 30.0  # a watch() call returns after this long and is made again: a dead manager's frees its thread
 MAX_RETRY_DELAY_S = 30.0
-_ANSI = re.compile(r"\x1b\[[0-9;]*m")
 # _start_wave's names: <prefix>-<pool>-<deployment>-<manager uid>-<index>
 _ACTOR_NAME = re.compile(
     r"(?P<prefix>.+)-(?P<pool>encode|prefill|decode)-(?P<deployment>[0-9a-f]{8})-[0-9a-f]{6}-[0-9]+")
-# Left out of the settings each replica gets: secrets never ride in Ray task args, and the replicas file is the
-# control plane's (its counts are applied already; the file is not mounted where replicas run).
-_NOT_FOR_REPLICAS: dict[str, Any] = {"transfer": {"token"}, "api": {"admin_token", "api_keys", "ops_token"},
-                                     "replicas_file": True}
 
 
 @dataclass(frozen=True)
@@ -123,12 +117,14 @@ class PoolManager:
         self.runtime = RayRuntime(ray_address if ray_address is not None else settings.ray.address,
                                   settings.ray.namespace, loopback_only=settings.ray.loopback_only)
         self._token = token
-        self._settings_json = replica_settings_json(settings)
+        self._settings_json = launch.replica_settings_json(settings)
         self._model_dir = str(settings.model) if settings.model is not None else ""  # "": the actor resolves it
         # this deployment (its Redis and prefix): the only replicas a manager adopts or stops at start
         self._deployment = hashlib.sha256(f"{redis_url}\0{prefix}".encode()).hexdigest()[:8]
-        counts_apart = settings.model_dump_json(exclude={**_NOT_FOR_REPLICAS, **{p.value: {"replicas"} for p in Pool}})
-        self._launch = {p: launch_key(p.value, self._model_dir, counts_apart, token, redis_url, prefix) for p in Pool}
+        counts_apart = settings.model_dump_json(exclude={**launch.NOT_FOR_REPLICAS,
+                                                         **{p.value: {"replicas"} for p in Pool}})
+        self._launch = {p: launch.launch_key(p.value, self._model_dir, counts_apart, token, redis_url, prefix)
+                        for p in Pool}
         self._wire = wire_digest()  # a replica whose code speaks another protocol is refused (``_check_wire``)
         self._detached = self.runtime.address is not None  # a cluster that outlives this manager
         self._uid = uuid.uuid4().hex[:6]
@@ -498,7 +494,7 @@ class PoolManager:
             name = f"{self.prefix}-{pool.value}-{self._deployment}-{self._uid}-{index}"
             actor = self._remote_cls.options(
                 name=name, namespace=self.settings.ray.namespace, max_concurrency=ACTOR_CONCURRENCY, max_restarts=0,
-                lifetime="detached" if self._detached else None, **placement_options(ps),
+                lifetime="detached" if self._detached else None, **launch.placement_options(ps),
             ).remote(pool.value, self._model_dir, self._settings_json, self._token, self.redis_url,
                      self.prefix, index, host, self._launch[pool], wire=self._wire)
             pending.append((name, actor, actor.info.remote()))
@@ -517,8 +513,8 @@ class PoolManager:
                     _kill_quietly(actor)
                     continue
                 except Exception as exc:
-                    errors.append(f"{name}: {_describe(exc, ps.num_cpus, ps.num_gpus, self.start_timeout_s)}"
-                                  f"{_disk_hint(self.runtime.temp_dir)}")
+                    failure = launch.describe_start_failure(exc, ps.num_cpus, ps.num_gpus, self.start_timeout_s)
+                    errors.append(f"{name}: {failure}{launch.disk_hint(self.runtime.temp_dir)}")
                     if isinstance(exc, WireMismatch):  # it serves already: stopped, so it leaves no lease
                         _stop_quietly(actor)
                     _kill_quietly(actor)
@@ -649,63 +645,3 @@ def _kill_quietly(actor: ActorHandle) -> None:
         ray.kill(actor, no_restart=True)
     except Exception as exc:  # already gone
         log.debug("kill: %s", exc)
-
-
-def launch_key(pool: str, model_dir: str, settings_json: str, token: str, redis_url: str, redis_prefix: str) -> str:
-    """What a replica was started with, as one digest (the token and URL never appear in it): a pool manager
-    adopts a running replica only when its own key for that pool is the same (``PoolManager._adopt``).
-    ``settings_json`` leaves out the replica counts, which change while a deployment serves."""
-    h = hashlib.sha256()
-    for part in (pool, model_dir, settings_json, token, redis_url, redis_prefix):
-        h.update(part.encode())
-        h.update(b"\0")
-    return h.hexdigest()
-
-
-def replica_settings_json(settings: Settings) -> str:
-    """The settings a replica is started with (``WorkerActor`` validates them again, on its own node): these,
-    without the secrets and without ``replicas_file``."""
-    return settings.model_dump_json(exclude=_NOT_FOR_REPLICAS)
-
-
-def placement_options(ps: PoolSettings) -> dict[str, Any]:
-    """The Ray actor options that place one replica of a pool: its reservations and its process's environment."""
-    env = ps.process_env()
-    return {"num_cpus": ps.num_cpus, "num_gpus": ps.num_gpus, "resources": dict(ps.ray_resources) or None,
-            "runtime_env": {"env_vars": env} if env else None}
-
-
-LOW_DISK_BYTES = 64 * 2**20
-
-
-def _disk_hint(temp_dir: Path | None) -> str:
-    """A note when the private Ray cluster's folder (logs, sockets, spilled objects) is on a nearly full disk:
-    new actors then die at start with nothing of their own to say why (Ray cannot write their logs)."""
-    if temp_dir is None:
-        return ""
-    try:
-        usage = shutil.disk_usage(temp_dir)
-    except OSError:
-        return ""
-    if usage.free >= LOW_DISK_BYTES:
-        return ""
-    return (f" (the disk under Ray's folder {temp_dir} has {usage.free / 2**20:.0f} MiB free of "
-            f"{usage.total / 2**20:.0f} MiB: a full disk stops new replicas; free space there, or set TMPDIR)")
-
-
-def _describe(exc: BaseException, num_cpus: float, num_gpus: float, timeout_s: float) -> str:
-    if isinstance(exc, ray.exceptions.GetTimeoutError):
-        return (f"did not start within {timeout_s:.0f} s (the cluster may lack {num_cpus} CPU / {num_gpus} GPU "
-                "free for it)")
-    if isinstance(exc, WireMismatch):
-        return str(exc)
-    if isinstance(exc, ray.exceptions.RayActorError):
-        text = _ANSI.sub("", str(exc)).strip()
-        if exc.actor_init_failed:  # Ray's text ends with the constructor's "Type: message"; lead with it
-            last = text.splitlines()[-1]
-            if "unexpected keyword argument 'wire'" in last:  # code older than the wire check
-                last += (" (its Ray node runs an older epd image than the control plane; replace those pods so "
-                         "every node runs the control plane's image)")
-            return f"{last}\n  (raised while the actor started; Ray's report follows)\n{text}"
-        return f"the actor died while starting: {text}"
-    return f"{type(exc).__name__}: {exc}"

@@ -17,7 +17,7 @@ import pytest
 import ray
 
 from controlplane.pools import PoolManager, replica
-from controlplane.pools.manager import placement_options
+from controlplane.pools.launch import placement_options
 from controlplane.pools.ray_runtime import RayRuntime
 from controlplane.settings import MiB, PoolSettings, Settings
 from controlplane.state import LocalRedis

@@ -175,7 +175,7 @@ def test_the_watch_thread_applies_a_change_within_its_interval(state_conn: State
 def test_replicas_get_the_counts_without_the_file_or_any_secret(tmp_path: Path) -> None:
     """A replica validates its settings again where it runs, where the file is not mounted (a KubeRay worker
     pod): the settings it gets carry the counts, not the file, and no secret."""
-    from controlplane.pools.manager import replica_settings_json
+    from controlplane.pools.launch import replica_settings_json
 
     path = tmp_path / "replicas.json"
     path.write_text('{"prefill": 2, "decode": 3}')

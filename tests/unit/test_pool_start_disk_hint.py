@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from controlplane.pools import manager
+from controlplane.pools import launch
 
 pytestmark = pytest.mark.unit
 Usage = namedtuple("Usage", "total used free")
@@ -17,12 +17,12 @@ Usage = namedtuple("Usage", "total used free")
 
 def test_a_nearly_full_disk_under_rays_folder_is_named(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setattr(shutil, "disk_usage", lambda path: Usage(64 * 2**20, 63 * 2**20, 2**20))
-    assert manager._disk_hint(tmp_path) == (
+    assert launch.disk_hint(tmp_path) == (
         f" (the disk under Ray's folder {tmp_path} has 1 MiB free of 64 MiB: a full disk stops new replicas; "
         "free space there, or set TMPDIR)")
 
 
 def test_room_enough_or_no_private_cluster_adds_nothing(tmp_path: Path) -> None:
-    assert manager._disk_hint(tmp_path) == ""  # this machine's temporary folder has room
-    assert manager._disk_hint(None) == ""  # an external cluster: its nodes' disks are not ours to read
-    assert manager._disk_hint(tmp_path / "gone") == ""
+    assert launch.disk_hint(tmp_path) == ""  # this machine's temporary folder has room
+    assert launch.disk_hint(None) == ""  # an external cluster: its nodes' disks are not ours to read
+    assert launch.disk_hint(tmp_path / "gone") == ""

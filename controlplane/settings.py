@@ -203,6 +203,10 @@ class PoolSettings(_Model):
     malloc_arena_max: int | None = Field(
         2, ge=1, description="glibc malloc arenas in each replica's process (MALLOC_ARENA_MAX; unset = glibc's "
                              "8 per core): with few arenas the start-up warm-up's memory serves every thread")
+    trim_memory_quiet_s: float | None = Field(
+        30.0, gt=0, description="a replica that has been quiet this many seconds after work (under 2% of a "
+                                "core) gives its free heap memory back to the kernel (glibc malloc_trim), "
+                                "once; null = never: it keeps a burst's peak resident")
     embedding_cache_bytes: int = Field(
         GiB, ge=0, description="encode pool: host memory per replica for the image embeddings it keeps, an LRU "
                                "keyed by the image's SHA-256 (one LLaVA-1.5 image is 9 MiB; 0 = none); other "

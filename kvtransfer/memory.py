@@ -12,6 +12,8 @@ The cost is memory the process keeps mapped after a burst: up to the trim thresh
 at the top of each heap, plus whatever freed buffers fragmentation strands (bounded by the peak of
 live buffers under 32 MiB, which the transfer budgets bound). Allocations of 32 MiB and more (model
 weights, the paged cache) are unaffected. Where glibc's ``mallopt`` is unavailable this is a no-op.
+``release_free_heap`` gives that memory back; a worker calls it once it has gone quiet
+(``workers.quiet_trim``).
 """
 
 from __future__ import annotations
@@ -52,6 +54,21 @@ def _apply() -> bool:
     mallopt.restype = ctypes.c_int
     return bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)) and bool(
         mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES))
+
+
+def release_free_heap() -> bool:
+    """Hand the free pages of every malloc arena back to the kernel (glibc's ``malloc_trim(0)``, which also
+    returns whole free pages inside a heap, not only at its top): what the thresholds above keep after a
+    burst. It takes each arena's lock while it walks it, so call it when the process is quiet. True when
+    memory was returned; False when none was, or where glibc is not the allocator."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):
+        return False
+    trim.argtypes = (ctypes.c_size_t,)
+    trim.restype = ctypes.c_int
+    return bool(trim(0))
 
 
 class BufferPool:

@@ -105,6 +105,9 @@ class WorkerActor:
         self._stopped = threading.Event()
         from controlplane.heap import freeze_startup_heap
         freeze_startup_heap(f"{pool} replica {index}")  # the model and imports: out of the GC's way
+        from workers.quiet_trim import QuietTrim
+        quiet_s = settings.pool(pool).trim_memory_quiet_s
+        self._trim = QuietTrim(quiet_s).start() if quiet_s is not None else None  # a burst's peak given back
         self.state = ReplicaState.SERVING
         self.serving_at = time.time()
         log.info("%s replica %d serving at %s", pool, index, self.worker.address)
@@ -174,6 +177,8 @@ class WorkerActor:
                 return
             self.state = ReplicaState.STOPPED
         try:
+            if self._trim is not None:
+                self._trim.stop()
             self.lease.stop()
             self.worker.stop(STOP_GRACE_S)
             self._conn.close()

@@ -43,6 +43,7 @@ from controlplane.observability.stages import RequestObserver, Stage
 from epd.worker.v1 import worker_pb2 as wpb
 from epd.worker.v1 import worker_pb2_grpc as wgrpc
 from kvtransfer.auth import TransferSecurity
+from kvtransfer.errors import detached
 from workers.runtime.sampler import SamplingParams
 from workers.service_base import sampling_to_proto
 from workers.tracing import DRAINING_REFUSAL, FAILURE_KEY
@@ -351,6 +352,9 @@ class Dispatcher:
                 if not isinstance(fut.exception(), grpc.FutureCancelledError):  # halted after the last token
                     fut.result()
         except grpc.RpcError as exc:
+            # grpc raises the call itself, which this frame holds (``stream``): detached, the two (and this
+            # request's state) are freed when the request ends, not at the next full garbage collection
+            detached(exc)
             if req.cancel.cancelled:  # the client left before the first chunk (this call was cancelled for it)
                 dst.end("cancelled")
                 raise ClientGone("the client went away before the first token") from None

@@ -45,6 +45,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
+from kvtransfer.errors import detached
 from kvtransfer.reused_threads import ReusedThreads
 from kvtransfer.wire import pb
 
@@ -210,8 +211,8 @@ class BulkConnection:
                     ready.put((kind, view, slot))
                     if kind == KIND_FINISH:
                         return
-            except BulkError as exc:
-                ready.put(exc)
+            except BulkError as exc:  # detached: this frame holds ``ready``, which may keep it
+                ready.put(detached(exc))
             except BaseException as exc:  # a bug: the push must fail, not wait for a frame forever
                 ready.put(BulkError(f"bulk reader failed: {exc!r}", "io"))
 
@@ -220,7 +221,10 @@ class BulkConnection:
             while True:
                 item = ready.get()
                 if isinstance(item, BulkError):
-                    raise item
+                    try:
+                        raise item
+                    finally:  # this frame goes into the error's traceback: it must not hold the error too
+                        del item
                 kind, view, slot = item
                 yield kind, view
                 if kind == KIND_FINISH:
@@ -289,6 +293,7 @@ class BulkConnection:
         """Wake ``owner``'s blocked read or write by closing the connection, unless it moved on."""
         with self._lock:
             if self._owner is owner:
+                self._owner = None  # closed: it serves no one now (and keeps no stream alive in a cycle)
                 hard_close(self.sock)
 
     # ------------------------------------------------------------------ sending side
@@ -297,6 +302,8 @@ class BulkConnection:
         send_all(self.sock, [FRAME.pack(kind, n), *parts])
 
     def close(self) -> None:
+        with self._lock:
+            self._owner = None  # as in interrupt
         hard_close(self.sock)
 
 

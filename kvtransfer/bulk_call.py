@@ -16,7 +16,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from kvtransfer.bulk import KIND_RESULT, BulkConnection, BulkError
-from kvtransfer.errors import TransferFailed, status_code
+from kvtransfer.errors import TransferFailed, fresh, status_code
 from kvtransfer.reused_threads import ReusedThreads
 from kvtransfer.wire import pb
 
@@ -47,7 +47,7 @@ class BulkCall:
         if self._cancelled:
             raise grpc.FutureCancelledError()
         if self._error is not None:
-            raise self._error
+            raise fresh(self._error)  # a copy: the kept one, raised, would hold this call in a cycle
         assert self._ack is not None
         return self._ack
 
@@ -65,9 +65,10 @@ class BulkCall:
             if self._done.is_set():
                 return False
             self._cancelled = True
+            owner = self.owner
         if self._after is not None:
             self._after.set()
-        self.conn.interrupt(self.owner)  # wakes the reader, which completes the call as cancelled
+        self.conn.interrupt(owner)  # wakes the reader, which completes the call as cancelled
         return True
 
     def add_done_callback(self, fn: Callable[[BulkCall], None]) -> None:
@@ -105,5 +106,6 @@ class BulkCall:
             self._ack, self._error = ack, error
             self._done.set()
             callbacks, self._callbacks = self._callbacks, []
+            self.owner = None  # the stream holds this call: done, it must not hold the stream (a cycle)
         for fn in callbacks:
             fn(self)

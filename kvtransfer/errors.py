@@ -2,7 +2,32 @@
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 import grpc
+
+E = TypeVar("E", bound=BaseException)
+
+
+def detached(exc: E) -> E:
+    """``exc`` without its traceback and the exceptions chained to it, for keeping after it is handled (on a
+    stream, a reservation, in a queue). A traceback holds the frames it passed through, and their locals:
+    one of them usually holds what keeps ``exc``, so the two would form a reference cycle, and everything
+    those frames hold (a push's state, the model's activations) would stay allocated until Python's next
+    full garbage collection. The message stays; the exception is the same object."""
+    exc.__traceback__ = None
+    exc.__context__ = None
+    exc.__cause__ = None
+    return exc
+
+
+def fresh(exc: E) -> E:
+    """A new exception like ``exc`` (its type, arguments and attributes; no traceback, nothing chained), to
+    raise an error that is kept (on a stream, a reservation): raising the kept one would give it a traceback
+    through frames that hold what keeps it (a reference cycle; see ``detached``)."""
+    new = type(exc).__new__(type(exc), *exc.args)
+    new.__dict__.update(exc.__dict__)
+    return new
 
 
 class TransferRefused(Exception):

@@ -14,7 +14,7 @@ from typing import Any, Generic, TypeVar
 
 import grpc
 
-from kvtransfer.errors import TransferRefused
+from kvtransfer.errors import TransferRefused, detached, fresh
 
 log = logging.getLogger(__name__)
 Code = grpc.StatusCode
@@ -101,7 +101,7 @@ class Expectations(Generic[OutcomeT]):
     def complete(self, exp: Expected[OutcomeT], outcome: OutcomeT) -> None:
         with exp.lock:
             if exp.state is not State.STREAMING:
-                raise exp.failure or TransferRefused(Code.CANCELLED, "transfer cancelled")
+                raise fresh(exp.failure) if exp.failure else TransferRefused(Code.CANCELLED, "transfer cancelled")
             exp.state = State.COMPLETE
         with self._lock:
             self._items.pop(exp.request_id, None)
@@ -112,7 +112,7 @@ class Expectations(Generic[OutcomeT]):
             if exp.state in (State.COMPLETE, State.FAILED):
                 return False
             exp.state = State.FAILED
-            exp.failure = err
+            exp.failure = detached(err)  # kept: its traceback would hold this push's state in a cycle
         with self._lock:
             self._items.pop(exp.request_id, None)
         log.info("transfer %s failed: %s %s", exp.request_id, err.code.name, err.message)
@@ -176,8 +176,10 @@ class Expectations(Generic[OutcomeT]):
 def refusal(expectations: Expectations, bound: list, exc: Exception) -> TransferRefused:
     """What a push that raised ``exc`` is refused with, after failing its expectation (``bound[0]``, once
     the handshake claimed it): a refusal as raised, unless the expectation had already failed (the first
-    failure wins); anything else is a bug, logged and answered INTERNAL while the others carry on."""
+    failure wins); anything else is a bug, logged and answered INTERNAL while the others carry on. What it
+    returns carries no traceback: the caller's frame holds it, and the traceback that frame (a cycle)."""
     if isinstance(exc, TransferRefused):
+        exc = detached(exc)
         if bound:
             expectations.fail(bound[0], exc)
             return bound[0].failure or exc

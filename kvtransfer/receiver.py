@@ -46,7 +46,7 @@ from kvtransfer.chunks import non_finite_values
 from kvtransfer.codecs import CodecError, Kind, WireLayout, get_codec
 from kvtransfer.codecs.encoded import cut_pair
 from kvtransfer.cuda_ipc import DeviceParts, IpcError, IpcPool, device_chunk_parts
-from kvtransfer.errors import TransferRefused
+from kvtransfer.errors import TransferRefused, fresh
 from kvtransfer.expectations import Expectations, Expected, State, refusal, run_stream, shown_id
 from kvtransfer.layout import KVLayout, LayoutMismatch
 from kvtransfer.shm import SegmentCache, SharedSegment, ShmError, reap_orphans
@@ -479,7 +479,7 @@ class KVReceiver:
         blocks = exp.target[c.first_block:c.first_block + c.num_blocks]
         with exp.lock:
             if exp.state is not State.STREAMING:  # cancelled or expired meanwhile: the blocks may be gone
-                raise exp.failure or TransferRefused(Code.CANCELLED, "transfer cancelled")
+                raise fresh(exp.failure) if exp.failure else TransferRefused(Code.CANCELLED, "transfer cancelled")
             try:
                 write(c.layer, blocks, codec_name, shape, key, value)
             except (CodecError, ValueError) as exc:

@@ -52,7 +52,7 @@ from kvtransfer.chunks import chunk_nbytes
 from kvtransfer.codecs import Codec, CodecError, get_codec
 from kvtransfer.cuda_ipc import IPC_ALIGNMENT, IpcError, MappedSegment, lease_request
 from kvtransfer.device_chunks import CacheBlocks, block_nbytes, encode_from_cache
-from kvtransfer.errors import ShmUnusable, TransferFailed, status_code
+from kvtransfer.errors import ShmUnusable, TransferFailed, fresh, status_code
 from kvtransfer.layout import KVLayout
 from kvtransfer.reused_threads import ReusedThreads
 from kvtransfer.shm import SharedSegment, ShmError
@@ -295,7 +295,7 @@ class KVStream:
             except CodecError as exc:  # an eagerly encoding codec refuses now: fail the stream by name
                 self._fail_encoding(CodecError(f"layer {layer}, blocks {first_block + i}..{first_block + i + m - 1}: "
                                                f"{exc}"))
-                raise self._error or TransferFailed(str(exc)) from None
+                raise (fresh(self._error) if self._error else TransferFailed(str(exc))) from None
             return functools.partial(self._builder.build_staged, layer, first_block + i, staged)
         self._queue_chunks(codec, n, per_block, make)
 
@@ -356,7 +356,8 @@ class KVStream:
             raise TransferFailed("timed out waiting for the receiver's ack",
                                  grpc.StatusCode.DEADLINE_EXCEEDED) from None
         except grpc.FutureCancelledError:
-            raise self._error or TransferFailed("transfer cancelled", grpc.StatusCode.CANCELLED) from None
+            raise (fresh(self._error) if self._error else
+                   TransferFailed("transfer cancelled", grpc.StatusCode.CANCELLED)) from None
         if ack.num_chunks != self._seq or ack.num_bytes != self._bytes or ack.checksum != self._checksum.value:
             self._settle_bulk(False)
             raise TransferFailed(f"receiver acknowledged {ack.num_chunks} chunks / {ack.num_bytes} bytes, sent "
@@ -386,7 +387,7 @@ class KVStream:
 
     def _raise_if_failed(self) -> None:
         if self._failed.is_set():
-            raise self._error or TransferFailed("transfer failed")
+            raise fresh(self._error) if self._error else TransferFailed("transfer failed")
 
     def _as_failure(self, exc: grpc.RpcError | TransferFailed) -> TransferFailed:
         if isinstance(exc, TransferFailed):  # a BulkCall's

@@ -17,7 +17,7 @@ import torch
 
 from kvtransfer.codecs.paged import QuantizedBlocks
 from kvtransfer.device_chunks import CacheBlocks
-from kvtransfer.errors import TransferFailed
+from kvtransfer.errors import TransferFailed, detached, fresh
 from kvtransfer.layout import KVLayout
 from kvtransfer.sender import KVSender
 from kvtransfer.staging import index_on
@@ -73,7 +73,7 @@ class LayerStreamer:
             act = self._active.pop(request_id)
         if act.error is not None:
             act.stream.cancel(act.error.message)
-            raise act.error
+            raise fresh(act.error)  # a copy: the kept one, raised here, would hold ``act`` in a cycle
         return act.stream.finish(first_token)
 
     def cancel(self, request_id: str, reason: str = "request aborted") -> None:
@@ -119,7 +119,9 @@ class LayerStreamer:
             try:
                 act.stream.send_layer(event.layer, lo, k, v)
             except TransferFailed as exc:
-                act.error = exc
+                # kept without its traceback, whose frames (this one holds ``act``; the model's, its
+                # activations) would otherwise stay alive in a cycle until a full garbage collection
+                act.error = detached(exc)
                 continue
             act.sent[event.layer] = hi
 
@@ -145,6 +147,6 @@ class LayerStreamer:
         try:
             act.stream.send_blocks(layer, lo, k, v, ids)
         except TransferFailed as exc:
-            act.error = exc
+            act.error = detached(exc)  # as in _on_layer
             return
         act.sent[layer] = hi

@@ -138,10 +138,12 @@ class PrefillService(Drainable, wgrpc.PrefillWorkerServicer):
             push = self.streamer.finish(rid, item.new_token_ids[0])
             kv_error = None
         except EngineError as exc:
+            item = failed = None  # this frame is in exc's traceback: holding exc too would make a cycle
             self._abort(rid, str(exc))
             kv_error = str(exc)
             abort_for(context, exc)
         except TransferFailed as exc:
+            item = failed = None  # as above
             self._abort(rid, exc.message)
             kv_error = exc.message
             if not from_loop:

@@ -32,6 +32,17 @@ def no_auto_connect() -> None:
     os.environ.setdefault(AUTO_CONNECT_VAR, "0")
 
 
+def replica_lines_environment(stderr_is_terminal: bool) -> None:
+    """How this process prints the replicas' lines Ray forwards to it. Call before ``import ray`` (Ray reads
+    the switches then); a value the user set is left alone. Every line is printed as it comes: Ray would
+    otherwise hold back, and print once as "[repeated Nx]", lines of several processes that differ only in
+    numbers, which is what one pool's replicas say ("prefill replica 1 serving at ..."). And no colour codes
+    around the "(WorkerActor pid=N)" prefix unless stderr is a terminal."""
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    if not stderr_is_terminal:
+        os.environ.setdefault("RAY_COLOR_PREFIX", "0")
+
+
 def loopback_environment(joins_cluster: bool, loopback_only: bool) -> bool:
     """Ask the local Ray this process may start to bind loopback only. Call before ``import ray``. A cluster
     address, ``loopback_only`` False, or the variable already set (the user's choice): left alone. Returns

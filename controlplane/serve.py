@@ -16,6 +16,7 @@ import logging
 import secrets
 import signal
 import socket
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -175,9 +176,10 @@ class Deployment:
 
 
 def build(settings: Settings) -> Deployment:
-    from controlplane.ray_env import loopback_environment, no_auto_connect
+    from controlplane.ray_env import loopback_environment, no_auto_connect, replica_lines_environment
 
     loopback_environment(settings.ray.address is not None, settings.ray.loopback_only)  # before Ray is imported
+    replica_lines_environment(sys.stderr.isatty())
     no_auto_connect()
     from controlplane.admin import admin_router, drain_over_rpc, resume_over_rpc
     from controlplane.admin_client import ensure_admin_token, private_redis_url_file, write_private_file
@@ -332,7 +334,9 @@ def serve(settings: Settings) -> int:
     from controlplane.api.auth import mask_tokens_in_access_log
     from controlplane.api.http_protocol import BoundedHeadHttpTools, limit_repeated_warnings
     from controlplane.heap import freeze_startup_heap
+    from controlplane.log_lines import log_to_stderr
 
+    log_to_stderr("serve")  # its own messages (and each replica's, forwarded by Ray) where it runs
     check_port(settings.api.host, settings.api.port)
     raise_open_files_limit()  # each client connection holds a file
 

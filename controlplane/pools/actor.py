@@ -63,11 +63,13 @@ class WorkerActor:
         refuses to start (WireMismatch) before it loads a model or registers ("": no check)."""
         from pathlib import Path
 
+        from controlplane.log_lines import log_to_stderr
         from controlplane.pools import replica
         from controlplane.pools.affinity import core_for, pin_process
         from controlplane.settings import Settings
         from controlplane.state import WorkerRegistry, connect
 
+        log_to_stderr(f"{pool} {index}")
         if wire:
             replica.check_wire(replica.wire_digest(), wire, f"this {pool} replica")
 

@@ -7,8 +7,11 @@ Lifecycle:
                    Ray already initialised in this process: reused, never shut down here.
                    Otherwise a local cluster that is ours alone: its own temp dir (Ray writes under the
                    system temp dir unless told otherwise), all of the machine's CPUs (replicas reserve
-                   fractions), no dashboard, worker logs kept in the temp dir instead of the driver's
-                   output, a small object store (only control messages use it). Token auth stays on,
+                   fractions), no dashboard, a small object store (only control messages use it).
+                   Either way the replicas' output (their log lines: ``log_lines.log_to_stderr``) is
+                   forwarded to this process's (Ray's ``log_to_driver``; how it prints them:
+                   ``ray_env.replica_lines_environment``); Ray also keeps it in its worker log files. Token
+                   auth stays on,
                    with a fresh token in a 0600 file in that temp dir: Ray 2.60 would otherwise write
                    ``~/.ray/auth_token`` on first start, which then switches every later local
                    ``ray.init`` of the user to token auth. A user who set ``RAY_AUTH_MODE`` (or a
@@ -111,7 +114,7 @@ class RayRuntime:
             hidden = {name: os.environ.pop(name) for name in secret_env_vars(list(os.environ))}
             try:
                 ray.init(num_cpus=self.num_cpus, num_gpus=self.num_gpus, namespace=self.namespace,
-                         include_dashboard=False, _temp_dir=str(self.temp_dir / RAY_SUBDIR), log_to_driver=False,
+                         include_dashboard=False, _temp_dir=str(self.temp_dir / RAY_SUBDIR), log_to_driver=True,
                          logging_level=logging.WARNING, object_store_memory=OBJECT_STORE_BYTES)
             finally:
                 os.environ.update(hidden)
@@ -132,7 +135,7 @@ class RayRuntime:
         mismatch, say) is left as it is."""
         for attempt in range(1, JOIN_TRIES + 1):
             try:
-                ray.init(address=address, namespace=self.namespace, log_to_driver=False,
+                ray.init(address=address, namespace=self.namespace, log_to_driver=True,
                          logging_level=logging.WARNING)
                 return
             except ConnectionAbortedError as exc:

@@ -7,6 +7,7 @@ a pool while requests stream, and `epd status` shows it within 5 s; Ctrl-C leave
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -69,6 +70,13 @@ def test_32_concurrent_requests_on_2_prefill_and_2_decode_replicas_all_match(ser
     assert all(f"{w['worker_id']} {w['address']} pid={w['pid']} " in text for w in workers), text
     # every replica runs the API's code, so none is flagged (the digest is taken from the same tree)
     assert {w["version"] for w in workers} == {served.status()["version"]} and "code=" not in text, text
+    # each replica's own log lines reach epd serve's output (Ray forwards them), naming the replica, uncoloured
+    log = served.log_tail(10**7)
+    for p in served.status()["pools"]:
+        for w in p["workers"]:
+            assert re.search(rf"\(WorkerActor pid={w['pid']}\) INFO \[{p['pool']} \d+\] controlplane\.pools\.actor: "
+                             rf"{p['pool']} replica \d+ serving at {re.escape(w['address'])}", log), log[-3000:]
+    assert "\x1b[" not in log
 
 
 def test_a_burst_past_every_workers_call_budget_is_served_whole(served):

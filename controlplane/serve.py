@@ -11,6 +11,7 @@ Ctrl-C (or SIGTERM) stops them in reverse order; nothing is left running.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import secrets
@@ -328,6 +329,31 @@ def raise_open_files_limit(wanted: int = OPEN_FILES_WANTED) -> int:
     return soft
 
 
+class SignalSeen:
+    """Whether ``signum`` arrived while this watched (main thread only). Python drops the exception a signal
+    handler raises inside an at-fork callback ("Exception ignored in ... _releaseLock"), and Ray starts its
+    processes with such callbacks running, so a SIGTERM during start-up could be lost: the stack then came
+    up and served. The signal's number still reaches the wakeup fd this sets."""
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+        self._read, self._write = socket.socketpair()
+        self._read.setblocking(False)
+        self._write.setblocking(False)
+        self._previous = signal.set_wakeup_fd(self._write.fileno(), warn_on_full_buffer=False)
+
+    def close(self) -> bool:
+        """Stop watching; whether the signal came meanwhile."""
+        signal.set_wakeup_fd(self._previous)
+        seen = b""
+        with contextlib.suppress(BlockingIOError):
+            while chunk := self._read.recv(4096):
+                seen += chunk
+        self._read.close()
+        self._write.close()
+        return self.signum in seen
+
+
 def serve(settings: Settings) -> int:
     import uvicorn
 
@@ -343,8 +369,15 @@ def serve(settings: Settings) -> int:
     def interrupted(*_: object) -> None:  # SIGTERM while starting: unwind as Ctrl-C does, stopping what started
         raise KeyboardInterrupt
     signal.signal(signal.SIGTERM, interrupted)
-    dep = build(settings)
+    term = SignalSeen(signal.SIGTERM)
+    try:
+        dep = build(settings)
+    except BaseException:
+        term.close()
+        raise
     try:  # from here on, whatever ends it (an interrupt included) stops what build started
+        if term.close():  # a SIGTERM during start-up whose KeyboardInterrupt Python dropped (SignalSeen)
+            raise KeyboardInterrupt
         freeze_startup_heap("control plane")
         config = uvicorn.Config(dep.app, host=settings.api.host, port=settings.api.port, log_level="info",
                                 timeout_graceful_shutdown=10, http=BoundedHeadHttpTools)

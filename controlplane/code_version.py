@@ -23,12 +23,21 @@ DIGEST_CHARS = 12
 
 
 def source_digest(roots: Iterable[tuple[str, Path]]) -> str:
-    """The hex sha256 over each ``(name, folder)``'s ``.py`` files (caches skipped), in a fixed order."""
+    """The hex sha256 over each ``(name, folder)``'s ``.py`` files, in a fixed order. Caches, hidden files
+    (an editor's lock file such as ``.#dispatch.py``) and anything that is not a regular file are skipped; a
+    file that cannot be read counts as a marker, so the digest is still taken."""
     h = hashlib.sha256()
     for name, root in sorted(roots):
-        for path in sorted(p for p in root.rglob("*.py") if "__pycache__" not in p.parts):
+        paths = (p for p in root.rglob("*.py") if not any(part.startswith(".") or part == "__pycache__"
+                                                           for part in p.relative_to(root).parts))
+        for path in sorted(paths):
+            if not path.is_file():  # a dangling link, a folder named *.py
+                continue
             h.update(f"{name}/{path.relative_to(root).as_posix()}\0".encode())
-            h.update(path.read_bytes())
+            try:
+                h.update(path.read_bytes())
+            except OSError:
+                h.update(b"\0unreadable")
             h.update(b"\0")
     return h.hexdigest()
 
@@ -50,4 +59,8 @@ def code_version() -> str:
         release = metadata.version("epd")
     except metadata.PackageNotFoundError:
         release = ""
-    return f"{release}+{source_digest(_package_roots())[:DIGEST_CHARS]}"
+    try:
+        digest = source_digest(_package_roots())[:DIGEST_CHARS]
+    except OSError:  # a folder that cannot be listed: it is only for showing, never a reason not to serve
+        digest = "unknown"
+    return f"{release}+{digest}"

@@ -343,7 +343,9 @@ class SignalSeen:
         self._previous = signal.set_wakeup_fd(self._write.fileno(), warn_on_full_buffer=False)
 
     def close(self) -> bool:
-        """Stop watching; whether the signal came meanwhile."""
+        """Stop watching; whether the signal came meanwhile. Idempotent (False after the first)."""
+        if self._read.fileno() < 0:
+            return False
         signal.set_wakeup_fd(self._previous)
         seen = b""
         with contextlib.suppress(BlockingIOError):
@@ -372,11 +374,10 @@ def serve(settings: Settings) -> int:
     term = SignalSeen(signal.SIGTERM)
     try:
         dep = build(settings)
-    except BaseException:
-        term.close()
-        raise
+    finally:
+        termed = term.close()
     try:  # from here on, whatever ends it (an interrupt included) stops what build started
-        if term.close():  # a SIGTERM during start-up whose KeyboardInterrupt Python dropped (SignalSeen)
+        if termed:  # a SIGTERM during start-up whose KeyboardInterrupt Python dropped (SignalSeen)
             raise KeyboardInterrupt
         freeze_startup_heap("control plane")
         config = uvicorn.Config(dep.app, host=settings.api.host, port=settings.api.port, log_level="info",

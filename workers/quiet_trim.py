@@ -4,7 +4,8 @@ A worker keeps freed memory in malloc's arenas on purpose while it serves (``kvt
 fault per message), and a busy engine's peak working set stays there too, so after a burst its resident
 memory stays at the burst's high-water mark for good. That is memory a container's limit counts. Once the
 process has been quiet for ``quiet_s`` (it used under ``busy_fraction`` of one core over that window) after
-doing at least ``min_work_s`` of CPU work since the last trim, ``release_free_heap`` runs once: a quiet
+doing at least ``min_work_s`` of CPU work since the last trim (CPU time above ``busy_fraction``: what an idle
+worker's own threads use never adds up to work), ``release_free_heap`` runs once: a quiet
 worker gives its free memory back, a busy one is never interrupted, and one that stays idle is not trimmed
 over and over.
 
@@ -58,8 +59,8 @@ class QuietTrim:
         self._trim = trim
         self._cpu_s = cpu_s
         self._clock = clock
-        self._samples: list[tuple[float, float]] = []  # (clock, cpu seconds), the last quiet_s of them
-        self._cpu_at_trim = cpu_s()
+        self._samples = [(clock(), cpu_s())]  # (clock, cpu seconds): the last quiet_s of them, and one before
+        self._work = 0.0  # CPU seconds above the quiet level since the last trim
         self.trims = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -68,13 +69,16 @@ class QuietTrim:
         """Sample the process's CPU time; trim if it has been quiet for ``quiet_s`` after enough work. True
         when it trimmed."""
         now, cpu = self._clock(), self._cpu_s()
+        if self._samples:
+            then, cpu_then = self._samples[-1]
+            self._work += max(0.0, (cpu - cpu_then) - self.busy_fraction * (now - then))
         self._samples.append((now, cpu))
         while len(self._samples) > 1 and now - self._samples[1][0] >= self.quiet_s:
             self._samples.pop(0)  # keep one sample at least quiet_s old, if there is one
         then, cpu_then = self._samples[0]
         if now - then < self.quiet_s or cpu - cpu_then > self.busy_fraction * (now - then):
             return False  # not watched for long enough yet, or busy
-        if cpu - self._cpu_at_trim < self.min_work_s:
+        if self._work < self.min_work_s:
             return False  # quiet, but little has happened since the last trim
         started, before = self._clock(), resident_bytes()
         try:
@@ -87,8 +91,8 @@ class QuietTrim:
                 log.info("quiet for %.0f s: gave %.0f MiB of free heap back to the kernel in %.2f s (resident "
                          "%.0f -> %.0f MiB)", self.quiet_s, (before - after) / 2**20, self._clock() - started,
                          before / 2**20, after / 2**20)
-        self._cpu_at_trim = self._cpu_s()  # the trim's own work does not count as work to trim after
-        self._samples = [(self._clock(), self._cpu_at_trim)]
+        self._work = 0.0  # the trim's own work does not count as work to trim after
+        self._samples = [(self._clock(), self._cpu_s())]
         self.trims += 1
         return True
 

@@ -179,9 +179,9 @@ class WorkerActor:
                 return
             self.state = ReplicaState.STOPPED
         try:
+            self.lease.stop()  # out of routing first: a trim in progress must not hold that up
             if self._trim is not None:
                 self._trim.stop()
-            self.lease.stop()
             self.worker.stop(STOP_GRACE_S)
             self._conn.close()
         finally:

@@ -45,6 +45,15 @@ def test_the_digest_follows_content_and_names_not_the_folder_or_caches(tmp_path)
     assert source_digest([("other", one)]) != base  # the package's name counts
 
 
+def test_editor_files_and_dangling_links_neither_count_nor_stop_it(tmp_path):
+    one = _tree(tmp_path / "one")
+    base = source_digest([("pkg", one)])
+    (one / ".#a.py").symlink_to(tmp_path / "nowhere")  # Emacs's lock file beside a file being edited
+    (one / "sub" / ".hidden.py").write_text("X = 1\n")
+    (one / "gone.py").symlink_to(tmp_path / "nowhere.py")
+    assert source_digest([("pkg", one)]) == base
+
+
 def test_the_code_version_is_the_release_and_a_digest_of_this_tree():
     version = code_version()
     assert re.fullmatch(r"[0-9][0-9a-z.]*\+[0-9a-f]{12}", version), version

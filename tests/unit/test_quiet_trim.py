@@ -62,6 +62,16 @@ def test_steady_light_load_above_the_busy_fraction_is_never_interrupted():
     assert p.trimmed == []
 
 
+def test_an_idle_replicas_own_threads_never_add_up_to_work():
+    """An idle worker still uses about 1% of a core (its engine loop's wake-ups, Ray's threads, the lease's
+    heartbeat): below the quiet level, that is no work, so an hour idle after a trim brings no second one."""
+    p = Process()
+    t = make(p, quiet_s=30, busy_fraction=0.02, min_work_s=5)
+    p.run(t, 20, busy=1.0)
+    p.run(t, 3600, busy=0.01)
+    assert len(p.trimmed) == 1
+
+
 def test_little_work_since_the_last_trim_is_not_worth_another():
     p = Process()
     t = make(p, quiet_s=30, busy_fraction=0.02, min_work_s=5)

@@ -40,10 +40,12 @@ def test_a_sigterm_whose_exception_python_dropped_is_still_seen():
 
 def test_other_signals_or_none_are_not_taken_for_it():
     previous = signal.signal(signal.SIGUSR1, lambda *_: None)
+    before = signal.set_wakeup_fd(-1)
+    signal.set_wakeup_fd(before)
     try:
         seen = SignalSeen(signal.SIGTERM)
         os.kill(os.getpid(), signal.SIGUSR1)
-        assert seen.close() is False
-        assert signal.set_wakeup_fd(-1) == -1  # the wakeup fd it set is gone again
+        assert seen.close() is False and seen.close() is False  # idempotent
+        assert signal.set_wakeup_fd(before) == before  # the one before it is back
     finally:
         signal.signal(signal.SIGUSR1, previous)

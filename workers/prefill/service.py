@@ -23,7 +23,7 @@ from epd.worker.v1 import worker_pb2 as wpb
 from epd.worker.v1 import worker_pb2_grpc as wgrpc
 from kvtransfer.codecs import Kind, get_codec
 from kvtransfer.embeddings import EmbeddingOutcome, EmbeddingReceiver, embedding_handler
-from kvtransfer.errors import TransferFailed
+from kvtransfer.errors import TransferFailed, fresh
 from kvtransfer.layout import KVLayout
 from kvtransfer.sender import KVSender
 from kvtransfer.stream import PushResult
@@ -134,7 +134,8 @@ class PrefillService(Drainable, wgrpc.PrefillWorkerServicer):
             if not item.new_token_ids:  # aborted (the Abort RPC) before its first token
                 failed = self.streamer.failed(rid)
                 from_loop = failed is None
-                raise failed or TransferFailed(f"prefill of {rid!r} was aborted", grpc.StatusCode.CANCELLED)
+                raise (fresh(failed) if failed else
+                       TransferFailed(f"prefill of {rid!r} was aborted", grpc.StatusCode.CANCELLED))
             push = self.streamer.finish(rid, item.new_token_ids[0])
             kv_error = None
         except EngineError as exc:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import threading
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # annotations only: the module imports torch lazily, where it is used
     import torch
@@ -44,11 +44,17 @@ def retain_freed_buffers() -> bool:
         return _done
 
 
-def _apply() -> bool:
+def _glibc(name: str) -> Any:
+    """glibc's function ``name``, or None where the C library is not glibc (musl, macOS): nothing to tune."""
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to tune
+        return getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), name)
+    except (OSError, AttributeError):
+        return None
+
+
+def _apply() -> bool:
+    mallopt = _glibc("mallopt")
+    if mallopt is None:
         return False
     mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
     mallopt.restype = ctypes.c_int
@@ -61,10 +67,8 @@ def release_free_heap() -> bool:
     returns whole free pages inside a heap, not only at its top): what the thresholds above keep after a
     burst. It takes each arena's lock while it walks it, so call it when the process is quiet. True when
     memory was returned; False when none was, or where glibc is not the allocator."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        trim = libc.malloc_trim
-    except (OSError, AttributeError):
+    trim = _glibc("malloc_trim")
+    if trim is None:
         return False
     trim.argtypes = (ctypes.c_size_t,)
     trim.restype = ctypes.c_int

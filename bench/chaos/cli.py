@@ -7,14 +7,17 @@ import json
 import math
 from collections.abc import Callable
 
-from controlplane.cli_args import check_writable, model_dir, path_arg
+from controlplane.cli_args import UsageError, check_writable, model_dir, path_arg
 
 DESCRIPTION = ("Drive a steady greedy load through a live `epd serve` (2+ replicas per pool) while Redis is "
                "restarted, one replica of each pool is killed (kill -9) and one decode replica is stopped "
                "(SIGSTOP) for a while. Reports completed, failed and migrated requests, agreement with "
                "generate(), KV blocks left held, time to replace each replica and p50/p99 latency before, "
-               "during and after each fault. --soak MINUTES instead runs a steady 70% load and reports RSS "
-               "and block drift. Linux only (it finds worker processes through /proc).")
+               "during and after each fault. --soak MINUTES instead runs a steady 70% load and reports each "
+               "process's memory growth (RSS and anonymous), each worker's memory per request, its memory "
+               "once idle, and block drift; --mix makes that load a mixed one (streams, long prompts, "
+               "images, sampled chats, clients that leave early, malformed bodies). Linux only (it finds "
+               "worker processes through /proc).")
 
 
 def _positive(kind: Callable[[str], float]) -> Callable[[str], float]:
@@ -42,13 +45,32 @@ def add_chaos_parser(bench: argparse._SubParsersAction[argparse.ArgumentParser])
                    help="quiet load after each fault, and the before/after windows (default 10)")
     p.add_argument("--stop-s", type=_positive(float), default=10.0, help="how long SIGSTOP lasts (default 10)")
     p.add_argument("--soak", type=_positive(float), default=None, metavar="MINUTES",
-                   help="instead: a steady 70%% load for MINUTES, reporting RSS and block drift")
+                   help="instead: a steady 70%% load for MINUTES, reporting memory and block drift")
+    p.add_argument("--mix", action="store_true",
+                   help="with --soak: a mixed load instead of greedy completions (streams, long prompts, "
+                        "images, sampled chats, clients that close early or give up in prefill, malformed "
+                        "bodies that must be refused); each kind is checked for how it must end")
+    p.add_argument("--idle-s", type=_non_negative, default=45.0, metavar="SECONDS",
+                   help="with --soak: read memory again this long after the load stops, past the replicas' "
+                        "quiet trim ({pool}.trim_memory_quiet_s, 30 s); 0 = don't (default 45)")
     p.add_argument("--json", type=path_arg, default=None, help="also write the report as JSON here")
     p.add_argument("--keep-log", type=path_arg, default=None, help="copy epd serve's log here at the end")
     p.set_defaults(func=cmd_bench_chaos)
 
 
+def _non_negative(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not (value >= 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"must be 0 or a positive number, got {text}")
+    return value
+
+
 def cmd_bench_chaos(args: argparse.Namespace) -> int:
+    if args.soak is None and args.mix:
+        raise UsageError("--mix shapes the soak's load: give it with --soak MINUTES")
     from bench.chaos.report import format_report, format_soak
     from bench.chaos.run import ChaosConfig, chaos, soak
 
@@ -59,11 +81,12 @@ def cmd_bench_chaos(args: argparse.Namespace) -> int:
 
     cfg = ChaosConfig(model=args.model, requests=args.requests, concurrency=args.concurrency,
                       max_tokens=args.max_tokens, replicas=args.replicas, baseline_s=args.baseline_s,
-                      settle_s=args.settle_s, stop_s=args.stop_s, soak_minutes=args.soak, keep_log=args.keep_log)
+                      settle_s=args.settle_s, stop_s=args.stop_s, soak_minutes=args.soak, mix=args.mix,
+                      idle_s=args.idle_s, keep_log=args.keep_log)
     if cfg.soak_minutes is not None:
         s = soak(cfg)
         print(format_soak(s))
-        data, ok = s.as_dict(), s.failed == 0 and s.blocks_end <= s.blocks_baseline
+        data, ok = s.as_dict(), s.ok
     else:
         r = chaos(cfg)
         print(format_report(r))

@@ -97,8 +97,12 @@ class Deployment:
     def log_tail(self, chars: int = 3000) -> str:
         return self.log_path.read_text(errors="replace")[-chars:] if self.log_path.exists() else ""
 
+    def model_card(self) -> dict[str, Any]:
+        """The served model's entry in ``/v1/models`` (``id``, ``max_model_len``, ...)."""
+        return dict(httpx.get(f"{self.base}/v1/models", timeout=10).json()["data"][0])
+
     def model_name(self) -> str:
-        return str(httpx.get(f"{self.base}/v1/models", timeout=10).json()["data"][0]["id"])
+        return str(self.model_card()["id"])
 
     def pools(self) -> dict[str, dict[str, Any]]:
         """The admin API's pools by name (target, ready, workers); {} while it cannot answer."""

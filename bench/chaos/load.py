@@ -1,9 +1,9 @@
-"""The steady load: greedy completions of known prompts, each answer checked against its reference.
+"""The load driver: ``concurrency`` threads sending a workload's requests, closed loop or at a steady rate.
 
 A closed loop of ``concurrency`` threads (or, with ``rate``, arrivals at that many requests per second)
-sends ``/v1/completions`` with the prompt's token ids, ``temperature`` 0 and ``ignore_eos``, and records
-one ``Outcome`` per request: its wall-clock start and end, HTTP status, error text, whether the text
-equals ``generate()``'s, and the journal id of the request (from the response id).
+asks the workload (``bench/chaos/workload.py``) to send its n-th request, and keeps one ``Outcome`` per
+request: its wall-clock start and end, HTTP status, error text (empty when the request ended as its kind
+expects), whether its text equals ``generate()``'s (for kinds with a reference), and the request's journal id.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import itertools
 import threading
 import time
 from dataclasses import dataclass
+from typing import Protocol
 
 import httpx
 
@@ -20,14 +21,16 @@ import httpx
 class Outcome:
     start: float  # time.monotonic()
     end: float
-    status: int  # HTTP status; 0: no answer (connection error, timeout)
-    error: str
-    match: bool  # the text equals the reference exactly
+    status: int  # HTTP status; 0: no answer (connection error, timeout, or the client closed it on purpose)
+    error: str  # why the request did not end as its kind expects; "" when it did
+    match: bool  # the text equals the reference exactly (False where the kind has none)
     request_id: str  # the journal's id ("" when unknown)
+    kind: str = "greedy"
+    checked: bool = True  # the kind has a reference, so ``match`` means something
 
     @property
     def ok(self) -> bool:
-        return self.status == 200 and not self.error
+        return not self.error
 
     @property
     def latency(self) -> float:
@@ -40,11 +43,16 @@ def journal_id(response_id: str) -> str:
     return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}" if len(h) == 32 else ""
 
 
+class Workload(Protocol):
+    def send(self, client: httpx.Client, n: int) -> Outcome:
+        """Send request number ``n`` (each n once, from any thread) and judge how it ended."""
+        ...
+
+
 class LoadDriver:
-    def __init__(self, base: str, model: str, prompts: list[list[int]], refs: list[str], max_tokens: int,
-                 concurrency: int, rate: float | None = None, timeout_s: float = 120.0) -> None:
-        self.base, self.model, self.prompts, self.refs = base, model, prompts, refs
-        self.max_tokens, self.concurrency, self.rate, self.timeout_s = max_tokens, concurrency, rate, timeout_s
+    def __init__(self, workload: Workload, concurrency: int, rate: float | None = None,
+                 timeout_s: float = 120.0) -> None:
+        self.workload, self.concurrency, self.rate, self.timeout_s = workload, concurrency, rate, timeout_s
         self.outcomes: list[Outcome] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -84,22 +92,6 @@ class LoadDriver:
                 self._one(client)
 
     def _one(self, client: httpx.Client) -> None:
-        i = next(self._next) % len(self.prompts)
-        body = {"model": self.model, "prompt": self.prompts[i], "max_tokens": self.max_tokens, "temperature": 0,
-                "ignore_eos": True}
-        start = time.monotonic()
-        status, error, match, rid = 0, "", False, ""
-        try:
-            r = client.post(f"{self.base}/v1/completions", json=body)
-            status = r.status_code
-            data = r.json()
-            if status == 200:
-                rid = journal_id(data.get("id", ""))
-                match = data["choices"][0]["text"] == self.refs[i]
-            else:
-                error = str(data.get("error", {}).get("message", data))[:300]
-        except (httpx.HTTPError, ValueError, KeyError) as exc:
-            error = f"{type(exc).__name__}: {exc}"[:300]
-        out = Outcome(start, time.monotonic(), status, error, match, rid)
+        out = self.workload.send(client, next(self._next))
         with self._lock:
             self.outcomes.append(out)

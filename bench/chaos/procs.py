@@ -81,14 +81,21 @@ def private_redis(serve_pid: int) -> tuple[int, int] | None:
     return None
 
 
-def rss_bytes(pid: int) -> int | None:
+def memory_bytes(pid: int) -> tuple[int, int] | None:
+    """(resident, resident anonymous) bytes of ``pid``, or None when it is gone or not ours to read.
+    Anonymous memory is the heap and the tensors; the rest of RSS is files (libraries, the checkpoint's
+    mapped weights) and shared memory (KV segments, which the receiving process maps too)."""
+    fields: dict[str, int] = {}
     try:
         for line in (PROC / str(pid) / "status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
+            name, _, value = line.partition(":")
+            if name in ("VmRSS", "RssAnon"):
+                fields[name] = int(value.split()[0]) * 1024
+    except (OSError, ValueError, IndexError):
         return None
-    return None
+    if "VmRSS" not in fields:
+        return None  # a zombie, or a kernel thread
+    return fields["VmRSS"], fields.get("RssAnon", fields["VmRSS"])
 
 
 def process_name(pid: int) -> str:

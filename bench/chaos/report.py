@@ -106,6 +106,7 @@ def format_report(r: ChaosReport) -> str:
 
 
 SOAK_RSS_LIMIT_PCT = 5.0  # the issue's bound on a process's RSS growth after warm-up
+WORKER_POOLS = ("encode", "prefill", "decode")
 
 
 @dataclass(frozen=True)
@@ -114,6 +115,8 @@ class SoakSample:
     rss: dict[str, int]  # process label -> bytes
     blocks_used: int
     running: dict[str, int] = field(default_factory=dict)  # decode worker label -> sequences, as last reported
+    anon: dict[str, int] = field(default_factory=dict)  # process label -> resident anonymous bytes
+    served: int = 0  # requests the soak's load had finished by then
 
 
 @dataclass(frozen=True)
@@ -130,26 +133,82 @@ class SoakReport:
     samples: list[SoakSample]
     warmup_s: float = 0.0  # into the soak, where growth is measured from (seconds)
     journal_cap: int = 0  # the deployment's redis.journal_cap (requests whose journal Redis keeps)
+    mix: bool = False  # the load was MixedWorkload's
+    checked: int = 0  # answered requests of a kind with a reference (``matched`` of them were equal)
+    anon_growth_pct: dict[str, float] = field(default_factory=dict)  # as rss_growth_pct, anonymous memory
+    kinds: dict[str, tuple[int, int]] = field(default_factory=dict)  # request kind -> (sent, failed)
+    idle: SoakSample | None = None  # memory ``idle_s`` after the load stopped
+    idle_s: float = 0.0
+    errors: list[str] = field(default_factory=list)  # the first few failures: "kind: message"
+
+    @property
+    def ok(self) -> bool:
+        """No request failed or differed from ``generate()``, and the KV blocks came back."""
+        return self.failed == 0 and self.matched == self.checked and self.blocks_end <= self.blocks_baseline
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
+def kind_counts(outcomes: list[Outcome]) -> dict[str, tuple[int, int]]:
+    counts: dict[str, tuple[int, int]] = {}
+    for o in outcomes:
+        sent, failed = counts.get(o.kind, (0, 0))
+        counts[o.kind] = (sent + 1, failed + (not o.ok))
+    return counts
+
+
+def per_request_bytes(samples: list[SoakSample], name: str) -> float | None:
+    """The least-squares slope of ``name``'s anonymous memory over requests served (bytes per request), over
+    ``samples``; None with fewer than three samples or no spread in requests."""
+    pts = [(s.served, s.anon[name]) for s in samples if name in s.anon]
+    if len(pts) < 3:
+        return None
+    mx = sum(x for x, _ in pts) / len(pts)
+    my = sum(y for _, y in pts) / len(pts)
+    var = sum((x - mx) ** 2 for x, _ in pts)
+    return None if var == 0 else sum((x - mx) * (y - my) for x, y in pts) / var
+
+
+def _mib(v: int) -> str:
+    return f"{v / 2**20:.1f}"
+
+
 def format_soak(s: SoakReport) -> str:
-    lines = [f"soak {s.minutes:g} min at {s.rate_rps:.2f} req/s (70% of {s.capacity_rps:.2f} measured): "
-             f"{s.requests} requests, {s.failed} failed, {s.matched} equal to generate()",
-             f"KV blocks used: baseline {s.blocks_baseline}, peak {max((x.blocks_used for x in s.samples), default=0)}"
-             f" (sampled), end {s.blocks_end}",
-             f"RSS growth after warm-up (from {s.warmup_s:g} s in; request journal capped at {s.journal_cap}):"]
+    load = " mixed" if s.mix else ""
+    lines = [f"soak {s.minutes:g} min at {s.rate_rps:.2f} req/s (70% of {s.capacity_rps:.2f} measured,{load} load): "
+             f"{s.requests} requests, {s.failed} failed, {s.matched}/{s.checked} answered with a reference "
+             f"equal to generate()"]
+    if s.mix:
+        lines.append("by kind (sent/failed): " + ", ".join(f"{k} {n}/{f}" for k, (n, f) in sorted(s.kinds.items())))
+    lines += [f"first failures: {e}" for e in s.errors]
+    lines += [f"KV blocks used: baseline {s.blocks_baseline}, peak "
+              f"{max((x.blocks_used for x in s.samples), default=0)} (sampled), end {s.blocks_end}",
+              f"growth after warm-up (from {s.warmup_s:g} s in to the load's end; request journal capped at "
+              f"{s.journal_cap}): RSS, and anonymous memory (heap and tensors)"]
     first = next((x for x in s.samples if x.at_s >= s.warmup_s), None)
     last = s.samples[-1] if s.samples else None
     width = max((len(name) for name in s.rss_growth_pct), default=0) + 2
     for name, g in sorted(s.rss_growth_pct.items()):
-        mb = (f"  ({first.rss[name] / 2**20:.1f} -> {last.rss[name] / 2**20:.1f} MiB)"
-              if first is not None and last is not None and name in first.rss and name in last.rss else "")
-        lines.append(f"  {name:<{width}}{g:+.1f}%{mb}")
+        line = f"  {name:<{width}}RSS {g:+.1f}%"
+        if first is not None and last is not None and name in first.rss and name in last.rss:
+            line += f" ({_mib(first.rss[name])} -> {_mib(last.rss[name])} MiB)"
+        if name in s.anon_growth_pct and first is not None and last is not None:
+            line += (f", anon {s.anon_growth_pct[name]:+.1f}% ({_mib(first.anon[name])} -> "
+                     f"{_mib(last.anon[name])} MiB)")
+        lines.append(line)
     over = [f"{name} ({g:+.1f}%)" for name, g in sorted(s.rss_growth_pct.items()) if g >= SOAK_RSS_LIMIT_PCT]
-    lines.append(f"processes at or over {SOAK_RSS_LIMIT_PCT:g}%: {', '.join(over) or 'none'}")
+    lines.append(f"processes at or over {SOAK_RSS_LIMIT_PCT:g}% RSS: {', '.join(over) or 'none'}")
+    workers = sorted(n for n in s.rss_growth_pct if n.split(" ", 1)[0] in WORKER_POOLS)
+    after_warmup = [x for x in s.samples if x.at_s >= s.warmup_s]
+    slopes = {n: b for n in workers if (b := per_request_bytes(after_warmup, n)) is not None}
+    if slopes:
+        lines.append("workers' anonymous memory per request served after warm-up (least squares): " + ", ".join(
+            f"{n} {b / 1024:+.1f} KiB" for n, b in slopes.items()))
+    if s.idle is not None and last is not None:
+        lines.append(f"workers' anonymous memory {s.idle_s:g} s after the load stopped (at its end -> idle): "
+                     + ", ".join(f"{n} {_mib(last.anon[n])} -> {_mib(s.idle.anon[n])} MiB" for n in workers
+                                 if n in last.anon and n in s.idle.anon))
     spread: dict[str, list[int]] = {}
     for x in s.samples:
         for name, n in x.running.items():

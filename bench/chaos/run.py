@@ -27,9 +27,10 @@ from pathlib import Path
 
 from bench.chaos.deployment import Deployment
 from bench.chaos.faults import PLAN, FaultKind, FaultResult, inject
-from bench.chaos.load import LoadDriver, Outcome
-from bench.chaos.procs import descendants, listening_pid, process_name, rss_bytes
-from bench.chaos.report import ChaosReport, SoakReport, SoakSample, Window, fault_figures
+from bench.chaos.load import LoadDriver, Outcome, Workload
+from bench.chaos.procs import descendants, listening_pid, memory_bytes, process_name
+from bench.chaos.report import ChaosReport, SoakReport, SoakSample, Window, fault_figures, kind_counts
+from bench.chaos.workload import GreedyWorkload, MixedWorkload, prompt_texts
 from controlplane.settings import RedisSettings, SchedulerSettings
 
 SOAK_WARMUP_S = 60.0
@@ -48,10 +49,13 @@ class ChaosConfig:
     settle_s: float = 10.0
     stop_s: float = 10.0
     soak_minutes: float | None = None
+    mix: bool = False  # the soak sends MixedWorkload's kinds instead of greedy completions only
+    idle_s: float = 45.0  # the soak samples memory once more this long after its load ends (0: not)
     keep_log: Path | None = None  # copy epd serve's log here at the end
 
 
-def _references(model: Path | None, n: int, max_tokens: int) -> tuple[list[list[int]], list[str], Path]:
+def _references(model: Path | None, n: int, max_tokens: int) -> tuple[list[list[int]], list[str], bool]:
+    """``n`` prompts' token ids, ``generate()``'s greedy text for each, and whether the model takes images."""
     from workers.runtime.default_model import ensure_default_checkpoint
     from workers.runtime.generate import GenerateRequest, generate
     from workers.runtime.loader import load_model
@@ -60,11 +64,10 @@ def _references(model: Path | None, n: int, max_tokens: int) -> tuple[list[list[
     folder = model or ensure_default_checkpoint()
     bundle = load_model(folder)
     assert bundle.tokenizer is not None
-    prompts = [bundle.tokenizer.encode(f"Chaos prompt {i}: what does a serving system keep when a worker dies?")
-               for i in range(n)]
+    prompts = [bundle.tokenizer.encode(text) for text in prompt_texts(n)]
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     refs = generate(bundle, [GenerateRequest(prompt_ids=p, params=params) for p in prompts])
-    return prompts, [r.text for r in refs], folder
+    return prompts, [r.text for r in refs], bundle.vision is not None
 
 
 def _detection_s(kind: FaultKind) -> float:
@@ -118,7 +121,8 @@ def chaos(cfg: ChaosConfig, say: Callable[[str], None] = print) -> ChaosReport:
         results: list[FaultResult] = []
         try:
             prompts, refs, _ = _references(cfg.model, cfg.prompts, cfg.max_tokens)
-            driver = LoadDriver(dep.base, dep.model_name(), prompts, refs, cfg.max_tokens, cfg.concurrency).start()
+            greedy = GreedyWorkload(dep.base, dep.model_name(), prompts, refs, cfg.max_tokens)
+            driver = LoadDriver(greedy, cfg.concurrency).start()
             time.sleep(cfg.baseline_s)
             for spec in PLAN:
                 say(f"fault: {spec.describe()}")
@@ -157,35 +161,53 @@ def _labels(dep: Deployment, pids: list[int]) -> dict[int, str]:
     return {p: names.get(p) or f"{process_name(p)} ({p})" for p in pids}
 
 
+def _sample(dep: Deployment, labels: dict[int, str], at_s: float, served: int) -> SoakSample:
+    mem = {name: m for p, name in labels.items() if (m := memory_bytes(p)) is not None}
+    return SoakSample(round(at_s, 1), {k: m[0] for k, m in mem.items()}, _blocks_used(dep),
+                      {f"decode {w.worker_id}": w.running for w in dep.workers("decode")},
+                      {k: m[1] for k, m in mem.items()}, served)
+
+
+def _growth(first: dict[str, int], last: dict[str, int]) -> dict[str, float]:
+    return {k: 100.0 * (last[k] - v) / v for k, v in first.items() if k in last and v}
+
+
 def soak(cfg: ChaosConfig, say: Callable[[str], None] = print, sample_s: float = 15.0) -> SoakReport:
     assert cfg.soak_minutes is not None
     with tempfile.TemporaryDirectory(prefix="epd-soak-") as tmp:
         dep = Deployment(cfg.model, cfg.replicas, Path(tmp), extra={"redis": {"journal_cap": SOAK_JOURNAL_CAP}})
         say(f"starting epd serve ({cfg.replicas} replicas per pool) ...")
         dep.start()
+        idle: SoakSample | None = None
         try:
-            prompts, refs, _ = _references(cfg.model, cfg.prompts, cfg.max_tokens)
-            model = dep.model_name()
-            probe = LoadDriver(dep.base, model, prompts, refs, cfg.max_tokens, cfg.concurrency).start()
+            prompts, refs, vision = _references(cfg.model, cfg.prompts, cfg.max_tokens)
+            card = dep.model_card()
+            greedy = GreedyWorkload(dep.base, card["id"], prompts, refs, cfg.max_tokens)
+            workload: Workload = MixedWorkload(greedy, int(card["max_model_len"]), vision) if cfg.mix else greedy
+            probe = LoadDriver(workload, cfg.concurrency).start()
             time.sleep(20.0)
             probe.stop()
             capacity = len(probe.outcomes) / max(1e-9, probe.outcomes[-1].end - probe.outcomes[0].start)
             rate = 0.7 * capacity
             baseline = _wait_blocks_free(dep)
-            say(f"capacity {capacity:.2f} req/s; soaking at {rate:.2f} req/s for {cfg.soak_minutes:g} min")
+            say(f"capacity {capacity:.2f} req/s; soaking at {rate:.2f} req/s for {cfg.soak_minutes:g} min"
+                + (" (mixed load)" if cfg.mix else ""))
             assert dep.proc is not None
             labels = _labels(dep, [dep.proc.pid, *sorted(descendants(dep.proc.pid))])
-            driver = LoadDriver(dep.base, model, prompts, refs, cfg.max_tokens, cfg.concurrency * 2, rate).start()
+            driver = LoadDriver(workload, cfg.concurrency * 2, rate).start()
             began = time.monotonic()
             samples: list[SoakSample] = []
             while time.monotonic() - began < cfg.soak_minutes * 60:
-                rss = {name: b for p, name in labels.items() if (b := rss_bytes(p)) is not None}
-                decode = dep.workers("decode")
-                samples.append(SoakSample(round(time.monotonic() - began, 1), rss, _blocks_used(dep),
-                                          {f"decode {w.worker_id}": w.running for w in decode}))
+                samples.append(_sample(dep, labels, time.monotonic() - began, driver.count))
                 time.sleep(sample_s)
             driver.stop()
+            ended = time.monotonic()
+            samples.append(_sample(dep, labels, ended - began, driver.count))  # the load's last state
             end_blocks = _wait_blocks_free(dep)
+            if cfg.idle_s > 0:
+                say(f"load stopped; memory again after {cfg.idle_s:g} s idle ...")
+                time.sleep(max(0.0, ended + cfg.idle_s - time.monotonic()))
+                idle = _sample(dep, labels, time.monotonic() - began, driver.count)
         finally:
             dep.stop()
             if cfg.keep_log is not None:
@@ -193,7 +215,10 @@ def soak(cfg: ChaosConfig, say: Callable[[str], None] = print, sample_s: float =
     warmup_s = min(SOAK_WARMUP_S, cfg.soak_minutes * 60 / 5)
     warm = next((s for s in samples if s.at_s >= warmup_s), samples[0])
     last = samples[-1]
-    growth = {k: 100.0 * (last.rss[k] - v) / v for k, v in warm.rss.items() if k in last.rss and v}
     outs = driver.outcomes
     return SoakReport(cfg.soak_minutes, round(capacity, 3), round(rate, 3), len(outs), sum(not o.ok for o in outs),
-                      sum(o.match for o in outs), growth, baseline, end_blocks, samples, warm.at_s, SOAK_JOURNAL_CAP)
+                      sum(o.match for o in outs), _growth(warm.rss, last.rss), baseline, end_blocks, samples,
+                      warm.at_s, SOAK_JOURNAL_CAP, mix=cfg.mix, checked=sum(o.checked and o.ok for o in outs),
+                      anon_growth_pct=_growth(warm.anon, last.anon), kinds=kind_counts(outs), idle=idle,
+                      idle_s=cfg.idle_s if idle is not None else 0.0,
+                      errors=[f"{o.kind}: {o.error}" for o in outs if not o.ok][:5])

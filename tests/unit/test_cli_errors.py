@@ -378,17 +378,19 @@ def no_runs(monkeypatch):
     (["controlplane", "--concurrency", "0"], "--concurrency must be >= 1, got 0"),
     (["chaos", "--model", "/nonexistent-model"], "--model /nonexistent-model"),
     (["chaos", "--json", "/proc/nope/r.json"], "--json /proc/nope/r.json: the folder /proc/nope does not exist"),
+    (["chaos", "--mix"], "--mix shapes the soak's load: give it with --soak MINUTES"),
     (["compare", "--out", "/dev/null/out"], "--out /dev/null/out: /dev/null is not a folder"),
 ])
 def test_bench_flags_are_refused_before_the_run(args, message, capsys, no_runs):
     assert message in one_line_error(capsys, ["bench", *args])
 
 
-@pytest.mark.parametrize("args", [["--soak", "inf"], ["--baseline-s", "1e999"], ["--stop-s", "nan"]])
+@pytest.mark.parametrize("args", [["--soak", "inf"], ["--baseline-s", "1e999"], ["--stop-s", "nan"],
+                                  ["--idle-s", "nan"], ["--idle-s", "-1"]])
 def test_bench_chaos_refuses_non_finite_durations(args, capsys, no_runs):
     with pytest.raises(SystemExit) as exited:
         main(["bench", "chaos", *args])
-    assert exited.value.code == 2 and "must be a positive number" in capsys.readouterr().err
+    assert exited.value.code == 2 and "a positive number" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("args, message", [

@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import httpx
@@ -27,6 +27,8 @@ class Outcome:
     request_id: str  # the journal's id ("" when unknown)
     kind: str = "greedy"
     checked: bool = True  # the kind has a reference, so ``match`` means something
+    retry_after_s: float = 0.0  # a 429 ("full; retry later"): its Retry-After; else 0
+    retries: int = 0  # 429s this request got (and waited out) before this outcome
 
     @property
     def ok(self) -> bool:
@@ -51,8 +53,11 @@ class Workload(Protocol):
 
 class LoadDriver:
     def __init__(self, workload: Workload, concurrency: int, rate: float | None = None,
-                 timeout_s: float = 120.0) -> None:
+                 timeout_s: float = 120.0, retries_on_429: int = 0) -> None:
+        """``retries_on_429``: send a request again, after its Retry-After, when it was answered 429, at most
+        that many times (as an OpenAI client does); 0 = a 429 is the request's outcome."""
         self.workload, self.concurrency, self.rate, self.timeout_s = workload, concurrency, rate, timeout_s
+        self.retries_on_429 = retries_on_429
         self.outcomes: list[Outcome] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -92,6 +97,12 @@ class LoadDriver:
                 self._one(client)
 
     def _one(self, client: httpx.Client) -> None:
-        out = self.workload.send(client, next(self._next))
+        n = next(self._next)
+        out = self.workload.send(client, n)
+        tries = 0
+        while out.status == 429 and tries < self.retries_on_429 and not self._stop.wait(out.retry_after_s):
+            tries += 1
+            again = self.workload.send(client, n)
+            out = replace(again, start=out.start, retries=tries)
         with self._lock:
             self.outcomes.append(out)

@@ -140,6 +140,9 @@ class SoakReport:
     idle: SoakSample | None = None  # memory ``idle_s`` after the load stopped
     idle_s: float = 0.0
     errors: list[str] = field(default_factory=list)  # the first few failures: "kind: message"
+    retried: int = 0  # requests answered 429 ("full; retry later") at least once, then sent again
+    retries: int = 0  # all those 429s
+    retries_on_429: int = 0  # the most times one request was sent again
 
     @property
     def ok(self) -> bool:
@@ -179,6 +182,9 @@ def format_soak(s: SoakReport) -> str:
     lines = [f"soak {s.minutes:g} min at {s.rate_rps:.2f} req/s (70% of {s.capacity_rps:.2f} measured,{load} load): "
              f"{s.requests} requests, {s.failed} failed, {s.matched}/{s.checked} answered with a reference "
              f"equal to generate()"]
+    if s.retried:
+        lines.append(f"{s.retried} requests were answered 429 (full) and sent again after its Retry-After "
+                     f"({s.retries} times in all); a request still refused after {s.retries_on_429} retries failed")
     if s.mix:
         lines.append("by kind (sent/failed): " + ", ".join(f"{k} {n}/{f}" for k, (n, f) in sorted(s.kinds.items())))
     lines += [f"first failures: {e}" for e in s.errors]

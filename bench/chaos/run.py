@@ -35,6 +35,7 @@ from controlplane.settings import RedisSettings, SchedulerSettings
 
 SOAK_WARMUP_S = 60.0
 SOAK_JOURNAL_CAP = 500
+SOAK_RETRIES_ON_429 = 5  # the soak's clients retry a "full; retry later" as OpenAI's client does (2 there)
 
 
 @dataclass(frozen=True)
@@ -184,7 +185,7 @@ def soak(cfg: ChaosConfig, say: Callable[[str], None] = print, sample_s: float =
             card = dep.model_card()
             greedy = GreedyWorkload(dep.base, card["id"], prompts, refs, cfg.max_tokens)
             workload: Workload = MixedWorkload(greedy, int(card["max_model_len"]), vision) if cfg.mix else greedy
-            probe = LoadDriver(workload, cfg.concurrency).start()
+            probe = LoadDriver(workload, cfg.concurrency, retries_on_429=SOAK_RETRIES_ON_429).start()
             time.sleep(20.0)
             probe.stop()
             capacity = len(probe.outcomes) / max(1e-9, probe.outcomes[-1].end - probe.outcomes[0].start)
@@ -194,7 +195,7 @@ def soak(cfg: ChaosConfig, say: Callable[[str], None] = print, sample_s: float =
                 + (" (mixed load)" if cfg.mix else ""))
             assert dep.proc is not None
             labels = _labels(dep, [dep.proc.pid, *sorted(descendants(dep.proc.pid))])
-            driver = LoadDriver(workload, cfg.concurrency * 2, rate).start()
+            driver = LoadDriver(workload, cfg.concurrency * 2, rate, retries_on_429=SOAK_RETRIES_ON_429).start()
             began = time.monotonic()
             samples: list[SoakSample] = []
             while time.monotonic() - began < cfg.soak_minutes * 60:
@@ -221,4 +222,6 @@ def soak(cfg: ChaosConfig, say: Callable[[str], None] = print, sample_s: float =
                       warm.at_s, SOAK_JOURNAL_CAP, mix=cfg.mix, checked=sum(o.checked and o.ok for o in outs),
                       anon_growth_pct=_growth(warm.anon, last.anon), kinds=kind_counts(outs), idle=idle,
                       idle_s=cfg.idle_s if idle is not None else 0.0,
-                      errors=[f"{o.kind}: {o.error}" for o in outs if not o.ok][:5])
+                      errors=[f"{o.kind}: {o.error}" for o in outs if not o.ok][:5],
+                      retried=sum(o.retries > 0 for o in outs), retries=sum(o.retries for o in outs),
+                      retries_on_429=SOAK_RETRIES_ON_429)

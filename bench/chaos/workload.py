@@ -54,6 +54,16 @@ def _message(status: int, text: str) -> str:
     return f"HTTP {status}: {msg or text[:200] or '(empty body)'}"
 
 
+def _retry_after(r: httpx.Response) -> float:
+    """Seconds a 429 ("full; retry later") asks the client to wait; 0 for any other answer."""
+    if r.status_code != 429:
+        return 0.0
+    try:
+        return max(0.0, float(r.headers.get("Retry-After", "1")))
+    except ValueError:
+        return 1.0
+
+
 def _events(response: httpx.Response) -> Iterator[dict[str, Any]]:
     """A streamed answer's JSON events, up to ``[DONE]``; an error event raises ``ValueError``."""
     for line in response.iter_lines():
@@ -91,7 +101,7 @@ class GreedyWorkload:
     def send(self, client: httpx.Client, n: int) -> Outcome:
         i = n % len(self.prompts)
         start = time.monotonic()
-        status, error, match, rid = 0, "", False, ""
+        status, error, match, rid, retry = 0, "", False, "", 0.0
         try:
             r = client.post(f"{self.base}/v1/completions", json=self.body(i), headers=self.headers)
             status = r.status_code
@@ -100,10 +110,10 @@ class GreedyWorkload:
                 rid = journal_id(data.get("id", ""))
                 match = data["choices"][0]["text"] == self.refs[i]
             else:
-                error = _message(status, r.text)
+                error, retry = _message(status, r.text), _retry_after(r)
         except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
             error = f"{type(exc).__name__}: {exc}"[:300]
-        return Outcome(start, time.monotonic(), status, error[:300], match, rid)
+        return Outcome(start, time.monotonic(), status, error[:300], match, rid, retry_after_s=retry)
 
     def send_streamed(self, client: httpx.Client, n: int, close_after_first: bool = False) -> Outcome:
         """Prompt ``n % len(prompts)`` streamed; with ``close_after_first`` the client closes the stream once
@@ -111,13 +121,13 @@ class GreedyWorkload:
         i = n % len(self.prompts)
         kind = "close_early" if close_after_first else "greedy_stream"
         start = time.monotonic()
-        status, error, text, rid = 0, "", "", ""
+        status, error, text, rid, retry = 0, "", "", "", 0.0
         try:
             with client.stream("POST", f"{self.base}/v1/completions", json=self.body(i, stream=True),
                                headers=self.headers) as r:
                 status = r.status_code
                 if status != 200:
-                    error = _message(status, r.read().decode(errors="replace"))
+                    error, retry = _message(status, r.read().decode(errors="replace")), _retry_after(r)
                 else:
                     for event in _events(r):
                         rid = rid or journal_id(event.get("id", ""))
@@ -127,7 +137,7 @@ class GreedyWorkload:
         except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
             error = f"{type(exc).__name__}: {exc}"
         match = not close_after_first and text == self.refs[i]
-        return Outcome(start, time.monotonic(), status, error[:300], match, rid, kind, not close_after_first)
+        return Outcome(start, time.monotonic(), status, error[:300], match, rid, kind, not close_after_first, retry)
 
 
 class MixedWorkload:
@@ -192,14 +202,14 @@ class MixedWorkload:
     def _post(self, client: httpx.Client, kind: str, path: str, body: dict[str, Any],
               expect_tokens: int | None) -> Outcome:
         start = time.monotonic()
-        status, error, rid = 0, "", ""
+        status, error, rid, retry = 0, "", "", 0.0
         url, headers = f"{self.greedy.base}{path}", self.greedy.headers
         try:
             if body["stream"]:
                 with client.stream("POST", url, json=body, headers=headers) as r:
                     status = r.status_code
                     if status != 200:
-                        error = _message(status, r.read().decode(errors="replace"))
+                        error, retry = _message(status, r.read().decode(errors="replace")), _retry_after(r)
                     else:
                         finish, pieces = None, 0
                         for event in _events(r):
@@ -213,7 +223,7 @@ class MixedWorkload:
                 r = client.post(url, json=body, headers=headers)
                 status = r.status_code
                 if status != 200:
-                    error = _message(status, r.text)
+                    error, retry = _message(status, r.text), _retry_after(r)
                 else:
                     data = r.json()
                     rid = journal_id(data.get("id", ""))
@@ -224,7 +234,7 @@ class MixedWorkload:
                         error = f"{got} completion tokens, asked for {expect_tokens} with ignore_eos"
         except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
             error = f"{type(exc).__name__}: {exc}"
-        return Outcome(start, time.monotonic(), status, error[:300], False, rid, kind, False)
+        return Outcome(start, time.monotonic(), status, error[:300], False, rid, kind, False, retry)
 
     def _cancel_prefill(self, client: httpx.Client, rng: random.Random) -> Outcome:
         """A long prompt, streamed; the client gives up once a read has waited ``patience`` seconds."""
@@ -232,7 +242,7 @@ class MixedWorkload:
         body = {"model": self.greedy.model, "prompt": self._long_prompt(rng, 64), "max_tokens": 64,
                 "ignore_eos": True, "stream": True}
         start = time.monotonic()
-        status, error, rid = 0, "", ""
+        status, error, rid, retry = 0, "", "", 0.0
         timeout = httpx.Timeout(client.timeout.connect, read=patience, write=client.timeout.write,
                                 pool=client.timeout.pool)
         try:
@@ -240,7 +250,7 @@ class MixedWorkload:
                                headers=self.greedy.headers, timeout=timeout) as r:
                 status = r.status_code
                 if status != 200:
-                    error = _message(status, r.read().decode(errors="replace"))
+                    error, retry = _message(status, r.read().decode(errors="replace")), _retry_after(r)
                 else:
                     for event in _events(r):
                         rid = rid or journal_id(event.get("id", ""))
@@ -248,7 +258,7 @@ class MixedWorkload:
             pass  # the client gave up, as this kind does
         except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
             error = f"{type(exc).__name__}: {exc}"
-        return Outcome(start, time.monotonic(), status, error[:300], False, rid, "cancel_prefill", False)
+        return Outcome(start, time.monotonic(), status, error[:300], False, rid, "cancel_prefill", False, retry)
 
     def _malformed(self, client: httpx.Client, what: str, rng: random.Random) -> Outcome:
         model, base = self.greedy.model, self.greedy.base

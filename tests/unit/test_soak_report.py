@@ -30,7 +30,7 @@ def _report(**kw) -> SoakReport:
                 samples=samples, warmup_s=60.0, journal_cap=500, mix=True, checked=1500,
                 anon_growth_pct={"prefill p-1": 2.0, "raylet (7)": 0.0},
                 kinds={"greedy": (1500, 0), "malformed": (600, 0)},
-                idle=_sample(175.0, 2100, 400 * MiB), idle_s=45.0)
+                idle=_sample(175.0, 2100, 400 * MiB), idle_s=45.0, retried=3, retries=4, retries_on_429=5)
     base.update(kw)
     return SoakReport(**base)  # type: ignore[arg-type]
 
@@ -62,6 +62,7 @@ def test_the_printed_report_gives_kinds_anonymous_memory_per_request_and_idle() 
     text = format_soak(_report())
     assert "mixed load" in text and "1500/1500 answered with a reference equal to generate()" in text
     assert "by kind (sent/failed): greedy 1500/0, malformed 600/0" in text
+    assert "3 requests were answered 429 (full) and sent again after its Retry-After (4 times in all)" in text
     assert "prefill p-1" in text and "anon +2.0% (510.0 -> 520.0 MiB)" in text
     assert "prefill p-1 +10.2 KiB" in text  # 10 MiB over 1000 requests, from the samples after warm-up
     assert "raylet (7) +" not in text.split("per request served")[1].split("\n")[0]  # workers only
@@ -93,3 +94,33 @@ def test_the_mixed_load_draws_the_same_requests_every_run() -> None:
     assert kinds(0, True) == kinds(0, True) != kinds(1, True)
     assert {k for k, _ in kinds(0, True)} >= {"image", "long", "cancel_prefill", "malformed"}
     assert not any(k == "image" or v == "bad_image" for k, v in kinds(0, False))  # a text-only model
+
+
+class _FullTwice:
+    """A workload whose every request is answered 429 twice (Retry-After 0), then 200."""
+
+    def __init__(self) -> None:
+        self.sent: list[int] = []
+
+    def send(self, client: httpx.Client, n: int) -> Outcome:
+        self.sent.append(n)
+        full = self.sent.count(n) <= 2
+        return Outcome(float(len(self.sent)), float(len(self.sent)), 429 if full else 200,
+                       "HTTP 429: full" if full else "", not full, "", retry_after_s=0.0)
+
+
+@pytest.mark.parametrize("retries, status, tries", [(5, 200, 2), (1, 429, 1), (0, 429, 0)])
+def test_the_driver_sends_a_429_again_at_most_as_often_as_asked(retries: int, status: int, tries: int) -> None:
+    import time
+
+    from bench.chaos.load import LoadDriver
+
+    w = _FullTwice()
+    driver = LoadDriver(w, concurrency=1, retries_on_429=retries).start()
+    end = time.monotonic() + 10
+    while driver.count < 1 and time.monotonic() < end:
+        time.sleep(0.001)
+    driver.stop()
+    first = driver.outcomes[0]
+    assert (first.status, first.retries, first.ok) == (status, tries, status == 200)
+    assert w.sent[:tries + 1] == [0] * (tries + 1) and first.start == 1.0  # the same request; its first start

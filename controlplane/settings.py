@@ -143,6 +143,11 @@ class EngineSettings(_Model):
     max_num_batched_tokens: int = Field(2048, ge=1, description="tokens computed per engine step at most")
     prefill_chunk_size: int = Field(512, ge=1, description="prompt tokens of one sequence per step at most")
     max_model_len: int | None = Field(None, ge=2, description="context limit (default: the model's)")
+    decode_headroom_tokens: int = Field(
+        256, ge=0, description="decode: a request's KV is taken in only while every sequence here (and it) can "
+                               "still grow this many tokens (fewer when its max_tokens is nearer); else the request "
+                               "waits or goes to another replica, instead of preempting a running sequence, which "
+                               "would go silent while it recomputes its whole context")
     warmup: bool = Field(True, description="a worker runs its largest prefill and decode steps once before it "
                                            "serves, so its memory peaks at start-up, not later under load")
 
@@ -181,7 +186,7 @@ class EngineSettings(_Model):
                             kv_layer_dtypes=kv_layer_dtypes, max_num_seqs=self.max_num_seqs,
                             max_num_batched_tokens=self.max_num_batched_tokens,
                             prefill_chunk_size=self.prefill_chunk_size, max_model_len=self.max_model_len,
-                            warmup=self.warmup)
+                            warmup=self.warmup, decode_headroom_tokens=self.decode_headroom_tokens)
 
 
 class PoolSettings(_Model):

@@ -97,7 +97,7 @@ class DecodeService(Drainable, wgrpc.DecodeWorkerServicer):
             rid, timeout = request_id_of(request), timeout_of(request)
             params = sampling_from_proto(request.params)
             self.engine.check_request(prompt, params)
-            reservation = self.engine.reserve(rid, len(prompt))
+            reservation = self.engine.reserve(rid, len(prompt), self.engine.fit(len(prompt), params).max_tokens)
         except EngineError as exc:
             abort_for(context, exc)
         pending = _Pending(reservation, prompt, params, time.monotonic() + 2 * timeout)

@@ -29,7 +29,13 @@ import torch
 
 from workers.runtime.attention import DecodeItem, PrefillItem, build_step_batch
 from workers.runtime.devices import on_device
-from workers.runtime.errors import DuplicateRequestError, InvalidRequestError, PromptTooLongError, RequestTooLargeError
+from workers.runtime.errors import (
+    CapacityError,
+    DuplicateRequestError,
+    InvalidRequestError,
+    PromptTooLongError,
+    RequestTooLargeError,
+)
 from workers.runtime.kv_cache import CACHE_DTYPES, CacheDType, KVCacheSpec, PagedKVCache
 from workers.runtime.model import DecoderModel
 from workers.runtime.sampler import SamplingParams, sample, seed_draw
@@ -46,6 +52,7 @@ DTypeName = Literal["float32", "bfloat16"]
 KernelsMode = Literal["auto", "torch", "triton"]
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 DEFAULT_KV_CACHE_BYTES = 256 * 2**20
+PREEMPTION_WARNING_EVERY_S = 60.0
 log = logging.getLogger(__name__)
 
 
@@ -68,6 +75,9 @@ class EngineConfig:
     cuda_graphs: bool = True  # decode steps replay one CUDA graph per batch bucket (CUDA + kernels only)
     cuda_graph_max_batch: int | None = None  # the largest bucket (None = max_num_seqs); larger steps run eager
     gpu_memory_utilization: float = 0.9  # of the device's total memory, when kv_cache_bytes is None
+    # a KV reservation (disaggregated decode) leaves free this many more tokens' blocks per sequence here
+    # (fewer for one whose max_tokens is nearer): see Engine.reserve
+    decode_headroom_tokens: int = 256
     # a worker runs Engine.warm_up() before it serves (its largest steps once, so memory does not step up later)
     warmup: bool = False
 
@@ -86,6 +96,8 @@ class EngineConfig:
             raise InvalidRequestError(f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}")
         if self.cuda_graph_max_batch is not None and self.cuda_graph_max_batch < 1:
             raise InvalidRequestError(f"cuda_graph_max_batch must be >= 1, got {self.cuda_graph_max_batch}")
+        if self.decode_headroom_tokens < 0:
+            raise InvalidRequestError(f"decode_headroom_tokens must be >= 0, got {self.decode_headroom_tokens}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise InvalidRequestError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
@@ -138,6 +150,7 @@ class KVReservation:
     request_id: str
     num_tokens: int
     blocks: tuple[int, ...]
+    max_new_tokens: int = 0  # the request's max_tokens: how far its sequence may grow once adopted
 
 
 @dataclass
@@ -198,6 +211,7 @@ class Engine:
         self._rng = random.Random(config.seed)
         self._hooks: list[LayerHook] = []
         self._preemptions = 0
+        self._preempt_warned_at = -float("inf")
         self._steps = 0
         self._reservations: dict[str, KVReservation] = {}
         self._lock = threading.RLock()
@@ -272,20 +286,50 @@ class Engine:
             self._check_mm(prompt_ids, mm)
 
     # ------------------------------------------------------------------ disaggregated decode
-    def reserve(self, request_id: str, num_tokens: int) -> KVReservation:
-        """Hold blocks for ``num_tokens`` prompt tokens whose KV another worker will send.
+    def reserve(self, request_id: str, num_tokens: int, max_new_tokens: int = 0) -> KVReservation:
+        """Hold blocks for ``num_tokens`` prompt tokens whose KV another worker will send, for a request that
+        may generate ``max_new_tokens``.
 
-        Raises CapacityError when the blocks are not free now; the caller may retry or queue."""
+        Raises CapacityError when the blocks are not free now, or when taking them would leave too little
+        for the sequences here to grow: ``decode_headroom_tokens`` more tokens each (fewer for one nearer its
+        max_tokens) for every running sequence, every reservation and this one, and no reservation at all
+        while a preempted sequence waits for its blocks back. Without that headroom a new request's KV
+        would take the blocks a running sequence needs for its next token, and that sequence would be
+        preempted: it then waits until all of its blocks are free again and recomputes its whole context
+        here, silent for seconds (as SGLang's decode keeps ``num_reserved_decode_tokens`` per request).
+        The caller may retry or queue. With nothing else here, a request that passed ``check_request``
+        always fits."""
         with self._lock:
             if request_id in self._seqs or request_id in self._reservations:
                 raise DuplicateRequestError(f"request id {request_id!r} is already in the engine")
             if not 0 < num_tokens < self.max_model_len:
                 raise PromptTooLongError(f"cannot reserve {num_tokens} tokens: this model's context is "
                                          f"{self.max_model_len} tokens")
-            blocks = tuple(self.cache.allocator.allocate(self.cache.blocks_for(num_tokens)))
-            res = KVReservation(request_id, num_tokens, blocks)
+            if self.scheduler.waiting:
+                raise CapacityError(f"{len(self.scheduler.waiting)} preempted sequences wait for KV blocks here")
+            need = self.cache.blocks_for(num_tokens)
+            keep = self._headroom_blocks() + self._growth_blocks(num_tokens, num_tokens + max_new_tokens, need)
+            free = self.cache.allocator.num_free
+            if need + keep > free:
+                raise CapacityError(f"need {need} KV blocks for the prompt and {keep} left free for the sequences "
+                                    f"here to grow; {free} free of {self.cache.num_blocks}")
+            blocks = tuple(self.cache.allocator.allocate(need))
+            res = KVReservation(request_id, num_tokens, blocks, max_new_tokens)
             self._reservations[request_id] = res
             return res
+
+    def _growth_blocks(self, tokens: int, max_tokens: int, held: int) -> int:
+        """Blocks beyond ``held`` a sequence of ``tokens`` tokens needs to grow by the headroom (to at most
+        ``max_tokens`` in all)."""
+        grown = min(max_tokens, tokens + self.config.decode_headroom_tokens)
+        return max(0, self.cache.blocks_for(grown) - held)
+
+    def _headroom_blocks(self) -> int:
+        """The blocks every running sequence and every reservation here may take to grow by the headroom."""
+        running = sum(self._growth_blocks(s.num_tokens, len(s.prompt_ids) + s.params.max_tokens, len(s.block_table))
+                      for s in self.scheduler.running)
+        return running + sum(self._growth_blocks(r.num_tokens, r.num_tokens + r.max_new_tokens, len(r.blocks))
+                             for r in self._reservations.values())
 
     def release(self, reservation: KVReservation) -> bool:
         """Give back a reservation that was not adopted (transfer failed, aborted, timed out).
@@ -367,6 +411,17 @@ class Engine:
                            self.cache.allocator.num_free, self._preemptions, self._steps,
                            num_reservations=len(self._reservations))
 
+    def _warn_preempted(self, n: int) -> None:
+        """One warning for the first preemption, then at most one a minute with the count since start."""
+        now = time.monotonic()
+        if now - self._preempt_warned_at < PREEMPTION_WARNING_EVERY_S:
+            return
+        self._preempt_warned_at = now
+        log.warning("%d sequence(s) preempted (%d since start): the KV pool had no block for their next token. A "
+                    "preempted sequence sends nothing until all of its blocks are free again, then recomputes its "
+                    "context. Give the pool more room (engine.kv_cache_bytes, or gpu_memory_utilization on CUDA), "
+                    "or lower engine.max_num_seqs", n, self._preemptions)
+
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
         with self._lock, on_device(self.model.device):
@@ -374,7 +429,9 @@ class Engine:
 
     def _step(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule()
-        self._preemptions += len(plan.preempted)
+        if plan.preempted:
+            self._preemptions += len(plan.preempted)
+            self._warn_preempted(len(plan.preempted))
         if plan.empty:
             return []
         self._steps += 1

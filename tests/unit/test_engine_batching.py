@@ -78,6 +78,28 @@ def test_preempted_sequences_recompute_to_the_same_output(tiny_bundle, solo_outp
     assert_no_leaks(engine)
 
 
+def test_a_prompt_is_admitted_only_when_it_fits_whole_so_chunks_never_preempt(tiny_bundle, solo_outputs):
+    """Two long prompts chunked into a pool that holds each whole but not both: the second's first chunk
+    fits beside the first's, but its admission waits until the first's prompt could finish, so no chunk
+    preempts a half-prefilled sequence (which threw away its computed chunks, and on a prefill worker
+    delayed its first token)."""
+    cfg = tiny_bundle.config
+    per_block = KVCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 8).bytes_per_block(
+        ("float32",) * cfg.num_layers)
+    engine = Engine(tiny_bundle.model, None, EngineConfig(kv_cache_bytes=12 * per_block, block_size=8,
+                                                          prefill_chunk_size=8))
+    assert engine.cache.num_blocks == 12
+    engine.add_request("3", PROMPTS[3], _greedy(1))  # 61 tokens: 8 blocks
+    engine.add_request("1", PROMPTS[1], _greedy(1))  # 38 tokens: 5 blocks; 8 + 5 > 12
+    first = engine.step()  # chunk 1 of "3"; "1" may not join: 8 + 5 blocks are more than the pool
+    assert first == [] and engine.stats().num_running == 1 and engine.stats().num_waiting == 1
+    outs = run_to_completion(engine)
+    assert engine.stats().num_preemptions == 0
+    assert [o.new_token_ids[0] for o in outs["3"]] == solo_outputs[3][:1]
+    assert [o.new_token_ids[0] for o in outs["1"]] == solo_outputs[1][:1]
+    assert_no_leaks(engine)
+
+
 def test_seeded_sampling_is_batch_invariant(tiny_bundle):
     params = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, top_k=50, seed=1234, ignore_eos=True)
     alone = Engine(tiny_bundle.model, None, EngineConfig(kv_cache_bytes=1 << 22))

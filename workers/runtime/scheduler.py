@@ -6,6 +6,10 @@ Each step it builds one batch under a token budget:
      (blocks freed, recomputed later from its prompt and outputs), until the block is found.
   2. Waiting sequences, first come first served, while the budget, ``max_num_seqs`` and free
      blocks allow. A sequence that does not fit waits: the queue is never reordered past it.
+     Admission counts a prompt whole: a sequence joins only if the free blocks cover its whole
+     prompt as well as the rest of every running sequence's prompt, though it takes only its first
+     chunk's blocks now. So a later chunk never preempts a sequence admitted with it (which would
+     throw away the chunks it had computed); only decode growth preempts.
 Sequences join and leave between steps; nothing here touches tensors.
 """
 
@@ -81,6 +85,11 @@ class Scheduler:
         seq.block_table.extend(self.allocator.allocate(need))
         return True
 
+    def _blocks_to_finish_prompt(self, seq: Sequence) -> int:
+        """Blocks ``seq`` still needs before its prompt (for one recomputed: prompt and outputs so far) is
+        all computed, beyond those it holds."""
+        return max(0, -(-seq.num_tokens // self.block_size) - len(seq.block_table))
+
     def _release(self, seq: Sequence) -> None:
         if seq.block_table:
             self.allocator.free(seq.block_table)
@@ -133,11 +142,15 @@ class Scheduler:
             else:
                 prefills.append(ScheduledChunk(seq, seq.num_computed, seq.num_computed + n))
 
+        committed = sum(self._blocks_to_finish_prompt(s) for s in self.running)
         while self.waiting and not preempted and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             n = min(seq.num_tokens, self.config.prefill_chunk_size, budget)
+            if not self.allocator.can_allocate(self._blocks_to_finish_prompt(seq) + committed):
+                break
             if not self._ensure_blocks(seq, n):
                 break
+            committed += self._blocks_to_finish_prompt(seq)
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)

@@ -39,12 +39,14 @@ def _free_port() -> int:
 
 
 class Deployment:
-    def __init__(self, model: Path | None, replicas: int, folder: Path, extra: dict[str, Any] | None = None) -> None:
+    def __init__(self, model: Path | None, replicas: int, folder: Path, extra: dict[str, Any] | None = None,
+                 kv_cache_bytes: int = 64 * 2**20) -> None:
+        """``kv_cache_bytes``: each prefill and decode replica's KV pool (encode's is 32 MiB)."""
         self.port = _free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.admin_token = secrets.token_urlsafe(24)
         self.folder = folder
-        pool = {"replicas": replicas, "num_cpus": 0.25, "engine": {"kv_cache_bytes": 64 * 2**20}}
+        pool = {"replicas": replicas, "num_cpus": 0.25, "engine": {"kv_cache_bytes": kv_cache_bytes}}
         settings: dict[str, Any] = {
             "transfer": {"codec_policy": "fp32"},  # exact: answers must equal generate()'s
             "encode": {**pool, "engine": {"kv_cache_bytes": 32 * 2**20}}, "prefill": pool, "decode": pool,

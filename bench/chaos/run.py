@@ -35,6 +35,10 @@ from controlplane.settings import RedisSettings, SchedulerSettings
 
 SOAK_WARMUP_S = 60.0
 SOAK_JOURNAL_CAP = 500
+SOAK_KV_CACHE_BYTES = 64 * 2**20  # per prefill and decode replica: many times what the greedy load holds
+# the CPU default: 4 requests at the demo model's whole context (8k tokens, float32 KV) per replica, as the
+# mixed load's long prompts fill a quarter to all of it; at 64 MiB one such prompt filled a replica
+SOAK_MIX_KV_CACHE_BYTES = 256 * 2**20
 SOAK_RETRIES_ON_429 = 5  # the soak's clients retry a "full; retry later" as OpenAI's client does (2 there)
 
 
@@ -176,7 +180,8 @@ def _growth(first: dict[str, int], last: dict[str, int]) -> dict[str, float]:
 def soak(cfg: ChaosConfig, say: Callable[[str], None] = print, sample_s: float = 15.0) -> SoakReport:
     assert cfg.soak_minutes is not None
     with tempfile.TemporaryDirectory(prefix="epd-soak-") as tmp:
-        dep = Deployment(cfg.model, cfg.replicas, Path(tmp), extra={"redis": {"journal_cap": SOAK_JOURNAL_CAP}})
+        dep = Deployment(cfg.model, cfg.replicas, Path(tmp), extra={"redis": {"journal_cap": SOAK_JOURNAL_CAP}},
+                         kv_cache_bytes=SOAK_MIX_KV_CACHE_BYTES if cfg.mix else SOAK_KV_CACHE_BYTES)
         say(f"starting epd serve ({cfg.replicas} replicas per pool) ...")
         dep.start()
         idle: SoakSample | None = None

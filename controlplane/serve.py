@@ -360,7 +360,7 @@ def serve(settings: Settings) -> int:
     import uvicorn
 
     from controlplane.api.auth import mask_tokens_in_access_log
-    from controlplane.api.http_protocol import BoundedHeadHttpTools, limit_repeated_warnings
+    from controlplane.api.http_protocol import limit_repeated_warnings, server_config
     from controlplane.heap import freeze_startup_heap
     from controlplane.log_lines import log_to_stderr
 
@@ -380,8 +380,8 @@ def serve(settings: Settings) -> int:
         if termed:  # a SIGTERM during start-up whose KeyboardInterrupt Python dropped (SignalSeen)
             raise KeyboardInterrupt
         freeze_startup_heap("control plane")
-        config = uvicorn.Config(dep.app, host=settings.api.host, port=settings.api.port, log_level="info",
-                                timeout_graceful_shutdown=10, http=BoundedHeadHttpTools)
+        config = server_config(dep.app, keep_alive_s=settings.api.keep_alive_s, host=settings.api.host,
+                               port=settings.api.port, log_level="info", timeout_graceful_shutdown=10)
         mask_tokens_in_access_log()  # the dashboard's ?token= stays out of the access log
         limit_repeated_warnings()  # a client sending garbage cannot fill the log
         server = uvicorn.Server(config)

@@ -354,6 +354,10 @@ class SchedulerSettings(_Model):
 class ApiSettings(_Model):
     host: str = Field("127.0.0.1", description="address the HTTP API listens on (0.0.0.0: every interface)")
     port: int = Field(8000, ge=1, le=65535, description="port the HTTP API listens on")
+    keep_alive_s: int = Field(30, ge=1, le=3600, description="an idle kept-alive client connection is closed after "
+                                                             "this long; keep it above your clients' pool expiry "
+                                                             "(httpx 5 s, aiohttp 15 s), or a reused connection "
+                                                             "can close under a new request")
     served_model_name: str | None = Field(None, description="model id in /v1/models (default: folder name)")
     admin_token: SecretStr | None = Field(None, description="for /admin and epd scale (generated locally if unset)")
     api_keys: list[SecretStr] = Field(default_factory=list, description="accepted bearer keys; empty = open API")

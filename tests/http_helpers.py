@@ -11,7 +11,8 @@ from typing import Any
 
 import uvicorn
 
-from controlplane.api.http_protocol import BoundedHeadHttpTools
+from controlplane.api.http_protocol import server_config
+from controlplane.settings import ApiSettings
 
 
 def free_loopback_port() -> int:
@@ -27,8 +28,8 @@ def serve_app(app: Any, start_timeout_s: float = 20.0) -> Iterator[str]:
     off the main thread, so the test runner keeps its own."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off", ws="none",
-                                           timeout_graceful_shutdown=5, http=BoundedHeadHttpTools))  # as epd serve
+    server = uvicorn.Server(server_config(app, keep_alive_s=ApiSettings().keep_alive_s, log_level="warning",
+                                          lifespan="off", ws="none", timeout_graceful_shutdown=5))  # as epd serve
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="uvicorn", daemon=True)
     thread.start()
     try:

@@ -164,11 +164,13 @@ class EngineLoop:
 
     def _cycle(self) -> bool:
         """Admit what arrived, then one engine step and its outputs handed out. Run by whoever holds
-        ``_cycle_lock`` (the loop thread, or a caller in ``run_here``). False: nothing to step."""
+        ``_cycle_lock`` (the loop thread, or a caller in ``run_here``). False: nothing to step, or nothing
+        could run this step."""
         if self._inbox:
             self._admit()
         if not self.engine.has_unfinished():
             return False
+        steps = self.engine.stats().steps
         try:
             outputs = self.engine.step()
         except Exception as exc:  # a bug in the engine: fail what it held, keep the loop alive
@@ -188,7 +190,9 @@ class EngineLoop:
             with self._lock:
                 live = set(self._queues)
             self._admitted = {rid: t for rid, t in self._admitted.items() if rid in live}
-        return True
+        # nothing could run (a preempted sequence waits for blocks that reservations hold): not busy, so the
+        # loop waits for a wake-up or its poll instead of spinning on the engine's lock
+        return self.engine.stats().steps != steps
 
     def run_here(self, request_id: str) -> None:
         """Step the engine on the calling thread until ``request_id`` finishes, if the loop is idle.

@@ -50,7 +50,7 @@ def add_chaos_parser(bench: argparse._SubParsersAction[argparse.ArgumentParser])
                    help="with --soak: a mixed load instead of greedy completions (streams, long prompts, "
                         "images, sampled chats, clients that close early or give up in prefill, malformed "
                         "bodies that must be refused); each kind is checked for how it must end")
-    p.add_argument("--idle-s", type=_non_negative, default=45.0, metavar="SECONDS",
+    p.add_argument("--idle-s", type=_non_negative, default=None, metavar="SECONDS",
                    help="with --soak: read memory again this long after the load stops, past the replicas' "
                         "quiet trim ({pool}.trim_memory_quiet_s, 30 s); 0 = don't (default 45)")
     p.add_argument("--json", type=path_arg, default=None, help="also write the report as JSON here")
@@ -69,8 +69,9 @@ def _non_negative(text: str) -> float:
 
 
 def cmd_bench_chaos(args: argparse.Namespace) -> int:
-    if args.soak is None and args.mix:
-        raise UsageError("--mix shapes the soak's load: give it with --soak MINUTES")
+    if args.soak is None and (args.mix or args.idle_s is not None):
+        flag = "--mix" if args.mix else "--idle-s"
+        raise UsageError(f"{flag} shapes the soak: give it with --soak MINUTES")
     from bench.chaos.report import format_report, format_soak
     from bench.chaos.run import ChaosConfig, chaos, soak
 
@@ -82,7 +83,7 @@ def cmd_bench_chaos(args: argparse.Namespace) -> int:
     cfg = ChaosConfig(model=args.model, requests=args.requests, concurrency=args.concurrency,
                       max_tokens=args.max_tokens, replicas=args.replicas, baseline_s=args.baseline_s,
                       settle_s=args.settle_s, stop_s=args.stop_s, soak_minutes=args.soak, mix=args.mix,
-                      idle_s=args.idle_s, keep_log=args.keep_log)
+                      idle_s=45.0 if args.idle_s is None else args.idle_s, keep_log=args.keep_log)
     if cfg.soak_minutes is not None:
         s = soak(cfg)
         print(format_soak(s))

@@ -100,7 +100,9 @@ class LoadDriver:
         n = next(self._next)
         out = self.workload.send(client, n)
         tries = 0
-        while out.status == 429 and tries < self.retries_on_429 and not self._stop.wait(out.retry_after_s):
+        while out.status == 429 and tries < self.retries_on_429:
+            if self._stop.wait(out.retry_after_s):
+                return  # the run ended while this request waited to be sent again: cut short, not failed
             tries += 1
             again = self.workload.send(client, n)
             out = replace(again, start=out.start, retries=tries)

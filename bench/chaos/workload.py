@@ -9,13 +9,15 @@ end; any other ending is a failure:
 
 - ``greedy`` / ``greedy_stream``: a known prompt, whole or streamed: 200, the text equal to ``generate()``'s;
 - ``sampled_chat``: a chat turn at temperature 0.8 with a seed, sometimes streamed: 200 and a finish reason;
-- ``long``: random token ids filling a quarter to all of the context, 1-16 tokens out: 200 and every token;
+- ``long``: random token ids filling a quarter to all of the context, 1-16 tokens out: 200 and every token
+  (streamed: counted by the usage the stream ends with);
 - ``image`` (a model with a vision tower): a chat turn with one or two small PNGs: 200;
 - ``close_early``: a streamed known prompt the client closes after its first text;
 - ``cancel_prefill``: a long streamed prompt the client gives up on 0.02-0.5 s into a read, mostly while it
   is still in prefill (so the server cancels a request whose KV may be half pushed);
 - ``malformed``: a body the API must refuse (broken JSON, ``max_tokens`` 0, a prompt past the context, an
-  unknown model, a token id past the vocabulary, an image that is not one): a 4xx with an error message.
+  unknown model, a token id past the vocabulary, an image that is not one): a 4xx other than 429 with an
+  error message.
 """
 
 from __future__ import annotations
@@ -186,8 +188,11 @@ class MixedWorkload:
         model, stream = self.greedy.model, rng.random() < 0.5
         if kind == "long":
             out = rng.randint(1, 16)
-            return "/v1/completions", {"model": model, "prompt": self._long_prompt(rng, out), "max_tokens": out,
-                                       "ignore_eos": True, "stream": stream}, out
+            long: dict[str, Any] = {"model": model, "prompt": self._long_prompt(rng, out), "max_tokens": out,
+                                    "ignore_eos": True, "stream": stream}
+            if stream:
+                long["stream_options"] = {"include_usage": True}  # so a streamed one is counted too
+            return "/v1/completions", long, out
         content: Any = self._words(rng, 1, 120)
         if kind == "image":
             content = [{"type": "text", "text": self._words(rng, 1, 20)}] + [
@@ -211,14 +216,16 @@ class MixedWorkload:
                     if status != 200:
                         error, retry = _message(status, r.read().decode(errors="replace")), _retry_after(r)
                     else:
-                        finish, pieces = None, 0
+                        finish, got = None, None
                         for event in _events(r):
                             rid = rid or journal_id(event.get("id", ""))
                             c = (event.get("choices") or [{}])[0]
                             finish = c.get("finish_reason") or finish
-                            pieces += bool(_piece(event))
+                            got = (event.get("usage") or {}).get("completion_tokens", got)
                         if finish is None:
                             error = "the stream gave no finish_reason"
+                        elif expect_tokens is not None and got != expect_tokens:
+                            error = f"usage says {got} completion tokens, asked for {expect_tokens} with ignore_eos"
             else:
                 r = client.post(url, json=body, headers=headers)
                 status = r.status_code
@@ -255,7 +262,9 @@ class MixedWorkload:
                     for event in _events(r):
                         rid = rid or journal_id(event.get("id", ""))
         except httpx.ReadTimeout:
-            pass  # the client gave up, as this kind does
+            if status not in (0, 200):  # a refusal whose body did not come in time: still a refusal
+                error = f"HTTP {status} (its body did not come within {patience:.2f} s)"
+            # else the client gave up, as this kind does
         except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
             error = f"{type(exc).__name__}: {exc}"
         return Outcome(start, time.monotonic(), status, error[:300], False, rid, "cancel_prefill", False, retry)
@@ -290,7 +299,7 @@ class MixedWorkload:
                 message = r.json()["error"]["message"]
             except (ValueError, KeyError, TypeError):
                 pass
-            if not 400 <= status < 500 or not message:
+            if not 400 <= status < 500 or status == 429 or not message:  # 429: "full", not a refusal of the body
                 error = f"{what}: expected a 4xx with an error message, got {_message(status, r.text)}"
         except httpx.HTTPError as exc:
             error = f"{what}: {type(exc).__name__}: {exc}"

@@ -20,6 +20,7 @@ import logging
 import threading
 import time
 
+import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 log = logging.getLogger(__name__)
@@ -168,3 +169,12 @@ def limit_repeated_warnings() -> None:
     logger = logging.getLogger("uvicorn.error")
     if not any(isinstance(f, RepeatsLimited) for f in logger.filters):
         logger.addFilter(RepeatsLimited(("Invalid HTTP request received.",)))
+
+
+def server_config(app: object, *, keep_alive_s: int, **kwargs: object) -> uvicorn.Config:
+    """uvicorn's ``Config`` as ``epd serve`` runs it: this module's protocol, and idle kept-alive connections
+    closed after ``keep_alive_s`` (``api.keep_alive_s``). uvicorn's own default, 5 s, equals the expiry of
+    httpx's pool (the OpenAI SDK's client) and is under aiohttp's 15 s, so a client reusing a connection at
+    about that idle time could send its request just as the server closed it, and get "Server
+    disconnected without sending a response". The server must keep a connection longer than its clients."""
+    return uvicorn.Config(app, http=BoundedHeadHttpTools, timeout_keep_alive=keep_alive_s, **kwargs)  # type: ignore[arg-type]

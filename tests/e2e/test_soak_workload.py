@@ -8,6 +8,7 @@ here, on the shared stack, and its report's arithmetic in tests/unit/test_soak_r
 
 from __future__ import annotations
 
+import copy
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
@@ -43,12 +44,15 @@ def _workloads(stack: Stack) -> tuple[GreedyWorkload, MixedWorkload]:
 def test_every_kind_of_the_mixed_load_ends_as_it_must(e2e_stack: Stack) -> None:
     _, mixed = _workloads(e2e_stack)
     assert mixed.images, "the demo model takes images: the image kinds must be in the load"
-    wanted = {kind: 1 if kind in ("long", "cancel_prefill") else 2 for kind, _ in KINDS if kind != "malformed"}
-    wanted.update({f"malformed/{v}": 1 for v in MALFORMED})  # long prompts take seconds each here: one
+    wanted = {kind: 1 if kind == "cancel_prefill" else 2 for kind, _ in KINDS if kind not in ("malformed", "long")}
+    wanted.update({f"malformed/{v}": 1 for v in MALFORMED})
+    wanted.update({"long/streamed": 1, "long/whole": 1})  # long prompts take seconds each here: one of each
     chosen: list[int] = []
     counts: Counter[str] = Counter()
     for n in range(2000):
-        kind, variant, _ = mixed.kind_of(n)
+        kind, variant, rng = mixed.kind_of(n)
+        if kind == "long":  # the request's own draws say whether it streams (a copy: n is drawn again to send)
+            variant = "streamed" if mixed._served(kind, copy.deepcopy(rng))[1]["stream"] else "whole"
         key = f"{kind}/{variant}" if variant else kind
         if counts[key] < wanted.get(key, 0):
             chosen.append(n)

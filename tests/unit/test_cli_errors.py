@@ -378,7 +378,8 @@ def no_runs(monkeypatch):
     (["controlplane", "--concurrency", "0"], "--concurrency must be >= 1, got 0"),
     (["chaos", "--model", "/nonexistent-model"], "--model /nonexistent-model"),
     (["chaos", "--json", "/proc/nope/r.json"], "--json /proc/nope/r.json: the folder /proc/nope does not exist"),
-    (["chaos", "--mix"], "--mix shapes the soak's load: give it with --soak MINUTES"),
+    (["chaos", "--mix"], "--mix shapes the soak: give it with --soak MINUTES"),
+    (["chaos", "--idle-s", "10"], "--idle-s shapes the soak: give it with --soak MINUTES"),
     (["compare", "--out", "/dev/null/out"], "--out /dev/null/out: /dev/null is not a folder"),
 ])
 def test_bench_flags_are_refused_before_the_run(args, message, capsys, no_runs):

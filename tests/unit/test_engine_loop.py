@@ -152,3 +152,47 @@ def test_a_busy_loop_serves_the_request_itself_when_the_caller_cannot_step(gated
         gate.release()
     assert drain_outputs(first, 30)[-1].finished and drain_outputs(q, 30)[-1].num_output_tokens == 4
     assert_no_leaks(engine)
+
+
+def test_a_loop_with_nothing_it_can_run_waits_instead_of_spinning(tiny_bundle):
+    """A preempted sequence waiting for blocks that a reservation holds: the engine has work but no step
+    can run. The loop must wait for a wake-up (or its poll), not call step() in a hot loop on the engine's
+    lock against the threads that would free the blocks."""
+    import time
+
+    from workers.runtime.kv_cache import KVCacheSpec
+
+    cfg = tiny_bundle.config
+    per_block = KVCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 4).bytes_per_block(
+        ("float32",) * cfg.num_layers)
+    engine = Engine(tiny_bundle.model, None, EngineConfig(kv_cache_bytes=16 * per_block, block_size=4,
+                                                          decode_headroom_tokens=0))
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    res = engine.reserve("a", 6, 40)
+    engine.add_prefilled(res, [5] * 6, 7, params)
+    held = engine.reserve("b", 13 * 4, 1)  # the rest of the pool: "a" is preempted at its next block
+    for _ in range(8):
+        engine.step()
+    assert engine.stats().num_waiting == 1 and engine.has_unfinished()
+
+    calls = 0
+    real_step = engine.step
+
+    def counted_step():
+        nonlocal calls
+        calls += 1
+        return real_step()
+
+    engine.step = counted_step  # type: ignore[method-assign]
+    loop = EngineLoop(engine)
+    try:
+        time.sleep(0.5)
+        assert engine.stats().num_waiting == 1  # still stuck: nothing freed the blocks
+        assert calls < 50, f"the loop stepped {calls} times in 0.5 s with nothing to run (a spin)"
+        engine.release(held)  # the blocks come back: the loop's poll finds "a" runnable again
+        end = time.monotonic() + 10
+        while engine.has_unfinished() and time.monotonic() < end:
+            time.sleep(0.01)
+        assert not engine.has_unfinished()
+    finally:
+        loop.stop()

@@ -195,3 +195,18 @@ def test_a_slow_body_pipelined_behind_a_stream_never_writes_into_it(server: tupl
         reply = _read_to_close(sock)
     assert b"408" not in reply and reply.startswith(b"HTTP/1.1 200"), reply[-300:]
     assert b"line 0" in reply
+
+
+def test_an_idle_kept_alive_connection_outlives_the_clients_pool_expiry() -> None:
+    """A connection left idle past httpx's pool expiry (5 s, uvicorn's own default keep-alive) still takes
+    the next request: with both at 5 s a client's reused connection could close under its request
+    ("Server disconnected without sending a response", seen once in a 15-minute soak)."""
+    with serve_app(_app()) as url:
+        host, port = url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=10) as sock:
+            ping = f"GET /ping HTTP/1.1\r\nHost: {host}\r\n\r\n".encode()
+            sock.sendall(ping)
+            assert sock.recv(4096).startswith(b"HTTP/1.1 200")
+            time.sleep(6.0)  # past 5 s: uvicorn's default would have closed it by now
+            sock.sendall(ping)
+            assert sock.recv(4096).startswith(b"HTTP/1.1 200"), "the server closed the idle connection"

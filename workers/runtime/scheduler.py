@@ -8,8 +8,9 @@ Each step it builds one batch under a token budget:
      blocks allow. A sequence that does not fit waits: the queue is never reordered past it.
      Admission counts a prompt whole: a sequence joins only if the free blocks cover its whole
      prompt as well as the rest of every running sequence's prompt, though it takes only its first
-     chunk's blocks now. So a later chunk never preempts a sequence admitted with it (which would
-     throw away the chunks it had computed); only decode growth preempts.
+     chunk's blocks now. So prompts admitted together never run the pool out between them (a
+     preempted prompt throws away the chunks it had computed). Decoding sequences' growth is not
+     counted: on an engine that also decodes, it can still preempt the newest running sequence.
 Sequences join and leave between steps; nothing here touches tensors.
 """
 

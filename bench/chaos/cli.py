@@ -52,7 +52,8 @@ def add_chaos_parser(bench: argparse._SubParsersAction[argparse.ArgumentParser])
                         "bodies that must be refused); each kind is checked for how it must end")
     p.add_argument("--idle-s", type=_non_negative, default=None, metavar="SECONDS",
                    help="with --soak: read memory again this long after the load stops, past the replicas' "
-                        "quiet trim ({pool}.trim_memory_quiet_s, 30 s); 0 = don't (default 45)")
+                        "quiet trim ({pool}.trim_memory_quiet_s: 30 quiet seconds, looked for every 5 s, "
+                        "after the last requests end); 0 = don't (default 60)")
     p.add_argument("--json", type=path_arg, default=None, help="also write the report as JSON here")
     p.add_argument("--keep-log", type=path_arg, default=None, help="copy epd serve's log here at the end")
     p.set_defaults(func=cmd_bench_chaos)
@@ -83,7 +84,7 @@ def cmd_bench_chaos(args: argparse.Namespace) -> int:
     cfg = ChaosConfig(model=args.model, requests=args.requests, concurrency=args.concurrency,
                       max_tokens=args.max_tokens, replicas=args.replicas, baseline_s=args.baseline_s,
                       settle_s=args.settle_s, stop_s=args.stop_s, soak_minutes=args.soak, mix=args.mix,
-                      idle_s=45.0 if args.idle_s is None else args.idle_s, keep_log=args.keep_log)
+                      idle_s=60.0 if args.idle_s is None else args.idle_s, keep_log=args.keep_log)
     if cfg.soak_minutes is not None:
         s = soak(cfg)
         print(format_soak(s))

@@ -55,7 +55,7 @@ class ChaosConfig:
     stop_s: float = 10.0
     soak_minutes: float | None = None
     mix: bool = False  # the soak sends MixedWorkload's kinds instead of greedy completions only
-    idle_s: float = 45.0  # the soak samples memory once more this long after its load ends (0: not)
+    idle_s: float = 60.0  # the soak samples memory once more this long after its load ends (0: not)
     keep_log: Path | None = None  # copy epd serve's log here at the end
 
 

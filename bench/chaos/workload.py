@@ -26,6 +26,7 @@ import json
 import random
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -81,6 +82,31 @@ def _events(response: httpx.Response) -> Iterator[dict[str, Any]]:
     raise ValueError("the stream ended without [DONE]")
 
 
+@dataclass
+class _Answer:
+    """What a streamed request got so far: its status, the refusal's message and Retry-After, its journal id."""
+
+    status: int = 0
+    error: str = ""
+    retry: float = 0.0
+    rid: str = ""
+
+
+def _streamed(client: httpx.Client, url: str, body: dict[str, Any], headers: dict[str, str], answer: _Answer,
+              **kwargs: Any) -> Iterator[dict[str, Any]]:
+    """POST ``body`` streamed: its events (see ``_events``), recording status, refusal and id in ``answer``; a
+    refusal yields nothing. Leaving the loop early closes the stream."""
+    with client.stream("POST", url, json=body, headers=headers, **kwargs) as r:
+        answer.status = r.status_code
+        if r.status_code != 200:
+            answer.error = _message(r.status_code, r.read().decode(errors="replace"))
+            answer.retry = _retry_after(r)
+            return
+        for event in _events(r):
+            answer.rid = answer.rid or journal_id(event.get("id", ""))
+            yield event
+
+
 def _piece(event: dict[str, Any]) -> str:
     """The text one streamed completion or chat event adds."""
     choices = event.get("choices") or [{}]
@@ -123,23 +149,17 @@ class GreedyWorkload:
         i = n % len(self.prompts)
         kind = "close_early" if close_after_first else "greedy_stream"
         start = time.monotonic()
-        status, error, text, rid, retry = 0, "", "", "", 0.0
+        a, text = _Answer(), ""
         try:
-            with client.stream("POST", f"{self.base}/v1/completions", json=self.body(i, stream=True),
-                               headers=self.headers) as r:
-                status = r.status_code
-                if status != 200:
-                    error, retry = _message(status, r.read().decode(errors="replace")), _retry_after(r)
-                else:
-                    for event in _events(r):
-                        rid = rid or journal_id(event.get("id", ""))
-                        text += _piece(event)
-                        if close_after_first and text:
-                            break
+            for event in _streamed(client, f"{self.base}/v1/completions", self.body(i, stream=True), self.headers, a):
+                text += _piece(event)
+                if close_after_first and text:
+                    break
         except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
-            error = f"{type(exc).__name__}: {exc}"
+            a.error = f"{type(exc).__name__}: {exc}"
         match = not close_after_first and text == self.refs[i]
-        return Outcome(start, time.monotonic(), status, error[:300], match, rid, kind, not close_after_first, retry)
+        return Outcome(start, time.monotonic(), a.status, a.error[:300], match, a.rid, kind, not close_after_first,
+                       a.retry)
 
 
 class MixedWorkload:
@@ -207,41 +227,35 @@ class MixedWorkload:
     def _post(self, client: httpx.Client, kind: str, path: str, body: dict[str, Any],
               expect_tokens: int | None) -> Outcome:
         start = time.monotonic()
-        status, error, rid, retry = 0, "", "", 0.0
+        a = _Answer()
         url, headers = f"{self.greedy.base}{path}", self.greedy.headers
         try:
             if body["stream"]:
-                with client.stream("POST", url, json=body, headers=headers) as r:
-                    status = r.status_code
-                    if status != 200:
-                        error, retry = _message(status, r.read().decode(errors="replace")), _retry_after(r)
-                    else:
-                        finish, got = None, None
-                        for event in _events(r):
-                            rid = rid or journal_id(event.get("id", ""))
-                            c = (event.get("choices") or [{}])[0]
-                            finish = c.get("finish_reason") or finish
-                            got = (event.get("usage") or {}).get("completion_tokens", got)
-                        if finish is None:
-                            error = "the stream gave no finish_reason"
-                        elif expect_tokens is not None and got != expect_tokens:
-                            error = f"usage says {got} completion tokens, asked for {expect_tokens} with ignore_eos"
+                finish, got = None, None
+                for event in _streamed(client, url, body, headers, a):
+                    c = (event.get("choices") or [{}])[0]
+                    finish = c.get("finish_reason") or finish
+                    got = (event.get("usage") or {}).get("completion_tokens", got)
+                if a.status == 200 and finish is None:
+                    a.error = "the stream gave no finish_reason"
+                elif a.status == 200 and expect_tokens is not None and got != expect_tokens:
+                    a.error = f"usage says {got} completion tokens, asked for {expect_tokens} with ignore_eos"
             else:
                 r = client.post(url, json=body, headers=headers)
-                status = r.status_code
-                if status != 200:
-                    error, retry = _message(status, r.text), _retry_after(r)
+                a.status = r.status_code
+                if a.status != 200:
+                    a.error, a.retry = _message(a.status, r.text), _retry_after(r)
                 else:
                     data = r.json()
-                    rid = journal_id(data.get("id", ""))
+                    a.rid = journal_id(data.get("id", ""))
                     got = data["usage"]["completion_tokens"]
                     if data["choices"][0].get("finish_reason") is None:
-                        error = "no finish_reason"
+                        a.error = "no finish_reason"
                     elif expect_tokens is not None and got != expect_tokens:
-                        error = f"{got} completion tokens, asked for {expect_tokens} with ignore_eos"
+                        a.error = f"{got} completion tokens, asked for {expect_tokens} with ignore_eos"
         except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
-            error = f"{type(exc).__name__}: {exc}"
-        return Outcome(start, time.monotonic(), status, error[:300], False, rid, kind, False, retry)
+            a.error = f"{type(exc).__name__}: {exc}"
+        return Outcome(start, time.monotonic(), a.status, a.error[:300], False, a.rid, kind, False, a.retry)
 
     def _cancel_prefill(self, client: httpx.Client, rng: random.Random) -> Outcome:
         """A long prompt, streamed; the client gives up once a read has waited ``patience`` seconds."""
@@ -249,25 +263,21 @@ class MixedWorkload:
         body = {"model": self.greedy.model, "prompt": self._long_prompt(rng, 64), "max_tokens": 64,
                 "ignore_eos": True, "stream": True}
         start = time.monotonic()
-        status, error, rid, retry = 0, "", "", 0.0
+        a = _Answer()
         timeout = httpx.Timeout(client.timeout.connect, read=patience, write=client.timeout.write,
                                 pool=client.timeout.pool)
         try:
-            with client.stream("POST", f"{self.greedy.base}/v1/completions", json=body,
-                               headers=self.greedy.headers, timeout=timeout) as r:
-                status = r.status_code
-                if status != 200:
-                    error, retry = _message(status, r.read().decode(errors="replace")), _retry_after(r)
-                else:
-                    for event in _events(r):
-                        rid = rid or journal_id(event.get("id", ""))
+            for _ in _streamed(client, f"{self.greedy.base}/v1/completions", body, self.greedy.headers, a,
+                               timeout=timeout):
+                pass
         except httpx.ReadTimeout:
-            if status not in (0, 200):  # a refusal whose body did not come in time: still a refusal
-                error = f"HTTP {status} (its body did not come within {patience:.2f} s)"
+            if a.status not in (0, 200):  # a refusal whose body did not come in time: still a refusal
+                a.error = f"HTTP {a.status} (its body did not come within {patience:.2f} s)"
             # else the client gave up, as this kind does
         except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
-            error = f"{type(exc).__name__}: {exc}"
-        return Outcome(start, time.monotonic(), status, error[:300], False, rid, "cancel_prefill", False, retry)
+            a.error = f"{type(exc).__name__}: {exc}"
+        return Outcome(start, time.monotonic(), a.status, a.error[:300], False, a.rid, "cancel_prefill", False,
+                       a.retry)
 
     def _malformed(self, client: httpx.Client, what: str, rng: random.Random) -> Outcome:
         model, base = self.greedy.model, self.greedy.base

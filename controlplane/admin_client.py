@@ -194,8 +194,10 @@ def format_status(data: dict) -> str:
             if api_code and w.get("version") != api_code:
                 other.append(w["worker_id"])
                 code = f" code={w.get('version') or 'unknown'}"
+            # said once there are some: a worker that preempts needs more KV memory or fewer sequences
+            preempted = f" preemptions={w['preemptions']}" if w.get("preemptions") else ""
             lines.append(f"{'':<16}  {w['worker_id']} {w['address']}{pid} {state} running={w['running']} "
-                         f"queued_tokens={w['queued_tokens']} {kv}".rstrip() + code)
+                         f"queued_tokens={w['queued_tokens']} {kv}".rstrip() + preempted + code)
         for r in p.get("pending", ()):  # an API from before pending replicas were shown has none
             lines.append(f"{'':<16}  {r['name']} pending {r['waiting_s']:.0f} s: {r['reason']}")
         if p.get("problem"):

@@ -26,6 +26,7 @@ class Worker:
     free_kv_blocks: int
     total_kv_blocks: int
     running: int
+    preemptions: int = 0  # sequences its engine preempted since it started
 
     @property
     def port(self) -> int:
@@ -117,7 +118,8 @@ class Deployment:
 
     def workers(self, pool: str) -> list[Worker]:
         p = self.pools().get(pool, {})
-        return [Worker(pool, w["worker_id"], w["address"], w["free_kv_blocks"], w["total_kv_blocks"], w["running"])
+        return [Worker(pool, w["worker_id"], w["address"], w["free_kv_blocks"], w["total_kv_blocks"], w["running"],
+                       w.get("preemptions", 0))
                 for w in p.get("workers", ()) if not w.get("draining")]
 
     def ready_body(self) -> dict[str, Any]:

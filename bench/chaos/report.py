@@ -143,6 +143,7 @@ class SoakReport:
     retried: int = 0  # requests answered 429 ("full; retry later") at least once, then sent again
     retries: int = 0  # all those 429s
     retries_on_429: int = 0  # the most times one request was sent again
+    preemptions: dict[str, int] = field(default_factory=dict)  # "pool worker_id" -> its engine's, at the end
 
     @property
     def ok(self) -> bool:
@@ -188,6 +189,9 @@ def format_soak(s: SoakReport) -> str:
     if s.mix:
         lines.append("by kind (sent/failed): " + ", ".join(f"{k} {n}/{f}" for k, (n, f) in sorted(s.kinds.items())))
     lines += [f"first failures: {e}" for e in s.errors]
+    if s.preemptions:  # a sequence preempted sends nothing until it recomputes: a latency cost, not a failure
+        lines.append("engine preemptions (each worker's count at the end): " + ", ".join(
+            f"{n} {c}" for n, c in sorted(s.preemptions.items())))
     lines += [f"KV blocks used: baseline {s.blocks_baseline}, peak "
               f"{max((x.blocks_used for x in s.samples), default=0)} (sampled), end {s.blocks_end}",
               f"growth after warm-up (from {s.warmup_s:g} s in to the load's end; request journal capped at "

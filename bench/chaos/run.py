@@ -210,6 +210,8 @@ def soak(cfg: ChaosConfig, say: Callable[[str], None] = print, sample_s: float =
             ended = time.monotonic()
             samples.append(_sample(dep, labels, ended - began, driver.count))  # the load's last state
             end_blocks = _wait_blocks_free(dep)
+            preemptions = {f"{pool} {w.worker_id}": w.preemptions for pool in ("prefill", "decode")
+                           for w in dep.workers(pool)}
             if cfg.idle_s > 0:
                 say(f"load stopped; memory again after {cfg.idle_s:g} s idle ...")
                 time.sleep(max(0.0, ended + cfg.idle_s - time.monotonic()))
@@ -229,4 +231,4 @@ def soak(cfg: ChaosConfig, say: Callable[[str], None] = print, sample_s: float =
                       idle_s=cfg.idle_s if idle is not None else 0.0,
                       errors=[f"{o.kind}: {o.error}" for o in outs if not o.ok][:5],
                       retried=sum(o.retries > 0 for o in outs), retries=sum(o.retries for o in outs),
-                      retries_on_429=SOAK_RETRIES_ON_429)
+                      retries_on_429=SOAK_RETRIES_ON_429, preemptions=preemptions)

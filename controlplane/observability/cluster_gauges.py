@@ -13,7 +13,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from controlplane.observability.labels import MODEL, MODEL_LABEL, PREFIX
@@ -48,9 +48,17 @@ class DecodeKV:
 
 
 @dataclass(frozen=True)
+class WorkerPreemptions:
+    pool: str
+    worker_id: str
+    count: int  # since the worker started
+
+
+@dataclass(frozen=True)
 class ClusterSnapshot:
     pools: tuple[PoolSnapshot, ...]
     decode_kv: tuple[DecodeKV, ...]
+    preemptions: tuple[WorkerPreemptions, ...] = ()  # prefill and decode workers
 
 
 class ClusterSource(Protocol):
@@ -130,6 +138,15 @@ class ClusterCollector(Collector):
                      [([kv.worker_id], kv.used_blocks) for kv in snap.decode_kv])
         yield _gauge("kv_blocks_free", "KV blocks free on a decode worker.", ("worker_id",),
                      [([kv.worker_id], kv.free_blocks) for kv in snap.decode_kv])
+        # vLLM's vllm:num_preemptions_total, per worker: each engine counts from its start (a replaced worker's
+        # series ends and a new one begins at 0, which rate() and increase() take as they take any new series)
+        preempted = CounterMetricFamily(f"{PREFIX}num_preemptions", "Sequences a worker's engine preempted since "
+                                        "it started: its KV pool had no block for a running sequence's next "
+                                        "token or prompt chunk, so it waits and recomputes (worker heartbeats).",
+                                        labels=[MODEL_LABEL, "pool", "worker_id"])
+        for p in snap.preemptions:
+            preempted.add_metric([MODEL.value, p.pool, p.worker_id], p.count)
+        yield preempted
 
 
 def _gauge(name: str, doc: str, labels: Iterable[str], values: Iterable[tuple[list[str], float]]) -> Metric:
@@ -144,6 +161,7 @@ def snapshot_from_pools(views: Iterable[PoolView]) -> ClusterSnapshot:
     """A ClusterSnapshot from ``controlplane.admin.pools_status`` views."""
     pools: list[PoolSnapshot] = []
     kv: list[DecodeKV] = []
+    preempted: list[WorkerPreemptions] = []
     for v in views:
         workers = list(v.workers)
         pools.append(PoolSnapshot(v.pool, v.target, v.ready, sum(w.running for w in workers),
@@ -152,7 +170,9 @@ def snapshot_from_pools(views: Iterable[PoolView]) -> ClusterSnapshot:
                                   sum(w.total_kv_blocks for w in workers), len(v.pending)))
         if v.pool == "decode":
             kv.extend(DecodeKV(w.worker_id, w.total_kv_blocks - w.free_kv_blocks, w.free_kv_blocks) for w in workers)
-    return ClusterSnapshot(tuple(pools), tuple(kv))
+        if v.pool != "encode":
+            preempted.extend(WorkerPreemptions(v.pool, w.worker_id, w.preemptions) for w in workers)
+    return ClusterSnapshot(tuple(pools), tuple(kv), tuple(preempted))
 
 
 class PoolsSource:

@@ -200,7 +200,7 @@ class Lease:
     def _info(self) -> WorkerInfo:
         s = worker_status(self.worker)
         load = WorkerLoad(queued_tokens=queued_tokens(self.worker), free_kv_blocks=s.kv_blocks_free,
-                          total_kv_blocks=s.kv_blocks_total, running=s.running)
+                          total_kv_blocks=s.kv_blocks_total, running=s.running, preemptions=s.preemptions)
         return WorkerInfo(worker_id=s.worker_id, pool=parse_pool(self.worker.pool), address=s.address,
                           model_fingerprint=s.model_fingerprint, version=self._version, load=load,
                           draining=s.draining, pid=os.getpid())

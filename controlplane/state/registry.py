@@ -64,12 +64,14 @@ def _count(name: str, value: int) -> None:
 
 @dataclass(frozen=True)
 class WorkerLoad:
-    """What a worker reports each heartbeat. Tokens and KV blocks are counts; ``running`` is requests."""
+    """What a worker reports each heartbeat. Tokens and KV blocks are counts; ``running`` is requests;
+    ``preemptions``: sequences its engine preempted since it started (a counter)."""
 
     queued_tokens: int = 0
     free_kv_blocks: int = 0
     total_kv_blocks: int = 0
     running: int = 0
+    preemptions: int = 0
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -116,7 +118,8 @@ def _load_fields(load: WorkerLoad) -> dict[str, str]:
 
 
 def _decode(raw: dict[str, str]) -> WorkerRecord:
-    load = WorkerLoad(**{f.name: int(raw[f.name]) for f in fields(WorkerLoad)})
+    # a field a worker of older code does not write reads as 0 (its hash lives until that worker stops)
+    load = WorkerLoad(**{f.name: int(raw.get(f.name, "0")) for f in fields(WorkerLoad)})
     info = WorkerInfo(worker_id=raw["worker_id"], pool=Pool(raw["pool"]), address=raw["address"],
                       model_fingerprint=raw["model_fingerprint"], version=raw["version"], load=load,
                       draining=raw["draining"] == "1", pid=int(raw.get("pid", "0")))

@@ -67,6 +67,10 @@ def test_the_printed_report_gives_kinds_anonymous_memory_per_request_and_idle() 
     assert "prefill p-1 +10.2 KiB" in text  # 10 MiB over 1000 requests, from the samples after warm-up
     assert "raylet (7) +" not in text.split("per request served")[1].split("\n")[0]  # workers only
     assert "45 s after the load stopped (at its end -> idle): prefill p-1 520.0 -> 400.0 MiB" in text
+    assert "preemptions" not in text  # none reported (a soak against an API that does not say)
+    text = format_soak(_report(preemptions={"prefill p-1": 0, "decode d-1": 4}))
+    assert "engine preemptions (each worker's count at the end): decode d-1 4, prefill p-1 0" in text
+    assert _report(preemptions={"decode d-1": 4}).ok  # a latency cost, not a failed request
 
 
 def test_memory_bytes_reads_resident_and_anonymous_memory() -> None:

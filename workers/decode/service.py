@@ -164,7 +164,7 @@ class DecodeService(Drainable, wgrpc.DecodeWorkerServicer):
         return wpb.WorkerStatus(worker_id=self.identity.worker_id, pool="decode", address=self.identity.address,
                                 draining=self.identity.draining, running=s.num_running, waiting=s.num_waiting,
                                 kv_blocks_total=s.blocks_total, kv_blocks_free=s.blocks_free,
-                                reservations=s.num_reservations,
+                                reservations=s.num_reservations, preemptions=s.num_preemptions,
                                 model_fingerprint=self.engine.model.fingerprint())
 
     # ------------------------------------------------------------------ cleanup

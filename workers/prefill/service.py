@@ -254,7 +254,7 @@ class PrefillService(Drainable, wgrpc.PrefillWorkerServicer):
         return wpb.WorkerStatus(worker_id=self.identity.worker_id, pool="prefill", address=self.identity.address,
                                 draining=self.identity.draining, running=s.num_running, waiting=s.num_waiting,
                                 kv_blocks_total=s.blocks_total, kv_blocks_free=s.blocks_free,
-                                model_fingerprint=self.engine.model.fingerprint())
+                                preemptions=s.num_preemptions, model_fingerprint=self.engine.model.fingerprint())
 
 
 def kv_codec_stats(layout: KVLayout, num_tokens: int, push: PushResult) -> list[wpb.KVCodecStats]:

@@ -145,6 +145,10 @@ class Dispatcher:
         self.max_calls_per_worker = max_calls_per_worker
         self.token_idle_timeout_s = token_idle_timeout_s
         self.first_token_timeout_s = first_token_timeout_s
+        # the workers' keepalive chunks, three to an idle limit: a preempted request that waits while its
+        # engine steps is not taken for a hung worker (the proto's floor is 0.01 s; below, none)
+        keepalive = token_idle_timeout_s / 3
+        self.stream_keepalive_s = keepalive if keepalive >= 0.01 else 0.0
         self._watch = StreamWatch()
         self._channels = WorkerChannels(security, keepalive_s, max_calls_per_worker)
         self._pool = ThreadPoolExecutor(max_workers=max_parallel, thread_name_prefix="dispatch")
@@ -209,7 +213,8 @@ class Dispatcher:
         worker = slot.stub(wgrpc.DecodeWorkerStub)
         message = wpb.CompleteRequest(  # built before the stage begins: a stage begun is always ended
             request_id=req.request_id, prompt_token_ids=req.prompt_ids, params=sampling_to_proto(req.params),
-            images=list(req.images), image_positions=list(req.image_positions), timeout_s=req.timeout_s)
+            images=list(req.images), image_positions=list(req.image_positions), timeout_s=req.timeout_s,
+            keepalive_s=self.stream_keepalive_s)
         st = RequestObserver(req.request_id).begin("complete", "decode", images=len(req.images))
         stream = worker.Complete(message, metadata=st.metadata(md), timeout=req.timeout_s)
         done = False
@@ -333,8 +338,8 @@ class Dispatcher:
             pst.metadata(md), req.timeout_s, req.cancel)))
         futures[-1][1].add_done_callback(_ender(pst, req.cancel))
         dst = obs.begin("decode", "decode")
-        stream = decode.Generate(wpb.GenerateRequest(request_id=req.request_id), metadata=dst.metadata(md),
-                                 timeout=req.timeout_s)
+        stream = decode.Generate(wpb.GenerateRequest(request_id=req.request_id, keepalive_s=self.stream_keepalive_s),
+                                 metadata=dst.metadata(md), timeout=req.timeout_s)
         def abort_if_failed(f: Future) -> None:
             if f.exception() and not halt.cancelled:  # halted: the attempt's end aborts the request
                 self._abort(req.request_id, route)
@@ -411,7 +416,8 @@ class Dispatcher:
                  cancel: Cancellation) -> Iterator[wpb.TokenChunk]:
         """``stream``'s chunks; a stream silent past the idle limits ends in DispatchError(UNAVAILABLE)
         that names ``target`` lost (the watch cancelled the call, which frees its request there). The request's
-        ``cancel`` cancels the call too, until the first chunk."""
+        ``cancel`` cancels the call too, until the first chunk. A keepalive chunk restarts the current limit
+        and goes no further."""
         key, w = self._watch.watch(stream, self.first_token_timeout_s, self.token_idle_timeout_s)  # type: ignore[arg-type]  # a grpc stream call is Cancellable; its stub type says Iterator
         # until the first chunk (after it, the ingress closes the request's iterator when its client leaves)
         forget = cancel.on_cancel(stream.cancel)  # type: ignore[attr-defined]  # a grpc stream call has cancel()
@@ -422,6 +428,8 @@ class Dispatcher:
                     chunk = next(stream)
                 except StopIteration:
                     return
+                if chunk.keepalive:  # the worker's engine steps; this request waits there (resumed above)
+                    continue
                 forget()
                 w.touch()
                 yield chunk

@@ -331,8 +331,10 @@ class SchedulerSettings(_Model):
     request_timeout_s: float = Field(600.0, gt=0, description="end-to-end deadline of one request")
     migration_limit: int = Field(3, ge=0, description="times one request may move to another worker after "
                                                        "its worker died or hung; beyond, a retriable 503")
-    token_idle_timeout_s: float = Field(5.0, gt=0, description="a streaming worker that sends no token for "
-                                                                "this long is taken as hung and its request moves")
+    token_idle_timeout_s: float = Field(5.0, gt=0, description="a streaming worker that sends nothing for this "
+                                                                "long is taken as hung and its request moves (a "
+                                                                "worker whose engine steps sends a keepalive every "
+                                                                "third of it)")
     first_token_timeout_s: float = Field(60.0, gt=0, description="the same bound before a request's first token "
                                                                   "(it covers queueing and prefill)")
     keepalive_s: float = Field(2.0, gt=0, description="HTTP/2 keepalive ping interval on worker channels; a "

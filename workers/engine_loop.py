@@ -69,6 +69,7 @@ class EngineLoop:
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
+        self._step_began: float | None = None  # monotonic start of the step in flight, on whichever thread
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -116,6 +117,15 @@ class EngineLoop:
     @property
     def active(self) -> int:
         return len(self._queues)
+
+    def stepping_for(self) -> float:
+        """Seconds the engine step in flight has run (0 between steps); infinite once the loop thread has
+        ended. A keepalive is sent only while this is short: it proves the engine moves, not just the
+        thread that sends it."""
+        if not self._thread.is_alive():
+            return float("inf")
+        began = self._step_began
+        return 0.0 if began is None else time.monotonic() - began
 
     def stop(self, timeout_s: float = 5.0) -> None:
         self._stop.set()
@@ -171,12 +181,15 @@ class EngineLoop:
         if not self.engine.has_unfinished():
             return False
         steps = self.engine.stats().steps
+        self._step_began = time.monotonic()
         try:
             outputs = self.engine.step()
         except Exception as exc:  # a bug in the engine: fail what it held, keep the loop alive
             log.exception("engine step failed")
             self._fail_all(f"engine error: {type(exc).__name__}: {exc}")
             return False
+        finally:
+            self._step_began = None
         outputs = [self._timed(o) if o.finished else o for o in outputs]
         with self._lock:
             for out in outputs:

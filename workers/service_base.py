@@ -95,6 +95,10 @@ class _HasTimeout(Protocol):
     timeout_s: float
 
 
+class _HasKeepalive(Protocol):
+    keepalive_s: float
+
+
 def request_id_of(request: _HasRequestId) -> str:
     """The request's id; InvalidRequestError when it is empty or over ``MAX_REQUEST_ID_CHARS``."""
     rid = request.request_id
@@ -115,6 +119,19 @@ def timeout_of(request: _HasTimeout) -> float:
         raise InvalidRequestError(f"timeout_s must be seconds in (0, {MAX_TIMEOUT_S:.0f}] (0 for the default "
                                   f"{DEFAULT_TIMEOUT_S:.0f}), got {t!r}")
     return t
+
+
+MIN_KEEPALIVE_S = 0.01  # below, a stream would be mostly keepalives
+
+
+def keepalive_of(request: _HasKeepalive) -> float:
+    """The request's ``keepalive_s`` (0: none); InvalidRequestError when it is negative, not finite, under
+    ``MIN_KEEPALIVE_S`` or over ``MAX_TIMEOUT_S``."""
+    k = request.keepalive_s
+    if k != 0 and not (math.isfinite(k) and MIN_KEEPALIVE_S <= k <= MAX_TIMEOUT_S):
+        raise InvalidRequestError(f"keepalive_s must be seconds in [{MIN_KEEPALIVE_S:g}, {MAX_TIMEOUT_S:.0f}] "
+                                  f"(0 for none), got {k!r}")
+    return k
 
 
 def sampling_from_proto(p: wpb.SamplingParams) -> SamplingParams:
@@ -193,10 +210,15 @@ def start_worker_server(register: list, generic_handlers: list[grpc.GenericRpcHa
 
 
 def stream_tokens(loop: EngineLoop, request_id: str, q: queue.Queue, prompt_tokens: int,
-                  context: grpc.ServicerContext, whole: bool = False) -> Iterator[wpb.TokenChunk]:
+                  context: grpc.ServicerContext, whole: bool = False, keepalive_s: float = 0.0
+                  ) -> Iterator[wpb.TokenChunk]:
     """Relay a request's outputs from its engine-loop queue as TokenChunks until it finishes. A caller that
     goes away aborts the request (freeing its blocks); an engine failure ends the call with its status.
-    ``whole``: this engine ran the whole request, so the finished chunk carries its engine time."""
+    ``whole``: this engine ran the whole request, so the finished chunk carries its engine time.
+    ``keepalive_s`` (0: none): after the first chunk, each ``keepalive_s`` without one sends a keepalive
+    chunk, unless the engine has been in one step for ``keepalive_s`` or more (``EngineLoop.stepping_for``):
+    the caller's watch then still sees a stuck engine go silent, and only a request that waits while the
+    engine steps (a preempted one) is kept alive."""
     from workers.engine_loop import LoopFailure
 
     finished = threading.Event()
@@ -206,8 +228,15 @@ def stream_tokens(loop: EngineLoop, request_id: str, q: queue.Queue, prompt_toke
             loop.abort(request_id)
 
     context.add_callback(on_rpc_done)
+    started = False
     while True:
-        item = q.get()
+        try:
+            item = q.get(timeout=keepalive_s) if started and keepalive_s > 0 else q.get()
+        except queue.Empty:
+            if loop.stepping_for() < keepalive_s:
+                yield wpb.TokenChunk(keepalive=True)
+            continue
+        started = True
         if isinstance(item, LoopFailure):
             finished.set()
             if item.error:

@@ -104,6 +104,24 @@ def test_a_timeout_that_is_not_a_number_of_seconds_is_refused_everywhere(workers
     _assert_idle(workers, default_bundle)
 
 
+@pytest.mark.parametrize("keepalive_s", [-1.0, math.nan, math.inf, 0.001, 1e9])
+def test_a_keepalive_that_is_not_a_usable_interval_is_refused_and_nothing_is_held(workers, default_bundle,
+                                                                                  keepalive_s):
+    """Too short a keepalive would make a stream mostly keepalive chunks; a refused Generate leaves its
+    reservation to the caller's Abort, as any refused Generate does."""
+    _, _, stubs = workers
+    ids = default_bundle.tokenizer.encode("hello there")
+    assert "keepalive_s must be seconds" in _refused(
+        stubs["colocated"].Complete, wpb.CompleteRequest(request_id="k", prompt_token_ids=ids, params=GREEDY,
+                                                         keepalive_s=keepalive_s))
+    stubs["decode"].Reserve(wpb.ReserveRequest(request_id="k", prompt_token_ids=ids, params=GREEDY), metadata=MD,
+                            timeout=10)
+    assert "keepalive_s must be seconds" in _refused(
+        stubs["decode"].Generate, wpb.GenerateRequest(request_id="k", keepalive_s=keepalive_s))
+    assert stubs["decode"].Abort(wpb.AbortRequest(request_id="k"), metadata=MD, timeout=10).found
+    _assert_idle(workers, default_bundle)
+
+
 @pytest.mark.parametrize("rid, fragment", [("", "request_id is required"), ("r" * 300, "at most 256")])
 def test_an_empty_or_oversized_request_id_is_refused_everywhere(workers, default_bundle, rid, fragment):
     _, _, stubs = workers

@@ -34,6 +34,7 @@ from workers.service_base import (
     Drainable,
     WorkerIdentity,
     abort_for,
+    keepalive_of,
     request_id_of,
     sampling_from_proto,
     stream_tokens,
@@ -64,6 +65,7 @@ class ColocatedService(Drainable, wgrpc.DecodeWorkerServicer):
         try:
             rid = request_id_of(request)
             timeout_of(request)  # the caller's gRPC deadline bounds the call; a bad value is still refused
+            keepalive = keepalive_of(request)
             params = sampling_from_proto(request.params)
             self.engine.check_request(prompt, params)  # cheap checks before the vision tower runs
             mm = self._embed(list(request.images), tuple(request.image_positions))
@@ -72,7 +74,7 @@ class ColocatedService(Drainable, wgrpc.DecodeWorkerServicer):
             q = self.loop.submit(rid, prompt, params, mm)
         except EngineError as exc:
             abort_for(context, exc)
-        yield from stream_tokens(self.loop, rid, q, len(prompt), context, whole=True)
+        yield from stream_tokens(self.loop, rid, q, len(prompt), context, whole=True, keepalive_s=keepalive)
 
     def _embed(self, images: list[bytes], positions: tuple[int, ...]) -> MultimodalInput | None:
         if not images:

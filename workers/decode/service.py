@@ -39,6 +39,7 @@ from workers.service_base import (
     Drainable,
     WorkerIdentity,
     abort_for,
+    keepalive_of,
     request_id_of,
     sampling_from_proto,
     stream_tokens,
@@ -119,6 +120,10 @@ class DecodeService(Drainable, wgrpc.DecodeWorkerServicer):
 
     def Generate(self, request: wpb.GenerateRequest, context: grpc.ServicerContext) -> Iterator[wpb.TokenChunk]:
         rid = request.request_id
+        try:
+            keepalive = keepalive_of(request)
+        except EngineError as exc:
+            abort_for(context, exc)
         with self._lock:
             pending = self._pending.get(rid)
             if pending is not None and pending.claimed:
@@ -143,7 +148,7 @@ class DecodeService(Drainable, wgrpc.DecodeWorkerServicer):
             q = self.loop.adopt(pending.reservation, pending.prompt, outcome.first_token, pending.params)
         except EngineError as exc:
             abort_for(context, exc)
-        yield from stream_tokens(self.loop, rid, q, len(pending.prompt), context)
+        yield from stream_tokens(self.loop, rid, q, len(pending.prompt), context, keepalive_s=keepalive)
 
     def Holds(self, request: wpb.HoldsRequest, context: grpc.ServicerContext) -> wpb.HoldsReply:
         """Whether a reservation here still waits for the request's KV, and its blocks."""

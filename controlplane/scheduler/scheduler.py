@@ -34,6 +34,7 @@ from controlplane.scheduler.failures import Verdict, backend_error, verdict
 from controlplane.scheduler.health import WorkerHealth
 from controlplane.scheduler.policies import Candidate, RoutingPolicy
 from controlplane.scheduler.relay import Progress
+from controlplane.scheduler.room_queue import RoomQueue
 from controlplane.scheduler.selection import RETRY_AFTER_S, RouteSelector, Selection
 from controlplane.scheduler.worker_view import WorkerView
 from controlplane.settings import SchedulerSettings
@@ -88,6 +89,7 @@ class Scheduler:
         self.journal = journal
         self.health = health or WorkerHealth(settings.breaker_failures, settings.breaker_open_s)
         self.admission = Admission(settings.queue_size)
+        self.room = RoomQueue(settings.fcfs_after_s)
         self.selector = RouteSelector(view, policy, self.health, colocated=colocated)
 
     def ready(self) -> bool:
@@ -209,14 +211,25 @@ class Scheduler:
         _ContextFull. A prefill worker too small for it joins ``lost``: once no other prefill worker is left,
         _ContextFull too."""
         rid = request.request_id
+        try:
+            return self._route_in_turn(request, ticket, admitted, wait_from, lost, parent, admitted_ns,
+                                       streamed, cramped if cramped is not None else set())
+        finally:
+            self.room.leave(rid)
+
+    def _route_in_turn(self, request: WorkerRequest, ticket: Ticket, admitted: float, wait_from: float,
+                       lost: set[str], parent: object, admitted_ns: int, streamed: bool, cramped: set[str]) -> Attempt:
+        """_route's loop. A request that must wait for room waits in ``self.room``, which holds back the
+        requests admitted after one that has waited ``scheduler.fcfs_after_s``."""
+        rid = request.request_id
         deadline = wait_from + self.settings.queue_timeout_s
         backoff = 0.01
-        cramped = cramped if cramped is not None else set()
         while True:
             if request.cancel.cancelled:
                 raise ClientGone("the client went away before the request was routed")
             refused: set[str] = set()
-            while (selection := self.selector.select(request, refused, lost)) is not None:
+            while self.room.may_try(rid, admitted) and (
+                    selection := self.selector.select(request, refused, lost)) is not None:
                 attempt_ns = time.time_ns()
                 took: list[bool] = []  # whether this attempt took the request out of the queue
 
@@ -284,7 +297,8 @@ class Scheduler:
                     queued_stage(rid, parent, admitted_ns, time.time_ns(), "no decode room in time")
                 raise Overloaded("every replica that could take it is full; retry later", max(1.0, backoff * 10),
                                  reason="queue_timeout")
-            request.cancel.wait(backoff)  # ends at once when the client leaves (raised at the loop's top)
+            # ends at once when the client leaves (raised at the loop's top), or when this request goes first
+            self.room.wait(rid, admitted, backoff, request.cancel)
             backoff = min(backoff * 2, 0.2)
             self.view.invalidate()
 

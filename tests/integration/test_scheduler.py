@@ -120,6 +120,48 @@ def test_requests_wait_for_decode_room_and_all_complete(cluster):
     assert scheduler.waiting == 0
 
 
+@pytest.mark.parametrize("fcfs_after_s, long_first", [(0.2, True), (30.0, False)])
+def test_a_request_that_waited_past_fcfs_after_s_is_not_overtaken_by_a_later_one(cluster, fcfs_after_s, long_first):
+    """Each decode replica runs a request that leaves room for a 40-token prompt but not a 200-token one.
+    The long prompt waits; a short one comes after. Once the long one has waited ``fcfs_after_s``, the
+    short one waits behind it (placed after it, when a replica drains); before that, it takes the room
+    that is free at once (the work-conserving default for short waits)."""
+    bundle, conn = cluster[0], cluster[5]
+    scheduler = _scheduler(cluster, fcfs_after_s=fcfs_after_s, queue_timeout_s=60)
+    hold = SamplingParams(max_tokens=180, temperature=0.0, ignore_eos=True)  # 60 + 180 tokens: 15 of 20 blocks
+    holders = [scheduler.generate(WorkerRequest(f"holder-{i}", bundle.tokenizer.encode("hold " * 60)[:60], hold))
+               for i in range(2)]
+    assert all(next(h).token_ids for h in holders)  # both replicas hold one (two do not fit one replica)
+    long = bundle.tokenizer.encode("a long prompt " * 60)[:200]  # 212 tokens: 14 blocks, 5 are free
+    short = bundle.tokenizer.encode("a short one " * 20)[:40]  # 44 tokens: 3 blocks
+    refs = [r.token_ids for r in generate(bundle, [GenerateRequest(prompt_ids=p, params=GREEDY)
+                                                   for p in (long, short)])]
+    out: dict[str, list[int]] = {}
+    errors: list[BaseException] = []
+
+    def run(name: str, prompt: list[int]) -> None:
+        try:
+            out[name] = _collect(scheduler, WorkerRequest(name, prompt, GREEDY))
+        except BaseException as exc:  # noqa: BLE001 - asserted below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=("long", long))]
+    threads[0].start()
+    time.sleep(0.5)  # past 0.2 s, not past 30 s
+    threads.append(threading.Thread(target=run, args=("short", short)))
+    threads[1].start()
+    for h in holders:
+        assert sum(len(c.token_ids) for c in h) == 179
+    for t in threads:
+        t.join(60)
+    assert not errors and [out["long"], out["short"]] == refs
+    journal = RequestJournal(conn)
+    placed = {name: next(e.at for e in journal.history(name) if e.state is RequestState.DECODING)
+              for name in ("long", "short")}
+    assert (placed["long"] < placed["short"]) is long_first, placed
+    assert len(scheduler.room) == 0 and scheduler.waiting == 0
+
+
 def test_a_bounded_wait_ends_in_429_with_retry_after(cluster):
     bundle, workers, registry, *_ = cluster
     scheduler = _scheduler(cluster, queue_timeout_s=0.3)

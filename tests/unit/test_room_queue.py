@@ -1,0 +1,93 @@
+"""The scheduler's wait for decode room: who may try for room, and who is woken when one leaves."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from controlplane.cancellation import Cancellation
+from controlplane.scheduler.room_queue import RoomQueue
+
+pytestmark = [pytest.mark.unit]
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _joined(q: RoomQueue, rid: str, admitted: float) -> None:
+    q.wait(rid, admitted, 0.0, Cancellation())  # joins; a zero wait returns at once
+
+
+def test_everyone_tries_until_one_has_waited_fcfs_after_s_then_only_it_and_those_before_it():
+    clock = Clock()
+    q = RoomQueue(1.0, clock)
+    _joined(q, "long", admitted=10.0)
+    clock.now += 0.5
+    _joined(q, "short", admitted=11.0)
+    assert q.first() is None  # nobody has waited a second: every request tries on its own
+    assert q.may_try("long", 10.0) and q.may_try("short", 11.0) and q.may_try("new", 12.0)
+    clock.now += 0.5
+    assert q.first() == "long"
+    assert q.may_try("long", 10.0)
+    assert not q.may_try("short", 11.0) and not q.may_try("new", 12.0)  # admitted after it: held back
+    assert q.may_try("moved", 5.0)  # admitted before it (a request moved off a lost worker): goes first
+    q.leave("long")
+    assert q.first() is None and q.may_try("new", 12.0)  # "short" has waited only 0.5 s
+    clock.now += 0.5
+    assert q.first() == "short" and not q.may_try("new", 12.0)
+    q.leave("short")
+    q.leave("short")  # idempotent
+    assert len(q) == 0 and q.first() is None
+
+
+def test_the_earliest_admitted_goes_first_not_the_one_that_waited_longest():
+    clock = Clock()
+    q = RoomQueue(0.0, clock)  # 0: strictly first come, first served
+    _joined(q, "later", admitted=20.0)
+    clock.now += 3
+    _joined(q, "earlier", admitted=10.0)
+    assert q.first() == "earlier" and not q.may_try("later", 20.0)
+
+
+def test_leaving_wakes_the_one_that_goes_next_at_once_and_no_other():
+    q = RoomQueue(0.0)
+    _joined(q, "a", admitted=1.0)
+    _joined(q, "b", admitted=2.0)
+    _joined(q, "c", admitted=3.0)
+    woke: dict[str, float] = {}
+
+    def waiter(rid: str, admitted: float) -> None:
+        started = time.monotonic()
+        q.wait(rid, admitted, 5.0, Cancellation())
+        woke[rid] = time.monotonic() - started
+
+    threads = [threading.Thread(target=waiter, args=(rid, a)) for rid, a in (("b", 2.0), ("c", 3.0))]
+    for t in threads:
+        t.start()
+    time.sleep(0.1)
+    q.leave("a")
+    threads[0].join(2)
+    assert "b" in woke and woke["b"] < 1.0  # woken, not its 5 s back-off
+    time.sleep(0.2)
+    assert "c" not in woke  # not its turn: left to sleep
+    q.leave("b")
+    threads[1].join(2)
+    assert woke["c"] < 1.0
+
+
+def test_a_cancelled_request_stops_waiting_at_once():
+    q = RoomQueue(0.0)
+    cancel = Cancellation()
+    threading.Timer(0.1, cancel.cancel).start()
+    started = time.monotonic()
+    q.wait("gone", 1.0, 5.0, cancel)
+    assert time.monotonic() - started < 2.0
+    q.leave("gone")
+    assert len(q) == 0

@@ -146,8 +146,8 @@ class Dispatcher:
         self.token_idle_timeout_s = token_idle_timeout_s
         self.first_token_timeout_s = first_token_timeout_s
         # the workers' keepalive chunks, three to an idle limit: a preempted request that waits while its
-        # engine steps is not taken for a hung worker (the proto's floor is 0.01 s; below, none)
-        keepalive = token_idle_timeout_s / 3
+        # engine steps is not taken for a hung worker (the proto allows 0.01 s to a day; below, none)
+        keepalive = min(token_idle_timeout_s / 3, 86400.0)
         self.stream_keepalive_s = keepalive if keepalive >= 0.01 else 0.0
         self._watch = StreamWatch()
         self._channels = WorkerChannels(security, keepalive_s, max_calls_per_worker)

@@ -329,9 +329,10 @@ class SchedulerSettings(_Model):
                                                    "routed, and longer while no decode has room); beyond, 429")
     queue_timeout_s: float = Field(30.0, gt=0, description="longest wait in that queue before 429")
     fcfs_after_s: float = Field(1.0, ge=0, description="a request that has waited this long for decode room "
-                                                       "goes first: requests admitted after it wait until it "
-                                                       "is placed, so a long prompt is not overtaken for good "
-                                                       "by shorter ones (0: strictly first come, first served)")
+                                                       "goes first: requests admitted after it leave the "
+                                                       "replicas that refused it alone until it is placed, so "
+                                                       "a long prompt is not overtaken for good by shorter "
+                                                       "ones (0: strictly first come, first served)")
     request_timeout_s: float = Field(600.0, gt=0, description="end-to-end deadline of one request")
     migration_limit: int = Field(3, ge=0, description="times one request may move to another worker after "
                                                        "its worker died or hung; beyond, a retriable 503")

@@ -31,6 +31,8 @@ from workers.runtime.sequence import FinishReason, MultimodalInput
 
 log = logging.getLogger(__name__)
 
+IDLE_POLL_S = 0.05  # an idle loop looks for work this often even when nothing wakes it
+
 
 @dataclass(frozen=True)
 class LoopFailure:
@@ -69,7 +71,7 @@ class EngineLoop:
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
-        self._step_began: float | None = None  # monotonic start of the step in flight, on whichever thread
+        self._ticked = time.monotonic()  # when the loop last ended a cycle or an idle wait, on whichever thread
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -118,14 +120,18 @@ class EngineLoop:
     def active(self) -> int:
         return len(self._queues)
 
-    def stepping_for(self) -> float:
-        """Seconds the engine step in flight has run (0 between steps); infinite once the loop thread has
-        ended. A keepalive is sent only while this is short: it proves the engine moves, not just the
-        thread that sends it."""
+    def quiet_for(self) -> float:
+        """Seconds since the loop last ended a cycle (admission, a step, its outputs handed out) or an idle
+        wait (every ``IDLE_POLL_S``); infinite once the loop thread has ended. A keepalive is sent only
+        while this is short: it proves the engine moves, not just the thread that sends it. A step that
+        runs long, or a loop blocked on the engine's lock, reads as quiet."""
         if not self._thread.is_alive():
             return float("inf")
-        began = self._step_began
-        return 0.0 if began is None else time.monotonic() - began
+        return time.monotonic() - self._ticked
+
+    def holds(self, request_id: str) -> bool:
+        """The request is in the engine or on its way there (its outputs are still to come)."""
+        return request_id in self._queues
 
     def stop(self, timeout_s: float = 5.0) -> None:
         self._stop.set()
@@ -169,8 +175,9 @@ class EngineLoop:
             with self._cycle_lock:
                 busy = self._cycle()
             if not busy:
-                self._wake.wait(0.05)
+                self._wake.wait(IDLE_POLL_S)
                 self._wake.clear()
+                self._ticked = time.monotonic()
 
     def _cycle(self) -> bool:
         """Admit what arrived, then one engine step and its outputs handed out. Run by whoever holds
@@ -181,15 +188,12 @@ class EngineLoop:
         if not self.engine.has_unfinished():
             return False
         steps = self.engine.stats().steps
-        self._step_began = time.monotonic()
         try:
             outputs = self.engine.step()
         except Exception as exc:  # a bug in the engine: fail what it held, keep the loop alive
             log.exception("engine step failed")
             self._fail_all(f"engine error: {type(exc).__name__}: {exc}")
             return False
-        finally:
-            self._step_began = None
         outputs = [self._timed(o) if o.finished else o for o in outputs]
         with self._lock:
             for out in outputs:
@@ -203,6 +207,7 @@ class EngineLoop:
             with self._lock:
                 live = set(self._queues)
             self._admitted = {rid: t for rid, t in self._admitted.items() if rid in live}
+        self._ticked = time.monotonic()
         # nothing could run (a preempted sequence waits for blocks that reservations hold): not busy, so the
         # loop waits for a wake-up or its poll instead of spinning on the engine's lock
         return self.engine.stats().steps != steps

@@ -122,6 +122,7 @@ def timeout_of(request: _HasTimeout) -> float:
 
 
 MIN_KEEPALIVE_S = 0.01  # below, a stream would be mostly keepalives
+KEEPALIVE_QUIET_S = 0.2  # an engine loop quiet for less is moving, however short the keepalive (it polls at 0.05 s)
 
 
 def keepalive_of(request: _HasKeepalive) -> float:
@@ -216,9 +217,10 @@ def stream_tokens(loop: EngineLoop, request_id: str, q: queue.Queue, prompt_toke
     goes away aborts the request (freeing its blocks); an engine failure ends the call with its status.
     ``whole``: this engine ran the whole request, so the finished chunk carries its engine time.
     ``keepalive_s`` (0: none): after the first chunk, each ``keepalive_s`` without one sends a keepalive
-    chunk, unless the engine has been in one step for ``keepalive_s`` or more (``EngineLoop.stepping_for``):
-    the caller's watch then still sees a stuck engine go silent, and only a request that waits while the
-    engine steps (a preempted one) is kept alive."""
+    chunk, only while the engine loop has ended a cycle or an idle wait within ``keepalive_s`` (at least
+    ``KEEPALIVE_QUIET_S``; ``EngineLoop.quiet_for``) and still holds the request: the caller's watch then
+    still sees a stuck engine go silent, and only a request that waits while the engine moves (a
+    preempted one) is kept alive."""
     from workers.engine_loop import LoopFailure
 
     finished = threading.Event()
@@ -233,7 +235,7 @@ def stream_tokens(loop: EngineLoop, request_id: str, q: queue.Queue, prompt_toke
         try:
             item = q.get(timeout=keepalive_s) if started and keepalive_s > 0 else q.get()
         except queue.Empty:
-            if loop.stepping_for() < keepalive_s:
+            if loop.quiet_for() < max(keepalive_s, KEEPALIVE_QUIET_S) and loop.holds(request_id):
                 yield wpb.TokenChunk(keepalive=True)
             continue
         started = True

@@ -4,13 +4,16 @@ Requests that no decode replica can take now wait, each retrying on its own back
 conserving but not fair: under steady load a long prompt, which needs many free blocks at once, loses
 every race to shorter requests that arrive after it and fit in what is free, until it times out with 429.
 
-So each waiting request joins this queue, and once the oldest of them (by admission) has waited
-``fcfs_after_s``, it goes first: no request admitted after it tries for room until it is placed or leaves
-(cancelled, timed out). The running requests then drain until it fits, as in vLLM's and SGLang's FCFS
-queues. When it leaves, the next in line (if it has waited as long) is woken at once, so it tries without
-waiting out its back-off. Below ``fcfs_after_s`` every waiting request tries on its own, as before: a short
-wait costs no one anything. One queue per scheduler (control plane process); requests of another process
-are not seen.
+So each request that waits for room joins this queue, and once the earliest admitted of them has waited
+``fcfs_after_s`` it goes first: requests admitted after it leave alone the decode replicas that last
+refused it for room (it names them each round with ``refused``) until it is placed or leaves (cancelled,
+timed out). Those replicas then drain until it fits, as a vLLM or SGLang engine's first-come-first-served
+queue drains for its head; replicas it cannot use (too small for it, or lost by it) go on serving the
+others. Which of its replicas will fit it first cannot be known ahead (running requests end when they
+end), so all of them are held; usually that is the whole pool. When the first request leaves, the next in line
+(if it has waited as long) is woken at once, so it tries without waiting out its back-off. Below
+``fcfs_after_s`` nothing is held: a short wait costs no one anything. One queue per scheduler (control
+plane process); requests of another process are not seen.
 """
 
 from __future__ import annotations
@@ -22,12 +25,15 @@ from dataclasses import dataclass, field
 
 from controlplane.cancellation import Cancellation
 
+FIRST_CACHE_S = 0.01  # who goes first is recomputed at most this often (and on every join and leave)
+
 
 @dataclass
 class _Waiter:
     admitted: float  # its admission time: the queue's order
     since: float  # when it began to wait for room
     wake: threading.Event = field(default_factory=threading.Event)
+    refused_by: frozenset[str] = frozenset()  # the decode replicas that refused it for room, as it last said
 
 
 class RoomQueue:
@@ -36,6 +42,7 @@ class RoomQueue:
         self.clock = clock
         self._lock = threading.Lock()
         self._waiting: dict[str, _Waiter] = {}
+        self._first: tuple[float, str | None] = (-float("inf"), None)  # (computed at, request id)
 
     def __len__(self) -> int:
         return len(self._waiting)
@@ -43,19 +50,36 @@ class RoomQueue:
     def first(self) -> str | None:
         """The request that goes first now: the earliest admitted of those that waited ``fcfs_after_s``."""
         with self._lock:
-            return self._first()
+            return self._first_now()
 
-    def _first(self) -> str | None:
+    def _first_now(self) -> str | None:
         now = self.clock()
-        due = [(w.admitted, rid) for rid, w in self._waiting.items() if now - w.since >= self.fcfs_after_s]
-        return min(due)[1] if due else None
+        at, rid = self._first
+        if now - at <= FIRST_CACHE_S:
+            return rid
+        due = [(w.admitted, r) for r, w in self._waiting.items() if now - w.since >= self.fcfs_after_s]
+        rid = min(due)[1] if due else None
+        self._first = (now, rid)
+        return rid
 
-    def may_try(self, rid: str, admitted: float) -> bool:
-        """Whether the request (admitted at ``admitted``) may try for room now: no request admitted before
-        it has waited past ``fcfs_after_s`` (or it is that request)."""
+    def held_from(self, rid: str, admitted: float) -> frozenset[str]:
+        """The decode replicas the request (admitted at ``admitted``) must leave alone now: those that refused
+        the request that goes first, when that one was admitted before it; else none."""
+        if not self._waiting:  # the common case, without the lock: nobody waits for room
+            return frozenset()
         with self._lock:
-            first = self._first()
-            return first is None or first == rid or admitted < self._waiting[first].admitted
+            first = self._first_now()
+            if first is None or first == rid:
+                return frozenset()
+            head = self._waiting[first]
+            return head.refused_by if head.admitted <= admitted else frozenset()
+
+    def refused(self, rid: str, worker_ids: frozenset[str]) -> None:
+        """The waiting request was refused for room by ``worker_ids`` this round (a request not waiting:
+        nothing)."""
+        waiter = self._waiting.get(rid)
+        if waiter is not None:
+            waiter.refused_by = worker_ids
 
     def wait(self, rid: str, admitted: float, timeout_s: float, cancel: Cancellation) -> None:
         """Join the queue (if not in it yet) and sleep up to ``timeout_s``; woken at once when this one goes
@@ -64,6 +88,7 @@ class RoomQueue:
             waiter = self._waiting.get(rid)
             if waiter is None:
                 waiter = self._waiting[rid] = _Waiter(admitted, self.clock())
+                self._first = (-float("inf"), None)
         forget = cancel.on_cancel(waiter.wake.set)
         try:  # a wake-up set since this request last looked (it goes first now) ends the wait at once
             waiter.wake.wait(timeout_s)
@@ -73,12 +98,15 @@ class RoomQueue:
 
     def leave(self, rid: str) -> None:
         """The request no longer waits (placed, cancelled, timed out, failed); the one that goes first now,
-        if any, is woken to try at once (only it: the others could not try anyway, and waking every waiter
-        would send a burst of doomed reservations). Idempotent."""
+        if any, is woken to try at once (only it: waking every waiter would send a burst of reservations
+        doomed to be refused). Idempotent."""
+        if rid not in self._waiting:
+            return
         with self._lock:
             if self._waiting.pop(rid, None) is None:
                 return
-            first = self._first()
+            self._first = (-float("inf"), None)
+            first = self._first_now()
             wake = self._waiting[first].wake if first is not None else None
         if wake is not None:
             wake.set()

@@ -219,17 +219,21 @@ class Scheduler:
 
     def _route_in_turn(self, request: WorkerRequest, ticket: Ticket, admitted: float, wait_from: float,
                        lost: set[str], parent: object, admitted_ns: int, streamed: bool, cramped: set[str]) -> Attempt:
-        """_route's loop. A request that must wait for room waits in ``self.room``, which holds back the
-        requests admitted after one that has waited ``scheduler.fcfs_after_s``."""
+        """_route's loop. A request that waits for decode room waits in ``self.room``: once the earliest
+        admitted of those has waited ``scheduler.fcfs_after_s``, requests admitted after it leave alone the
+        replicas that refused it. A moved request (``streamed``: its client has tokens) is never held back."""
         rid = request.request_id
         deadline = wait_from + self.settings.queue_timeout_s
         backoff = 0.01
+        held = False  # it was kept off a replica an earlier request waits to drain
         while True:
             if request.cancel.cancelled:
                 raise ClientGone("the client went away before the request was routed")
-            refused: set[str] = set()
-            while self.room.may_try(rid, admitted) and (
-                    selection := self.selector.select(request, refused, lost)) is not None:
+            hold = frozenset() if streamed else self.room.held_from(rid, admitted)
+            held = held or bool(hold)
+            refused: set[str] = set(hold)
+            busy = False
+            while (selection := self.selector.select(request, refused, lost)) is not None:
                 attempt_ns = time.time_ns()
                 took: list[bool] = []  # whether this attempt took the request out of the queue
 
@@ -258,6 +262,7 @@ class Scheduler:
                             self.health.failure(worker_id, exc.message, lost=True)
                         continue
                     if v is Verdict.BUSY:
+                        busy = True
                         break
                     if v is Verdict.LOST:
                         raise _Lost(exc, selection) from None
@@ -295,10 +300,15 @@ class Scheduler:
                 self._record(rid, RequestState.FAILED, "no decode room in time")
                 if ticket.queued:  # once the workers held it, its queue stage ended
                     queued_stage(rid, parent, admitted_ns, time.time_ns(), "no decode room in time")
-                raise Overloaded("every replica that could take it is full; retry later", max(1.0, backoff * 10),
-                                 reason="queue_timeout")
-            # ends at once when the client leaves (raised at the loop's top), or when this request goes first
-            self.room.wait(rid, admitted, backoff, request.cancel)
+                why = " (one was left to drain for an earlier request that waited longer)" if held else ""
+                raise Overloaded(f"every replica that could take it is full{why}; retry later",
+                                 max(1.0, backoff * 10), reason="queue_timeout")
+            # each wait ends at once when the client leaves (raised at the loop's top)
+            if busy:  # a worker at its call cap, or an earlier attempt's abort on its way: not a wait for room
+                request.cancel.wait(backoff)
+            else:  # ... and this one when the request goes first after another was placed
+                self.room.refused(rid, frozenset(refused - hold))  # held for it once it goes first
+                self.room.wait(rid, admitted, backoff, request.cancel)
             backoff = min(backoff * 2, 0.2)
             self.view.invalidate()
 

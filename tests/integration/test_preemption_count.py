@@ -72,7 +72,7 @@ def test_preemptions_are_heartbeat_shown_by_status_and_exported_per_worker(cramp
         lease.stop()
 
 
-def test_a_lease_written_by_older_code_without_the_count_reads_as_none(state_conn):  # noqa: F811
+def test_a_lease_written_by_older_code_without_the_count_reads_as_zero(state_conn):  # noqa: F811
     """A worker of older code writes no ``preemptions`` field; its record still reads (as 0), so a rolling
     upgrade's mixed pool stays visible to routing and status."""
     from controlplane.state.keys import Pool

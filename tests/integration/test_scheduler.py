@@ -122,17 +122,18 @@ def test_requests_wait_for_decode_room_and_all_complete(cluster):
 
 @pytest.mark.parametrize("fcfs_after_s, long_first", [(0.2, True), (30.0, False)])
 def test_a_request_that_waited_past_fcfs_after_s_is_not_overtaken_by_a_later_one(cluster, fcfs_after_s, long_first):
-    """Each decode replica runs a request that leaves room for a 40-token prompt but not a 200-token one.
-    The long prompt waits; a short one comes after. Once the long one has waited ``fcfs_after_s``, the
-    short one waits behind it (placed after it, when a replica drains); before that, it takes the room
-    that is free at once (the work-conserving default for short waits)."""
+    """Two decode replicas of 20 blocks run one request each: one leaves 5 blocks free, the other 1. A
+    200-token prompt (14 blocks) waits, refused by both; a 40-token one (3 blocks) comes after and fits
+    in the first. Once the long one has waited ``fcfs_after_s``, the replicas that refused it are left to
+    drain for it, and the short one is placed after it; before that, the short one takes the free room
+    at once (the work-conserving default for short waits)."""
     bundle, conn = cluster[0], cluster[5]
     scheduler = _scheduler(cluster, fcfs_after_s=fcfs_after_s, queue_timeout_s=60)
-    hold = SamplingParams(max_tokens=180, temperature=0.0, ignore_eos=True)  # 60 + 180 tokens: 15 of 20 blocks
-    holders = [scheduler.generate(WorkerRequest(f"holder-{i}", bundle.tokenizer.encode("hold " * 60)[:60], hold))
-               for i in range(2)]
-    assert all(next(h).token_ids for h in holders)  # both replicas hold one (two do not fit one replica)
-    long = bundle.tokenizer.encode("a long prompt " * 60)[:200]  # 212 tokens: 14 blocks, 5 are free
+    holders = [scheduler.generate(WorkerRequest(name, bundle.tokenizer.encode("hold " * n)[:n],
+                                                SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True)))
+               for name, n, m in (("holder-full", 20, 280), ("holder-roomy", 60, 180))]  # 19 and 15 blocks
+    assert all(next(h).token_ids for h in holders)  # one on each replica: the second does not fit beside the first
+    long = bundle.tokenizer.encode("a long prompt " * 60)[:200]  # 212 tokens: 14 blocks
     short = bundle.tokenizer.encode("a short one " * 20)[:40]  # 44 tokens: 3 blocks
     refs = [r.token_ids for r in generate(bundle, [GenerateRequest(prompt_ids=p, params=GREEDY)
                                                    for p in (long, short)])]
@@ -150,8 +151,8 @@ def test_a_request_that_waited_past_fcfs_after_s_is_not_overtaken_by_a_later_one
     time.sleep(0.5)  # past 0.2 s, not past 30 s
     threads.append(threading.Thread(target=run, args=("short", short)))
     threads[1].start()
-    for h in holders:
-        assert sum(len(c.token_ids) for c in h) == 179
+    for h, n in zip(holders, (279, 179)):
+        assert sum(len(c.token_ids) for c in h) == n
     for t in threads:
         t.join(60)
     assert not errors and [out["long"], out["short"]] == refs

@@ -25,25 +25,30 @@ def _joined(q: RoomQueue, rid: str, admitted: float) -> None:
     q.wait(rid, admitted, 0.0, Cancellation())  # joins; a zero wait returns at once
 
 
-def test_everyone_tries_until_one_has_waited_fcfs_after_s_then_only_it_and_those_before_it():
+def test_nothing_is_held_until_one_has_waited_fcfs_after_s_then_its_replicas_for_later_requests():
     clock = Clock()
     q = RoomQueue(1.0, clock)
+    assert q.held_from("new", 12.0) == frozenset()  # nobody waits
     _joined(q, "long", admitted=10.0)
+    q.refused("long", frozenset({"d-1", "d-2"}))  # both replicas it can use refused it
     clock.now += 0.5
     _joined(q, "short", admitted=11.0)
-    assert q.first() is None  # nobody has waited a second: every request tries on its own
-    assert q.may_try("long", 10.0) and q.may_try("short", 11.0) and q.may_try("new", 12.0)
+    q.refused("short", frozenset({"d-2"}))
+    assert q.first() is None  # nobody has waited a second: every request tries everywhere
+    assert q.held_from("short", 11.0) == q.held_from("new", 12.0) == frozenset()
     clock.now += 0.5
     assert q.first() == "long"
-    assert q.may_try("long", 10.0)
-    assert not q.may_try("short", 11.0) and not q.may_try("new", 12.0)  # admitted after it: held back
-    assert q.may_try("moved", 5.0)  # admitted before it (a request moved off a lost worker): goes first
+    assert q.held_from("long", 10.0) == frozenset()  # it tries everywhere
+    # admitted after it: kept off the replicas it waits to drain; a replica it cannot use (d-3) is not held
+    assert q.held_from("short", 11.0) == q.held_from("new", 12.0) == {"d-1", "d-2"}
+    assert q.held_from("moved", 5.0) == frozenset()  # admitted before it (a moved request): not held
     q.leave("long")
-    assert q.first() is None and q.may_try("new", 12.0)  # "short" has waited only 0.5 s
+    assert q.first() is None and q.held_from("new", 12.0) == frozenset()  # "short" has waited only 0.5 s
     clock.now += 0.5
-    assert q.first() == "short" and not q.may_try("new", 12.0)
+    assert q.first() == "short" and q.held_from("new", 12.0) == {"d-2"}
     q.leave("short")
     q.leave("short")  # idempotent
+    q.refused("short", frozenset({"d-1"}))  # not waiting: nothing recorded
     assert len(q) == 0 and q.first() is None
 
 
@@ -53,7 +58,8 @@ def test_the_earliest_admitted_goes_first_not_the_one_that_waited_longest():
     _joined(q, "later", admitted=20.0)
     clock.now += 3
     _joined(q, "earlier", admitted=10.0)
-    assert q.first() == "earlier" and not q.may_try("later", 20.0)
+    q.refused("earlier", frozenset({"d-1"}))
+    assert q.first() == "earlier" and q.held_from("later", 20.0) == {"d-1"}
 
 
 def test_leaving_wakes_the_one_that_goes_next_at_once_and_no_other():

@@ -69,6 +69,7 @@ def test_a_moved_request_that_finds_no_room_ends_overloaded_and_leaves_the_queue
     scheduler.view, scheduler.health = mock.Mock(), mock.Mock()
     scheduler.settings = SchedulerSettings(queue_timeout_s=0.2)
     scheduler.admission, scheduler.selector = sch.Admission(8), selector  # type: ignore[assignment]
+    scheduler.room = sch.RoomQueue(scheduler.settings.fcfs_after_s)
 
     def open_attempt(*args: object, **kwargs: object) -> _Attempt:
         selector.opened += 1
@@ -123,6 +124,7 @@ def test_a_request_in_prefill_is_no_longer_waiting() -> None:
     scheduler.view, scheduler.health, scheduler.dispatcher = mock.Mock(), mock.Mock(), dispatcher  # type: ignore[assignment]
     scheduler.settings = SchedulerSettings(queue_timeout_s=5)
     scheduler.admission, scheduler.selector = sch.Admission(8), _Selector()  # type: ignore[assignment]
+    scheduler.room = sch.RoomQueue(scheduler.settings.fcfs_after_s)
     with mock.patch.object(sch, "Progress") as progress:
         progress.return_value.accept.side_effect = lambda chunk: chunk
         progress.return_value.finished = True
@@ -173,6 +175,7 @@ def test_an_attempt_that_fails_after_reserving_puts_the_request_back_in_the_queu
     scheduler.view, scheduler.health, scheduler.dispatcher = mock.Mock(), mock.Mock(), dispatcher  # type: ignore[assignment]
     scheduler.settings = SchedulerSettings(queue_timeout_s=5)
     scheduler.admission, scheduler.selector = sch.Admission(8), Always()  # type: ignore[assignment]
+    scheduler.room = sch.RoomQueue(scheduler.settings.fcfs_after_s)
     with mock.patch.object(sch, "Progress") as progress:
         request = WorkerRequest("r3", [1, 2, 3], SamplingParams(max_tokens=8))
         progress.return_value.continuation.return_value = request

@@ -270,7 +270,8 @@ def build(settings: Settings) -> Deployment:
 
         # pool gauges for /metrics and the dashboard, over this deployment's Redis
         routers = instrument_control_plane(lambda: pools_status(conn, registry, manager, fixed),
-                                           lambda: scheduler.waiting, RequestJournal(conn))
+                                           lambda: scheduler.waiting, RequestJournal(conn),
+                                           scheduler.room.first_waited_s)
         dep.add("the metrics' sources", uninstrument)
         dep.app = create_app(scheduler, keys, admin=admin_router(conn, registry, admin_token,
                                                                  on_drain=drain_over_rpc(registry, security),

@@ -72,6 +72,7 @@ class ClusterCollector(Collector):
     def __init__(self) -> None:
         self.source: ClusterSource | None = None
         self.waiting: Callable[[], int] = lambda: 0  # the scheduler's queue (no Redis involved)
+        self.held_for: Callable[[], float] = lambda: 0.0  # its room queue's first request's wait
         self._cached: tuple[float, ClusterSnapshot | None] = (0.0, None)
         self._lock = threading.Lock()
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pool-gauges")
@@ -112,6 +113,10 @@ class ClusterCollector(Collector):
         # vLLM's vllm:num_requests_waiting: requests accepted and not yet running (here: the scheduler's queue)
         yield _gauge("num_requests_waiting", "Requests admitted and waiting to be scheduled onto the pools.",
                      [], [([], waiting)])
+        yield _gauge("scheduler_fcfs_hold_seconds", "How long the request that goes first (it waited "
+                     "scheduler.fcfs_after_s for decode room) has waited; 0 when none does. While above 0, later "
+                     "requests leave the replicas that refused it alone; near queue_timeout_s, it and the requests "
+                     "held behind it get 429.", [], [([], self.held_for())])
         snap = self.current()
         if snap is None:
             return

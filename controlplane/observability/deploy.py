@@ -34,12 +34,13 @@ def configure_process(settings: ObservabilitySettings, service_name: str) -> boo
 
 
 def instrument_control_plane(pools: Callable[[], list[PoolView]], waiting: Callable[[], int],
-                             journal: RequestJournal | None) -> list[APIRouter]:
-    """Pool gauges over ``pools``, the scheduler's queue gauges over ``waiting``; returns the routers to
-    mount (the dashboard). ``configure_process`` has set the switches and exporter already."""
+                             journal: RequestJournal | None,
+                             held_for: Callable[[], float] | None = None) -> list[APIRouter]:
+    """Pool gauges over ``pools``, the scheduler's queue gauges over ``waiting`` and ``held_for``; returns the
+    routers to mount (the dashboard). ``configure_process`` has set the switches and exporter already."""
     from controlplane.api.dashboard import dashboard_router
 
-    metrics.bind_cluster(metrics.PoolsSource(pools), waiting)
+    metrics.bind_cluster(metrics.PoolsSource(pools), waiting, held_for)
     return [dashboard_router(pools, journal)]
 
 

@@ -141,11 +141,13 @@ CLUSTER = ClusterCollector()
 REGISTRY.register(CLUSTER)
 
 
-def bind_cluster(source: ClusterSource | None, waiting: Callable[[], int] | None = None) -> None:
-    """Serve pool gauges from ``source`` (None: none) and the scheduler's queue gauges from ``waiting``
-    (None: 0). One control plane per process binds one."""
+def bind_cluster(source: ClusterSource | None, waiting: Callable[[], int] | None = None,
+                 held_for: Callable[[], float] | None = None) -> None:
+    """Serve pool gauges from ``source`` (None: none), the scheduler's queue gauges from ``waiting`` (None: 0)
+    and its first-come-first-served hold from ``held_for`` (None: 0). One control plane per process binds one."""
     CLUSTER.source = source
     CLUSTER.waiting = waiting or (lambda: 0)
+    CLUSTER.held_for = held_for or (lambda: 0.0)
     CLUSTER._cached = (0.0, None)
 
 

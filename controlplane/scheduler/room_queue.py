@@ -62,6 +62,14 @@ class RoomQueue:
         self._first = (now, rid)
         return rid
 
+    def first_waited_s(self) -> float:
+        """How long the request that goes first has waited for room; 0 when none does (nothing is held)."""
+        if not self._waiting:
+            return 0.0
+        with self._lock:
+            first = self._first_now()
+            return self.clock() - self._waiting[first].since if first is not None else 0.0
+
     def held_from(self, rid: str, admitted: float) -> frozenset[str]:
         """The decode replicas the request (admitted at ``admitted``) must leave alone now: those that refused
         the request that goes first, when that one was admitted before it; else none."""

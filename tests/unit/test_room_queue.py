@@ -42,8 +42,10 @@ def test_nothing_is_held_until_one_has_waited_fcfs_after_s_then_its_replicas_for
     # admitted after it: kept off the replicas it waits to drain; a replica it cannot use (d-3) is not held
     assert q.held_from("short", 11.0) == q.held_from("new", 12.0) == {"d-1", "d-2"}
     assert q.held_from("moved", 5.0) == frozenset()  # admitted before it (a moved request): not held
+    assert q.first_waited_s() == pytest.approx(1.0)  # what epd:scheduler_fcfs_hold_seconds shows
     q.leave("long")
     assert q.first() is None and q.held_from("new", 12.0) == frozenset()  # "short" has waited only 0.5 s
+    assert q.first_waited_s() == 0.0
     clock.now += 0.5
     assert q.first() == "short" and q.held_from("new", 12.0) == {"d-2"}
     q.leave("short")
@@ -97,3 +99,19 @@ def test_a_cancelled_request_stops_waiting_at_once():
     assert time.monotonic() - started < 2.0
     q.leave("gone")
     assert len(q) == 0
+
+
+def test_the_hold_is_exported_as_a_gauge():
+    from controlplane.observability import metrics
+
+    clock = Clock()
+    q = RoomQueue(1.0, clock)
+    metrics.bind_cluster(None, held_for=q.first_waited_s)
+    try:
+        series = f'epd:scheduler_fcfs_hold_seconds{{model_name="{metrics.MODEL.value}"}}'
+        assert f"{series} 0.0" in metrics.exposition().decode()
+        _joined(q, "long", admitted=10.0)
+        clock.now += 2.5
+        assert f"{series} 2.5" in metrics.exposition().decode()
+    finally:
+        metrics.bind_cluster(None)

@@ -73,6 +73,11 @@ class WorkerRequest:
     # Set by the ingress when the client leaves before the first chunk (shared by every copy of the request)
     cancel: Cancellation = field(default_factory=Cancellation, compare=False, repr=False)
 
+    @property
+    def prefill_only(self) -> bool:
+        """Its one token is prefill's: on a disaggregated route it needs no decode reservation."""
+        return self.params.max_tokens == 1 and not self.params.forced_tokens
+
 
 class DispatchError(Exception):
     """A stage failed with ``code``. ``lost``: addresses of the workers that died or hung under it.
@@ -198,7 +203,7 @@ class Dispatcher:
                 slot = self._take(stack, route.decode)
                 on_started()
                 yield from self._run_colocated(req, route.decode, slot)
-            elif req.params.max_tokens == 1 and not req.params.forced_tokens:
+            elif req.prefill_only:
                 prefill = self._take(stack, route.prefill)
                 on_started()
                 yield from self._run_prefill_only(req, route, {"prefill": prefill, "encode": encode})

@@ -221,7 +221,8 @@ class Scheduler:
                        lost: set[str], parent: object, admitted_ns: int, streamed: bool, cramped: set[str]) -> Attempt:
         """_route's loop. A request that waits for decode room waits in ``self.room``: once the earliest
         admitted of those has waited ``scheduler.fcfs_after_s``, requests admitted after it leave alone the
-        replicas that refused it. A moved request (``streamed``: its client has tokens) is never held back."""
+        replicas that refused it. A moved request (``streamed``: its client has tokens), and a one-token request
+        on a disaggregated route (it takes no decode room), are never held back."""
         rid = request.request_id
         deadline = wait_from + self.settings.queue_timeout_s
         backoff = 0.01
@@ -229,7 +230,8 @@ class Scheduler:
         while True:
             if request.cancel.cancelled:
                 raise ClientGone("the client went away before the request was routed")
-            hold = frozenset() if streamed else self.room.held_from(rid, admitted)
+            free = streamed or (request.prefill_only and not self.colocated)
+            hold = frozenset() if free else self.room.held_from(rid, admitted)
             held = held or bool(hold)
             refused: set[str] = set(hold)
             busy = False

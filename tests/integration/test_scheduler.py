@@ -151,6 +151,10 @@ def test_a_request_that_waited_past_fcfs_after_s_is_not_overtaken_by_a_later_one
     time.sleep(0.5)  # past 0.2 s, not past 30 s
     threads.append(threading.Thread(target=run, args=("short", short)))
     threads[1].start()
+    # a one-token request takes no decode room (its token is prefill's): never held
+    one = _collect(scheduler, WorkerRequest("one", short, SamplingParams(max_tokens=1, temperature=0.0)))
+    one_done = time.time()
+    assert one == refs[1][:1]
     for h, n in zip(holders, (279, 179)):
         assert sum(len(c.token_ids) for c in h) == n
     for t in threads:
@@ -160,6 +164,7 @@ def test_a_request_that_waited_past_fcfs_after_s_is_not_overtaken_by_a_later_one
     placed = {name: next(e.at for e in journal.history(name) if e.state is RequestState.DECODING)
               for name in ("long", "short")}
     assert (placed["long"] < placed["short"]) is long_first, placed
+    assert one_done < placed["long"]
     assert len(scheduler.room) == 0 and scheduler.waiting == 0
 
 

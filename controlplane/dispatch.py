@@ -28,6 +28,7 @@ no call is in flight on it, so a stream still running there ends broken, as UNAV
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Generator, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import ExitStack
@@ -82,13 +83,15 @@ class WorkerRequest:
 class DispatchError(Exception):
     """A stage failed with ``code``. ``lost``: addresses of the workers that died or hung under it.
     ``refused``: addresses of live workers that refused the call because they drain (try another).
+    ``stalled``: addresses of live workers whose stream sent only keepalives for ``max_stall_s`` (the request
+    waits there, preempted): move the request off, without holding it against the worker.
     ``mark``: what the worker said the call failed on (``workers.tracing``: ``EXCEEDS_CONTEXT``, ...), if it did."""
 
     def __init__(self, stage: str, code: grpc.StatusCode, message: str, lost: tuple[str, ...] = (),
-                 refused: tuple[str, ...] = (), mark: str | None = None) -> None:
+                 refused: tuple[str, ...] = (), mark: str | None = None, stalled: tuple[str, ...] = ()) -> None:
         super().__init__(f"{stage}: {message}")
         self.stage, self.code, self.message, self.lost, self.refused = stage, code, message, lost, refused
-        self.mark = mark
+        self.mark, self.stalled = mark, stalled
 
 
 _BROKEN = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN)
@@ -143,9 +146,11 @@ def _error(stage: str, exc: BaseException | None, target: str | None) -> Dispatc
 class Dispatcher:
     def __init__(self, security: TransferSecurity, max_parallel: int = 64, max_calls_per_worker: int = 64, *,
                  keepalive_s: float = 2.0, token_idle_timeout_s: float = 5.0,
-                 first_token_timeout_s: float = 60.0) -> None:
+                 first_token_timeout_s: float = 60.0, max_stall_s: float = 60.0) -> None:
         """``token_idle_timeout_s``: a token stream silent this long (``first_token_timeout_s`` before its
-        first token) is cancelled and its worker counted lost; ``keepalive_s``: the worker channels' ping."""
+        first token) is cancelled and its worker counted lost; ``max_stall_s``: one that sends only
+        keepalive chunks this long is cancelled and its worker named ``stalled``; ``keepalive_s``: the
+        worker channels' ping."""
         self.security = security
         self.max_calls_per_worker = max_calls_per_worker
         self.token_idle_timeout_s = token_idle_timeout_s
@@ -154,6 +159,7 @@ class Dispatcher:
         # engine steps is not taken for a hung worker (the proto allows 0.01 s to a day; below, none)
         keepalive = min(token_idle_timeout_s / 3, 86400.0)
         self.stream_keepalive_s = keepalive if keepalive >= 0.01 else 0.0
+        self.max_stall_s = max_stall_s
         self._watch = StreamWatch()
         self._channels = WorkerChannels(security, keepalive_s, max_calls_per_worker)
         self._pool = ThreadPoolExecutor(max_workers=max_parallel, thread_name_prefix="dispatch")
@@ -422,10 +428,12 @@ class Dispatcher:
         """``stream``'s chunks; a stream silent past the idle limits ends in DispatchError(UNAVAILABLE)
         that names ``target`` lost (the watch cancelled the call, which frees its request there). The request's
         ``cancel`` cancels the call too, until the first chunk. A keepalive chunk restarts the current limit
-        and goes no further."""
+        and goes no further; keepalives alone for ``max_stall_s`` end in DispatchError(UNAVAILABLE) that
+        names ``target`` stalled (the call cancelled, which frees its request there)."""
         key, w = self._watch.watch(stream, self.first_token_timeout_s, self.token_idle_timeout_s)  # type: ignore[arg-type]  # a grpc stream call is Cancellable; its stub type says Iterator
         # until the first chunk (after it, the ingress closes the request's iterator when its client leaves)
         forget = cancel.on_cancel(stream.cancel)  # type: ignore[attr-defined]  # a grpc stream call has cancel()
+        last_token = time.monotonic()
         try:
             while True:
                 w.resume()  # the idle clock runs only while this waits for the worker
@@ -433,10 +441,17 @@ class Dispatcher:
                     chunk = next(stream)
                 except StopIteration:
                     return
-                if chunk.keepalive:  # the worker's engine steps; this request waits there (resumed above)
+                if chunk.keepalive:  # the worker's engine moves; this request waits there (resumed above)
+                    if time.monotonic() - last_token >= self.max_stall_s:
+                        stream.cancel()  # type: ignore[attr-defined]  # a grpc stream call has cancel()
+                        raise DispatchError(stage, grpc.StatusCode.UNAVAILABLE,
+                                            f"worker {target} sent keepalives but no token for {self.max_stall_s:g}"
+                                            f" s (the request waits there for KV blocks: preempted?)",
+                                            stalled=(target,))
                     continue
                 forget()
                 w.touch()
+                last_token = time.monotonic()
                 yield chunk
         except grpc.RpcError:
             if w.expired:

@@ -340,6 +340,10 @@ class SchedulerSettings(_Model):
                                                                 "long is taken as hung and its request moves (a "
                                                                 "worker whose engine steps sends a keepalive every "
                                                                 "third of it)")
+    max_stall_s: float = Field(60.0, gt=0, description="a streaming worker that sends only keepalives this long "
+                                                        "(its request waits there for KV blocks, preempted) has "
+                                                        "the request moved to another worker; it is not marked "
+                                                        "suspect")
     first_token_timeout_s: float = Field(60.0, gt=0, description="the same bound before a request's first token "
                                                                   "(it covers queueing and prefill)")
     keepalive_s: float = Field(2.0, gt=0, description="HTTP/2 keepalive ping interval on worker channels; a "

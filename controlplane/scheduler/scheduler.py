@@ -179,15 +179,20 @@ class Scheduler:
                 raise
 
     def _moved(self, rid: str, lost_exc: _Lost, progress: Progress, lost: set[str], moves: int) -> None:
-        """Mark the lost workers suspect; past ``migration_limit`` moves (``moves`` made so far), the
-        retriable 503 naming the cause."""
+        """Mark the lost workers suspect (a stalled one is only passed over by this request: it is alive,
+        just full); past ``migration_limit`` moves (``moves`` made so far), the retriable 503 naming the
+        cause."""
         error, selection = lost_exc.error, lost_exc.selection
         names = selection.ids(error.lost)
         for worker_id in names:
             lost.add(worker_id)
             self.health.failure(worker_id, f"{error.stage}: {error.message}", lost=True)
+        stalled = selection.ids(error.stalled)
+        lost.update(stalled)
         if names:
             cause = f"{error.stage} worker {', '.join(names)} lost: {error.message}"
+        elif stalled:
+            cause = f"{error.stage} worker {', '.join(stalled)} stalled: {error.message}"
         else:  # no worker lost: a link between two broke (a KV push's connection, say)
             cause = f"{error.stage} failed on the path {selection.describe()}: {error.message}"
         log.warning("request %s: %s (after %d tokens, move %d of at most %d)", rid, cause, len(progress.token_ids),

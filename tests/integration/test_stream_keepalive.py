@@ -98,6 +98,31 @@ def test_a_preempted_request_waiting_for_blocks_is_kept_alive_and_finishes_as_al
     _wait_idle(engine)
 
 
+def test_a_request_that_waits_past_max_stall_s_is_moved_off_its_worker_which_is_not_lost(worker, tiny_bundle):
+    """Keepalives alone for ``max_stall_s``: the call is cancelled (its request freed there) and the worker
+    named stalled, not lost: the scheduler moves the request without marking a live worker suspect."""
+    engine = worker.service.engine
+    stalling = Dispatcher(SECURITY, token_idle_timeout_s=IDLE_S, max_stall_s=2 * IDLE_S)
+    release: threading.Timer | None = None
+    try:
+        stream = stalling.run(WorkerRequest("stalled", PROMPT, PARAMS), Route(worker.address))
+        started = time.monotonic()
+        with pytest.raises(DispatchError) as caught:
+            for _ in stream:
+                if release is None:  # after the first token: its next block is taken, for eight idle limits
+                    release = threading.Timer(8 * IDLE_S, engine.release, [_hold_every_free_block(engine)])
+                    release.start()
+        waited = time.monotonic() - started
+    finally:
+        stalling.close()
+    assert caught.value.stalled == (worker.address,) and caught.value.lost == ()
+    assert "keepalives but no token" in caught.value.message
+    assert waited < 8 * IDLE_S  # moved before the blocks came back
+    assert release is not None
+    release.join()
+    _wait_idle(engine)  # the cancelled call freed the request there
+
+
 def test_an_engine_stuck_in_one_step_sends_no_keepalive_and_reads_as_hung(worker, dispatcher):
     engine = worker.service.engine
     unstick = threading.Event()

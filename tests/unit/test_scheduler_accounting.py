@@ -185,3 +185,20 @@ def test_an_attempt_that_fails_after_reserving_puts_the_request_back_in_the_queu
         assert len(list(scheduler.generate(request))) == 1
     assert dispatcher.runs == 2 and dispatcher.waiting_at_retry == 1
     assert scheduler.waiting == 0
+
+
+def test_a_stalled_worker_is_passed_over_by_the_moved_request_but_not_marked_suspect() -> None:
+    """A worker whose stream sent only keepalives for max_stall_s is alive, just full: the request moves off
+    it, and routing keeps sending other requests there."""
+    scheduler = sch.Scheduler.__new__(sch.Scheduler)
+    scheduler.health, scheduler.journal = mock.Mock(), None
+    scheduler.settings = SchedulerSettings()
+    error = DispatchError("decode", grpc.StatusCode.UNAVAILABLE, "keepalives but no token", stalled=("d:1",))
+    lost: set[str] = set()
+    progress = mock.Mock(token_ids=[1, 2])
+    scheduler._moved("r", sch._Lost(error, SELECTION), progress, lost, 0)
+    assert lost == {"d"}  # this request does not go back there
+    scheduler.health.failure.assert_not_called()
+    gone = DispatchError("decode", grpc.StatusCode.UNAVAILABLE, "sent nothing", lost=("d:1",))
+    scheduler._moved("r", sch._Lost(gone, SELECTION), progress, set(), 1)
+    scheduler.health.failure.assert_called_once()  # a lost worker is suspect, as before

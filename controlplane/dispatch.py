@@ -28,6 +28,7 @@ no call is in flight on it, so a stream still running there ends broken, as UNAV
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Generator, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -73,6 +74,9 @@ class WorkerRequest:
     timeout_s: float = 600.0
     # Set by the ingress when the client leaves before the first chunk (shared by every copy of the request)
     cancel: Cancellation = field(default_factory=Cancellation, compare=False, repr=False)
+    # A stream that sends only keepalive chunks this long is cancelled and its worker named ``stalled``. The
+    # scheduler sets it (scheduler.max_stall_s) only when another decode replica could take the request.
+    max_stall_s: float = math.inf
 
     @property
     def prefill_only(self) -> bool:
@@ -146,11 +150,10 @@ def _error(stage: str, exc: BaseException | None, target: str | None) -> Dispatc
 class Dispatcher:
     def __init__(self, security: TransferSecurity, max_parallel: int = 64, max_calls_per_worker: int = 64, *,
                  keepalive_s: float = 2.0, token_idle_timeout_s: float = 5.0,
-                 first_token_timeout_s: float = 60.0, max_stall_s: float = 60.0) -> None:
+                 first_token_timeout_s: float = 60.0) -> None:
         """``token_idle_timeout_s``: a token stream silent this long (``first_token_timeout_s`` before its
-        first token) is cancelled and its worker counted lost; ``max_stall_s``: one that sends only
-        keepalive chunks this long is cancelled and its worker named ``stalled``; ``keepalive_s``: the
-        worker channels' ping."""
+        first token) is cancelled and its worker counted lost (one that sends only keepalive chunks for
+        its request's ``max_stall_s``: named ``stalled``); ``keepalive_s``: the worker channels' ping."""
         self.security = security
         self.max_calls_per_worker = max_calls_per_worker
         self.token_idle_timeout_s = token_idle_timeout_s
@@ -159,7 +162,6 @@ class Dispatcher:
         # engine steps is not taken for a hung worker (the proto allows 0.01 s to a day; below, none)
         keepalive = min(token_idle_timeout_s / 3, 86400.0)
         self.stream_keepalive_s = keepalive if keepalive >= 0.01 else 0.0
-        self.max_stall_s = max_stall_s
         self._watch = StreamWatch()
         self._channels = WorkerChannels(security, keepalive_s, max_calls_per_worker)
         self._pool = ThreadPoolExecutor(max_workers=max_parallel, thread_name_prefix="dispatch")
@@ -230,7 +232,7 @@ class Dispatcher:
         stream = worker.Complete(message, metadata=st.metadata(md), timeout=req.timeout_s)
         done = False
         try:
-            for chunk in self._watched(stream, "complete", target, req.cancel):
+            for chunk in self._watched(stream, "complete", target, req.cancel, req.max_stall_s):
                 done = chunk.finished
                 yield chunk
         except grpc.RpcError as exc:
@@ -361,7 +363,7 @@ class Dispatcher:
         done = started = False
         lost: tuple[str, ...] = ()  # the workers this attempt lost (dead or hung)
         try:
-            for chunk in self._watched(stream, "decode", route.decode, req.cancel):
+            for chunk in self._watched(stream, "decode", route.decode, req.cancel, req.max_stall_s):
                 done, started = chunk.finished, True
                 yield chunk
             for _stage, fut in futures:  # surface an encode/prefill failure with its own message
@@ -424,12 +426,13 @@ class Dispatcher:
         return future
 
     def _watched(self, stream: Iterator[wpb.TokenChunk], stage: str, target: str,
-                 cancel: Cancellation) -> Iterator[wpb.TokenChunk]:
+                 cancel: Cancellation, max_stall: float = math.inf) -> Iterator[wpb.TokenChunk]:
         """``stream``'s chunks; a stream silent past the idle limits ends in DispatchError(UNAVAILABLE)
         that names ``target`` lost (the watch cancelled the call, which frees its request there). The request's
         ``cancel`` cancels the call too, until the first chunk. A keepalive chunk restarts the current limit
-        and goes no further; keepalives alone for ``max_stall_s`` end in DispatchError(UNAVAILABLE) that
-        names ``target`` stalled (the call cancelled, which frees its request there)."""
+        and goes no further; keepalives alone for ``max_stall`` seconds (since the last chunk arrived, not
+        counting the time the caller held it) end in DispatchError(UNAVAILABLE) that names ``target``
+        stalled (the call cancelled, which frees its request there)."""
         key, w = self._watch.watch(stream, self.first_token_timeout_s, self.token_idle_timeout_s)  # type: ignore[arg-type]  # a grpc stream call is Cancellable; its stub type says Iterator
         # until the first chunk (after it, the ingress closes the request's iterator when its client leaves)
         forget = cancel.on_cancel(stream.cancel)  # type: ignore[attr-defined]  # a grpc stream call has cancel()
@@ -442,17 +445,17 @@ class Dispatcher:
                 except StopIteration:
                     return
                 if chunk.keepalive:  # the worker's engine moves; this request waits there (resumed above)
-                    if time.monotonic() - last_token >= self.max_stall_s:
+                    if time.monotonic() - last_token >= max_stall:
                         stream.cancel()  # type: ignore[attr-defined]  # a grpc stream call has cancel()
                         raise DispatchError(stage, grpc.StatusCode.UNAVAILABLE,
-                                            f"worker {target} sent keepalives but no token for {self.max_stall_s:g}"
-                                            f" s (the request waits there for KV blocks: preempted?)",
+                                            f"worker {target} sent keepalives but no token for {max_stall:g} s "
+                                            f"(the request waits there for KV blocks: preempted?)",
                                             stalled=(target,))
                     continue
                 forget()
                 w.touch()
-                last_token = time.monotonic()
                 yield chunk
+                last_token = time.monotonic()  # the time the caller held the chunk is not the worker's
         except grpc.RpcError:
             if w.expired:
                 raise DispatchError(stage, grpc.StatusCode.UNAVAILABLE,

@@ -244,7 +244,7 @@ def build(settings: Settings) -> Deployment:
         sch = settings.scheduler
         dispatcher = Dispatcher(security, max_calls_per_worker=t.max_streams,  # the workers' stream budget
                                 keepalive_s=sch.keepalive_s, token_idle_timeout_s=sch.token_idle_timeout_s,
-                                first_token_timeout_s=sch.first_token_timeout_s, max_stall_s=sch.max_stall_s)
+                                first_token_timeout_s=sch.first_token_timeout_s)
         dep.add("the connections to the workers", dispatcher.close)
         manager.listen(dispatcher)  # a replica gone for good: its channel closes once its calls end
         from controlplane.state.journal import BackgroundJournal

@@ -335,15 +335,17 @@ class SchedulerSettings(_Model):
                                                        "ones (0: strictly first come, first served)")
     request_timeout_s: float = Field(600.0, gt=0, description="end-to-end deadline of one request")
     migration_limit: int = Field(3, ge=0, description="times one request may move to another worker after "
-                                                       "its worker died or hung; beyond, a retriable 503")
+                                                       "its worker died, hung or stalled it; beyond, a "
+                                                       "retriable 503")
     token_idle_timeout_s: float = Field(5.0, gt=0, description="a streaming worker that sends nothing for this "
                                                                 "long is taken as hung and its request moves (a "
                                                                 "worker whose engine steps sends a keepalive every "
                                                                 "third of it)")
     max_stall_s: float = Field(60.0, gt=0, description="a streaming worker that sends only keepalives this long "
                                                         "(its request waits there for KV blocks, preempted) has "
-                                                        "the request moved to another worker; it is not marked "
-                                                        "suspect")
+                                                        "the request moved to another decode replica, if one "
+                                                        "could take it (else it waits); the worker is not marked "
+                                                        "suspect. At least token_idle_timeout_s")
     first_token_timeout_s: float = Field(60.0, gt=0, description="the same bound before a request's first token "
                                                                   "(it covers queueing and prefill)")
     keepalive_s: float = Field(2.0, gt=0, description="HTTP/2 keepalive ping interval on worker channels; a "
@@ -360,6 +362,15 @@ class SchedulerSettings(_Model):
         if v not in available_policies():
             raise ValueError(f"unknown routing policy {v!r}; known: {', '.join(available_policies())}")
         return v
+
+    @model_validator(mode="after")
+    def _stall_past_idle(self) -> SchedulerSettings:
+        """A keepalive comes every third of token_idle_timeout_s: a shorter stall bound would move a request
+        at its first pause."""
+        if self.max_stall_s < self.token_idle_timeout_s:
+            raise ValueError(f"max_stall_s ({self.max_stall_s:g}) must be at least token_idle_timeout_s "
+                             f"({self.token_idle_timeout_s:g})")
+        return self
 
 
 class ApiSettings(_Model):

@@ -18,6 +18,7 @@ A request's life here, one named stage each:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Iterator
@@ -251,7 +252,8 @@ class Scheduler:
                 left = max(0.001, self.settings.request_timeout_s - (time.monotonic() - admitted))
                 try:
                     try:
-                        attempt = Attempt.open(self.view, self.health, self.dispatcher, selection, request, left,
+                        attempt = Attempt.open(self.view, self.health, self.dispatcher, selection,
+                                               self._with_stall_bound(request, selection, lost), left,
                                                on_started=started)
                     except BaseException:
                         if took:  # failed before its first token: it waits again, holding its place
@@ -318,6 +320,17 @@ class Scheduler:
                 self.room.wait(rid, admitted, backoff, request.cancel)
             backoff = min(backoff * 2, 0.2)
             self.view.invalidate()
+
+    def _with_stall_bound(self, request: WorkerRequest, selection: Selection, lost: set[str]) -> WorkerRequest:
+        """``request`` with ``scheduler.max_stall_s`` when another decode replica could take it if this one
+        stalls (its request waiting there, preempted); else unbounded: with nowhere to go, it waits there
+        (up to its request timeout) rather than fail."""
+        if request.prefill_only and not self.colocated:  # its one token is prefill's: nothing streams
+            return request
+        mine = selection.decode.worker_id
+        if any(c.worker_id != mine for c in self._routable("decode", lost)):
+            return dataclasses.replace(request, max_stall_s=self.settings.max_stall_s)
+        return request
 
     def _routable(self, pool: str, lost: set[str]) -> list[Candidate]:
         """The pool's live workers this request has not lost and whose circuit breaker lets them be routed."""

@@ -99,13 +99,14 @@ def test_a_preempted_request_waiting_for_blocks_is_kept_alive_and_finishes_as_al
 
 
 def test_a_request_that_waits_past_max_stall_s_is_moved_off_its_worker_which_is_not_lost(worker, tiny_bundle):
-    """Keepalives alone for ``max_stall_s``: the call is cancelled (its request freed there) and the worker
-    named stalled, not lost: the scheduler moves the request without marking a live worker suspect."""
+    """Keepalives alone for the request's ``max_stall_s`` (the scheduler sets it when another replica could
+    take the request): the call is cancelled (its request freed there) and the worker named stalled, not
+    lost: the scheduler moves the request without marking a live worker suspect."""
     engine = worker.service.engine
-    stalling = Dispatcher(SECURITY, token_idle_timeout_s=IDLE_S, max_stall_s=2 * IDLE_S)
+    stalling = Dispatcher(SECURITY, token_idle_timeout_s=IDLE_S)
     release: threading.Timer | None = None
     try:
-        stream = stalling.run(WorkerRequest("stalled", PROMPT, PARAMS), Route(worker.address))
+        stream = stalling.run(WorkerRequest("stalled", PROMPT, PARAMS, max_stall_s=2 * IDLE_S), Route(worker.address))
         started = time.monotonic()
         with pytest.raises(DispatchError) as caught:
             for _ in stream:

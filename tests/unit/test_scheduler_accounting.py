@@ -5,6 +5,7 @@ The dispatch and the route selection are stand-ins; what is checked is the sched
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Callable, Iterator
 from unittest import mock
@@ -202,3 +203,29 @@ def test_a_stalled_worker_is_passed_over_by_the_moved_request_but_not_marked_sus
     gone = DispatchError("decode", grpc.StatusCode.UNAVAILABLE, "sent nothing", lost=("d:1",))
     scheduler._moved("r", sch._Lost(gone, SELECTION), progress, set(), 1)
     scheduler.health.failure.assert_called_once()  # a lost worker is suspect, as before
+
+
+def test_the_stall_bound_is_set_only_when_another_decode_replica_could_take_the_request() -> None:
+    """With nowhere to move (one decode replica, the default), a preempted request waits on its worker
+    rather than being moved off it into a 503."""
+    scheduler = sch.Scheduler.__new__(sch.Scheduler)
+    scheduler.settings, scheduler.colocated = SchedulerSettings(max_stall_s=30), False
+    scheduler.health = mock.Mock()
+    scheduler.health.routable.return_value = True
+
+    class Two(_Selector):
+        def candidates(self, pool: str) -> list[Candidate]:
+            return [_candidate("d"), _candidate("d2")]
+
+    scheduler.selector = Two()  # type: ignore[assignment]
+    request = WorkerRequest("r", [1, 2, 3], SamplingParams(max_tokens=8))
+    assert request.max_stall_s == math.inf  # unbounded unless the scheduler says otherwise
+    assert scheduler._with_stall_bound(request, SELECTION, set()).max_stall_s == 30
+    assert scheduler._with_stall_bound(request, SELECTION, {"d2"}).max_stall_s == math.inf  # the other is lost
+    one_token = WorkerRequest("r1", [1, 2, 3], SamplingParams(max_tokens=1))
+    assert scheduler._with_stall_bound(one_token, SELECTION, set()).max_stall_s == math.inf  # nothing streams
+
+
+def test_a_stall_bound_under_the_idle_limit_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"max_stall_s \(2\) must be at least token_idle_timeout_s \(5\)"):
+        SchedulerSettings(max_stall_s=2)

@@ -47,7 +47,7 @@ from epd.worker.v1 import worker_pb2_grpc as wgrpc
 from kvtransfer.auth import TransferSecurity
 from kvtransfer.errors import detached
 from workers.runtime.sampler import SamplingParams
-from workers.service_base import sampling_to_proto
+from workers.service_base import MAX_TIMEOUT_S, MIN_KEEPALIVE_S, sampling_to_proto
 from workers.tracing import DRAINING_REFUSAL, FAILURE_KEY
 
 
@@ -159,9 +159,9 @@ class Dispatcher:
         self.token_idle_timeout_s = token_idle_timeout_s
         self.first_token_timeout_s = first_token_timeout_s
         # the workers' keepalive chunks, three to an idle limit: a preempted request that waits while its
-        # engine steps is not taken for a hung worker (the proto allows 0.01 s to a day; below, none)
-        keepalive = min(token_idle_timeout_s / 3, 86400.0)
-        self.stream_keepalive_s = keepalive if keepalive >= 0.01 else 0.0
+        # engine steps is not taken for a hung worker (within what workers accept; below their floor, none)
+        keepalive = min(token_idle_timeout_s / 3, MAX_TIMEOUT_S)
+        self.stream_keepalive_s = keepalive if keepalive >= MIN_KEEPALIVE_S else 0.0
         self._watch = StreamWatch()
         self._channels = WorkerChannels(security, keepalive_s, max_calls_per_worker)
         self._pool = ThreadPoolExecutor(max_workers=max_parallel, thread_name_prefix="dispatch")

@@ -1,11 +1,13 @@
-"""A request's cancellation: set once, from any thread, when its client is gone before its first token.
+"""A request's cancellation: set once, from any thread, when its client is gone.
 
-The ingress sets it while it waits for a request's first chunk (admission, waiting for decode room, prefill):
-a client that leaves then would otherwise hold its place in the queue, and its prefill would run to the end,
-for nobody. Whoever waits on the request's behalf looks at it: the scheduler's back-off waits on it, and the
-dispatcher registers the cancel of the worker call it is blocked in (``on_cancel``), so the wait ends at once
-and the request is aborted on its workers. After the first chunk the ingress closes the request's iterator
-instead (the scheduler's ``GeneratorExit`` path).
+The ingress sets it when the client leaves while the request waits: for its first chunk (admission, waiting
+for decode room, prefill), or for a later one (a preempted request waiting for KV blocks, a request moving to
+another replica). A client that leaves then would otherwise hold its place in the queue or its blocks, and
+its prefill would run to the end, for nobody. Whoever waits on the request's behalf looks at it: the
+scheduler's back-off waits on it, and the dispatcher registers the cancel of the worker call it is blocked in
+(``on_cancel``), so the wait ends at once and the request is aborted on its workers. A client that leaves
+while tokens flow is also seen when the ingress closes the request's iterator (the scheduler's
+``GeneratorExit`` path).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ log = logging.getLogger(__name__)
 
 
 class ClientGone(Exception):
-    """What a cancelled request's wait ends with: its client left before the first chunk (the API's 499)."""
+    """What a cancelled request's wait ends with: its client left (the API's 499)."""
 
 
 class Cancellation:

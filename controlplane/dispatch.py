@@ -72,7 +72,7 @@ class WorkerRequest:
     # The deadline of every worker call the request makes. The scheduler sets it from
     # scheduler.request_timeout_s (less the time the request queued); this default is for direct use.
     timeout_s: float = 600.0
-    # Set by the ingress when the client leaves before the first chunk (shared by every copy of the request)
+    # Set by the ingress when the client leaves (shared by every copy of the request)
     cancel: Cancellation = field(default_factory=Cancellation, compare=False, repr=False)
     # A stream that sends only keepalive chunks this long is cancelled and its worker named ``stalled``. The
     # scheduler sets it (scheduler.max_stall_s) only when another decode replica could take the request.
@@ -236,9 +236,9 @@ class Dispatcher:
                 done = chunk.finished
                 yield chunk
         except grpc.RpcError as exc:
-            if req.cancel.cancelled:  # the client left before the first chunk (this call was cancelled for it)
+            if req.cancel.cancelled:  # the client left (this call was cancelled for it)
                 st.end("cancelled")
-                raise ClientGone("the client went away before the first token") from None
+                raise ClientGone("the client went away") from None
             st.end(exc)
             raise _error("complete", exc, target) from None
         finally:
@@ -373,9 +373,9 @@ class Dispatcher:
             # grpc raises the call itself, which this frame holds (``stream``): detached, the two (and this
             # request's state) are freed when the request ends, not at the next full garbage collection
             detached(exc)
-            if req.cancel.cancelled:  # the client left before the first chunk (this call was cancelled for it)
+            if req.cancel.cancelled:  # the client left (this call was cancelled for it)
                 dst.end("cancelled")
-                raise ClientGone("the client went away before the first token") from None
+                raise ClientGone("the client went away") from None
             if not _broke(exc):  # the decode worker saw its KV fail: wait for the stage that broke it
                 wait([f for _, f in futures], timeout=2.0)
             failed = [(s, f) for s, f in futures if f.done() and f.exception() is not None
@@ -429,12 +429,12 @@ class Dispatcher:
                  cancel: Cancellation, max_stall: float = math.inf) -> Iterator[wpb.TokenChunk]:
         """``stream``'s chunks; a stream silent past the idle limits ends in DispatchError(UNAVAILABLE)
         that names ``target`` lost (the watch cancelled the call, which frees its request there). The request's
-        ``cancel`` cancels the call too, until the first chunk. A keepalive chunk restarts the current limit
+        ``cancel`` cancels the call too (the client left). A keepalive chunk restarts the current limit
         and goes no further; keepalives alone for ``max_stall`` seconds (since the last chunk arrived, not
         counting the time the caller held it) end in DispatchError(UNAVAILABLE) that names ``target``
         stalled (the call cancelled, which frees its request there)."""
         key, w = self._watch.watch(stream, self.first_token_timeout_s, self.token_idle_timeout_s)  # type: ignore[arg-type]  # a grpc stream call is Cancellable; its stub type says Iterator
-        # until the first chunk (after it, the ingress closes the request's iterator when its client leaves)
+        # the whole stream long: a preempted request's next token may be a minute away
         forget = cancel.on_cancel(stream.cancel)  # type: ignore[attr-defined]  # a grpc stream call has cancel()
         last_token = time.monotonic()
         try:
@@ -452,7 +452,6 @@ class Dispatcher:
                                             f"(the request waits there for KV blocks: preempted?)",
                                             stalled=(target,))
                     continue
-                forget()
                 w.touch()
                 yield chunk
                 last_token = time.monotonic()  # the time the caller held the chunk is not the worker's

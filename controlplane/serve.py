@@ -279,7 +279,8 @@ def build(settings: Settings) -> Deployment:
                                                                  fixed_pools=fixed, starts=manager),
                              routers=routers, relay_wait_s=settings.scheduler.queue_timeout_s,
                              ops_token=settings.api.ops_token.get_secret_value() if settings.api.ops_token else None,
-                             unhealthy=ray_probe.lost, cors_origins=settings.api.cors_allow_origins)
+                             unhealthy=ray_probe.lost, cors_origins=settings.api.cors_allow_origins,
+                             sse_keepalive_s=settings.api.sse_keepalive_s)
         dep.ready_line = f"{info.name} ({settings.mode}: {pools_line(manager, not_needed)})"
     except BaseException:
         dep.close()

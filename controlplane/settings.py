@@ -380,6 +380,10 @@ class ApiSettings(_Model):
                                                              "this long; keep it above your clients' pool expiry "
                                                              "(httpx 5 s, aiohttp 15 s), or a reused connection "
                                                              "can close under a new request")
+    sse_keepalive_s: float = Field(15.0, ge=0, le=3600, description="a streamed answer that sends no token this "
+                                   "long (a preempted request waiting for KV blocks, a request moving replica) "
+                                   "sends an SSE comment line, again after each such silence, so proxies (nginx "
+                                   "60 s, AWS ALB 60 s) keep it open; 0 = never")
     served_model_name: str | None = Field(None, description="model id in /v1/models (default: folder name)")
     admin_token: SecretStr | None = Field(None, description="for /admin and epd scale (generated locally if unset)")
     api_keys: list[SecretStr] = Field(default_factory=list, description="accepted bearer keys; empty = open API")
@@ -388,6 +392,13 @@ class ApiSettings(_Model):
     cors_allow_origins: list[str] = Field(default_factory=list, description="web origins whose pages may call the "
                                           "API from a browser (CORS), e.g. https://chat.example.com, or * for any; "
                                           "empty = none (no CORS headers)")
+
+    @field_validator("sse_keepalive_s")
+    @classmethod
+    def _keepalive(cls, v: float) -> float:
+        if 0 < v < 0.1:
+            raise ValueError(f"{v:g} s would send a comment many times a second: use 0.1 s or more, or 0 for none")
+        return v
 
     @field_validator("cors_allow_origins")
     @classmethod

@@ -4,6 +4,10 @@
                                                                                  └─> backend.generate()
     client <──JSON / SSE── streaming.collect / sse_events <──────── Chunk ────────────┘
 
+A client that leaves cancels its request (its ``Cancellation``), and the workers abort it at once, even
+while it waits for a token: ``streaming.client_watched`` notices until the status line goes out (a streamed
+answer's goes with its first token), then ``streaming.EventStream``.
+
 A request is validated, tokenised and checked against the context before the backend sees it.
 The backend's first chunk is awaited before the status line, so admission failures (429) and
 stage failures (4xx/5xx) keep their status even with ``stream: true``.
@@ -18,7 +22,6 @@ from collections.abc import Callable, Sequence
 import anyio.to_thread
 from fastapi import APIRouter, FastAPI, Request
 from starlette.middleware.cors import CORSMiddleware
-from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, Response
 
 from controlplane.api.auth import BearerAuth, OpsAuth
@@ -32,8 +35,8 @@ from controlplane.api.streaming import (
     CompletionShape,
     EventStream,
     Shape,
+    client_watched,
     collect,
-    first_chunk,
     sse_events,
 )
 from controlplane.api.tokenize import tokenize_router
@@ -52,7 +55,8 @@ CLIENT_CLOSED = 499  # nginx's status for a client that left before the answer; 
 def create_app(backend: Backend, api_keys: Sequence[str] = (), admin: APIRouter | None = None, *,
                relay_threads: int = 256, relay_wait_s: float | None = None, routers: Sequence[APIRouter] = (),
                max_body_bytes: int = MAX_BODY_BYTES, ops_token: str | None = None,
-               unhealthy: Callable[[], str | None] | None = None, cors_origins: Sequence[str] = ()) -> FastAPI:
+               unhealthy: Callable[[], str | None] | None = None, cors_origins: Sequence[str] = (),
+               sse_keepalive_s: float = 15.0) -> FastAPI:
     """The ingress app. ``api_keys``: bearer keys for /v1/*, /tokenize and /detokenize (empty: open).
     ``admin``: a router mounted as is (it guards itself). ``relay_threads``: threads that may wait on backend
     chunks (per lane, ``relay.ThreadLanes``); ``relay_wait_s``: how long a request may wait for one to start
@@ -63,7 +67,8 @@ def create_app(backend: Backend, api_keys: Sequence[str] = (), admin: APIRouter 
     healthy), asked by ``GET /health``, which then answers 503 with that reason (a liveness probe restarts it).
     ``cors_origins``: web origins (or "*") whose pages may call the API from a browser; a preflight is answered
     before any key is asked for (browsers send none with it), and no cookie is ever honoured (the API reads
-    bearer keys only)."""
+    bearer keys only). ``sse_keepalive_s``: a streamed answer that sends no token this long sends an SSE comment
+    (``streaming.KEEPALIVE``), and again after each such silence, so proxies keep the stream open (0: never)."""
     app = FastAPI(title="epd", summary="OpenAI-compatible API over disaggregated encode/prefill/decode",
                   docs_url=None, redoc_url=None, **fastapi_kwargs())
     install_error_handlers(app)
@@ -122,17 +127,17 @@ def create_app(backend: Backend, api_keys: Sequence[str] = (), admin: APIRouter 
         chunks = watch(Relay(backend, worker_request, lanes).chunks(), worker_request.request_id,
                        request.scope["path"], getattr(request.state, T0_KEY, None),  # not .url: it parses
                        streamed=bool(stream), status_of=lambda exc: as_api_error(exc).status)
-        try:  # Overloaded / BackendError here keep their own status
-            first = await first_chunk(chunks, request.receive, worker_request.cancel)
+        try:
+            async with client_watched(request.receive, worker_request.cancel):
+                first = await anext(chunks)  # Overloaded / BackendError here keep their own status
+                if not stream:
+                    text, last = await collect(first, chunks)
         except ClientGone:  # aborted on the workers already
             return Response(status_code=CLIENT_CLOSED)
         if stream:
             include_usage = stream_options is not None and stream_options.include_usage
-            return EventStream(sse_events(first, chunks, shape, include_usage))
-        try:
-            text, last = await collect(first, chunks, request.is_disconnected)
-        except (ClientDisconnect, ClientGone):
-            return Response(status_code=CLIENT_CLOSED)
+            return EventStream(sse_events(first, chunks, shape, include_usage), sse_keepalive_s,
+                               on_leave=worker_request.cancel.cancel)
         response = _json(shape.whole(text, last).model_dump_json())
         if last.engine_seconds > 0:
             # W3C Server-Timing: what the worker's engine spent on this request (one engine ran it whole),

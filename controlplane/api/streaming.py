@@ -5,7 +5,10 @@ A stream is ``data: {json}\\n\\n`` events then ``data: [DONE]\\n\\n``. Chat: a f
 delta and the ``finish_reason``, and (``stream_options.include_usage``) a last chunk with empty
 ``choices`` and the ``usage``; with include_usage every other chunk carries ``"usage": null``.
 Text completions: the same without the role chunk. An error after the first byte is sent as one
-``data: {"error": {...}}`` event (the status line is gone), then ``[DONE]``.
+``data: {"error": {...}}`` event (the status line is gone), then ``[DONE]``. While no token comes (a
+preempted request waiting for KV blocks, a request moving to another replica), a comment line
+``: keepalive\n\n`` goes out every ``EventStream.keepalive_s`` so proxies do not close the stream as idle;
+SSE clients ignore comments.
 """
 
 from __future__ import annotations
@@ -13,15 +16,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator, Awaitable, Callable
-from contextlib import aclosing
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import anyio
 import anyio.to_thread
 from pydantic import BaseModel
-from starlette.requests import ClientDisconnect
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
@@ -43,6 +45,7 @@ from workers.runtime.errors import InvalidRequestError
 
 log = logging.getLogger(__name__)
 _EXPECTED = (Overloaded, BackendError, InvalidRequestError, ClientGone)
+KEEPALIVE = ": keepalive\n\n"  # an SSE comment: bytes on the wire that every SSE parser skips
 
 
 def usage_of(last: Chunk) -> Usage:
@@ -145,11 +148,12 @@ async def sse_events(first: Chunk, rest: AsyncGenerator[Chunk, None], shape: Sha
     yield "data: [DONE]\n\n"
 
 
-async def first_chunk(chunks: AsyncGenerator[Chunk, None], receive: Receive, cancel: Cancellation) -> Chunk:
-    """The request's first chunk. Until it comes (admission, waiting for decode room, prefill: seconds) the
-    client is watched, and its leaving cancels the request (``cancel``): its wait ends in ClientGone, and the
-    workers abort it. The request's body was read already, so the next ASGI message is the disconnect. (A
-    plain asyncio task: an anyio task group would cost each request about ten times as much.)"""
+@asynccontextmanager
+async def client_watched(receive: Receive, cancel: Cancellation) -> AsyncIterator[None]:
+    """While inside, a client that leaves cancels the request (``cancel``): a wait for its chunks (admission,
+    waiting for decode room, prefill, a preempted decode: seconds) ends in ClientGone, and the workers abort
+    it. The request's body was read already, so the next ASGI message is the disconnect. (A plain asyncio
+    task: an anyio task group would cost each request about ten times as much.)"""
     async def watch_client() -> None:
         try:
             while (await receive())["type"] != "http.disconnect":
@@ -162,7 +166,7 @@ async def first_chunk(chunks: AsyncGenerator[Chunk, None], receive: Receive, can
     _WATCHERS.add(watcher)  # the loop holds tasks weakly: kept until done, cancellation included
     watcher.add_done_callback(_WATCHERS.discard)
     try:
-        return await anext(chunks)
+        yield
     finally:
         watcher.cancel()
 
@@ -170,43 +174,85 @@ async def first_chunk(chunks: AsyncGenerator[Chunk, None], receive: Receive, can
 _WATCHERS: set[asyncio.Task[None]] = set()
 
 
-async def collect(first: Chunk, rest: AsyncGenerator[Chunk, None],
-                  client_gone: Callable[[], Awaitable[bool]]) -> tuple[str, Chunk]:
-    """The whole text and the finished chunk; raises ClientDisconnect (closing ``rest``, so the
-    backend aborts the request) if the client leaves first."""
+async def collect(first: Chunk, rest: AsyncGenerator[Chunk, None]) -> tuple[str, Chunk]:
+    """The whole text and the finished chunk (run it ``client_watched``: a client that leaves then ends it
+    in ClientGone)."""
     parts, last = [first.text], first
     async with aclosing(rest):
         async for chunk in rest:
             parts.append(chunk.text)
             last = chunk
-            if not chunk.finished and await client_gone():
-                raise ClientDisconnect()
     return "".join(parts), last
 
 
 class EventStream(StreamingResponse):
-    """SSE that notices a client leaving even while it waits for the next token, and always closes
-    its event generator (and so the backend's iterator) on the way out."""
+    """SSE that notices a client leaving even while it waits for the next token, and always closes its event
+    generator (and so the backend's iterator) on the way out.
+
+    ``keepalive_s``: after each such silence on the wire, a ``KEEPALIVE`` comment goes out (0: never).
+    ``on_leave``: called (on a thread) when the client is gone before the last event: the request's cancel, so
+    the workers abort it at once, even while its next token is a minute away (a chunk being awaited cannot be
+    interrupted otherwise)."""
 
     media_type = "text/event-stream"
 
-    def __init__(self, events: AsyncGenerator[str, None]) -> None:
+    def __init__(self, events: AsyncGenerator[str, None], keepalive_s: float = 0.0,
+                 on_leave: Callable[[], object] | None = None) -> None:
         super().__init__(events, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self._events = events
+        self._keepalive_s = keepalive_s
+        self._on_leave = on_leave
+        self._sending = asyncio.Lock()  # the events and the keepalives share one send
+        self._sent_at = time.monotonic()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        done = False
         try:
             async with anyio.create_task_group() as tg:
                 async def stream() -> None:
+                    nonlocal done
                     try:
-                        await self.stream_response(send)
+                        await self._send_events(send)
+                        done = True
                     except OSError:
                         pass  # the client went away mid-send
                     tg.cancel_scope.cancel()
 
                 tg.start_soon(stream)
+                if self._keepalive_s > 0:
+                    tg.start_soon(self._keep_alive, send)
                 await self.listen_for_disconnect(receive)
+                await self._leave()  # first: the stream may wait for a chunk, and the task group for it
                 tg.cancel_scope.cancel()
         finally:
             with anyio.CancelScope(shield=True):
+                if not done:
+                    await self._leave()
                 await self._events.aclose()
+
+    async def _send_events(self, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        async for event in self._events:
+            async with self._sending:
+                await send({"type": "http.response.body", "body": event.encode(), "more_body": True})
+                self._sent_at = time.monotonic()
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _keep_alive(self, send: Send) -> None:
+        while True:
+            quiet = time.monotonic() - self._sent_at
+            if quiet < self._keepalive_s:
+                await anyio.sleep(self._keepalive_s - quiet)
+                continue
+            try:
+                async with self._sending:
+                    await send({"type": "http.response.body", "body": KEEPALIVE.encode(), "more_body": True})
+                    self._sent_at = time.monotonic()
+            except Exception:  # the client is gone (OSError; uvloop's RuntimeError on a closed transport)
+                with anyio.CancelScope(shield=True):
+                    await self._leave()
+                raise
+
+    async def _leave(self) -> None:
+        if self._on_leave is not None:
+            await anyio.to_thread.run_sync(self._on_leave)  # a request's cancel cancels gRPC calls: off the loop

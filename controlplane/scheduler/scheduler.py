@@ -175,7 +175,7 @@ class Scheduler:
                 if exc.status == 503:
                     self._record(rid, RequestState.FAILED, str(exc))
                 raise
-            except ClientGone as exc:  # cancelled by the ingress before the first chunk: aborted on the workers
+            except ClientGone as exc:  # cancelled by the ingress (its client left): aborted on the workers
                 self._record(rid, RequestState.ABORTED, str(exc))
                 raise
 

@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from controlplane.cancellation import ClientGone
 from controlplane.dispatch import Dispatcher, DispatchError, Route, WorkerRequest
 from epd.worker.v1 import worker_pb2 as wpb
 from kvtransfer.auth import TransferSecurity
@@ -150,4 +151,32 @@ def test_an_engine_stuck_in_one_step_sends_no_keepalive_and_reads_as_hung(worker
     assert waited < 10 * IDLE_S  # found within its idle limit (and the watch's tick), not kept alive
     assert drain_outputs(q, 30)[-1].finished
     engine.remove_layer_hook(stuck)
+    _wait_idle(engine)
+
+
+def test_a_preempted_request_whose_client_leaves_is_aborted_while_it_waits(worker, dispatcher):
+    """The request waits there for blocks (keepalives only) and its client leaves (the ingress cancels it): the
+    call is cancelled then, and the worker drops the request, instead of keeping it until its blocks come back
+    and its next token is sent to nobody."""
+    engine = worker.service.engine
+    req = WorkerRequest("left", PROMPT, PARAMS, timeout_s=40 * IDLE_S)  # a call not cancelled ends at this deadline
+    tokens: list[int] = []
+    hold = None
+    started = time.monotonic()
+    try:
+        with pytest.raises(ClientGone):
+            for chunk in dispatcher.run(req, Route(worker.address)):
+                tokens.extend(chunk.token_ids)
+                if hold is None:  # after the first token: its next block is taken; then its client leaves
+                    hold = _hold_every_free_block(engine)
+                    threading.Timer(2 * IDLE_S, req.cancel.cancel).start()
+        assert time.monotonic() - started < 20 * IDLE_S, "the call ran to its deadline: the cancel did not end it"
+        deadline = time.monotonic() + 10
+        while (s := engine.stats()).num_running + s.num_waiting:  # dropped while the blocks are still held
+            assert time.monotonic() < deadline, f"the worker kept the request: {s}"
+            time.sleep(0.02)
+        assert len(tokens) < PARAMS.max_tokens
+    finally:
+        if hold is not None:
+            engine.release(hold)
     _wait_idle(engine)

@@ -72,6 +72,8 @@ class FakeBackend:
         self.fail_after: int | None = None  # raise after this many chunks
         self.fail_with: Exception = BackendError("decode worker lost", status=502)
         self.token_delay_s = 0.0
+        self.pause_after: int | None = None  # after this many chunks, no token for pause_s (a preempted request)
+        self.pause_s = 0.0
         self.gate: threading.Event | None = None  # the first chunk waits for it
         self.is_ready: bool | Exception = True
         self.degraded_reason: str | None = None
@@ -107,6 +109,8 @@ class FakeBackend:
             for i, token in enumerate(ids):
                 if self.fail_after is not None and i == self.fail_after:
                     raise self.fail_with
+                if i == self.pause_after and request.cancel.wait(self.pause_s):  # as the dispatcher's wait ends
+                    raise ClientGone("the client went away")
                 time.sleep(self.token_delay_s)
                 last = i == len(ids) - 1 and not self.end_early
                 self.produced += 1
@@ -905,6 +909,80 @@ def test_a_client_that_leaves_mid_stream_stops_the_backend(backend: FakeBackend)
     assert sent[0]["status"] == 200
     assert backend.closed == [backend.requests[0].request_id]
     assert backend.produced < total
+
+
+def _without_comments(raw: str) -> tuple[str, int]:
+    """The SSE body with its comment events left out, and how many there were."""
+    blocks = raw.split("\n\n")
+    comments = [b for b in blocks if b.startswith(":")]
+    assert all(b == ": keepalive" for b in comments), comments
+    return "\n\n".join(b for b in blocks if not b.startswith(":")), len(comments)
+
+
+@pytest.mark.parametrize("keepalive_s", [0.1, 0.0])
+def test_a_stream_silent_past_sse_keepalive_s_sends_comments_and_the_same_events(backend: FakeBackend,
+                                                                                keepalive_s: float) -> None:
+    """A preempted request sends no token for a while; behind a proxy that closes idle streams, its client would
+    lose the answer. The stream sends SSE comments meanwhile (none at 0), and every data event is as without
+    the silence."""
+    body = {"model": NAME, "prompt": "hello", "max_tokens": 6, "stream": True,
+            "stream_options": {"include_usage": True}}
+    with TestClient(create_app(backend, sse_keepalive_s=keepalive_s)) as c:
+        steady = c.post("/v1/completions", json=body)
+        backend.pause_after, backend.pause_s = 2, 0.65
+        paused = c.post("/v1/completions", json=body)
+    raw, comments = _without_comments(paused.text)
+    if keepalive_s == 0:
+        assert comments == 0, paused.text
+    else:  # 0.65 s of silence: six, or fewer on a slow machine; all of them after the first two tokens
+        assert 3 <= comments <= 6, paused.text
+        assert paused.text.index(": keepalive") > paused.text.index('"text":"', paused.text.index('"text":"') + 1)
+    strip = [{**e, "id": None, "created": None} for e in events(steady)]
+    assert [{**e, "id": None, "created": None} for e in events(httpx2.Response(200, text=raw, headers=paused.headers))
+            ] == strip
+
+
+def test_the_openai_client_reads_a_stream_with_keepalive_comments(backend: FakeBackend) -> None:
+    import openai
+
+    backend.pause_after, backend.pause_s = 1, 0.5
+    with serve_app(create_app(backend, sse_keepalive_s=0.1)) as base:
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)
+        text = "".join(c.choices[0].text for c in client.completions.create(model=NAME, prompt="hello", max_tokens=5,
+                                                                           stream=True) if c.choices)
+    tok = backend.model.tokenizer
+    assert text == tok.decode(tok.encode(REPLY, add_special_tokens=False)[:5])
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_leaves_while_no_token_comes_cancels_the_request_at_once(backend: FakeBackend,
+                                                                               stream: bool) -> None:
+    """After its first tokens the request waits (preempted, or moving to another replica) and its client
+    leaves. The ingress cancels it, so the backend's wait ends then and the workers free its blocks, instead of
+    holding them until the next token (up to scheduler.max_stall_s, a minute) for nobody."""
+    backend.pause_after, backend.pause_s = 2, 60.0
+    body = json.dumps({"model": NAME, "prompt": "hello", "max_tokens": 6, "stream": stream}).encode()
+    with serve_app(create_app(backend, sse_keepalive_s=0.1)) as base:
+        host, port = base.removeprefix("http://").split(":")
+        sock = socket.create_connection((host, int(port)), timeout=10)
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        deadline = time.monotonic() + 10
+        if stream:  # the status line and the first tokens came, then keepalives
+            seen = b""
+            while b": keepalive" not in seen:
+                seen += sock.recv(4096)
+                assert time.monotonic() < deadline, seen
+        else:
+            while backend.produced < 2:
+                assert time.monotonic() < deadline, "the request never produced its first tokens"
+                time.sleep(0.01)
+        sock.close()
+        (request,) = backend.requests
+        while request.request_id not in backend.closed:
+            assert time.monotonic() < deadline, "the request waited on after its client left"
+            time.sleep(0.01)
+    assert request.cancel.cancelled and backend.produced == 2
 
 
 def test_a_slow_backend_never_blocks_the_event_loop(backend: FakeBackend) -> None:

@@ -50,6 +50,8 @@ def test_precedence_yaml_then_env_then_cli(tmp_path, monkeypatch):
     ({"transfer": {"tls_ca": "/ca.pem"}}, "needs all three"),
     ({"decode": {"engine": {"max_num_seqs": 64, "max_num_batched_tokens": 8}}}, "must be >= max_num_seqs"),
     ({"api": {"port": 70000}}, "api.port"),
+    ({"api": {"sse_keepalive_s": 0.01}}, "api.sse_keepalive_s: 0.01 s would send a comment many times a second"),
+    ({"api": {"sse_keepalive_s": -1}}, "api.sse_keepalive_s: Input should be greater than or equal to 0"),
     ({"redis": {"prefix": "bad prefix"}}, "redis.prefix"),
     ({"scheduler": {"queue_size": 0}}, "scheduler.queue_size: Input should be greater than or equal to 1"),
     ({"decode": {"replicas": 0}}, "both have replicas"),

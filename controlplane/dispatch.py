@@ -19,7 +19,9 @@ a 502 for requests that never ran.
 A worker is *lost* to a request when its call broke under it (UNAVAILABLE or UNKNOWN without the
 worker's own KV-transfer mark: a killed process, a reset or closed socket, a missed keepalive ping) or
 when its token stream stayed silent past the idle limit (``controlplane.dispatch_watch``). A failure
-names its lost workers' addresses in ``DispatchError.lost``; the scheduler moves the request.
+names its lost workers' addresses in ``DispatchError.lost``; the scheduler moves the request. A decode
+worker whose stream sends only keepalives (the request waits there for KV blocks) past the request's
+``max_stall_s`` is named in ``DispatchError.stalled`` instead: the request moves, the worker is not suspect.
 
 The dispatcher keeps one channel per worker address (``controlplane.dispatch_channels``). A worker gone
 for good is ``forget``-ed (the pool manager says so when it kills a replica): its channel is closed once

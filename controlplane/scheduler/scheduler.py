@@ -11,7 +11,9 @@ A request's life here, one named stage each:
                 (controlplane.dispatch); chunks go back to the ingress as they come.
   4b. MIGRATING a worker the attempt used died or hung (``Verdict.LOST``): it is suspect to routing,
                 the attempt gives back what it held, and a new attempt on other workers re-prefills
-                the prompt plus the tokens sent so far; the client's stream carries on. After
+                the prompt plus the tokens sent so far; the client's stream carries on. A decode
+                worker that stalled the request (keepalives only for ``max_stall_s``: preempted, waiting
+                for blocks) is moved off the same way, but only passed over by this request. After
                 ``migration_limit`` moves the request ends with a retriable 503 naming the cause.
   5. FINISHED / FAILED / ABORTED  recorded in the journal with the time; counters move.
 """
@@ -49,7 +51,8 @@ log = logging.getLogger(__name__)
 
 
 class _Lost(Exception):
-    """An attempt lost a worker (``error.lost``, on ``selection``): the request moves."""
+    """An attempt lost a worker (``error.lost``, on ``selection``) or was stalled on one (``error.stalled``), or a
+    link between two broke: the request moves."""
 
     def __init__(self, error: DispatchError, selection: Selection) -> None:
         super().__init__(str(error))
@@ -199,7 +202,7 @@ class Scheduler:
         log.warning("request %s: %s (after %d tokens, move %d of at most %d)", rid, cause, len(progress.token_ids),
                     moves + 1, self.settings.migration_limit)
         if moves >= self.settings.migration_limit:
-            raise BackendError(f"the request lost {moves + 1} workers, more than the migration limit "
+            raise BackendError(f"the request had to move {moves + 1} times, more than the migration limit "
                                f"({self.settings.migration_limit}); retry it. Last: {cause}", 503,
                                retry_after_s=RETRY_AFTER_S)
         metrics.migrated(str(error.stage))

@@ -1,5 +1,5 @@
 """A worker's preemptions reach the operator: its engine's count goes into its heartbeat (a real Redis), out
-through /admin/pools (``epd status``) and /metrics as ``epd:num_preemptions_total`` per worker."""
+through /admin/pools (``epd status``), the dashboard's data and /metrics as ``epd:num_preemptions_total`` per worker."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import pytest
 
 from controlplane.admin import pools_status
 from controlplane.admin_client import format_status
+from controlplane.api.dashboard import dashboard_state
 from controlplane.observability import metrics
 from controlplane.pools.replica import Lease
 from controlplane.state import WorkerRegistry
@@ -58,6 +59,9 @@ def test_preemptions_are_heartbeat_shown_by_status_and_exported_per_worker(cramp
         assert (worker.worker_id, worker.preemptions) == (cramped.identity.worker_id, preempted)
         status = format_status({"pools": [asdict(v) for v in views]})  # what /admin/pools answers
         assert f"preemptions={preempted}" in status
+        state = dashboard_state(lambda: pools_status(state_conn, registry), None)  # /dashboard's data
+        [shown] = next(p for p in state["pools"] if p["pool"] == "decode")["workers"]
+        assert shown["preemptions"] == preempted
 
         metrics.bind_cluster(metrics.PoolsSource(lambda: pools_status(state_conn, registry)))
         try:

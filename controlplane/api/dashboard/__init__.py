@@ -99,7 +99,7 @@ def series(view: dict[str, Any]) -> dict[str, Any]:
 def _pool(view: PoolView) -> dict[str, Any]:
     workers = [{"worker_id": w.worker_id, "draining": w.draining, "running": w.running,
                 "queued_tokens": w.queued_tokens, "kv_used": w.total_kv_blocks - w.free_kv_blocks,
-                "kv_total": w.total_kv_blocks} for w in view.workers]
+                "kv_total": w.total_kv_blocks, "preemptions": w.preemptions} for w in view.workers]
     pending = [{"name": r.name, "waiting_s": r.waiting_s, "placed": r.placed, "reason": r.reason}
                for r in view.pending]
     kv_total = sum(w.total_kv_blocks for w in view.workers)

@@ -111,6 +111,8 @@ function workerChip(wk) {
   return el("span", { class: "worker", title: wk.worker_id },
     el("span", { class: `badge ${wk.draining ? "draining" : "serving"}` }, wk.draining ? "draining" : "serving"),
     ` ${wk.worker_id} · ${wk.running} · ${wk.queued_tokens}`,
+    ...(wk.preemptions ? [el("span", { class: "preempted", title: "sequences its engine preempted (KV pool full) since it started" },
+      ` · ${wk.preemptions} preempted`)] : []),
     ...(wk.kv_total ? [el("span", { class: "kvbar", title: `${wk.kv_used}/${wk.kv_total} KV blocks` },
       el("span", { style: `width:${frac.toFixed(1)}%` }))] : []));
 }

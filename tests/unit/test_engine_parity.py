@@ -122,3 +122,31 @@ def test_default_model_matches_hf(default_ckpt, default_bundle):
     assert [o.new_token_ids[0] for o in outs] == ref.sequences[0, len(prompt):].tolist()
     assert max((o.logits - ref_logits[0]).abs().max().item() for o, ref_logits in zip(outs, ref.logits)) <= TOL
     assert_no_leaks(engine)
+
+
+@pytest.mark.parametrize("kind", list(TINY_KINDS))
+def test_logprobs_are_hfs_log_softmax_of_the_chosen_and_the_most_likely_tokens(tiny_hf, kind):
+    """``logprobs=5``: each output token's log-probability and the five most likely tokens', as log_softmax of
+    HF's logits at that step; sampling at temperature 0.7 reports the model's own distribution (vLLM's raw
+    logprobs), so the figures are those of HF's greedy run over the tokens drawn (teacher-forced here)."""
+    path = tiny_hf(kind)
+    bundle = load_model(path, require_tokenizer=False)
+    engine = Engine(bundle.model, None, EngineConfig(kv_cache_bytes=1 << 22, block_size=8))
+    engine.add_request("r", PROMPT, SamplingParams(max_tokens=16, temperature=0.7, seed=3, ignore_eos=True,
+                                                   logprobs=5))
+    outs = run_to_completion(engine)["r"]
+    drawn = [o.new_token_ids[0] for o in outs]
+    with torch.no_grad():
+        ref = torch.log_softmax(_hf(path)(torch.tensor([PROMPT + drawn])).logits[0].float(), dim=-1)
+    assert len(outs) == 16
+    for step, o in enumerate(outs):
+        lp = ref[len(PROMPT) - 1 + step]
+        assert o.logprobs is not None and len(o.logprobs.top) == 5
+        assert abs(o.logprobs.logprob - lp[drawn[step]].item()) <= TOL
+        ids = [i for i, _ in o.logprobs.top]
+        values = [v for _, v in o.logprobs.top]
+        assert values == sorted(values, reverse=True)
+        assert max(abs(v - lp[i].item()) for i, v in o.logprobs.top) <= TOL  # each is that token's
+        assert max(abs(a - b) for a, b in zip(values, lp.topk(5).values.tolist())) <= TOL  # and they are the top
+        assert len(set(ids)) == 5
+    assert_no_leaks(engine)

@@ -19,6 +19,7 @@ from workers.runtime.sampler import (
     draw_seed,
     sample,
     seed_draw,
+    token_logprobs,
 )
 
 pytestmark = [pytest.mark.unit]
@@ -59,6 +60,9 @@ def _draws(logits_row: torch.Tensor, params: SamplingParams, n: int, seed: int =
     ({"stop": tuple(str(i) for i in range(17))}, "stop"),
     ({"stop": ("x" * 257,)}, "stop"),
     ({"stop": (3,)}, "stop"),
+    ({"logprobs": -1}, "logprobs"),
+    ({"logprobs": 21}, "logprobs"),
+    ({"logprobs": True}, "logprobs"),
 ])
 def test_invalid_params_name_the_field(kwargs: dict, field: str) -> None:
     with pytest.raises(InvalidRequestError, match=rf"^{field} must"):
@@ -270,3 +274,25 @@ def test_the_draw_never_lands_on_a_token_without_mass() -> None:
     assert drawn.tolist() == [1, 2, 2] and usable.all()
     drawn, usable = _inverse_cdf(torch.tensor([[0.0, float("nan")], [float("inf"), 0.0]]), u[:2])
     assert not usable.any()
+
+
+# ---------------------------------------------------------------- logprobs
+def test_token_logprobs_are_each_rows_own_log_softmax_with_as_many_top_tokens_as_asked() -> None:
+    logits = _logits(4)
+    tokens = [5, 9, 11, 60]
+    got = token_logprobs(logits, tokens, [3, None, 0, 20])
+    assert got[1] is None
+    for row, n in ((0, 3), (2, 0), (3, 20)):
+        entry = got[row]
+        assert entry is not None
+        lp = torch.log_softmax(logits[row], dim=-1)
+        assert entry.logprob == lp[tokens[row]].item()
+        top = lp.topk(n) if n else None
+        assert [i for i, _ in entry.top] == ([] if top is None else top.indices.tolist())
+        assert [v for _, v in entry.top] == ([] if top is None else top.values.tolist())
+    alone = token_logprobs(logits[3:4], tokens[3:], [20])[0]  # the same whatever shares the batch
+    assert alone == got[3]
+
+
+def test_no_row_asking_for_logprobs_costs_nothing() -> None:
+    assert token_logprobs(torch.full((2, VOCAB), math.nan), [0, 1], [None, None]) == [None, None]

@@ -38,7 +38,7 @@ from workers.runtime.errors import (
 )
 from workers.runtime.kv_cache import CACHE_DTYPES, CacheDType, KVCacheSpec, PagedKVCache
 from workers.runtime.model import DecoderModel
-from workers.runtime.sampler import SamplingParams, sample, seed_draw
+from workers.runtime.sampler import SamplingParams, TokenLogprobs, sample, seed_draw, token_logprobs
 from workers.runtime.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from workers.runtime.sequence import FinishReason, MultimodalInput, Sequence
 from workers.runtime.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -118,6 +118,7 @@ class RequestOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     logits: torch.Tensor | None = None  # [vocab] float32, when params.return_logits
+    logprobs: TokenLogprobs | None = None  # the new token's, when params.logprobs is set
     # On a finished output handed out by workers.engine_loop.EngineLoop: seconds from the request's
     # admission to this output (the steps that ran it and the gaps between them); 0.0 otherwise.
     engine_seconds: float = 0.0
@@ -342,9 +343,10 @@ class Engine:
             return True
 
     def add_prefilled(self, reservation: KVReservation, prompt_ids: list[int], first_token: int,
-                      params: SamplingParams) -> RequestOutput:
+                      params: SamplingParams, first_logprobs: TokenLogprobs | None = None) -> RequestOutput:
         """Join a sequence whose prompt KV is already in the reserved blocks, with the first token
-        prefill sampled. Returns that token's output (which may already finish the request).
+        prefill sampled (and its logprobs, computed there). Returns that token's output (which may already
+        finish the request).
 
         The reservation is consumed whether this succeeds or raises."""
         with self._lock:
@@ -367,7 +369,7 @@ class Engine:
             seq.num_computed = len(prompt_ids)
             self._seqs[seq.request_id] = seq
             self.scheduler.adopt(seq)
-            return self._append(seq, first_token, None)
+            return self._append(seq, first_token, None, first_logprobs)
 
     def _check_mm(self, prompt_ids: list[int], mm: MultimodalInput) -> None:
         if mm.embeds.ndim != 2 or mm.embeds.shape[1] != self.model.cfg.hidden_size:
@@ -457,7 +459,8 @@ class Engine:
         tokens = sample(logits, [s.params for s in sampled], [s.generator for s in sampled])
         tokens = [s.params.forced_tokens[len(s.output_ids)] if s.params.forced_tokens else t
                   for s, t in zip(sampled, tokens)]
-        return [self._append(s, t, logits[i].clone() if s.params.return_logits else None)
+        logprobs = token_logprobs(logits, tokens, [s.params.logprobs for s in sampled])
+        return [self._append(s, t, logits[i].clone() if s.params.return_logits else None, logprobs[i])
                 for i, (s, t) in enumerate(zip(sampled, tokens))]
 
     def _prefill_item(self, c: ScheduledChunk) -> PrefillItem:
@@ -476,7 +479,8 @@ class Engine:
                 hook(event)
         return on_layer_done
 
-    def _append(self, seq: Sequence, token: int, logits: torch.Tensor | None) -> RequestOutput:
+    def _append(self, seq: Sequence, token: int, logits: torch.Tensor | None,
+                logprobs: TokenLogprobs | None = None) -> RequestOutput:
         seq.output_ids.append(token)
         params = seq.params
         reason: FinishReason | None = None
@@ -496,7 +500,7 @@ class Engine:
             self.scheduler.finish(seq, reason)
             del self._seqs[seq.request_id]
         return RequestOutput(seq.request_id, (token,), text, reason is not None, reason,
-                             len(seq.prompt_ids), len(seq.output_ids), logits)
+                             len(seq.prompt_ids), len(seq.output_ids), logits, logprobs)
 
 
 def _kernel_ops(config: EngineConfig, device: torch.device) -> TritonOps | None:

@@ -14,7 +14,7 @@ from workers.runtime.engine import Engine, EngineConfig
 from workers.runtime.errors import InvalidRequestError
 from workers.runtime.loader import LoadedModel
 from workers.runtime.multimodal import expand_image_tokens
-from workers.runtime.sampler import SamplingParams
+from workers.runtime.sampler import SamplingParams, TokenLogprobs
 from workers.runtime.sequence import FinishReason, MultimodalInput
 from workers.runtime.tokenizer import Message
 from workers.runtime.vision import encode_images, preprocess_images
@@ -37,6 +37,7 @@ class GenerateResult:
     token_ids: list[int]
     text: str
     finish_reason: FinishReason
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per token, when params.logprobs is set
 
 
 def build_prompt(bundle: LoadedModel, req: GenerateRequest) -> tuple[list[int], MultimodalInput | None]:
@@ -77,11 +78,14 @@ def generate(bundle: LoadedModel, requests: list[GenerateRequest],
     tokens: dict[str, list[int]] = {k: [] for k in prompts}
     texts: dict[str, list[str]] = {k: [] for k in prompts}
     reasons: dict[str, FinishReason] = {}
+    logprobs: dict[str, list[TokenLogprobs]] = {k: [] for k in prompts}
     while engine.has_unfinished():
         for out in engine.step():
             tokens[out.request_id].extend(out.new_token_ids)
             texts[out.request_id].append(out.text)
+            if out.logprobs is not None:
+                logprobs[out.request_id].append(out.logprobs)
             if out.finished:
                 assert out.finish_reason is not None
                 reasons[out.request_id] = out.finish_reason
-    return [GenerateResult(prompts[k], tokens[k], "".join(texts[k]), reasons[k]) for k in prompts]
+    return [GenerateResult(prompts[k], tokens[k], "".join(texts[k]), reasons[k], logprobs[k]) for k in prompts]

@@ -16,6 +16,8 @@ import torch
 
 from workers.runtime.errors import InvalidRequestError
 
+MAX_LOGPROBS = 20  # the most top_logprobs a request may ask for (OpenAI's chat limit; vLLM's default max_logprobs)
+
 # Temperatures below this are greedy (vLLM's _SAMPLING_EPS): dividing logits by 1e-38 overflows them to
 # inf, and softmax then gives NaN.
 GREEDY_BELOW = 1e-5
@@ -35,7 +37,11 @@ class SamplingParams:
     # an engine whose KV pool holds less than prompt + max_tokens runs the request as far as its pool holds
     # (finishing "length" there) instead of refusing it
     to_context: bool = False
-    return_logits: bool = False  # attach each step's float32 logits to the output (tests, logprobs)
+    return_logits: bool = False  # attach each step's float32 logits to the output (tests)
+    # Each output token's log-probability, and (n > 0) the n most likely tokens', under the model's own
+    # distribution (log_softmax of the raw logits, before temperature, top-k and top-p, as vLLM reports them).
+    # None = off; 0 = the chosen token's alone.
+    logprobs: int | None = None
     # Teacher forcing: output token i is forced_tokens[i] whatever is sampled (with return_logits,
     # this scores a given continuation). Empty = off.
     forced_tokens: tuple[int, ...] = ()
@@ -51,6 +57,8 @@ class SamplingParams:
             raise InvalidRequestError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
         if self.seed is not None and not (_is_int(self.seed) and 0 <= self.seed < 2**63):
             raise InvalidRequestError(f"seed must be an integer in [0, 2^63), got {self.seed!r}")
+        if self.logprobs is not None and not (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise InvalidRequestError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
         if self.forced_tokens and len(self.forced_tokens) < self.max_tokens:
             raise InvalidRequestError("forced_tokens must hold at least max_tokens tokens")
         if len(self.stop) > 16 or any(not isinstance(s, str) or len(s) > 256 for s in self.stop):
@@ -109,6 +117,36 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     drawn, usable = _inverse_cdf(x, u)
     out[index] = torch.where(usable, drawn, out[index])
     return out.tolist()
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """One output token's log-probability and the ``top`` (token id, log-probability) pairs, most likely first
+    (empty when the request asked for logprobs 0)."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], wanted: list[int | None]) -> list[TokenLogprobs | None]:
+    """For each row of ``logits`` [n, vocab] (float32) whose ``wanted`` is not None: the log-probability of
+    ``tokens[row]`` and of the ``wanted[row]`` most likely tokens (log_softmax over the row, so each row's figures
+    are its own whatever shares the batch). One read from the device."""
+    rows = [i for i, w in enumerate(wanted) if w is not None]
+    out: list[TokenLogprobs | None] = [None] * len(wanted)
+    if not rows:
+        return out
+    device = logits.device
+    lp = torch.log_softmax(logits.index_select(0, _on(device, torch.tensor(rows))).float(), dim=-1)
+    chosen = lp.gather(1, _on(device, torch.tensor([[tokens[i]] for i in rows]))).squeeze(1)
+    k = max(wanted[i] or 0 for i in rows)
+    if k:
+        top = lp.topk(min(k, lp.shape[-1]), dim=-1)
+        values, ids = top.values.tolist(), top.indices.tolist()
+    for j, i in enumerate(rows):
+        n = wanted[i] or 0
+        out[i] = TokenLogprobs(float(chosen[j]), tuple(zip(ids[j][:n], values[j][:n])) if n else ())
+    return out
 
 
 def _on(device: torch.device, host: torch.Tensor) -> torch.Tensor:

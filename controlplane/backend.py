@@ -12,7 +12,9 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from controlplane.dispatch import WorkerRequest
+from workers.runtime.sampler import TokenLogprobs
 from workers.runtime.tokenizer import Tokenizer
+from workers.service_base import logprobs_from_proto
 
 
 @dataclass(frozen=True)
@@ -28,12 +30,14 @@ class Chunk:
     # On the finished chunk of a request one engine ran whole (a one-token request, or colocated mode):
     # that engine's time on it, admission to last output. 0.0 when unknown (disaggregated decoding).
     engine_seconds: float = 0.0
+    # One per token id when the request asked for logprobs (SamplingParams.logprobs), else empty.
+    logprobs: tuple[TokenLogprobs, ...] = ()
 
     @classmethod
     def from_wire(cls, c: Any) -> Chunk:
         """From a worker's ``TokenChunk`` (epd.worker.v1)."""
         return cls(tuple(c.token_ids), c.text, c.finished, c.finish_reason or None, c.prompt_tokens,
-                   c.completion_tokens, c.engine_seconds)
+                   c.completion_tokens, c.engine_seconds, tuple(logprobs_from_proto(m) for m in c.logprobs))
 
 
 class Overloaded(Exception):

@@ -308,7 +308,8 @@ class Dispatcher:
                 raise _error("encode", exc, route.encode) from None
         yield wpb.TokenChunk(token_ids=[reply.first_token], text=reply.text, finished=True,
                              finish_reason=reply.finish_reason, prompt_tokens=len(req.prompt_ids), completion_tokens=1,
-                             engine_seconds=reply.engine_seconds)
+                             engine_seconds=reply.engine_seconds,
+                             logprobs=[reply.first_logprobs] if reply.HasField("first_logprobs") else [])
 
     def _run_disaggregated(self, req: WorkerRequest, route: Route, slots: dict[str, Slot],
                            on_started: Callable[[], None]) -> Iterator[wpb.TokenChunk]:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import ssl
 import threading
 import time
@@ -89,11 +90,33 @@ class KVSink(Protocol):
         """``write`` for parts already in the cache's device memory (TRANSPORT_CUDA_IPC)."""
 
 
+MAX_TOP_LOGPROBS = 20  # workers.runtime.sampler.MAX_LOGPROBS: the most a request may ask for
+
+
+def first_logprobs_of(f: pb.PushFinish) -> tuple[float, tuple[tuple[int, float], ...]] | None:
+    """The finish's first-token logprobs (None when not sent); TransferRefused when they are malformed."""
+    if not f.HasField("first_logprob"):
+        if f.first_top_ids or f.first_top_logprobs:
+            raise TransferRefused(Code.INVALID_ARGUMENT, "finish has top logprobs without the first token's")
+        return None
+    if math.isnan(f.first_logprob):
+        raise TransferRefused(Code.INVALID_ARGUMENT, "finish's first_logprob is NaN")
+    if len(f.first_top_ids) != len(f.first_top_logprobs) or len(f.first_top_ids) > MAX_TOP_LOGPROBS:
+        raise TransferRefused(Code.INVALID_ARGUMENT, f"finish has {len(f.first_top_ids)} top token ids and "
+                                                     f"{len(f.first_top_logprobs)} top logprobs (equal counts, "
+                                                     f"at most {MAX_TOP_LOGPROBS})")
+    if any(math.isnan(v) for v in f.first_top_logprobs):
+        raise TransferRefused(Code.INVALID_ARGUMENT, "finish's first_top_logprobs hold a NaN")
+    return f.first_logprob, tuple(zip(f.first_top_ids, f.first_top_logprobs))
+
+
 @dataclass(frozen=True)
 class TransferOutcome:
     request_id: str
     ok: bool
     first_token: int | None = None
+    # the first token's log-probability and the most likely tokens' (id, log-probability), when sent
+    first_logprobs: tuple[float, tuple[tuple[int, float], ...]] | None = None
     code: grpc.StatusCode | None = None
     error: str | None = None
     num_chunks: int = 0
@@ -499,6 +522,7 @@ class KVReceiver:
                 raise TransferRefused(Code.DATA_LOSS, f"truncated transfer: layer {layer} is missing {missing} of "
                                                       f"{s.num_blocks} blocks")
         self.expectations.complete(exp, TransferOutcome(exp.request_id, True, first_token=f.first_token,
+                                                        first_logprobs=first_logprobs_of(f),
                                                         num_chunks=s.next_seq, num_bytes=s.num_bytes))
         return pb.PushAck(request_id=exp.request_id, num_chunks=s.next_seq, num_bytes=s.num_bytes,
                           checksum=s.checksum.value)

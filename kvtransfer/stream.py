@@ -63,6 +63,20 @@ from kvtransfer.wire import OPEN_BULK_METHOD, OPEN_CUDA_IPC_METHOD, PROTOCOL_VER
 _BULK_WRITERS = ReusedThreads("kv-bulk-write")  # one per bulk TCP stream while it sends
 
 
+# The first token's log-probability and the most likely tokens' (id, log-probability), most likely first.
+FirstLogprobs = tuple[float, tuple[tuple[int, float], ...]]
+
+
+def finish_message(num_chunks: int, num_bytes: int, checksum: int, first_token: int,
+                   first_logprobs: FirstLogprobs | None) -> pb.PushFinish:
+    msg = pb.PushFinish(num_chunks=num_chunks, num_bytes=num_bytes, checksum=checksum, first_token=first_token)
+    if first_logprobs is not None:
+        msg.first_logprob = first_logprobs[0]
+        msg.first_top_ids.extend(i for i, _ in first_logprobs[1])
+        msg.first_top_logprobs.extend(v for _, v in first_logprobs[1])
+    return msg
+
+
 @dataclass(frozen=True)
 class PushResult:
     request_id: str
@@ -342,11 +356,12 @@ class KVStream:
                 self.ctx.budget.release(cost)
                 raise
 
-    def finish(self, first_token: int) -> PushResult:
-        """Queue the finish message and wait for the receiver's ack."""
+    def finish(self, first_token: int, first_logprobs: FirstLogprobs | None = None) -> PushResult:
+        """Queue the finish message (with the first token, and its logprobs when the request asked for them)
+        and wait for the receiver's ack."""
         self._raise_if_failed()
         self._finished = True
-        self._queue.put(("finish", first_token, 0))
+        self._queue.put(("finish", (first_token, first_logprobs), 0))
         try:
             ack = self._future.result(timeout=max(0.0, self.deadline - time.monotonic()) + 1.0)
         except grpc.RpcError as exc:
@@ -478,9 +493,8 @@ class KVStream:
                 yield item
                 continue
             if kind == "finish":
-                finish = encode_control(pb.PushMessage(finish=pb.PushFinish(
-                    num_chunks=self._seq, num_bytes=self._bytes, checksum=self._checksum.value,
-                    first_token=item)))
+                finish = encode_control(pb.PushMessage(finish=finish_message(
+                    self._seq, self._bytes, self._checksum.value, *item)))
                 if self._bulk is not None:
                     self._send_bulk(KIND_FINISH, [finish])
                     return

@@ -12,7 +12,7 @@ import secrets
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -27,7 +27,8 @@ from workers.prefill.kv_stream import LayerStreamer, engine_layout
 from workers.runtime.engine import DTYPES, Engine, EngineConfig
 from workers.runtime.loader import LoadedModel
 from workers.runtime.model import DecoderModel
-from workers.runtime.sampler import SamplingParams
+from workers.runtime.sampler import SamplingParams, TokenLogprobs
+from workers.service_base import first_logprobs
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,7 @@ class PairResult:
     logits: list  # per output token, float32 [vocab], when the params asked for return_logits
     push: PushResult
     ttft_s: float  # add to prefill engine -> first token admitted on the decode side
+    logprobs: list = field(default_factory=list)  # per output token, when the params asked for logprobs
 
 
 class DisaggPair:
@@ -114,12 +116,14 @@ class DisaggPair:
             futures = {}
             while self.prefill.has_unfinished():
                 for out in self.prefill.step():
-                    futures[out.request_id] = pool.submit(self.streamer.finish, out.request_id, out.new_token_ids[0])
+                    futures[out.request_id] = pool.submit(self.streamer.finish, out.request_id, out.new_token_ids[0],
+                                                          first_logprobs(out.logprobs))
             pushes = {rid: f.result() for rid, f in futures.items()}
         with done:
             done.wait_for(lambda: len(outcomes) == len(prompts), timeout=self.timeout_s)
         tokens: dict[str, list[int]] = {}
         logits: dict[str, list] = {}
+        logprobs: dict[str, list] = {}
         ttft: dict[str, float] = {}
         for i, prompt in enumerate(prompts):
             rid = f"req-{i}"
@@ -127,16 +131,20 @@ class DisaggPair:
             if outcome is None or not outcome.ok or outcome.first_token is None:
                 self.decode.release(reservations[rid])
                 raise RuntimeError(f"transfer of {rid} failed: {outcome}")
-            first = self.decode.add_prefilled(reservations[rid], prompt, outcome.first_token, per_prompt[i])
+            first = self.decode.add_prefilled(reservations[rid], prompt, outcome.first_token, per_prompt[i],
+                                              None if outcome.first_logprobs is None
+                                              else TokenLogprobs(*outcome.first_logprobs))
             ttft[rid] = time.perf_counter() - starts[rid]
             tokens[rid] = list(first.new_token_ids)
             logits[rid] = [None]  # the first token's logits live on the prefill side
+            logprobs[rid] = [first.logprobs]
         while self.decode.has_unfinished():
             for out in self.decode.step():
                 tokens[out.request_id].extend(out.new_token_ids)
                 logits[out.request_id].append(out.logits)
-        return [PairResult(tokens[f"req-{i}"], logits[f"req-{i}"], pushes[f"req-{i}"], ttft[f"req-{i}"])
-                for i in range(len(prompts))]
+                logprobs[out.request_id].append(out.logprobs)
+        return [PairResult(tokens[f"req-{i}"], logits[f"req-{i}"], pushes[f"req-{i}"], ttft[f"req-{i}"],
+                           logprobs[f"req-{i}"]) for i in range(len(prompts))]
 
 
 def model_on_device(model: DecoderModel, device: str, dtype: str | None = None) -> DecoderModel:

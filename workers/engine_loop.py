@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from workers.runtime.engine import Engine, KVReservation, RequestOutput
 from workers.runtime.errors import DuplicateRequestError, EngineError
-from workers.runtime.sampler import SamplingParams
+from workers.runtime.sampler import SamplingParams, TokenLogprobs
 from workers.runtime.sequence import FinishReason, MultimodalInput
 
 log = logging.getLogger(__name__)
@@ -56,6 +56,7 @@ class _Adopt:
     prompt_ids: list[int]
     first_token: int
     params: SamplingParams
+    first_logprobs: TokenLogprobs | None = None
 
 
 _Work = _Add | _Adopt
@@ -84,11 +85,12 @@ class EngineLoop:
         return self._post(request_id, _Add(request_id, list(prompt_ids), params, mm), wake)
 
     def adopt(self, reservation: KVReservation, prompt_ids: list[int], first_token: int,
-              params: SamplingParams) -> queue.Queue:
+              params: SamplingParams, first_logprobs: TokenLogprobs | None = None) -> queue.Queue:
         """Join a transferred prompt; its first output (prefill's token) is the first on the queue. A
         refusal arrives as a ``LoopFailure`` with the error; the reservation is consumed either way."""
         try:
-            return self._post(reservation.request_id, _Adopt(reservation, list(prompt_ids), first_token, params))
+            return self._post(reservation.request_id, _Adopt(reservation, list(prompt_ids), first_token, params,
+                                                             first_logprobs))
         except EngineError:
             self.engine.release(reservation)
             raise
@@ -151,7 +153,8 @@ class EngineLoop:
                 if isinstance(w, _Add):
                     self.engine.add_request(rid, w.prompt_ids, w.params, w.mm)
                 else:
-                    first = self.engine.add_prefilled(w.reservation, w.prompt_ids, w.first_token, w.params)
+                    first = self.engine.add_prefilled(w.reservation, w.prompt_ids, w.first_token, w.params,
+                                                      w.first_logprobs)
             except EngineError as exc:
                 with self._lock:
                     q = self._queues.pop(rid, None)

@@ -19,6 +19,7 @@ from kvtransfer.auth import TransferSecurity
 from kvtransfer.expectations import MAX_REQUEST_ID_CHARS
 from kvtransfer.options import CHANNEL_OPTIONS, server_stream_options
 from kvtransfer.server import handler_pool, released_on_failure
+from kvtransfer.stream import FirstLogprobs
 from workers.runtime.errors import (
     CapacityError,
     DuplicateRequestError,
@@ -28,7 +29,7 @@ from workers.runtime.errors import (
     PromptTooLongError,
     RequestTooLargeError,
 )
-from workers.runtime.sampler import SamplingParams
+from workers.runtime.sampler import SamplingParams, TokenLogprobs
 
 if TYPE_CHECKING:
     from workers.engine_loop import EngineLoop
@@ -140,7 +141,8 @@ def sampling_from_proto(p: wpb.SamplingParams) -> SamplingParams:
     a caller that forgot it used to get 16 tokens silently. top_p 0 (unset) is 1 (off)."""
     return SamplingParams(max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p or 1.0,
                           top_k=p.top_k, seed=p.seed if p.HasField("seed") else None, stop=tuple(p.stop),
-                          stop_token_ids=tuple(p.stop_token_ids), ignore_eos=p.ignore_eos, to_context=p.to_context)
+                          stop_token_ids=tuple(p.stop_token_ids), ignore_eos=p.ignore_eos, to_context=p.to_context,
+                          logprobs=p.logprobs if p.HasField("logprobs") else None)
 
 
 UINT32_MAX = 2**32 - 1
@@ -155,7 +157,22 @@ def sampling_to_proto(s: SamplingParams) -> wpb.SamplingParams:
                              to_context=s.to_context)
     if s.seed is not None:
         msg.seed = s.seed
+    if s.logprobs is not None:
+        msg.logprobs = s.logprobs
     return msg
+
+
+def logprobs_to_proto(t: TokenLogprobs) -> wpb.TokenLogprobs:
+    return wpb.TokenLogprobs(logprob=t.logprob, top_ids=[i for i, _ in t.top], top_logprobs=[v for _, v in t.top])
+
+
+def logprobs_from_proto(m: wpb.TokenLogprobs) -> TokenLogprobs:
+    return TokenLogprobs(m.logprob, tuple(zip(m.top_ids, m.top_logprobs)))
+
+
+def first_logprobs(t: TokenLogprobs | None) -> FirstLogprobs | None:
+    """A token's logprobs as the KV transfer's finish carries them."""
+    return None if t is None else (t.logprob, t.top)
 
 
 def abort_for(context: grpc.ServicerContext, exc: EngineError, message: str | None = None) -> NoReturn:
@@ -246,6 +263,8 @@ def stream_tokens(loop: EngineLoop, request_id: str, q: queue.Queue, prompt_toke
             context.abort(grpc.StatusCode.INTERNAL, item.message)
         chunk = wpb.TokenChunk(token_ids=list(item.new_token_ids), text=item.text, finished=item.finished,
                                prompt_tokens=prompt_tokens, completion_tokens=item.num_output_tokens)
+        if item.logprobs is not None:
+            chunk.logprobs.append(logprobs_to_proto(item.logprobs))
         if item.finished:
             finished.set()
             chunk.finish_reason = item.finish_reason.value if item.finish_reason else ""

@@ -18,10 +18,14 @@ from __future__ import annotations
 
 import dataclasses
 
+import grpc
+
 from controlplane.backend import Chunk
-from controlplane.dispatch import WorkerRequest
+from controlplane.dispatch import DispatchError, WorkerRequest
 from epd.worker.v1 import worker_pb2 as wpb
+from workers.runtime.sampler import TokenLogprobs
 from workers.runtime.tokenizer import IncrementalDetokenizer, Tokenizer
+from workers.service_base import logprobs_from_proto
 
 _GOLDEN = 0x9E3779B97F4A7C15  # workers.runtime.sampler.draw_seed's increment per token index
 _MASK64 = (1 << 64) - 1
@@ -93,20 +97,25 @@ class Progress:
         return Chunk((), text, True, reason, len(self.request.prompt_ids), len(self.token_ids))
 
     def accept(self, c: wpb.TokenChunk) -> Chunk | None:
-        """The client's chunk for worker chunk ``c``; None when it carries nothing new."""
+        """The client's chunk for worker chunk ``c``; None when it carries nothing new. Logprobs (one per
+        token, when asked for) are dropped or kept with their tokens."""
         ids = list(c.token_ids)
+        logprobs = [logprobs_from_proto(m) for m in c.logprobs] if c.logprobs else []
+        if logprobs and len(logprobs) != len(ids):
+            raise DispatchError("decode", grpc.StatusCode.INTERNAL,
+                                f"a worker sent {len(logprobs)} logprobs for {len(ids)} tokens")
         if self._skip:
-            dropped, ids = ids[:self._skip], ids[self._skip:]
+            dropped, ids, logprobs = ids[:self._skip], ids[self._skip:], logprobs[self._skip:]
             self._skip -= len(dropped)
         if self._detok is None:
             self.token_ids.extend(ids)
             self.text_chars += len(c.text)
             self.finished = c.finished
             return Chunk(tuple(ids), c.text, c.finished, c.finish_reason or None, len(self.request.prompt_ids),
-                         len(self.token_ids), c.engine_seconds)
-        return self._across_seam(ids, c)
+                         len(self.token_ids), c.engine_seconds, tuple(logprobs))
+        return self._across_seam(ids, c, logprobs)
 
-    def _across_seam(self, ids: list[int], c: wpb.TokenChunk) -> Chunk | None:
+    def _across_seam(self, ids: list[int], c: wpb.TokenChunk, logprobs: list[TokenLogprobs]) -> Chunk | None:
         assert self._detok is not None
         text, taken, reason = "", [], c.finish_reason or None
         # after a seam the worker has no stop strings: a "stop" is a stop token or EOS, whose text is never
@@ -130,4 +139,4 @@ class Progress:
         if not taken and not finished:
             return None
         return Chunk(tuple(taken), text, finished, reason if finished else None, len(self.request.prompt_ids),
-                     len(self.token_ids))
+                     len(self.token_ids), logprobs=tuple(logprobs[:len(taken)]))

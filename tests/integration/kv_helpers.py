@@ -28,7 +28,7 @@ from kvtransfer.options import CHANNEL_OPTIONS
 from kvtransfer.receiver import KVReceiver, TransferOutcome, WireParts
 from kvtransfer.sender import KVSender
 from kvtransfer.server import kv_transfer_handler, start_server
-from kvtransfer.stream import PushResult
+from kvtransfer.stream import FirstLogprobs, PushResult
 from kvtransfer.wire import OPEN_BULK_METHOD, PROTOCOL_VERSION, PUSH_METHOD, encode_chunk, encode_control, pb
 from workers.decode.kv_sink import CacheSink
 from workers.prefill.kv_stream import engine_layout
@@ -166,7 +166,8 @@ class Rig:
         assert stats.blocks_free == stats.blocks_total, stats
 
     # ------------------------------------------------------------------ a good transfer through KVSender
-    def send_good(self, pending: Pending, sender: KVSender | None = None, first_token: int = 7) -> PushResult:
+    def send_good(self, pending: Pending, sender: KVSender | None = None, first_token: int = 7,
+                  first_logprobs: FirstLogprobs | None = None) -> PushResult:
         """Push random blocks for ``pending`` with a KVSender, check what landed, release the blocks."""
         sender = sender or self.sender
         n = self.layout.blocks_for(pending.reservation.num_tokens)
@@ -177,9 +178,10 @@ class Rig:
                                     timeout_s=10)
         for layer, (k, v) in enumerate(kv):
             stream.send_layer(layer, 0, k.clone(), v.clone())
-        result = stream.finish(first_token)
+        result = stream.finish(first_token, first_logprobs)
         outcome = pending.outcome()
         assert outcome.ok and outcome.first_token == first_token, outcome
+        assert outcome.first_logprobs == first_logprobs, outcome
         assert outcome.num_chunks == result.num_chunks >= self.layout.num_layers
         self.check_landed(pending.reservation.blocks[:n], kv)
         assert self.engine.release(pending.reservation)

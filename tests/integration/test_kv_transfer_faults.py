@@ -10,11 +10,13 @@ from __future__ import annotations
 import dataclasses
 import fcntl
 import json
+import math
 import os
 import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -263,6 +265,40 @@ def test_incomplete_or_inconsistent_transfer_is_data_loss(rig: Rig, case: str) -
     assert err.code() == Code.DATA_LOSS and words in err.details(), err.details()
     rig.assert_failed(pending, Code.DATA_LOSS, words)
     rig.good_transfer()
+    rig.assert_clean()
+
+
+BAD_LOGPROBS: dict[str, tuple[dict[str, Any], str]] = {
+    "top without the first": ({"first_top_ids": [1], "first_top_logprobs": [-0.5]}, "top logprobs without"),
+    "NaN": ({"first_logprob": math.nan}, "first_logprob is NaN"),
+    "counts differ": ({"first_logprob": -0.1, "first_top_ids": [1, 2], "first_top_logprobs": [-0.5]},
+                      "2 top token ids and 1 top logprobs"),
+    "too many": ({"first_logprob": -0.1, "first_top_ids": list(range(21)), "first_top_logprobs": [-1.0] * 21},
+                 "at most 20"),
+    "NaN in the top": ({"first_logprob": -0.1, "first_top_ids": [1], "first_top_logprobs": [math.nan]},
+                       "first_top_logprobs hold a NaN"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_LOGPROBS))
+def test_a_finish_with_malformed_first_token_logprobs_is_refused(rig: Rig, case: str) -> None:
+    fields, words = BAD_LOGPROBS[case]
+    pending = rig.reserve()
+    frames = Frames(rig.layout, pending.rid)
+    err = refused(rig.channel, [frames.handshake(), *frames.all_layers(), frames.finish(**fields)], AUTH)
+    assert err.code() == Code.INVALID_ARGUMENT and words in err.details(), err.details()
+    rig.assert_failed(pending, Code.INVALID_ARGUMENT, words)
+    rig.good_transfer()
+    rig.assert_clean()
+
+
+@pytest.mark.parametrize("transport", ["grpc", "tcp"])
+def test_a_finish_carries_the_first_tokens_logprobs_to_the_receiver(rig: Rig, transport: str) -> None:
+    sender = KVSender(rig.client_security, transport=transport)  # type: ignore[arg-type]
+    try:
+        rig.send_good(rig.reserve(), sender, first_token=7, first_logprobs=(-0.25, ((7, -0.25), (3, -2.5))))
+    finally:
+        sender.close()
     rig.assert_clean()
 
 

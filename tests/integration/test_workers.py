@@ -18,7 +18,8 @@ from kvtransfer.auth import TransferSecurity
 from workers.run import start_worker
 from workers.runtime.engine import EngineConfig
 from workers.runtime.generate import GenerateRequest, build_prompt, generate
-from workers.runtime.sampler import SamplingParams
+from workers.runtime.sampler import SamplingParams, TokenLogprobs
+from workers.service_base import logprobs_from_proto
 
 from dispatch_helpers import on_threads, png, run_request
 
@@ -88,6 +89,28 @@ def test_a_prefill_worker_on_the_tcp_transport_matches_the_reference(stack):
         assert decode_receiver.bulk.connections == before + 1
     finally:
         prefill.stop()
+    _assert_clean(workers)
+
+
+@pytest.mark.parametrize("max_tokens", [12, 1])
+def test_logprobs_through_the_workers_equal_the_references(stack, max_tokens):
+    """Sampled at temperature 0.8 with logprobs=4: the first token's figures come from the prefill worker (over
+    the KV transfer's finish to decode, or in the Prefill reply of a one-token request), the rest from decode;
+    all of them equal ``generate()``'s exactly (a lossless cache: the same logits)."""
+    bundle, workers, dispatcher, route = stack
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.8, seed=11, ignore_eos=True, logprobs=4)
+    greq = GenerateRequest(messages=[{"role": "user", "content": "Count to five."}], params=params)
+    ids, _ = build_prompt(bundle, greq)
+    ref = generate(bundle, [greq])[0]
+    assert len(ref.logprobs) == max_tokens and all(len(t.top) == 4 for t in ref.logprobs)
+    tokens: list[int] = []
+    logprobs: list[TokenLogprobs] = []
+    for chunk in dispatcher.run(WorkerRequest(f"logprobs-{max_tokens}", ids, params), route):
+        assert len(chunk.logprobs) == len(chunk.token_ids)
+        tokens.extend(chunk.token_ids)
+        logprobs.extend(logprobs_from_proto(m) for m in chunk.logprobs)
+    assert tokens == ref.token_ids
+    assert logprobs == ref.logprobs
     _assert_clean(workers)
 
 

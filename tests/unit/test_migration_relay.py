@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from controlplane.dispatch import WorkerRequest
+from controlplane.dispatch import DispatchError, WorkerRequest
 from controlplane.scheduler.health import BreakerState, WorkerHealth
 from controlplane.scheduler.relay import Progress, shifted_seed
 from epd.worker.v1 import worker_pb2 as wpb
@@ -98,6 +98,32 @@ def test_a_seeded_seam_moves_back_to_a_token_whose_shifted_seed_fits():
     assert seam.at + seam.replay == 5 and shifted_seed(seed, seam.at) < 2**63
     cont = p.continuation()
     assert cont.prompt_ids == [1] + list(range(seam.at)) and cont.params.max_tokens == 20 - seam.at
+
+
+def _lp(token: int) -> wpb.TokenLogprobs:
+    return wpb.TokenLogprobs(logprob=-token / 8, top_ids=[token], top_logprobs=[-token / 8])
+
+
+def test_logprobs_stay_with_their_tokens_when_replayed_tokens_are_dropped_after_a_seam(default_bundle):
+    seed = 2**63 - 1  # the seam moves back, so the next attempt replays tokens already sent
+    req = WorkerRequest("r", [1], SamplingParams(max_tokens=20, temperature=1.0, seed=seed, logprobs=1))
+    p = Progress(req, default_bundle.tokenizer)
+    sent = [40, 41, 42, 43, 44]
+    first = p.accept(wpb.TokenChunk(token_ids=sent, logprobs=[_lp(t) for t in sent]))
+    assert first is not None and [t.logprob for t in first.logprobs] == [-t / 8 for t in sent]
+    seam = p.seam()
+    assert seam.replay > 0
+    p.begin_attempt()
+    again = sent[seam.at:] + [45, 46]  # the new worker sends the replayed tokens, then new ones
+    out = p.accept(wpb.TokenChunk(token_ids=again, logprobs=[_lp(t) for t in again]))
+    assert out is not None and out.token_ids == (45, 46)
+    assert [(t.logprob, t.top) for t in out.logprobs] == [(-45 / 8, ((45, -45 / 8),)), (-46 / 8, ((46, -46 / 8),))]
+
+
+def test_a_chunk_whose_logprobs_do_not_match_its_tokens_is_a_worker_error(default_bundle):
+    p = Progress(WorkerRequest("r", [1], SamplingParams(max_tokens=4, logprobs=0)), default_bundle.tokenizer)
+    with pytest.raises(DispatchError, match="sent 1 logprobs for 2 tokens"):
+        p.accept(wpb.TokenChunk(token_ids=[5, 6], logprobs=[_lp(5)]))
 
 
 def test_the_breaker_opens_on_a_lost_worker_and_lets_one_probe_through_after_a_while():

@@ -21,7 +21,7 @@ from kvtransfer.errors import TransferFailed, detached, fresh
 from kvtransfer.layout import KVLayout
 from kvtransfer.sender import KVSender
 from kvtransfer.staging import index_on
-from kvtransfer.stream import KVStream, PushResult
+from kvtransfer.stream import FirstLogprobs, KVStream, PushResult
 from workers.runtime.engine import ChunkRef, Engine, LayerKVReady
 from workers.runtime.kv_cache import DenseLayerStorage, QuantizedLayerStorage, block_slots
 
@@ -68,13 +68,13 @@ class LayerStreamer:
         act = self._active.get(request_id)
         return None if act is None else act.error or act.stream.error
 
-    def finish(self, request_id: str, first_token: int) -> PushResult:
+    def finish(self, request_id: str, first_token: int, first_logprobs: FirstLogprobs | None = None) -> PushResult:
         with self._lock:
             act = self._active.pop(request_id)
         if act.error is not None:
             act.stream.cancel(act.error.message)
             raise fresh(act.error)  # a copy: the kept one, raised here, would hold ``act`` in a cycle
-        return act.stream.finish(first_token)
+        return act.stream.finish(first_token, first_logprobs)
 
     def cancel(self, request_id: str, reason: str = "request aborted") -> None:
         with self._lock:

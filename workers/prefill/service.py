@@ -38,6 +38,8 @@ from workers.service_base import (
     Drainable,
     WorkerIdentity,
     abort_for,
+    first_logprobs,
+    logprobs_to_proto,
     request_id_of,
     sampling_from_proto,
     timeout_of,
@@ -136,7 +138,7 @@ class PrefillService(Drainable, wgrpc.PrefillWorkerServicer):
                 from_loop = failed is None
                 raise (fresh(failed) if failed else
                        TransferFailed(f"prefill of {rid!r} was aborted", grpc.StatusCode.CANCELLED))
-            push = self.streamer.finish(rid, item.new_token_ids[0])
+            push = self.streamer.finish(rid, item.new_token_ids[0], first_logprobs(item.logprobs))
             kv_error = None
         except EngineError as exc:
             item = failed = None  # this frame is in exc's traceback: holding exc too would make a cycle
@@ -166,10 +168,13 @@ class PrefillService(Drainable, wgrpc.PrefillWorkerServicer):
                                           "epd.kv.transport": push.transport, "epd.kv.chunks": push.num_chunks})
             else:
                 end_child(kv_span, kv_error)
-        return wpb.PrefillReply(first_token=item.new_token_ids[0], kv_bytes=push.num_bytes,
-                                kv_logical_bytes=push.logical_bytes, transport=push.transport,
-                                kv_seconds=push.seconds, kv_layers=self.streamer.layout.num_layers,
-                                kv_codecs=kv_codec_stats(self.streamer.layout, len(prompt), push))
+        reply = wpb.PrefillReply(first_token=item.new_token_ids[0], kv_bytes=push.num_bytes,
+                                 kv_logical_bytes=push.logical_bytes, transport=push.transport,
+                                 kv_seconds=push.seconds, kv_layers=self.streamer.layout.num_layers,
+                                 kv_codecs=kv_codec_stats(self.streamer.layout, len(prompt), push))
+        if item.logprobs is not None:
+            reply.first_logprobs.CopyFrom(logprobs_to_proto(item.logprobs))
+        return reply
 
     def _check_reservation(self, rid: str, target: str, num_tokens: int, timeout: float) -> None:
         """The KV handshake first: TransferFailed before any compute when ``target`` holds no reservation
@@ -210,9 +215,12 @@ class PrefillService(Drainable, wgrpc.PrefillWorkerServicer):
             context.abort(grpc.StatusCode.INTERNAL, item.message)
         if not item.new_token_ids:  # aborted before its token
             context.abort(grpc.StatusCode.CANCELLED, f"prefill of {rid!r} was aborted")
-        return wpb.PrefillReply(first_token=item.new_token_ids[0], text=item.text,
-                                finish_reason=item.finish_reason.value if item.finish_reason else "length",
-                                engine_seconds=item.engine_seconds)
+        reply = wpb.PrefillReply(first_token=item.new_token_ids[0], text=item.text,
+                                 finish_reason=item.finish_reason.value if item.finish_reason else "length",
+                                 engine_seconds=item.engine_seconds)
+        if item.logprobs is not None:
+            reply.first_logprobs.CopyFrom(logprobs_to_proto(item.logprobs))
+        return reply
 
     def _await_embeddings(self, rid: str, request: wpb.PrefillRequest, timeout: float,
                           context: grpc.ServicerContext) -> MultimodalInput:

@@ -2,7 +2,7 @@
 
     client ──HTTP──> BearerAuth ──> route ──> prompts.prepare_* ──WorkerRequest──> Relay (threads)
                                                                                  └─> backend.generate()
-    client <──JSON / SSE── streaming.collect / sse_events <──────── Chunk ────────────┘
+    client <──JSON / SSE── shapes <── streaming.collect / sse_events <── Chunk ─────────┘
 
 A client that leaves cancels its request (its ``Cancellation``), and the workers abort it at once, even
 while it waits for a token: ``streaming.client_watched`` notices until the status line goes out (a streamed
@@ -27,18 +27,12 @@ from starlette.responses import JSONResponse, Response
 from controlplane.api.auth import BearerAuth, OpsAuth
 from controlplane.api.errors import CatchAll, as_api_error, install_error_handlers
 from controlplane.api.limits import MAX_BODY_BYTES, BodyLimit, OffLoopJSONRoute, prepare_off_loop
+from controlplane.api.logprobs import TokenText
 from controlplane.api.models import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, StreamOptions
 from controlplane.api.prompts import check_model, prepare_chat, prepare_completion
 from controlplane.api.relay import Relay, ThreadLanes
-from controlplane.api.streaming import (
-    ChatShape,
-    CompletionShape,
-    EventStream,
-    Shape,
-    client_watched,
-    collect,
-    sse_events,
-)
+from controlplane.api.shapes import ChatShape, CompletionShape, Shape
+from controlplane.api.streaming import EventStream, client_watched, collect, sse_events
 from controlplane.api.tokenize import tokenize_router
 from controlplane.backend import Backend
 from controlplane.cancellation import ClientGone
@@ -113,14 +107,19 @@ def create_app(backend: Backend, api_keys: Sequence[str] = (), admin: APIRouter 
     @v1.post("/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         worker_request = await prepare_off_loop(request, lambda: prepare_chat(body, backend.model))
-        shape = ChatShape(f"chatcmpl-{_hex(worker_request)}", backend.model.name)
+        shape = ChatShape(f"chatcmpl-{_hex(worker_request)}", backend.model.name, _tokens(worker_request))
         return await _answer(worker_request, shape, body.stream, body.stream_options, request)
 
     @v1.post("/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         worker_request = await prepare_off_loop(request, lambda: prepare_completion(body, backend.model))
-        shape = CompletionShape(f"cmpl-{_hex(worker_request)}", backend.model.name)
+        shape = CompletionShape(f"cmpl-{_hex(worker_request)}", backend.model.name, _tokens(worker_request))
         return await _answer(worker_request, shape, body.stream, body.stream_options, request)
+
+    token_text = TokenText(backend.model.tokenizer)
+
+    def _tokens(worker_request: WorkerRequest) -> TokenText | None:
+        return token_text if worker_request.params.logprobs is not None else None
 
     async def _answer(worker_request: WorkerRequest, shape: Shape, stream: bool | None,
                       stream_options: StreamOptions | None, request: Request) -> Response:
@@ -131,14 +130,15 @@ def create_app(backend: Backend, api_keys: Sequence[str] = (), admin: APIRouter 
             async with client_watched(request.receive, worker_request.cancel):
                 first = await anext(chunks)  # Overloaded / BackendError here keep their own status
                 if not stream:
-                    text, last = await collect(first, chunks)
+                    whole = await collect(first, chunks)
         except ClientGone:  # aborted on the workers already
             return Response(status_code=CLIENT_CLOSED)
         if stream:
             include_usage = stream_options is not None and stream_options.include_usage
             return EventStream(sse_events(first, chunks, shape, include_usage), sse_keepalive_s,
                                on_leave=worker_request.cancel.cancel)
-        response = _json(shape.whole(text, last).model_dump_json())
+        last = whole.last
+        response = _json(shape.whole(whole.text, last, whole.token_ids, whole.logprobs).model_dump_json())
         if last.engine_seconds > 0:
             # W3C Server-Timing: what the worker's engine spent on this request (one engine ran it whole),
             # so a client can tell compute from everything else (epd bench controlplane's added latency).

@@ -25,7 +25,7 @@ from controlplane.dispatch import WorkerRequest
 from workers.runtime.errors import ImageTooLargeError, InvalidImageError, InvalidRequestError
 from workers.runtime.images import check_image_header
 from workers.runtime.multimodal import expand_image_tokens
-from workers.runtime.sampler import SamplingParams
+from workers.runtime.sampler import MAX_LOGPROBS, SamplingParams
 
 COMPLETION_MAX_TOKENS = 16  # /v1/completions without max_tokens, as OpenAI's API and vLLM default it
 SEED_SPAN = 2**63  # a request's seed is in [-2^63, 2^63), as vLLM's
@@ -42,8 +42,10 @@ def check_model(requested: str, model: ModelInfo) -> None:
 def prepare_chat(body: ChatCompletionRequest, model: ModelInfo) -> WorkerRequest:
     check_model(body.model, model)
     _refuse_unsupported(body)
-    if body.logprobs or body.top_logprobs:
-        raise APIError(400, "logprobs are not supported by this server.", param="logprobs")
+    if body.top_logprobs is not None:
+        if not body.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs set to true.", param="top_logprobs")
+        _check_logprobs(body.top_logprobs, "top_logprobs")
     # Tools under tool_choice "none" are accepted and left out of the prompt, as vLLM does by default: an agent
     # framework sends its tool list with every request, also when it asks for plain text.
     if body.tools and body.tool_choice != "none":
@@ -71,7 +73,8 @@ def prepare_chat(body: ChatCompletionRequest, model: ModelInfo) -> WorkerRequest
     ids, positions = _expand_images(ids, model, len(images), "messages")
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-    params = _sampling(body, max_tokens, param, len(ids), model, "messages")
+    params = _sampling(body, max_tokens, param, len(ids), model, "messages",
+                       (body.top_logprobs or 0) if body.logprobs else None)
     return WorkerRequest(str(uuid.uuid4()), ids, params, tuple(images), positions)
 
 
@@ -173,7 +176,7 @@ def prepare_completion(body: CompletionRequest, model: ModelInfo) -> WorkerReque
     if body.suffix:
         raise APIError(400, "suffix is not supported by this server.", param="suffix")
     if body.logprobs is not None:  # 0 asks for the chosen token's own logprob
-        raise APIError(400, "logprobs are not supported by this server.", param="logprobs")
+        _check_logprobs(body.logprobs, "logprobs")
     prompt = body.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         if len(prompt) != 1:
@@ -191,7 +194,7 @@ def prepare_completion(body: CompletionRequest, model: ModelInfo) -> WorkerReque
         raise APIError(400, "The prompt is empty.", param="prompt")
     _expand_images(ids, model, 0, "prompt")  # a literal image placeholder without an image is refused
     max_tokens = COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens
-    params = _sampling(body, max_tokens, "max_tokens", len(ids), model, "prompt")
+    params = _sampling(body, max_tokens, "max_tokens", len(ids), model, "prompt", body.logprobs)
     return WorkerRequest(str(uuid.uuid4()), ids, params)
 
 
@@ -240,9 +243,15 @@ def _expand_images(ids: list[int], model: ModelInfo, num_images: int,
                        param=param) from None
 
 
+def _check_logprobs(n: int, param: str) -> None:
+    if not 0 <= n <= MAX_LOGPROBS:
+        raise APIError(400, f"{param} must be an integer in [0, {MAX_LOGPROBS}], got {n}.", param=param)
+
+
 def _sampling(body: ChatCompletionRequest | CompletionRequest, max_tokens: int | None, max_param: str,
-              prompt_len: int, model: ModelInfo, noun: str) -> SamplingParams:
-    """``noun``: "messages" or "prompt", for the context-length message and its param."""
+              prompt_len: int, model: ModelInfo, noun: str, logprobs: int | None = None) -> SamplingParams:
+    """``noun``: "messages" or "prompt", for the context-length message and its param. ``logprobs``: how many
+    top tokens' logprobs each output token comes with (0: its own alone; None: none)."""
     vocab = model.tokenizer.vocab_size
     if body.stop_token_ids and any(not 0 <= t < vocab for t in body.stop_token_ids):
         raise APIError(400, f"stop_token_ids must be in [0, {vocab}).", param="stop_token_ids")
@@ -269,7 +278,7 @@ def _sampling(body: ChatCompletionRequest | CompletionRequest, max_tokens: int |
                                 top_p=1.0 if body.top_p is None else body.top_p,
                                 top_k=0 if body.top_k in (None, -1) else body.top_k,  # vLLM spells off -1
                                 seed=seed, stop=stop, stop_token_ids=tuple(body.stop_token_ids or ()),
-                                ignore_eos=bool(body.ignore_eos), to_context=to_context)
+                                ignore_eos=bool(body.ignore_eos), to_context=to_context, logprobs=logprobs)
     except InvalidRequestError as exc:
         param = _param_of(str(exc), max_param)
         message = str(exc)

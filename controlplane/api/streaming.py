@@ -1,7 +1,8 @@
 """Answers in OpenAI's shapes, whole or as server-sent events.
 
 A stream is ``data: {json}\\n\\n`` events then ``data: [DONE]\\n\\n``. Chat: a first chunk with
-``delta: {"role": "assistant", "content": ""}``, one chunk per text delta, a chunk with an empty
+``delta: {"role": "assistant", "content": ""}``, one chunk per text delta (and per token that brings no text
+when it carries logprobs), a chunk with an empty
 delta and the ``finish_reason``, and (``stream_options.include_usage``) a last chunk with empty
 ``choices`` and the ``usage``; with include_usage every other chunk carries ``"usage": null``.
 Text completions: the same without the role chunk. An error after the first byte is sent as one
@@ -18,8 +19,7 @@ import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import aclosing, asynccontextmanager
-from dataclasses import dataclass, field
-from typing import Protocol
+from dataclasses import dataclass
 
 import anyio
 import anyio.to_thread
@@ -28,94 +28,15 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from controlplane.api.errors import as_api_error
-from controlplane.api.models import (
-    AssistantMessage,
-    ChatChoice,
-    ChatChunkChoice,
-    ChatCompletion,
-    ChatCompletionChunk,
-    Completion,
-    CompletionChoice,
-    Delta,
-    Usage,
-)
+from controlplane.api.shapes import Shape, usage_of
 from controlplane.backend import BackendError, Chunk, Overloaded
 from controlplane.cancellation import Cancellation, ClientGone
 from workers.runtime.errors import InvalidRequestError
+from workers.runtime.sampler import TokenLogprobs
 
 log = logging.getLogger(__name__)
 _EXPECTED = (Overloaded, BackendError, InvalidRequestError, ClientGone)
 KEEPALIVE = ": keepalive\n\n"  # an SSE comment: bytes on the wire that every SSE parser skips
-
-
-def usage_of(last: Chunk) -> Usage:
-    return Usage(prompt_tokens=last.prompt_tokens, completion_tokens=last.completion_tokens,
-                 total_tokens=last.prompt_tokens + last.completion_tokens)
-
-
-class Shape(Protocol):
-    """How one endpoint spells its answer."""
-
-    def opening(self) -> BaseModel | None: ...
-    def delta(self, text: str) -> BaseModel: ...
-    def closing(self, finish_reason: str) -> BaseModel: ...
-    def usage(self, usage: Usage) -> BaseModel: ...
-    def whole(self, text: str, last: Chunk) -> BaseModel: ...
-
-
-@dataclass(frozen=True)
-class ChatShape:
-    id: str
-    model: str
-    created: int = field(default_factory=lambda: int(time.time()))
-
-    def _chunk(self, delta: Delta, finish_reason: str | None = None) -> ChatCompletionChunk:
-        return ChatCompletionChunk(id=self.id, created=self.created, model=self.model,
-                                   choices=[ChatChunkChoice(delta=delta, finish_reason=finish_reason)])
-
-    def opening(self) -> BaseModel:
-        return self._chunk(Delta(role="assistant", content=""))
-
-    def delta(self, text: str) -> BaseModel:
-        return self._chunk(Delta(content=text))
-
-    def closing(self, finish_reason: str) -> BaseModel:
-        return self._chunk(Delta(), finish_reason)
-
-    def usage(self, usage: Usage) -> BaseModel:
-        return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[], usage=usage)
-
-    def whole(self, text: str, last: Chunk) -> BaseModel:
-        return ChatCompletion(id=self.id, created=self.created, model=self.model, usage=usage_of(last),
-                              choices=[ChatChoice(message=AssistantMessage(content=text),
-                                                  finish_reason=last.finish_reason or "stop")])
-
-
-@dataclass(frozen=True)
-class CompletionShape:
-    id: str
-    model: str
-    created: int = field(default_factory=lambda: int(time.time()))
-
-    def _chunk(self, text: str, finish_reason: str | None = None) -> Completion:
-        return Completion(id=self.id, created=self.created, model=self.model,
-                          choices=[CompletionChoice(text=text, finish_reason=finish_reason)])
-
-    def opening(self) -> BaseModel | None:
-        return None
-
-    def delta(self, text: str) -> BaseModel:
-        return self._chunk(text)
-
-    def closing(self, finish_reason: str) -> BaseModel:
-        return self._chunk("", finish_reason)
-
-    def usage(self, usage: Usage) -> BaseModel:
-        return Completion(id=self.id, created=self.created, model=self.model, choices=[], usage=usage)
-
-    def whole(self, text: str, last: Chunk) -> BaseModel:
-        return Completion(id=self.id, created=self.created, model=self.model, usage=usage_of(last),
-                          choices=[CompletionChoice(text=text, finish_reason=last.finish_reason or "stop")])
 
 
 def _event(body: BaseModel, include_usage: bool) -> str:
@@ -132,12 +53,12 @@ async def sse_events(first: Chunk, rest: AsyncGenerator[Chunk, None], shape: Sha
             if opening is not None:
                 yield _event(opening, include_usage)
             last = first
-            if first.text:
-                yield _event(shape.delta(first.text), include_usage)
+            if first.text or first.logprobs:
+                yield _event(shape.delta(first.text, first.token_ids, first.logprobs), include_usage)
             async for chunk in rest:  # ends after the finished chunk (which may be ``first``)
                 last = chunk
-                if chunk.text:
-                    yield _event(shape.delta(chunk.text), include_usage)
+                if chunk.text or chunk.logprobs:
+                    yield _event(shape.delta(chunk.text, chunk.token_ids, chunk.logprobs), include_usage)
             yield _event(shape.closing(last.finish_reason or "stop"), include_usage)
             if include_usage:
                 yield _event(shape.usage(usage_of(last)), True)
@@ -174,15 +95,26 @@ async def client_watched(receive: Receive, cancel: Cancellation) -> AsyncIterato
 _WATCHERS: set[asyncio.Task[None]] = set()
 
 
-async def collect(first: Chunk, rest: AsyncGenerator[Chunk, None]) -> tuple[str, Chunk]:
-    """The whole text and the finished chunk (run it ``client_watched``: a client that leaves then ends it
-    in ClientGone)."""
-    parts, last = [first.text], first
+@dataclass(frozen=True)
+class Whole:
+    """A whole answer: its text, its finished chunk, and every token id and its logprobs (when asked for)."""
+
+    text: str
+    last: Chunk
+    token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprobs, ...]
+
+
+async def collect(first: Chunk, rest: AsyncGenerator[Chunk, None]) -> Whole:
+    """The whole answer (run it ``client_watched``: a client that leaves then ends it in ClientGone)."""
+    parts, last, ids, logprobs = [first.text], first, list(first.token_ids), list(first.logprobs)
     async with aclosing(rest):
         async for chunk in rest:
             parts.append(chunk.text)
+            ids.extend(chunk.token_ids)
+            logprobs.extend(chunk.logprobs)
             last = chunk
-    return "".join(parts), last
+    return Whole("".join(parts), last, tuple(ids), tuple(logprobs))
 
 
 class EventStream(StreamingResponse):

@@ -9,6 +9,7 @@ shape and the workers keep serving with nothing left held.
 from __future__ import annotations
 
 import base64
+import dataclasses
 import io
 import time
 import uuid
@@ -151,6 +152,31 @@ def test_a_seeded_sampled_answer_equals_the_single_process_one(e2e_stack: Stack,
         r = client.completions.create(model=_model(e2e_stack), prompt=COMPLETION_PROMPT, max_tokens=MAX_TOKENS,
                                       temperature=SEEDED.temperature, top_p=SEEDED.top_p, seed=SEEDED.seed)
         _check(e2e_stack, refs["seeded"], r.id, r.choices[0].text, r.usage, r.choices[0].finish_reason)
+
+
+def test_logprobs_of_a_sampled_answer_equal_the_single_process_ones(e2e_stack: Stack, client: OpenAI) -> None:
+    """The first token's figures come from the prefill worker over the KV transfer, the rest from decode; chat
+    and text completions show generate()'s logprobs exactly, each token under its own text."""
+    params = dataclasses.replace(SEEDED, logprobs=3)
+    ref = [generate(e2e_stack.bundle, [req])[0]  # each alone: a batch of two rounds its logits otherwise
+           for req in (GenerateRequest(messages=TEXT, params=params),
+                       GenerateRequest(prompt=COMPLETION_PROMPT, params=params))]
+    tok = e2e_stack.bundle.tokenizer
+    assert tok is not None
+    chat = client.chat.completions.create(model=_model(e2e_stack), messages=TEXT, max_tokens=MAX_TOKENS,  # type: ignore[arg-type]  # plain dicts for TypedDicts
+                                          temperature=SEEDED.temperature, top_p=SEEDED.top_p, seed=SEEDED.seed,
+                                          logprobs=True, top_logprobs=3)
+    content = chat.choices[0].logprobs.content
+    assert content is not None and _tokens(e2e_stack, chat.id) == ref[0].token_ids
+    assert [e.logprob for e in content] == [t.logprob for t in ref[0].logprobs]
+    assert [e.token for e in content] == [tok.decode([i], skip_special_tokens=False) for i in ref[0].token_ids]
+    assert [[(x.token, x.logprob) for x in e.top_logprobs] for e in content] == [
+        [(tok.decode([i], skip_special_tokens=False), v) for i, v in t.top] for t in ref[0].logprobs]
+    text = client.completions.create(model=_model(e2e_stack), prompt=COMPLETION_PROMPT, max_tokens=MAX_TOKENS,
+                                     temperature=SEEDED.temperature, top_p=SEEDED.top_p, seed=SEEDED.seed,
+                                     logprobs=3, stream=True)
+    streamed = [x for c in text if c.choices and c.choices[0].logprobs for x in c.choices[0].logprobs.token_logprobs]
+    assert streamed == [t.logprob for t in ref[1].logprobs]
 
 
 def test_sampling_values_past_the_wires_types_mean_what_they_say(e2e_stack: Stack, client: OpenAI,

@@ -76,3 +76,24 @@ def test_only_the_decode_pool_runs_and_scales(served):
     assert served.cli("scale", "decode", "2").returncode == 0
     pools = {p["pool"]: p for p in served.status()["pools"]}
     assert pools["decode"]["target"] == 2 and pools["prefill"]["ready"] == 0
+
+
+def test_logprobs_through_the_scheduler_and_a_colocated_worker_match_the_reference(served, default_bundle):
+    """The real path (API, scheduler, Complete on a worker in its own process): each token of a sampled answer
+    with its log-probability and the top two, as the single-process reference computes them (within float32
+    rounding, 1e-4 as against HF: the worker's process may run another number of threads)."""
+    prompt = "Colocated logprobs: name a colour."
+    params = SamplingParams(max_tokens=8, temperature=0.9, seed=5, logprobs=2)
+    ref = generate(default_bundle, [GenerateRequest(prompt=prompt, params=params)])[0]
+    model = httpx.get(f"{served.base}/v1/models", timeout=10).json()["data"][0]["id"]
+    resp = httpx.post(f"{served.base}/v1/completions", timeout=60, json={
+        "model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0.9, "seed": 5, "logprobs": 2})
+    assert resp.status_code == 200, resp.text
+    lp = resp.json()["choices"][0]["logprobs"]
+    tok = default_bundle.tokenizer
+    assert lp["tokens"] == [tok.decode([i], skip_special_tokens=False) for i in ref.token_ids]
+    assert lp["token_logprobs"] == pytest.approx([t.logprob for t in ref.logprobs], abs=1e-4)
+    for top, want in zip(lp["top_logprobs"], ref.logprobs):
+        assert len(top) in (2, 3)  # the top two, and the chosen token when it is not one of them
+        for i, v in want.top:
+            assert top[tok.decode([i], skip_special_tokens=False)] == pytest.approx(v, abs=1e-4)

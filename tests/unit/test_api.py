@@ -34,7 +34,7 @@ from controlplane.dispatch import WorkerRequest
 from workers.runtime.default_model import BOS, CHAT_TEMPLATE, IM_END, IMAGE, build_tokenizer
 from workers.runtime.errors import InvalidRequestError
 from workers.runtime.multimodal import expand_image_tokens
-from workers.runtime.sampler import SamplingParams
+from workers.runtime.sampler import SamplingParams, TokenLogprobs
 from workers.runtime.tokenizer import Tokenizer
 
 from http_helpers import serve_app
@@ -114,12 +114,19 @@ class FakeBackend:
                 time.sleep(self.token_delay_s)
                 last = i == len(ids) - 1 and not self.end_early
                 self.produced += 1
+                n = request.params.logprobs
+                logprobs = () if n is None else (fake_logprobs(token, n),)
                 yield Chunk((token,), tok.decode(ids[:i + 1])[len(tok.decode(ids[:i])):], last,
-                            reason if last else None, len(request.prompt_ids), i + 1)
+                            reason if last else None, len(request.prompt_ids), i + 1, logprobs=logprobs)
             done = True
         finally:
             if not done:
                 self.closed.append(request.request_id)
+
+
+def fake_logprobs(token: int, n: int) -> TokenLogprobs:
+    """What FakeBackend says of ``token``: -token/64, and that tokens token+1 .. token+n were more likely."""
+    return TokenLogprobs(-token / 64, tuple((token + k, -(token + k) / 64 + 0.5) for k in range(1, n + 1)))
 
 
 def token_id(tokenizer: Tokenizer, token: str) -> int:
@@ -734,7 +741,9 @@ def test_missing_fields(client: TestClient) -> None:
     ({"stop": ["x" * 300]}, "stop must be", "stop"),
     ({"n": 2}, "n must be 1", "n"),
     ({"presence_penalty": 0.5}, "presence_penalty is not supported", "presence_penalty"),
-    ({"logprobs": True}, "logprobs are not supported", "logprobs"),
+    ({"top_logprobs": 2}, "top_logprobs needs logprobs set to true", "top_logprobs"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs must be an integer in [0, 20], got 21", "top_logprobs"),
+    ({"logprobs": True, "top_logprobs": -1}, "top_logprobs must be an integer in [0, 20], got -1", "top_logprobs"),
     ({"tools": [{"type": "function"}]}, "tools are not supported", "tools"),
     ({"response_format": {"type": "json_object"}}, "structured output is not supported", "response_format"),
     ({"stream_options": {"include_usage": True}}, "only allowed when 'stream' is enabled", "stream_options"),
@@ -784,13 +793,72 @@ def test_a_completion_without_max_tokens_gets_16_as_in_openais_api(client: TestC
     """A chat without it runs to the end of the context (as vLLM's chat does); a legacy completion stops at 16."""
     assert client.post("/v1/completions", json={"model": NAME, "prompt": "x"}).status_code == 200
     assert backend.requests[-1].params.max_tokens == 16 and not backend.requests[-1].params.to_context
-    assert client.post("/v1/completions", json={"model": NAME, "prompt": "x", "logprobs": 0}).status_code == 400
     # the chat's ceiling is marked as the client's not setting one: a worker whose KV pool is smaller than the
     # context runs it as far as the pool holds instead of refusing it (Engine.fit)
     assert chat(client).status_code == 200
     assert backend.requests[-1].params.to_context
     assert chat(client, max_tokens=5).status_code == 200
     assert not backend.requests[-1].params.to_context
+
+
+# ------------------------------------------------------------------------------ logprobs
+def _reply_ids(backend: FakeBackend, max_tokens: int) -> list[int]:
+    return backend.model.tokenizer.encode(REPLY, add_special_tokens=False)[:max_tokens]
+
+
+def _shown(backend: FakeBackend, token: int) -> str:
+    return backend.model.tokenizer.decode([token], skip_special_tokens=False)
+
+
+def test_chat_logprobs_name_each_token_with_its_figure_and_the_top_ones(client: TestClient,
+                                                                       backend: FakeBackend) -> None:
+    resp = chat(client, logprobs=True, top_logprobs=2, max_tokens=5)
+    assert resp.status_code == 200, resp.text
+    assert backend.requests[-1].params.logprobs == 2
+    content = resp.json()["choices"][0]["logprobs"]["content"]
+    ids = _reply_ids(backend, 5)
+    assert [e["token"] for e in content] == [_shown(backend, t) for t in ids]
+    assert [e["logprob"] for e in content] == [-t / 64 for t in ids]
+    assert [e["bytes"] for e in content] == [list(_shown(backend, t).encode()) for t in ids]
+    assert [[(x["token"], x["logprob"]) for x in e["top_logprobs"]] for e in content] == [
+        [(_shown(backend, t + k), -(t + k) / 64 + 0.5) for k in (1, 2)] for t in ids]
+    streamed = [e for c in events(chat(client, logprobs=True, top_logprobs=2, max_tokens=5, stream=True))
+                for e in ((c["choices"][0]["logprobs"] or {"content": []})["content"])]
+    assert streamed == content  # the same entries, a chunk at a time
+    plain = chat(client, max_tokens=5, logprobs=False)
+    assert backend.requests[-1].params.logprobs is None and plain.json()["choices"][0]["logprobs"] is None
+    alone = chat(client, logprobs=True, max_tokens=2).json()["choices"][0]["logprobs"]["content"]
+    assert alone[0]["top_logprobs"] == []
+
+
+def test_completion_logprobs_are_openais_parallel_lists_with_the_chosen_token_among_the_top(
+        client: TestClient, backend: FakeBackend) -> None:
+    body = {"model": NAME, "prompt": "hello", "max_tokens": 6, "logprobs": 1}
+    whole = client.post("/v1/completions", json=body).json()["choices"][0]
+    ids = _reply_ids(backend, 6)
+    texts = [_shown(backend, t) for t in ids]
+    lp = whole["logprobs"]
+    assert lp["tokens"] == texts and lp["token_logprobs"] == [-t / 64 for t in ids]
+    # the top one, and the chosen token too (OpenAI's "up to logprobs + 1")
+    assert lp["top_logprobs"] == [{_shown(backend, t + 1): -(t + 1) / 64 + 0.5, _shown(backend, t): -t / 64}
+                                  for t in ids]
+    assert lp["text_offset"] == [sum(len(x) for x in texts[:i]) for i in range(len(texts))]
+    chunks = [c["choices"][0] for c in events(client.post("/v1/completions", json={**body, "stream": True}))
+              if c["choices"][0]["logprobs"]]
+    assert [x for c in chunks for x in c["logprobs"]["text_offset"]] == lp["text_offset"]
+    assert [x for c in chunks for x in c["logprobs"]["tokens"]] == texts
+
+
+def test_the_openai_client_reads_chat_logprobs(backend: FakeBackend) -> None:
+    import openai
+
+    with serve_app(create_app(backend)) as base:
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)
+        resp = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
+                                              logprobs=True, top_logprobs=3)
+    content = resp.choices[0].logprobs.content
+    assert content is not None and len(content) == 3 and len(content[0].top_logprobs) == 3
+    assert content[0].logprob == -_reply_ids(backend, 1)[0] / 64
 
 
 def test_unknown_model(client: TestClient, backend: FakeBackend) -> None:

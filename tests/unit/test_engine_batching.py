@@ -70,11 +70,16 @@ def test_preempted_sequences_recompute_to_the_same_output(tiny_bundle, solo_outp
     engine = Engine(tiny_bundle.model, None, EngineConfig(kv_cache_bytes=12 * per_block, block_size=8))
     assert engine.cache.num_blocks == 12
     for i in (1, 3, 4):  # 38+10, 61+16, 22+20 tokens: 7 + 10 + 6 blocks at the end > 12
-        engine.add_request(str(i), PROMPTS[i], _greedy(MAX_TOKENS[i]))
+        engine.add_request(str(i), PROMPTS[i], _greedy(MAX_TOKENS[i], prompt_logprobs=1, logprobs=1))
     outs = run_to_completion(engine)
     assert engine.stats().num_preemptions > 0, "the pool was meant to force preemption"
     for i in (1, 3, 4):
         assert [o.new_token_ids[0] for o in outs[str(i)]] == solo_outputs[i]
+        # logprobs too: each token's once, the prompt's once (with the first token, not again on the recompute)
+        assert [o.logprobs is not None for o in outs[str(i)]] == [True] * MAX_TOKENS[i]
+        first, *rest = outs[str(i)]
+        assert first.prompt_logprobs is not None and len(first.prompt_logprobs) == len(PROMPTS[i]) - 1
+        assert all(o.prompt_logprobs is None for o in rest)
     assert_no_leaks(engine)
 
 

@@ -150,3 +150,28 @@ def test_logprobs_are_hfs_log_softmax_of_the_chosen_and_the_most_likely_tokens(t
         assert max(abs(a - b) for a, b in zip(values, lp.topk(5).values.tolist())) <= TOL  # and they are the top
         assert len(set(ids)) == 5
     assert_no_leaks(engine)
+
+
+@pytest.mark.parametrize("chunk", [512, 5])
+def test_prompt_logprobs_are_hfs_log_softmax_at_the_position_before_each_prompt_token(tiny_hf, chunk):
+    """``prompt_logprobs=3``: every prompt token after the first with its log-probability under the positions
+    before it and the three most likely tokens', as HF's log_softmax gives them, sent once with the first
+    output token; chunked prefill (5 tokens a step) gathers them chunk by chunk. A request beside it that does
+    not ask gets none."""
+    path = tiny_hf("llama-gqa")
+    bundle = load_model(path, require_tokenizer=False)
+    engine = Engine(bundle.model, None, EngineConfig(kv_cache_bytes=1 << 22, block_size=8, prefill_chunk_size=chunk))
+    engine.add_request("r", PROMPT, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, prompt_logprobs=3))
+    engine.add_request("other", PROMPT[:9], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    outs = run_to_completion(engine)
+    with torch.no_grad():
+        ref = torch.log_softmax(_hf(path)(torch.tensor([PROMPT])).logits[0].float(), dim=-1)
+    first, *rest = outs["r"]
+    assert first.prompt_logprobs is not None and len(first.prompt_logprobs) == len(PROMPT) - 1
+    assert all(o.prompt_logprobs is None for o in rest) and all(o.prompt_logprobs is None for o in outs["other"])
+    for i, got in enumerate(first.prompt_logprobs):
+        lp = ref[i]  # position i predicts prompt token i + 1
+        assert abs(got.logprob - lp[PROMPT[i + 1]].item()) <= TOL
+        assert max(abs(a - b) for (_, a), b in zip(got.top, lp.topk(3).values.tolist())) <= TOL
+        assert max(abs(v - lp[t].item()) for t, v in got.top) <= TOL
+    assert_no_leaks(engine)

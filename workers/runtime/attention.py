@@ -41,6 +41,8 @@ class PrefillItem:
     # (offset within this chunk, embedding row) for multimodal placeholder tokens
     embed_offsets: list[int] | None = None
     embeds: torch.Tensor | None = None
+    # the logits of this chunk's first n positions too (prompt logprobs), after every sampled row's
+    prompt_logits: int = 0
 
 
 @dataclass(frozen=True)
@@ -110,6 +112,14 @@ class StepBatch:
     embed_indices: torch.Tensor | None  # [M]: rows whose embedding is replaced
     embeds: torch.Tensor | None  # [M, hidden]
     kernel: KernelMeta | None = None  # set (and the gather fields None) for the kernel path
+    # [P]: more rows whose logits the step returns, after the S (PrefillItem.prompt_logits, in item order)
+    prompt_logits_indices: torch.Tensor | None = None
+
+    def logit_rows(self) -> torch.Tensor:
+        """Every row whose logits the step returns: the sampled ones, then the prompt logprobs' ones."""
+        if self.prompt_logits_indices is None:
+            return self.logits_indices
+        return torch.cat((self.logits_indices, self.prompt_logits_indices))
 
 
 def slot_list(block_table: list[int], start: int, end: int, block_size: int) -> list[int]:
@@ -166,6 +176,7 @@ def build_step_batch(decodes: list[DecodeItem], prefills: list[PrefillItem], cac
     ctx_chunks: list[tuple[int, int, int, int]] = []
     embed_rows: list[int] = []
     embed_parts: list[torch.Tensor] = []
+    prompt_rows: list[int] = []
     for p in prefills:
         n = len(p.token_ids)
         first = len(ids)
@@ -185,6 +196,7 @@ def build_step_batch(decodes: list[DecodeItem], prefills: list[PrefillItem], cac
         slices.append(PrefillSlice(first, first + n, p.start, gather, mask))
         if p.want_logits:
             logits_rows.append(first + n - 1)
+        prompt_rows.extend(range(first, first + min(p.prompt_logits, n)))
         if p.embed_offsets:
             assert p.embeds is not None, "embed_offsets come with their embeds"
             embed_rows.extend(first + o for o in p.embed_offsets)
@@ -207,6 +219,7 @@ def build_step_batch(decodes: list[DecodeItem], prefills: list[PrefillItem], cac
         logits_indices=t(logits_rows),
         embed_indices=t(embed_rows) if embed_rows else None,
         embeds=torch.cat(embed_parts).to(device) if embed_parts else None, kernel=kernel,
+        prompt_logits_indices=t(prompt_rows) if prompt_rows else None,
     )
 
 

@@ -119,6 +119,9 @@ class RequestOutput:
     num_output_tokens: int
     logits: torch.Tensor | None = None  # [vocab] float32, when params.return_logits
     logprobs: TokenLogprobs | None = None  # the new token's, when params.logprobs is set
+    # On a sequence's first output, when params.prompt_logprobs is set and this engine prefilled the prompt:
+    # each prompt token's after the first, in order
+    prompt_logprobs: tuple[TokenLogprobs, ...] | None = None
     # On a finished output handed out by workers.engine_loop.EngineLoop: seconds from the request's
     # admission to this output (the steps that ran it and the gaps between them); 0.0 otherwise.
     engine_seconds: float = 0.0
@@ -447,6 +450,10 @@ class Engine:
             batch = build_step_batch(decodes, prefills, self.cache, paged_kernels=self._ops is not None)
             hook = self._layer_hook(plan.prefills) if self._hooks and plan.prefills else None
             logits = self.model(batch, self.cache, hook, self._ops)
+            if batch.prompt_logits_indices is not None:
+                sampled_rows = len(batch.logits_indices)
+                self._gather_prompt_logprobs(plan.prefills, prefills, logits[sampled_rows:])
+                logits = logits[:sampled_rows]
 
         for s in plan.decodes:
             s.num_computed += 1
@@ -465,9 +472,30 @@ class Engine:
 
     def _prefill_item(self, c: ScheduledChunk) -> PrefillItem:
         mm = c.seq.embeds_in(c.start, c.end)
-        return PrefillItem(c.seq.tokens(c.start, c.end), c.start, c.seq.block_table,
-                           want_logits=c.end == c.seq.num_tokens,
-                           embed_offsets=mm[0] if mm else None, embeds=mm[1] if mm else None)
+        seq = c.seq
+        prompt_rows = 0  # positions [start, len(prompt) - 1) give the next prompt token's logprobs
+        if seq.params.prompt_logprobs is not None and not seq.output_ids:
+            prompt_rows = max(0, min(c.end, len(seq.prompt_ids) - 1) - c.start)
+        return PrefillItem(seq.tokens(c.start, c.end), c.start, seq.block_table,
+                           want_logits=c.end == seq.num_tokens,
+                           embed_offsets=mm[0] if mm else None, embeds=mm[1] if mm else None,
+                           prompt_logits=prompt_rows)
+
+    @staticmethod
+    def _gather_prompt_logprobs(chunks: list[ScheduledChunk], items: list[PrefillItem], logits: torch.Tensor) -> None:
+        """Each chunk's prompt logprobs from ``logits`` (its ``prompt_logits`` rows, in chunk order) onto its
+        sequence; a chunk from position 0 starts the list afresh (a prefill computed again after preemption)."""
+        targets: list[int] = []
+        wanted: list[int | None] = []
+        for c, item in zip(chunks, items):
+            if item.prompt_logits:
+                if c.start == 0:
+                    c.seq.prompt_logprobs = []
+                targets.extend(c.seq.prompt_ids[c.start + 1:c.start + 1 + item.prompt_logits])
+                wanted.extend([c.seq.params.prompt_logprobs] * item.prompt_logits)
+        figures = iter(token_logprobs(logits, targets, wanted))
+        for c, item in zip(chunks, items):
+            c.seq.prompt_logprobs.extend(next(figures) for _ in range(item.prompt_logits))  # type: ignore[misc]
 
     def _layer_hook(self, chunks: list[ScheduledChunk]) -> Callable[[int], None]:
         refs = tuple(ChunkRef(c.seq.request_id, tuple(c.seq.block_table), c.start, c.end,
@@ -499,8 +527,12 @@ class Engine:
                 text += seq.detok.flush()
             self.scheduler.finish(seq, reason)
             del self._seqs[seq.request_id]
+        prompt_logprobs = None
+        if len(seq.output_ids) == 1 and seq.params.prompt_logprobs is not None and (
+                seq.prompt_logprobs or len(seq.prompt_ids) == 1):  # this engine prefilled the prompt
+            prompt_logprobs, seq.prompt_logprobs = tuple(seq.prompt_logprobs), []
         return RequestOutput(seq.request_id, (token,), text, reason is not None, reason,
-                             len(seq.prompt_ids), len(seq.output_ids), logits, logprobs)
+                             len(seq.prompt_ids), len(seq.output_ids), logits, logprobs, prompt_logprobs)
 
 
 def _kernel_ops(config: EngineConfig, device: torch.device) -> TritonOps | None:

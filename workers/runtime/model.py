@@ -125,7 +125,7 @@ class DecoderModel(nn.Module):
     @torch.inference_mode()
     def forward(self, batch: StepBatch, cache: PagedKVCache, on_layer_done: LayerDone | None = None,
                 ops: TritonOps | None = None) -> torch.Tensor:
-        """Run one step; returns float32 logits [len(batch.logits_indices), vocab]. With ``ops`` the
+        """Run one step; returns float32 logits [rows, vocab] of ``batch.logit_rows()``. With ``ops`` the
         layers run the Triton kernels (``batch`` then needs ``kernel`` for decodes and cached context).
 
         ``on_layer_done(i)`` is called after layer ``i`` has written this step's k/v to the cache,
@@ -141,7 +141,7 @@ class DecoderModel(nn.Module):
             h = layer(h, cos, sin, batch, cache.layers[i])
             if on_layer_done is not None:
                 on_layer_done(i)
-        return self.lm_head(self.norm(h[batch.logits_indices])).float()
+        return self.lm_head(self.norm(h[batch.logit_rows()])).float()
 
     def _forward_kernels(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: StepBatch,
                          cache: PagedKVCache, on_layer_done: LayerDone | None, ops: TritonOps) -> torch.Tensor:
@@ -152,6 +152,6 @@ class DecoderModel(nn.Module):
             if on_layer_done is not None:
                 on_layer_done(i)
         assert residual is not None
-        idx = batch.logits_indices
+        idx = batch.logit_rows()
         _, x = ops.add_rmsnorm(h[idx], residual[idx], self.norm.weight, self.norm.eps)
         return self.lm_head(x).float()

@@ -42,6 +42,9 @@ class SamplingParams:
     # distribution (log_softmax of the raw logits, before temperature, top-k and top-p, as vLLM reports them).
     # None = off; 0 = the chosen token's alone.
     logprobs: int | None = None
+    # The same for each prompt token after the first (from the logits at the position before it), sent with
+    # the first output token. None = off.
+    prompt_logprobs: int | None = None
     # Teacher forcing: output token i is forced_tokens[i] whatever is sampled (with return_logits,
     # this scores a given continuation). Empty = off.
     forced_tokens: tuple[int, ...] = ()
@@ -57,8 +60,10 @@ class SamplingParams:
             raise InvalidRequestError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
         if self.seed is not None and not (_is_int(self.seed) and 0 <= self.seed < 2**63):
             raise InvalidRequestError(f"seed must be an integer in [0, 2^63), got {self.seed!r}")
-        if self.logprobs is not None and not (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise InvalidRequestError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            n = getattr(self, name)
+            if n is not None and not (_is_int(n) and 0 <= n <= MAX_LOGPROBS):
+                raise InvalidRequestError(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {n!r}")
         if self.forced_tokens and len(self.forced_tokens) < self.max_tokens:
             raise InvalidRequestError("forced_tokens must hold at least max_tokens tokens")
         if len(self.stop) > 16 or any(not isinstance(s, str) or len(s) > 256 for s in self.stop):

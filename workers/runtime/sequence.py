@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from workers.runtime.sampler import SamplingParams
+from workers.runtime.sampler import SamplingParams, TokenLogprobs
 from workers.runtime.tokenizer import IncrementalDetokenizer
 
 
@@ -57,6 +57,9 @@ class Sequence:
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
     generator: torch.Generator = field(default_factory=torch.Generator)
+    # params.prompt_logprobs: each prompt token's after the first, gathered chunk by chunk before the first
+    # output token (a prefill computed again after a preemption gathers them again)
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

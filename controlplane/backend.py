@@ -32,12 +32,15 @@ class Chunk:
     engine_seconds: float = 0.0
     # One per token id when the request asked for logprobs (SamplingParams.logprobs), else empty.
     logprobs: tuple[TokenLogprobs, ...] = ()
+    # On the first chunk when the request asked for prompt logprobs: one per prompt token after the first.
+    prompt_logprobs: tuple[TokenLogprobs, ...] | None = None
 
     @classmethod
     def from_wire(cls, c: Any) -> Chunk:
         """From a worker's ``TokenChunk`` (epd.worker.v1)."""
         return cls(tuple(c.token_ids), c.text, c.finished, c.finish_reason or None, c.prompt_tokens,
-                   c.completion_tokens, c.engine_seconds, tuple(logprobs_from_proto(m) for m in c.logprobs))
+                   c.completion_tokens, c.engine_seconds, tuple(logprobs_from_proto(m) for m in c.logprobs),
+                   tuple(logprobs_from_proto(m) for m in c.prompt_logprobs) if c.prompt_logprobs else None)
 
 
 class Overloaded(Exception):

@@ -119,6 +119,18 @@ def _broke(exc: grpc.RpcError) -> bool:
     return exc.code() in _BROKEN and _mark(exc) is None
 
 
+def _with_prompt_logprobs(first: wpb.TokenChunk, prefill: Future) -> None:
+    """Put the prompt logprobs the prefill worker computed onto decode's first chunk. Decode sends its first
+    token once the KV landed, so the Prefill reply is due at once; a failed Prefill raises its RpcError,
+    which the caller names as prefill's failure, and a cancelled one ClientGone."""
+    try:
+        reply = prefill.result()
+    except grpc.FutureCancelledError:  # the request was cancelled meanwhile (its client left)
+        raise ClientGone("the client went away") from None
+    del first.prompt_logprobs[:]
+    first.prompt_logprobs.extend(reply.prompt_logprobs)
+
+
 def _ender(stage: Stage, cancel: Cancellation) -> Callable[[Future], None]:
     """A stage future's done callback: its end, or "cancelled" (no failure counted) when the request was."""
     return lambda f: stage.end("cancelled") if cancel.cancelled else stage.end_future(f)
@@ -309,7 +321,8 @@ class Dispatcher:
         yield wpb.TokenChunk(token_ids=[reply.first_token], text=reply.text, finished=True,
                              finish_reason=reply.finish_reason, prompt_tokens=len(req.prompt_ids), completion_tokens=1,
                              engine_seconds=reply.engine_seconds,
-                             logprobs=[reply.first_logprobs] if reply.HasField("first_logprobs") else [])
+                             logprobs=[reply.first_logprobs] if reply.HasField("first_logprobs") else [],
+                             prompt_logprobs=reply.prompt_logprobs)
 
     def _run_disaggregated(self, req: WorkerRequest, route: Route, slots: dict[str, Slot],
                            on_started: Callable[[], None]) -> Iterator[wpb.TokenChunk]:
@@ -367,6 +380,8 @@ class Dispatcher:
         lost: tuple[str, ...] = ()  # the workers this attempt lost (dead or hung)
         try:
             for chunk in self._watched(stream, "decode", route.decode, req.cancel, req.max_stall_s):
+                if not started and req.params.prompt_logprobs is not None:
+                    _with_prompt_logprobs(chunk, next(f for s, f in futures if s == "prefill"))
                 done, started = chunk.finished, True
                 yield chunk
             for _stage, fut in futures:  # surface an encode/prefill failure with its own message

@@ -142,7 +142,8 @@ def sampling_from_proto(p: wpb.SamplingParams) -> SamplingParams:
     return SamplingParams(max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p or 1.0,
                           top_k=p.top_k, seed=p.seed if p.HasField("seed") else None, stop=tuple(p.stop),
                           stop_token_ids=tuple(p.stop_token_ids), ignore_eos=p.ignore_eos, to_context=p.to_context,
-                          logprobs=p.logprobs if p.HasField("logprobs") else None)
+                          logprobs=p.logprobs if p.HasField("logprobs") else None,
+                          prompt_logprobs=p.prompt_logprobs if p.HasField("prompt_logprobs") else None)
 
 
 UINT32_MAX = 2**32 - 1
@@ -159,6 +160,8 @@ def sampling_to_proto(s: SamplingParams) -> wpb.SamplingParams:
         msg.seed = s.seed
     if s.logprobs is not None:
         msg.logprobs = s.logprobs
+    if s.prompt_logprobs is not None:
+        msg.prompt_logprobs = s.prompt_logprobs
     return msg
 
 
@@ -265,6 +268,8 @@ def stream_tokens(loop: EngineLoop, request_id: str, q: queue.Queue, prompt_toke
                                prompt_tokens=prompt_tokens, completion_tokens=item.num_output_tokens)
         if item.logprobs is not None:
             chunk.logprobs.append(logprobs_to_proto(item.logprobs))
+        if item.prompt_logprobs:
+            chunk.prompt_logprobs.extend(logprobs_to_proto(t) for t in item.prompt_logprobs)
         if item.finished:
             finished.set()
             chunk.finish_reason = item.finish_reason.value if item.finish_reason else ""

@@ -73,6 +73,7 @@ class Progress:
         p = self.request.params
         params = dataclasses.replace(
             p, max_tokens=p.max_tokens - seam.at, stop=(),  # stop strings: the relay's job after a seam
+            prompt_logprobs=None,  # sent with the first token already
             seed=None if p.seed is None else shifted_seed(p.seed, seam.at),
             forced_tokens=p.forced_tokens[seam.at:])
         return dataclasses.replace(self.request, prompt_ids=list(self.request.prompt_ids) + self.token_ids[:seam.at],
@@ -111,8 +112,15 @@ class Progress:
             self.token_ids.extend(ids)
             self.text_chars += len(c.text)
             self.finished = c.finished
+            prompt = None
+            if self.request.params.prompt_logprobs is not None and len(self.token_ids) == len(ids):  # the first
+                prompt = tuple(logprobs_from_proto(m) for m in c.prompt_logprobs)
+                if len(prompt) != max(0, len(self.request.prompt_ids) - 1):
+                    raise DispatchError("prefill", grpc.StatusCode.INTERNAL,
+                                        f"a worker sent {len(prompt)} prompt logprobs for a "
+                                        f"{len(self.request.prompt_ids)}-token prompt")
             return Chunk(tuple(ids), c.text, c.finished, c.finish_reason or None, len(self.request.prompt_ids),
-                         len(self.token_ids), c.engine_seconds, tuple(logprobs))
+                         len(self.token_ids), c.engine_seconds, tuple(logprobs), prompt)
         return self._across_seam(ids, c, logprobs)
 
     def _across_seam(self, ids: list[int], c: wpb.TokenChunk, logprobs: list[TokenLogprobs]) -> Chunk | None:

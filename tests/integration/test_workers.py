@@ -94,23 +94,29 @@ def test_a_prefill_worker_on_the_tcp_transport_matches_the_reference(stack):
 
 @pytest.mark.parametrize("max_tokens", [12, 1])
 def test_logprobs_through_the_workers_equal_the_references(stack, max_tokens):
-    """Sampled at temperature 0.8 with logprobs=4: the first token's figures come from the prefill worker (over
-    the KV transfer's finish to decode, or in the Prefill reply of a one-token request), the rest from decode;
-    all of them equal ``generate()``'s exactly (a lossless cache: the same logits)."""
+    """Sampled at temperature 0.8 with logprobs=4 and prompt_logprobs=2: the first token's figures come from the
+    prefill worker (over the KV transfer's finish to decode, or in the Prefill reply of a one-token request),
+    the rest from decode, and the prompt's from the Prefill reply onto the first chunk; all of them equal
+    ``generate()``'s exactly (a lossless cache: the same logits)."""
     bundle, workers, dispatcher, route = stack
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.8, seed=11, ignore_eos=True, logprobs=4)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.8, seed=11, ignore_eos=True, logprobs=4,
+                            prompt_logprobs=2)
     greq = GenerateRequest(messages=[{"role": "user", "content": "Count to five."}], params=params)
     ids, _ = build_prompt(bundle, greq)
     ref = generate(bundle, [greq])[0]
     assert len(ref.logprobs) == max_tokens and all(len(t.top) == 4 for t in ref.logprobs)
+    assert len(ref.prompt_logprobs) == len(ids) - 1 and all(len(t.top) == 2 for t in ref.prompt_logprobs)
     tokens: list[int] = []
     logprobs: list[TokenLogprobs] = []
+    prompt: list[list[TokenLogprobs]] = []
     for chunk in dispatcher.run(WorkerRequest(f"logprobs-{max_tokens}", ids, params), route):
         assert len(chunk.logprobs) == len(chunk.token_ids)
         tokens.extend(chunk.token_ids)
         logprobs.extend(logprobs_from_proto(m) for m in chunk.logprobs)
+        prompt.append([logprobs_from_proto(m) for m in chunk.prompt_logprobs])
     assert tokens == ref.token_ids
     assert logprobs == ref.logprobs
+    assert prompt[0] == ref.prompt_logprobs and not any(prompt[1:])  # the prompt's, once, from the prefill worker
     _assert_clean(workers)
 
 

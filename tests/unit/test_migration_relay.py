@@ -120,6 +120,19 @@ def test_logprobs_stay_with_their_tokens_when_replayed_tokens_are_dropped_after_
     assert [(t.logprob, t.top) for t in out.logprobs] == [(-45 / 8, ((45, -45 / 8),)), (-46 / 8, ((46, -46 / 8),))]
 
 
+def test_prompt_logprobs_come_once_with_the_first_chunk_and_a_continuation_does_not_ask_again(default_bundle):
+    req = WorkerRequest("r", [1, 2, 3], SamplingParams(max_tokens=4, prompt_logprobs=0))
+    p = Progress(req, default_bundle.tokenizer)
+    first = p.accept(wpb.TokenChunk(token_ids=[5], prompt_logprobs=[_lp(2), _lp(3)]))
+    assert first is not None and first.prompt_logprobs is not None
+    assert [t.logprob for t in first.prompt_logprobs] == [-2 / 8, -3 / 8]
+    assert p.continuation().params.prompt_logprobs is None
+    later = p.accept(wpb.TokenChunk(token_ids=[6]))
+    assert later is not None and later.prompt_logprobs is None
+    with pytest.raises(DispatchError, match="sent 1 prompt logprobs for a 3-token prompt"):
+        Progress(req, default_bundle.tokenizer).accept(wpb.TokenChunk(token_ids=[5], prompt_logprobs=[_lp(2)]))
+
+
 def test_a_chunk_whose_logprobs_do_not_match_its_tokens_is_a_worker_error(default_bundle):
     p = Progress(WorkerRequest("r", [1], SamplingParams(max_tokens=4, logprobs=0)), default_bundle.tokenizer)
     with pytest.raises(DispatchError, match="sent 1 logprobs for 2 tokens"):

@@ -174,6 +174,8 @@ class PrefillService(Drainable, wgrpc.PrefillWorkerServicer):
                                  kv_codecs=kv_codec_stats(self.streamer.layout, len(prompt), push))
         if item.logprobs is not None:
             reply.first_logprobs.CopyFrom(logprobs_to_proto(item.logprobs))
+        if item.prompt_logprobs:
+            reply.prompt_logprobs.extend(logprobs_to_proto(t) for t in item.prompt_logprobs)
         return reply
 
     def _check_reservation(self, rid: str, target: str, num_tokens: int, timeout: float) -> None:
@@ -220,6 +222,8 @@ class PrefillService(Drainable, wgrpc.PrefillWorkerServicer):
                                  engine_seconds=item.engine_seconds)
         if item.logprobs is not None:
             reply.first_logprobs.CopyFrom(logprobs_to_proto(item.logprobs))
+        if item.prompt_logprobs:
+            reply.prompt_logprobs.extend(logprobs_to_proto(t) for t in item.prompt_logprobs)
         return reply
 
     def _await_embeddings(self, rid: str, request: wpb.PrefillRequest, timeout: float,

@@ -38,6 +38,8 @@ class GenerateResult:
     text: str
     finish_reason: FinishReason
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per token, when params.logprobs is set
+    # one per prompt token after the first, when params.prompt_logprobs is set
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
 
 
 def build_prompt(bundle: LoadedModel, req: GenerateRequest) -> tuple[list[int], MultimodalInput | None]:
@@ -79,13 +81,17 @@ def generate(bundle: LoadedModel, requests: list[GenerateRequest],
     texts: dict[str, list[str]] = {k: [] for k in prompts}
     reasons: dict[str, FinishReason] = {}
     logprobs: dict[str, list[TokenLogprobs]] = {k: [] for k in prompts}
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = {k: [] for k in prompts}
     while engine.has_unfinished():
         for out in engine.step():
             tokens[out.request_id].extend(out.new_token_ids)
             texts[out.request_id].append(out.text)
             if out.logprobs is not None:
                 logprobs[out.request_id].append(out.logprobs)
+            if out.prompt_logprobs is not None:
+                prompt_logprobs[out.request_id] = list(out.prompt_logprobs)
             if out.finished:
                 assert out.finish_reason is not None
                 reasons[out.request_id] = out.finish_reason
-    return [GenerateResult(prompts[k], tokens[k], "".join(texts[k]), reasons[k], logprobs[k]) for k in prompts]
+    return [GenerateResult(prompts[k], tokens[k], "".join(texts[k]), reasons[k], logprobs[k], prompt_logprobs[k])
+            for k in prompts]

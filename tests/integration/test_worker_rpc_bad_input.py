@@ -232,11 +232,13 @@ def test_a_prefill_waiting_for_embeddings_is_let_go_when_its_caller_leaves(worke
 def test_logprobs_past_20_are_refused_by_every_worker_that_samples(workers, default_bundle, field):
     _, _, stubs = workers
     ids = default_bundle.tokenizer.encode("hello there")
-    params = wpb.SamplingParams(max_tokens=4, **{field: 21})
+    params, one = wpb.SamplingParams(max_tokens=4), wpb.SamplingParams(max_tokens=1)
+    for p in (params, one):
+        setattr(p, field, 21)
     for call, req in (
             (stubs["decode"].Reserve, wpb.ReserveRequest(request_id="lp", prompt_token_ids=ids, params=params)),
             (stubs["prefill"].Prefill, wpb.PrefillRequest(request_id="lp", prompt_token_ids=ids, complete=True,
-                                                          params=wpb.SamplingParams(max_tokens=1, **{field: 21}))),
+                                                          params=one)),
             (stubs["colocated"].Complete, wpb.CompleteRequest(request_id="lp", prompt_token_ids=ids,
                                                               params=params))):
         assert f"{field} must be an integer in [0, 20], got 21" in _refused(call, req)

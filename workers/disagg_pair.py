@@ -103,7 +103,8 @@ class DisaggPair:
                 self.receiver.expect(rid, reservations[rid].blocks, on_done, self.timeout_s)
                 self.streamer.start(rid, self.target, len(prompt), self.timeout_s)
                 starts[rid] = time.perf_counter()
-                self.prefill.add_request(rid, prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+                self.prefill.add_request(rid, prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True,
+                                                                     logprobs=per_prompt[i].logprobs))
         except BaseException:  # a push that could not open: nothing of this run stays held, on either side
             for rid, reservation in reservations.items():
                 self.prefill.abort(rid)

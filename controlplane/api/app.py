@@ -29,7 +29,7 @@ from controlplane.api.errors import CatchAll, as_api_error, install_error_handle
 from controlplane.api.limits import MAX_BODY_BYTES, BodyLimit, OffLoopJSONRoute, prepare_off_loop
 from controlplane.api.logprobs import TokenText
 from controlplane.api.models import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, StreamOptions
-from controlplane.api.prompts import check_model, prepare_chat, prepare_completion
+from controlplane.api.prompts import check_model, echo_text, prepare_chat, prepare_completion
 from controlplane.api.relay import Relay, ThreadLanes
 from controlplane.api.shapes import ChatShape, CompletionShape, Shape
 from controlplane.api.streaming import EventStream, client_watched, collect, sse_events
@@ -113,13 +113,16 @@ def create_app(backend: Backend, api_keys: Sequence[str] = (), admin: APIRouter 
     @v1.post("/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         worker_request = await prepare_off_loop(request, lambda: prepare_completion(body, backend.model))
-        shape = CompletionShape(f"cmpl-{_hex(worker_request)}", backend.model.name, _tokens(worker_request))
+        shape = CompletionShape(f"cmpl-{_hex(worker_request)}", backend.model.name, _tokens(worker_request),
+                                echo=echo_text(body, worker_request, backend.model) if body.echo else None,
+                                prompt_ids=tuple(worker_request.prompt_ids))
         return await _answer(worker_request, shape, body.stream, body.stream_options, request)
 
     token_text = TokenText(backend.model.tokenizer)
 
     def _tokens(worker_request: WorkerRequest) -> TokenText | None:
-        return token_text if worker_request.params.logprobs is not None else None
+        p = worker_request.params
+        return token_text if p.logprobs is not None or p.prompt_logprobs is not None else None
 
     async def _answer(worker_request: WorkerRequest, shape: Shape, stream: bool | None,
                       stream_options: StreamOptions | None, request: Request) -> Response:
@@ -138,7 +141,10 @@ def create_app(backend: Backend, api_keys: Sequence[str] = (), admin: APIRouter 
             return EventStream(sse_events(first, chunks, shape, include_usage), sse_keepalive_s,
                                on_leave=worker_request.cancel.cancel)
         last = whole.last
-        response = _json(shape.whole(whole.text, last, whole.token_ids, whole.logprobs).model_dump_json())
+        if _tokens(worker_request) is None:
+            response = _json(shape.whole(whole).model_dump_json())
+        else:  # a token's text per id, for every token (and the prompt's): off the loop
+            response = _json(await anyio.to_thread.run_sync(lambda: shape.whole(whole).model_dump_json()))
         if last.engine_seconds > 0:
             # W3C Server-Timing: what the worker's engine spent on this request (one engine ran it whole),
             # so a client can tell compute from everything else (epd bench controlplane's added latency).

@@ -61,3 +61,15 @@ def completion_logprobs(tokens: TokenText, token_ids: Sequence[int], logprobs: S
         offsets.append(offset)
         offset += len(text)
     return CompletionLogprobs(tokens=texts, token_logprobs=values, top_logprobs=tops, text_offset=offsets)
+
+
+def prompt_logprobs(tokens: TokenText, prompt_ids: Sequence[int], logprobs: Sequence[TokenLogprobs]
+                    ) -> CompletionLogprobs:
+    """An echoed prompt's entries: its first token has no log-probability (null, as in OpenAI's API); each later
+    one has ``logprobs[i - 1]``, its top dict holding the prompt's own token too."""
+    if not prompt_ids:
+        return CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
+    first = tokens(prompt_ids[0])
+    rest = completion_logprobs(tokens, prompt_ids[1:], logprobs, len(first))
+    return CompletionLogprobs(tokens=[first, *rest.tokens], token_logprobs=[None, *rest.token_logprobs],
+                              top_logprobs=[None, *rest.top_logprobs], text_offset=[0, *rest.text_offset])

@@ -194,8 +194,18 @@ def prepare_completion(body: CompletionRequest, model: ModelInfo) -> WorkerReque
         raise APIError(400, "The prompt is empty.", param="prompt")
     _expand_images(ids, model, 0, "prompt")  # a literal image placeholder without an image is refused
     max_tokens = COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens
-    params = _sampling(body, max_tokens, "max_tokens", len(ids), model, "prompt", body.logprobs)
+    params = _sampling(body, max_tokens, "max_tokens", len(ids), model, "prompt", body.logprobs,
+                       body.logprobs if body.echo else None)  # echo with logprobs: the prompt's too
     return WorkerRequest(str(uuid.uuid4()), ids, params)
+
+
+def echo_text(body: CompletionRequest, request: WorkerRequest, model: ModelInfo) -> str:
+    """The prompt as ``echo`` sends it back: the text given, or a token-id prompt decoded."""
+    prompt = body.prompt[0] if isinstance(body.prompt, list) and body.prompt and isinstance(
+        body.prompt[0], (str, list)) else body.prompt
+    if isinstance(prompt, str):
+        return prompt
+    return model.tokenizer.decode(list(request.prompt_ids))
 
 
 # ----------------------------------------------------------------------------------- shared
@@ -209,8 +219,8 @@ def _refuse_unsupported(body: ChatCompletionRequest | CompletionRequest) -> None
             raise APIError(400, f"{name} is not supported by this server (only 0).", param=name)
     if body.logit_bias:
         raise APIError(400, "logit_bias is not supported by this server.", param="logit_bias")
-    if body.echo:
-        raise APIError(400, "echo is not supported by this server.", param="echo")
+    if body.echo and isinstance(body, ChatCompletionRequest):  # vLLM's chat echo (the last message)
+        raise APIError(400, "echo is not supported on chat completions by this server.", param="echo")
     for name, default in (("min_p", 0.0), ("repetition_penalty", 1.0), ("min_tokens", 0)):
         value = getattr(body, name)
         if value is not None and value != default:
@@ -249,9 +259,11 @@ def _check_logprobs(n: int, param: str) -> None:
 
 
 def _sampling(body: ChatCompletionRequest | CompletionRequest, max_tokens: int | None, max_param: str,
-              prompt_len: int, model: ModelInfo, noun: str, logprobs: int | None = None) -> SamplingParams:
+              prompt_len: int, model: ModelInfo, noun: str, logprobs: int | None = None,
+              prompt_logprobs: int | None = None) -> SamplingParams:
     """``noun``: "messages" or "prompt", for the context-length message and its param. ``logprobs``: how many
-    top tokens' logprobs each output token comes with (0: its own alone; None: none)."""
+    top tokens' logprobs each output token comes with (0: its own alone; None: none); ``prompt_logprobs``: the
+    same for each prompt token."""
     vocab = model.tokenizer.vocab_size
     if body.stop_token_ids and any(not 0 <= t < vocab for t in body.stop_token_ids):
         raise APIError(400, f"stop_token_ids must be in [0, {vocab}).", param="stop_token_ids")
@@ -278,7 +290,8 @@ def _sampling(body: ChatCompletionRequest | CompletionRequest, max_tokens: int |
                                 top_p=1.0 if body.top_p is None else body.top_p,
                                 top_k=0 if body.top_k in (None, -1) else body.top_k,  # vLLM spells off -1
                                 seed=seed, stop=stop, stop_token_ids=tuple(body.stop_token_ids or ()),
-                                ignore_eos=bool(body.ignore_eos), to_context=to_context, logprobs=logprobs)
+                                ignore_eos=bool(body.ignore_eos), to_context=to_context, logprobs=logprobs,
+                                prompt_logprobs=prompt_logprobs)
     except InvalidRequestError as exc:
         param = _param_of(str(exc), max_param)
         message = str(exc)

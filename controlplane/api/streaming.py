@@ -1,14 +1,14 @@
-"""Answers in OpenAI's shapes, whole or as server-sent events.
+"""Answers as server-sent events (their shapes: ``shapes``), and the client watched while it waits.
 
 A stream is ``data: {json}\\n\\n`` events then ``data: [DONE]\\n\\n``. Chat: a first chunk with
 ``delta: {"role": "assistant", "content": ""}``, one chunk per text delta (and per token that brings no text
-when it carries logprobs), a chunk with an empty
-delta and the ``finish_reason``, and (``stream_options.include_usage``) a last chunk with empty
-``choices`` and the ``usage``; with include_usage every other chunk carries ``"usage": null``.
-Text completions: the same without the role chunk. An error after the first byte is sent as one
+when it carries logprobs), a chunk with an empty delta and the ``finish_reason``, and
+(``stream_options.include_usage``) a last chunk with empty ``choices`` and the ``usage``; with include_usage
+every other chunk carries ``"usage": null``. Text completions: the same without the role chunk (with
+``echo``, the prompt's text comes first instead). An error after the first byte is sent as one
 ``data: {"error": {...}}`` event (the status line is gone), then ``[DONE]``. While no token comes (a
 preempted request waiting for KV blocks, a request moving to another replica), a comment line
-``: keepalive\n\n`` goes out every ``EventStream.keepalive_s`` so proxies do not close the stream as idle;
+``: keepalive\\n\\n`` goes out every ``EventStream.keepalive_s`` so proxies do not close the stream as idle;
 SSE clients ignore comments.
 """
 
@@ -19,7 +19,6 @@ import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import aclosing, asynccontextmanager
-from dataclasses import dataclass
 
 import anyio
 import anyio.to_thread
@@ -28,11 +27,10 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from controlplane.api.errors import as_api_error
-from controlplane.api.shapes import Shape, usage_of
+from controlplane.api.shapes import Shape, Whole, usage_of
 from controlplane.backend import BackendError, Chunk, Overloaded
 from controlplane.cancellation import Cancellation, ClientGone
 from workers.runtime.errors import InvalidRequestError
-from workers.runtime.sampler import TokenLogprobs
 
 log = logging.getLogger(__name__)
 _EXPECTED = (Overloaded, BackendError, InvalidRequestError, ClientGone)
@@ -49,16 +47,16 @@ async def sse_events(first: Chunk, rest: AsyncGenerator[Chunk, None], shape: Sha
     """The events of one answer; ``first`` was already taken from ``rest`` (admission passed)."""
     async with aclosing(rest):
         try:
-            opening = shape.opening()
+            opening = shape.opening(first)
             if opening is not None:
                 yield _event(opening, include_usage)
             last = first
             if first.text or first.logprobs:
-                yield _event(shape.delta(first.text, first.token_ids, first.logprobs), include_usage)
+                yield _event(shape.delta(first), include_usage)
             async for chunk in rest:  # ends after the finished chunk (which may be ``first``)
                 last = chunk
                 if chunk.text or chunk.logprobs:
-                    yield _event(shape.delta(chunk.text, chunk.token_ids, chunk.logprobs), include_usage)
+                    yield _event(shape.delta(chunk), include_usage)
             yield _event(shape.closing(last.finish_reason or "stop"), include_usage)
             if include_usage:
                 yield _event(shape.usage(usage_of(last)), True)
@@ -95,16 +93,6 @@ async def client_watched(receive: Receive, cancel: Cancellation) -> AsyncIterato
 _WATCHERS: set[asyncio.Task[None]] = set()
 
 
-@dataclass(frozen=True)
-class Whole:
-    """A whole answer: its text, its finished chunk, and every token id and its logprobs (when asked for)."""
-
-    text: str
-    last: Chunk
-    token_ids: tuple[int, ...]
-    logprobs: tuple[TokenLogprobs, ...]
-
-
 async def collect(first: Chunk, rest: AsyncGenerator[Chunk, None]) -> Whole:
     """The whole answer (run it ``client_watched``: a client that leaves then ends it in ClientGone)."""
     parts, last, ids, logprobs = [first.text], first, list(first.token_ids), list(first.logprobs)
@@ -114,7 +102,7 @@ async def collect(first: Chunk, rest: AsyncGenerator[Chunk, None]) -> Whole:
             ids.extend(chunk.token_ids)
             logprobs.extend(chunk.logprobs)
             last = chunk
-    return Whole("".join(parts), last, tuple(ids), tuple(logprobs))
+    return Whole("".join(parts), last, tuple(ids), tuple(logprobs), first.prompt_logprobs)
 
 
 class EventStream(StreamingResponse):
@@ -136,6 +124,7 @@ class EventStream(StreamingResponse):
         self._on_leave = on_leave
         self._sending = asyncio.Lock()  # the events and the keepalives share one send
         self._sent_at = time.monotonic()
+        self._closed = False  # the final body message is sent (or being sent): no keepalive after it
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         done = False
@@ -154,7 +143,8 @@ class EventStream(StreamingResponse):
                 if self._keepalive_s > 0:
                     tg.start_soon(self._keep_alive, send)
                 await self.listen_for_disconnect(receive)
-                await self._leave()  # first: the stream may wait for a chunk, and the task group for it
+                if not done:  # first: the stream may wait for a chunk, and the task group for it
+                    await self._leave()
                 tg.cancel_scope.cancel()
         finally:
             with anyio.CancelScope(shield=True):
@@ -163,27 +153,37 @@ class EventStream(StreamingResponse):
                 await self._events.aclose()
 
     async def _send_events(self, send: Send) -> None:
-        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        async with self._sending:
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            self._sent_at = time.monotonic()
         async for event in self._events:
             async with self._sending:
                 await send({"type": "http.response.body", "body": event.encode(), "more_body": True})
                 self._sent_at = time.monotonic()
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        async with self._sending:
+            self._closed = True
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def _keep_alive(self, send: Send) -> None:
+        """A keepalive after each ``keepalive_s`` with nothing sent, until the final message; a send that fails
+        (the client is gone) cancels the request and ends this task quietly (the stream notices on its own)."""
         while True:
             quiet = time.monotonic() - self._sent_at
             if quiet < self._keepalive_s:
                 await anyio.sleep(self._keepalive_s - quiet)
                 continue
-            try:
-                async with self._sending:
+            async with self._sending:
+                if self._closed:
+                    return
+                if time.monotonic() - self._sent_at < self._keepalive_s:  # an event went out while this waited
+                    continue
+                try:
                     await send({"type": "http.response.body", "body": KEEPALIVE.encode(), "more_body": True})
-                    self._sent_at = time.monotonic()
-            except Exception:  # the client is gone (OSError; uvloop's RuntimeError on a closed transport)
-                with anyio.CancelScope(shield=True):
-                    await self._leave()
-                raise
+                except Exception:  # the client is gone (OSError; uvloop's RuntimeError on a closed transport)
+                    with anyio.CancelScope(shield=True):
+                        await self._leave()
+                    return
+                self._sent_at = time.monotonic()
 
     async def _leave(self) -> None:
         if self._on_leave is not None:

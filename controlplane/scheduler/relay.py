@@ -102,7 +102,7 @@ class Progress:
         token, when asked for) are dropped or kept with their tokens."""
         ids = list(c.token_ids)
         logprobs = [logprobs_from_proto(m) for m in c.logprobs] if c.logprobs else []
-        if logprobs and len(logprobs) != len(ids):
+        if (logprobs or self.request.params.logprobs is not None) and len(logprobs) != len(ids):
             raise DispatchError("decode", grpc.StatusCode.INTERNAL,
                                 f"a worker sent {len(logprobs)} logprobs for {len(ids)} tokens")
         if self._skip:

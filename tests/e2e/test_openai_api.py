@@ -179,6 +179,23 @@ def test_logprobs_of_a_sampled_answer_equal_the_single_process_ones(e2e_stack: S
     assert streamed == [t.logprob for t in ref[1].logprobs]
 
 
+@pytest.mark.parametrize("max_tokens", [1, 4])
+def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_harness_asks(e2e_stack: Stack, client: OpenAI,
+                                                                      max_tokens: int) -> None:
+    """lm-evaluation-harness's loglikelihood request (echo, logprobs 1, max_tokens 1: the prefill worker's
+    one-token path; and 4: the prompt's figures from the Prefill reply onto decode's first chunk): each prompt
+    token after the first has generate()'s prompt logprob."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, prompt_logprobs=1, logprobs=1)
+    ref = generate(e2e_stack.bundle, [GenerateRequest(prompt=COMPLETION_PROMPT, params=params)])[0]
+    r = client.completions.create(model=_model(e2e_stack), prompt=COMPLETION_PROMPT, max_tokens=max_tokens,
+                                  temperature=0, echo=True, logprobs=1)
+    lp = r.choices[0].logprobs
+    assert lp is not None and lp.token_logprobs is not None and r.choices[0].text.startswith(COMPLETION_PROMPT)
+    prompt_len = len(ref.prompt_ids)
+    assert lp.token_logprobs[:prompt_len] == [None] + [t.logprob for t in ref.prompt_logprobs]
+    assert lp.token_logprobs[prompt_len:] == [t.logprob for t in ref.logprobs]
+
+
 def test_sampling_values_past_the_wires_types_mean_what_they_say(e2e_stack: Stack, client: OpenAI,
                                                                  refs: dict[str, GenerateResult]) -> None:
     """top_k is a uint32 and top_p a double on the worker wire: a top_k past any vocabulary is off (a 500

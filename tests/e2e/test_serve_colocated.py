@@ -97,3 +97,11 @@ def test_logprobs_through_the_scheduler_and_a_colocated_worker_match_the_referen
         assert len(top) in (2, 3)  # the top two, and the chosen token when it is not one of them
         for i, v in want.top:
             assert top[tok.decode([i], skip_special_tokens=False)] == pytest.approx(v, abs=1e-4)
+    # echo with logprobs: the prompt's too, from the worker's own prefill
+    scored = httpx.post(f"{served.base}/v1/completions", timeout=60, json={
+        "model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0, "echo": True, "logprobs": 1}).json()
+    scored_ref = generate(default_bundle, [GenerateRequest(prompt=prompt, params=SamplingParams(
+        max_tokens=1, temperature=0.0, prompt_logprobs=1))])[0].prompt_logprobs
+    figures = scored["choices"][0]["logprobs"]["token_logprobs"]
+    assert figures[0] is None and figures[1:len(scored_ref) + 1] == pytest.approx([t.logprob for t in scored_ref],
+                                                                            abs=1e-4)

@@ -6,6 +6,7 @@ it records every WorkerRequest, so the tests check what the workers would be ask
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import dataclasses
 import io
@@ -114,10 +115,12 @@ class FakeBackend:
                 time.sleep(self.token_delay_s)
                 last = i == len(ids) - 1 and not self.end_early
                 self.produced += 1
-                n = request.params.logprobs
+                n, k = request.params.logprobs, request.params.prompt_logprobs
                 logprobs = () if n is None else (fake_logprobs(token, n),)
+                prompt = None if k is None or i else tuple(fake_logprobs(t, k) for t in request.prompt_ids[1:])
                 yield Chunk((token,), tok.decode(ids[:i + 1])[len(tok.decode(ids[:i])):], last,
-                            reason if last else None, len(request.prompt_ids), i + 1, logprobs=logprobs)
+                            reason if last else None, len(request.prompt_ids), i + 1, logprobs=logprobs,
+                            prompt_logprobs=prompt)
             done = True
         finally:
             if not done:
@@ -756,7 +759,7 @@ def test_missing_fields(client: TestClient) -> None:
     ({"min_tokens": 100}, "min_tokens is not supported by this server (only 0)", "min_tokens"),
     ({"use_beam_search": True}, "beam search is not supported", "use_beam_search"),
     ({"skip_special_tokens": False}, "skip_special_tokens must be true", "skip_special_tokens"),
-    ({"echo": True}, "echo is not supported", "echo"),
+    ({"echo": True}, "echo is not supported on chat completions", "echo"),
     ({"functions": [{"name": "f"}]}, "functions (tools) are not supported", "functions"),
     ({"function_call": {"name": "f"}}, "function_call needs tools", "function_call"),
     ({"tool_choice": "required"}, "tool_choice needs tools", "tool_choice"),
@@ -847,6 +850,39 @@ def test_completion_logprobs_are_openais_parallel_lists_with_the_chosen_token_am
               if c["choices"][0]["logprobs"]]
     assert [x for c in chunks for x in c["logprobs"]["text_offset"]] == lp["text_offset"]
     assert [x for c in chunks for x in c["logprobs"]["tokens"]] == texts
+
+
+@pytest.mark.parametrize("prompt", ["hello there", "token ids"])
+def test_echo_puts_the_prompt_before_the_completion_and_with_logprobs_scores_its_tokens(
+        client: TestClient, backend: FakeBackend, prompt: str) -> None:
+    """lm-evaluation-harness scores a continuation this way: echo, logprobs 1, and reads token_logprobs of the
+    prompt's tokens (null for the first, which nothing predicts)."""
+    tok = backend.model.tokenizer
+    ids = tok.encode("hello there")
+    sent: Any = ids if prompt == "token ids" else prompt
+    echoed = tok.decode(ids) if prompt == "token ids" else prompt
+    body = {"model": NAME, "prompt": sent, "max_tokens": 3, "echo": True}
+    plain = client.post("/v1/completions", json=body).json()["choices"][0]
+    answer = tok.decode(_reply_ids(backend, 3))
+    assert plain["text"] == echoed + answer and plain["logprobs"] is None
+    assert backend.requests[-1].params.prompt_logprobs is None
+    scored = client.post("/v1/completions", json={**body, "logprobs": 1}).json()["choices"][0]
+    assert backend.requests[-1].params.prompt_logprobs == 1 and scored["text"] == echoed + answer
+    lp = scored["logprobs"]
+    every = ids + _reply_ids(backend, 3)
+    texts = [_shown(backend, t) for t in every]
+    assert lp["tokens"] == texts
+    assert lp["token_logprobs"] == [None] + [-t / 64 for t in every[1:]]
+    assert lp["top_logprobs"][0] is None
+    assert lp["top_logprobs"][1:] == [{_shown(backend, t + 1): -(t + 1) / 64 + 0.5, _shown(backend, t): -t / 64}
+                                      for t in every[1:]]
+    assert lp["text_offset"] == [sum(len(x) for x in texts[:i]) for i in range(len(texts))]
+    chunks = [c["choices"][0] for c in events(client.post("/v1/completions", json={**body, "logprobs": 1,
+                                                                                  "stream": True}))]
+    assert chunks[0]["text"] == echoed and chunks[0]["logprobs"]["tokens"] == texts[:len(ids)]
+    assert "".join(c["text"] for c in chunks) == echoed + answer
+    assert [x for c in chunks if c["logprobs"] for x in c["logprobs"]["text_offset"]] == lp["text_offset"]
+    assert [x for c in chunks if c["logprobs"] for x in c["logprobs"]["token_logprobs"]] == lp["token_logprobs"]
 
 
 def test_the_openai_client_reads_chat_logprobs(backend: FakeBackend) -> None:
@@ -1008,6 +1044,45 @@ def test_a_stream_silent_past_sse_keepalive_s_sends_comments_and_the_same_events
     strip = [{**e, "id": None, "created": None} for e in events(steady)]
     assert [{**e, "id": None, "created": None} for e in events(httpx2.Response(200, text=raw, headers=paused.headers))
             ] == strip
+
+
+def test_no_keepalive_follows_the_final_message_of_a_stream_whose_client_stalls_at_its_end() -> None:
+    """The client stops reading as the last event goes: the final message waits for the transport, and so
+    would a keepalive that found the stream quiet. It must not be sent after the response ended (uvicorn
+    raises, and the finished request was cancelled as if its client had left)."""
+    from controlplane.api.streaming import EventStream
+
+    sent: list[bytes] = []
+    left: list[str] = []
+
+    async def main() -> None:
+        writable = asyncio.Event()
+        writable.set()
+        complete = False
+
+        async def events() -> AsyncGenerator[str, None]:
+            yield "data: x\n\n"
+            yield "data: [DONE]\n\n"
+            writable.clear()  # the client stops reading: writes wait
+            asyncio.get_running_loop().call_later(0.35, writable.set)
+
+        async def send(message: MutableMapping[str, Any]) -> None:
+            nonlocal complete
+            await writable.wait()
+            if complete:
+                raise RuntimeError("Unexpected ASGI message after response already completed")
+            sent.append(message.get("body", b""))
+            complete = message["type"] == "http.response.body" and not message.get("more_body", False)
+
+        async def receive() -> dict[str, Any]:
+            await asyncio.Event().wait()  # the client never disconnects
+            return {}
+
+        await EventStream(events(), keepalive_s=0.1, on_leave=lambda: left.append("left"))({"type": "http"},
+                                                                                            receive, send)
+
+    asyncio.run(main())
+    assert sent == [b"", b"data: x\n\n", b"data: [DONE]\n\n", b""] and left == []
 
 
 def test_the_openai_client_reads_a_stream_with_keepalive_comments(backend: FakeBackend) -> None:

@@ -137,6 +137,8 @@ def test_a_chunk_whose_logprobs_do_not_match_its_tokens_is_a_worker_error(defaul
     p = Progress(WorkerRequest("r", [1], SamplingParams(max_tokens=4, logprobs=0)), default_bundle.tokenizer)
     with pytest.raises(DispatchError, match="sent 1 logprobs for 2 tokens"):
         p.accept(wpb.TokenChunk(token_ids=[5, 6], logprobs=[_lp(5)]))
+    with pytest.raises(DispatchError, match="sent 0 logprobs for 1 tokens"):  # a worker that knows no logprobs
+        p.accept(wpb.TokenChunk(token_ids=[7]))
 
 
 def test_the_breaker_opens_on_a_lost_worker_and_lets_one_probe_through_after_a_while():

@@ -296,3 +296,12 @@ def test_token_logprobs_are_each_rows_own_log_softmax_with_as_many_top_tokens_as
 
 def test_no_row_asking_for_logprobs_costs_nothing() -> None:
     assert token_logprobs(torch.full((2, VOCAB), math.nan), [0, 1], [None, None]) == [None, None]
+
+
+def test_a_row_whose_logits_are_not_finite_reads_minus_infinity_not_nan() -> None:
+    logits = _logits(2)
+    logits[1, 3] = math.nan
+    got = token_logprobs(logits, [3, 3], [2, 2])
+    assert got[0] is not None and math.isfinite(got[0].logprob)
+    assert got[1] is not None and got[1].logprob == -math.inf
+    assert not any(math.isnan(v) for _, v in got[1].top)

@@ -136,21 +136,26 @@ class TokenLogprobs:
 def token_logprobs(logits: torch.Tensor, tokens: list[int], wanted: list[int | None]) -> list[TokenLogprobs | None]:
     """For each row of ``logits`` [n, vocab] (float32) whose ``wanted`` is not None: the log-probability of
     ``tokens[row]`` and of the ``wanted[row]`` most likely tokens (log_softmax over the row, so each row's figures
-    are its own whatever shares the batch). One read from the device."""
+    are its own whatever shares the batch). Two reads from the device, however many rows. A row whose logits
+    are not finite (``sample`` keeps its argmax) reads -inf where log_softmax gives NaN."""
     rows = [i for i, w in enumerate(wanted) if w is not None]
     out: list[TokenLogprobs | None] = [None] * len(wanted)
     if not rows:
         return out
     device = logits.device
     lp = torch.log_softmax(logits.index_select(0, _on(device, torch.tensor(rows))).float(), dim=-1)
-    chosen = lp.gather(1, _on(device, torch.tensor([[tokens[i]] for i in rows]))).squeeze(1)
+    lp = torch.nan_to_num(lp, nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
+    chosen = lp.gather(1, _on(device, torch.tensor([[tokens[i]] for i in rows])))
     k = max(wanted[i] or 0 for i in rows)
     if k:
         top = lp.topk(min(k, lp.shape[-1]), dim=-1)
-        values, ids = top.values.tolist(), top.indices.tolist()
+        figures, ids = torch.cat((chosen, top.values), dim=1).tolist(), top.indices.tolist()
+    else:
+        figures = chosen.tolist()
     for j, i in enumerate(rows):
         n = wanted[i] or 0
-        out[i] = TokenLogprobs(float(chosen[j]), tuple(zip(ids[j][:n], values[j][:n])) if n else ())
+        row = figures[j]
+        out[i] = TokenLogprobs(row[0], tuple(zip(ids[j][:n], row[1:n + 1])) if n else ())
     return out
 
 

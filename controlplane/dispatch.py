@@ -119,16 +119,12 @@ def _broke(exc: grpc.RpcError) -> bool:
     return exc.code() in _BROKEN and _mark(exc) is None
 
 
-def _with_prompt_logprobs(first: wpb.TokenChunk, prefill: Future) -> None:
-    """Put the prompt logprobs the prefill worker computed onto decode's first chunk. Decode sends its first
-    token once the KV landed, so the Prefill reply is due at once; a failed Prefill raises its RpcError,
-    which the caller names as prefill's failure, and a cancelled one ClientGone."""
-    try:
-        reply = prefill.result()
-    except grpc.FutureCancelledError:  # the request was cancelled meanwhile (its client left)
-        raise ClientGone("the client went away") from None
-    del first.prompt_logprobs[:]
-    first.prompt_logprobs.extend(reply.prompt_logprobs)
+class _StageFailed(Exception):
+    """An encode or prefill call failed while decode served (``error`` names that stage's worker alone)."""
+
+    def __init__(self, error: DispatchError) -> None:
+        super().__init__(str(error))
+        self.error = error
 
 
 def _ender(stage: Stage, cancel: Cancellation) -> Callable[[Future], None]:
@@ -381,12 +377,18 @@ class Dispatcher:
         try:
             for chunk in self._watched(stream, "decode", route.decode, req.cancel, req.max_stall_s):
                 if not started and req.params.prompt_logprobs is not None:
-                    _with_prompt_logprobs(chunk, next(f for s, f in futures if s == "prefill"))
+                    # decode sends its first token once the KV landed, so the Prefill reply is due at once
+                    reply = self._stage_result("prefill", futures, targets, self.first_token_timeout_s)
+                    del chunk.prompt_logprobs[:]
+                    chunk.prompt_logprobs.extend(reply.prompt_logprobs)
                 done, started = chunk.finished, True
                 yield chunk
-            for _stage, fut in futures:  # surface an encode/prefill failure with its own message
+            for stage, fut in futures:  # surface an encode/prefill failure with its own message
                 if not isinstance(fut.exception(), grpc.FutureCancelledError):  # halted after the last token
-                    fut.result()
+                    self._stage_result(stage, futures, targets, None)
+        except _StageFailed as stage_failed:  # decode served; the other stage failed on its own
+            lost = stage_failed.error.lost
+            raise stage_failed.error from None
         except grpc.RpcError as exc:
             # grpc raises the call itself, which this frame holds (``stream``): detached, the two (and this
             # request's state) are freed when the request ends, not at the next full garbage collection
@@ -481,6 +483,25 @@ class Dispatcher:
         finally:
             forget()
             self._watch.unwatch(key)
+
+    @staticmethod
+    def _stage_result(stage: str, futures: list[tuple[str, Future]], targets: dict[str, str | None],
+                      timeout_s: float | None) -> Any:
+        """The reply of ``stage``'s call (among ``futures``), waiting at most ``timeout_s``; _StageFailed naming
+        that stage's worker when its call failed (or, past ``timeout_s``, as hung), ClientGone when it was
+        cancelled for the request."""
+        fut = next(f for s, f in futures if s == stage)
+        try:
+            return fut.result(timeout=timeout_s)
+        except grpc.FutureCancelledError:  # the request was cancelled meanwhile (its client left)
+            raise ClientGone("the client went away") from None
+        except grpc.RpcError as exc:
+            raise _StageFailed(_error(stage, exc, targets[stage])) from None
+        except TimeoutError:
+            target = targets[stage]
+            raise _StageFailed(DispatchError(stage, grpc.StatusCode.UNAVAILABLE,
+                                             f"worker {target} sent no {stage} reply {timeout_s:g} s after decode's "
+                                             f"first token (hung?)", (target,) if target else ())) from None
 
     def _abort(self, rid: str, route: Route, lost: tuple[str, ...] = ()) -> None:
         self._abort_at(rid, [(wgrpc.DecodeWorkerStub, route.decode), (wgrpc.PrefillWorkerStub, route.prefill)],

@@ -104,7 +104,8 @@ class DisaggPair:
                 self.streamer.start(rid, self.target, len(prompt), self.timeout_s)
                 starts[rid] = time.perf_counter()
                 self.prefill.add_request(rid, prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True,
-                                                                     logprobs=per_prompt[i].logprobs))
+                                                                     logprobs=per_prompt[i].logprobs,
+                                                                     prompt_logprobs=per_prompt[i].prompt_logprobs))
         except BaseException:  # a push that could not open: nothing of this run stays held, on either side
             for rid, reservation in reservations.items():
                 self.prefill.abort(rid)

@@ -112,10 +112,13 @@ def create_app(backend: Backend, api_keys: Sequence[str] = (), admin: APIRouter 
 
     @v1.post("/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        worker_request = await prepare_off_loop(request, lambda: prepare_completion(body, backend.model))
+        def prepare() -> tuple[WorkerRequest, str | None]:  # a token-id prompt's echo is decoded: off the loop too
+            prepared = prepare_completion(body, backend.model)
+            return prepared, echo_text(body, prepared, backend.model) if body.echo else None
+
+        worker_request, echo = await prepare_off_loop(request, prepare)
         shape = CompletionShape(f"cmpl-{_hex(worker_request)}", backend.model.name, _tokens(worker_request),
-                                echo=echo_text(body, worker_request, backend.model) if body.echo else None,
-                                prompt_ids=tuple(worker_request.prompt_ids))
+                                echo=echo, prompt_ids=tuple(worker_request.prompt_ids))
         return await _answer(worker_request, shape, body.stream, body.stream_options, request)
 
     token_text = TokenText(backend.model.tokenizer)

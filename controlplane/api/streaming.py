@@ -37,6 +37,11 @@ _EXPECTED = (Overloaded, BackendError, InvalidRequestError, ClientGone)
 KEEPALIVE = ": keepalive\n\n"  # an SSE comment: bytes on the wire that every SSE parser skips
 
 
+def _opening(shape: Shape, first: Chunk, include_usage: bool) -> str | None:
+    opening = shape.opening(first)
+    return None if opening is None else _event(opening, include_usage)
+
+
 def _event(body: BaseModel, include_usage: bool) -> str:
     # OpenAI sends "usage": null on every chunk only when usage was asked for
     return f"data: {body.model_dump_json(exclude=None if include_usage else {'usage'})}\n\n"
@@ -47,9 +52,12 @@ async def sse_events(first: Chunk, rest: AsyncGenerator[Chunk, None], shape: Sha
     """The events of one answer; ``first`` was already taken from ``rest`` (admission passed)."""
     async with aclosing(rest):
         try:
-            opening = shape.opening(first)
-            if opening is not None:
-                yield _event(opening, include_usage)
+            if first.prompt_logprobs:  # an echoed prompt's logprobs: a token's text per id, off the loop
+                opened = await anyio.to_thread.run_sync(_opening, shape, first, include_usage)
+            else:
+                opened = _opening(shape, first, include_usage)
+            if opened is not None:
+                yield opened
             last = first
             if first.text or first.logprobs:
                 yield _event(shape.delta(first), include_usage)

@@ -113,7 +113,7 @@ class Progress:
             self.text_chars += len(c.text)
             self.finished = c.finished
             prompt = None
-            if self.request.params.prompt_logprobs is not None and len(self.token_ids) == len(ids):  # the first
+            if self.request.params.prompt_logprobs is not None and ids and len(self.token_ids) == len(ids):  # 1st
                 prompt = tuple(logprobs_from_proto(m) for m in c.prompt_logprobs)
                 if len(prompt) != max(0, len(self.request.prompt_ids) - 1):
                     raise DispatchError("prefill", grpc.StatusCode.INTERNAL,

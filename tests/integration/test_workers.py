@@ -7,6 +7,7 @@ single-process ``generate()``; failures surface with their stage and status and 
 from __future__ import annotations
 
 import secrets
+import threading
 
 import grpc
 import pytest
@@ -117,6 +118,43 @@ def test_logprobs_through_the_workers_equal_the_references(stack, max_tokens):
     assert tokens == ref.token_ids
     assert logprobs == ref.logprobs
     assert prompt[0] == ref.prompt_logprobs and not any(prompt[1:])  # the prompt's, once, from the prefill worker
+    _assert_clean(workers)
+
+
+@pytest.mark.parametrize("fault", ["dies", "hangs"])
+def test_a_prefill_worker_that_fails_after_its_kv_landed_is_named_alone(stack, fault):
+    """Prompt logprobs come in the Prefill reply, which the dispatcher waits for at decode's first token. A
+    prefill worker that dies (its call breaks) or goes silent after its KV landed is the one named lost; the
+    decode worker, which served, is not."""
+    bundle, workers, _, route = stack
+    codecs = ("fp32",) * bundle.config.num_layers
+    prefill = start_worker("prefill", bundle, SECURITY, codecs=codecs, config=EngineConfig(kv_cache_bytes=64 * 2**20))
+    release = threading.Event()
+    streamer = prefill.service.streamer  # type: ignore[attr-defined]  # a prefill worker's service has one
+    real_finish = streamer.finish
+
+    def finish_then_fail(*args, **kwargs):
+        result = real_finish(*args, **kwargs)  # the KV landed: decode goes on with its first token
+        if fault == "dies":
+            prefill.server.stop(0)  # every call on it breaks, this one too
+        release.wait(30)
+        return result
+
+    streamer.finish = finish_then_fail
+    dispatcher = Dispatcher(SECURITY, first_token_timeout_s=1.0)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, prompt_logprobs=0)
+    ours = Route(route.decode, prefill.address, route.encode)
+    try:
+        with pytest.raises(DispatchError) as caught:
+            for _ in dispatcher.run(WorkerRequest(f"prefill-{fault}", bundle.tokenizer.encode("hi there"), params),
+                                    ours):
+                pass
+    finally:
+        release.set()
+        dispatcher.close()
+        prefill.stop()
+    assert caught.value.stage == "prefill", caught.value
+    assert caught.value.lost == (prefill.address,), caught.value  # not the decode worker
     _assert_clean(workers)
 
 

@@ -8,6 +8,7 @@ import dataclasses
 import pytest
 import torch
 
+from workers.runtime import engine as engine_module
 from workers.runtime.attention import PrefillItem, build_step_batch
 from workers.runtime.engine import Engine, EngineConfig
 from workers.runtime.kv_cache import DenseLayerStorage
@@ -152,12 +153,14 @@ def test_logprobs_are_hfs_log_softmax_of_the_chosen_and_the_most_likely_tokens(t
     assert_no_leaks(engine)
 
 
-@pytest.mark.parametrize("chunk", [512, 5])
-def test_prompt_logprobs_are_hfs_log_softmax_at_the_position_before_each_prompt_token(tiny_hf, chunk):
+@pytest.mark.parametrize("chunk, rows", [(512, 128), (5, 128), (512, 4)])
+def test_prompt_logprobs_are_hfs_log_softmax_at_the_position_before_each_prompt_token(tiny_hf, chunk, rows,
+                                                                                     monkeypatch):
     """``prompt_logprobs=3``: every prompt token after the first with its log-probability under the positions
     before it and the three most likely tokens', as HF's log_softmax gives them, sent once with the first
     output token; chunked prefill (5 tokens a step) gathers them chunk by chunk. A request beside it that does
     not ask gets none."""
+    monkeypatch.setattr(engine_module, "PROMPT_LOGITS_ROWS", rows)  # 4: the logits taken a few rows at a time
     path = tiny_hf("llama-gqa")
     bundle = load_model(path, require_tokenizer=False)
     engine = Engine(bundle.model, None, EngineConfig(kv_cache_bytes=1 << 22, block_size=8, prefill_chunk_size=chunk))

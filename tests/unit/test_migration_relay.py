@@ -131,6 +131,8 @@ def test_prompt_logprobs_come_once_with_the_first_chunk_and_a_continuation_does_
     assert later is not None and later.prompt_logprobs is None
     with pytest.raises(DispatchError, match="sent 1 prompt logprobs for a 3-token prompt"):
         Progress(req, default_bundle.tokenizer).accept(wpb.TokenChunk(token_ids=[5], prompt_logprobs=[_lp(2)]))
+    aborted = Progress(req, default_bundle.tokenizer).accept(wpb.TokenChunk(finished=True, finish_reason="abort"))
+    assert aborted is not None and aborted.finish_reason == "abort"  # no token: not taken for the first chunk
 
 
 def test_a_chunk_whose_logprobs_do_not_match_its_tokens_is_a_worker_error(default_bundle):

@@ -108,7 +108,7 @@ class StepBatch:
     decode_slots: torch.Tensor | None  # [num_decode, L]
     decode_mask: torch.Tensor | None  # [num_decode, 1, 1, L]
     prefills: tuple[PrefillSlice, ...]
-    logits_indices: torch.Tensor  # [S]: rows whose logits the step returns
+    logits_indices: torch.Tensor  # [S]: rows whose logits the step returns (the sampled ones)
     embed_indices: torch.Tensor | None  # [M]: rows whose embedding is replaced
     embeds: torch.Tensor | None  # [M, hidden]
     kernel: KernelMeta | None = None  # set (and the gather fields None) for the kernel path

@@ -52,6 +52,9 @@ DTypeName = Literal["float32", "bfloat16"]
 KernelsMode = Literal["auto", "torch", "triton"]
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 DEFAULT_KV_CACHE_BYTES = 256 * 2**20
+# Prompt logprobs: the logits of this many prompt positions at a time ([rows, vocab] float32: 78 MiB for a
+# 152k vocabulary), however long the prefill chunk
+PROMPT_LOGITS_ROWS = 128
 PREEMPTION_WARNING_EVERY_S = 60.0
 log = logging.getLogger(__name__)
 
@@ -449,11 +452,10 @@ class Engine:
         else:
             batch = build_step_batch(decodes, prefills, self.cache, paged_kernels=self._ops is not None)
             hook = self._layer_hook(plan.prefills) if self._hooks and plan.prefills else None
-            logits = self.model(batch, self.cache, hook, self._ops)
-            if batch.prompt_logits_indices is not None:
-                sampled_rows = len(batch.logits_indices)
-                self._gather_prompt_logprobs(plan.prefills, prefills, logits[sampled_rows:])
-                logits = logits[:sampled_rows]
+            prompt_hidden: list[torch.Tensor] = []
+            logits = self.model(batch, self.cache, hook, self._ops, prompt_hidden)
+            if prompt_hidden:
+                self._gather_prompt_logprobs(plan.prefills, prefills, prompt_hidden[0])
 
         for s in plan.decodes:
             s.num_computed += 1
@@ -481,10 +483,11 @@ class Engine:
                            embed_offsets=mm[0] if mm else None, embeds=mm[1] if mm else None,
                            prompt_logits=prompt_rows)
 
-    @staticmethod
-    def _gather_prompt_logprobs(chunks: list[ScheduledChunk], items: list[PrefillItem], logits: torch.Tensor) -> None:
-        """Each chunk's prompt logprobs from ``logits`` (its ``prompt_logits`` rows, in chunk order) onto its
-        sequence; a chunk from position 0 starts the list afresh (a prefill computed again after preemption)."""
+    def _gather_prompt_logprobs(self, chunks: list[ScheduledChunk], items: list[PrefillItem],
+                                hidden: torch.Tensor) -> None:
+        """Each chunk's prompt logprobs from the final-normed ``hidden`` of its ``prompt_logits`` rows (in chunk
+        order) onto its sequence, ``PROMPT_LOGITS_ROWS`` rows' logits at a time; a chunk from position 0 starts
+        the list afresh (a prefill computed again after preemption)."""
         targets: list[int] = []
         wanted: list[int | None] = []
         for c, item in zip(chunks, items):
@@ -493,9 +496,13 @@ class Engine:
                     c.seq.prompt_logprobs = []
                 targets.extend(c.seq.prompt_ids[c.start + 1:c.start + 1 + item.prompt_logits])
                 wanted.extend([c.seq.params.prompt_logprobs] * item.prompt_logits)
-        figures = iter(token_logprobs(logits, targets, wanted))
+        figures: list[TokenLogprobs | None] = []
+        for a in range(0, len(targets), PROMPT_LOGITS_ROWS):
+            b = a + PROMPT_LOGITS_ROWS
+            figures.extend(token_logprobs(self.model.lm_logits(hidden[a:b]), targets[a:b], wanted[a:b]))
+        it = iter(figures)
         for c, item in zip(chunks, items):
-            c.seq.prompt_logprobs.extend(next(figures) for _ in range(item.prompt_logits))  # type: ignore[misc]
+            c.seq.prompt_logprobs.extend(next(it) for _ in range(item.prompt_logits))  # type: ignore[misc]
 
     def _layer_hook(self, chunks: list[ScheduledChunk]) -> Callable[[int], None]:
         refs = tuple(ChunkRef(c.seq.request_id, tuple(c.seq.block_table), c.start, c.end,

@@ -124,8 +124,11 @@ class DecoderModel(nn.Module):
 
     @torch.inference_mode()
     def forward(self, batch: StepBatch, cache: PagedKVCache, on_layer_done: LayerDone | None = None,
-                ops: TritonOps | None = None) -> torch.Tensor:
-        """Run one step; returns float32 logits [rows, vocab] of ``batch.logit_rows()``. With ``ops`` the
+                ops: TritonOps | None = None, prompt_hidden: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """Run one step; returns float32 logits [S, vocab] of ``batch.logits_indices``. The final-normed hidden
+        states of ``batch.prompt_logits_indices`` [P, hidden] are appended to ``prompt_hidden`` (which a batch
+        with such rows needs): their logits are the caller's to take a slice at a time (``lm_logits``), as
+        [P, vocab] at once could be gigabytes. With ``ops`` the
         layers run the Triton kernels (``batch`` then needs ``kernel`` for decodes and cached context).
 
         ``on_layer_done(i)`` is called after layer ``i`` has written this step's k/v to the cache,
@@ -136,15 +139,16 @@ class DecoderModel(nn.Module):
             h[batch.embed_indices] = batch.embeds.to(h.dtype)
         cos, sin = self.rotary.cos_sin(batch.positions, h.dtype)
         if ops is not None:
-            return self._forward_kernels(h, cos, sin, batch, cache, on_layer_done, ops)
+            return self._forward_kernels(h, cos, sin, batch, cache, on_layer_done, ops, prompt_hidden)
         for i, layer in enumerate(self.layers):
             h = layer(h, cos, sin, batch, cache.layers[i])
             if on_layer_done is not None:
                 on_layer_done(i)
-        return self.lm_head(self.norm(h[batch.logit_rows()])).float()
+        return self._logits(self.norm(h[batch.logit_rows()]), batch, prompt_hidden)
 
     def _forward_kernels(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: StepBatch,
-                         cache: PagedKVCache, on_layer_done: LayerDone | None, ops: TritonOps) -> torch.Tensor:
+                         cache: PagedKVCache, on_layer_done: LayerDone | None, ops: TritonOps,
+                         prompt_hidden: list[torch.Tensor] | None = None) -> torch.Tensor:
         residual: torch.Tensor | None = None
         for i, layer in enumerate(self.layers):
             assert isinstance(layer, DecoderLayer)
@@ -154,4 +158,18 @@ class DecoderModel(nn.Module):
         assert residual is not None
         idx = batch.logit_rows()
         _, x = ops.add_rmsnorm(h[idx], residual[idx], self.norm.weight, self.norm.eps)
+        return self._logits(x, batch, prompt_hidden)
+
+    def _logits(self, x: torch.Tensor, batch: StepBatch, prompt_hidden: list[torch.Tensor] | None) -> torch.Tensor:
+        """The sampled rows' logits from the final-normed ``x`` of ``batch.logit_rows()``; the prompt rows' go to
+        ``prompt_hidden``."""
+        if batch.prompt_logits_indices is not None:
+            assert prompt_hidden is not None, "a batch with prompt logit rows needs prompt_hidden"
+            sampled = len(batch.logits_indices)
+            prompt_hidden.append(x[sampled:])
+            x = x[:sampled]
+        return self.lm_logits(x)
+
+    def lm_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """float32 logits of final-normed hidden states ``x`` [n, hidden]."""
         return self.lm_head(x).float()

@@ -136,7 +136,7 @@ class TokenLogprobs:
 def token_logprobs(logits: torch.Tensor, tokens: list[int], wanted: list[int | None]) -> list[TokenLogprobs | None]:
     """For each row of ``logits`` [n, vocab] (float32) whose ``wanted`` is not None: the log-probability of
     ``tokens[row]`` and of the ``wanted[row]`` most likely tokens (log_softmax over the row, so each row's figures
-    are its own whatever shares the batch). Two reads from the device, however many rows. A row whose logits
+    are its own whatever shares the batch). At most two reads from the device, however many rows. A row whose logits
     are not finite (``sample`` keeps its argmax) reads -inf where log_softmax gives NaN."""
     rows = [i for i, w in enumerate(wanted) if w is not None]
     out: list[TokenLogprobs | None] = [None] * len(wanted)

@@ -14,6 +14,7 @@ import collections
 import gc
 import secrets
 import threading
+import time
 
 import pytest
 import torch
@@ -108,3 +109,46 @@ def test_requests_served_whole_or_cancelled_leave_no_cycle(default_bundle, trans
         dispatcher.close()
         for w in workers.values():
             w.stop()
+
+
+@pytest.mark.parametrize("handshake", [False, True], ids=["before-handshake", "after-handshake"])
+def test_a_push_its_sender_cancels_leaves_no_cycle(handshake):
+    """The receiver's request iterator raises an RpcError when the sender cancels; grpc's server keeps it on
+    the call's state, so its traceback (this push's frames, which hold the call's context) made a cycle. It
+    showed only when a cancel hit a push at the right moment (the test above, on a busy machine)."""
+    from kv_helpers import AUTH, TOKEN, Frames, OpenPush, Rig, tiny_model
+
+    security = TransferSecurity(token=TOKEN)
+    rig = Rig(tiny_model(), security, security)
+
+    def cancelled_push() -> None:
+        pending = rig.reserve()
+        push = OpenPush(rig.channel, AUTH)
+        if handshake:
+            push.send(Frames(rig.layout, pending.rid).handshake())
+        time.sleep(0.3)  # the handler waits for the next message (the handshake, or the first chunk)
+        push.future.cancel()
+        if handshake:
+            assert not pending.outcome().ok  # the claimed reservation failed with the cancel
+        else:
+            time.sleep(0.3)
+        rig.engine.release(pending.reservation)
+
+    try:
+        cancelled_push()  # warm: the channel and its threads are made once
+        gc.collect()
+        gc.disable()
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        try:
+            for _ in range(3):
+                cancelled_push()
+            time.sleep(0.2)  # the handler threads have returned
+            gc.collect()
+            found = collections.Counter(what for what in map(_ours, gc.garbage) if what is not None)
+        finally:
+            gc.set_debug(0)
+            gc.garbage.clear()
+            gc.enable()
+        assert not found, f"reference cycles of epd's objects (freed only by a full collection): {found}"
+    finally:
+        rig.close()

@@ -15,6 +15,7 @@ import gc
 import secrets
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -51,6 +52,22 @@ def _ours(obj: object) -> str | None:
     return f"{module}.{type(obj).__qualname__}" if module.split(".")[0] in OURS else None
 
 
+def _cycles_of(run: Callable[[], None]) -> collections.Counter[str]:
+    """What of epd's a full collection finds after ``run()`` with the cyclic collector off (nothing, when every
+    object it made was freed by reference counting)."""
+    gc.collect()
+    gc.disable()
+    gc.set_debug(gc.DEBUG_SAVEALL)  # what a collection finds is kept in gc.garbage, to be looked at
+    try:
+        run()
+        gc.collect()
+        return collections.Counter(what for what in map(_ours, gc.garbage) if what is not None)
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
+
+
 @pytest.mark.parametrize("transport", ["auto", "grpc", "tcp"])
 def test_requests_served_whole_or_cancelled_leave_no_cycle(default_bundle, transport):
     codecs = ("fp32",) * default_bundle.config.num_layers
@@ -84,10 +101,8 @@ def test_requests_served_whole_or_cancelled_leave_no_cycle(default_bundle, trans
 
     try:
         whole(0)  # warm: channels, pooled connections and segments are made once, on purpose
-        gc.collect()
-        gc.disable()
-        gc.set_debug(gc.DEBUG_SAVEALL)  # what a collection finds is kept in gc.garbage, to be looked at
-        try:
+
+        def requests() -> None:
             for i in range(1, 6):
                 whole(i)
             for i in range(3):
@@ -97,12 +112,8 @@ def test_requests_served_whole_or_cancelled_leave_no_cycle(default_bundle, trans
             for pool in ("prefill", "decode"):  # every request over: nothing held on either side
                 s = worker_status(workers[pool])
                 assert (s.running, s.waiting, s.reservations) == (0, 0, 0), (pool, s)
-            gc.collect()
-            found = collections.Counter(what for what in map(_ours, gc.garbage) if what is not None)
-        finally:
-            gc.set_debug(0)
-            gc.garbage.clear()
-            gc.enable()
+
+        found = _cycles_of(requests)
         assert cancels, "no request was cancelled: the test did not exercise the cancel paths"
         assert not found, f"reference cycles of epd's objects (freed only by a full collection): {found}"
     finally:
@@ -136,19 +147,13 @@ def test_a_push_its_sender_cancels_leaves_no_cycle(handshake):
 
     try:
         cancelled_push()  # warm: the channel and its threads are made once
-        gc.collect()
-        gc.disable()
-        gc.set_debug(gc.DEBUG_SAVEALL)
-        try:
+
+        def pushes() -> None:
             for _ in range(3):
                 cancelled_push()
             time.sleep(0.2)  # the handler threads have returned
-            gc.collect()
-            found = collections.Counter(what for what in map(_ours, gc.garbage) if what is not None)
-        finally:
-            gc.set_debug(0)
-            gc.garbage.clear()
-            gc.enable()
+
+        found = _cycles_of(pushes)
         assert not found, f"reference cycles of epd's objects (freed only by a full collection): {found}"
     finally:
         rig.close()

@@ -51,7 +51,7 @@ from kvtransfer.errors import TransferRefused, fresh
 from kvtransfer.expectations import Expectations, Expected, State, refusal, run_stream, shown_id
 from kvtransfer.layout import KVLayout, LayoutMismatch
 from kvtransfer.shm import SegmentCache, SharedSegment, ShmError, reap_orphans
-from kvtransfer.wire import PROTOCOL_VERSION, Frame, WireError, decode_frame, pb
+from kvtransfer.wire import PROTOCOL_VERSION, FirstLogprobs, Frame, WireError, decode_frame, pb
 
 log = logging.getLogger(__name__)
 Code = grpc.StatusCode
@@ -93,7 +93,7 @@ class KVSink(Protocol):
 MAX_TOP_LOGPROBS = 20  # workers.runtime.sampler.MAX_LOGPROBS: the most a request may ask for
 
 
-def first_logprobs_of(f: pb.PushFinish) -> tuple[float, tuple[tuple[int, float], ...]] | None:
+def first_logprobs_of(f: pb.PushFinish) -> FirstLogprobs | None:
     """The finish's first-token logprobs (None when not sent); TransferRefused when they are malformed."""
     if not f.HasField("first_logprob"):
         if f.first_top_ids or f.first_top_logprobs:
@@ -116,7 +116,7 @@ class TransferOutcome:
     ok: bool
     first_token: int | None = None
     # the first token's log-probability and the most likely tokens' (id, log-probability), when sent
-    first_logprobs: tuple[float, tuple[tuple[int, float], ...]] | None = None
+    first_logprobs: FirstLogprobs | None = None
     code: grpc.StatusCode | None = None
     error: str | None = None
     num_chunks: int = 0

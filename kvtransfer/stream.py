@@ -58,13 +58,17 @@ from kvtransfer.reused_threads import ReusedThreads
 from kvtransfer.shm import SharedSegment, ShmError
 from kvtransfer.staging import wait_for_current
 from kvtransfer.stream_context import StreamContext
-from kvtransfer.wire import OPEN_BULK_METHOD, OPEN_CUDA_IPC_METHOD, PROTOCOL_VERSION, PUSH_METHOD, encode_control, pb
+from kvtransfer.wire import (
+    OPEN_BULK_METHOD,
+    OPEN_CUDA_IPC_METHOD,
+    PROTOCOL_VERSION,
+    PUSH_METHOD,
+    FirstLogprobs,
+    encode_control,
+    pb,
+)
 
 _BULK_WRITERS = ReusedThreads("kv-bulk-write")  # one per bulk TCP stream while it sends
-
-
-# The first token's log-probability and the most likely tokens' (id, log-probability), most likely first.
-FirstLogprobs = tuple[float, tuple[tuple[int, float], ...]]
 
 
 def finish_message(num_chunks: int, num_bytes: int, checksum: int, first_token: int,

@@ -28,6 +28,10 @@ OPEN_BULK_METHOD = f"/{SERVICE}/OpenBulk"
 OPEN_CUDA_IPC_METHOD = f"/{SERVICE}/OpenCudaIpc"
 PROTOCOL_VERSION = 1
 
+# A push's first token's log-probability and the most likely tokens' (id, log-probability), most likely first:
+# what PushFinish's first_logprob, first_top_ids and first_top_logprobs carry.
+FirstLogprobs = tuple[float, tuple[tuple[int, float], ...]]
+
 _HANDSHAKE, _CHUNK, _FINISH = 1, 2, 3  # oneof field numbers, the same in PushMessage and EmbeddingMessage
 SCALES_FIELD, PAYLOAD_FIELD = 14, 15
 _LEN = 2  # wire type: length-delimited

@@ -27,8 +27,8 @@ from workers.prefill.kv_stream import LayerStreamer, engine_layout
 from workers.runtime.engine import DTYPES, Engine, EngineConfig
 from workers.runtime.loader import LoadedModel
 from workers.runtime.model import DecoderModel
-from workers.runtime.sampler import SamplingParams, TokenLogprobs
-from workers.service_base import first_logprobs
+from workers.runtime.sampler import SamplingParams
+from workers.service_base import first_logprobs, logprobs_of_first
 
 
 @dataclass(frozen=True)
@@ -134,8 +134,7 @@ class DisaggPair:
                 self.decode.release(reservations[rid])
                 raise RuntimeError(f"transfer of {rid} failed: {outcome}")
             first = self.decode.add_prefilled(reservations[rid], prompt, outcome.first_token, per_prompt[i],
-                                              None if outcome.first_logprobs is None
-                                              else TokenLogprobs(*outcome.first_logprobs))
+                                              logprobs_of_first(outcome.first_logprobs))
             ttft[rid] = time.perf_counter() - starts[rid]
             tokens[rid] = list(first.new_token_ids)
             logits[rid] = [None]  # the first token's logits live on the prefill side

@@ -19,7 +19,7 @@ from kvtransfer.auth import TransferSecurity
 from kvtransfer.expectations import MAX_REQUEST_ID_CHARS
 from kvtransfer.options import CHANNEL_OPTIONS, server_stream_options
 from kvtransfer.server import handler_pool, released_on_failure
-from kvtransfer.stream import FirstLogprobs
+from kvtransfer.wire import FirstLogprobs
 from workers.runtime.errors import (
     CapacityError,
     DuplicateRequestError,
@@ -176,6 +176,11 @@ def logprobs_from_proto(m: wpb.TokenLogprobs) -> TokenLogprobs:
 def first_logprobs(t: TokenLogprobs | None) -> FirstLogprobs | None:
     """A token's logprobs as the KV transfer's finish carries them."""
     return None if t is None else (t.logprob, t.top)
+
+
+def logprobs_of_first(f: FirstLogprobs | None) -> TokenLogprobs | None:
+    """The first token's logprobs from a KV transfer's outcome (``first_logprobs``' inverse)."""
+    return None if f is None else TokenLogprobs(*f)
 
 
 def abort_for(context: grpc.ServicerContext, exc: EngineError, message: str | None = None) -> NoReturn:

@@ -108,18 +108,20 @@ class CompletionShape:
         return Completion(id=self.id, created=self.created, model=self.model,
                           choices=[CompletionChoice(text=text, logprobs=logprobs, finish_reason=finish_reason)])
 
-    def _prompt(self, first: Chunk) -> CompletionLogprobs | None:
+    def _prompt(self, logprobs: tuple[TokenLogprobs, ...] | None) -> CompletionLogprobs | None:
         """The echoed prompt's logprobs (the first token has none), when both were asked for."""
         if self.tokens is None or self.echo is None:
             return None
-        shown = prompt_logprobs(self.tokens, self.prompt_ids, first.prompt_logprobs or ())
-        self._offset = shown.text_offset[-1] + len(shown.tokens[-1]) if shown.tokens else 0
-        return shown
+        self._offset = 0
+        return self._advanced(prompt_logprobs(self.tokens, self.prompt_ids, logprobs or ()))
 
-    def _logprobs(self, chunk: Chunk) -> CompletionLogprobs | None:
+    def _logprobs(self, token_ids: tuple[int, ...], logprobs: tuple[TokenLogprobs, ...]) -> CompletionLogprobs | None:
         if self.tokens is None:
             return None
-        shown = completion_logprobs(self.tokens, chunk.token_ids, chunk.logprobs, self._offset)
+        return self._advanced(completion_logprobs(self.tokens, token_ids, logprobs, self._offset))
+
+    def _advanced(self, shown: CompletionLogprobs) -> CompletionLogprobs:
+        """``shown``, with the next token's text_offset moved past its last token."""
         if shown.tokens:
             self._offset = shown.text_offset[-1] + len(shown.tokens[-1])
         return shown
@@ -127,10 +129,10 @@ class CompletionShape:
     def opening(self, first: Chunk) -> BaseModel | None:
         if self.echo is None:
             return None
-        return self._chunk(self.echo, logprobs=self._prompt(first))
+        return self._chunk(self.echo, logprobs=self._prompt(first.prompt_logprobs))
 
     def delta(self, chunk: Chunk) -> BaseModel:
-        return self._chunk(chunk.text, logprobs=self._logprobs(chunk))
+        return self._chunk(chunk.text, logprobs=self._logprobs(chunk.token_ids, chunk.logprobs))
 
     def closing(self, finish_reason: str) -> BaseModel:
         return self._chunk("", finish_reason)
@@ -141,8 +143,8 @@ class CompletionShape:
     def whole(self, whole: Whole) -> BaseModel:
         last = whole.last
         self._offset = 0
-        prompt = self._prompt(Chunk((), "", False, None, 0, 0, prompt_logprobs=whole.prompt_logprobs))
-        answer = self._logprobs(Chunk(whole.token_ids, whole.text, True, None, 0, 0, logprobs=whole.logprobs))
+        prompt = self._prompt(whole.prompt_logprobs)
+        answer = self._logprobs(whole.token_ids, whole.logprobs)
         if prompt is not None and answer is not None:
             answer = CompletionLogprobs(tokens=prompt.tokens + answer.tokens,
                                         token_logprobs=prompt.token_logprobs + answer.token_logprobs,

@@ -28,8 +28,16 @@ from kvtransfer.options import CHANNEL_OPTIONS
 from kvtransfer.receiver import KVReceiver, TransferOutcome, WireParts
 from kvtransfer.sender import KVSender
 from kvtransfer.server import kv_transfer_handler, start_server
-from kvtransfer.stream import FirstLogprobs, PushResult
-from kvtransfer.wire import OPEN_BULK_METHOD, PROTOCOL_VERSION, PUSH_METHOD, encode_chunk, encode_control, pb
+from kvtransfer.stream import PushResult
+from kvtransfer.wire import (
+    OPEN_BULK_METHOD,
+    PROTOCOL_VERSION,
+    PUSH_METHOD,
+    FirstLogprobs,
+    encode_chunk,
+    encode_control,
+    pb,
+)
 from workers.decode.kv_sink import CacheSink
 from workers.prefill.kv_stream import engine_layout
 from workers.runtime.config import ModelConfig

@@ -34,12 +34,13 @@ from workers.prefill.kv_stream import engine_layout
 from workers.runtime.engine import Engine, EngineConfig, KVReservation
 from workers.runtime.errors import EngineError
 from workers.runtime.loader import LoadedModel
-from workers.runtime.sampler import SamplingParams, TokenLogprobs
+from workers.runtime.sampler import SamplingParams
 from workers.service_base import (
     Drainable,
     WorkerIdentity,
     abort_for,
     keepalive_of,
+    logprobs_of_first,
     request_id_of,
     sampling_from_proto,
     stream_tokens,
@@ -146,7 +147,7 @@ class DecodeService(Drainable, wgrpc.DecodeWorkerServicer):
             context.abort(outcome.code or grpc.StatusCode.INTERNAL, f"KV transfer failed: {outcome.error}")
         try:
             q = self.loop.adopt(pending.reservation, pending.prompt, outcome.first_token, pending.params,
-                                None if outcome.first_logprobs is None else TokenLogprobs(*outcome.first_logprobs))
+                                logprobs_of_first(outcome.first_logprobs))
         except EngineError as exc:
             abort_for(context, exc)
         yield from stream_tokens(self.loop, rid, q, len(pending.prompt), context, keepalive_s=keepalive)

@@ -21,7 +21,8 @@ from kvtransfer.errors import TransferFailed, detached, fresh
 from kvtransfer.layout import KVLayout
 from kvtransfer.sender import KVSender
 from kvtransfer.staging import index_on
-from kvtransfer.stream import FirstLogprobs, KVStream, PushResult
+from kvtransfer.stream import KVStream, PushResult
+from kvtransfer.wire import FirstLogprobs
 from workers.runtime.engine import ChunkRef, Engine, LayerKVReady
 from workers.runtime.kv_cache import DenseLayerStorage, QuantizedLayerStorage, block_slots
 

@@ -38,6 +38,7 @@ from workers.runtime.errors import (
 )
 from workers.runtime.kv_cache import CACHE_DTYPES, CacheDType, KVCacheSpec, PagedKVCache
 from workers.runtime.model import DecoderModel
+from workers.runtime.prefix_cache import PrefixCache
 from workers.runtime.sampler import SamplingParams, TokenLogprobs, sample, seed_draw, token_logprobs
 from workers.runtime.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from workers.runtime.sequence import FinishReason, MultimodalInput, Sequence
@@ -83,6 +84,8 @@ class EngineConfig:
     decode_headroom_tokens: int = 256
     # a worker runs Engine.warm_up() before it serves (its largest steps once, so memory does not step up later)
     warmup: bool = False
+    # reuse the KV of cached prompt prefixes (full blocks; workers.runtime.prefix_cache), as vLLM and SGLang do
+    prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -169,6 +172,9 @@ class EngineStats:
     num_preemptions: int = 0
     steps: int = 0
     num_reservations: int = 0
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache (admissions, counted again)
+    prefix_cache_hits: int = 0  # of which their KV was cached
+    cached_blocks: int = 0  # blocks in the prefix cache's index, held or evictable (counted in blocks_free)
 
 
 class Engine:
@@ -198,7 +204,9 @@ class Engine:
                                                     config.max_num_seqs)
             self.cache = PagedKVCache.from_budget(spec, budget or DEFAULT_KV_CACHE_BYTES, layer_dtypes, model.device,
                                                   read_dtype=model.dtype)
-            self.scheduler = Scheduler(config.scheduler_config(), self.cache.allocator, config.block_size)
+            self.prefix_cache = PrefixCache(self.cache.allocator, config.block_size, config.prefix_caching)
+            self.scheduler = Scheduler(config.scheduler_config(), self.cache.allocator, config.block_size,
+                                       self.prefix_cache)
             if self.cache.num_blocks * config.block_size < self.max_model_len:
                 log.warning("the KV pool holds %d tokens, fewer than the model's context of %d: a request that "
                             "needs more is refused (context_length_exceeded), one without max_tokens stops where "
@@ -349,10 +357,13 @@ class Engine:
             return True
 
     def add_prefilled(self, reservation: KVReservation, prompt_ids: list[int], first_token: int,
-                      params: SamplingParams, first_logprobs: TokenLogprobs | None = None) -> RequestOutput:
+                      params: SamplingParams, first_logprobs: TokenLogprobs | None = None,
+                      first_image_position: int | None = None) -> RequestOutput:
         """Join a sequence whose prompt KV is already in the reserved blocks, with the first token
         prefill sampled (and its logprobs, computed there). Returns that token's output (which may already
-        finish the request).
+        finish the request). Its full blocks before ``first_image_position`` (the prompt's first multimodal
+        placeholder, whose KV came from an image this engine never saw; None: there is none) join the prefix
+        cache.
 
         The reservation is consumed whether this succeeds or raises."""
         with self._lock:
@@ -373,6 +384,9 @@ class Engine:
                 raise
             seq.block_table = list(reservation.blocks)
             seq.num_computed = len(prompt_ids)
+            if first_image_position is not None:
+                seq.cacheable_tokens = first_image_position
+            self.prefix_cache.register(seq)
             self._seqs[seq.request_id] = seq
             self.scheduler.adopt(seq)
             return self._append(seq, first_token, None, first_logprobs)
@@ -417,7 +431,10 @@ class Engine:
         current when read; together they may straddle a step."""
         return EngineStats(len(self.scheduler.waiting), len(self.scheduler.running), self.cache.num_blocks,
                            self.cache.allocator.num_free, self._preemptions, self._steps,
-                           num_reservations=len(self._reservations))
+                           num_reservations=len(self._reservations),
+                           prefix_cache_queries=self.prefix_cache.queried_tokens,
+                           prefix_cache_hits=self.prefix_cache.hit_tokens,
+                           cached_blocks=self.cache.allocator.num_cached)
 
     def _warn_preempted(self, n: int) -> None:
         """One warning for the first preemption, then at most one a minute with the count since start."""
@@ -459,8 +476,10 @@ class Engine:
 
         for s in plan.decodes:
             s.num_computed += 1
+            self.prefix_cache.register(s)
         for c in plan.prefills:
             c.seq.num_computed = c.end
+            self.prefix_cache.register(c.seq)
         sampled = plan.decodes + [c.seq for c in plan.prefills if c.end == c.seq.num_tokens]
         for s in sampled:
             if not s.params.greedy:

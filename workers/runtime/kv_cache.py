@@ -14,7 +14,7 @@ holder (prefix sharing), ``free`` drops one; a block returns to the free list at
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, Protocol
@@ -155,8 +155,15 @@ def block_slots(blocks: list[int], block_size: int, device: torch.device) -> tor
 
 
 class BlockAllocator:
-    """A free list of block ids with refcounts. Pure bookkeeping: it never touches tensors. ``on_free`` is
-    called before blocks that lost their last holder return to the free list."""
+    """A free list of block ids with refcounts, and the prefix cache's index. Pure bookkeeping: it never
+    touches tensors. ``on_free`` is called before blocks that lost their last holder become free.
+
+    Prefix cache. A full, computed block may be ``register``-ed under its chained content digest
+    (``workers.runtime.prefix_cache``). When its last holder frees it, it stays indexed but joins the free
+    blocks as *evictable*: ``match`` finds it and ``take`` gives it a holder again. ``allocate`` hands out
+    never-indexed free blocks first, then evicts the least recently freed evictable ones (dropping them from
+    the index). A sequence's blocks are freed tail first, so its later blocks are evicted before the prefix
+    others share. ``num_free`` counts evictable blocks: they are free to anyone who needs the room."""
 
     def __init__(self, num_blocks: int, on_free: Callable[[], None] | None = None) -> None:
         if num_blocks <= 0:
@@ -166,25 +173,39 @@ class BlockAllocator:
         # Pop from the end: low block ids are handed out first, which keeps tests readable.
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
         self._refcount = [0] * num_blocks
+        self._digest_of: dict[int, bytes] = {}  # indexed block -> its digest
+        self._block_of: dict[bytes, int] = {}  # digest -> the indexed block holding it
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # indexed, no holder; least recently freed first
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return len(self._free) + len(self._evictable)
 
     @property
     def num_used(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - self.num_free
+
+    @property
+    def num_cached(self) -> int:
+        """Blocks in the prefix cache's index, held or evictable."""
+        return len(self._block_of)
 
     def can_allocate(self, n: int) -> bool:
-        return n <= len(self._free)
+        return n <= self.num_free
 
     def allocate(self, n: int) -> list[int]:
-        """Take ``n`` free blocks at refcount 1; all or nothing."""
+        """Take ``n`` free blocks at refcount 1; all or nothing. Evicts cached blocks only when the
+        never-indexed ones run out."""
         if n < 0:
             raise ValueError(f"cannot allocate {n} blocks")
-        if n > len(self._free):
-            raise CapacityError(f"need {n} KV blocks, {len(self._free)} free of {self.num_blocks}")
-        blocks = [self._free.pop() for _ in range(n)]
+        if n > self.num_free:
+            raise CapacityError(f"need {n} KV blocks, {self.num_free} free of {self.num_blocks}")
+        fresh = min(n, len(self._free))
+        blocks = [self._free.pop() for _ in range(fresh)]
+        for _ in range(n - fresh):
+            b, _ = self._evictable.popitem(last=False)
+            del self._block_of[self._digest_of.pop(b)]
+            blocks.append(b)
         for b in blocks:
             self._refcount[b] = 1
         return blocks
@@ -198,7 +219,7 @@ class BlockAllocator:
             self._refcount[b] += 1
 
     def free(self, blocks: list[int]) -> None:
-        """Drop one holder from each block; a block with no holder returns to the free list."""
+        """Drop one holder from each block; a block with no holder becomes free (evictable if indexed)."""
         # Count repeats: freeing [b, b] drops two holders, so b must have at least two.
         for b, n in Counter(blocks).items():
             if not 0 <= b < self.num_blocks:
@@ -214,10 +235,54 @@ class BlockAllocator:
             if released and self.on_free is not None:
                 self.on_free()
         finally:  # the blocks are free whatever the hook raised (a CUDA error): never lost to the pool
-            self._free.extend(released)
+            self._free.extend(b for b in released if b not in self._digest_of)
+            for b in reversed(released):  # tail first: a sequence's later blocks are evicted before its prefix
+                if b in self._digest_of:
+                    self._evictable[b] = None
 
     def refcount(self, block: int) -> int:
         return self._refcount[block]
+
+    # ------------------------------------------------------------------ prefix cache
+    def register(self, block: int, digest: bytes) -> bool:
+        """Index a held, full, computed ``block`` under ``digest``. False (and nothing changes) when the
+        digest is indexed already (another block computed the same prefix) or the block is indexed."""
+        if not 0 <= block < self.num_blocks or self._refcount[block] <= 0:
+            raise ValueError(f"block {block} is not allocated")
+        if digest in self._block_of or block in self._digest_of:
+            return False
+        self._block_of[digest] = block
+        self._digest_of[block] = digest
+        return True
+
+    def match(self, digests: list[bytes]) -> list[int]:
+        """The indexed blocks of the longest prefix of ``digests``; takes nothing."""
+        blocks = []
+        for d in digests:
+            b = self._block_of.get(d)
+            if b is None:
+                break
+            blocks.append(b)
+        return blocks
+
+    def take(self, blocks: list[int]) -> None:
+        """Add one holder to each indexed block (``match``'s result): an evictable one stops being free."""
+        for b in blocks:
+            if b not in self._digest_of:
+                raise ValueError(f"block {b} is not in the prefix cache")
+        for b in blocks:
+            if self._refcount[b] == 0:
+                del self._evictable[b]
+            self._refcount[b] += 1
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every indexed block; evictable ones become plain free blocks. Returns how many were indexed."""
+        n = len(self._block_of)
+        self._free.extend(self._evictable)
+        self._evictable.clear()
+        self._block_of.clear()
+        self._digest_of.clear()
+        return n
 
 
 class PagedKVCache:

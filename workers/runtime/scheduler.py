@@ -11,6 +11,8 @@ Each step it builds one batch under a token budget:
      chunk's blocks now. So prompts admitted together never run the pool out between them (a
      preempted prompt throws away the chunks it had computed). Decoding sequences' growth is not
      counted: on an engine that also decodes, it can still preempt the newest running sequence.
+     With a prefix cache, a joining sequence first takes the cached blocks of its longest cached
+     prefix and starts computing after them (workers.runtime.prefix_cache).
 Sequences join and leave between steps; nothing here touches tensors.
 """
 
@@ -21,6 +23,7 @@ from dataclasses import dataclass
 
 from workers.runtime.errors import InvalidRequestError
 from workers.runtime.kv_cache import BlockAllocator
+from workers.runtime.prefix_cache import PrefixCache
 from workers.runtime.sequence import FinishReason, Sequence, SequenceStatus
 
 
@@ -58,10 +61,12 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, allocator: BlockAllocator, block_size: int) -> None:
+    def __init__(self, config: SchedulerConfig, allocator: BlockAllocator, block_size: int,
+                 prefix_cache: PrefixCache | None = None) -> None:
         self.config = config
         self.allocator = allocator
         self.block_size = block_size
+        self.prefix_cache = prefix_cache or PrefixCache(allocator, block_size, enabled=False)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -96,6 +101,7 @@ class Scheduler:
             self.allocator.free(seq.block_table)
         seq.block_table = []
         seq.num_computed = 0
+        seq.num_registered = 0
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -115,6 +121,17 @@ class Scheduler:
         self._release(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+
+    def _take_cached_prefix(self, seq: Sequence) -> int:
+        """Give a waiting ``seq`` (which holds no blocks) its longest cached prefix's blocks, as computed.
+        Returns how many blocks it took."""
+        hit = self.prefix_cache.lookup(seq)
+        if hit:
+            self.allocator.take(hit)
+            seq.block_table = list(hit)
+            seq.num_computed = len(hit) * self.block_size
+            seq.num_registered = len(hit)
+        return len(hit)
 
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
@@ -146,15 +163,18 @@ class Scheduler:
         committed = sum(self._blocks_to_finish_prompt(s) for s in self.running)
         while self.waiting and not preempted and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            n = min(seq.num_tokens, self.config.prefill_chunk_size, budget)
-            if not self.allocator.can_allocate(self._blocks_to_finish_prompt(seq) + committed):
+            hit = self._take_cached_prefix(seq)
+            start = seq.num_computed
+            n = min(seq.num_tokens - start, self.config.prefill_chunk_size, budget)
+            if not (self.allocator.can_allocate(self._blocks_to_finish_prompt(seq) + committed)
+                    and self._ensure_blocks(seq, start + n)):
+                self._release(seq)  # the cached blocks it took go back, still cached
                 break
-            if not self._ensure_blocks(seq, n):
-                break
+            self.prefix_cache.count(seq, hit)
             committed += self._blocks_to_finish_prompt(seq)
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            prefills.append(ScheduledChunk(seq, 0, n))
+            prefills.append(ScheduledChunk(seq, start, start + n))
             budget -= n
         return SchedulerOutput(decodes, prefills, preempted)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import bisect
 import enum
+import sys
 from dataclasses import dataclass, field
 
 import torch
@@ -60,6 +61,16 @@ class Sequence:
     # params.prompt_logprobs: each prompt token's after the first, gathered chunk by chunk before the first
     # output token (a prefill computed again after a preemption gathers them again)
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # Prefix cache (workers.runtime.prefix_cache): the first ``cacheable_tokens`` tokens' KV depends on their
+    # ids alone (a multimodal placeholder's on its image: lowered to the first one at construction); the
+    # chained digests of the full blocks hashed so far; how many of its blocks are indexed or were tried.
+    cacheable_tokens: int = sys.maxsize
+    block_digests: list[bytes] = field(default_factory=list)
+    num_registered: int = 0
+
+    def __post_init__(self) -> None:
+        if self.mm is not None and self.mm.positions:
+            self.cacheable_tokens = min(self.cacheable_tokens, self.mm.positions[0])
 
     @property
     def num_tokens(self) -> int:

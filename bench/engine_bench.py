@@ -5,7 +5,9 @@ Same checkpoint, same dtype, same thread count, same process, same run. Figures:
            at batch 1 (its prefill subtracted the same way);
   sampled  the same at the largest batch with temperature 0.8 and top_p 0.95 (``bench.sampled``), vs
            transformers sampling with them at batch 1;
-  prefill  prompt tokens/s for one prompt, vs one transformers forward over the same tokens.
+  prefill  prompt tokens/s for one prompt, vs one transformers forward over the same tokens;
+  prefix   prompt tokens/s for the longest prompt when all but its last ``PREFIX_TAIL`` tokens were cached
+           by an earlier request, vs the same two requests on an engine with the prefix cache off.
 Each figure is the best of ``--repeats`` runs. Peak RSS and the KV pool's bytes against its budget
 are reported too.
 """
@@ -18,7 +20,7 @@ import platform
 import resource
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
@@ -29,6 +31,8 @@ from bench.sampled import hf_sampling
 from workers.runtime.engine import DEFAULT_KV_CACHE_BYTES, DTYPES, Engine, EngineConfig
 from workers.runtime.loader import LoadedModel, load_model
 from workers.runtime.sampler import SamplingParams
+
+PREFIX_TAIL = 128  # the prefix figure's uncached tokens: a user turn after a shared system prompt
 
 
 @dataclass
@@ -62,9 +66,17 @@ def _engine_decode_rate(bundle: LoadedModel, cfg: EngineConfig, batch: int, toke
     return rate
 
 
-def _engine_prefill_seconds(bundle: LoadedModel, cfg: EngineConfig, length: int) -> float:
+def _engine_prefill_seconds(bundle: LoadedModel, cfg: EngineConfig, length: int, cached: int = 0) -> float:
+    """Seconds to prefill a ``length``-token prompt on a fresh engine; ``cached`` > 0: after another request
+    (untimed) with the same first ``cached`` tokens and a different rest."""
     engine = Engine(bundle.model, bundle.tokenizer, cfg, bundle.eos_token_ids)
-    engine.add_request("p", _prompt(length, bundle.config.vocab_size), SamplingParams(max_tokens=1, temperature=0.0))
+    prompt = _prompt(length, bundle.config.vocab_size)
+    one = SamplingParams(max_tokens=1, temperature=0.0)
+    if cached:
+        engine.add_request("earlier", prompt[:cached] + _prompt(length - cached, bundle.config.vocab_size, 1), one)
+        while engine.has_unfinished():
+            engine.step()
+    engine.add_request("p", prompt, one)
     start = time.perf_counter()
     while engine.has_unfinished():
         engine.step()
@@ -136,6 +148,13 @@ def run(args: argparse.Namespace) -> int:
         if hf is not None:
             ref = n / _best(lambda: _hf_forward_seconds(hf, n, bundle.config.vocab_size), args.repeats)
         rows.append(Row(f"prefill {n} tokens", n / secs, f"HF forward {n} tokens", ref))
+    n = max(lengths)
+    if n > PREFIX_TAIL:
+        cached = n - PREFIX_TAIL
+        hit = _best(lambda: _engine_prefill_seconds(bundle, cfg, n, cached), args.repeats)
+        cold = _best(lambda: _engine_prefill_seconds(bundle, replace(cfg, prefix_caching=False), n, cached),
+                     args.repeats)
+        rows.append(Row(f"prefix {n} ({cached} hit)", n / hit, f"epd {n}, prefix cache off", n / cold))
 
     probe = Engine(bundle.model, None, cfg)
     budget = cfg.kv_cache_bytes or DEFAULT_KV_CACHE_BYTES
@@ -147,11 +166,11 @@ def run(args: argparse.Namespace) -> int:
             "kv_budget_bytes": budget, "peak_rss_bytes": peak_rss}
     print(f"model {path.name}: {meta['params'] / 1e6:.1f}M params, {args.dtype}, {meta['threads']} threads, "
           f"torch {torch.__version__}")
-    print(f"{'figure':<22}{'epd tok/s':>12}  {'reference':<24}{'ref tok/s':>12}{'ratio':>9}")
+    print(f"{'figure':<24}{'epd tok/s':>12}  {'reference':<28}{'ref tok/s':>12}{'ratio':>9}")
     for r in rows:
         ref_s = f"{r.ref_tok_s:12.1f}" if r.ref_tok_s else f"{'-':>12}"
         ratio = f"{r.ratio:8.2f}x" if r.ratio else f"{'-':>9}"
-        print(f"{r.name:<22}{r.epd_tok_s:12.1f}  {r.ref_name:<24}{ref_s}{ratio}")
+        print(f"{r.name:<24}{r.epd_tok_s:12.1f}  {r.ref_name:<28}{ref_s}{ratio}")
     print(f"KV pool {probe.cache.nbytes / 2**20:.1f} MiB of a {budget / 2**20:.0f} MiB budget; "
           f"peak RSS {peak_rss / 2**20:.0f} MiB")
     if args.json:

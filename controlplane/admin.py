@@ -47,6 +47,8 @@ class WorkerSummary:
     pid: int  # on the host in ``address``; 0: not said
     version: str  # the code it runs (``code_version``); "": not said
     preemptions: int = 0  # sequences its engine preempted since it started
+    prefix_cache_queries: int = 0  # prompt tokens its engine looked up in its prefix cache since it started
+    prefix_cache_hits: int = 0  # of which their KV was cached
 
 
 @dataclass(frozen=True)
@@ -84,7 +86,8 @@ def pools_status(conn: StateConnection, registry: WorkerRegistry, starts: PoolSt
         live = registry.live_workers(pool)
         workers = [WorkerSummary(r.info.worker_id, r.info.address, r.info.draining, r.info.load.running,
                               r.info.load.queued_tokens, r.info.load.free_kv_blocks, r.info.load.total_kv_blocks,
-                              r.info.pid, r.info.version, r.info.load.preemptions)
+                              r.info.pid, r.info.version, r.info.load.preemptions,
+                              r.info.load.prefix_cache_queries, r.info.load.prefix_cache_hits)
                    for r in live]
         pending = starts.pending(pool.value) if starts is not None else ()
         problem = starts.problem(pool.value) if starts is not None else None

@@ -196,8 +196,11 @@ def format_status(data: dict) -> str:
                 code = f" code={w.get('version') or 'unknown'}"
             # said once there are some: a worker that preempts needs more KV memory or fewer sequences
             preempted = f" preemptions={w['preemptions']}" if w.get("preemptions") else ""
+            # the share of looked-up prompt tokens its prefix cache held, once it looked any up
+            queried = w.get("prefix_cache_queries", 0)
+            cached = f" prefix_hits={100 * w.get('prefix_cache_hits', 0) / queried:.0f}%" if queried else ""
             lines.append(f"{'':<16}  {w['worker_id']} {w['address']}{pid} {state} running={w['running']} "
-                         f"queued_tokens={w['queued_tokens']} {kv}".rstrip() + preempted + code)
+                         f"queued_tokens={w['queued_tokens']} {kv}".rstrip() + preempted + cached + code)
         for r in p.get("pending", ()):  # an API from before pending replicas were shown has none
             lines.append(f"{'':<16}  {r['name']} pending {r['waiting_s']:.0f} s: {r['reason']}")
         if p.get("problem"):

@@ -333,7 +333,8 @@ class Dispatcher:
         st = obs.begin("reserve", traced=False)  # timed in epd:request_stage_seconds; no span (a short call)
         try:
             reply = decode.Reserve(wpb.ReserveRequest(request_id=req.request_id, prompt_token_ids=req.prompt_ids,
-                                                      params=params, timeout_s=req.timeout_s),
+                                                      params=params, timeout_s=req.timeout_s,
+                                                      image_positions=list(req.image_positions)),
                                    metadata=st.metadata(md), timeout=req.timeout_s)
         except grpc.RpcError as exc:
             st.end(exc)

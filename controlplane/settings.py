@@ -150,6 +150,10 @@ class EngineSettings(_Model):
                                "would go silent while it recomputes its whole context")
     warmup: bool = Field(True, description="a worker runs its largest prefill and decode steps once before it "
                                            "serves, so its memory peaks at start-up, not later under load")
+    prefix_caching: bool = Field(
+        True, description="reuse the KV of a prompt's leading full blocks computed for an earlier request (a "
+                          "shared system prompt, an earlier turn), as vLLM's and SGLang's prefix caches do; cached "
+                          "blocks stay in the pool until it needs the room")
 
     @field_validator("device")
     @classmethod
@@ -186,7 +190,8 @@ class EngineSettings(_Model):
                             kv_layer_dtypes=kv_layer_dtypes, max_num_seqs=self.max_num_seqs,
                             max_num_batched_tokens=self.max_num_batched_tokens,
                             prefill_chunk_size=self.prefill_chunk_size, max_model_len=self.max_model_len,
-                            warmup=self.warmup, decode_headroom_tokens=self.decode_headroom_tokens)
+                            warmup=self.warmup, decode_headroom_tokens=self.decode_headroom_tokens,
+                            prefix_caching=self.prefix_caching)
 
 
 class PoolSettings(_Model):

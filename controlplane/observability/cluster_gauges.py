@@ -48,17 +48,21 @@ class DecodeKV:
 
 
 @dataclass(frozen=True)
-class WorkerPreemptions:
+class WorkerCounters:
+    """A prefill or decode worker's engine counters, each since the worker started."""
+
     pool: str
     worker_id: str
-    count: int  # since the worker started
+    preemptions: int
+    prefix_cache_queries: int = 0  # prompt tokens looked up in its prefix cache
+    prefix_cache_hits: int = 0  # of which their KV was cached
 
 
 @dataclass(frozen=True)
 class ClusterSnapshot:
     pools: tuple[PoolSnapshot, ...]
     decode_kv: tuple[DecodeKV, ...]
-    preemptions: tuple[WorkerPreemptions, ...] = ()  # prefill and decode workers
+    counters: tuple[WorkerCounters, ...] = ()  # prefill and decode workers
 
 
 class ClusterSource(Protocol):
@@ -149,9 +153,22 @@ class ClusterCollector(Collector):
                                         "it started: its KV pool had no block for a running sequence's next "
                                         "token or prompt chunk, so it waits and recomputes (worker heartbeats).",
                                         labels=[MODEL_LABEL, "pool", "worker_id"])
-        for p in snap.preemptions:
-            preempted.add_metric([MODEL.value, p.pool, p.worker_id], p.count)
+        # vLLM's vllm:prefix_cache_queries_total and vllm:prefix_cache_hits_total (tokens), counted the same way
+        per_worker = [MODEL_LABEL, "pool", "worker_id"]
+        queries = CounterMetricFamily(f"{PREFIX}prefix_cache_queries", "Prompt tokens a worker's engine looked up "
+                                      "in its prefix cache since it started (each admission, a preempted "
+                                      "sequence's again; worker heartbeats).", labels=per_worker)
+        hits = CounterMetricFamily(f"{PREFIX}prefix_cache_hits", "Of the prompt tokens a worker's engine looked "
+                                   "up in its prefix cache, those whose KV was cached and not computed again "
+                                   "(worker heartbeats).", labels=per_worker)
+        for c in snap.counters:
+            labels = [MODEL.value, c.pool, c.worker_id]
+            preempted.add_metric(labels, c.preemptions)
+            queries.add_metric(labels, c.prefix_cache_queries)
+            hits.add_metric(labels, c.prefix_cache_hits)
         yield preempted
+        yield queries
+        yield hits
 
 
 def _gauge(name: str, doc: str, labels: Iterable[str], values: Iterable[tuple[list[str], float]]) -> Metric:
@@ -166,7 +183,7 @@ def snapshot_from_pools(views: Iterable[PoolView]) -> ClusterSnapshot:
     """A ClusterSnapshot from ``controlplane.admin.pools_status`` views."""
     pools: list[PoolSnapshot] = []
     kv: list[DecodeKV] = []
-    preempted: list[WorkerPreemptions] = []
+    counters: list[WorkerCounters] = []
     for v in views:
         workers = list(v.workers)
         pools.append(PoolSnapshot(v.pool, v.target, v.ready, sum(w.running for w in workers),
@@ -176,8 +193,9 @@ def snapshot_from_pools(views: Iterable[PoolView]) -> ClusterSnapshot:
         if v.pool == "decode":
             kv.extend(DecodeKV(w.worker_id, w.total_kv_blocks - w.free_kv_blocks, w.free_kv_blocks) for w in workers)
         if v.pool != "encode":
-            preempted.extend(WorkerPreemptions(v.pool, w.worker_id, w.preemptions) for w in workers)
-    return ClusterSnapshot(tuple(pools), tuple(kv), tuple(preempted))
+            counters.extend(WorkerCounters(v.pool, w.worker_id, w.preemptions, w.prefix_cache_queries,
+                                           w.prefix_cache_hits) for w in workers)
+    return ClusterSnapshot(tuple(pools), tuple(kv), tuple(counters))
 
 
 class PoolsSource:

@@ -200,7 +200,8 @@ class Lease:
     def _info(self) -> WorkerInfo:
         s = worker_status(self.worker)
         load = WorkerLoad(queued_tokens=queued_tokens(self.worker), free_kv_blocks=s.kv_blocks_free,
-                          total_kv_blocks=s.kv_blocks_total, running=s.running, preemptions=s.preemptions)
+                          total_kv_blocks=s.kv_blocks_total, running=s.running, preemptions=s.preemptions,
+                          prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits)
         return WorkerInfo(worker_id=s.worker_id, pool=parse_pool(self.worker.pool), address=s.address,
                           model_fingerprint=s.model_fingerprint, version=self._version, load=load,
                           draining=s.draining, pid=os.getpid())

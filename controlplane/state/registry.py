@@ -65,13 +65,16 @@ def _count(name: str, value: int) -> None:
 @dataclass(frozen=True)
 class WorkerLoad:
     """What a worker reports each heartbeat. Tokens and KV blocks are counts; ``running`` is requests;
-    ``preemptions``: sequences its engine preempted since it started (a counter)."""
+    ``preemptions``: sequences its engine preempted since it started; ``prefix_cache_queries``: prompt tokens its
+    engine looked up in its prefix cache since it started, ``prefix_cache_hits`` those found (counters)."""
 
     queued_tokens: int = 0
     free_kv_blocks: int = 0
     total_kv_blocks: int = 0
     running: int = 0
     preemptions: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -32,7 +32,8 @@ def admin(state_conn):  # noqa: F811
     install_error_handlers(app)
     app.include_router(admin_router(state_conn, registry, TOKEN, on_drain=drain))
     registry.register(WorkerInfo("decode-a", Pool.DECODE, "127.0.0.1:5001",
-                                 load=WorkerLoad(free_kv_blocks=10, total_kv_blocks=16, running=2, preemptions=5),
+                                 load=WorkerLoad(free_kv_blocks=10, total_kv_blocks=16, running=2, preemptions=5,
+                                                 prefix_cache_queries=400, prefix_cache_hits=96),
                                  pid=4242, version="0.1.0+0123456789ab"))
     registry.register(WorkerInfo("prefill-a", Pool.PREFILL, "127.0.0.1:5002"))
     yield TestClient(app), registry, drained, state_conn
@@ -56,7 +57,8 @@ def test_status_lists_every_pool_with_targets_and_load(admin):
     assert pools["decode"]["workers"][0] | {} == {"worker_id": "decode-a", "address": "127.0.0.1:5001",
                                                   "draining": False, "running": 2, "queued_tokens": 0,
                                                   "free_kv_blocks": 10, "total_kv_blocks": 16, "pid": 4242,
-                                                  "version": "0.1.0+0123456789ab", "preemptions": 5}
+                                                  "version": "0.1.0+0123456789ab", "preemptions": 5,
+                                                  "prefix_cache_queries": 400, "prefix_cache_hits": 96}
     assert pools["encode"]["target"] is None and pools["encode"]["workers"] == []
 
 

@@ -109,5 +109,6 @@ class ColocatedService(Drainable, wgrpc.DecodeWorkerServicer):
                                 draining=self.identity.draining, running=s.num_running, waiting=s.num_waiting,
                                 kv_blocks_total=s.blocks_total, kv_blocks_free=s.blocks_free,
                                 reservations=s.num_reservations, preemptions=s.num_preemptions,
+                                prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
                                 model_fingerprint=self.engine.model.fingerprint())
 

@@ -32,7 +32,7 @@ from workers.decode.kv_sink import CacheSink, KVStore, decode_cache_dtypes
 from workers.engine_loop import EngineLoop
 from workers.prefill.kv_stream import engine_layout
 from workers.runtime.engine import Engine, EngineConfig, KVReservation
-from workers.runtime.errors import EngineError
+from workers.runtime.errors import EngineError, InvalidRequestError
 from workers.runtime.loader import LoadedModel
 from workers.runtime.sampler import SamplingParams
 from workers.service_base import (
@@ -99,7 +99,12 @@ class DecodeService(Drainable, wgrpc.DecodeWorkerServicer):
             rid, timeout = request_id_of(request), timeout_of(request)
             params = sampling_from_proto(request.params)
             self.engine.check_request(prompt, params)
-            reservation = self.engine.reserve(rid, len(prompt), self.engine.fit(len(prompt), params).max_tokens)
+            positions = list(request.image_positions)
+            if positions != sorted(set(positions)) or (positions and positions[-1] >= len(prompt)):
+                raise InvalidRequestError("image_positions must be distinct, ascending and inside the prompt "
+                                          f"({len(prompt)} tokens)")
+            reservation = self.engine.reserve(rid, len(prompt), self.engine.fit(len(prompt), params).max_tokens,
+                                              positions[0] if positions else None)
         except EngineError as exc:
             abort_for(context, exc)
         pending = _Pending(reservation, prompt, params, time.monotonic() + 2 * timeout)
@@ -172,6 +177,7 @@ class DecodeService(Drainable, wgrpc.DecodeWorkerServicer):
                                 draining=self.identity.draining, running=s.num_running, waiting=s.num_waiting,
                                 kv_blocks_total=s.blocks_total, kv_blocks_free=s.blocks_free,
                                 reservations=s.num_reservations, preemptions=s.num_preemptions,
+                                prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
                                 model_fingerprint=self.engine.model.fingerprint())
 
     # ------------------------------------------------------------------ cleanup

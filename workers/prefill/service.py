@@ -266,7 +266,8 @@ class PrefillService(Drainable, wgrpc.PrefillWorkerServicer):
         return wpb.WorkerStatus(worker_id=self.identity.worker_id, pool="prefill", address=self.identity.address,
                                 draining=self.identity.draining, running=s.num_running, waiting=s.num_waiting,
                                 kv_blocks_total=s.blocks_total, kv_blocks_free=s.blocks_free,
-                                preemptions=s.num_preemptions, model_fingerprint=self.engine.model.fingerprint())
+                                preemptions=s.num_preemptions, model_fingerprint=self.engine.model.fingerprint(),
+                                prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits)
 
 
 def kv_codec_stats(layout: KVLayout, num_tokens: int, push: PushResult) -> list[wpb.KVCodecStats]:

@@ -161,6 +161,9 @@ class KVReservation:
     num_tokens: int
     blocks: tuple[int, ...]
     max_new_tokens: int = 0  # the request's max_tokens: how far its sequence may grow once adopted
+    # the prompt's first multimodal placeholder, whose KV comes from an image this engine never sees (None:
+    # no image): the prefix cache keeps only the blocks before it
+    first_image_position: int | None = None
 
 
 @dataclass
@@ -301,9 +304,10 @@ class Engine:
             self._check_mm(prompt_ids, mm)
 
     # ------------------------------------------------------------------ disaggregated decode
-    def reserve(self, request_id: str, num_tokens: int, max_new_tokens: int = 0) -> KVReservation:
+    def reserve(self, request_id: str, num_tokens: int, max_new_tokens: int = 0,
+                first_image_position: int | None = None) -> KVReservation:
         """Hold blocks for ``num_tokens`` prompt tokens whose KV another worker will send, for a request that
-        may generate ``max_new_tokens``.
+        may generate ``max_new_tokens`` (``first_image_position``: see ``KVReservation``).
 
         Raises CapacityError when the blocks are not free now, or when taking them would leave too little
         for the sequences here to grow: ``decode_headroom_tokens`` more tokens each (fewer for one nearer its
@@ -329,7 +333,7 @@ class Engine:
                 raise CapacityError(f"need {need} KV blocks for the prompt and {keep} left free for the sequences "
                                     f"here to grow; {free} free of {self.cache.num_blocks}")
             blocks = tuple(self.cache.allocator.allocate(need))
-            res = KVReservation(request_id, num_tokens, blocks, max_new_tokens)
+            res = KVReservation(request_id, num_tokens, blocks, max_new_tokens, first_image_position)
             self._reservations[request_id] = res
             return res
 
@@ -357,12 +361,10 @@ class Engine:
             return True
 
     def add_prefilled(self, reservation: KVReservation, prompt_ids: list[int], first_token: int,
-                      params: SamplingParams, first_logprobs: TokenLogprobs | None = None,
-                      first_image_position: int | None = None) -> RequestOutput:
+                      params: SamplingParams, first_logprobs: TokenLogprobs | None = None) -> RequestOutput:
         """Join a sequence whose prompt KV is already in the reserved blocks, with the first token
         prefill sampled (and its logprobs, computed there). Returns that token's output (which may already
-        finish the request). Its full blocks before ``first_image_position`` (the prompt's first multimodal
-        placeholder, whose KV came from an image this engine never saw; None: there is none) join the prefix
+        finish the request). Its full blocks before the reservation's ``first_image_position`` join the prefix
         cache.
 
         The reservation is consumed whether this succeeds or raises."""
@@ -384,8 +386,8 @@ class Engine:
                 raise
             seq.block_table = list(reservation.blocks)
             seq.num_computed = len(prompt_ids)
-            if first_image_position is not None:
-                seq.cacheable_tokens = first_image_position
+            if reservation.first_image_position is not None:
+                seq.cacheable_tokens = reservation.first_image_position
             self.prefix_cache.register(seq)
             self._seqs[seq.request_id] = seq
             self.scheduler.adopt(seq)
@@ -418,6 +420,12 @@ class Engine:
     def has_unfinished(self) -> bool:
         with self._lock:
             return self.scheduler.has_work()
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix (blocks held by running sequences stay theirs, unindexed); returns how
+        many blocks were indexed. For new weights, or a test that needs a known index."""
+        with self._lock:
+            return self.cache.allocator.reset_prefix_cache()
 
     def add_layer_hook(self, hook: LayerHook) -> None:
         self._hooks.append(hook)

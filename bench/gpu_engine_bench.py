@@ -165,7 +165,7 @@ def run_cuda(args: argparse.Namespace, batches: list[int], lengths: list[int]) -
         torch.cuda.reset_peak_memory_stats(device)
     cfg = EngineConfig(dtype=args.dtype, device=args.device, max_num_seqs=max(batches),
                        max_num_batched_tokens=max(max(lengths), max(batches)), prefill_chunk_size=max(lengths),
-                       gpu_memory_utilization=0.8)
+                       gpu_memory_utilization=0.8, prefix_caching=False)  # repeats send one prompt: compute it all
     engine = Engine(bundle.model, None, cfg, bundle.eos_token_ids)
     capture = engine.graphs.capture_seconds if engine.graphs is not None else 0.0
     ref_failed: list[str] = []

@@ -298,8 +298,9 @@ def ttft_figure(rx: ReceiverProcess, token: str, tokens: int, repeats: int, code
     from workers.runtime.sampler import SamplingParams
 
     bundle = load_model(ensure_default_checkpoint(), with_vision=False)
-    engine = Engine(bundle.model, bundle.tokenizer, EngineConfig(prefill_chunk_size=tokens,
-                                                                 max_num_batched_tokens=tokens))
+    engine = Engine(bundle.model, bundle.tokenizer, EngineConfig(prefill_chunk_size=tokens,  # runs repeat one prompt:
+                                                                 max_num_batched_tokens=tokens,  # compute it all
+                                                                 prefix_caching=False))
     prompt = torch.randint(10, bundle.config.vocab_size, (tokens,), generator=torch.Generator().manual_seed(1)).tolist()
     params = SamplingParams(max_tokens=1, temperature=0.0)
 

@@ -259,7 +259,8 @@ def ttft_figures(rx: ReceiverProcess, token: str, repeats: int, codec: str, devi
     torch.manual_seed(0)
     model = DecoderModel(cfg, torch.bfloat16, str(device))
     engine = Engine(model, None, EngineConfig(dtype="bfloat16", device=str(device), prefill_chunk_size=tokens,
-                                              max_num_batched_tokens=tokens, kv_cache_bytes=512 * MiB))
+                                              max_num_batched_tokens=tokens, kv_cache_bytes=512 * MiB,
+                                              prefix_caching=False))  # runs repeat one prompt: compute it all
     prompt = torch.randint(10, cfg.vocab_size, (tokens,), generator=torch.Generator().manual_seed(1)).tolist()
     params = SamplingParams(max_tokens=1, temperature=0.0)
 

@@ -45,7 +45,9 @@ class _EngineSide:
     def __init__(self, bundle: LoadedModel, clock: Callable[[], float]) -> None:
         self.clock = clock
         self.vocab = bundle.config.vocab_size
-        cfg = EngineConfig(kv_cache_bytes=64 * 2**20, max_num_seqs=64, max_num_batched_tokens=4096)
+        # no prefix cache: each timed prefill sends the same prompt, and must compute all of it
+        cfg = EngineConfig(kv_cache_bytes=64 * 2**20, max_num_seqs=64, max_num_batched_tokens=4096,
+                           prefix_caching=False)
         self.engine = Engine(bundle.model, bundle.tokenizer, cfg, bundle.eos_token_ids)
         for storage in self.engine.cache.layers:  # fault the pool's pages in now, not in a timed step
             for t in storage.pool_tensors():

@@ -120,9 +120,9 @@ class PrefixAffinity:
     SGLang's router ``cache_aware`` policy, over vLLM-style chained block hashes. Each prefill choice is
     recorded in the policy's own :class:`PrefixIndex` (no worker reports what it caches), so a later
     prompt sharing a prefix (a system prompt, a conversation's earlier turns) goes where that prefix's
-    KV most likely still is. Nothing reads that KV today: the engine has no prefix cache yet, so this
-    policy only sets up the affinity a future engine prefix cache would use, at the price of a less even
-    spread; that is why it is not the default.
+    KV most likely still is, in that worker's prefix cache (``workers.runtime.prefix_cache``), at the price
+    of a less even spread. It is not the default: its gain over least loaded (where every replica caches
+    the common prefixes on its own) is not measured yet.
 
     The rule, per prefill pick:
       1. If the pool is imbalanced (SGLang's test: the most and least loaded candidate differ by more than

@@ -4,7 +4,7 @@ The scheduler never hears from a worker what its KV cache holds. Like SGLang's r
 policy, the index is built from the scheduler's own routing decisions instead: after a prompt is sent to
 a worker, its blocks are recorded against that worker, and a later prompt's longest recorded prefix
 says which worker most likely still holds the same KV. It is a hint, never a fact: the worker may have
-evicted those blocks (or, today, keep no prefix cache at all), and a stale or wrong entry costs only a
+evicted those blocks (or run with ``engine.prefix_caching`` off), and a stale or wrong entry costs only a
 less useful routing choice, never a wrong answer.
 
 Blocks are identified the way vLLM's prefix cache does it: one hash per full block of ``block_size``

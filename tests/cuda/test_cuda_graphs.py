@@ -212,3 +212,21 @@ def test_the_benchmarks_step_breakdown_times_the_graphs_on_the_gpu(model) -> Non
     assert 0 < graph_us <= step_us, line
     assert engine.graphs is not None and engine.graphs.replay_events is None
     assert_no_leaks(engine)
+
+
+def test_prefix_cache_hits_give_the_tokens_of_an_engine_without_it(model) -> None:
+    """Prompts sharing a 40-token prefix, one after another: each later one starts from two cached blocks
+    (the Triton prefill over cached context), decoding in graphs, with the tokens of a fresh engine
+    without the cache."""
+    shared = [(7 * i) % 300 + 3 for i in range(40)]
+    reqs = [(shared + [11 + i, 23, 5 + i], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))
+            for i in range(4)]
+    want = run_alone(lambda: _engine(model, prefix_caching=False, cuda_graphs=False), reqs)
+    engine = _engine(model)
+    got: dict[str, list[int]] = {}
+    for i, (prompt, params) in enumerate(reqs):
+        engine.add_request(str(i), prompt, params)
+        got.update(token_ids(run_to_completion(engine)))
+    assert got == want
+    assert engine.stats().prefix_cache_hits == 3 * 2 * engine.cache.block_size
+    assert_no_leaks(engine)

@@ -228,3 +228,17 @@ def test_blocks_from_the_first_image_on_are_never_shared(tiny_bundle):
     assert (outs[0] - outs[1]).abs().max() > 1e-3  # the images matter
     assert engine.stats().prefix_cache_hits == 2 * BS  # blocks 0 and 1, before the image
     assert_no_leaks(engine)
+
+
+def test_a_reset_forgets_every_prefix_and_indexes_nothing_of_a_running_sequence(tiny_bundle):
+    engine, plain = _engine(tiny_bundle), _engine(tiny_bundle, cache=False)
+    prompt = SYSTEM + _suffix(9)
+    engine.add_request("running", prompt, _greedy(40))
+    engine.step()  # its prompt computed and indexed; it decodes on
+    assert engine.stats().cached_blocks == len(prompt) // BS
+    assert engine.reset_prefix_cache() == len(prompt) // BS
+    run_to_completion(engine)
+    assert engine.stats().cached_blocks == 0  # the blocks it filled after the reset were not indexed
+    _assert_same(_run(engine, "after", prompt, _logits()), _run(plain, "after", prompt, _logits()))
+    assert engine.stats().prefix_cache_hits == 0  # nothing of the first request was found
+    assert_no_leaks(engine)

@@ -11,16 +11,22 @@ from workers.runtime.sampler import SamplingParams
 
 
 def sample_kv(engine: Engine, prompts: list[list[int]]) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
-    """Prefill each prompt and collect its full blocks per layer as (keys, values) [n, block, heads, dim]."""
+    """Prefill each prompt and collect its full blocks per layer as (keys, values) [n, block, heads, dim]
+    (a prompt run twice is sampled twice)."""
     cfg = engine.model.cfg
     bs = engine.cache.block_size
     samples: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(cfg.num_layers)]
 
+    taken: dict[tuple[int, str], int] = {}  # (layer, request) -> its blocks [0, n) are sampled
+
     def grab(event: LayerKVReady) -> None:
         for c in event.chunks:
-            lo, hi = c.start // bs, c.end // bs  # whole blocks completed in this chunk
+            # whole blocks completed so far, from the first not sampled (a prompt's first chunk may start
+            # past blocks its engine had cached: they are sampled too, read from the cache)
+            lo, hi = taken.get((event.layer, c.request_id), 0), c.end // bs
             if hi <= lo:
                 continue
+            taken[event.layer, c.request_id] = hi
             slots = block_slots(list(c.blocks[lo:hi]), bs, engine.cache.device)  # on the cache's device
             k, v = engine.cache.layers[event.layer].gather(slots, engine.model.dtype)
             shape = (hi - lo, bs, cfg.num_kv_heads, cfg.head_dim)

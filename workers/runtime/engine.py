@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import random
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -422,9 +423,12 @@ class Engine:
             return self.scheduler.has_work()
 
     def reset_prefix_cache(self) -> int:
-        """Forget every cached prefix (blocks held by running sequences stay theirs, unindexed); returns how
-        many blocks were indexed. For new weights, or a test that needs a known index."""
+        """Forget every cached prefix; returns how many blocks were indexed. Blocks held by running sequences
+        stay theirs, unindexed, and the blocks they complete from now on are not indexed either (their chain
+        starts in blocks the index no longer has)."""
         with self._lock:
+            for seq in self.scheduler.running:
+                seq.num_registered = sys.maxsize
             return self.cache.allocator.reset_prefix_cache()
 
     def add_layer_hook(self, hook: LayerHook) -> None:
@@ -437,11 +441,11 @@ class Engine:
         """Read without the engine's lock, so a status call never waits for a step in flight (one may take
         long: a prefill layer hook waiting for transfer budget, a kernel's first compile). Each number is
         current when read; together they may straddle a step."""
+        hits = self.prefix_cache.hit_tokens  # read before the queries, which count first: hits <= queries
         return EngineStats(len(self.scheduler.waiting), len(self.scheduler.running), self.cache.num_blocks,
                            self.cache.allocator.num_free, self._preemptions, self._steps,
                            num_reservations=len(self._reservations),
-                           prefix_cache_queries=self.prefix_cache.queried_tokens,
-                           prefix_cache_hits=self.prefix_cache.hit_tokens,
+                           prefix_cache_hits=hits, prefix_cache_queries=self.prefix_cache.queried_tokens,
                            cached_blocks=self.cache.allocator.num_cached)
 
     def _warn_preempted(self, n: int) -> None:

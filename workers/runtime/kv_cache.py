@@ -278,10 +278,11 @@ class BlockAllocator:
     def reset_prefix_cache(self) -> int:
         """Forget every indexed block; evictable ones become plain free blocks. Returns how many were indexed."""
         n = len(self._block_of)
-        self._free.extend(self._evictable)
-        self._evictable.clear()
+        # emptied before the blocks join the free list, so a lock-free num_free never counts them twice
+        evictable, self._evictable = list(self._evictable), OrderedDict()
         self._block_of.clear()
         self._digest_of.clear()
+        self._free.extend(evictable)
         return n
 
 

@@ -203,9 +203,9 @@ def test_one_token_requests_finish_on_prefill_without_touching_decode(stack):
     reserves: list[str] = []
     real_reserve = engine.reserve
 
-    def counted_reserve(rid: str, n: int, max_new: int = 0) -> object:  # counts, then reserves
+    def counted_reserve(rid: str, *args: object) -> object:  # counts, then reserves
         reserves.append(rid)
-        return real_reserve(rid, n, max_new)
+        return real_reserve(rid, *args)
 
     engine.reserve = counted_reserve
     try:

@@ -203,7 +203,7 @@ class EngineLoop:
                 q = self._queues.get(out.request_id)
                 if q is None:
                     continue
-                q.put(out)
+                q.put(out if out.error is None else LoopFailure(str(out.error), out.error))
                 if out.finished:
                     del self._queues[out.request_id]
         if len(self._admitted) > len(self._queues) + 64:  # aborted requests' entries

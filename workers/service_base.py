@@ -27,6 +27,7 @@ from workers.runtime.errors import (
     InvalidImageError,
     InvalidRequestError,
     PromptTooLongError,
+    RecomputeError,
     RequestTooLargeError,
 )
 from workers.runtime.sampler import SamplingParams, TokenLogprobs
@@ -197,6 +198,8 @@ def abort_for(context: grpc.ServicerContext, exc: EngineError, message: str | No
 def status_code_for(exc: EngineError) -> grpc.StatusCode:
     if isinstance(exc, CapacityError):
         return grpc.StatusCode.RESOURCE_EXHAUSTED
+    if isinstance(exc, RecomputeError):  # the path broke, not the request: the control plane moves it
+        return grpc.StatusCode.ABORTED
     if isinstance(exc, DuplicateRequestError):
         return grpc.StatusCode.ALREADY_EXISTS
     if isinstance(exc, (PromptTooLongError, InvalidImageError)):

@@ -33,8 +33,10 @@ from workers.runtime.devices import on_device
 from workers.runtime.errors import (
     CapacityError,
     DuplicateRequestError,
+    EngineError,
     InvalidRequestError,
     PromptTooLongError,
+    RecomputeError,
     RequestTooLargeError,
 )
 from workers.runtime.kv_cache import CACHE_DTYPES, CacheDType, KVCacheSpec, PagedKVCache
@@ -132,6 +134,8 @@ class RequestOutput:
     # On a finished output handed out by workers.engine_loop.EngineLoop: seconds from the request's
     # admission to this output (the steps that ran it and the gaps between them); 0.0 otherwise.
     engine_seconds: float = 0.0
+    # On a finished (ABORT) output: why the engine ended the request itself (a RecomputeError: evicted)
+    error: EngineError | None = None
 
 
 @dataclass(frozen=True)
@@ -389,6 +393,7 @@ class Engine:
             seq.num_computed = len(prompt_ids)
             if reservation.first_image_position is not None:
                 seq.cacheable_tokens = reservation.first_image_position
+                seq.recomputable = False
             self.prefix_cache.register(seq)
             self._seqs[seq.request_id] = seq
             self.scheduler.adopt(seq)
@@ -466,11 +471,12 @@ class Engine:
 
     def _step(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule()
-        if plan.preempted:
-            self._preemptions += len(plan.preempted)
-            self._warn_preempted(len(plan.preempted))
+        if plan.preempted or plan.evicted:
+            self._preemptions += len(plan.preempted) + len(plan.evicted)
+            self._warn_preempted(len(plan.preempted) + len(plan.evicted))
+        evicted = [self._evicted(s) for s in plan.evicted]
         if plan.empty:
-            return []
+            return evicted
         self._steps += 1
         decodes = [DecodeItem(s.output_ids[-1], s.num_computed, s.block_table) for s in plan.decodes]
         prefills = [self._prefill_item(c) for c in plan.prefills]
@@ -500,8 +506,19 @@ class Engine:
         tokens = [s.params.forced_tokens[len(s.output_ids)] if s.params.forced_tokens else t
                   for s, t in zip(sampled, tokens)]
         logprobs = token_logprobs(logits, tokens, [s.params.logprobs for s in sampled])
-        return [self._append(s, t, logits[i].clone() if s.params.return_logits else None, logprobs[i])
-                for i, (s, t) in enumerate(zip(sampled, tokens))]
+        return evicted + [self._append(s, t, logits[i].clone() if s.params.return_logits else None, logprobs[i])
+                          for i, (s, t) in enumerate(zip(sampled, tokens))]
+
+    def _evicted(self, seq: Sequence) -> RequestOutput:
+        """The finished output of a sequence the scheduler evicted (its blocks are already free)."""
+        del self._seqs[seq.request_id]
+        log.warning("request %s evicted after %d tokens: its KV pool had no block for it, and its context holds "
+                    "image KV this worker cannot compute again", seq.request_id, len(seq.output_ids))
+        error = RecomputeError(f"the decode worker's KV pool ran out of blocks and it cannot recompute request "
+                               f"{seq.request_id!r}: its KV came from images this worker never saw; it must be "
+                               f"prefilled again")
+        return RequestOutput(seq.request_id, (), "", True, FinishReason.ABORT, len(seq.prompt_ids),
+                             len(seq.output_ids), error=error)
 
     def _prefill_item(self, c: ScheduledChunk) -> PrefillItem:
         mm = c.seq.embeds_in(c.start, c.end)

@@ -35,6 +35,11 @@ class CapacityError(EngineError):
     """The KV pool has no room for the request now (it may have later)."""
 
 
+class RecomputeError(EngineError):
+    """A sequence had to give its KV blocks back, and this engine cannot compute that KV again: it came from
+    images this worker never saw (a disaggregated decode worker). The request must move, re-prefilled."""
+
+
 class RequestTooLargeError(InvalidRequestError):
     """The request can never fit in this worker's KV pool, however long it waits."""
 

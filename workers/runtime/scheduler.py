@@ -2,8 +2,10 @@
 
 Each step it builds one batch under a token budget:
   1. Running sequences, oldest first: one token each if decoding, else their next prompt chunk.
-     If a sequence needs a block and none is free, the newest running sequence is preempted
-     (blocks freed, recomputed later from its prompt and outputs), until the block is found.
+     If a sequence needs a block and none is free, the newest running sequence is preempted (blocks
+     freed, recomputed later from its prompt and outputs; taken out of this step's batch if it was in
+     it), until the block is found. One that cannot be recomputed (``Sequence.recomputable``) goes only
+     when no running sequence can be, and is then evicted: finished, for its caller to move it.
   2. Waiting sequences, first come first served, while the budget, ``max_num_seqs`` and free
      blocks allow. A sequence that does not fit waits: the queue is never reordered past it.
      Admission counts a prompt whole: a sequence joins only if the free blocks cover its whole
@@ -19,7 +21,7 @@ Sequences join and leave between steps; nothing here touches tensors.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from workers.runtime.errors import InvalidRequestError
 from workers.runtime.kv_cache import BlockAllocator
@@ -54,6 +56,7 @@ class SchedulerOutput:
     decodes: list[Sequence]
     prefills: list[ScheduledChunk]
     preempted: list[Sequence]
+    evicted: list[Sequence] = field(default_factory=list)  # preempted, but not recomputable: finished (ABORT)
 
     @property
     def empty(self) -> bool:
@@ -110,6 +113,10 @@ class Scheduler:
         seq.num_preemptions += 1
         self.waiting.appendleft(seq)
 
+    def _victim(self) -> Sequence:
+        """Whom to preempt: the newest running sequence that can be recomputed, else the newest."""
+        return next((s for s in reversed(self.running) if s.recomputable), self.running[-1])
+
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         """Take ``seq`` out of the queues and free its blocks (idempotent)."""
         if seq.status is SequenceStatus.FINISHED:
@@ -138,6 +145,7 @@ class Scheduler:
         decodes: list[Sequence] = []
         prefills: list[ScheduledChunk] = []
         preempted: list[Sequence] = []
+        evicted: list[Sequence] = []
 
         for seq in list(self.running):
             if seq.status is not SequenceStatus.RUNNING:
@@ -147,9 +155,19 @@ class Scheduler:
             if n <= 0:
                 continue
             while not self._ensure_blocks(seq, seq.num_computed + n):
-                victim = self.running[-1]
-                self._preempt(victim)
-                preempted.append(victim)
+                victim = self._victim()
+                if victim in decodes:  # scheduled earlier in this loop: out of the batch again
+                    decodes.remove(victim)
+                    budget += 1
+                for chunk in [c for c in prefills if c.seq is victim]:
+                    prefills.remove(chunk)
+                    budget += chunk.end - chunk.start
+                if victim.recomputable:
+                    self._preempt(victim)
+                    preempted.append(victim)
+                else:
+                    self.finish(victim, FinishReason.ABORT)
+                    evicted.append(victim)
                 if victim is seq:
                     break
             if seq.status is not SequenceStatus.RUNNING:
@@ -161,7 +179,8 @@ class Scheduler:
                 prefills.append(ScheduledChunk(seq, seq.num_computed, seq.num_computed + n))
 
         committed = sum(self._blocks_to_finish_prompt(s) for s in self.running)
-        while self.waiting and not preempted and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while (self.waiting and not preempted and not evicted and budget > 0
+               and len(self.running) < self.config.max_num_seqs):
             seq = self.waiting[0]
             hit = self._take_cached_prefix(seq)
             start = seq.num_computed
@@ -177,4 +196,4 @@ class Scheduler:
             self.running.append(seq)
             prefills.append(ScheduledChunk(seq, start, start + n))
             budget -= n
-        return SchedulerOutput(decodes, prefills, preempted)
+        return SchedulerOutput(decodes, prefills, preempted, evicted)

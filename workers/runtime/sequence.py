@@ -65,6 +65,9 @@ class Sequence:
     # ids alone (a multimodal placeholder's on its image: lowered to the first one at construction); the
     # chained digests of the full blocks hashed so far; how many of its blocks are indexed or were tried.
     cacheable_tokens: int = sys.maxsize
+    # False: its KV came from images this engine never saw (adopted on a decode worker), so a preemption
+    # cannot recompute it; the scheduler preempts others first, and ends it (evicted) when it must
+    recomputable: bool = True
     block_digests: list[bytes] = field(default_factory=list)
     num_registered: int = 0
 

@@ -34,6 +34,9 @@ MAX_TOKENS = 12
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
 SEEDED = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.9, top_p=0.95, seed=77)
 TEXT = [{"role": "user", "content": "What is the capital of France?"}]
+# how far a logprob through the served path may be from generate()'s: a prefix reused from a worker's prefix
+# cache moves it in the last bits (the tokens stay exact; HF parity is checked to 1e-4 too)
+LOGPROB_ROUNDING = 1e-4
 COMPLETION_PROMPT = "The model reads a checkpoint folder and"
 CONCURRENT = [[{"role": "user", "content": f"Request {i}: " + "the cache moves " * (i % 5 + 1)}] for i in range(16)]
 
@@ -156,7 +159,9 @@ def test_a_seeded_sampled_answer_equals_the_single_process_one(e2e_stack: Stack,
 
 def test_logprobs_of_a_sampled_answer_equal_the_single_process_ones(e2e_stack: Stack, client: OpenAI) -> None:
     """The first token's figures come from the prefill worker over the KV transfer, the rest from decode; chat
-    and text completions show generate()'s logprobs exactly, each token under its own text."""
+    and text completions show generate()'s logprobs, each token under its own text. Within float rounding
+    (``LOGPROB_ROUNDING``), not exactly: the workers' prefix caches hold this prompt's head from the earlier
+    tests, and a reused prefix moves logits in the last bits, as a different batch does."""
     params = dataclasses.replace(SEEDED, logprobs=3)
     ref = [generate(e2e_stack.bundle, [req])[0]  # each alone: a batch of two rounds its logits otherwise
            for req in (GenerateRequest(messages=TEXT, params=params),
@@ -168,15 +173,17 @@ def test_logprobs_of_a_sampled_answer_equal_the_single_process_ones(e2e_stack: S
                                           logprobs=True, top_logprobs=3)
     content = chat.choices[0].logprobs.content
     assert content is not None and _tokens(e2e_stack, chat.id) == ref[0].token_ids
-    assert [e.logprob for e in content] == [t.logprob for t in ref[0].logprobs]
+    assert [e.logprob for e in content] == pytest.approx([t.logprob for t in ref[0].logprobs], abs=LOGPROB_ROUNDING)
     assert [e.token for e in content] == [tok.decode([i], skip_special_tokens=False) for i in ref[0].token_ids]
-    assert [[(x.token, x.logprob) for x in e.top_logprobs] for e in content] == [
-        [(tok.decode([i], skip_special_tokens=False), v) for i, v in t.top] for t in ref[0].logprobs]
+    assert [[x.token for x in e.top_logprobs] for e in content] == [
+        [tok.decode([i], skip_special_tokens=False) for i, _ in t.top] for t in ref[0].logprobs]
+    assert [[x.logprob for x in e.top_logprobs] for e in content] == [
+        pytest.approx([v for _, v in t.top], abs=LOGPROB_ROUNDING) for t in ref[0].logprobs]
     text = client.completions.create(model=_model(e2e_stack), prompt=COMPLETION_PROMPT, max_tokens=MAX_TOKENS,
                                      temperature=SEEDED.temperature, top_p=SEEDED.top_p, seed=SEEDED.seed,
                                      logprobs=3, stream=True)
     streamed = [x for c in text if c.choices and c.choices[0].logprobs for x in c.choices[0].logprobs.token_logprobs]
-    assert streamed == [t.logprob for t in ref[1].logprobs]
+    assert streamed == pytest.approx([t.logprob for t in ref[1].logprobs], abs=LOGPROB_ROUNDING)
 
 
 @pytest.mark.parametrize("max_tokens", [1, 4])
@@ -192,8 +199,10 @@ def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_harness_asks(e2e_stack:
     lp = r.choices[0].logprobs
     assert lp is not None and lp.token_logprobs is not None and r.choices[0].text.startswith(COMPLETION_PROMPT)
     prompt_len = len(ref.prompt_ids)
-    assert lp.token_logprobs[:prompt_len] == [None] + [t.logprob for t in ref.prompt_logprobs]
-    assert lp.token_logprobs[prompt_len:] == [t.logprob for t in ref.logprobs]
+    assert lp.token_logprobs[0] is None  # the first prompt token has none
+    assert lp.token_logprobs[1:prompt_len] == pytest.approx([t.logprob for t in ref.prompt_logprobs],
+                                                            abs=LOGPROB_ROUNDING)
+    assert lp.token_logprobs[prompt_len:] == pytest.approx([t.logprob for t in ref.logprobs], abs=LOGPROB_ROUNDING)
 
 
 def test_sampling_values_past_the_wires_types_mean_what_they_say(e2e_stack: Stack, client: OpenAI,

@@ -186,10 +186,13 @@ class KVReceiver:
 
     # ------------------------------------------------------------------ control (decode worker side)
     def expect(self, request_id: str, blocks: Sequence[int], on_done: Callable[[TransferOutcome], None],
-               timeout_s: float) -> None:
+               timeout_s: float, cached_blocks: int = 0) -> None:
         """Accept one push for ``request_id`` into ``blocks`` (physical ids, in logical order) until
-        ``timeout_s`` from now."""
-        self.expectations.add(request_id, tuple(blocks), on_done, timeout_s)
+        ``timeout_s`` from now. The first ``cached_blocks`` hold their KV already (this worker's prefix cache):
+        the push must say so in its handshake and send only the blocks after them."""
+        if cached_blocks < 0 or (cached_blocks and cached_blocks >= len(blocks)):
+            raise ValueError(f"cached_blocks must be in [0, {len(blocks)}), got {cached_blocks}")
+        self.expectations.add(request_id, ReservedBlocks(tuple(blocks), cached_blocks), on_done, timeout_s)
 
     def cancel(self, request_id: str, reason: str = "cancelled by the receiver") -> bool:
         """Fail an expected or streaming transfer now (its stream ends with CANCELLED)."""
@@ -420,9 +423,14 @@ class KVReceiver:
         except (LayoutMismatch, CodecError) as exc:
             raise TransferRefused(Code.FAILED_PRECONDITION, f"layout mismatch: {exc}") from None
         nblocks = sender.blocks_for(hs.num_tokens)
-        if hs.num_tokens == 0 or nblocks != len(exp.target):  # fewer would leave reserved blocks stale
+        reserved: ReservedBlocks = exp.target
+        if hs.num_tokens == 0 or nblocks != len(reserved.blocks):  # fewer would leave reserved blocks stale
             raise TransferRefused(Code.OUT_OF_RANGE, f"{hs.num_tokens} tokens need {nblocks} blocks; "
-                                                     f"{len(exp.target)} are reserved for {hs.request_id!r}")
+                                                     f"{len(reserved.blocks)} are reserved for {hs.request_id!r}")
+        if hs.cached_blocks != reserved.cached:
+            raise TransferRefused(Code.FAILED_PRECONDITION,
+                                  f"the push skips {hs.cached_blocks} blocks as cached here; this worker's prefix "
+                                  f"cache holds {reserved.cached} of {hs.request_id!r}'s (its Holds reply said so)")
         segment = None
         if hs.transport == pb.TRANSPORT_CUDA_IPC:
             ipc = self.ipc
@@ -434,7 +442,7 @@ class KVReceiver:
                 ipc.release(hs.request_id)
                 raise TransferRefused(Code.FAILED_PRECONDITION, str(exc)) from None
             return _Session(sender, hs.num_tokens, nblocks, None, self.segments, device_segment,
-                            lambda clean: ipc.release(hs.request_id, clean))
+                            lambda clean: ipc.release(hs.request_id, clean), cached_blocks=reserved.cached)
         if hs.transport == pb.TRANSPORT_SHARED_MEMORY:
             try:
                 segment = self.segments.attach(hs.shm_name, hs.shm_size)
@@ -443,7 +451,7 @@ class KVReceiver:
                                                                 "use the gRPC transport") from None
         elif hs.transport not in (pb.TRANSPORT_GRPC, pb.TRANSPORT_TCP):
             raise TransferRefused(Code.INVALID_ARGUMENT, f"unknown transport {hs.transport}")
-        return _Session(sender, hs.num_tokens, nblocks, segment, self.segments)
+        return _Session(sender, hs.num_tokens, nblocks, segment, self.segments, cached_blocks=reserved.cached)
 
     def _chunk(self, exp: Expected, s: _Session, frame: Frame) -> None:
         c: pb.KVChunk = frame.header
@@ -498,8 +506,8 @@ class KVReceiver:
             nbytes = scales.nbytes + payload.nbytes
         covered = s.coverage[c.layer]
         if any(covered[c.first_block:c.first_block + c.num_blocks]):
-            raise TransferRefused(Code.INVALID_ARGUMENT, f"{where} overlaps blocks already received")
-        blocks = exp.target[c.first_block:c.first_block + c.num_blocks]
+            raise TransferRefused(Code.INVALID_ARGUMENT, f"{where} overlaps blocks already received (or cached here)")
+        blocks = exp.target.blocks[c.first_block:c.first_block + c.num_blocks]
         with exp.lock:
             if exp.state is not State.STREAMING:  # cancelled or expired meanwhile: the blocks may be gone
                 raise fresh(exp.failure) if exp.failure else TransferRefused(Code.CANCELLED, "transfer cancelled")
@@ -528,12 +536,21 @@ class KVReceiver:
                           checksum=s.checksum.value)
 
 
+@dataclass(frozen=True)
+class ReservedBlocks:
+    """What a KV push lands in: the reserved blocks, in logical order, of which the first ``cached`` hold their
+    KV already."""
+
+    blocks: tuple[int, ...]
+    cached: int = 0
+
+
 class _Session:
     """Per-stream progress: what has arrived, in which order, and through which transport."""
 
     def __init__(self, layout: KVLayout, num_tokens: int, num_blocks: int, segment: SharedSegment | None,
                  cache: SegmentCache | None = None, device_segment: torch.Tensor | None = None,
-                 on_close: Callable[[bool], None] | None = None) -> None:
+                 on_close: Callable[[bool], None] | None = None, cached_blocks: int = 0) -> None:
         self.device_segment = device_segment  # TRANSPORT_CUDA_IPC: the leased device segment
         self._on_close = on_close  # called with whether the push's finish arrived
         self.finished = False
@@ -542,7 +559,9 @@ class _Session:
         self.num_tokens = num_tokens
         self.num_blocks = num_blocks
         self.segment = segment
-        self.coverage = [bytearray(num_blocks) for _ in range(layout.num_layers)]
+        # per layer, the blocks that hold their KV: the cached ones from the start, the rest as they land
+        self.coverage = [bytearray(b"\x01" * cached_blocks) + bytearray(num_blocks - cached_blocks)
+                         for _ in range(layout.num_layers)]
         self.next_seq = 0
         self.num_bytes = 0
         self.checksum = StreamChecksum()

@@ -170,13 +170,14 @@ class KVSender:
         return self.bulk_control.usable(target)
 
     def open_stream(self, target: str, request_id: str, layout: KVLayout, num_tokens: int,
-                    timeout_s: float = 30.0) -> KVStream:
+                    timeout_s: float = 30.0, cached_blocks: int = 0) -> KVStream:
         transport = self.choose_transport(target)
         if self.max_timeout_s is not None:
             timeout_s = min(timeout_s, self.max_timeout_s)
         while True:  # auto steps down: cuda_ipc, then shm, then grpc (which has nothing to fall back to)
             try:
-                return KVStream(self.context, target, request_id, layout, num_tokens, timeout_s, transport)
+                return KVStream(self.context, target, request_id, layout, num_tokens, timeout_s, transport,
+                                cached_blocks)
             except TransferFailed as exc:
                 ipc = transport == "cuda_ipc" and exc.code in _NO_IPC
                 if self.transport != "auto" or not (ipc or isinstance(exc, ShmUnusable)):

@@ -93,12 +93,18 @@ class PushResult:
 
 class KVStream:
     def __init__(self, ctx: StreamContext, target: str, request_id: str, layout: KVLayout, num_tokens: int,
-                 timeout_s: float, transport: str) -> None:
+                 timeout_s: float, transport: str, cached_blocks: int = 0) -> None:
+        """``cached_blocks``: blocks [0, cached_blocks) the receiver holds already (its prefix cache, as its
+        Holds reply said): never sent, and said in the handshake."""
         self.ctx = ctx
         self.request_id = request_id
         self.layout = layout
         self.num_tokens = num_tokens
         self.num_blocks = layout.blocks_for(num_tokens)
+        if not 0 <= cached_blocks < self.num_blocks:
+            raise ValueError(f"cached_blocks must be in [0, {self.num_blocks}) for {num_tokens} tokens, "
+                             f"got {cached_blocks}")
+        self.cached_blocks = cached_blocks
         self.transport = transport
         self.started = time.monotonic()
         self.deadline = self.started + timeout_s
@@ -120,7 +126,8 @@ class KVStream:
         self._written: threading.Event | None = None  # under TLS: set when the writer is done (BulkCall reads after)
         self.target = target
         hs = pb.PushHandshake(protocol_version=PROTOCOL_VERSION, request_id=request_id, layout=layout.to_proto(),
-                              num_tokens=num_tokens, transport=pb.TRANSPORT_GRPC, sender_host=ctx.host)
+                              num_tokens=num_tokens, transport=pb.TRANSPORT_GRPC, sender_host=ctx.host,
+                              cached_blocks=cached_blocks)
         if transport == "shm":
             try:
                 self._segment = ctx.segments.take(self._segment_size())
@@ -255,14 +262,16 @@ class KVStream:
             return None
 
     def _segment_size(self) -> int:
+        """Bytes for every block sent (those after ``cached_blocks``), as encoded."""
         total = 0
+        sent = self.num_blocks - self.cached_blocks
         for name in self.layout.layer_codecs:
             codec = get_codec(name)
-            shape = self.layout.block_shape(self.num_blocks)
+            shape = self.layout.block_shape(sent)
             total += chunk_nbytes(codec, shape)
         # chunks split at block boundaries; per-chunk scale rounding cannot exceed the whole's size;
         # device segments start each chunk 16-byte aligned (at most one chunk per block and layer)
-        return total + 4096 + 16 * self.num_blocks * self.layout.num_layers
+        return total + 4096 + 16 * sent * self.layout.num_layers
 
     # ------------------------------------------------------------------ producer side (prefill)
     def send_layer(self, layer: int, first_block: int, key: torch.Tensor, value: torch.Tensor) -> None:
@@ -275,8 +284,10 @@ class KVStream:
         if key.shape != value.shape or tuple(key.shape[1:]) != self.layout.block_shape(1)[1:]:
             raise ValueError(f"blocks must be [n, {self.layout.block_size}, {self.layout.num_kv_heads}, "
                              f"{self.layout.head_dim}], got {tuple(key.shape)} and {tuple(value.shape)}")
-        if first_block < 0 or first_block + n > self.num_blocks:
-            raise ValueError(f"blocks {first_block}..{first_block + n - 1} outside the request's {self.num_blocks}")
+        if first_block < self.cached_blocks or first_block + n > self.num_blocks:
+            raise ValueError(f"blocks {first_block}..{first_block + n - 1} outside the request's "
+                             f"{self.cached_blocks}..{self.num_blocks - 1} (the receiver holds the first "
+                             f"{self.cached_blocks})")
         codec = get_codec(self.layout.layer_codecs[layer])
         ready = wait_for_current(key.device)  # device input: encoders start after the snapshot's copy
         per_block = key[0].nbytes + value[0].nbytes if n else 0
@@ -301,7 +312,7 @@ class KVStream:
         if k_cache.shape != v_cache.shape or tuple(k_cache.shape[1:]) != self.layout.block_shape(1)[1:]:
             raise ValueError(f"caches must be [num_blocks, {self.layout.block_size}, {self.layout.num_kv_heads}, "
                              f"{self.layout.head_dim}], got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
-        if ids.device != k_cache.device or first_block < 0 or first_block + n > self.num_blocks:
+        if ids.device != k_cache.device or first_block < self.cached_blocks or first_block + n > self.num_blocks:
             raise ValueError(f"blocks {first_block}..{first_block + n - 1} (ids on {ids.device}) do not fit the "
                              f"request's {self.num_blocks} blocks on {k_cache.device}")
         codec = get_codec(self.layout.layer_codecs[layer])

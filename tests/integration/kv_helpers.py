@@ -146,7 +146,9 @@ class Rig:
         self.receiver.stop()
 
     # ------------------------------------------------------------------ reservations
-    def reserve(self, rid: str | None = None, num_tokens: int = NUM_TOKENS, timeout_s: float = 30.0) -> Pending:
+    def reserve(self, rid: str | None = None, num_tokens: int = NUM_TOKENS, timeout_s: float = 30.0,
+                cached_blocks: int = 0) -> Pending:
+        """``cached_blocks``: the receiver is told its first blocks hold their KV already (a prefix cache's)."""
         if rid is None:
             self._n += 1
             rid = f"req-{self._n}"
@@ -157,7 +159,7 @@ class Rig:
             if not outcome.ok:
                 self.engine.release(pending.reservation)
             pending.done.set()
-        self.receiver.expect(rid, pending.reservation.blocks, on_done, timeout_s)
+        self.receiver.expect(rid, pending.reservation.blocks, on_done, timeout_s, cached_blocks)
         return pending
 
     def assert_failed(self, pending: Pending, code: grpc.StatusCode, words: str) -> None:

@@ -1,6 +1,6 @@
-"""The prefix cache in the workers, on real gRPC servers: a prefill worker that reuses a cached prefix still
-streams the whole prompt's KV (the cached blocks read from its pool), so decode's tokens equal the
-single-process reference; image requests cache only the blocks before their first image, on the prefill
+"""The prefix cache in the workers, on real gRPC servers: a prefill worker that reuses a cached prefix streams
+the prompt's KV (the cached blocks read from its pool) but for the blocks the decode worker's own prefix cache
+holds (its Holds reply says how many), and decode's tokens equal the single-process reference; image requests cache only the blocks before their first image, on the prefill
 and the decode worker alike; and the hit counters reach the heartbeat (a real Redis), ``epd status`` and
 /metrics."""
 
@@ -62,11 +62,12 @@ def _chat(question: str) -> GenerateRequest:
                            params=GREEDY)
 
 
-def test_a_cached_system_prompt_is_reused_and_decode_gets_the_whole_kv(stack):
+def test_a_cached_system_prompt_is_reused_and_decode_gets_the_kv_it_lacks(stack):
     bundle, workers, dispatcher, route = stack
     questions = ["Where is the Aurora docked?", "Which ship left Rotterdam?", "Where is the Aurora docked?"]
     block = workers["prefill"].service.engine.cache.block_size
     before = _status(workers["prefill"].address, wgrpc.PrefillWorkerStub)
+    decode_before = _status(workers["decode"].address, wgrpc.DecodeWorkerStub)
     for i, q in enumerate(questions):
         greq = _chat(q)
         ids, _ = build_prompt(bundle, greq)
@@ -80,6 +81,9 @@ def test_a_cached_system_prompt_is_reused_and_decode_gets_the_whole_kv(stack):
     assert hits >= 2 * (shared - block), (hits, shared)  # the second and the third found it (the third, more)
     assert after.prefix_cache_queries - before.prefix_cache_queries == sum(
         len(build_prompt(bundle, _chat(q))[0]) for q in questions)
+    # the decode worker indexed the first request's KV as it arrived: the later pushes skipped those blocks
+    decode_after = _status(workers["decode"].address, wgrpc.DecodeWorkerStub)
+    assert decode_after.prefix_cache_hits - decode_before.prefix_cache_hits >= 2 * (shared - block)
     for pool, stub in (("decode", wgrpc.DecodeWorkerStub), ("prefill", wgrpc.PrefillWorkerStub)):
         s = _status(workers[pool].address, stub)
         assert (s.kv_blocks_free, s.reservations, s.running, s.waiting) == (s.kv_blocks_total, 0, 0, 0), (pool, s)

@@ -176,14 +176,16 @@ def test_a_bounded_wait_ends_in_429_with_retry_after(cluster):
     streams = [scheduler.generate(WorkerRequest(f"hold-{i}", prompt, long_params)) for i in range(2)]
     firsts = [next(s) for s in streams]  # both decode replicas are now full
     assert all(f.token_ids for f in firsts)
+    # another prompt: one sharing the held ones' head would share their cached blocks on decode, and fit
+    other = bundle.tokenizer.encode("another prompt, as long " * 40)[:200]
     with pytest.raises(Overloaded) as err:
-        next(scheduler.generate(WorkerRequest("no-room", prompt, GREEDY)))
+        next(scheduler.generate(WorkerRequest("no-room", other, GREEDY)))
     assert err.value.retry_after_s >= 1.0
     one_waiting = _scheduler(cluster, queue_size=1)
     with one_waiting.admission.admit():  # one request waits: the queue is full, and one more is refused at once
         with pytest.raises(Overloaded, match=r"^1 request is already waiting for decode room, the most this server "
                                              r"queues \(scheduler.queue_size\)"):
-            next(one_waiting.generate(WorkerRequest("full-queue", prompt, GREEDY)))
+            next(one_waiting.generate(WorkerRequest("full-queue", other, GREEDY)))
     assert one_waiting.waiting == 0
     for s in streams:  # the held requests still finish
         assert sum(len(c.token_ids) for c in s) == 79

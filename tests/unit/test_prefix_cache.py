@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from workers.runtime.engine import Engine, EngineConfig
+from workers.runtime.errors import CapacityError, InvalidRequestError
 from workers.runtime.kv_cache import BlockAllocator
 from workers.runtime.prefix_cache import chain_digests
 from workers.runtime.sampler import SamplingParams
@@ -241,4 +242,32 @@ def test_a_reset_forgets_every_prefix_and_indexes_nothing_of_a_running_sequence(
     assert engine.stats().cached_blocks == 0  # the blocks it filled after the reset were not indexed
     _assert_same(_run(engine, "after", prompt, _logits()), _run(plain, "after", prompt, _logits()))
     assert engine.stats().prefix_cache_hits == 0  # nothing of the first request was found
+    assert_no_leaks(engine)
+
+
+def test_a_reservation_takes_the_cached_prefix_and_leaves_only_the_rest_to_arrive(tiny_bundle):
+    """A decode engine that holds a prompt's prefix reserves its blocks as they are (``cached_blocks``: the
+    push skips them), short of the block with the last token and of the first image's; a reservation that does
+    not fit gives them back, still cached."""
+    engine = _engine(tiny_bundle)
+    prompt = SYSTEM + _suffix(9)  # 80 tokens: five full blocks
+    _run(engine, "first", prompt, _greedy(2))
+    free, hits = engine.stats().blocks_free, engine.stats().prefix_cache_hits
+    res = engine.reserve("r", len(prompt), 8, None, prompt)
+    assert res.cached_blocks == 4 and len(res.blocks) == 5  # the fifth holds the last token: it is sent
+    assert engine.stats().blocks_free == free - 5 and engine.stats().prefix_cache_hits == hits + 4 * BS
+    image = engine.reserve("i", len(prompt), 8, 20, prompt)  # an image at 20: only block 0 is its text's
+    assert image.cached_blocks == 1 and image.blocks[0] == res.blocks[0]
+    assert engine.cache.allocator.refcount(res.blocks[0]) == 2
+    assert engine.reserve("plain", len(prompt), 8).cached_blocks == 0  # no prompt ids, no lookup
+    with pytest.raises(InvalidRequestError, match="79 prompt token ids for a reservation of 80"):
+        engine.reserve("short", len(prompt), 8, None, prompt[:-1])
+    for rid in ("r", "i", "plain"):
+        assert engine.abort(rid)
+    roomy = _engine(tiny_bundle, decode_headroom_tokens=10**6)
+    _run(roomy, "first", prompt, _greedy(2))
+    cached = roomy.stats().cached_blocks
+    with pytest.raises(CapacityError):
+        roomy.reserve("r", len(prompt), 10**6, None, prompt)
+    assert roomy.stats().blocks_free == roomy.stats().blocks_total and roomy.stats().cached_blocks == cached
     assert_no_leaks(engine)

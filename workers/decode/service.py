@@ -104,13 +104,13 @@ class DecodeService(Drainable, wgrpc.DecodeWorkerServicer):
                 raise InvalidRequestError("image_positions must be distinct, ascending and inside the prompt "
                                           f"({len(prompt)} tokens)")
             reservation = self.engine.reserve(rid, len(prompt), self.engine.fit(len(prompt), params).max_tokens,
-                                              positions[0] if positions else None)
+                                              positions[0] if positions else None, prompt)
         except EngineError as exc:
             abort_for(context, exc)
         pending = _Pending(reservation, prompt, params, time.monotonic() + 2 * timeout)
         with self._lock:
             self._pending[rid] = pending
-        self.receiver.expect(rid, reservation.blocks, self._on_transfer, timeout)
+        self.receiver.expect(rid, reservation.blocks, self._on_transfer, timeout, reservation.cached_blocks)
         return wpb.ReserveReply(kv_target=self.identity.address, num_blocks=len(reservation.blocks))
 
     def _on_transfer(self, outcome: TransferOutcome) -> None:
@@ -163,7 +163,8 @@ class DecodeService(Drainable, wgrpc.DecodeWorkerServicer):
             pending = self._pending.get(request.request_id)
         if pending is None or pending.outcome is not None or pending.deadline <= time.monotonic():
             return wpb.HoldsReply(held=False)
-        return wpb.HoldsReply(held=True, num_blocks=len(pending.reservation.blocks))
+        return wpb.HoldsReply(held=True, num_blocks=len(pending.reservation.blocks),
+                              cached_blocks=pending.reservation.cached_blocks)
 
     def Abort(self, request: wpb.AbortRequest, context: grpc.ServicerContext) -> wpb.AbortReply:
         rid = request.request_id

@@ -4,7 +4,7 @@ Attach a ``LayerStreamer`` to the engine; ``start`` a stream before adding a req
 layer hook then hands each finished layer's newly completed blocks to the stream (a snapshot, so
 the engine may free or reuse its blocks at once); ``finish`` sends the first token and waits for
 the receiver's ack. A block is sent once it is full, or at the prompt's end; each (layer, block)
-goes exactly once. A transfer failure never breaks the engine step: the request is marked and
+goes exactly once, except the first blocks the receiver's prefix cache holds already, which never go. A transfer failure never breaks the engine step: the request is marked and
 the caller aborts it (``failed``). ``close`` detaches the streamer and cancels the streams still open.
 """
 
@@ -37,7 +37,7 @@ def engine_layout(engine: Engine, layer_codecs: tuple[str, ...]) -> KVLayout:
 @dataclass
 class _Active:
     stream: KVStream
-    sent: list[int]  # per layer: blocks [0, sent) are queued
+    sent: list[int]  # per layer: blocks [0, sent) are queued (or cached on the receiver)
     error: TransferFailed | None = None
     done: bool = field(default=False)
 
@@ -59,10 +59,12 @@ class LayerStreamer:
         self._attached = True
         engine.add_layer_hook(self._on_layer)
 
-    def start(self, request_id: str, target: str, num_tokens: int, timeout_s: float = 30.0) -> KVStream:
-        stream = self.sender.open_stream(target, request_id, self.layout, num_tokens, timeout_s)
+    def start(self, request_id: str, target: str, num_tokens: int, timeout_s: float = 30.0,
+              cached_blocks: int = 0) -> KVStream:
+        """``cached_blocks``: the receiver holds the first ones already (its prefix cache): never sent."""
+        stream = self.sender.open_stream(target, request_id, self.layout, num_tokens, timeout_s, cached_blocks)
         with self._lock:
-            self._active[request_id] = _Active(stream, [0] * self.layout.num_layers)
+            self._active[request_id] = _Active(stream, [cached_blocks] * self.layout.num_layers)
         return stream
 
     def failed(self, request_id: str) -> TransferFailed | None:

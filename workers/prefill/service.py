@@ -124,8 +124,8 @@ class PrefillService(Drainable, wgrpc.PrefillWorkerServicer):
         kv_error: str | None = "did not finish"
         from_loop = False  # a LoopFailure is the engine's, not the transfer's
         try:
-            self._check_reservation(rid, request.kv_target, len(prompt), timeout)
-            self.streamer.start(rid, request.kv_target, len(prompt), timeout)
+            cached = self._check_reservation(rid, request.kv_target, len(prompt), timeout)
+            self.streamer.start(rid, request.kv_target, len(prompt), timeout, cached)
             q = self.loop.submit(rid, prompt, first_params, mm)
             item = q.get(timeout=timeout)
             if isinstance(item, LoopFailure):
@@ -178,9 +178,10 @@ class PrefillService(Drainable, wgrpc.PrefillWorkerServicer):
             reply.prompt_logprobs.extend(logprobs_to_proto(t) for t in item.prompt_logprobs)
         return reply
 
-    def _check_reservation(self, rid: str, target: str, num_tokens: int, timeout: float) -> None:
+    def _check_reservation(self, rid: str, target: str, num_tokens: int, timeout: float) -> int:
         """The KV handshake first: TransferFailed before any compute when ``target`` holds no reservation
-        for ``rid`` (or cannot be asked)."""
+        for ``rid`` (or cannot be asked). Returns how many of its first blocks ``target`` holds already (its
+        prefix cache): the push skips them."""
         stub = wgrpc.DecodeWorkerStub(self.sender.channel(target))
         try:
             reply = stub.Holds(wpb.HoldsRequest(request_id=rid, num_tokens=num_tokens),
@@ -195,6 +196,11 @@ class PrefillService(Drainable, wgrpc.PrefillWorkerServicer):
         if reply.num_blocks != need:
             raise TransferFailed(f"{num_tokens} tokens need {need} blocks; {reply.num_blocks} are reserved for "
                                  f"{rid!r} on {target}; nothing was computed", grpc.StatusCode.OUT_OF_RANGE)
+        if reply.cached_blocks >= need:
+            raise TransferFailed(f"decode worker {target} says it holds {reply.cached_blocks} of {rid!r}'s {need} "
+                                 f"blocks cached; at most {need - 1} can be; nothing was computed",
+                                 grpc.StatusCode.OUT_OF_RANGE)
+        return reply.cached_blocks
 
     def _complete(self, rid: str, prompt: list[int], params: SamplingParams, mm: MultimodalInput | None,
                   timeout: float, context: grpc.ServicerContext) -> wpb.PrefillReply:

@@ -169,6 +169,9 @@ class KVReservation:
     # the prompt's first multimodal placeholder, whose KV comes from an image this engine never sees (None:
     # no image): the prefix cache keeps only the blocks before it
     first_image_position: int | None = None
+    # the first ``cached_blocks`` of ``blocks`` came from the prefix cache, holding their KV already: the
+    # transfer sends only the blocks after them
+    cached_blocks: int = 0
 
 
 @dataclass
@@ -310,9 +313,11 @@ class Engine:
 
     # ------------------------------------------------------------------ disaggregated decode
     def reserve(self, request_id: str, num_tokens: int, max_new_tokens: int = 0,
-                first_image_position: int | None = None) -> KVReservation:
+                first_image_position: int | None = None, prompt_ids: list[int] | None = None) -> KVReservation:
         """Hold blocks for ``num_tokens`` prompt tokens whose KV another worker will send, for a request that
-        may generate ``max_new_tokens`` (``first_image_position``: see ``KVReservation``).
+        may generate ``max_new_tokens`` (``first_image_position``: see ``KVReservation``). Given the prompt's
+        ``prompt_ids``, the blocks of its longest prefix in the prefix cache are taken as they are (the
+        reservation's ``cached_blocks``: their KV need not be sent) and the rest freshly.
 
         Raises CapacityError when the blocks are not free now, or when taking them would leave too little
         for the sequences here to grow: ``decode_headroom_tokens`` more tokens each (fewer for one nearer its
@@ -331,14 +336,23 @@ class Engine:
                                          f"{self.max_model_len} tokens")
             if self.scheduler.waiting:
                 raise CapacityError(f"{len(self.scheduler.waiting)} preempted sequences wait for KV blocks here")
+            if prompt_ids is not None and len(prompt_ids) != num_tokens:
+                raise InvalidRequestError(f"{len(prompt_ids)} prompt token ids for a reservation of {num_tokens}")
             need = self.cache.blocks_for(num_tokens)
             keep = self._headroom_blocks() + self._growth_blocks(num_tokens, num_tokens + max_new_tokens, need)
-            free = self.cache.allocator.num_free
-            if need + keep > free:
-                raise CapacityError(f"need {need} KV blocks for the prompt and {keep} left free for the sequences "
-                                    f"here to grow; {free} free of {self.cache.num_blocks}")
-            blocks = tuple(self.cache.allocator.allocate(need))
-            res = KVReservation(request_id, num_tokens, blocks, max_new_tokens, first_image_position)
+            allocator = self.cache.allocator
+            hit = [] if prompt_ids is None else self.prefix_cache.match_prompt(
+                prompt_ids, sys.maxsize if first_image_position is None else first_image_position)
+            allocator.take(hit)  # before counting what is free: an evictable hit stops being free
+            free = allocator.num_free
+            if need - len(hit) + keep > free:
+                allocator.free(hit)
+                raise CapacityError(f"need {need - len(hit)} KV blocks for the prompt and {keep} left free for the "
+                                    f"sequences here to grow; {free} free of {self.cache.num_blocks}")
+            blocks = tuple(hit) + tuple(allocator.allocate(need - len(hit)))
+            if prompt_ids is not None:
+                self.prefix_cache.count_tokens(num_tokens, len(hit))
+            res = KVReservation(request_id, num_tokens, blocks, max_new_tokens, first_image_position, len(hit))
             self._reservations[request_id] = res
             return res
 

@@ -68,10 +68,24 @@ class PrefixCache:
             return []
         return self.allocator.match(self._digests(seq, self._cacheable_blocks(seq, seq.num_tokens - 1)))
 
+    def match_prompt(self, prompt_ids: list[int], cacheable_tokens: int) -> list[int]:
+        """The cached blocks of the longest cached prefix of a prompt whose KV is to arrive from another worker
+        (a reservation), short of its last token, and before ``cacheable_tokens``; takes nothing."""
+        if not self.enabled:
+            return []
+        bs = self.block_size
+        n = min(len(prompt_ids) - 1, cacheable_tokens) // bs
+        return self.allocator.match(chain_digests(prompt_ids[:n * bs], bs))
+
     def count(self, seq: Sequence, hit_blocks: int) -> None:
         """Count an admitted sequence's lookup (once per admission, a preempted one's again)."""
-        if self.enabled and seq.params.prompt_logprobs is None:
-            self.queried_tokens += seq.num_tokens
+        if seq.params.prompt_logprobs is None:
+            self.count_tokens(seq.num_tokens, hit_blocks)
+
+    def count_tokens(self, num_tokens: int, hit_blocks: int) -> None:
+        """Count a lookup of ``num_tokens`` tokens that found ``hit_blocks`` blocks."""
+        if self.enabled:
+            self.queried_tokens += num_tokens
             self.hit_tokens += hit_blocks * self.block_size
 
     def register(self, seq: Sequence) -> None:

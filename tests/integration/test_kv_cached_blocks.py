@@ -25,8 +25,9 @@ def rig(make_rig: Callable[..., Rig]) -> Rig:  # noqa: F811
 
 def _kv(rig: Rig, n: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     gen = torch.Generator().manual_seed(seed)
-    return [(torch.randn(rig.layout.block_shape(n), generator=gen), torch.randn(rig.layout.block_shape(n), generator=gen))
-            for _ in range(rig.layout.num_layers)]
+    shape = rig.layout.block_shape(n)
+    layers = rig.layout.num_layers
+    return [(torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)) for _ in range(layers)]
 
 
 def _block_values(rig: Rig, block: int) -> list[torch.Tensor]:

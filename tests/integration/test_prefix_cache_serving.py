@@ -1,8 +1,8 @@
 """The prefix cache in the workers, on real gRPC servers: a prefill worker that reuses a cached prefix streams
 the prompt's KV (the cached blocks read from its pool) but for the blocks the decode worker's own prefix cache
-holds (its Holds reply says how many), and decode's tokens equal the single-process reference; image requests cache only the blocks before their first image, on the prefill
-and the decode worker alike; and the hit counters reach the heartbeat (a real Redis), ``epd status`` and
-/metrics."""
+holds (its Holds reply says how many), and decode's tokens equal the single-process reference; image
+requests cache only the blocks before their first image, on the prefill and the decode worker alike; and
+the hit counters reach the heartbeat (a real Redis), ``epd status`` and /metrics."""
 
 from __future__ import annotations
 

@@ -4,8 +4,9 @@ Attach a ``LayerStreamer`` to the engine; ``start`` a stream before adding a req
 layer hook then hands each finished layer's newly completed blocks to the stream (a snapshot, so
 the engine may free or reuse its blocks at once); ``finish`` sends the first token and waits for
 the receiver's ack. A block is sent once it is full, or at the prompt's end; each (layer, block)
-goes exactly once, except the first blocks the receiver's prefix cache holds already, which never go. A transfer failure never breaks the engine step: the request is marked and
-the caller aborts it (``failed``). ``close`` detaches the streamer and cancels the streams still open.
+goes exactly once, except the first blocks the receiver's prefix cache holds already, which never go.
+A transfer failure never breaks the engine step: the request is marked and the caller aborts it
+(``failed``). ``close`` detaches the streamer and cancels the streams still open.
 """
 
 from __future__ import annotations

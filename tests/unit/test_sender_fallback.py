@@ -20,7 +20,8 @@ class _Stream:
     tried: list[str] = []
     shm_lasting = True  # /dev/shm too small for any segment (else full only now)
 
-    def __init__(self, ctx, target, request_id, layout, num_tokens, timeout_s, transport) -> None:  # noqa: ANN001
+    def __init__(self, ctx, target, request_id, layout, num_tokens, timeout_s, transport,  # noqa: ANN001
+                 cached_blocks=0) -> None:  # noqa: ANN001
         _Stream.tried.append(transport)
         if transport == "cuda_ipc":
             raise TransferFailed("receiver leased no segment", grpc.StatusCode.FAILED_PRECONDITION)

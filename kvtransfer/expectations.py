@@ -79,6 +79,19 @@ class Expectations(Generic[OutcomeT]):
                 raise ValueError(f"request {request_id!r} is already expected")
             self._items[request_id] = Expected(request_id, self.clock() + timeout_s, on_done, target)
 
+    def retarget(self, request_id: str, target: Any) -> bool:
+        """Point a push that no stream has claimed yet at another ``target``; False (nothing changes) when
+        ``request_id`` is not expected, or a stream has claimed it."""
+        with self._lock:
+            exp = self._items.get(request_id)
+            if exp is None:
+                return False
+            with exp.lock:
+                if exp.state is not State.EXPECTED:
+                    return False
+                exp.target = target
+                return True
+
     def claim(self, request_id: str, wake: Callable[[TransferRefused], object] | None = None) -> Expected[OutcomeT]:
         """Bind a stream to ``request_id``; refuses unknown ids and a second stream. ``wake(failure)`` is
         called (by ``sweep``, WAKE_AFTER_S later) if the push then fails from outside the stream: expired

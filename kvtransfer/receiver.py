@@ -194,6 +194,11 @@ class KVReceiver:
             raise ValueError(f"cached_blocks must be in [0, {len(blocks)}), got {cached_blocks}")
         self.expectations.add(request_id, ReservedBlocks(tuple(blocks), cached_blocks), on_done, timeout_s)
 
+    def retarget(self, request_id: str, blocks: Sequence[int], cached_blocks: int = 0) -> bool:
+        """Land an expected push in other ``blocks`` (as ``expect`` takes them); False (nothing changes) once a
+        stream has claimed it, or when it is not expected."""
+        return self.expectations.retarget(request_id, ReservedBlocks(tuple(blocks), cached_blocks))
+
     def cancel(self, request_id: str, reason: str = "cancelled by the receiver") -> bool:
         """Fail an expected or streaming transfer now (its stream ends with CANCELLED)."""
         return self.expectations.cancel(request_id, reason)

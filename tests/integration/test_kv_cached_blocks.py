@@ -95,3 +95,24 @@ def test_a_chunk_into_a_cached_block_is_refused(rig: Rig) -> None:
     assert err.code() == Code.INVALID_ARGUMENT and "overlaps blocks already received (or cached here)" in err.details()
     rig.assert_failed(pending, Code.INVALID_ARGUMENT, "overlaps")
     rig.assert_clean()
+
+
+def test_an_expected_push_can_be_pointed_at_other_blocks(rig: Rig) -> None:
+    """For a sender that sends every block: the push lands whole in the blocks it was pointed at last (fresh
+    in place of the cached one); an unknown or finished push is not moved."""
+    pending = rig.reserve(cached_blocks=1)
+    spare = rig.engine.reserve("spare", 1)
+    blocks = spare.blocks[:1] + pending.reservation.blocks[1:]
+    assert rig.receiver.retarget(pending.rid, blocks, 0)
+    assert not rig.receiver.retarget("nobody", blocks, 0)
+    n = len(blocks)
+    kv = _kv(rig, n, seed=5)
+    stream = rig.sender.open_stream(rig.target, pending.rid, rig.layout, pending.reservation.num_tokens, 10)
+    for layer, (k, v) in enumerate(kv):
+        stream.send_layer(layer, 0, k.clone(), v.clone())
+    stream.finish(7)
+    assert pending.outcome().ok
+    assert not rig.receiver.retarget(pending.rid, pending.reservation.blocks, 1)  # done: nothing to move
+    rig.check_landed(list(blocks), kv)
+    assert rig.engine.release(pending.reservation) and rig.engine.release(spare)
+    rig.assert_clean()

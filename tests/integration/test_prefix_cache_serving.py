@@ -145,3 +145,34 @@ def test_hit_counters_reach_status_and_metrics(default_bundle, state_conn):  # n
     finally:
         lease.stop()
         worker.stop()
+
+
+def test_a_prefill_worker_that_sends_every_block_gets_fresh_ones_on_decode(stack, monkeypatch):
+    """A prefill worker from before cached blocks asks Holds without ``skips_cached_blocks`` and pushes every
+    block (a rolling update's mixed pools): the decode worker puts fresh blocks in place of the ones its
+    prefix cache lent the reservation, the push lands whole, and the tokens equal the reference."""
+    bundle, workers, dispatcher, route = stack
+    prefill = workers["prefill"].service
+    greq = _chat("Which port is the Aurora bound for?")
+    ids, _ = build_prompt(bundle, greq)
+    ref = generate(bundle, [greq])[0]
+    assert run_request(dispatcher, route, WorkerRequest("warm-decode", ids, GREEDY))[0] == ref.token_ids
+
+    asked: list[wpb.HoldsReply] = []
+
+    def older(rid: str, target: str, num_tokens: int, timeout: float) -> int:
+        stub = wgrpc.DecodeWorkerStub(prefill.sender.channel(target))
+        reply = stub.Holds(wpb.HoldsRequest(request_id=rid, num_tokens=num_tokens),
+                           metadata=prefill.sender.security.call_metadata(), timeout=10)
+        asked.append(reply)
+        return 0  # it knows of no cached blocks: its push sends them all
+
+    monkeypatch.setattr(prefill, "_check_reservation", older)
+    decode = workers["decode"].service.engine
+    cached = decode.stats().cached_blocks
+    tokens, _, _ = run_request(dispatcher, route, WorkerRequest("older-prefill", ids, GREEDY))
+    assert tokens == ref.token_ids
+    assert [(r.held, r.cached_blocks) for r in asked] == [(True, 0)]
+    assert decode.stats().cached_blocks >= cached  # the lent blocks went back to the cache, not lost
+    s = _status(workers["decode"].address, wgrpc.DecodeWorkerStub)
+    assert (s.kv_blocks_free, s.reservations, s.running) == (s.kv_blocks_total, 0, 0)

@@ -271,3 +271,30 @@ def test_a_reservation_takes_the_cached_prefix_and_leaves_only_the_rest_to_arriv
         roomy.reserve("r", len(prompt), 10**6, None, prompt)
     assert roomy.stats().blocks_free == roomy.stats().blocks_total and roomy.stats().cached_blocks == cached
     assert_no_leaks(engine)
+
+
+def test_a_reservation_can_trade_its_cached_blocks_for_fresh_ones(tiny_bundle):
+    """For a sender that sends every block: fresh blocks replace the cached ones, which go back to the cache;
+    when the push cannot be pointed at them, or none is free, nothing changes."""
+    engine = _engine(tiny_bundle)
+    prompt = SYSTEM + _suffix(9)
+    _run(engine, "first", prompt, _greedy(2))
+    res = engine.reserve("r", len(prompt), 8, None, prompt)
+    assert res.cached_blocks == 4
+    kept = engine.without_cached(res, lambda blocks: False)  # a push already streams into the old blocks
+    assert kept is res and engine.stats().blocks_free == engine.stats().blocks_total - 5
+    seen: list[tuple[int, ...]] = []
+
+    def point(blocks: tuple[int, ...]) -> bool:
+        seen.append(blocks)
+        return True
+
+    swapped = engine.without_cached(res, point)
+    assert swapped.cached_blocks == 0 and seen == [swapped.blocks] and swapped.blocks[4:] == res.blocks[4:]
+    assert not set(swapped.blocks[:4]) & set(res.blocks[:4])
+    assert all(engine.cache.allocator.refcount(b) == 0 for b in res.blocks[:4])  # evictable again
+    assert engine.stats().cached_blocks >= 5 and engine.stats().blocks_free == engine.stats().blocks_total - 5
+    with pytest.raises(InvalidRequestError, match="no live reservation"):
+        engine.without_cached(res, lambda blocks: True)  # the old one is gone
+    assert engine.release(swapped)
+    assert_no_leaks(engine)

@@ -17,6 +17,7 @@ A request's life here:
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Iterator
@@ -47,6 +48,8 @@ from workers.service_base import (
     timeout_of,
 )
 from workers.tracing import mark_kv_failure
+
+log = logging.getLogger(__name__)
 
 UNCLAIMED_GRACE_S = 30.0
 
@@ -163,6 +166,15 @@ class DecodeService(Drainable, wgrpc.DecodeWorkerServicer):
             pending = self._pending.get(request.request_id)
         if pending is None or pending.outcome is not None or pending.deadline <= time.monotonic():
             return wpb.HoldsReply(held=False)
+        if pending.reservation.cached_blocks and not request.skips_cached_blocks:
+            # a prefill worker from before cached blocks: it sends every block, so none may be shared
+            try:
+                pending.reservation = self.engine.without_cached(
+                    pending.reservation, lambda blocks: self.receiver.retarget(request.request_id, blocks))
+            except EngineError as exc:  # no block free for them now (or the reservation just ended)
+                log.warning("request %s: cannot take fresh blocks for an older prefill worker: %s",
+                            request.request_id, exc)
+                return wpb.HoldsReply(held=False)
         return wpb.HoldsReply(held=True, num_blocks=len(pending.reservation.blocks),
                               cached_blocks=pending.reservation.cached_blocks)
 

@@ -184,7 +184,7 @@ class PrefillService(Drainable, wgrpc.PrefillWorkerServicer):
         prefix cache): the push skips them."""
         stub = wgrpc.DecodeWorkerStub(self.sender.channel(target))
         try:
-            reply = stub.Holds(wpb.HoldsRequest(request_id=rid, num_tokens=num_tokens),
+            reply = stub.Holds(wpb.HoldsRequest(request_id=rid, num_tokens=num_tokens, skips_cached_blocks=True),
                                metadata=self.sender.security.call_metadata(), timeout=min(timeout, 10.0))
         except grpc.RpcError as exc:
             raise TransferFailed(f"cannot ask decode worker {target} for the reservation of {rid!r}: "

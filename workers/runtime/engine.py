@@ -356,6 +356,27 @@ class Engine:
             self._reservations[request_id] = res
             return res
 
+    def without_cached(self, reservation: KVReservation,
+                       retarget: Callable[[tuple[int, ...]], bool]) -> KVReservation:
+        """``reservation`` with fresh blocks in place of its cached ones, for a sender that sends every block.
+        ``retarget(blocks)`` points the expected push at the new blocks; when it says False (a push already
+        streams), or no block is free (CapacityError), nothing changes. The reservation must be live."""
+        with self._lock:
+            if self._reservations.get(reservation.request_id) is not reservation:
+                raise InvalidRequestError(f"no live reservation for request {reservation.request_id!r}")
+            k = reservation.cached_blocks
+            if not k:
+                return reservation
+            fresh = self.cache.allocator.allocate(k)
+            blocks = tuple(fresh) + reservation.blocks[k:]
+            if not retarget(blocks):
+                self.cache.allocator.free(fresh)
+                return reservation
+            self.cache.allocator.free(list(reservation.blocks[:k]))
+            swapped = replace(reservation, blocks=blocks, cached_blocks=0)
+            self._reservations[reservation.request_id] = swapped
+            return swapped
+
     def _growth_blocks(self, tokens: int, max_tokens: int, held: int) -> int:
         """Blocks beyond ``held`` a sequence of ``tokens`` tokens needs to grow by the headroom (to at most
         ``max_tokens`` in all)."""

@@ -127,6 +127,7 @@ class PrefillService(Drainable, wgrpc.PrefillWorkerServicer):
             cached = self._check_reservation(rid, request.kv_target, len(prompt), timeout)
             self.streamer.start(rid, request.kv_target, len(prompt), timeout, cached)
             q = self.loop.submit(rid, prompt, first_params, mm)
+            self._abort_if_gone(rid, context)
             item = q.get(timeout=timeout)
             if isinstance(item, LoopFailure):
                 from_loop = True
@@ -210,6 +211,7 @@ class PrefillService(Drainable, wgrpc.PrefillWorkerServicer):
                           f"complete=true is for one-token requests; this one asks for {params.max_tokens}")
         try:
             q = self.loop.submit(rid, prompt, params, mm, wake=False)
+            self._abort_if_gone(rid, context)
             self.loop.run_here(rid)  # an idle engine steps it on this thread: no hand-off to the loop and back
             item = q.get(timeout=timeout)
         except EngineError as exc:
@@ -255,6 +257,12 @@ class PrefillService(Drainable, wgrpc.PrefillWorkerServicer):
             context.abort(outcome.code or grpc.StatusCode.INTERNAL, f"embedding transfer failed: {outcome.error}")
         positions = tuple(request.image_positions)
         return MultimodalInput(outcome.embeds.float(), positions)
+
+    def _abort_if_gone(self, rid: str, context: grpc.ServicerContext) -> None:
+        """Abort ``rid``, just queued, if its caller went away before: the call's callback ran then and found
+        nothing to abort (the KV handshake was still in progress, say), so nobody else would stop it."""
+        if not context.is_active():
+            self._abort(rid, "the caller went away")
 
     def _abort(self, rid: str, reason: str) -> None:
         self.loop.abort(rid)

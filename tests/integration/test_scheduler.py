@@ -498,7 +498,8 @@ def test_a_request_cancelled_while_it_waits_for_decode_room_leaves_the_queue_at_
     held = [scheduler.generate(WorkerRequest(f"full-{i}", prompt, SamplingParams(
         max_tokens=80, temperature=0.0, ignore_eos=True))) for i in range(2)]
     assert all(next(s).token_ids for s in held)  # both decode replicas are now full
-    waiter = WorkerRequest("gone-waiting", prompt, GREEDY)
+    # another prompt: one sharing the held ones' head would share their cached blocks on decode, and fit
+    waiter = WorkerRequest("gone-waiting", bundle.tokenizer.encode("another prompt, as long " * 40)[:200], GREEDY)
     outcome: list[BaseException | list[int]] = []
     thread = threading.Thread(target=lambda: outcome.append(_outcome(scheduler, waiter)))
     thread.start()

@@ -329,7 +329,9 @@ class TransferSettings(_Model):
 
 
 class SchedulerSettings(_Model):
-    routing_policy: str = Field("least_loaded", description="how replicas are picked (a registered policy name)")
+    routing_policy: str = Field(
+        "prefix_affinity", description="how replicas are picked: prefix_affinity (where the prompt's prefix is "
+                                       "likely cached, unless the pool is out of balance), least_loaded, round_robin")
     queue_size: int = Field(256, ge=1, description="requests waiting for a route at most (each waits while it is "
                                                    "routed, and longer while no decode has room); beyond, 429")
     queue_timeout_s: float = Field(30.0, gt=0, description="longest wait in that queue before 429")

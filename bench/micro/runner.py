@@ -40,7 +40,7 @@ BENCHMARKS: tuple[Benchmark, ...] = (
               "the same push through shared memory (same host) vs memcpy"),
     Benchmark("scheduler", "bench.micro.scheduler:run",
               "one routing decision over 64 decode + 64 prefill workers vs an empty call (prefix_affinity: "
-              "with 100k indexed blocks)"),
+              "with 100k indexed blocks per pool)"),
     Benchmark("engine", "bench.micro.engine:run",
               "a prefill step and decode steps at batch 1, 8, 32 vs HF transformers on the same checkpoint"),
     Benchmark("engine-loop", "bench.micro.engine_loop:run",
@@ -121,7 +121,7 @@ def run_suite(selected: list[Benchmark], plan: Plan, log: Callable[[str], None] 
     run.meta["total_seconds"] = round(time.perf_counter() - start, 3)
     if any(b.name == "scheduler" for b in selected):
         run.notes.append("scheduler: scheduler.prefix_affinity is the decision with a 100,000-block prefix index "
-                         "(a large cluster's index); least_loaded and round_robin read no index")
+                         "per pool (a large cluster's index); least_loaded and round_robin read no index")
     return run
 
 

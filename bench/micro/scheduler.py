@@ -9,14 +9,15 @@ frozen, so the timed part never rereads the registry (the Redis read is the ``re
 ``list`` figure). The reference is an empty Python call with the same arguments, in the same loop, on the same --clock.
 
 Every registered policy is measured. ``prefix_affinity`` is the issue's "decision with 64 workers and 100k
-indexed blocks": its prefix index is filled beforehand with exactly 100,000 blocks (1,000 prompts of 1,904
-tokens, 20 on each of 50 shared 320-token system prompts, spread over the 64 prefill workers), and the timed
-decision's 1,024-token prompt is one indexed prompt's first 1,024 tokens, so its lookup walks all 64 blocks
-(the first 20 held by up to 20 workers) and the hashing of the whole prompt is in the figure. The busy view is
-imbalanced by that policy's own test, which would skip the lookup, so this run raises its balance thresholds
-(an instance setting, not the class defaults): the imbalance is still computed, and the timed path is the
-slower one, the index walk. Each timed decision records its choice again, as the scheduler does, which
-touches 64 blocks and leaves the index at 100,000. ``least_loaded`` and ``round_robin`` read no index.
+indexed blocks": each pool's prefix index (prefill and decode) is filled beforehand with exactly 100,000
+blocks (1,000 prompts of 1,904 tokens, 20 on each of 50 shared 320-token system prompts, spread over the
+pool's 64 workers), and the timed decision's 1,024-token prompt is one indexed prompt's first 1,024 tokens, so
+each pool's lookup walks all 64 blocks (the first 20 held by up to 20 workers) and the hashing of the whole
+prompt, once per pool, is in the figure. The busy view is imbalanced by that policy's own test, which would
+skip the lookups, so this run raises its balance thresholds (an instance setting, not the class defaults): the
+imbalance is still computed, and the timed path is the slower one, the index walks. Each timed decision records
+its choices again, as the scheduler does, which touches 64 blocks per index and leaves each at 100,000.
+``least_loaded`` and ``round_robin`` read no index.
 """
 
 from __future__ import annotations
@@ -39,9 +40,9 @@ VOCAB = 32000
 SYSTEMS, PER_SYSTEM, SYSTEM_TOKENS, UNIQUE_TOKENS = 50, 20, 320, 1584
 INDEXED_BLOCKS = 100_000
 NO_INDEX = "this policy reads no prefix-block index: the decision over 64 workers' load numbers alone"
-WITH_INDEX = (f"the policy's prefix index holds {INDEXED_BLOCKS:,} blocks over the {WORKERS} prefill workers; "
-              f"the {PROMPT_TOKENS}-token prompt matches all its {PROMPT_TOKENS // 16} blocks on one worker "
-              "(balance thresholds raised so every decision walks the index)")
+WITH_INDEX = (f"each pool's prefix index holds {INDEXED_BLOCKS:,} blocks over its {WORKERS} workers; "
+              f"the {PROMPT_TOKENS}-token prompt matches all its {PROMPT_TOKENS // 16} blocks on one worker of each "
+              "(balance thresholds raised so every decision walks the indexes)")
 
 
 class _SnapshotRegistry:
@@ -86,15 +87,16 @@ def indexed_prompts(seed: int = 1) -> list[list[int]]:
 
 
 def prefix_affinity_policy() -> tuple[PrefixAffinity, list[int], str]:
-    """The policy with its index filled to ``INDEXED_BLOCKS`` blocks, the timed prompt, and the worker
-    that got that prompt's prefix (the one the decision must pick)."""
+    """The policy with each pool's index filled to ``INDEXED_BLOCKS`` blocks, the timed prompt, and the prefill
+    worker that got that prompt's prefix (the one the decision must pick)."""
     policy = PrefixAffinity()
     policy.BALANCE_ABS_TOKENS = 1 << 40  # the busy view would otherwise skip the lookup (see the docstring)
     prompts = indexed_prompts()
-    for i, prompt in enumerate(prompts):
-        policy.index.record(f"prefill-{i % WORKERS:03d}", policy.index.hashes(prompt))
-    if len(policy.index) != INDEXED_BLOCKS:
-        raise RuntimeError(f"the index holds {len(policy.index)} blocks, not {INDEXED_BLOCKS}")
+    for pool, index in policy.indexes.items():
+        for i, prompt in enumerate(prompts):
+            index.record(f"{pool}-{i % WORKERS:03d}", index.hashes(prompt))
+        if len(index) != INDEXED_BLOCKS:
+            raise RuntimeError(f"the {pool} index holds {len(index)} blocks, not {INDEXED_BLOCKS}")
     target = len(prompts) // 2
     return policy, prompts[target][:PROMPT_TOKENS], f"prefill-{target % WORKERS:03d}"
 

@@ -1,12 +1,12 @@
 """One attempt: a request's run on one route, from the first worker call to its last chunk.
 
 ``Attempt.open`` charges the route's workers in the view (so the next pick sees them: the prompt on each,
-in KV blocks on the decode worker), starts the dispatch and waits for the first chunk (the decode
-reservation is made before it). With the first chunk the prefill and encode workers are done, and their
-charges go back; the decode worker's grows by each token it streams. The attempt is a context manager:
-on every exit (finished, failed, the client gone, an interrupt) it closes the dispatch (which aborts the
-request on every worker it touched) and gives each charge and count back exactly once. An ``open`` that
-raises has already given everything back.
+less what the routing policy guessed it caches, and in KV blocks on the decode worker), starts the dispatch
+and waits for the first chunk (the decode reservation is made before it). With the first chunk the prefill
+and encode workers are done, and their charges go back; the decode worker's grows by each token it streams.
+The attempt is a context manager: on every exit (finished, failed, the client gone, an interrupt) it closes
+the dispatch (which aborts the request on every worker it touched) and gives each charge and count back
+exactly once. An ``open`` that raises has already given everything back.
 """
 
 from __future__ import annotations
@@ -55,7 +55,8 @@ class Attempt:
     def _take(self) -> None:
         decode = self.selection.decode
         for c in self.selection.workers:
-            self._charges.append(self.view.begin(c.worker_id, self.tokens, kv=c is decode))
+            # what a worker's prefix cache likely holds it neither computes nor takes new blocks for
+            self._charges.append(self.view.begin(c.worker_id, self.tokens - c.cached_tokens, kv=c is decode))
             self.health.begin(c.worker_id)
         self._held = True
 

@@ -33,6 +33,9 @@ class Candidate(NamedTuple):
     inflight_tokens: int = 0
     inflight_requests: int = 0
     inflight_blocks: int = 0
+    # Set only on the candidate a cache-aware policy returns: the prompt tokens it guesses the worker caches
+    # (its prefix cache computes or holds only the rest, so the attempt charges only the rest to its load).
+    cached_tokens: int = 0
 
 
 # The reported load is as old as the worker's last heartbeat and counts every scheduler's requests; the
@@ -60,7 +63,7 @@ def sequences(c: Candidate) -> int:
 
 def decode_key(c: Candidate) -> tuple[int, int, str]:
     """(-``free_blocks``, ``sequences``, worker id): most free KV blocks first."""
-    wid, _, _, free, total, running, _, in_requests, in_blocks = c
+    wid, _, _, free, total, running, _, in_requests, in_blocks, _ = c
     used = total - free
     return ((used if used > in_blocks else in_blocks) - total,
             running if running > in_requests else in_requests, wid)
@@ -68,7 +71,7 @@ def decode_key(c: Candidate) -> tuple[int, int, str]:
 
 def compute_key(c: Candidate) -> tuple[int, int, str]:
     """(``pending_tokens``, ``sequences``, worker id): fewest tokens to compute first."""
-    wid, _, queued, _, _, running, in_tokens, in_requests, _ = c
+    wid, _, queued, _, _, running, in_tokens, in_requests, _, _ = c
     return (queued if queued > in_tokens else in_tokens,
             running if running > in_requests else in_requests, wid)
 
@@ -78,8 +81,9 @@ class RoutingPolicy(Protocol):
 
     def pick(self, pool: str, candidates: list[Candidate], prompt_tokens: int, *,
              prompt_ids: Sequence[int] = ()) -> Candidate:
-        """``candidates`` is non-empty; return one of them. ``prompt_ids`` are the prompt's token ids
-        (``prompt_tokens`` of them) where the caller has them; policies that route on load alone ignore them."""
+        """``candidates`` is non-empty; return one of them (its ``cached_tokens`` may be set). ``prompt_ids`` are
+        the prompt's token ids up to its first image, where the caller has them (``prompt_tokens`` counts them
+        all); policies that route on load alone ignore them."""
         ...
 
 
@@ -114,32 +118,37 @@ class RoundRobin:
 
 
 class PrefixAffinity:
-    """Prefill: the candidate that most recently got the longest prefix of this prompt, unless the pool
-    is out of balance; otherwise, and for every other pool, :class:`LeastLoaded`'s choice.
+    """Cache-aware routing: prefill and decode prompts go where their longest prefix most likely is, in that
+    worker's prefix cache (``workers.runtime.prefix_cache``), unless the pool is out of balance.
 
-    SGLang's router ``cache_aware`` policy, over vLLM-style chained block hashes. Each prefill choice is
-    recorded in the policy's own :class:`PrefixIndex` (no worker reports what it caches), so a later
-    prompt sharing a prefix (a system prompt, a conversation's earlier turns) goes where that prefix's
-    KV most likely still is, in that worker's prefix cache (``workers.runtime.prefix_cache``), at the price
-    of a less even spread. It is not the default: its gain over least loaded (where every replica caches
-    the common prefixes on its own) is not measured yet.
+    SGLang's router ``cache_aware`` policy, over vLLM-style chained block hashes. No worker reports what it
+    caches, so the policy keeps one approximate :class:`PrefixIndex` per pool, built from its own choices:
+    each pick is recorded against the prompt's blocks, and a later prompt sharing a prefix (a system prompt,
+    a conversation's earlier turns) goes where that prefix was sent. The index can be wrong (the worker
+    evicted the blocks, or runs with ``engine.prefix_caching`` off); a wrong guess costs a less even spread,
+    never a wrong answer.
 
-    The rule, per prefill pick:
-      1. If the pool is imbalanced (SGLang's test: the most and least loaded candidate differ by more than
-         ``BALANCE_ABS_TOKENS`` tokens to compute (``pending_tokens``) AND the most loaded has more than
-         ``BALANCE_REL`` times the least), least loaded wins: a queue longer than a cache hit could save
-         costs more than the hit.
-      2. Otherwise the candidate matching the most leading blocks wins; ties go to the least loaded of
-         the tied, and no match at all to the least loaded of all.
-      3. The winner is recorded against the prompt's blocks (also when step 1 decided, as SGLang does:
-         the worker does get the prompt).
-    Only ``candidates`` are ever returned; workers the index holds that have not been candidates at two
-    sweeps in a row (one every ``SWEEP_EVERY`` picks) are forgotten, freeing their share of the index.
+    The rule, per pick of a prefill or decode replica (a colocated worker is a decode replica):
+      1. If the pool is imbalanced (SGLang's test: the most and the least loaded candidate differ by more than
+         an absolute gap AND the most loaded carries more than ``BALANCE_REL`` times the least), least loaded
+         wins: a queue longer than a hit could save costs more than the hit. Load is the pool's own unit:
+         prefill, tokens to compute (``pending_tokens``, gap ``BALANCE_ABS_TOKENS``); decode, KV blocks
+         held (gap ``BALANCE_ABS_TOKENS / BLOCK_SIZE`` blocks).
+      2. Otherwise the candidate matching the most leading blocks wins; ties go to the least loaded of the
+         tied, and no match at all to the least loaded of all.
+      3. The winner is recorded against the prompt's blocks (also when step 1 decided, as SGLang does: the
+         worker does get the prompt), and returned with ``cached_tokens`` set to what it likely caches, so the
+         attempt charges its load only the rest. That keeps a worker that computes short suffixes of a cached
+         prefix from looking as busy as one computing whole prompts, which would trip step 1.
+    SGLang's fixed thresholds, not a cost that trades a hit's tokens against queued tokens one for one (NVIDIA
+    Dynamo's KV router): a hit saves compute for every request behind it too, and ``scripts/routing_ab.sh``
+    measured the thresholds ahead (docs/performance.md, "Cache-aware routing, served").
 
-    Encode keeps :class:`LeastLoaded`'s rule: its work is the images, and the prompt ids carry the same
-    placeholder token for every image, so a prefix match would say nothing about what an encoder could
-    reuse. Decode keeps :class:`LeastLoaded`'s rule (free KV room matters there, and decode never
-    recomputes a prefix); in colocated mode only decode is picked, so there this policy is ``least_loaded``.
+    Encode stays :class:`LeastLoaded`: its work is the images, and every image's placeholder tokens are the
+    same, so a prompt match says nothing about what an encoder could reuse. The caller passes the prompt up to
+    its first image only (the engines cache no block from there on). Only ``candidates`` are returned; workers
+    an index holds that have not been candidates at two sweeps in a row (one every ``SWEEP_EVERY`` picks of
+    the pool) are forgotten, freeing their share of the index.
     """
 
     name = "prefix_affinity"
@@ -148,55 +157,83 @@ class PrefixAffinity:
     # about what a hit on a long shared prefix could save, so a longer extra queue outweighs the hit.
     BALANCE_ABS_TOKENS: int = 4096
     BALANCE_REL: float = 1.5
-    INDEX_BLOCKS: int = 100_000  # ~1.6M tokens of prefixes; ~33 MB in `bench micro`'s fill (most blocks on one worker)
+    INDEX_BLOCKS: int = 100_000  # per pool: ~1.6M tokens of prefixes; ~33 MB in `bench micro`'s fill
     BLOCK_SIZE: int = 16  # the engine's default KV block size, so index blocks line up with the engine's blocks
-    SWEEP_EVERY: int = 256  # picks between two looks for workers that left
+    SWEEP_EVERY: int = 256  # picks of one pool between two looks for workers that left
 
-    def __init__(self, index: PrefixIndex | None = None) -> None:
-        self.index = index if index is not None else PrefixIndex(self.INDEX_BLOCKS, self.BLOCK_SIZE)
+    def __init__(self, index: PrefixIndex | None = None, decode_index: PrefixIndex | None = None) -> None:
+        self.indexes = {"prefill": index if index is not None else PrefixIndex(self.INDEX_BLOCKS, self.BLOCK_SIZE),
+                        "decode": decode_index if decode_index is not None
+                        else PrefixIndex(self.INDEX_BLOCKS, self.BLOCK_SIZE)}
         self._least = LeastLoaded()
-        self._lock = threading.Lock()  # the sweep's bookkeeping; the index has its own lock
-        self._picks = 0
-        self._missing: frozenset[str] = frozenset()  # indexed workers that were not candidates at the last sweep
+        self._lock = threading.Lock()  # the sweeps' bookkeeping; each index has its own lock
+        self._picks = {pool: 0 for pool in self.indexes}
+        self._missing: dict[str, frozenset[str]] = {pool: frozenset() for pool in self.indexes}
+        self._memo = threading.local()  # per thread: the last prompt hashed, its block size and its hashes
+
+    @property
+    def index(self) -> PrefixIndex:
+        """The prefill pool's index."""
+        return self.indexes["prefill"]
 
     def pick(self, pool: str, candidates: list[Candidate], prompt_tokens: int, *,
              prompt_ids: Sequence[int] = ()) -> Candidate:
-        if pool != "prefill":
+        index = self.indexes.get(pool)
+        if index is None:
             return self._least.pick(pool, candidates, prompt_tokens)
-        hashes = self.index.hashes(prompt_ids)
-        choice = self._choose(pool, candidates, prompt_tokens, hashes)
+        hashes = self._hashes(index, prompt_ids)
+        choice = self._choose(pool, candidates, prompt_tokens, index, hashes)
         if hashes:
-            self.index.record(choice.worker_id, hashes)
-        self._sweep(candidates)
+            index.record(choice.worker_id, hashes)
+        self._sweep(pool, index, candidates)
         return choice
 
-    def imbalanced(self, candidates: list[Candidate]) -> bool:
-        loads = [pending_tokens(c) for c in candidates]
-        most, least = max(loads), min(loads)
-        return most - least > self.BALANCE_ABS_TOKENS and most > least * self.BALANCE_REL
+    def _hashes(self, index: PrefixIndex, prompt_ids: Sequence[int]) -> list[int]:
+        """``index.hashes(prompt_ids)``, hashed once for a request's decode and prefill picks: the scheduler
+        passes both the same sequence, which this thread's last call kept (with it, so identity is exact)."""
+        memo = getattr(self._memo, "last", None)
+        if memo is not None and memo[0] is prompt_ids and memo[1] == index.block_size:
+            return memo[2]
+        hashes = index.hashes(prompt_ids)
+        self._memo.last = (prompt_ids, index.block_size, hashes)
+        return hashes
 
-    def _choose(self, pool: str, candidates: list[Candidate], prompt_tokens: int, hashes: list[int]) -> Candidate:
-        if not hashes or self.imbalanced(candidates):
+    def imbalanced(self, pool: str, candidates: list[Candidate]) -> bool:
+        """Step 1's test, in ``pool``'s unit of load."""
+        if pool == "decode":
+            loads = [c.total_kv_blocks - free_blocks(c) for c in candidates]
+            gap = self.BALANCE_ABS_TOKENS // self.BLOCK_SIZE
+        else:
+            loads = [pending_tokens(c) for c in candidates]
+            gap = self.BALANCE_ABS_TOKENS
+        most, least = max(loads), min(loads)
+        return most - least > gap and most > least * self.BALANCE_REL
+
+    def _choose(self, pool: str, candidates: list[Candidate], prompt_tokens: int, index: PrefixIndex,
+                hashes: list[int]) -> Candidate:
+        if not hashes or self.imbalanced(pool, candidates):
             return self._least.pick(pool, candidates, prompt_tokens)
-        matched = self.index.match(hashes)
+        matched = index.match(hashes)
         best = max((matched.get(c.worker_id, 0) for c in candidates), default=0)
         if best == 0:
             return self._least.pick(pool, candidates, prompt_tokens)
         tied = [c for c in candidates if matched.get(c.worker_id, 0) == best]
-        return tied[0] if len(tied) == 1 else self._least.pick(pool, tied, prompt_tokens)
+        choice = tied[0] if len(tied) == 1 else self._least.pick(pool, tied, prompt_tokens)
+        # an engine computes a prompt's last token whatever it caches
+        return choice._replace(cached_tokens=min(best * index.block_size, max(prompt_tokens - 1, 0)))
 
-    def _sweep(self, candidates: list[Candidate]) -> None:
-        """Every ``SWEEP_EVERY`` picks, forget the indexed workers absent from this pick's candidates and
-        from the last sweep's (two looks, so one caller's narrowed candidate list forgets nobody)."""
+    def _sweep(self, pool: str, index: PrefixIndex, candidates: list[Candidate]) -> None:
+        """Every ``SWEEP_EVERY`` picks of ``pool``, forget the workers its index holds that are absent from this
+        pick's candidates and from the last sweep's (two looks, so one caller's narrowed list forgets nobody)."""
         with self._lock:
-            self._picks += 1
-            if self._picks % self.SWEEP_EVERY:
+            self._picks[pool] += 1
+            if self._picks[pool] % self.SWEEP_EVERY:
                 return
-            absent = self.index.workers() - {c.worker_id for c in candidates}
-            gone = absent & self._missing
-            self._missing = absent - gone
+            absent = index.workers() - {c.worker_id for c in candidates}
+            gone = absent & self._missing[pool]
+            self._missing[pool] = absent - gone
         for worker_id in gone:  # a full scan of the index each; rare (a worker left)
-            self.index.forget_worker(worker_id)
+            index.forget_worker(worker_id)
 
 
 _REGISTRY: dict[str, str] = {

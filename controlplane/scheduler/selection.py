@@ -8,7 +8,7 @@ or encode replica when none is routable fails at once with 503 and Retry-After.
 
 from __future__ import annotations
 
-from collections.abc import Set
+from collections.abc import Sequence, Set
 from dataclasses import dataclass
 
 from controlplane.backend import BackendError
@@ -52,6 +52,14 @@ class Selection:
                                                                  ("encode", self.encode)) if c is not None)
 
 
+def cacheable_ids(request: WorkerRequest) -> list[int]:
+    """The prompt up to its first image: the part an engine's prefix cache can hold (it caches no block from
+    an image's placeholder tokens on, since they stand for different images in different requests)."""
+    if not request.image_positions:
+        return request.prompt_ids
+    return request.prompt_ids[:min(request.image_positions)]
+
+
 class RouteSelector:
     def __init__(self, view: WorkerView, policy: RoutingPolicy, health: WorkerHealth, *, colocated: bool) -> None:
         self.view = view
@@ -67,22 +75,26 @@ class RouteSelector:
             raise BackendError(f"the routing state (Redis) is unavailable, retry shortly: {exc}", 503,
                                retry_after_s=RETRY_AFTER_S) from None
 
-    def pick(self, pool: str, request: WorkerRequest, exclude: Set[str]) -> Candidate | None:
+    def pick(self, pool: str, request: WorkerRequest, exclude: Set[str],
+             prompt_ids: Sequence[int] | None = None) -> Candidate | None:
+        """``prompt_ids``: ``cacheable_ids(request)``, where the caller has them already."""
         routable = [c for c in self.candidates(pool)
                     if c.worker_id not in exclude and self.health.routable(c.worker_id)]
         if not routable:
             return None
-        return self.policy.pick(pool, routable, len(request.prompt_ids), prompt_ids=request.prompt_ids)
+        return self.policy.pick(pool, routable, len(request.prompt_ids),
+                                prompt_ids=cacheable_ids(request) if prompt_ids is None else prompt_ids)
 
     def select(self, request: WorkerRequest, refused: Set[str], lost: Set[str] = frozenset()) -> Selection | None:
         """A route, or None when no decode replica is left to try (the caller waits for room)."""
-        decode = self.pick("decode", request, refused | lost)
+        ids = cacheable_ids(request)  # one sequence for every pick, so a policy can hash it once
+        decode = self.pick("decode", request, refused | lost, ids)
         if decode is None:
             return None
         if self.colocated:
             return Selection(decode)
-        prefill = self.pick("prefill", request, lost)
-        encode = self.pick("encode", request, lost) if request.images else None
+        prefill = self.pick("prefill", request, lost, ids)
+        encode = self.pick("encode", request, lost, ids) if request.images else None
         missing = [pool for pool, c in (("prefill", prefill), ("encode", encode))
                    if c is None and (pool == "prefill" or request.images)]
         if missing:

@@ -133,7 +133,7 @@ class WorkerView:
         assert cached is not None
         inflight, make = self._inflight, Candidate._make
         with self._lock:  # the snapshot's rows (in flight 0) with this scheduler's own in-flight work on each worker
-            return [c if (held := inflight.get(c[0])) is None else make((*c[:6], *held)) for c in cached[1]]
+            return [c if (held := inflight.get(c[0])) is None else make((*c[:6], *held, 0)) for c in cached[1]]
 
     def _due(self, pool: str, read_at: float, now: float) -> bool:
         """Whether a snapshot read at ``read_at`` is to be reread at ``now``. Under the lock."""

@@ -1,13 +1,17 @@
 """The prefix-block index and the ``prefix_affinity`` policy built on it: chained hashes, contiguous
-matches, the LRU bound, forgetting a worker, and routing that follows a prefix unless load says no."""
+matches, the LRU bound, forgetting a worker, and routing that follows a prefix unless load says no, for
+prefill and decode."""
 
 from __future__ import annotations
 
 import pytest
 
+from controlplane.dispatch import WorkerRequest
 from controlplane.scheduler.policies import Candidate, PrefixAffinity, available_policies, get_policy
 from controlplane.scheduler.prefix_index import PrefixIndex, block_hashes
+from controlplane.scheduler.selection import cacheable_ids
 from controlplane.settings import SchedulerSettings
+from workers.runtime.sampler import SamplingParams
 
 pytestmark = [pytest.mark.unit]
 
@@ -113,11 +117,12 @@ def _policy() -> PrefixAffinity:
     return PrefixAffinity(PrefixIndex(max_blocks=1000, block_size=BS))
 
 
-def test_registered_and_accepted_by_the_settings_but_not_the_default():
+def test_registered_and_the_default():
     assert "prefix_affinity" in available_policies()
     assert isinstance(get_policy("prefix_affinity"), PrefixAffinity)
     assert SchedulerSettings(routing_policy="prefix_affinity").routing_policy == "prefix_affinity"
-    assert SchedulerSettings().routing_policy == "least_loaded"
+    assert SchedulerSettings().routing_policy == "prefix_affinity"
+    assert SchedulerSettings(routing_policy="least_loaded").routing_policy == "least_loaded"
     with pytest.raises(ValueError, match="unknown routing policy 'fastest'"):
         SchedulerSettings(routing_policy="fastest")
 
@@ -127,10 +132,12 @@ def test_prefill_follows_the_worker_that_got_the_prefix():
     system = _prompt(0, 8)
     cands = [_c("a"), _c("b", queued=300), _c("c", queued=600)]
     first = p.pick("prefill", cands, 40, prompt_ids=system + _prompt(100, 2))
-    assert first.worker_id == "a"  # nothing indexed yet: least loaded
-    # "a" is now the busiest, within the balance thresholds; the prompt sharing its prefix still goes there
+    assert first.worker_id == "a" and first.cached_tokens == 0  # nothing indexed yet: least loaded
+    # "a" is now the busiest, within the balance thresholds; the prompt sharing its prefix still goes there,
+    # and says what it likely finds cached there (the 8 system blocks)
     cands = [_c("a", queued=900), _c("b", queued=300), _c("c", queued=600)]
-    assert p.pick("prefill", cands, 40, prompt_ids=system + _prompt(200, 2)).worker_id == "a"
+    follow = p.pick("prefill", cands, 40, prompt_ids=system + _prompt(200, 2))
+    assert (follow.worker_id, follow.cached_tokens) == ("a", 32)
     # an unrelated prompt goes by load, and is recorded there: its next turn follows it, not the load
     assert p.pick("prefill", cands, 40, prompt_ids=_prompt(5000, 10)).worker_id == "b"
     cands = [_c("a", queued=900), _c("b", queued=600), _c("c", queued=300)]
@@ -158,7 +165,7 @@ def test_falls_back_to_least_loaded_when_the_pool_is_imbalanced():
     gap = PrefixAffinity.BALANCE_ABS_TOKENS
     # over both thresholds: the least loaded wins even though "a" holds the whole prompt
     imbalanced = [_c("a", queued=gap + 100), _c("b", queued=50)]
-    assert p.imbalanced(imbalanced)
+    assert p.imbalanced("prefill", imbalanced)
     assert p.pick("prefill", imbalanced, 32, prompt_ids=prompt).worker_id == "b"
     # in-flight tokens count as load too
     assert p.pick("prefill", [_c("a", inflight_tokens=gap + 100), _c("b", queued=50)], 32,
@@ -169,7 +176,7 @@ def test_falls_back_to_least_loaded_when_the_pool_is_imbalanced():
     for balanced in ([_c("a", queued=10 * gap), _c("b", queued=8 * gap)], [_c("a", queued=gap), _c("b", queued=1)]):
         fresh = _policy()
         fresh.index.record("a", fresh.index.hashes(prompt))
-        assert not fresh.imbalanced(balanced)
+        assert not fresh.imbalanced("prefill", balanced)
         assert fresh.pick("prefill", balanced, 32, prompt_ids=prompt).worker_id == "a"
 
 
@@ -199,15 +206,37 @@ def test_workers_absent_at_two_sweeps_are_forgotten():
     assert p.index.workers() == {"a"}  # every pick went by load (no matches, equal loads: lowest id)
 
 
-def test_decode_and_encode_pools_are_least_loaded_unchanged():
+def test_a_whole_prompt_hit_stops_short_of_its_last_token():
+    p = _policy()
+    prompt = _prompt(0, 8)
+    p.index.record("a", p.index.hashes(prompt))
+    assert p.pick("prefill", [_c("a", queued=30), _c("b")], 32, prompt_ids=prompt).cached_tokens == 31
+
+
+def test_decode_follows_the_prefix_in_its_own_index_unless_blocks_held_are_imbalanced():
+    p = _policy()
+    prompt = _prompt(0, 8)
+    # nothing indexed: least loaded's choice (most free blocks), recorded in the decode pool's own index
+    assert p.pick("decode", [_c("a", free=50), _c("b", free=40)], 32, prompt_ids=prompt).worker_id == "a"
+    assert p.indexes["decode"].workers() == {"a"} and len(p.index) == 0
+    # "a" holds the prompt's blocks: it wins though it holds more, within the balance thresholds
+    held = p.pick("decode", [_c("a", free=20), _c("b", free=90)], 33, prompt_ids=prompt + [7])
+    assert (held.worker_id, held.cached_tokens) == ("a", 32)
+    # blocks held are the decode pool's load: 100 vs 10 of 100 is imbalanced only past the gap in blocks
+    gap = PrefixAffinity.BALANCE_ABS_TOKENS // PrefixAffinity.BLOCK_SIZE
+    total = gap + 100
+    big = [_c("a", free=0)._replace(total_kv_blocks=total), _c("b", free=gap + 90)._replace(total_kv_blocks=total)]
+    assert p.imbalanced("decode", big) and not p.imbalanced("prefill", big)
+    assert p.pick("decode", big, 33, prompt_ids=prompt + [7]).worker_id == "b"
+
+
+def test_encode_is_least_loaded_unchanged():
     p, ll = _policy(), get_policy("least_loaded")
     prompt = _prompt(0, 8)
     p.index.record("a", p.index.hashes(prompt))
-    decode = [_c("a", free=10), _c("b", free=50), _c("c", free=50)]
-    assert p.pick("decode", decode, 32, prompt_ids=prompt).worker_id == ll.pick("decode", decode, 32).worker_id == "b"
     encode = [_c("a", queued=500), _c("b", queued=100)]
-    assert p.pick("encode", encode, 32, prompt_ids=prompt).worker_id == "b"
-    assert len(p.index) == 8 and p.index.workers() == {"a"}  # neither pick was recorded
+    assert p.pick("encode", encode, 32, prompt_ids=prompt).worker_id == ll.pick("encode", encode, 32).worker_id == "b"
+    assert len(p.index) == 8 and p.index.workers() == {"a"} and len(p.indexes["decode"]) == 0  # not recorded
 
 
 def test_without_prompt_ids_it_is_least_loaded():
@@ -215,3 +244,30 @@ def test_without_prompt_ids_it_is_least_loaded():
     cands = [_c("a", queued=500), _c("b", queued=100)]
     assert p.pick("prefill", cands, 32).worker_id == "b"
     assert len(p.index) == 0
+
+
+def test_routing_sees_the_prompt_up_to_its_first_image():
+    ids = list(range(40))
+    plain = WorkerRequest("r", ids, SamplingParams())
+    assert cacheable_ids(plain) is ids
+    with_images = WorkerRequest("r", ids, SamplingParams(), images=(b"x", b"y"), image_positions=(30, 31, 12, 13))
+    assert cacheable_ids(with_images) == ids[:12]
+
+
+def test_a_requests_decode_and_prefill_picks_hash_its_prompt_once():
+    hashed: list[int] = []
+
+    class Counting(PrefixIndex):
+        def hashes(self, token_ids):  # PrefixIndex.hashes, counted
+            hashed.append(len(token_ids))
+            return super().hashes(token_ids)
+
+    p = PrefixAffinity(Counting(max_blocks=1000, block_size=BS), Counting(max_blocks=1000, block_size=BS))
+    prompt = _prompt(0, 8)
+    p.pick("decode", [_c("a"), _c("b")], 32, prompt_ids=prompt)
+    p.pick("prefill", [_c("a"), _c("b")], 32, prompt_ids=prompt)
+    assert hashed == [32]
+    p.pick("prefill", [_c("a"), _c("b")], 32, prompt_ids=list(prompt))  # an equal prompt, another object
+    assert hashed == [32, 32]
+    hashes = p.index.hashes(prompt)
+    assert p.index.match(hashes) == {"a": 8} and p.indexes["decode"].match(hashes) == {"a": 8}

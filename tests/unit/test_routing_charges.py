@@ -6,9 +6,15 @@ from __future__ import annotations
 
 import pytest
 
-from controlplane.scheduler.policies import get_policy
+from controlplane.dispatch import WorkerRequest
+from controlplane.scheduler.attempt import Attempt
+from controlplane.scheduler.health import WorkerHealth
+from controlplane.scheduler.policies import PrefixAffinity, get_policy
+from controlplane.scheduler.selection import RouteSelector
 from controlplane.scheduler.worker_view import WorkerView
 from controlplane.state.registry import Pool, WorkerInfo, WorkerLoad, WorkerRecord
+from epd.worker.v1 import worker_pb2 as wpb
+from workers.runtime.sampler import SamplingParams
 
 pytestmark = [pytest.mark.unit]
 
@@ -76,4 +82,43 @@ def test_least_loaded_balances_decode_by_blocks_held_including_generated_tokens(
     assert picks == ["decode-b"] * 3  # "a" holds 20 blocks, "b" 8: requests alone (4 and 4) would tie
     for c in charges.values():
         c.release()
+    assert view._inflight == {}
+
+
+class _Dispatcher:
+    """Each request's first chunk at once: the attempt's prefill charge is taken and, with that chunk, given back."""
+
+    def __init__(self, view: WorkerView) -> None:
+        self.view = view
+        self.prefill_rows: list[tuple[int, int, int]] = []  # the prefill pool's load, seen during each prefill
+
+    def run(self, req, route, on_started=lambda: None):  # Dispatcher.run's shape
+        self.prefill_rows.append(_row(self.view, "prefill", "prefill-a"))
+        yield wpb.TokenChunk(token_ids=[1])
+
+
+def test_prefix_affinity_charges_a_worker_only_the_prompt_it_does_not_cache():
+    """A prefill worker caching a long prefix computes only the suffix, so its load is charged only that, and
+    concurrent prompts sharing the prefix keep going to it: charged whole prompts, five of them in flight
+    (5,440 tokens against none) would make the pool look imbalanced and send the next elsewhere, to compute
+    the prefix again."""
+    view, policy, health = _view(), PrefixAffinity(), WorkerHealth()
+    selector, dispatcher = RouteSelector(view, policy, health, colocated=False), _Dispatcher(view)
+    shared = list(range(1024))
+    first = WorkerRequest("r0", shared + [5000 + i for i in range(64)], SamplingParams())
+    with Attempt.open(view, health, dispatcher, selector.select(first, set()), first, 10.0):  # type: ignore[arg-type]  # the stand-in
+        pass
+    attempts = []
+    for n in range(1, 7):
+        req = WorkerRequest(f"r{n}", shared + [6000 + 100 * n + i for i in range(64)], SamplingParams())
+        selection = selector.select(req, set())
+        assert selection is not None and selection.prefill is not None
+        assert (selection.prefill.worker_id, selection.prefill.cached_tokens) == ("prefill-a", 1024)
+        assert (selection.decode.worker_id, selection.decode.cached_tokens) == ("decode-a", 1024)
+        attempts.append(Attempt.open(view, health, dispatcher, selection, req, 10.0))  # type: ignore[arg-type]
+    # the first computed its whole prompt; each later one 64 tokens, counted while it ran
+    assert dispatcher.prefill_rows == [(1088, 1, 0)] + [(64, 1, 0)] * 6
+    assert _row(view, "decode", "decode-a") == (6 * 64, 6, 6 * 4)  # decode takes 4 blocks of its own for each
+    for attempt in attempts:
+        attempt.close()
     assert view._inflight == {}

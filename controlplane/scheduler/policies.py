@@ -134,8 +134,10 @@ class PrefixAffinity:
          wins: a queue longer than a hit could save costs more than the hit. Load is the pool's own unit:
          prefill, tokens to compute (``pending_tokens``, gap ``BALANCE_ABS_TOKENS``); decode, KV blocks
          held (gap ``BALANCE_ABS_TOKENS / BLOCK_SIZE`` blocks).
-      2. Otherwise the candidate matching the most leading blocks wins; ties go to the least loaded of the
-         tied, and no match at all to the least loaded of all.
+      2. Otherwise the candidate matching the most leading blocks wins, if they hold at least
+         ``CACHE_THRESHOLD`` of the prompt; ties go to the least loaded of the tied. A shorter match (a chat
+         template's few fixed tokens, a short system prompt before a long document) would save too little
+         compute to be worth the stickiness: the least loaded of all wins, as when nothing matches.
       3. The winner is recorded against the prompt's blocks (also when step 1 decided, as SGLang does: the
          worker does get the prompt), and returned with ``cached_tokens`` set to what it likely caches, so the
          attempt charges its load only the rest. That keeps a worker that computes short suffixes of a cached
@@ -157,6 +159,7 @@ class PrefixAffinity:
     # about what a hit on a long shared prefix could save, so a longer extra queue outweighs the hit.
     BALANCE_ABS_TOKENS: int = 4096
     BALANCE_REL: float = 1.5
+    CACHE_THRESHOLD: float = 0.5  # the share of the prompt a match must cover (SGLang's router default)
     INDEX_BLOCKS: int = 100_000  # per pool: ~1.6M tokens of prefixes; ~33 MB in `bench micro`'s fill
     BLOCK_SIZE: int = 16  # the engine's default KV block size, so index blocks line up with the engine's blocks
     SWEEP_EVERY: int = 256  # picks of one pool between two looks for workers that left
@@ -215,7 +218,7 @@ class PrefixAffinity:
             return self._least.pick(pool, candidates, prompt_tokens)
         matched = index.match(hashes)
         best = max((matched.get(c.worker_id, 0) for c in candidates), default=0)
-        if best == 0:
+        if best == 0 or best * index.block_size < self.CACHE_THRESHOLD * prompt_tokens:
             return self._least.pick(pool, candidates, prompt_tokens)
         tied = [c for c in candidates if matched.get(c.worker_id, 0) == best]
         choice = tied[0] if len(tied) == 1 else self._least.pick(pool, tied, prompt_tokens)

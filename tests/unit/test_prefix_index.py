@@ -141,7 +141,7 @@ def test_prefill_follows_the_worker_that_got_the_prefix():
     # an unrelated prompt goes by load, and is recorded there: its next turn follows it, not the load
     assert p.pick("prefill", cands, 40, prompt_ids=_prompt(5000, 10)).worker_id == "b"
     cands = [_c("a", queued=900), _c("b", queued=600), _c("c", queued=300)]
-    assert p.pick("prefill", cands, 40, prompt_ids=_prompt(5000, 10) + _prompt(7000, 3) + [1, 2]).worker_id == "b"
+    assert p.pick("prefill", cands, 54, prompt_ids=_prompt(5000, 10) + _prompt(7000, 3) + [1, 2]).worker_id == "b"
     assert p.pick("prefill", cands, 40, prompt_ids=_prompt(9000, 10)).worker_id == "c"
 
 
@@ -151,11 +151,11 @@ def test_longest_match_wins_and_ties_go_to_the_least_loaded():
     p.index.record("a", p.index.hashes(system + _prompt(100, 4)))
     p.index.record("b", p.index.hashes(system))
     cands = [_c("a", queued=500), _c("b", queued=0), _c("c", queued=0)]
-    assert p.pick("prefill", cands, 40, prompt_ids=system + _prompt(100, 4)).worker_id == "a"  # 8 blocks vs 4
+    assert p.pick("prefill", cands, 32, prompt_ids=system + _prompt(100, 4)).worker_id == "a"  # 8 blocks vs 4
     cands = [_c("a", queued=500), _c("b", queued=200), _c("c", queued=0)]
     # "a" and "b" both hold the 4 system blocks and nothing more: the less loaded of the two, not "c",
     # which is the least loaded of all but matches nothing
-    assert p.pick("prefill", cands, 40, prompt_ids=system + _prompt(900, 2)).worker_id == "b"
+    assert p.pick("prefill", cands, 24, prompt_ids=system + _prompt(900, 2)).worker_id == "b"
 
 
 def test_falls_back_to_least_loaded_when_the_pool_is_imbalanced():
@@ -180,11 +180,22 @@ def test_falls_back_to_least_loaded_when_the_pool_is_imbalanced():
         assert fresh.pick("prefill", balanced, 32, prompt_ids=prompt).worker_id == "a"
 
 
+def test_a_match_under_half_the_prompt_is_no_match():
+    p = _policy()
+    template = _prompt(0, 2)  # a chat template's fixed head, say: 8 tokens
+    p.index.record("a", p.index.hashes(template + _prompt(100, 2)))
+    cands = [_c("a", queued=10), _c("b")]
+    half = p.pick("prefill", cands, 16, prompt_ids=template + _prompt(900, 2))  # 8 of 16 tokens cached on "a"
+    assert (half.worker_id, half.cached_tokens) == ("a", 8)  # enough
+    short = p.pick("prefill", cands, 24, prompt_ids=template + _prompt(500, 4))  # 8 of 24
+    assert (short.worker_id, short.cached_tokens) == ("b", 0)  # least loaded, as with no match
+
+
 def test_never_returns_a_non_candidate():
     p = _policy()
     prompt = _prompt(0, 6)
     p.index.record("gone", p.index.hashes(prompt))
-    p.index.record("b", p.index.hashes(prompt[:2 * BS]))
+    p.index.record("b", p.index.hashes(prompt[:4 * BS]))
     cands = [_c("b", queued=100), _c("c")]
     assert p.pick("prefill", cands, 24, prompt_ids=prompt).worker_id == "b"  # the best *candidate* match
     p2 = _policy()

@@ -203,11 +203,12 @@ class PrefixAffinity:
 
     def imbalanced(self, pool: str, candidates: list[Candidate]) -> bool:
         """Step 1's test, in ``pool``'s unit of load."""
+        # blocks held (total - free_blocks) and pending_tokens, inlined: this runs per candidate per pick
         if pool == "decode":
-            loads = [c.total_kv_blocks - free_blocks(c) for c in candidates]
+            loads = [u if u > b else b for u, b in [(c[4] - c[3], c[8]) for c in candidates]]
             gap = self.BALANCE_ABS_TOKENS // self.BLOCK_SIZE
         else:
-            loads = [pending_tokens(c) for c in candidates]
+            loads = [q if q > t else t for q, t in [(c[2], c[6]) for c in candidates]]
             gap = self.BALANCE_ABS_TOKENS
         most, least = max(loads), min(loads)
         return most - least > gap and most > least * self.BALANCE_REL

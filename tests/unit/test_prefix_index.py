@@ -4,10 +4,19 @@ prefill and decode."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from controlplane.dispatch import WorkerRequest
-from controlplane.scheduler.policies import Candidate, PrefixAffinity, available_policies, get_policy
+from controlplane.scheduler.policies import (
+    Candidate,
+    PrefixAffinity,
+    available_policies,
+    free_blocks,
+    get_policy,
+    pending_tokens,
+)
 from controlplane.scheduler.prefix_index import PrefixIndex, block_hashes
 from controlplane.scheduler.selection import cacheable_ids
 from controlplane.settings import SchedulerSettings
@@ -282,3 +291,31 @@ def test_a_requests_decode_and_prefill_picks_hash_its_prompt_once():
     assert hashed == [32, 32]
     hashes = p.index.hashes(prompt)
     assert p.index.match(hashes) == {"a": 8} and p.indexes["decode"].match(hashes) == {"a": 8}
+
+
+def test_where_nothing_matches_it_chooses_as_least_loaded():
+    """Prompts sharing no block: every pick, in every pool, is least_loaded's, with nothing guessed cached."""
+    rng = random.Random(3)
+    p, ll = _policy(), get_policy("least_loaded")
+    for n in range(300):
+        cands = [Candidate(f"w{i}", f"10.0.0.{i}:1", rng.randint(0, 9000), free := rng.randint(0, 400), 400,
+                           rng.randint(0, 8), rng.randint(0, 9000), rng.randint(0, 8), rng.randint(0, 400 - free))
+                 for i in range(rng.randint(1, 6))]
+        prompt = _prompt(100_000 * (n + 1), rng.randint(0, 12))
+        pool = rng.choice(["prefill", "decode", "encode"])
+        got = p.pick(pool, cands, len(prompt), prompt_ids=prompt)
+        assert got == ll.pick(pool, cands, len(prompt)) and got.cached_tokens == 0
+
+
+def test_the_imbalance_test_counts_load_as_the_routing_helpers_do():
+    """``imbalanced`` inlines pending_tokens (prefill) and blocks held, total - free_blocks (decode)."""
+    rng = random.Random(5)
+    p = _policy()
+    for _ in range(500):
+        cands = [Candidate(f"w{i}", "a:1", rng.randint(0, 9000), rng.randint(0, 600), 600, 0,
+                           rng.randint(0, 9000), 1, rng.randint(0, 600)) for i in range(rng.randint(1, 5))]
+        for pool, loads, gap in (("prefill", [pending_tokens(c) for c in cands], p.BALANCE_ABS_TOKENS),
+                                 ("decode", [c.total_kv_blocks - free_blocks(c) for c in cands],
+                                  p.BALANCE_ABS_TOKENS // p.BLOCK_SIZE)):
+            most, least = max(loads), min(loads)
+            assert p.imbalanced(pool, cands) == (most - least > gap and most > least * p.BALANCE_REL)

@@ -12,12 +12,12 @@ Every registered policy is measured. ``prefix_affinity`` is the issue's "decisio
 indexed blocks": each pool's prefix index (prefill and decode) is filled beforehand with exactly 100,000
 blocks (1,000 prompts of 1,904 tokens, 20 on each of 50 shared 320-token system prompts, spread over the
 pool's 64 workers), and the timed decision's 1,024-token prompt is one indexed prompt's first 1,024 tokens, so
-each pool's lookup walks all 64 blocks (the first 20 held by up to 20 workers) and the hashing of the whole
-prompt, once per pool, is in the figure. The busy view is imbalanced by that policy's own test, which would
-skip the lookups, so this run raises its balance thresholds (an instance setting, not the class defaults): the
-imbalance is still computed, and the timed path is the slower one, the index walks. Each timed decision records
-its choices again, as the scheduler does, which touches 64 blocks per index and leaves each at 100,000.
-``least_loaded`` and ``round_robin`` read no index.
+each pool's lookup walks all 64 blocks (the first 20 held by up to 20 workers), and the hashing of the whole
+prompt, once per decision for both pools, is in the figure. The busy view is imbalanced by that policy's own
+test, which would skip the lookups, so this run raises its balance thresholds (an instance setting, not the
+class defaults): the imbalance is still computed, and the timed path is the slower one, the index walks. Each
+timed decision records its choices again, as the scheduler does, which touches 64 blocks per index and leaves
+each at 100,000. ``least_loaded`` and ``round_robin`` read no index.
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ def prefix_affinity_policy() -> tuple[PrefixAffinity, list[int], str]:
     """The policy with each pool's index filled to ``INDEXED_BLOCKS`` blocks, the timed prompt, and the prefill
     worker that got that prompt's prefix (the one the decision must pick)."""
     policy = PrefixAffinity()
-    policy.BALANCE_ABS_TOKENS = 1 << 40  # the busy view would otherwise skip the lookup (see the docstring)
+    policy.BALANCE_ABS_TOKENS = policy.BALANCE_ABS_REQUESTS = 1 << 40  # else the busy view skips the lookups
     prompts = indexed_prompts()
     for pool, index in policy.indexes.items():
         for i, prompt in enumerate(prompts):
@@ -102,7 +102,10 @@ def prefix_affinity_policy() -> tuple[PrefixAffinity, list[int], str]:
 
 
 def decide(view: WorkerView, policy: RoutingPolicy, prompt_ids: list[int]) -> tuple[str, str]:
-    """Mirror of the scheduler's per-attempt picks: decode first, then prefill (nothing excluded)."""
+    """Mirror of the scheduler's per-attempt picks: decode first, then prefill (nothing excluded), on a copy of
+    the prompt, as each request brings its own list (``prefix_affinity`` hashes a list once for both picks, so
+    the same list on every call would time its hashing only once)."""
+    prompt_ids = list(prompt_ids)
     exclude: set[str] = set()
     tokens = len(prompt_ids)
     decode = policy.pick("decode", [c for c in view.candidates("decode") if c.worker_id not in exclude], tokens,

@@ -133,11 +133,14 @@ class PrefixAffinity:
          an absolute gap AND the most loaded carries more than ``BALANCE_REL`` times the least), least loaded
          wins: a queue longer than a hit could save costs more than the hit. Load is the pool's own unit:
          prefill, tokens to compute (``pending_tokens``, gap ``BALANCE_ABS_TOKENS``); decode, KV blocks
-         held (gap ``BALANCE_ABS_TOKENS / BLOCK_SIZE`` blocks).
+         held (gap ``BALANCE_ABS_TOKENS / BLOCK_SIZE`` blocks); and in either pool, requests (``sequences``,
+         gap ``BALANCE_ABS_REQUESTS``).
       2. Otherwise the candidate matching the most leading blocks wins, if they hold at least
          ``CACHE_THRESHOLD`` of the prompt; ties go to the least loaded of the tied. A shorter match (a chat
          template's few fixed tokens, a short system prompt before a long document) would save too little
          compute to be worth the stickiness: the least loaded of all wins, as when nothing matches.
+         A decode winner without the free blocks for the prompt's uncached part gives way to least loaded too
+         (it would refuse the request for room).
       3. The winner is recorded against the prompt's blocks (also when step 1 decided, as SGLang does: the
          worker does get the prompt), and returned with ``cached_tokens`` set to what it likely caches, so the
          attempt charges its load only the rest. That keeps a worker that computes short suffixes of a cached
@@ -149,8 +152,8 @@ class PrefixAffinity:
     Encode stays :class:`LeastLoaded`: its work is the images, and every image's placeholder tokens are the
     same, so a prompt match says nothing about what an encoder could reuse. The caller passes the prompt up to
     its first image only (the engines cache no block from there on). Only ``candidates`` are returned; workers
-    an index holds that have not been candidates at two sweeps in a row (one every ``SWEEP_EVERY`` picks of
-    the pool) are forgotten, freeing their share of the index.
+    an index holds that were no pick's candidate for two sweep periods (``SWEEP_EVERY`` picks of the pool
+    each) are forgotten, freeing their share of the index.
     """
 
     name = "prefix_affinity"
@@ -159,6 +162,9 @@ class PrefixAffinity:
     # about what a hit on a long shared prefix could save, so a longer extra queue outweighs the hit.
     BALANCE_ABS_TOKENS: int = 4096
     BALANCE_REL: float = 1.5
+    # ... or in requests (sequences), SGLang's own unit: half the dispatcher's default per-worker call cap
+    # (transfer.max_streams, 64), so a hot prefix lets go of a replica well before the cap makes requests wait
+    BALANCE_ABS_REQUESTS: int = 32
     CACHE_THRESHOLD: float = 0.5  # the share of the prompt a match must cover (SGLang's router default)
     INDEX_BLOCKS: int = 100_000  # per pool: ~1.6M tokens of prefixes; ~33 MB in `bench micro`'s fill
     BLOCK_SIZE: int = 16  # the engine's default KV block size, so index blocks line up with the engine's blocks
@@ -172,6 +178,7 @@ class PrefixAffinity:
         self._lock = threading.Lock()  # the sweeps' bookkeeping; each index has its own lock
         self._picks = {pool: 0 for pool in self.indexes}
         self._missing: dict[str, frozenset[str]] = {pool: frozenset() for pool in self.indexes}
+        self._seen: dict[str, set[str]] = {pool: set() for pool in self.indexes}  # candidates since the last sweep
         self._memo = threading.local()  # per thread: the last prompt hashed, its block size and its hashes
 
     @property
@@ -211,7 +218,11 @@ class PrefixAffinity:
             loads = [q if q > t else t for q, t in [(c[2], c[6]) for c in candidates]]
             gap = self.BALANCE_ABS_TOKENS
         most, least = max(loads), min(loads)
-        return most - least > gap and most > least * self.BALANCE_REL
+        if most - least > gap and most > least * self.BALANCE_REL:
+            return True
+        requests = [r if r > i else i for r, i in [(c[5], c[7]) for c in candidates]]  # sequences(c), inlined
+        most, least = max(requests), min(requests)
+        return most - least > self.BALANCE_ABS_REQUESTS and most > least * self.BALANCE_REL
 
     def _choose(self, pool: str, candidates: list[Candidate], prompt_tokens: int, index: PrefixIndex,
                 hashes: list[int]) -> Candidate:
@@ -223,17 +234,25 @@ class PrefixAffinity:
             return self._least.pick(pool, candidates, prompt_tokens)
         tied = [c for c in candidates if matched.get(c.worker_id, 0) == best]
         choice = tied[0] if len(tied) == 1 else self._least.pick(pool, tied, prompt_tokens)
-        # an engine computes a prompt's last token whatever it caches
-        return choice._replace(cached_tokens=min(best * index.block_size, max(prompt_tokens - 1, 0)))
+        # the engine's rule: whole blocks, short of the prompt's last token, which is always computed
+        size = index.block_size
+        cached = min(best, max(prompt_tokens - 1, 0) // size) * size
+        if pool == "decode" and free_blocks(choice) < -(-(prompt_tokens - cached) // size):
+            return self._least.pick(pool, candidates, prompt_tokens)  # it would refuse the request for room
+        return choice._replace(cached_tokens=cached) if cached else choice
 
     def _sweep(self, pool: str, index: PrefixIndex, candidates: list[Candidate]) -> None:
-        """Every ``SWEEP_EVERY`` picks of ``pool``, forget the workers its index holds that are absent from this
-        pick's candidates and from the last sweep's (two looks, so one caller's narrowed list forgets nobody)."""
+        """Every ``SWEEP_EVERY`` picks of ``pool``, forget the workers its index holds that were a candidate of
+        no pick since the last sweep, nor in the period before: a replica left out of some requests' lists (one
+        that refused them for room, one they lost) is still a candidate of others' and stays."""
         with self._lock:
+            seen = self._seen[pool]
+            seen.update([c[0] for c in candidates])
             self._picks[pool] += 1
             if self._picks[pool] % self.SWEEP_EVERY:
                 return
-            absent = index.workers() - {c.worker_id for c in candidates}
+            absent = index.workers() - seen
+            seen.clear()
             gone = absent & self._missing[pool]
             self._missing[pool] = absent - gone
         for worker_id in gone:  # a full scan of the index each; rare (a worker left)

@@ -94,7 +94,8 @@ class Scheduler:
         self.health = health or WorkerHealth(settings.breaker_failures, settings.breaker_open_s)
         self.admission = Admission(settings.queue_size)
         self.room = RoomQueue(settings.fcfs_after_s)
-        self.selector = RouteSelector(view, policy, self.health, colocated=colocated)
+        self.selector = RouteSelector(view, policy, self.health, colocated=colocated,
+                                      max_calls=dispatcher.max_calls_per_worker if dispatcher is not None else None)
 
     def ready(self) -> bool:
         pools = ["decode"] if self.colocated else (

@@ -61,11 +61,17 @@ def cacheable_ids(request: WorkerRequest) -> list[int]:
 
 
 class RouteSelector:
-    def __init__(self, view: WorkerView, policy: RoutingPolicy, health: WorkerHealth, *, colocated: bool) -> None:
+    def __init__(self, view: WorkerView, policy: RoutingPolicy, health: WorkerHealth, *, colocated: bool,
+                 max_calls: int | None = None) -> None:
+        """``max_calls``: the dispatcher's per-worker call cap. A worker this scheduler already has that many
+        attempts on is left out while another candidate is under it (its call would fail busy, and a policy
+        that follows a cached prefix would keep choosing it); when every one is at it, all stay candidates
+        and the attempt waits, busy, as before."""
         self.view = view
         self.policy = policy
         self.health = health
         self.colocated = colocated
+        self.max_calls = max_calls
 
     def candidates(self, pool: str) -> list[Candidate]:
         """The pool's live workers; a Redis outage with no snapshot yet is a 503 that says so."""
@@ -82,6 +88,11 @@ class RouteSelector:
                     if c.worker_id not in exclude and self.health.routable(c.worker_id)]
         if not routable:
             return None
+        if self.max_calls is not None and len(routable) > 1:
+            cap = self.max_calls
+            open_ = [c for c in routable if c.inflight_requests < cap]
+            if open_:
+                routable = open_
         return self.policy.pick(pool, routable, len(request.prompt_ids),
                                 prompt_ids=cacheable_ids(request) if prompt_ids is None else prompt_ids)
 

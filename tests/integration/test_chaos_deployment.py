@@ -4,6 +4,7 @@ through the bench), stopped with everything it started when the bench is interru
 from __future__ import annotations
 
 import _thread
+import signal
 import threading
 import time
 from pathlib import Path
@@ -44,6 +45,9 @@ def test_an_interrupt_while_the_stack_starts_stops_all_of_it(tmp_path: Path, def
                 return
             time.sleep(0.1)
 
+    # Ctrl-C as a plain Python process takes it. _thread.interrupt_main runs the SIGINT handler, and an earlier
+    # test in this pytest worker may have left another one there (a library's own), which raises nothing.
+    handler = signal.signal(signal.SIGINT, signal.default_int_handler)
     threading.Thread(target=interrupt_once_serve_has_children, daemon=True).start()
     try:
         with pytest.raises(KeyboardInterrupt):
@@ -55,4 +59,5 @@ def test_an_interrupt_while_the_stack_starts_stops_all_of_it(tmp_path: Path, def
             time.sleep(0.2)
         assert not alive, f"left running: {alive}"
     finally:
+        signal.signal(signal.SIGINT, handler)
         dep.stop()  # what a failed check left

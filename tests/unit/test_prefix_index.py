@@ -16,6 +16,7 @@ from controlplane.scheduler.policies import (
     free_blocks,
     get_policy,
     pending_tokens,
+    sequences,
 )
 from controlplane.scheduler.prefix_index import PrefixIndex, block_hashes
 from controlplane.scheduler.selection import cacheable_ids
@@ -123,7 +124,7 @@ def test_index_validation_names_the_field(kwargs, field):
 # --- the prefix_affinity policy --------------------------------------------------------------------------
 
 def _policy() -> PrefixAffinity:
-    return PrefixAffinity(PrefixIndex(max_blocks=1000, block_size=BS))
+    return PrefixAffinity(PrefixIndex(max_blocks=1000, block_size=BS), PrefixIndex(max_blocks=1000, block_size=BS))
 
 
 def test_registered_and_the_default():
@@ -230,7 +231,8 @@ def test_a_whole_prompt_hit_stops_short_of_its_last_token():
     p = _policy()
     prompt = _prompt(0, 8)
     p.index.record("a", p.index.hashes(prompt))
-    assert p.pick("prefill", [_c("a", queued=30), _c("b")], 32, prompt_ids=prompt).cached_tokens == 31
+    # the engine's rule: whole blocks, short of the last token, so 7 of the 8 blocks
+    assert p.pick("prefill", [_c("a", queued=30), _c("b")], 32, prompt_ids=prompt).cached_tokens == 28
 
 
 def test_decode_follows_the_prefix_in_its_own_index_unless_blocks_held_are_imbalanced():
@@ -312,10 +314,54 @@ def test_the_imbalance_test_counts_load_as_the_routing_helpers_do():
     rng = random.Random(5)
     p = _policy()
     for _ in range(500):
-        cands = [Candidate(f"w{i}", "a:1", rng.randint(0, 9000), rng.randint(0, 600), 600, 0,
-                           rng.randint(0, 9000), 1, rng.randint(0, 600)) for i in range(rng.randint(1, 5))]
+        cands = [Candidate(f"w{i}", "a:1", rng.randint(0, 9000), rng.randint(0, 600), 600, rng.randint(0, 80),
+                           rng.randint(0, 9000), rng.randint(0, 80), rng.randint(0, 600))
+                 for i in range(rng.randint(1, 5))]
         for pool, loads, gap in (("prefill", [pending_tokens(c) for c in cands], p.BALANCE_ABS_TOKENS),
                                  ("decode", [c.total_kv_blocks - free_blocks(c) for c in cands],
                                   p.BALANCE_ABS_TOKENS // p.BLOCK_SIZE)):
             most, least = max(loads), min(loads)
-            assert p.imbalanced(pool, cands) == (most - least > gap and most > least * p.BALANCE_REL)
+            busiest, idlest = max(sequences(c) for c in cands), min(sequences(c) for c in cands)
+            assert p.imbalanced(pool, cands) == (
+                most - least > gap and most > least * p.BALANCE_REL
+                or busiest - idlest > p.BALANCE_ABS_REQUESTS and busiest > idlest * p.BALANCE_REL)
+
+
+def test_a_replica_far_ahead_in_requests_loses_its_affinity():
+    p = _policy()
+    prompt = _prompt(0, 8)
+    p.index.record("a", p.index.hashes(prompt))
+    busy = [_c("a")._replace(inflight_requests=p.BALANCE_ABS_REQUESTS + 1), _c("b")._replace(running=0)]
+    assert p.imbalanced("prefill", busy) and p.pick("prefill", busy, 32, prompt_ids=prompt).worker_id == "b"
+    p = _policy()  # ("b" was recorded against the prompt just now)
+    p.index.record("a", p.index.hashes(prompt))
+    near = [_c("a")._replace(inflight_requests=p.BALANCE_ABS_REQUESTS), _c("b")]
+    assert not p.imbalanced("prefill", near) and p.pick("prefill", near, 32, prompt_ids=prompt).worker_id == "a"
+
+
+def test_a_decode_replica_without_room_for_the_rest_of_the_prompt_gives_way():
+    p = _policy()
+    prompt = _prompt(0, 8)
+    p.indexes["decode"].record("a", p.index.hashes(prompt))
+    # 8 cached blocks of a 44-token prompt: 12 tokens (3 blocks) to hold; "a" has 2 free, "b" 5
+    tight = [_c("a", free=2), _c("b", free=5)]
+    assert p.pick("decode", tight, 44, prompt_ids=prompt + _prompt(900, 3)).worker_id == "b"
+    p = _policy()  # ("b" was recorded against the prompt just now)
+    p.indexes["decode"].record("a", p.index.hashes(prompt))
+    roomy = [_c("a", free=3), _c("b", free=5)]
+    held = p.pick("decode", roomy, 44, prompt_ids=prompt + _prompt(900, 3))
+    assert (held.worker_id, held.cached_tokens) == ("a", 32)
+
+
+def test_a_replica_left_out_of_some_picks_stays_indexed():
+    """A decode replica that refused some requests for room is not their candidate, but is still others'."""
+    p = _policy()
+    p.SWEEP_EVERY = 4
+    p.indexes["decode"].record("full", p.index.hashes(_prompt(0, 3)))
+    for i in range(16):  # four sweeps; "full" is a candidate of each period's first pick only, never a sweep's
+        cands = [_c("a"), _c("full", free=0)] if i % 4 == 0 else [_c("a")]
+        p.pick("decode", cands, 8, prompt_ids=_prompt(1000 + 100 * i, 2))
+    assert "full" in p.indexes["decode"].workers()
+    for i in range(8):  # two sweep periods in which it is nobody's candidate: forgotten
+        p.pick("decode", [_c("a")], 8, prompt_ids=_prompt(5000 + 100 * i, 2))
+    assert "full" not in p.indexes["decode"].workers()

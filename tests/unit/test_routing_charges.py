@@ -122,3 +122,24 @@ def test_prefix_affinity_charges_a_worker_only_the_prompt_it_does_not_cache():
     for attempt in attempts:
         attempt.close()
     assert view._inflight == {}
+
+
+def test_a_worker_at_the_call_cap_is_left_out_while_another_is_open():
+    """prefix_affinity would follow the cached prefix to a worker whose calls are all taken; the selector leaves
+    it out while another is under the cap, and keeps every one when all are at it (the attempt then waits)."""
+    view, policy, health = _view(), PrefixAffinity(), WorkerHealth()
+    selector = RouteSelector(view, policy, health, colocated=False, max_calls=2)
+    shared = list(range(1024))
+    req = lambda n: WorkerRequest(f"r{n}", shared + [7000 + 100 * n + i for i in range(64)], SamplingParams())  # noqa: E731
+    first = selector.select(req(0), set())
+    assert first is not None and first.prefill is not None
+    charges = [c for _ in range(2) for c in (view.begin("prefill-a", 64), view.begin("decode-a", 64, kv=True))]
+    second = selector.select(req(1), set())  # both "-a" workers at the cap of 2
+    assert second is not None and second.prefill is not None
+    assert (second.decode.worker_id, second.prefill.worker_id) == ("decode-b", "prefill-b")
+    charges += [c for _ in range(2) for c in (view.begin("prefill-b", 1088), view.begin("decode-b", 1088, kv=True))]
+    third = selector.select(req(2), set())  # every worker at the cap: the policy chooses among all
+    assert third is not None and third.prefill is not None
+    assert (third.decode.worker_id, third.prefill.worker_id) == ("decode-a", "prefill-a")
+    for c in charges:
+        c.release()

@@ -81,9 +81,8 @@ class RouteSelector:
             raise BackendError(f"the routing state (Redis) is unavailable, retry shortly: {exc}", 503,
                                retry_after_s=RETRY_AFTER_S) from None
 
-    def pick(self, pool: str, request: WorkerRequest, exclude: Set[str],
-             prompt_ids: Sequence[int] | None = None) -> Candidate | None:
-        """``prompt_ids``: ``cacheable_ids(request)``, where the caller has them already."""
+    def pick(self, pool: str, request: WorkerRequest, exclude: Set[str], prompt_ids: Sequence[int]) -> Candidate | None:
+        """``prompt_ids``: ``cacheable_ids(request)``, one sequence for all of a request's picks."""
         routable = [c for c in self.candidates(pool)
                     if c.worker_id not in exclude and self.health.routable(c.worker_id)]
         if not routable:
@@ -93,8 +92,7 @@ class RouteSelector:
             open_ = [c for c in routable if c.inflight_requests < cap]
             if open_:
                 routable = open_
-        return self.policy.pick(pool, routable, len(request.prompt_ids),
-                                prompt_ids=cacheable_ids(request) if prompt_ids is None else prompt_ids)
+        return self.policy.pick(pool, routable, len(request.prompt_ids), prompt_ids=prompt_ids)
 
     def select(self, request: WorkerRequest, refused: Set[str], lost: Set[str] = frozenset()) -> Selection | None:
         """A route, or None when no decode replica is left to try (the caller waits for room)."""
